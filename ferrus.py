@@ -1,0 +1,4464 @@
+#!/usr/bin/env python3
+"""ferrus — deterministic, restart-safe orchestration of coding agents.
+
+ferrus drives coding agents through a Supervisor → Executor → Reviewer loop.  The
+loop is an explicit state machine kept on disk in ``.ferrus/``; agents are
+stateless workers that move it forward only through ferrus's MCP tools, and a
+check gate (the project's own lint and test commands) plus a reviewer stand
+between "done" and "accepted".
+
+This file is the whole tool.  It uses only the Python standard library and runs
+on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
+``python -m ferrus``, through the ``ferrus`` launcher, or as an installed
+``ferrus`` command — all four behave the same.
+
+Contents (each section uses only the sections above it):
+
+     1. Basics ............ version, errors, time, JSON helpers
+     2. Platform .......... file locks, atomic writes, process groups
+     3. TOML .............. reading (tomllib or built-in) and line-preserving edits
+     4. Config ............ ferrus.toml as validated dataclasses
+     5. Task state machine  states, the transition table, pure transitions, leases
+     6. Store ............. paths, transactions, the journal, waiting
+     7. Checks ............ the check runner
+     8. Specs ............. spec and milestone parsing, selection, completion
+     9. Operations ........ one function per behaviour, shared by MCP and the CLI
+    10. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
+    11. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
+    12. CLI ............... argparse front end, ``main(argv) -> int``
+"""
+
+import argparse
+import base64
+import collections
+import contextlib
+import dataclasses
+import datetime as _dt
+import enum
+import errno
+import io
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("ferrus")
+
+
+# ============================================================================
+# 1. Basics
+# ============================================================================
+
+class FerrusError(Exception):
+    """An expected failure: a message for the user and, usually, how to fix it."""
+
+    exit_code = 1
+
+    def __init__(self, message, hint=None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self):
+        return self.message
+
+    def full_text(self):
+        """The message with its hint, as MCP tool errors carry the whole cause."""
+        if self.hint:
+            return "%s\nhint: %s" % (self.message, self.hint)
+        return self.message
+
+
+class UsageError(FerrusError):
+    """Bad command-line usage; exits 2 like argparse does."""
+
+    exit_code = 2
+
+
+class TransitionError(FerrusError):
+    """An action that the task state machine does not allow from the current state."""
+
+    def __init__(self, action, state, hint=None):
+        super().__init__(
+            "cannot %s from state %s — current state is invalid for this operation"
+            % (action, state), hint)
+        self.action = action
+        self.state = state
+
+
+def utc_now():
+    """The current time as an aware UTC datetime (the default clock everywhere)."""
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def format_timestamp(moment):
+    """RFC 3339 in UTC with a ``Z``; the fraction uses the fewest of 0/3/6 exact digits.
+
+    This matches what upstream ferrus writes (it may also write 9 digits, which
+    :func:`parse_timestamp` reads)."""
+    moment = moment.astimezone(_dt.timezone.utc)
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
+    micros = moment.microsecond
+    if micros:
+        text += ".%03d" % (micros // 1000) if micros % 1000 == 0 else ".%06d" % micros
+    return text + "Z"
+
+
+_TIMESTAMP_RE = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))$")
+
+
+def parse_timestamp(text):
+    """Parse an RFC 3339 timestamp (any offset, up to 9 fraction digits) to aware UTC."""
+    match = _TIMESTAMP_RE.match(text.strip()) if isinstance(text, str) else None
+    if not match:
+        raise ValueError("not an RFC 3339 timestamp: %r" % (text,))
+    year, month, day, hour, minute, second = (int(g) for g in match.group(1, 2, 3, 4, 5, 6))
+    fraction = match.group(7) or ""
+    micros = int((fraction + "000000")[:6])
+    offset = _dt.timedelta(0)
+    if match.group(9):
+        offset = _dt.timedelta(hours=int(match.group(10)), minutes=int(match.group(11)))
+        if match.group(9) == "-":
+            offset = -offset
+    moment = _dt.datetime(year, month, day, hour, minute, second, micros,
+                          tzinfo=_dt.timezone(offset))
+    return moment.astimezone(_dt.timezone.utc)
+
+
+def format_duration(seconds):
+    """A short human duration: ``45s``, ``3m12s``, ``2h05m``, ``3d4h``."""
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return "%ds" % seconds
+    if seconds < 3600:
+        return "%dm%02ds" % divmod(seconds, 60)
+    if seconds < 86400:
+        return "%dh%02dm" % (seconds // 3600, seconds % 3600 // 60)
+    return "%dd%dh" % (seconds // 86400, seconds % 86400 // 3600)
+
+
+def compact_json(value):
+    """Compact JSON with sorted keys — the shape upstream's tool bodies have."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
+
+def pretty_json(value):
+    """Indented JSON with keys in insertion order and no trailing newline."""
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def new_id(prefix):
+    """A short unique id such as ``t-20261123T085200-3fa2c1``."""
+    stamp = utc_now().strftime("%Y%m%dT%H%M%S")
+    return "%s-%s-%s" % (prefix, stamp, secrets.token_hex(3))
+
+
+# ============================================================================
+# 2. Platform
+# ============================================================================
+
+IS_WINDOWS = os.name == "nt"
+
+if IS_WINDOWS:  # pragma: no cover - exercised on Windows only
+    import msvcrt
+else:
+    import fcntl
+
+
+class LockTimeout(FerrusError):
+    pass
+
+
+class FileLock:
+    """An exclusive advisory lock on a file, with a bounded wait.
+
+    POSIX uses ``flock`` (not ``lockf``) so that upstream ferrus, which locks
+    STATE.lock the same way, excludes us and we exclude it.  Windows locks the
+    first byte with ``msvcrt.locking``.  The lock is re-entrant per instance
+    only in the sense that nesting is refused: one holder at a time."""
+
+    def __init__(self, path, timeout=10.0, what=None):
+        self.path = path
+        self.timeout = timeout
+        self.what = what or path
+        self._fd = None
+
+    def acquire(self):
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while True:
+            try:
+                if IS_WINDOWS:  # pragma: no cover
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fd = fd
+                return self
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK,
+                                     getattr(errno, "EDEADLK", -1)):
+                    os.close(fd)
+                    raise
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise LockTimeout(
+                    "timed out after %.0f s waiting for the lock on %s" % (self.timeout, self.what),
+                    "another ferrus process (or upstream ferrus) is holding it; if none is "
+                    "running, the lock is stale only in theory — flock locks die with their "
+                    "process — so check for a hung `ferrus` process")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def release(self):
+        if self._fd is None:
+            return
+        try:
+            if IS_WINDOWS:  # pragma: no cover
+                os.lseek(self._fd, 0, os.SEEK_SET)
+                msvcrt.locking(self._fd, msvcrt.LK_UNLCK, 1)
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def fsync_directory(path):
+    """Make a rename inside ``path`` durable (a no-op where directories can't be opened)."""
+    if IS_WINDOWS:  # pragma: no cover
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+TEMP_SUFFIX = ".ferrus-tmp"
+
+
+def _current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Read once at import: os.umask can only be read by setting it, which is not
+# thread-safe later on.
+_UMASK = _current_umask()
+
+
+def atomic_write(path, data):
+    """Replace ``path`` with ``data`` (str or bytes) so readers see old or new, never half.
+
+    A uniquely named temporary file in the same directory is written, flushed and
+    fsynced, then renamed over the target, and the directory is fsynced.  On any
+    failure (a full disk, a read-only file) the temporary file is removed and the
+    previous content stays intact."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+                                suffix=TEMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp makes 0600 files; keep the old mode, or the usual one for new files.
+        with contextlib.suppress(OSError):
+            mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_UMASK
+            os.chmod(temp, mode)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_directory(directory)
+
+
+def read_text(path, default=None):
+    """Read a UTF-8 text file; ``default`` when it does not exist (if given)."""
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace", newline="") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        if default is None:
+            raise
+        return default
+
+
+def shell_argv(command):
+    """The argv that runs one check command through the platform shell."""
+    if IS_WINDOWS:  # pragma: no cover
+        return ["cmd", "/C", command]
+    return ["/bin/sh", "-c", command]
+
+
+def process_group_kwargs():
+    """Popen keyword arguments that put the child in its own process group."""
+    if IS_WINDOWS:  # pragma: no cover
+        return {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+    return {"start_new_session": True}
+
+
+def kill_process_tree(proc, grace=0.25):
+    """Stop ``proc`` and everything it started: TERM to the group, then KILL."""
+    if proc.poll() is not None and IS_WINDOWS:  # pragma: no cover
+        return
+    if IS_WINDOWS:  # pragma: no cover
+        subprocess.run(["taskkill", "/T", "/F", "/PID", str(proc.pid)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        if sig == signal.SIGKILL:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        # The leader may be gone while grandchildren linger in the group, so the
+        # group still gets the KILL.
+
+
+def pid_alive(pid):
+    """True when a process with this pid exists."""
+    if not pid or pid <= 0:
+        return False
+    if IS_WINDOWS:  # pragma: no cover
+        import ctypes
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)
+        if not handle:
+            return False
+        ctypes.windll.kernel32.CloseHandle(handle)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ============================================================================
+# 3. TOML
+# ============================================================================
+
+try:
+    import tomllib
+except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
+    tomllib = None
+
+# Reading: parse_toml() uses tomllib when Python has it and parse_toml_builtin()
+# otherwise.  The built-in parser reads all of TOML 1.0 and gives exactly what
+# tomllib gives, errors included; the tests hold it to that.
+#
+# Writing: ferrus edits files that people also edit by hand, so it never
+# re-serialises a whole document.  The editors below change only the lines they
+# must and keep every other byte, comment and blank line where it was.
+
+
+class TomlError(ValueError):
+    """A TOML document that cannot be read, or an edit this section cannot make.
+
+    ``line`` is the 1-based line of the problem (None when unknown) and
+    ``detail`` says what is wrong, so callers can phrase their own message.
+    """
+
+    def __init__(self, detail, line=None):
+        super().__init__("line %s: %s" % (line, detail) if line else detail)
+        self.line = line
+        self.detail = detail
+
+
+_TOML_TOMLLIB_WHERE = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
+
+
+def parse_toml(text):
+    """Parse a TOML document into a dict, with tomllib when Python has it."""
+    if tomllib is None:
+        return parse_toml_builtin(text)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        detail, line = str(exc), None
+        where = _TOML_TOMLLIB_WHERE.search(detail)
+        if where:
+            # "end of document" is the last line, as the built-in parser says.
+            line = int(where.group(1) or text.count("\n") + 1)
+            detail = detail[:where.start()]
+        raise TomlError(detail[:1].lower() + detail[1:], line) from None
+
+
+def parse_toml_builtin(text):
+    """Parse a TOML 1.0 document into a dict without tomllib."""
+    if not isinstance(text, str):
+        raise TypeError("TOML text must be str, not %s" % type(text).__name__)
+    return _TomlParser(text).parse()
+
+
+# --- The built-in parser ----------------------------------------------------
+
+_TOML_CTRL = "\x00-\x08\x0a-\x1f\x7f"      # control characters except tab
+_TOML_ML_CTRL = "\x00-\x08\x0b-\x1f\x7f"   # ... and except newline
+_TOML_WS = re.compile(r"[ \t]*")
+_TOML_COMMENT = re.compile("#[^%s]*" % _TOML_CTRL)
+_TOML_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_BASIC_CHUNK = re.compile('[^"\\\\%s]*' % _TOML_CTRL)
+_TOML_ML_BASIC_CHUNK = re.compile('[^"\\\\%s]*' % _TOML_ML_CTRL)
+_TOML_BAD_CHAR = re.compile("[%s]" % _TOML_CTRL)
+_TOML_ML_BAD_CHAR = re.compile("[%s]" % _TOML_ML_CTRL)
+_TOML_LINE_END_BACKSLASH = re.compile(r"[ \t]*\n[ \t\n]*")
+_TOML_ESCAPES = {"b": "\b", "t": "\t", "n": "\n", "f": "\f", "r": "\r", '"': '"', "\\": "\\"}
+_TOML_TIME = r"([01][0-9]|2[0-3]):([0-5][0-9]):([0-5][0-9])(?:\.([0-9]+))?"
+_TOML_LOCAL_TIME = re.compile(_TOML_TIME)
+_TOML_DATETIME = re.compile(
+    r"([0-9]{4})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    r"(?:[Tt ]" + _TOML_TIME + r"(?:([Zz])|([+-])([01][0-9]|2[0-3]):([0-5][0-9]))?)?")
+_TOML_NUMBER = re.compile(
+    r"0x[0-9A-Fa-f](?:_?[0-9A-Fa-f])*|0o[0-7](?:_?[0-7])*|0b[01](?:_?[01])*"
+    r"|[+-]?(?:0|[1-9](?:_?[0-9])*)"
+    r"(?P<float>(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9](?:_?[0-9])*)?)")
+_TOML_SPECIAL_FLOAT = re.compile(r"[+-]?(?:inf|nan)")
+_TOML_WORD = re.compile(r"[^ \t\n,\]}#]*")
+
+
+class _TomlStatement(collections.namedtuple("_TomlStatement", "header key array first last start end")):
+    """Where one header or key/value sits in a document, for the editors.
+
+    ``header`` holds the section's key parts and ``key`` the key/value's (None
+    on a header line); ``first``/``last`` are the 0-based lines it spans and
+    ``start``/``end`` the columns where its value begins and ends on them.
+    """
+
+    __slots__ = ()
+
+
+class _TomlParser:
+    """A recursive-descent TOML parser that reads one document once.
+
+    How each table came to exist decides what may still be added to it:
+    "implicit" tables (the ``a`` of ``[a.b]``) may still get a header of their
+    own, "defined" ones (declared by a header) may not be declared again,
+    "dotted" ones (made by ``a.b = 1``) grow only while their section lasts,
+    "frozen" values (inline tables, arrays) never change and "aot" arrays of
+    tables grow only through ``[[...]]`` headers.
+    """
+
+    def __init__(self, text, record=False):
+        self.src = text.replace("\r\n", "\n")  # line numbers and columns survive this
+        self.pos = 0
+        self.root = {}
+        # id() of each container -> its kind; ids stay unique because every
+        # container lives on inside the result.
+        self.kinds = {}
+        # The current section: its key parts, its table, and the ids of the
+        # tables its dotted keys made (which only it may extend).
+        self.header, self.section, self.dotted = (), self.root, set()
+        self.statements = [] if record else None
+
+    def error(self, detail, pos=None):
+        pos = self.pos if pos is None else pos
+        return TomlError(detail, self.src.count("\n", 0, pos) + 1)
+
+    def where(self, pos):
+        """0-based (line, column) of a position."""
+        return self.src.count("\n", 0, pos), pos - self.src.rfind("\n", 0, pos) - 1
+
+    def parse(self):
+        src = self.src
+        while True:
+            self.skip()
+            if self.pos >= len(src):
+                return self.root
+            char, start = src[self.pos], self.pos
+            if char == "\n":
+                self.pos += 1
+                continue
+            if char == "[":
+                key, array = self.table_header()
+                self.record(key, None, array, start, start, start)
+            elif char != "#":
+                key, value_start = self.key_value(self.section, self.dotted, self.header)
+                self.record(self.header, key, False, start, value_start, self.pos)
+            self.skip()
+            self.comment()
+            if self.pos < len(src):
+                if src[self.pos] != "\n":
+                    raise self.error("expected the end of the line, found %r" % src[self.pos])
+                self.pos += 1
+
+    def record(self, header, key, array, first, start, end):
+        if self.statements is not None:
+            (first, start), (last, end) = self.where(start), self.where(end)
+            self.statements.append(_TomlStatement(header, key, array, first, last, start, end))
+
+    def skip(self, newlines=False):
+        """Skip spaces and tabs; with `newlines` also line breaks and comments."""
+        while True:
+            self.pos = _TOML_WS.match(self.src, self.pos).end()
+            char = self.src[self.pos:self.pos + 1]
+            if not newlines or char not in ("\n", "#"):
+                return
+            if char == "\n":
+                self.pos += 1
+            self.comment()
+
+    def comment(self):
+        match = _TOML_COMMENT.match(self.src, self.pos)
+        if match:
+            self.pos = match.end()
+            if self.src[self.pos:self.pos + 1] not in ("", "\n"):
+                raise self.error("control characters are not allowed in comments")
+
+    def table_header(self):
+        start = self.pos
+        array = self.src.startswith("[[", start)
+        self.pos += 2 if array else 1
+        self.skip()
+        key = self.key()
+        close = "]]" if array else "]"
+        if not self.src.startswith(close, self.pos):
+            raise self.error("expected %r to close the table header" % close)
+        self.pos += len(close)
+        self.open_table(key, array, start)
+        return key, array
+
+    def open_table(self, key, array, pos):
+        """Make `key` the current section, creating the tables on its path."""
+        name = _toml_header(key, array)
+        table = self.root
+        for i, part in enumerate(key[:-1]):
+            child = table.get(part)
+            if child is None:
+                child = table[part] = {}
+                self.kinds[id(child)] = "implicit"
+            if isinstance(child, list) and self.kinds.get(id(child)) == "aot":
+                child = child[-1]  # [a.b] after [[a]] extends the latest element
+            elif not isinstance(child, dict) or self.kinds.get(id(child)) == "frozen":
+                raise self.error("cannot define %s: %s is not a table" % (name, _toml_name(key[:i + 1])), pos)
+            table = child
+        existing = table.get(key[-1])
+        if array and existing is None:
+            existing = table[key[-1]] = []
+            self.kinds[id(existing)] = "aot"
+        if array and isinstance(existing, list) and self.kinds.get(id(existing)) == "aot":
+            section = {}
+            existing.append(section)
+        elif not array and existing is None:
+            section = table[key[-1]] = {}
+        elif not array and isinstance(existing, dict) and self.kinds.get(id(existing)) == "implicit":
+            section = existing
+        else:
+            raise self.error("cannot define %s: %s is already defined" % (name, _toml_name(key)), pos)
+        self.kinds[id(section)] = "defined"
+        self.header, self.section, self.dotted = key, section, set()
+
+    def key(self):
+        parts = [self.key_part()]
+        self.skip()
+        while self.src.startswith(".", self.pos):
+            self.pos += 1
+            self.skip()
+            parts.append(self.key_part())
+            self.skip()
+        return tuple(parts)
+
+    def key_part(self):
+        bare = _TOML_BARE_KEY.match(self.src, self.pos)
+        if bare:
+            self.pos = bare.end()
+            return bare.group()
+        char = self.src[self.pos:self.pos + 1]
+        if char == '"':
+            return self.basic_string(multiline=False)
+        if char == "'":
+            return self.literal_string(multiline=False)
+        raise self.error("expected a key, found %r" % char if char.strip() else "expected a key")
+
+    def key_value(self, table, dotted, prefix):
+        """Parse `key = value` into `table`; return the key and where its value starts."""
+        start = self.pos
+        key = self.key()
+        if not self.src.startswith("=", self.pos):
+            raise self.error("expected '=' after key %s" % _toml_name(key))
+        self.pos += 1
+        self.skip()
+        value_start = self.pos
+        value = self.value()
+        for i, part in enumerate(key[:-1]):
+            child = table.get(part)
+            if child is None:
+                child = table[part] = {}
+            elif not isinstance(child, dict) or (
+                    id(child) not in dotted and self.kinds.get(id(child)) != "implicit"):
+                raise self.error("cannot add keys to %s: it is already defined"
+                                 % _toml_name(prefix + key[:i + 1]), start)
+            self.kinds[id(child)] = "dotted"
+            dotted.add(id(child))
+            table = child
+        if key[-1] in table:
+            raise self.error("duplicate key %s" % _toml_name(prefix + key), start)
+        table[key[-1]] = value
+        if isinstance(value, (dict, list)):
+            self.kinds[id(value)] = "frozen"
+        return key, value_start
+
+    def value(self):
+        src, pos = self.src, self.pos
+        char = src[pos:pos + 1]
+        if char == '"':
+            return self.basic_string(src.startswith('"""', pos))
+        if char == "'":
+            return self.literal_string(src.startswith("'''", pos))
+        if char == "[":
+            return self.array()
+        if char == "{":
+            return self.inline_table()
+        for word, value in (("true", True), ("false", False)):
+            if src.startswith(word, pos):
+                self.pos += len(word)
+                return value
+        match = _TOML_DATETIME.match(src, pos)
+        if match:
+            self.pos = match.end()
+            try:
+                return _toml_datetime(match)
+            except ValueError:
+                raise self.error("invalid date %s" % match.group(), pos) from None
+        match = _TOML_LOCAL_TIME.match(src, pos)
+        if match:
+            self.pos = match.end()
+            hour, minute, second, fraction = match.groups()
+            return _dt.time(int(hour), int(minute), int(second), _toml_micros(fraction))
+        match = _TOML_NUMBER.match(src, pos)
+        if match:
+            self.pos = match.end()
+            number = match.group().replace("_", "")
+            return float(number) if match.group("float") else int(number, 0)
+        match = _TOML_SPECIAL_FLOAT.match(src, pos)
+        if match:
+            self.pos = match.end()
+            return float(match.group())
+        word = _TOML_WORD.match(src, pos).group()
+        raise self.error("invalid value %s" % word if word else "expected a value")
+
+    def basic_string(self, multiline):
+        src, start = self.src, self.pos
+        pos = start + (3 if multiline else 1)
+        if multiline and src.startswith("\n", pos):
+            pos += 1  # a newline right after the opening quotes is not content
+        chunk = _TOML_ML_BASIC_CHUNK if multiline else _TOML_BASIC_CHUNK
+        parts = []
+        while True:
+            match = chunk.match(src, pos)
+            parts.append(match.group())
+            pos = match.end()
+            char = src[pos:pos + 1]
+            if char == '"' and (not multiline or src.startswith('"""', pos)):
+                self.pos = pos + (3 if multiline else 1)
+                return "".join(parts) + (self.extra_quotes('"') if multiline else "")
+            if char == '"':
+                parts.append(char)
+                pos += 1
+            elif char == "\\":
+                pos = self.escape(pos, multiline, parts)
+            elif char in ("", "\n"):
+                raise self.error("unterminated string", start)
+            else:
+                raise self.error("control character U+%04X must be escaped" % ord(char), pos)
+
+    def escape(self, pos, multiline, parts):
+        """Decode the escape at `pos` into `parts`; return the position after it."""
+        src = self.src
+        char = src[pos + 1:pos + 2]
+        if multiline and char in (" ", "\t", "\n"):
+            # A line-ending backslash swallows the line break and the blank space after it.
+            match = _TOML_LINE_END_BACKSLASH.match(src, pos + 1)
+            if not match:
+                raise self.error("only spaces may follow a line-ending backslash", pos)
+            return match.end()
+        if char in _TOML_ESCAPES:
+            parts.append(_TOML_ESCAPES[char])
+            return pos + 2
+        if char in ("u", "U"):
+            size = 4 if char == "u" else 8
+            digits = src[pos + 2:pos + 2 + size]
+            if re.fullmatch("[0-9A-Fa-f]{%d}" % size, digits):
+                code = int(digits, 16)
+                if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF:
+                    parts.append(chr(code))
+                    return pos + 2 + size
+            raise self.error("\\%s needs %d hex digits naming a Unicode character" % (char, size), pos)
+        raise self.error("invalid escape sequence \\%s" % char if char.strip()
+                         else "a lone backslash must be written as \\\\", pos)
+
+    def literal_string(self, multiline):
+        src, start = self.src, self.pos
+        if multiline:
+            first = start + 3 + src.startswith("\n", start + 3)
+            end = src.find("'''", first)
+        else:
+            first = start + 1
+            end = src.find("'", first)
+            if 0 <= src.find("\n", first) < end:
+                end = -1
+        if end < 0:
+            raise self.error("unterminated string", start)
+        body = src[first:end]
+        bad = (_TOML_ML_BAD_CHAR if multiline else _TOML_BAD_CHAR).search(body)
+        if bad:
+            raise self.error("control characters are not allowed in strings", first + bad.start())
+        self.pos = end + (3 if multiline else 1)
+        return body + self.extra_quotes("'") if multiline else body
+
+    def extra_quotes(self, quote):
+        """Up to two quotes just before a closing triple quote belong to the string."""
+        count = 0
+        while count < 2 and self.src.startswith(quote, self.pos):
+            count += 1
+            self.pos += 1
+        return quote * count
+
+    def array(self):
+        start = self.pos
+        self.pos += 1
+        items = []
+        while True:
+            self.skip(newlines=True)
+            if self.src.startswith("]", self.pos):
+                self.pos += 1
+                return items
+            items.append(self.value())
+            self.skip(newlines=True)
+            char = self.src[self.pos:self.pos + 1]
+            if char not in (",", "]"):
+                raise self.error("expected ',' or ']' in the array that starts on line %d"
+                                 % (self.where(start)[0] + 1))
+            self.pos += 1
+            if char == "]":
+                return items
+
+    def inline_table(self):
+        self.pos += 1
+        table, dotted = {}, set()
+        self.skip()
+        if self.src.startswith("}", self.pos):
+            self.pos += 1
+            return table
+        while True:
+            self.key_value(table, dotted, ())
+            self.skip()
+            char = self.src[self.pos:self.pos + 1]
+            if char not in (",", "}"):
+                raise self.error("expected ',' or '}' in an inline table (which must fit on one line)")
+            self.pos += 1
+            if char == "}":
+                return table
+            self.skip()
+
+
+def _toml_datetime(match):
+    """A date or datetime from a _TOML_DATETIME match, as tomllib builds it."""
+    year, month, day, hour, minute, second, fraction, zulu, sign, off_hour, off_minute = match.groups()
+    if hour is None:
+        return _dt.date(int(year), int(month), int(day))
+    tzinfo = None
+    if zulu:
+        tzinfo = _dt.timezone.utc
+    elif sign:
+        offset = _dt.timedelta(hours=int(off_hour), minutes=int(off_minute))
+        tzinfo = _dt.timezone(-offset if sign == "-" else offset)
+    return _dt.datetime(int(year), int(month), int(day), int(hour), int(minute), int(second),
+                        _toml_micros(fraction), tzinfo=tzinfo)
+
+
+def _toml_micros(fraction):
+    """Microseconds from the digits after the decimal point; extra precision is dropped."""
+    return int((fraction or "0")[:6].ljust(6, "0"))
+
+
+# --- Writing values ---------------------------------------------------------
+
+_TOML_QUOTE_NEEDED = re.compile('["\\\\\x00-\x1f\x7f]')
+_TOML_QUOTE_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t",
+                       "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_quote(text):
+    """`text` as a TOML basic string."""
+    escape = lambda m: _TOML_QUOTE_ESCAPES.get(m.group(), "\\u%04x" % ord(m.group()))  # noqa: E731
+    return '"%s"' % _TOML_QUOTE_NEEDED.sub(escape, text)
+
+
+def format_toml_key(key):
+    """A key as TOML writes it: bare when it can be, quoted otherwise."""
+    if not isinstance(key, str):
+        raise TypeError("TOML keys must be str, not %s" % type(key).__name__)
+    return key if _TOML_BARE_KEY.fullmatch(key) else _toml_quote(key)
+
+
+def format_toml_value(value):
+    """A value as TOML text on one line (lists as arrays, dicts as inline tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        return repr(value) if abs(value) != float("inf") else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):
+        return _toml_quote(value)
+    if isinstance(value, (list, tuple)):
+        return "[%s]" % ", ".join(format_toml_value(item) for item in value)
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ %s }" % ", ".join("%s = %s" % (format_toml_key(k), format_toml_value(v))
+                                    for k, v in value.items())
+    raise TypeError("cannot write a %s as a TOML value" % type(value).__name__)
+
+
+def _toml_header(parts, array=False):
+    """The header line of a table, e.g. ``[projects."/abs/path"]``."""
+    text = ".".join(format_toml_key(part) for part in parts)
+    return "[[%s]]" % text if array else "[%s]" % text
+
+
+def _toml_name(parts):
+    """Key parts as a readable dotted name for messages, e.g. ``"hq.supervisor"``."""
+    return '"%s"' % ".".join(parts)
+
+
+# --- Line-preserving edits --------------------------------------------------
+#
+# The editors parse the document once with the built-in parser, which notes
+# where each header and key/value sits.  A section is a header (or the start of
+# the document, for the root table) with the key/values that follow it.  The
+# editors refuse, with a TomlError, to touch anything defined in a way a line
+# edit could not change safely: keys inside inline tables, tables made by
+# dotted keys in a parent section, and anything inside an array of tables.
+
+
+def _toml_sections(text):
+    """[(header statement or None for the root, [key/value statements])] in order."""
+    parser = _TomlParser(text, record=True)
+    parser.parse()
+    sections = [(None, [])]
+    for statement in parser.statements:
+        if statement.key is None:
+            sections.append((statement, []))
+        else:
+            sections[-1][1].append(statement)
+    return sections
+
+
+def _toml_starts(parts, prefix):
+    """Whether key parts `parts` begin with `prefix` (or equal it)."""
+    return parts[:len(prefix)] == prefix
+
+
+def _toml_cannot(statement, what, why):
+    return TomlError("cannot edit %s: %s; change it by hand" % (what, why), statement.first + 1)
+
+
+def _toml_clash(pair, full, target, what):
+    """The error for a key/value at `full` that overlaps `target` beyond a line edit's reach."""
+    if len(full) > len(target) or (full == target and len(pair.key) > 1):
+        return _toml_cannot(pair, what, "it is made by dotted keys on this line")
+    return _toml_cannot(pair, what, "the value set on this line is in the way")
+
+
+def toml_table_names(text):
+    """The key parts of every ``[table]`` header, in document order."""
+    return [head.header for head, _ in _toml_sections(text)[1:] if not head.array]
+
+
+def _toml_locate(text, table, key):
+    """Find `key` directly under `[table]`: (section or None, statement or None)."""
+    want = table + (key,)
+    what = _toml_name(want)
+    section = found = None
+    for head, pairs in _toml_sections(text):
+        path = head.header if head else ()
+        if head and head.array and _toml_starts(want, path):
+            raise _toml_cannot(head, what, "it is inside the array of tables declared on this line")
+        if head and not head.array and _toml_starts(path, want):
+            raise _toml_cannot(head, what, "it is a table (see the header on this line), not a key")
+        if path == table:
+            section = (head, pairs)
+        for pair in pairs:
+            full = path + pair.key
+            if path == table and pair.key == (key,):
+                found = pair
+            elif (_toml_starts(full, want) or _toml_starts(want, full)
+                  or (len(path) < len(table) and _toml_starts(full, table))):
+                raise _toml_clash(pair, full, want, what)
+    return section, found
+
+
+def _toml_cr(text):
+    """What ends each line of text.split("\\n") before its "\\n": "\\r" in CRLF files."""
+    return "\r" if "\r\n" in text else ""
+
+
+def _toml_delete(lines, first, last):
+    """Delete lines first..last of a text.split("\\n") list."""
+    # Deleting the unterminated last line keeps the line break before it.
+    lines[first:last + 1] = [""] if last == len(lines) - 1 else []
+
+
+def _toml_append(text, block):
+    """Add lines at the end, after one blank line, ending with a line break."""
+    newline = _toml_cr(text) + "\n"
+    if text and not text.endswith("\n"):
+        text += newline
+    if text and text.split("\n")[-2].strip():
+        text += newline
+    return text + newline.join(block) + newline
+
+
+def toml_set_key(text, table, key, value):
+    """Set `key` under `[table]` (``()`` is the root) to `value`, changing as little as possible.
+
+    An existing value is replaced in place, keeping the indentation, the text
+    before the value and any comment after it.  A new key goes after the last
+    key/value of its table, and a missing table is appended to the document.
+    """
+    rendered = format_toml_value(value)
+    table = tuple(table)
+    section, found = _toml_locate(text, table, key)
+    line = "%s = %s" % (format_toml_key(key), rendered)
+    if section is None:
+        return _toml_append(text, [_toml_header(table), line])
+    lines = text.split("\n")
+    if found:
+        before, after = lines[found.first][:found.start], lines[found.last][found.end:]
+        lines[found.first:found.last + 1] = [before + rendered + after]
+        return "\n".join(lines)
+    head, pairs = section
+    indent = ""
+    if pairs:
+        at = pairs[-1].last + 1
+        indent = re.match(r"[ \t]*", lines[pairs[-1].first]).group()
+    elif head:
+        at = head.first + 1
+    else:  # a root key with no other root keys goes after the file's opening comments
+        at = 0
+        while at < len(lines) - 1 and lines[at].lstrip().startswith("#"):
+            at += 1
+    if at == len(lines):  # the document has no final line break: give it one
+        lines[-1] += _toml_cr(text)
+        lines.append("")
+    lines.insert(at, indent + line + _toml_cr(text))
+    return "\n".join(lines)
+
+
+def toml_remove_key(text, table, key):
+    """Remove `key` (all of its lines) from `[table]`; unchanged text when it is absent."""
+    found = _toml_locate(text, tuple(table), key)[1]
+    if not found:
+        return text
+    lines = text.split("\n")
+    _toml_delete(lines, found.first, found.last)
+    return "\n".join(lines)
+
+
+def _toml_table_spans(text, table):
+    """The (first, last) lines of each section of `table` and its sub-tables.
+
+    A span ends at the section's last key/value, so blank lines and comments
+    that lead into the next section stay with that section.
+    """
+    if not table:
+        raise ValueError("a table edit needs a table name; () is the whole document")
+    what, spans = _toml_header(table), []
+    for head, pairs in _toml_sections(text):
+        path = head.header if head else ()
+        if head and _toml_starts(path, table):
+            spans.append((head.first, pairs[-1].last if pairs else head.first))
+            continue
+        if head and head.array and _toml_starts(table, path):
+            raise _toml_cannot(head, what, "it is inside the array of tables declared on this line")
+        for pair in pairs:
+            full = path + pair.key
+            if _toml_starts(full, table) or _toml_starts(table, full):
+                raise _toml_clash(pair, full, table, what)
+    return spans
+
+
+def _toml_delete_section(lines, first, last):
+    """Delete a section span with the blank lines that separated it from its neighbours."""
+    header = first
+    while first > 0 and not lines[first - 1].strip():
+        first -= 1
+    if first == header:  # no blank lines above: take the ones below instead
+        while last < len(lines) - 2 and not lines[last + 1].strip():
+            last += 1
+    _toml_delete(lines, first, last)
+
+
+def _toml_render_table(table, mapping):
+    """Lines for `[table]`: its plain values, then each nested dict as a sub-table."""
+    if not isinstance(mapping, dict):
+        raise TypeError("a TOML table must be a dict, not %s" % type(mapping).__name__)
+    plain = ["%s = %s" % (format_toml_key(k), format_toml_value(v))
+             for k, v in mapping.items() if not isinstance(v, dict)]
+    nested = [(k, v) for k, v in mapping.items() if isinstance(v, dict)]
+    # A table holding only sub-tables needs no header of its own.
+    lines = [_toml_header(table)] + plain if plain or not nested else []
+    for name, sub in nested:
+        lines += ([""] if lines else []) + _toml_render_table(table + (name,), sub)
+    return lines
+
+
+def toml_replace_table(text, table, mapping):
+    """Replace `[table]` and all its sub-tables with a fresh rendering of `mapping`.
+
+    The new text goes where the first of those sections was (or at the end).
+    Comments inside the replaced sections are lost with them; every other
+    byte, including comments just above the next section, stays as it was.
+    """
+    table = tuple(table)
+    rendered = _toml_render_table(table, mapping)
+    spans = _toml_table_spans(text, table)
+    if not spans:
+        return _toml_append(text, rendered)
+    lines = text.split("\n")
+    for first, last in reversed(spans[1:]):
+        _toml_delete_section(lines, first, last)
+    first, last = spans[0]
+    if last == len(lines) - 1:  # the document has no final line break: give it one
+        lines.append("")
+    lines[first:last + 1] = [line + _toml_cr(text) for line in rendered]
+    return "\n".join(lines)
+
+
+def toml_remove_table(text, table):
+    """Remove `[table]` and all its sub-tables; unchanged text when there are none."""
+    spans = _toml_table_spans(text, tuple(table))
+    if not spans:
+        return text
+    lines = text.split("\n")
+    for first, last in reversed(spans):
+        _toml_delete_section(lines, first, last)
+    return "\n".join(lines)
+
+
+# ============================================================================
+# 4. Config
+# ============================================================================
+
+CONFIG_FILE = "ferrus.toml"
+BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
+
+
+@dataclasses.dataclass
+class ChecksConfig:
+    commands: list = dataclasses.field(default_factory=list)
+    parallel: bool = False
+    timeout_secs: int = 600
+    fail_fast: bool = False
+
+
+@dataclasses.dataclass
+class LimitsConfig:
+    max_check_retries: int = 20
+    max_review_cycles: int = 3
+    max_feedback_lines: int = 30
+    wait_timeout_secs: int = 60
+
+
+@dataclasses.dataclass
+class LeaseConfig:
+    ttl_secs: int = 90
+    heartbeat_interval_secs: int = 30
+
+
+@dataclasses.dataclass
+class SpecConfig:
+    directory: str = "docs/specs"
+
+
+@dataclasses.dataclass
+class AgentChoice:
+    agent: str
+    model: str = ""
+
+
+@dataclasses.dataclass
+class AgentsConfig:
+    path: str = ".agents"
+    claude_mcp_isolation: str = "merge-user"
+
+
+@dataclasses.dataclass
+class Config:
+    checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    lease: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
+    spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
+    agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
+    supervisor: "AgentChoice | None" = None
+    executor: "AgentChoice | None" = None
+    # A problem in [hq] only matters to commands that launch agents, so it is kept
+    # here instead of breaking check, submit and the waits (upstream bug §11.15).
+    hq_problem: "FerrusError | None" = None
+    unknown_keys: list = dataclasses.field(default_factory=list)
+    path: str = CONFIG_FILE
+
+    def require_hq(self):
+        if self.hq_problem:
+            raise self.hq_problem
+        return self
+
+
+# Upper bounds keep arithmetic sane (upstream bug §11.20: a huge ttl overflowed).
+_INT_LIMITS = {
+    ("limits", "max_check_retries"): (1, 1_000_000),
+    ("limits", "max_review_cycles"): (1, 1_000_000),
+    ("limits", "max_feedback_lines"): (0, 100_000),
+    ("limits", "wait_timeout_secs"): (0, 86_400),
+    ("lease", "ttl_secs"): (1, 31_536_000),
+    ("lease", "heartbeat_interval_secs"): (1, 31_536_000),
+    ("checks", "timeout_secs"): (1, 604_800),
+}
+
+
+def _config_error(path, key, expected, got=None, line=None):
+    where = "%s: [%s]" % (path, key) if line is None else "%s line %s" % (path, line)
+    message = "%s %s" % (where, expected)
+    if got is not None:
+        message += ", got %s" % _describe_value(got)
+    return FerrusError(message, "edit %s and fix that value (see README: ferrus.toml reference)" % path)
+
+
+def _describe_value(value):
+    if isinstance(value, bool):
+        return "%s (a boolean)" % ("true" if value else "false")
+    if isinstance(value, int):
+        return "%d (an integer)" % value
+    if isinstance(value, str):
+        return "%s (a string)" % json.dumps(value)
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return type(value).__name__
+
+
+def _fill_section(path, raw, name, target, unknown):
+    """Copy ``raw[name]`` into the dataclass instance ``target``, type-checked."""
+    table = raw.get(name, {})
+    if not isinstance(table, dict):
+        raise _config_error(path, name, "must be a table", table)
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    for key, value in table.items():
+        if key not in fields:
+            unknown.append("%s.%s" % (name, key))
+            continue
+        current = getattr(target, key)
+        dotted = "%s.%s" % (name, key)
+        if isinstance(current, bool):
+            if not isinstance(value, bool):
+                raise _config_error(path, dotted, "must be true or false", value)
+        elif isinstance(current, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _config_error(path, dotted, "must be an integer", value)
+            low, high = _INT_LIMITS.get((name, key), (0, 2 ** 31))
+            if not low <= value <= high:
+                raise _config_error(path, dotted, "must be between %d and %d" % (low, high), value)
+        elif isinstance(current, str):
+            if not isinstance(value, str):
+                raise _config_error(path, dotted, "must be a string", value)
+        elif isinstance(current, list):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise _config_error(path, dotted, "must be an array of strings", value)
+        setattr(target, key, value)
+
+
+def _parse_agent_choice(path, role, value, known_agents):
+    if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
+        agent, model = value, ""
+    elif isinstance(value, dict):
+        agent = value.get("agent")
+        model = value.get("model", "")
+        if not isinstance(agent, str):
+            raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
+        if not isinstance(model, str):
+            raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+    else:
+        raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
+    agent = agent.strip()
+    if agent not in known_agents:
+        return None, FerrusError(
+            "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
+            "use one of: %s (or describe it under [agents.custom.<name>])"
+            % ", ".join(known_agents))
+    return AgentChoice(agent=agent, model=model.strip()), None
+
+
+def parse_config(text, path=CONFIG_FILE):
+    """Build a validated :class:`Config` from ferrus.toml text."""
+    try:
+        raw = parse_toml(text)
+    except TomlError as err:
+        raise FerrusError("%s is not valid TOML: %s" % (path, err),
+                          "fix the syntax at that line; `ferrus init` shows a valid example")
+    config = Config(path=path)
+    unknown = config.unknown_keys
+    for name in ("checks", "limits", "lease", "spec"):
+        _fill_section(path, raw, name, getattr(config, name), unknown)
+    agents = raw.get("agents", {})
+    if not isinstance(agents, dict):
+        raise _config_error(path, "agents", "must be a table", agents)
+    if "path" in agents:
+        if not isinstance(agents["path"], str):
+            raise _config_error(path, "agents.path", "must be a string", agents["path"])
+        config.agents.path = agents["path"]
+    claude = agents.get("claude", {})
+    if not isinstance(claude, dict):
+        raise _config_error(path, "agents.claude", "must be a table", claude)
+    isolation = claude.get("mcp_isolation", "merge-user")
+    if isolation not in CLAUDE_MCP_ISOLATION:
+        # Upstream silently treated typos as merge-user (bug §11.15).
+        raise _config_error(path, "agents.claude.mcp_isolation",
+                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
+    config.agents.claude_mcp_isolation = isolation
+    custom = agents.get("custom", {})
+    known_agents = BUILTIN_AGENTS + tuple(custom) if isinstance(custom, dict) else BUILTIN_AGENTS
+    hq = raw.get("hq")
+    if hq is not None:
+        if not isinstance(hq, dict):
+            config.hq_problem = _config_error(path, "hq", "must be a table", hq)
+        else:
+            for role in ("supervisor", "executor"):
+                if role not in hq:
+                    continue
+                try:
+                    choice, problem = _parse_agent_choice(path, role, hq[role], known_agents)
+                except FerrusError as err:
+                    choice, problem = None, err
+                setattr(config, role, choice)
+                config.hq_problem = config.hq_problem or problem
+    for name in raw:
+        if name not in ("checks", "limits", "lease", "spec", "agents", "hq", "sessions",
+                        "capacity", "pipelines"):
+            unknown.append(name)
+    for key in unknown:
+        log.warning("%s: unknown key %s is ignored", path, key)
+    return config
+
+
+def load_config(root):
+    """Read and validate ``<root>/ferrus.toml``."""
+    path = os.path.join(root, CONFIG_FILE)
+    try:
+        text = read_text(path)
+    except FileNotFoundError:
+        raise FerrusError("%s not found in %s" % (CONFIG_FILE, root),
+                          "run `ferrus init` in the project root first")
+    return parse_config(text, CONFIG_FILE)
+
+
+class ConfigCache:
+    """Re-reads ferrus.toml only when it changed on disk (mtime, size or inode)."""
+
+    def __init__(self, root):
+        self.root = root
+        self._stamp = None
+        self._config = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        path = os.path.join(self.root, CONFIG_FILE)
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        with self._lock:
+            if stamp is None or stamp != self._stamp:
+                self._config = load_config(self.root)
+                self._stamp = stamp
+            return self._config
+
+
+# ============================================================================
+# 5. Task state machine
+# ============================================================================
+
+class TaskState(str, enum.Enum):
+    """The task's lifecycle.  Values are upstream's PascalCase spellings."""
+
+    IDLE = "Idle"
+    EXECUTING = "Executing"
+    CONSULTATION = "Consultation"
+    REVIEWING = "Reviewing"
+    ADDRESSING = "Addressing"
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+    AWAITING_HUMAN = "AwaitingHuman"
+
+    def __str__(self):
+        return self.value
+
+
+S = TaskState
+WORK_STATES = (S.EXECUTING, S.ADDRESSING)
+LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+
+# The one table the code and the docs follow: action, states it is allowed
+# from, and where it leads.  "same" keeps the state; "paused" restores the
+# state saved when the task was paused.
+TRANSITIONS = (
+    ("create_task", (S.IDLE,), "Executing"),
+    ("claim", (S.EXECUTING, S.ADDRESSING, S.REVIEWING), "same (takes the lease)"),
+    ("check_passed", WORK_STATES, "same"),
+    ("check_failed", WORK_STATES, "same, or Failed at max_check_retries"),
+    ("submit", WORK_STATES, "Reviewing"),
+    ("consult", WORK_STATES, "Consultation"),
+    ("respond_consult", (S.CONSULTATION,), "same"),
+    ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
+    ("approve", (S.REVIEWING,), "Complete"),
+    ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
+    ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
+    ("answer", (S.AWAITING_HUMAN,), "paused"),
+    ("heartbeat", LEASE_STATES, "same (renews the lease)"),
+    ("reset", (S.FAILED,), "Idle"),
+    ("force_reset", tuple(S), "Idle"),
+)
+ALLOWED_FROM = {action: frozenset(froms) for action, froms, _ in TRANSITIONS}
+
+# STATE.json field order as upstream writes it; additive fields follow.
+_UPSTREAM_FIELDS = (
+    "schema_version", "state", "check_retries", "review_cycles", "failure_reason",
+    "updated_at", "owner_pid", "paused_state", "claimed_by", "lease_until",
+    "last_heartbeat", "selected_spec", "selected_milestone", "pending_task_spec",
+    "pending_task_milestone", "task_spec", "task_milestone")
+_ALWAYS_WRITTEN = ("schema_version", "state", "check_retries", "review_cycles",
+                   "failure_reason", "updated_at", "owner_pid")
+
+
+@dataclasses.dataclass
+class StateData:
+    """STATE.json.  Timestamps stay strings so untouched ones round-trip byte for byte."""
+
+    state: TaskState = S.IDLE
+    check_retries: int = 0
+    review_cycles: int = 0
+    failure_reason: "str | None" = None
+    schema_version: int = 1
+    updated_at: str = "1970-01-01T00:00:00Z"
+    owner_pid: int = 0
+    paused_state: "TaskState | None" = None
+    claimed_by: "str | None" = None
+    lease_until: "str | None" = None
+    last_heartbeat: "str | None" = None
+    selected_spec: "str | None" = None
+    selected_milestone: "str | None" = None
+    pending_task_spec: "str | None" = None
+    pending_task_milestone: "str | None" = None
+    task_spec: "str | None" = None
+    task_milestone: "str | None" = None
+    # Additive fields (upstream ignores unknown fields on read).
+    rev: int = 0
+    task_id: "str | None" = None
+    state_entered_at: "str | None" = None
+    task_started_at: "str | None" = None
+    # The state a consultation paused, kept apart from paused_state so that
+    # ask_human during Consultation cannot lose it (upstream bug §11.4).
+    consult_paused_state: "TaskState | None" = None
+    # Which agent asked the pending question, so HQ can tell who waits.
+    question_from: "str | None" = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def copy(self):
+        return dataclasses.replace(self, extra=dict(self.extra))
+
+    # -- serialisation -----------------------------------------------------
+
+    def to_json(self):
+        out = {}
+        for name in _UPSTREAM_FIELDS:
+            value = getattr(self, name)
+            if value is None and name not in _ALWAYS_WRITTEN:
+                continue
+            out[name] = value.value if isinstance(value, TaskState) else value
+        for name in ("rev", "task_id", "state_entered_at", "task_started_at",
+                     "consult_paused_state", "question_from"):
+            value = getattr(self, name)
+            # rev 0 means "never written by this ferrus": an upstream file stays as it was.
+            if value is not None and not (name == "rev" and value == 0):
+                out[name] = value.value if isinstance(value, TaskState) else value
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return pretty_json(out)
+
+    @classmethod
+    def from_json(cls, text, where="STATE.json"):
+        try:
+            raw = json.loads(text)
+        except ValueError as err:
+            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
+        if not isinstance(raw, dict):
+            raise StateCorrupt("%s must hold a JSON object" % where)
+        data = cls()
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        for key in ("state", "check_retries", "review_cycles"):
+            if key not in raw:
+                raise StateCorrupt("%s has no %r field" % (where, key))
+        for key, value in raw.items():
+            if key not in known:
+                data.extra[key] = value
+                continue
+            try:
+                setattr(data, key, _coerce_state_field(key, value))
+            except (TypeError, ValueError) as err:
+                raise StateCorrupt("%s field %r: %s" % (where, key, err))
+        return data
+
+
+class StateCorrupt(FerrusError):
+    def __init__(self, message):
+        super().__init__(message, "run `ferrus doctor` to see what is wrong and "
+                                  "`ferrus doctor --fix` to repair it")
+
+
+_STATE_ENUM_FIELDS = ("state", "paused_state", "consult_paused_state")
+_STATE_INT_FIELDS = ("check_retries", "review_cycles", "schema_version", "owner_pid", "rev")
+_STATE_TIME_FIELDS = ("updated_at", "lease_until", "last_heartbeat", "state_entered_at",
+                      "task_started_at")
+
+
+def _coerce_state_field(key, value):
+    if value is None:
+        if key in ("state",) or key in _STATE_INT_FIELDS:
+            raise ValueError("must not be null")
+        return None
+    if key in _STATE_ENUM_FIELDS:
+        try:
+            return TaskState(value)
+        except ValueError:
+            raise ValueError("unknown state %r (expected one of %s)"
+                             % (value, ", ".join(s.value for s in TaskState)))
+    if key in _STATE_INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("must be a non-negative integer, got %r" % (value,))
+        return value
+    if not isinstance(value, str):
+        raise ValueError("must be a string, got %r" % (value,))
+    if key in _STATE_TIME_FIELDS:
+        parse_timestamp(value)
+    return value
+
+
+# -- leases (upstream §9.2) ---------------------------------------------------
+
+def lease_deadline(data):
+    return parse_timestamp(data.lease_until) if data.lease_until else None
+
+
+def is_claimed(data, now):
+    deadline = lease_deadline(data)
+    return deadline is not None and now < deadline
+
+
+def is_claimed_by(data, agent_id, now):
+    return data.claimed_by == agent_id and is_claimed(data, now)
+
+
+def claim(data, agent_id, now, ttl_secs):
+    data = data.copy()
+    data.claimed_by = agent_id
+    data.lease_until = format_timestamp(now + _dt.timedelta(seconds=ttl_secs))
+    data.last_heartbeat = format_timestamp(now)
+    return data
+
+
+def clear_lease(data):
+    data = data.copy()
+    data.claimed_by = data.lease_until = data.last_heartbeat = None
+    return data
+
+
+# -- pure transitions ---------------------------------------------------------
+
+def _require(action, data):
+    if data.state not in ALLOWED_FROM[action]:
+        raise TransitionError(action, data.state)
+
+
+def _enter(data, state, now):
+    """Move to ``state``, stamping when it was entered if it changed."""
+    if data.state != state:
+        data.state_entered_at = format_timestamp(now)
+    data.state = state
+    return data
+
+
+def t_create_task(data, now, task_id):
+    _require("create_task", data)
+    data = clear_lease(data)
+    data.task_spec, data.pending_task_spec = data.pending_task_spec, None
+    data.task_milestone, data.pending_task_milestone = data.pending_task_milestone, None
+    data.check_retries = data.review_cycles = 0
+    data.failure_reason = None
+    data.paused_state = data.consult_paused_state = data.question_from = None
+    data.task_id = task_id
+    data.task_started_at = format_timestamp(now)
+    return _enter(data, S.EXECUTING, now)
+
+
+def t_check_passed(data, now):
+    _require("check_passed", data)
+    data = data.copy()
+    data.check_retries = 0
+    data.failure_reason = None
+    return data
+
+
+def t_check_failed(data, now, reason, max_retries):
+    _require("check_failed", data)
+    data = data.copy()
+    data.check_retries += 1
+    if data.check_retries >= max_retries:
+        data.failure_reason = "Check failed %d consecutive times. Last failure:\n%s" % (
+            max_retries, reason)
+        data = clear_lease(data)
+        return _enter(data, S.FAILED, now)
+    data.failure_reason = reason
+    return data
+
+
+def t_submit(data, now):
+    _require("submit", data)
+    data = clear_lease(data)
+    return _enter(data, S.REVIEWING, now)
+
+
+def t_consult(data, now):
+    _require("consult", data)
+    data = data.copy()
+    data.paused_state = data.consult_paused_state = data.state
+    return _enter(data, S.CONSULTATION, now)
+
+
+def t_finish_consult(data, now):
+    _require("finish_consult", data)
+    data = data.copy()
+    # Consult is only reachable from Executing/Addressing, so when an older file
+    # lost the paused state, Executing is the truthful fallback, not Idle.
+    resume = data.consult_paused_state or data.paused_state
+    if resume not in WORK_STATES:
+        resume = S.EXECUTING
+    data.paused_state = data.consult_paused_state = None
+    return _enter(data, resume, now)
+
+
+def t_approve(data, now):
+    _require("approve", data)
+    data = clear_lease(data)
+    return _enter(data, S.COMPLETE, now)
+
+
+def t_reject(data, now, max_cycles):
+    _require("reject", data)
+    data = clear_lease(data)
+    data.review_cycles += 1
+    if data.review_cycles >= max_cycles:
+        data.failure_reason = "Task rejected %d times without resolution." % max_cycles
+        return _enter(data, S.FAILED, now)
+    data.check_retries = 0
+    return _enter(data, S.ADDRESSING, now)
+
+
+def t_ask_human(data, now, asked_by=None):
+    _require("ask_human", data)
+    data = data.copy()
+    data.paused_state = data.state
+    data.question_from = asked_by
+    return _enter(data, S.AWAITING_HUMAN, now)
+
+
+def t_answer(data, now):
+    _require("answer", data)
+    data = data.copy()
+    resume = data.paused_state or S.IDLE
+    # Returning to a consultation puts the consultation's own paused state back
+    # where upstream expects it.
+    data.paused_state = data.consult_paused_state if resume == S.CONSULTATION else None
+    data.question_from = None
+    return _enter(data, resume, now)
+
+
+def t_force_reset(data, now):
+    """Back to a fresh Idle state that keeps only the spec selection and the rev."""
+    fresh = StateData(selected_spec=data.selected_spec,
+                      selected_milestone=data.selected_milestone,
+                      rev=data.rev, extra={})
+    fresh.state_entered_at = format_timestamp(now) if data.state != S.IDLE else data.state_entered_at
+    return fresh
+
+
+def t_reset(data, now):
+    _require("reset", data)
+    return t_force_reset(data, now)
+
+
+# ============================================================================
+# 6. Store
+# ============================================================================
+
+FERRUS_DIR = ".ferrus"
+STATE_FILE = "STATE.json"
+LOCK_FILE = "STATE.lock"
+JOURNAL_FILE = "events.jsonl"
+CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER.md",
+                 "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md", "LAST_SPEC_PATH")
+# Files that a new task, a reset or HQ's force-reset empty.
+TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md",
+                      "REVIEW.md", "QUESTION.md", "ANSWER.md")
+
+
+@dataclasses.dataclass
+class Commit:
+    """What one transaction changed, as the journal records it."""
+
+    seq: int
+    time: str
+    actor: str
+    event: str
+    from_state: str
+    to_state: str
+    task_id: "str | None"
+    detail: dict
+
+    def to_json(self):
+        return {"seq": self.seq, "time": self.time, "actor": self.actor, "event": self.event,
+                "from": self.from_state, "to": self.to_state, "task_id": self.task_id,
+                "detail": self.detail}
+
+
+class Transaction:
+    """The working copy inside ``Store.transaction``: read the state, stage changes.
+
+    Nothing touches the disk until the ``with`` block ends without an exception;
+    then content files are written first and STATE.json last (the commit point),
+    and one journal line follows."""
+
+    def __init__(self, store, actor, before):
+        self.store = store
+        self.actor = actor
+        self.before = before
+        self.state = before.copy()
+        self.files = {}
+        self.event = None
+        self.detail = {}
+        self.committed = None   # the Commit, once the block has ended
+
+    def read(self, name):
+        """A content file as this transaction will leave it."""
+        if name in self.files:
+            return self.files[name]
+        return self.store.read_file(name)
+
+    def write(self, name, text):
+        self.files[name] = text
+
+    def set(self, state, event, **detail):
+        """Stage the new state and name the event the journal will record."""
+        self.state = state
+        self.event = event
+        self.detail.update(detail)
+
+
+class Store:
+    """The project's ``.ferrus/`` directory: state, content files, journal, lock."""
+
+    def __init__(self, root, clock=utc_now, lock_timeout=None):
+        self.root = os.path.abspath(root)
+        self.dir = os.path.join(self.root, FERRUS_DIR)
+        self.clock = clock
+        self.lock_timeout = lock_timeout if lock_timeout is not None else float(
+            os.environ.get("FERRUS_LOCK_TIMEOUT", "10"))
+        self.config_cache = ConfigCache(self.root)
+
+    # -- paths and plain reads ------------------------------------------------
+
+    def path(self, *parts):
+        return os.path.join(self.dir, *parts)
+
+    def relpath(self, path):
+        rel = os.path.relpath(path, self.root)
+        return rel.replace(os.sep, "/")
+
+    def exists(self):
+        return os.path.isfile(self.path(STATE_FILE))
+
+    def require(self):
+        if not os.path.isdir(self.dir):
+            raise FerrusError("no %s/ directory in %s" % (FERRUS_DIR, self.root),
+                              "run `ferrus init` in the project root first")
+        if not self.exists():
+            raise FerrusError("cannot read %s/%s — it is missing" % (FERRUS_DIR, STATE_FILE),
+                              "run `ferrus init` (it recreates missing files and keeps the rest)")
+        return self
+
+    def config(self):
+        return self.config_cache.get()
+
+    def read_state(self):
+        """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
+        self.require()
+        return StateData.from_json(read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE)
+
+    def read_file(self, name):
+        return read_text(self.path(name), default="")
+
+    def state_stamp(self):
+        """A cheap fingerprint of STATE.json that changes on every commit."""
+        try:
+            st = os.stat(self.path(STATE_FILE))
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    # -- transactions -----------------------------------------------------------
+
+    def lock(self):
+        return FileLock(self.path(LOCK_FILE), self.lock_timeout, FERRUS_DIR + "/" + LOCK_FILE)
+
+    @contextlib.contextmanager
+    def transaction(self, actor):
+        """Read-modify-write of ``.ferrus/`` under the exclusive STATE.lock."""
+        self.require()
+        with self.lock():
+            before = self.read_state()
+            tx = Transaction(self, actor, before)
+            yield tx
+            if tx.event is not None:
+                tx.committed = self._commit(tx)
+
+    def _commit(self, tx):
+        now = self.clock()
+        for name, text in tx.files.items():
+            path = self.path(name)
+            # Clearing an already empty file is common (create_task, reset); an
+            # unchanged file needs no write and no fsync.
+            if read_text(path, default="\0") != text:
+                atomic_write(path, text)
+        state = tx.state.copy()
+        state.rev = tx.before.rev + 1
+        state.updated_at = format_timestamp(now)
+        state.owner_pid = os.getpid()
+        if state.state != tx.before.state and state.state_entered_at == tx.before.state_entered_at:
+            state.state_entered_at = format_timestamp(now)
+        atomic_write(self.path(STATE_FILE), state.to_json())
+        commit = Commit(seq=state.rev, time=state.updated_at, actor=tx.actor, event=tx.event,
+                        from_state=tx.before.state.value, to_state=state.state.value,
+                        task_id=state.task_id, detail=tx.detail)
+        self._append_journal(commit, state.rev)
+        return commit
+
+    # -- the journal ----------------------------------------------------------------
+
+    def journal_path(self):
+        return self.path(JOURNAL_FILE)
+
+    def last_journal_seq(self):
+        """The seq of the last complete journal line (0 for none), reading only the tail."""
+        path = self.journal_path()
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                chunk = 4096
+                while True:
+                    start = max(0, size - chunk)
+                    handle.seek(start)
+                    data = handle.read(size - start)
+                    lines = data.split(b"\n")
+                    complete = lines[:-1] if not data.endswith(b"\n") else lines
+                    for line in reversed(complete if start == 0 else complete[1:]):
+                        line = line.strip()
+                        if not line:
+                            continue
+                        try:
+                            return int(json.loads(line.decode("utf-8"))["seq"])
+                        except (ValueError, KeyError, TypeError):
+                            continue
+                    if start == 0:
+                        return 0
+                    chunk *= 4
+        except FileNotFoundError:
+            return 0
+
+    def _append_journal(self, commit, rev):
+        """Append one fsynced line; fill any gap a crash left first, so seq stays gapless."""
+        path = self.journal_path()
+        last = self.last_journal_seq()
+        lines = []
+        for missing in range(last + 1, rev):
+            lines.append(compact_json(Commit(
+                seq=missing, time=commit.time, actor="ferrus", event="lost",
+                from_state="?", to_state="?", task_id=None,
+                detail={"note": "this transition was committed to STATE.json but the "
+                                "process stopped before journaling it"}).to_json()))
+        if last >= rev:
+            # The journal is ahead of STATE.json (e.g. a restored backup): keep both
+            # readable and let doctor explain it rather than writing duplicate seqs.
+            log.warning("journal seq %d is ahead of STATE.json rev %d", last, rev)
+        lines.append(compact_json(commit.to_json()))
+        payload = ("\n".join(lines) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            # A torn last line (killed mid-write) must not glue onto ours.
+            if os.fstat(fd).st_size:
+                with open(path, "rb") as handle:
+                    handle.seek(-1, os.SEEK_END)
+                    if handle.read(1) != b"\n":
+                        payload = b"\n" + payload
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_journal(self, after_seq=0, limit=None):
+        """Journal entries with seq > after_seq (the last ``limit`` when given).
+
+        Lines that do not parse (a torn write) are skipped here; doctor reports them."""
+        entries = []
+        try:
+            handle = open(self.journal_path(), "r", encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return entries
+        with handle:
+            for line in handle:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    entry = json.loads(line)
+                    seq = int(entry["seq"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if seq > after_seq:
+                    entries.append(entry)
+        if limit is not None:
+            entries = entries[-limit:] if limit > 0 else []
+        return entries
+
+    def append_event(self, actor, event, detail):
+        """Journal an event that is not a task transition (sessions, gates, notes).
+
+        It still bumps rev, so seq == rev holds and every waiter wakes."""
+        with self.transaction(actor) as tx:
+            tx.set(tx.state, event, **detail)
+        return tx.committed
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait_for_change(self, stamp, deadline, cancel=None, poll=0.005):
+        """Sleep until STATE.json changes, ``deadline`` (monotonic) passes or ``cancel`` is set.
+
+        A stat every few milliseconds is cheap and notices a commit quickly on every
+        platform, without inotify/kqueue."""
+        while True:
+            if cancel is not None and cancel.is_set():
+                return False
+            current = self.state_stamp()
+            if current != stamp:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if cancel is not None:
+                cancel.wait(min(poll, remaining))
+            else:
+                time.sleep(min(poll, remaining))
+
+
+# ============================================================================
+# 7. Checks
+# ============================================================================
+
+# A single output line longer than this is cut in the in-memory tail (the log
+# file keeps it whole); together with the line count this bounds memory.
+_TAIL_LINE_BYTES = 4000
+
+
+@dataclasses.dataclass
+class CommandResult:
+    command: str
+    status: str = "skipped"        # passed | failed | timed out | cancelled | skipped
+    exit_code: "int | None" = None
+    duration: float = 0.0
+    line_count: int = 0
+    tail: list = dataclasses.field(default_factory=list)
+    log_path: "str | None" = None      # relative to the project root, for reports
+    log_path_abs: "str | None" = None
+
+    @property
+    def passed(self):
+        return self.status == "passed"
+
+
+@dataclasses.dataclass
+class CheckRun:
+    results: list
+    log_path: str
+    cancelled: bool = False
+
+    @property
+    def passed(self):
+        return not self.cancelled and all(r.passed for r in self.results)
+
+    @property
+    def failed(self):
+        return [r for r in self.results if not r.passed and r.status != "skipped"]
+
+    def failure_reason(self):
+        names = [r.command for r in self.failed] or [r.command for r in self.results if not r.passed]
+        return "Commands failed: " + ", ".join(names)
+
+    def report(self, max_lines):
+        """The failure report agents read (upstream §10 layout, plus log paths)."""
+        out = ["Checks failed.\n\nFailed commands:\n"]
+        for result in self.failed:
+            out.append("- `%s`%s\n" % (result.command, _status_note(result)))
+        skipped = [r for r in self.results if r.status == "skipped"]
+        if skipped:
+            out.append("Not run: %s\n" % ", ".join("`%s`" % r.command for r in skipped))
+        out.append("\n")
+        for result in self.failed:
+            out.append("`%s`\n" % result.command)
+            tail = result.tail[-max_lines:] if max_lines > 0 else []
+            if result.line_count > max_lines:
+                out.append("(last %d of %d lines)\n" % (max_lines, result.line_count))
+            out.append("```\n" + "\n".join(tail) + "\n```\n")
+            if result.log_path:
+                out.append("(full output: `%s`)\n" % result.log_path)
+            out.append("\n")
+        out.append("Full log: `%s`" % self.log_path)
+        return "".join(out)
+
+
+def _status_note(result):
+    if result.status == "timed out":
+        return " (timed out after %.0f s)" % result.duration
+    if result.status == "cancelled":
+        return " (stopped: %s)" % "another command failed and fail_fast is on"
+    if result.exit_code is not None and result.exit_code < 0:
+        return " (killed by signal %d)" % -result.exit_code
+    if result.exit_code is not None:
+        return " (exit %d)" % result.exit_code
+    return ""
+
+
+class _OutputSink:
+    """Streams a command's output to its log file, keeping only a bounded tail."""
+
+    def __init__(self, log_handle, keep_lines):
+        self.log = log_handle
+        self.tail = collections.deque(maxlen=max(1, keep_lines))
+        self.partial = b""
+        self.partial_cut = False     # the pending line already lost its beginning
+        self.lines = 0
+
+    def feed(self, chunk):
+        self.log.write(chunk)
+        pieces = (self.partial + chunk).split(b"\n")
+        self.partial = pieces.pop()
+        if pieces:
+            self.lines += len(pieces)
+            first_cut, self.partial_cut = self.partial_cut, False
+            keep = pieces[-self.tail.maxlen:]
+            for index, piece in enumerate(keep):
+                cut = first_cut and index == 0 and len(keep) == len(pieces)
+                self.tail.append(_tail_text(piece, cut))
+        if len(self.partial) > _TAIL_LINE_BYTES:
+            # Keep the end of a giant unterminated line, not all of it.
+            self.partial = self.partial[-_TAIL_LINE_BYTES:]
+            self.partial_cut = True
+
+    def finish(self):
+        if self.partial or self.partial_cut:
+            self.lines += 1
+            self.tail.append(_tail_text(self.partial, self.partial_cut))
+            self.partial, self.partial_cut = b"", False
+
+
+def _tail_text(raw, cut=False):
+    if len(raw) > _TAIL_LINE_BYTES:
+        raw, cut = raw[-_TAIL_LINE_BYTES:], True
+    text = raw.rstrip(b"\r").decode("utf-8", errors="replace")
+    return "..." + text if cut else text
+
+
+def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
+    """Run one check command to completion, timeout or ``stop``; fill ``result``."""
+    started = time.monotonic()
+    if not result.command.strip():
+        result.status = "passed"
+        return
+    with open(result.log_path_abs, "wb") as handle:
+        handle.write(("$ %s\n" % result.command).encode("utf-8"))
+        sink = _OutputSink(handle, keep_lines)
+        try:
+            proc = subprocess.Popen(shell_argv(result.command), cwd=root,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, **process_group_kwargs())
+        except OSError as err:
+            result.status = "failed"
+            result.tail = ["could not start the shell: %s" % err]
+            result.line_count = 1
+            return
+        reader = threading.Thread(target=_pump_output, args=(proc.stdout, sink), daemon=True)
+        reader.start()
+        outcome = None
+        while outcome is None:
+            try:
+                proc.wait(timeout=0.05)
+                outcome = "exited"
+            except subprocess.TimeoutExpired:
+                if stop.is_set():
+                    outcome = "cancelled"
+                elif time.monotonic() - started >= timeout:
+                    outcome = "timed out"
+        if outcome != "exited":
+            kill_process_tree(proc)
+            proc.wait()
+        else:
+            # Grandchildren that kept the pipe open must not hang the gate.
+            kill_process_tree(proc, grace=0)
+        reader.join(5)
+        sink.finish()
+        result.duration = time.monotonic() - started
+        result.exit_code = proc.returncode
+        result.line_count = sink.lines
+        result.tail = list(sink.tail)
+        if outcome == "exited":
+            result.status = "passed" if proc.returncode == 0 else "failed"
+        else:
+            result.status = outcome
+        handle.write(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
+                                                    result.duration)).encode("utf-8"))
+
+
+def _pump_output(stream, sink):
+    with stream:
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            if not chunk:
+                return
+            sink.feed(chunk)
+
+
+def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
+    """Run the configured check commands (never anything an agent supplies).
+
+    Every command streams into its own log file under ``log_dir``; a summary
+    file names them all.  ``cancel`` (a threading.Event) stops the run and kills
+    the process groups."""
+    os.makedirs(log_dir, exist_ok=True)
+    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), secrets.token_hex(3))
+    base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
+    root = os.path.abspath(root)
+    results = []
+    for index, command in enumerate(checks.commands, 1):
+        log_path_abs = "%s.%d.log" % (base, index)
+        results.append(CommandResult(
+            command=command, log_path_abs=log_path_abs,
+            log_path=os.path.relpath(log_path_abs, root).replace(os.sep, "/")))
+    stop = threading.Event()
+    watcher = None
+    if cancel is not None:
+        def watch():
+            while not stop.is_set():
+                if cancel.wait(0.05):
+                    stop.set()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+
+    def run(result):
+        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir)
+        if checks.fail_fast and not result.passed:
+            stop.set()
+
+    try:
+        if checks.parallel:
+            threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            for result in results:
+                if stop.is_set():
+                    break
+                run(result)
+    finally:
+        cancelled = cancel is not None and cancel.is_set()
+        stop.set()
+        if watcher:
+            watcher.join()
+    summary = base + ".txt"
+    lines = []
+    for result in results:
+        label = {"passed": "PASS", "failed": "FAIL"}.get(result.status, result.status.upper())
+        lines.append("=== [%s] %s\n" % (label, result.command))
+        lines.append("exit: %s, %.2f s, %d lines, log: %s\n\n" % (
+            result.exit_code, result.duration, result.line_count, result.log_path))
+    with open(summary, "w", encoding="utf-8") as handle:
+        handle.writelines(lines)
+    return CheckRun(results=results, cancelled=cancelled,
+                    log_path=os.path.relpath(summary, root).replace(os.sep, "/"))
+
+
+# ============================================================================
+# 8. Specs
+# ============================================================================
+
+@dataclasses.dataclass
+class Milestone:
+    marker: str
+    id: str
+    title: str
+    depends_on: list
+    completed: bool
+    line_index: int
+
+    def display(self):
+        return "%s %s" % (self.marker, self.title)
+
+
+_MILESTONE_RE = re.compile(r"^\s*- \[([ xX])\] (.*)$")
+_FENCE_RE = re.compile(r"^\s*(```|~~~)")
+_HEADING_RE = re.compile(r"^#{1,6}\s")
+
+
+def _milestone_header(line):
+    match = _MILESTONE_RE.match(line.rstrip("\r\n"))
+    if not match:
+        return None
+    rest = match.group(2).strip()
+    if not rest.startswith("#"):
+        return None
+    parts = rest.split(None, 1)
+    if len(parts) < 2 or len(parts[0]) < 2 or not parts[1].strip():
+        return None
+    return match.group(1) in "xX", parts[0], parts[1].strip()
+
+
+def parse_spec(text):
+    """The milestones of a spec (upstream §7.2, with its edge cases fixed).
+
+    A milestone's own lines end at the next milestone, at a Markdown heading or
+    at the end of its list; fenced code blocks are never read; the first ``ID:``
+    wins; ``Depends on:`` is parsed into markers and ids."""
+    milestones = []
+    current = None
+    in_fence = False
+    for index, line in enumerate(text.split("\n")):
+        if _FENCE_RE.match(line):
+            in_fence = not in_fence
+            current = None
+            continue
+        if in_fence:
+            continue
+        header = _milestone_header(line)
+        if header:
+            completed, marker, title = header
+            current = Milestone(marker, "", title, [], completed, index)
+            milestones.append(current)
+            continue
+        if current is None:
+            continue
+        stripped = line.strip()
+        if _HEADING_RE.match(line):
+            current = None
+            continue
+        if stripped.startswith("- "):
+            stripped = stripped[2:].strip()
+        if stripped.startswith("ID:") and not current.id:
+            current.id = stripped[3:].strip()
+        elif stripped.startswith("Depends on:"):
+            value = stripped[len("Depends on:"):].strip()
+            current.depends_on = [] if value.lower() in ("", "none") else [
+                part.strip() for part in value.split(",") if part.strip()]
+    return [m for m in milestones if m.id]
+
+
+def dependencies_met(milestone, milestones):
+    done = {m.marker for m in milestones if m.completed} | {m.id for m in milestones if m.completed}
+    known = {m.marker for m in milestones} | {m.id for m in milestones}
+    return all(dep in done for dep in milestone.depends_on if dep in known)
+
+
+def first_ready_milestone(milestones, after=None):
+    """The first incomplete milestone whose dependencies are complete (after ``after``)."""
+    started = after is None
+    for milestone in milestones:
+        if not started:
+            started = milestone.id == after
+            continue
+        if not milestone.completed and dependencies_met(milestone, milestones):
+            return milestone
+    return None
+
+
+def spec_directory(root, config):
+    directory = config.spec.directory.strip()
+    if not directory:
+        raise FerrusError("ferrus.toml [spec].directory is empty.",
+                          "set it to a folder such as \"docs/specs\"")
+    return os.path.join(root, directory)
+
+
+def list_spec_paths(root, config):
+    directory = spec_directory(root, config)
+    if not os.path.isdir(directory):
+        return []
+    rel = os.path.relpath(directory, root).replace(os.sep, "/")
+    return sorted("%s/%s" % (rel, name) for name in os.listdir(directory)
+                  if name.endswith(".md") and os.path.isfile(os.path.join(directory, name)))
+
+
+def spec_display_name(path):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if len(stem) > 11 and re.match(r"^\d{4}-\d{2}-\d{2}-", stem):
+        stem = stem[11:]
+    return stem
+
+
+def resolve_selected(root, data):
+    """(spec_path, milestone) for the selection, or raise FerrusError saying what is missing."""
+    if not data.selected_spec or not data.selected_milestone:
+        raise FerrusError("no spec milestone is selected",
+                          "select one in HQ with /milestones, or create a spec first")
+    path = os.path.join(root, data.selected_spec)
+    if not os.path.isfile(path):
+        raise FerrusError("the selected spec %s does not exist" % data.selected_spec,
+                          "select another spec with /milestones")
+    for milestone in parse_spec(read_text(path)):
+        if milestone.id == data.selected_milestone:
+            return data.selected_spec, milestone
+    raise FerrusError("milestone %s is not in %s" % (data.selected_milestone, data.selected_spec),
+                      "select another milestone with /milestones")
+
+
+def slugify(title):
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower().encode("ascii", "replace").decode("ascii")
+                  .replace("?", "-")).strip("-")
+    return slug or "spec"
+
+
+def spec_title(markdown):
+    for line in markdown.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("# ") and stripped[2:].strip():
+            return stripped[2:].strip()
+    return "spec"
+
+
+def mark_milestone_complete(text, milestone):
+    """The spec text with that milestone's box ticked; every other byte unchanged."""
+    lines = text.split("\n")
+    line = lines[milestone.line_index]
+    lines[milestone.line_index] = line.replace("- [ ]", "- [x]", 1)
+    return "\n".join(lines)
+
+
+# ============================================================================
+# 9. Operations
+# ============================================================================
+#
+# One function per behaviour.  The MCP tools, the CLI (and HQ) call these and
+# nothing else changes .ferrus/.  A refusal raises FerrusError; success returns
+# an Outcome whose text agents read and whose data is the structured form.
+
+ROLES = ("supervisor", "executor")
+
+
+@dataclasses.dataclass
+class Caller:
+    """Who is acting: an MCP server's agent identity, the human, or HQ."""
+
+    role: str                      # supervisor | executor | agent | human | hq
+    agent_id: str
+    cancel: "threading.Event | None" = None
+    progress: "object | None" = None   # callable(message) for long waits
+
+    @property
+    def is_agent(self):
+        return self.role in ("supervisor", "executor", "agent")
+
+
+HUMAN = Caller("human", "human")
+
+
+@dataclasses.dataclass
+class Outcome:
+    text: str
+    data: dict
+
+
+def _outcome(text, state, **data):
+    data.setdefault("message", text)
+    data["state"] = state.value if isinstance(state, TaskState) else state
+    return Outcome(text, data)
+
+
+def _json_outcome(data):
+    return Outcome(compact_json(data), data)
+
+
+def _nonblank(value, message):
+    if not isinstance(value, str) or not value.strip():
+        raise FerrusError(message)
+    return value
+
+
+def _guard_lease(data, caller, now, action):
+    """An agent may not act on a task whose live lease another agent holds."""
+    if not caller.is_agent or not is_claimed(data, now) or data.claimed_by == caller.agent_id:
+        return
+    raise FerrusError(
+        "Cannot %s: the task is leased to %s until %s." % (action, data.claimed_by, data.lease_until),
+        "only the lease holder may %s; the lease frees itself when its holder stops "
+        "calling /heartbeat for lease.ttl_secs" % action)
+
+
+# -- supervisor ---------------------------------------------------------------
+
+def op_create_task(store, caller, description):
+    _nonblank(description, "Cannot create task: the description is empty.")
+    with store.transaction(caller.agent_id) as tx:
+        if tx.state.state != S.IDLE:
+            raise FerrusError(
+                "Cannot create task: current state is %s. The executor must complete or reset "
+                "the current task first." % tx.state.state,
+                "a human can run `ferrus reset` to return to Idle")
+        task_id = new_id("t")
+        tx.set(t_create_task(tx.state, store.clock(), task_id), "create_task", task_id=task_id)
+        tx.write("TASK.md", description)
+        # Stale review, question and answer text must not leak into the new task
+        # (upstream bug §11.18).
+        for name in TASK_SCRATCH_FILES:
+            tx.write(name, "")
+    return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
+                    S.EXECUTING, task_id=task_id)
+
+
+def op_review_pending(store, caller):
+    data = store.read_state()
+    if data.state != S.REVIEWING:
+        raise FerrusError("No submission pending review. Current state: %s. Wait for the "
+                          "Executor to call /submit." % data.state)
+    return _outcome(_review_text(store, data), data.state)
+
+
+def _review_text(store, data):
+    limits = store.config().limits
+    text = "## Task\n\n%s\n" % store.read_file("TASK.md")
+    submission = store.read_file("SUBMISSION.md")
+    if submission.strip():
+        text += "\n## Submission Notes\n\n%s" % submission
+    review = store.read_file("REVIEW.md")
+    if review.strip():
+        text += "\n## Previous Review Notes\n\n%s" % review
+    text += "\n---\nReview cycles used: %d/%d  \nCheck retries used: %d/%d" % (
+        data.review_cycles, limits.max_review_cycles, data.check_retries, limits.max_check_retries)
+    return text
+
+
+def op_approve(store, caller):
+    root = store.root
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.REVIEWING:
+            raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
+        _guard_lease(data, caller, store.clock(), "approve")
+        new = t_approve(data, store.clock())
+        detail = {}
+        # The milestone tick is a content file written before STATE.json, and it
+        # is idempotent, so a failed commit can simply be approved again.
+        if data.task_spec and data.task_milestone:
+            path = os.path.join(root, data.task_spec)
+            if os.path.isfile(path):
+                text = read_text(path)
+                milestones = parse_spec(text)
+                match = next((m for m in milestones if m.id == data.task_milestone), None)
+                if match is not None:
+                    if not match.completed:
+                        tx.write(path, mark_milestone_complete(text, match))
+                        match.completed = True
+                        detail["milestone_completed"] = match.id
+                    if (data.selected_spec == data.task_spec
+                            and data.selected_milestone == data.task_milestone):
+                        following = first_ready_milestone(milestones, after=match.id)
+                        new.selected_milestone = following.id if following else None
+        tx.set(new, "approve", **detail)
+    return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
+
+
+def op_reject(store, caller, notes):
+    _nonblank(notes, "Cannot reject: the review notes are empty. Say what must change.")
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.REVIEWING:
+            raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
+        _guard_lease(data, caller, store.clock(), "reject")
+        new = t_reject(data, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "reject", review_cycles=new.review_cycles)
+    if new.state == S.FAILED:
+        text = ("Review cycle limit reached (%d/%d).\n\nState is now Failed. A human must call "
+                "/reset to recover." % (new.review_cycles, limits.max_review_cycles))
+    else:
+        text = ("Submission rejected (cycle %d/%d).\n\n**Review notes written.** State: "
+                "Addressing. The Executor should call /wait_for_task to see the notes and /check "
+                "after addressing them." % (new.review_cycles, limits.max_review_cycles))
+    return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+def op_respond_consult(store, caller, response):
+    _nonblank(response, "Consultation response cannot be empty.")
+    with store.transaction(caller.agent_id) as tx:
+        if tx.state.state != S.CONSULTATION:
+            raise FerrusError("Cannot respond to consultation from state %s. /respond_consult is "
+                              "only valid in Consultation state." % tx.state.state)
+        tx.write("CONSULT_RESPONSE.md", response)
+        tx.set(tx.state, "respond_consult")
+    return _outcome("Consultation response recorded in `.ferrus/CONSULT_RESPONSE.md`.",
+                    S.CONSULTATION)
+
+
+def op_create_spec(store, caller, markdown):
+    _nonblank(markdown, "Cannot create spec: markdown content is empty.")
+    config = store.config()
+    try:
+        directory = spec_directory(store.root, config)
+    except FerrusError as err:
+        raise FerrusError("Cannot create spec: " + err.message, err.hint)
+    os.makedirs(directory, exist_ok=True)
+    stem = "%s-%s" % (store.clock().strftime("%Y-%m-%d"), slugify(spec_title(markdown)))
+    text = markdown if markdown.endswith("\n") else markdown + "\n"
+    # Claim a unique name with exclusive create, then fill it atomically.
+    for number in range(1, 10000):
+        name = "%s.md" % stem if number == 1 else "%s-%d.md" % (stem, number)
+        path = os.path.join(directory, name)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            break
+        except FileExistsError:
+            continue
+    atomic_write(path, text)
+    rel = os.path.relpath(path, store.root).replace(os.sep, "/")
+    milestone = first_ready_milestone(parse_spec(text))
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        tx.write("LAST_SPEC_PATH", rel)
+        # Changing the selection under a running task would retarget it (upstream
+        # bug §11.17), so mid-task the spec is saved but not selected.
+        selectable = data.state in (S.IDLE, S.COMPLETE, S.FAILED)
+        if selectable:
+            data.selected_spec = rel
+            data.selected_milestone = milestone.id if milestone else None
+        tx.set(data, "create_spec", path=rel, selected=selectable)
+    if not selectable:
+        text = ("Spec created at %s. It was not selected because a task is in progress (state %s); "
+                "select it with /milestones when the task ends." % (rel, data.state))
+    elif milestone:
+        text = "Spec created at %s. Selected milestone: %s." % (rel, milestone.id)
+    else:
+        text = "Spec created at %s. No incomplete milestone selected." % rel
+    return _outcome(text, data.state, path=rel,
+                    selected_milestone=milestone.id if milestone and selectable else None)
+
+
+def op_select_milestone(store, caller, spec_path, milestone_id=None):
+    """Select a spec and one of its milestones (the first ready one by default)."""
+    full = os.path.join(store.root, spec_path)
+    if not os.path.isfile(full):
+        raise FerrusError("spec %s does not exist" % spec_path)
+    milestones = parse_spec(read_text(full))
+    if milestone_id is None:
+        chosen = first_ready_milestone(milestones)
+    else:
+        chosen = next((m for m in milestones if m.id == milestone_id), None)
+        if chosen is None:
+            raise FerrusError("milestone %s is not in %s" % (milestone_id, spec_path),
+                              "ids: " + ", ".join(m.id for m in milestones))
+    rel = os.path.relpath(full, store.root).replace(os.sep, "/")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        data.selected_spec = rel
+        data.selected_milestone = chosen.id if chosen else None
+        tx.set(data, "select_milestone", spec=rel, milestone=data.selected_milestone)
+    return _outcome("Selected %s, milestone %s." % (rel, data.selected_milestone or "(none left)"),
+                    data.state)
+
+
+def op_clear_selection(store, caller):
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        data.selected_spec = data.selected_milestone = None
+        tx.set(data, "clear_selection")
+    return _outcome("Spec selection cleared.", data.state)
+
+
+# -- waiting ------------------------------------------------------------------
+
+class _Waiter:
+    """The budget and the progress cadence shared by every wait_* operation."""
+
+    PROGRESS_EVERY = 5.0
+
+    def __init__(self, store, caller, timeout=None):
+        self.store = store
+        self.caller = caller
+        budget = store.config().limits.wait_timeout_secs if timeout is None else timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + budget
+        self.next_progress = self.started + self.PROGRESS_EVERY
+
+    def cancelled(self):
+        return self.caller.cancel is not None and self.caller.cancel.is_set()
+
+    def pause(self, stamp, what):
+        """Wait for the next commit; False once the budget is spent or the call is cancelled."""
+        while True:
+            if self.cancelled() or time.monotonic() >= self.deadline:
+                return False
+            slice_end = min(self.deadline, self.next_progress)
+            if self.store.wait_for_change(stamp, slice_end, self.caller.cancel):
+                return True
+            if time.monotonic() >= self.next_progress:
+                self.next_progress += self.PROGRESS_EVERY
+                if self.caller.progress:
+                    self.caller.progress("waiting for %s (%.0f s)" % (
+                        what, time.monotonic() - self.started))
+
+    def timeout(self, state):
+        return _json_outcome({"status": "timeout", "state": state.value})
+
+
+def _wait_and_claim(store, caller, claimable, build, what):
+    waiter = _Waiter(store, caller)
+    ttl = store.config().lease.ttl_secs
+    while True:
+        stamp = store.state_stamp()
+        with store.transaction(caller.agent_id) as tx:
+            data = tx.state
+            now = store.clock()
+            if data.state in claimable and (not is_claimed(data, now)
+                                            or data.claimed_by == caller.agent_id):
+                renewing = data.claimed_by == caller.agent_id and is_claimed(data, now)
+                # Re-entry renews the lease too (upstream did not: bug §11.7).
+                tx.set(claim(data, caller.agent_id, now, ttl), "claim",
+                       agent=caller.agent_id, renewed=renewing)
+        if tx.committed:
+            return _json_outcome(build(tx.state))
+        if not waiter.pause(stamp, what):
+            return waiter.timeout(data.state)
+
+
+def op_wait_for_task(store, caller):
+    def build(data):
+        return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
+                "state": data.state.value, "task": store.read_file("TASK.md"),
+                "review": store.read_file("REVIEW.md"), "task_id": data.task_id}
+    return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
+
+
+def op_wait_for_review(store, caller):
+    def build(data):
+        return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
+                "state": data.state.value, "task": store.read_file("TASK.md"),
+                "submission": store.read_file("SUBMISSION.md"),
+                "review": store.read_file("REVIEW.md"),
+                "review_cycles_used": data.review_cycles,
+                "check_retries_used": data.check_retries, "task_id": data.task_id}
+    return _wait_and_claim(store, caller, (S.REVIEWING,), build, "a submission")
+
+
+def op_wait_for_consult(store, caller):
+    data = store.read_state()
+    if data.state != S.CONSULTATION and not (
+            data.state == S.AWAITING_HUMAN and data.paused_state == S.CONSULTATION):
+        raise FerrusError("Cannot wait for consultation from state %s. Call /consult first."
+                          % data.state)
+    waiter = _Waiter(store, caller)
+    ttl = store.config().lease.ttl_secs
+    while True:
+        stamp = store.state_stamp()
+        response = None
+        with store.transaction(caller.agent_id) as tx:
+            data = tx.state
+            if data.state == S.CONSULTATION:
+                response = tx.read("CONSULT_RESPONSE.md")
+                if response.strip():
+                    now = store.clock()
+                    new = t_finish_consult(data, now)
+                    if new.claimed_by:
+                        new = claim(new, new.claimed_by, now, ttl)
+                    tx.write("CONSULT_RESPONSE.md", "")
+                    tx.write("CONSULT_REQUEST.md", "")
+                    tx.set(new, "finish_consult")
+            elif not (data.state == S.AWAITING_HUMAN and data.paused_state == S.CONSULTATION):
+                raise FerrusError("The consultation ended without a response: the state is now %s."
+                                  % data.state, "call /status to see where the task stands")
+        if tx.committed:
+            text = response.strip()
+            return Outcome(text, {"status": "responded", "response": text,
+                                  "state": tx.state.state.value, "message": text})
+        if not waiter.pause(stamp, "the consultation response"):
+            return waiter.timeout(data.state)
+
+
+def op_wait_for_answer(store, caller):
+    waiter = _Waiter(store, caller)
+    ttl = store.config().lease.ttl_secs
+    first = True
+    while True:
+        stamp = store.state_stamp()
+        answer = None
+        with store.transaction(caller.agent_id) as tx:
+            data = tx.state
+            now = store.clock()
+            pending = tx.read("ANSWER.md")
+            if data.state == S.AWAITING_HUMAN and pending.strip():
+                # Someone wrote ANSWER.md by hand (or upstream HQ did): apply it here.
+                data = t_answer(data, now)
+            if data.state != S.AWAITING_HUMAN and pending.strip():
+                # The single consumer of an answer: it is cleared in this transaction,
+                # so no second caller can read it (upstream bug §11.5).
+                answer = pending.strip()
+                if data.claimed_by == caller.agent_id:
+                    data = claim(data, caller.agent_id, now, ttl)
+                tx.write("ANSWER.md", "")
+                tx.write("QUESTION.md", "")
+                tx.set(data, "consume_answer")
+            elif data.state != S.AWAITING_HUMAN and first:
+                raise FerrusError("No question is pending (state %s), so there is no answer to "
+                                  "wait for." % data.state, "call /ask_human first")
+        first = False
+        if answer is not None:
+            return _json_outcome({"status": "answered", "answer": answer,
+                                  "resumed_state": tx.state.state.value})
+        if not waiter.pause(stamp, "the human's answer"):
+            return waiter.timeout(data.state)
+
+
+# -- executor -------------------------------------------------------------------
+
+def _run_gate(store, caller, action):
+    """Run the check gate for ``action`` (check or submit) without holding the lock.
+
+    Returns (snapshot, run, config); run is None when no commands are configured."""
+    data = store.read_state()
+    if data.state not in WORK_STATES:
+        if action == "check":
+            raise FerrusError("Cannot run checks from state %s. Checks are only valid in Executing "
+                              "or Addressing state." % data.state)
+        raise FerrusError("Cannot submit from state %s. Submit is only valid from Executing or "
+                          "Addressing after the implementation is ready." % data.state)
+    _guard_lease(data, caller, store.clock(), action)
+    config = store.config()
+    if not config.checks.commands:
+        return data, None, config
+    run = run_checks(store.root, config.checks, store.path("logs"), data.check_retries + 1,
+                     config.limits.max_feedback_lines, caller.cancel)
+    if run.cancelled:
+        raise FerrusError("The check run was cancelled; the state is unchanged.")
+    return data, run, config
+
+
+def _same_task(tx, snapshot):
+    """Apply a gate result only to the task and state it was run for (bug §11.2)."""
+    current = tx.state
+    if current.task_id != snapshot.task_id or current.state != snapshot.state:
+        raise FerrusError(
+            "The state moved from %s to %s while the checks ran, so their result was discarded "
+            "and nothing was written." % (snapshot.state, current.state),
+            "call /status, then /wait_for_task if there is still work to do")
+
+
+def op_check(store, caller):
+    snapshot, run, config = _run_gate(store, caller, "check")
+    limits = config.limits
+    with store.transaction(caller.agent_id) as tx:
+        _same_task(tx, snapshot)
+        now = store.clock()
+        if run is None or run.passed:
+            tx.set(t_check_passed(tx.state, now), "check_passed",
+                   log=run.log_path if run else None)
+        else:
+            tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
+                   "check_failed", log=run.log_path, failed=[r.command for r in run.failed])
+    new = tx.state
+    if run is None:
+        return _outcome("All checks passed. Warning: no check commands are configured in "
+                        "ferrus.toml. State remains unchanged.", new.state, passed=True)
+    if run.passed:
+        return _outcome("All checks passed. State remains %s. Continue working or call /submit "
+                        "when the task is ready for review." % new.state, new.state,
+                        passed=True, log=run.log_path)
+    report = run.report(limits.max_feedback_lines)
+    if new.state == S.FAILED:
+        text = ("Check retry limit reached (%d/%d).\n\n%s\n\nState is now Failed. A human must "
+                "call /reset to recover." % (new.check_retries, limits.max_check_retries, report))
+    else:
+        text = ("Checks failed (retry %d/%d).\n\n%s\n\nState remains %s. Fix the issues and call "
+                "/check again." % (new.check_retries, limits.max_check_retries, report, new.state))
+    return _outcome(text, new.state, passed=False, log=run.log_path,
+                    check_retries=new.check_retries)
+
+
+def op_submit(store, caller, content):
+    snapshot, run, config = _run_gate(store, caller, "submit")
+    limits = config.limits
+    with store.transaction(caller.agent_id) as tx:
+        _same_task(tx, snapshot)
+        now = store.clock()
+        if run is None or run.passed:
+            tx.write("SUBMISSION.md", content)
+            tx.set(t_submit(t_check_passed(tx.state, now), now), "submit",
+                   log=run.log_path if run else None)
+        else:
+            tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
+                   "check_failed", log=run.log_path, failed=[r.command for r in run.failed],
+                   during="submit")
+    new = tx.state
+    if run is None:
+        return _outcome("Submitted for review. Warning: no check commands are configured in "
+                        "ferrus.toml, so the final check gate was treated as a pass. State: "
+                        "Reviewing.", new.state, passed=True)
+    if run.passed:
+        return _outcome("Submitted for review. State: Reviewing. The Supervisor can now call "
+                        "/review_pending.", new.state, passed=True, log=run.log_path)
+    report = run.report(limits.max_feedback_lines)
+    if new.state == S.FAILED:
+        text = ("Final review gate failed during /submit and hit the retry limit (%d/%d).\n\n%s\n\n"
+                "State is now Failed. A human must call /reset to recover."
+                % (new.check_retries, limits.max_check_retries, report))
+    else:
+        text = ("Final review gate failed during /submit (retry %d/%d).\n\n%s\n\nState remains %s. "
+                "Fix the issues and run /check or /submit again."
+                % (new.check_retries, limits.max_check_retries, report, new.state))
+    return _outcome(text, new.state, passed=False, log=run.log_path,
+                    check_retries=new.check_retries)
+
+
+CONSULT_HEADINGS = ("## Problem", "## What I tried", "## Options (if any)", "## Question")
+
+
+def op_consult(store, caller, question):
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state not in WORK_STATES:
+            raise FerrusError("Cannot consult from state %s. Consultation is only available while "
+                              "executing work." % data.state)
+        _guard_lease(data, caller, store.clock(), "consult")
+        missing = [h for h in CONSULT_HEADINGS if h not in (question or "")]
+        if missing:
+            raise FerrusError("The consultation request must follow the template; it lacks %s."
+                              % ", ".join(missing),
+                              "read ferrus://consult_template and fill in every heading")
+        tx.write("CONSULT_REQUEST.md", question)
+        tx.write("CONSULT_RESPONSE.md", "")
+        paused = data.state
+        tx.set(t_consult(data, store.clock()), "consult")
+    text = ("Consultation request written to `.ferrus/CONSULT_REQUEST.md`.\n"
+            "State is now Consultation (paused from %s).\n"
+            "HQ will start the Supervisor in consultation mode to answer it.\n"
+            "Call /wait_for_consult now to receive the response." % paused)
+    return _outcome(text, S.CONSULTATION, paused_state=paused.value)
+
+
+# -- shared -----------------------------------------------------------------------
+
+def op_ask_human(store, caller, question):
+    _nonblank(question, "Cannot ask a human: the question is empty.")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state not in ALLOWED_FROM["ask_human"]:
+            raise TransitionError("ask_human", data.state)
+        tx.write("QUESTION.md", question)
+        tx.write("ANSWER.md", "")
+        paused = data.state
+        tx.set(t_ask_human(data, store.clock(), caller.agent_id), "ask_human",
+               asked_by=caller.agent_id)
+    text = ("Question written to `.ferrus/QUESTION.md`.\n"
+            "State is now AwaitingHuman (paused from %s).\n"
+            "Call /wait_for_answer immediately and keep calling it until it returns the answer.\n"
+            "Do NOT call other tools while the question is open." % paused)
+    return _outcome(text, S.AWAITING_HUMAN, paused_state=paused.value)
+
+
+def op_answer(store, caller, response):
+    _nonblank(response, "Cannot answer: the response is empty.")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_HUMAN:
+            raise FerrusError("Cannot answer from state %s. /answer is only valid in AwaitingHuman "
+                              "state." % data.state)
+        new = t_answer(data, store.clock())
+        tx.write("ANSWER.md", response)
+        tx.set(new, "answer", asked_by=data.question_from)
+    return _outcome("Response recorded in `.ferrus/ANSWER.md`. State restored to %s. The agent can "
+                    "read the answer and continue." % new.state, new.state)
+
+
+def op_status(store, caller=None):
+    data = store.read_state()
+    now = store.clock()
+    lines = ["**State:** %s" % data.state, "**Check retries:** %d" % data.check_retries,
+             "**Review cycles:** %d" % data.review_cycles]
+    if data.failure_reason:
+        lines.append("**Failure reason:** %s" % data.failure_reason)
+    if data.task_id:
+        lines.append("**Task:** %s" % data.task_id)
+    if is_claimed(data, now):
+        lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
+    return Outcome("\n".join(lines), status_data(store, data, now))
+
+
+def status_data(store, data, now):
+    """Everything `ferrus status --json` and the status tool report."""
+    entered = data.state_entered_at
+    seconds_in_state = None
+    if entered:
+        with contextlib.suppress(ValueError):
+            seconds_in_state = max(0.0, (now - parse_timestamp(entered)).total_seconds())
+    return {"state": data.state.value, "task_id": data.task_id,
+            "check_retries": data.check_retries, "review_cycles": data.review_cycles,
+            "failure_reason": data.failure_reason, "paused_state":
+                data.paused_state.value if data.paused_state else None,
+            "claimed_by": data.claimed_by if is_claimed(data, now) else None,
+            "lease_until": data.lease_until if is_claimed(data, now) else None,
+            "state_entered_at": entered, "seconds_in_state": seconds_in_state,
+            "task_started_at": data.task_started_at,
+            "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
+            "rev": data.rev, "message": None}
+
+
+def op_reset(store, caller):
+    """The agents' escape hatch: Failed → Idle (supervisor only)."""
+    with store.transaction(caller.agent_id) as tx:
+        if tx.state.state != S.FAILED:
+            raise FerrusError("Cannot reset from state %s. Reset is only available in the Failed "
+                              "state." % tx.state.state)
+        tx.set(t_reset(tx.state, store.clock()), "reset")
+        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md"):
+            tx.write(name, "")
+    return _outcome("State reset to Idle. REVIEW.md, SUBMISSION.md, and consultation files "
+                    "cleared. Ready for a new task.", S.IDLE)
+
+
+def op_force_reset(store, caller):
+    """The human's reset: any state → Idle, task files cleared, selection kept."""
+    with store.transaction(caller.agent_id) as tx:
+        previous = tx.state.state
+        tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
+        for name in ("TASK.md",) + TASK_SCRATCH_FILES:
+            tx.write(name, "")
+        agents_path = store.path("agents.json")
+        if os.path.isfile(agents_path):
+            with contextlib.suppress(ValueError, OSError):
+                registry = json.loads(read_text(agents_path))
+                for entry in registry.get("agents", []):
+                    if entry.get("status") == "running":
+                        entry["status"], entry["pid"] = "suspended", None
+                tx.write("agents.json", pretty_json(registry))
+    return _outcome("State reset to Idle from %s. Task files cleared; the spec selection is kept."
+                    % previous, S.IDLE, previous_state=previous.value)
+
+
+def op_heartbeat(store, caller, agent_id=None):
+    """Renew the caller's own lease.  The identity is the server's, not an argument."""
+    def error(code, message):
+        return _json_outcome({"status": "error", "code": code, "message": message})
+    if agent_id and agent_id != caller.agent_id:
+        # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
+        return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
+                     % (caller.agent_id, agent_id))
+    ttl = store.config().lease.ttl_secs
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        now = store.clock()
+        if data.claimed_by != caller.agent_id:
+            if data.claimed_by is None:
+                return error("not_claimed", "No active lease exists")
+            return error("claimed_by_other", "Lease is held by %s" % data.claimed_by)
+        if not is_claimed(data, now):
+            return error("expired", "Your lease expired before renewal")
+        if data.state not in ALLOWED_FROM["heartbeat"]:
+            return error("invalid_state", "State %s cannot hold a lease" % data.state)
+        tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
+    return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
+                          "lease_until": tx.state.lease_until})
+
+
+def op_run_checks_only(store, cancel=None):
+    """`ferrus check --force`: run the gate and report, changing no state."""
+    config = store.config()
+    if not config.checks.commands:
+        return None, config
+    return run_checks(store.root, config.checks, store.path("logs"), 0,
+                      config.limits.max_feedback_lines, cancel), config
+
+
+# ============================================================================
+# 10. MCP
+# ============================================================================
+#
+# First a generic JSON-RPC 2.0 server on newline-delimited stdio, then the
+# ferrus tools, resources and prompts, registered per role.
+
+MCP_LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+MCP_MODERN_VERSIONS = ("2026-07-28",)
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = (
+    -32700, -32600, -32601, -32602, -32603)
+RESOURCE_NOT_FOUND = -32002
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+
+class RpcError(Exception):
+    def __init__(self, code, message, data=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+
+    def to_json(self):
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return error
+
+
+@dataclasses.dataclass
+class Request:
+    """One JSON-RPC request as a handler sees it."""
+
+    id: object
+    method: str
+    params: dict
+    cancel: threading.Event
+    modern: bool = False      # sent in the 2026-07-28 stateless era
+
+    @property
+    def meta(self):
+        meta = self.params.get("_meta")
+        return meta if isinstance(meta, dict) else {}
+
+
+class JsonRpcServer:
+    """Newline-delimited JSON-RPC 2.0 over a pair of binary streams.
+
+    The reader thread parses messages and answers cheap methods inline; methods
+    named in ``threaded`` run on their own worker thread so a long call never
+    delays ``ping`` or a cancellation.  One lock serialises writes."""
+
+    def __init__(self, reader, writer):
+        self.reader = reader
+        self.writer = writer
+        self.handlers = {}
+        self.notification_handlers = {}
+        self.threaded = set()
+        self._write_lock = threading.Lock()
+        self._inflight = {}
+        self._inflight_lock = threading.Lock()
+        self._workers = set()
+        self.closed = threading.Event()
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def send(self, message):
+        text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+        try:
+            data = (text + "\n").encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (from a "\ud800" escape in the request) has no UTF-8
+            # form; ASCII escapes keep the line valid JSON and valid UTF-8.
+            data = (json.dumps(message, separators=(",", ":")) + "\n").encode("ascii")
+        with self._write_lock:
+            try:
+                self.writer.write(data)
+                self.writer.flush()
+            except (OSError, ValueError):
+                self.closed.set()
+
+    def notify(self, method, params):
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def _respond(self, request_id, result=None, error=None):
+        message = {"jsonrpc": "2.0", "id": request_id}
+        if error is not None:
+            message["error"] = error.to_json()
+        else:
+            message["result"] = result
+        self.send(message)
+
+    def _read_line(self):
+        """The next line, or None at EOF; an over-long line becomes an error marker."""
+        line = self.reader.readline(MAX_MESSAGE_BYTES + 1)
+        if not line:
+            return None
+        if len(line) > MAX_MESSAGE_BYTES and not line.endswith(b"\n"):
+            while True:  # discard the rest of the oversized line
+                rest = self.reader.readline(1024 * 1024)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            return b""
+        return line
+
+    def serve_forever(self):
+        """Read until EOF, then cancel whatever is still running and return."""
+        try:
+            while not self.closed.is_set():
+                line = self._read_line()
+                if line is None:
+                    break
+                if line == b"":
+                    self._respond(None, error=RpcError(
+                        INVALID_REQUEST, "message larger than %d bytes" % MAX_MESSAGE_BYTES))
+                    continue
+                if line.strip():
+                    self._handle_line(line)
+        finally:
+            self.shutdown()
+
+    def shutdown(self, wait=5.0):
+        self.closed.set()
+        with self._inflight_lock:
+            for event in self._inflight.values():
+                event.set()
+            workers = list(self._workers)
+        deadline = time.monotonic() + wait
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+    def _handle_line(self, line):
+        try:
+            message = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            self._respond(None, error=RpcError(PARSE_ERROR, "Parse error: %s" % err))
+            return
+        if isinstance(message, list):
+            self._respond(None, error=RpcError(
+                INVALID_REQUEST, "JSON-RPC batches are not supported; send one message per line"))
+            return
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            request_id = message.get("id") if isinstance(message, dict) else None
+            self._respond(request_id if _valid_id(request_id) else None, error=RpcError(
+                INVALID_REQUEST, "Invalid Request: expected an object with \"jsonrpc\": \"2.0\""))
+            return
+        method = message.get("method")
+        if method is None and ("result" in message or "error" in message):
+            return  # a response to a request we never send; ignore it
+        params = message.get("params", {})
+        if "id" not in message:
+            if isinstance(method, str) and isinstance(params, dict):
+                handler = self.notification_handlers.get(method)
+                if handler:
+                    try:
+                        handler(params)
+                    except Exception:  # a notification never gets an answer, even on failure
+                        log.exception("notification %s failed", method)
+            return
+        request_id = message["id"]
+        if not _valid_id(request_id):
+            self._respond(None, error=RpcError(INVALID_REQUEST,
+                                               "Invalid Request: id must be a string or integer"))
+            return
+        if not isinstance(method, str):
+            self._respond(request_id, error=RpcError(INVALID_REQUEST,
+                                                     "Invalid Request: method must be a string"))
+            return
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            self._respond(request_id, error=RpcError(INVALID_PARAMS, "params must be an object"))
+            return
+        request = Request(request_id, method, params, threading.Event())
+        if method in self.threaded:
+            with self._inflight_lock:
+                if request_id in self._inflight:
+                    self._respond(request_id, error=RpcError(
+                        INVALID_REQUEST, "request id %r is already in use" % (request_id,)))
+                    return
+                self._inflight[request_id] = request.cancel
+                worker = threading.Thread(target=self._run, args=(request,), daemon=True,
+                                          name="mcp-%s" % method)
+                self._workers.add(worker)
+            worker.start()
+        else:
+            self._run(request)
+
+    def _run(self, request):
+        result = error = None
+        try:
+            handler = self.handlers.get(request.method)
+            if handler is None:
+                raise RpcError(METHOD_NOT_FOUND, "Method not found: %s" % request.method)
+            result = handler(request)
+        except RpcError as err:
+            error = err
+        except Exception as err:  # a bug must not kill the server; report it whole
+            log.exception("internal error in %s", request.method)
+            error = RpcError(INTERNAL_ERROR, "Internal error: %s: %s" % (type(err).__name__, err))
+        finally:
+            with self._inflight_lock:
+                self._inflight.pop(request.id, None)
+                self._workers.discard(threading.current_thread())
+        if request.cancel.is_set():
+            return  # cancelled (or shutting down): the spec says send nothing more
+        self._respond(request.id, result=result, error=error)
+
+    def cancel(self, request_id):
+        with self._inflight_lock:
+            event = self._inflight.get(request_id)
+        if event is not None:
+            event.set()
+
+
+def _valid_id(value):
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+# -- ferrus tools ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Param:
+    name: str
+    type: str
+    description: str
+    required: bool = True
+
+
+@dataclasses.dataclass
+class Tool:
+    name: str
+    title: str
+    description: str
+    roles: tuple
+    run: object                     # callable(store, caller, **arguments) -> Outcome
+    params: tuple = ()
+    output: dict = dataclasses.field(default_factory=dict)
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+
+    def input_schema(self):
+        return {"type": "object",
+                "properties": {p.name: {"type": p.type, "description": p.description}
+                               for p in self.params},
+                "required": [p.name for p in self.params if p.required]}
+
+    def output_schema(self):
+        properties = {}
+        for name, kind in self.output.items():
+            if kind.endswith("?"):
+                properties[name] = {"type": [kind[:-1], "null"]}
+            else:
+                properties[name] = {"type": kind}
+        return {"type": "object", "properties": properties}
+
+
+SUP, EXE = ("supervisor",), ("executor",)
+BOTH = ("supervisor", "executor")
+_TEXT_OUT = {"message": "string", "state": "string"}
+_CLAIM_OUT = {"status": "string", "state": "string", "claimed_by": "string?",
+              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?"}
+
+TOOLS = (
+    Tool("create_task", "Create task",
+         "Start a new task from Idle: writes the description to TASK.md and moves the state to "
+         "Executing so an executor can claim it with /wait_for_task. Confirm the task with the "
+         "user first.", SUP,
+         lambda st, c, description: op_create_task(st, c, description),
+         (Param("description", "string", "The whole task in Markdown: outcome, constraints, "
+                                         "acceptance criteria."),),
+         dict(_TEXT_OUT, task_id="string")),
+    Tool("create_spec", "Create spec",
+         "Save an approved feature specification (Markdown following ferrus://spec_template) "
+         "into the spec directory and select its first ready milestone when no task is running.",
+         SUP, lambda st, c, markdown: op_create_spec(st, c, markdown),
+         (Param("markdown", "string", "The full specification in Markdown."),),
+         dict(_TEXT_OUT, path="string", selected_milestone="string?")),
+    Tool("wait_for_review", "Wait for review",
+         "Block until a submission is in Reviewing, claim the review lease and return the task, "
+         "submission notes and earlier review notes. On {\"status\":\"timeout\"} call it again.",
+         SUP, lambda st, c: op_wait_for_review(st, c), (),
+         dict(_CLAIM_OUT, submission="string", review_cycles_used="integer",
+              check_retries_used="integer")),
+    Tool("review_pending", "Review pending submission",
+         "Read the task, the submission notes and previous review notes of the submission "
+         "awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
+         read_only=True, idempotent=True),
+    Tool("approve", "Approve submission",
+         "Accept the submission under review: the state becomes Complete and the task's spec "
+         "milestone is ticked.", SUP, lambda st, c: op_approve(st, c), (), _TEXT_OUT),
+    Tool("reject", "Reject submission",
+         "Send the submission back with notes saying exactly what must change. The state "
+         "becomes Addressing (or Failed once max_review_cycles is reached).", SUP,
+         lambda st, c, notes: op_reject(st, c, notes),
+         (Param("notes", "string", "Concrete, actionable review notes in Markdown."),),
+         dict(_TEXT_OUT, review_cycles="integer"), destructive=True),
+    Tool("respond_consult", "Answer consultation",
+         "Answer the executor's consultation request (ferrus://consult_request). The executor "
+         "receives it from /wait_for_consult.", SUP,
+         lambda st, c, response: op_respond_consult(st, c, response),
+         (Param("response", "string", "Your guidance for the executor."),), _TEXT_OUT),
+    Tool("wait_for_task", "Wait for task",
+         "Block until a task is in Executing or Addressing, claim its lease and return the task "
+         "and any review notes to address. On {\"status\":\"timeout\"} call it again.", EXE,
+         lambda st, c: op_wait_for_task(st, c), (), _CLAIM_OUT),
+    Tool("check", "Run checks",
+         "Run the project's configured check commands (lint, tests). Passing resets the retry "
+         "counter; each failure uses one retry and returns the failing output. Use it freely "
+         "while working and again just before /submit.", EXE,
+         lambda st, c: op_check(st, c), (),
+         dict(_TEXT_OUT, passed="boolean", log="string?", check_retries="integer")),
+    Tool("consult", "Consult supervisor",
+         "Pause the task and ask the supervisor for guidance. The question must use the four "
+         "headings of ferrus://consult_template. Then call /wait_for_consult.", EXE,
+         lambda st, c, question: op_consult(st, c, question),
+         (Param("question", "string", "The filled-in consultation template."),),
+         dict(_TEXT_OUT, paused_state="string")),
+    Tool("submit", "Submit for review",
+         "Run the final check gate and, when it passes, record the submission notes and move "
+         "the task to Reviewing.", EXE,
+         lambda st, c, content: op_submit(st, c, content),
+         (Param("content", "string", "Submission notes: what changed, why, and how it was "
+                                     "verified."),),
+         dict(_TEXT_OUT, passed="boolean", log="string?", check_retries="integer")),
+    Tool("wait_for_consult", "Wait for consultation",
+         "Block until the supervisor answers your consultation, then resume the paused state "
+         "and return the answer. On {\"status\":\"timeout\"} call it again.", EXE,
+         lambda st, c: op_wait_for_consult(st, c), (),
+         {"status": "string", "state": "string", "response": "string", "message": "string"}),
+    Tool("wait_for_answer", "Wait for human answer",
+         "Block until a human answers the question you asked with /ask_human, then return the "
+         "answer and the state the task resumed in. On {\"status\":\"timeout\"} call it again.",
+         BOTH, lambda st, c: op_wait_for_answer(st, c), (),
+         {"status": "string", "state": "string", "answer": "string", "resumed_state": "string"}),
+    Tool("ask_human", "Ask a human",
+         "Last resort when only a human can decide: pause the task with a question. Call "
+         "/wait_for_answer right after and nothing else.", BOTH,
+         lambda st, c, question: op_ask_human(st, c, question),
+         (Param("question", "string", "A short, self-contained question for the human."),),
+         dict(_TEXT_OUT, paused_state="string")),
+    Tool("answer", "Answer question",
+         "Answer the pending human question (ferrus://question) and resume the paused state.",
+         BOTH, lambda st, c, response: op_answer(st, c, response),
+         (Param("response", "string", "The answer."),), _TEXT_OUT),
+    Tool("status", "Status",
+         "Show the task state, retry and review counters, the lease and the selected milestone.",
+         BOTH, lambda st, c: op_status(st, c), (),
+         {"state": "string", "task_id": "string?", "check_retries": "integer",
+          "review_cycles": "integer", "failure_reason": "string?", "paused_state": "string?",
+          "claimed_by": "string?", "lease_until": "string?", "state_entered_at": "string?",
+          "seconds_in_state": "number?", "task_started_at": "string?",
+          "selected_spec": "string?", "selected_milestone": "string?", "rev": "integer",
+          "message": "string?"},
+         read_only=True, idempotent=True),
+    Tool("reset", "Reset failed task",
+         "Escape hatch after the task Failed: return to Idle, clearing review, submission and "
+         "consultation files.", SUP, lambda st, c: op_reset(st, c), (), _TEXT_OUT,
+         destructive=True),
+    Tool("heartbeat", "Renew lease",
+         "Renew this agent's lease on the task; call it every lease.heartbeat_interval_secs "
+         "while working. The lease is always this server's own identity.", BOTH,
+         lambda st, c, agent_id=None: op_heartbeat(st, c, agent_id),
+         (Param("agent_id", "string", "Optional; if given it must be this server's own agent "
+                                      "id.", required=False),),
+         {"status": "string", "claimed_by": "string?", "lease_until": "string?",
+          "code": "string", "message": "string"}, idempotent=True),
+)
+TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
+
+
+def tools_for_role(role):
+    """The tools a server for ``role`` offers (every tool when role is None)."""
+    return [tool for tool in TOOLS if role is None or role in tool.roles]
+
+
+# -- resources and prompts --------------------------------------------------------------
+
+# uri name, title, file, mime type, what a missing file gives (None: an error).
+RESOURCES = (
+    ("task", "Task", "TASK.md", "text/markdown", None),
+    ("review", "Review Notes", "REVIEW.md", "text/markdown", None),
+    ("submission", "Submission", "SUBMISSION.md", "text/markdown", None),
+    ("question", "Question", "QUESTION.md", "text/markdown", ""),
+    ("answer", "Answer", "ANSWER.md", "text/markdown", ""),
+    ("consult_template", "Consultation Template", "CONSULT_TEMPLATE.md", "text/markdown", ""),
+    ("spec_template", "Specification Template", "SPEC_TEMPLATE.md", "text/markdown", "SPEC"),
+    ("consult_request", "Consult Request", "CONSULT_REQUEST.md", "text/markdown", None),
+    ("consult_response", "Consult Response", "CONSULT_RESPONSE.md", "text/markdown", None),
+    ("state", "State", STATE_FILE, "application/json", None),
+    ("events", "Recent Events", JOURNAL_FILE, "application/json", "[]"),
+)
+RESOURCES_BY_NAME = {entry[0]: entry for entry in RESOURCES}
+EVENTS_RESOURCE_LIMIT = 200
+
+PROMPTS = (
+    ("executor-context", "Executor task context: state, task, and review notes",
+     "Executor task context: state, task description, and review notes"),
+    ("supervisor-review", "Supervisor review context: state, task, and submission notes",
+     "Supervisor review context: state, task description, and submission notes"),
+)
+
+
+def read_resource(store, uri):
+    """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable."""
+    if not isinstance(uri, str) or not uri.startswith("ferrus://"):
+        raise FerrusError("Resource not found: %s" % uri)
+    name = uri[len("ferrus://"):]
+    if name.startswith("logs/"):
+        log_name = name[len("logs/"):]
+        # One plain file name inside .ferrus/logs: no separators, no dot-dot.
+        if not re.match(r"^[A-Za-z0-9_.-]+$", log_name) or log_name.startswith("."):
+            raise FerrusError("Resource not found: %s" % uri)
+        path = store.path("logs", log_name)
+        if not os.path.isfile(path):
+            raise FerrusError("Resource not found: %s" % uri)
+        return "text/plain", read_text(path)
+    entry = RESOURCES_BY_NAME.get(name)
+    if entry is None:
+        raise FerrusError("Unknown ferrus resource: %s" % name)
+    _, _, filename, mime, missing = entry
+    if name == "events":
+        return mime, pretty_json(store.read_journal(limit=EVENTS_RESOURCE_LIMIT))
+    try:
+        text = read_text(store.path(filename))
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        if missing is None:
+            raise FerrusError("Failed to read .ferrus/%s" % filename)
+        return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
+    if name == "state":
+        text = store.read_state().to_json()
+    return mime, text
+
+
+def render_prompt(store, name):
+    data = store.read_state()
+    task = store.read_file("TASK.md")
+    if name == "executor-context":
+        sections = ["## State\n\nCurrent state: **%s** | Check retries: %d | Review cycles: %d"
+                    % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
+        review = store.read_file("REVIEW.md")
+        if review.strip():
+            sections.append("## Review Notes (Re-address)\n\n" + review)
+    else:
+        sections = ["## State\n\nCurrent state: **%s** | Check retries used: %d | Review cycles: %d"
+                    % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
+        submission = store.read_file("SUBMISSION.md")
+        if submission.strip():
+            sections.append("## Submission Notes\n\n" + submission)
+    return "\n\n---\n\n".join(sections)
+
+
+# -- the ferrus MCP server ------------------------------------------------------------------
+
+def agent_identity(role, agent_name, index):
+    return "%s:%s:%s" % (role or "agent", agent_name, index)
+
+
+class FerrusMcpServer:
+    """The ferrus tools, resources and prompts for one role, on a JsonRpcServer."""
+
+    PAGE_SIZE = 100
+
+    def __init__(self, store, role=None, agent_name="unknown", agent_index=0,
+                 reader=None, writer=None):
+        self.store = store
+        self.role = role
+        self.agent_id = agent_identity(role, agent_name, agent_index)
+        self.rpc = JsonRpcServer(reader, writer)
+        self.tools = tools_for_role(role)
+        self.tool_names = {tool.name for tool in self.tools}
+        self.initialized = False
+        self.protocol_version = None
+        self.log_level = "info"
+        self.tool_calls = 0
+        rpc = self.rpc
+        rpc.handlers.update({
+            "initialize": self._initialize,
+            "server/discover": self._discover,
+            "ping": self._guard(lambda request: {}),
+            "tools/list": self._guard(self._tools_list),
+            "tools/call": self._guard(self._tools_call),
+            "resources/list": self._guard(self._resources_list),
+            "resources/templates/list": self._guard(self._templates_list),
+            "resources/read": self._guard(self._resources_read),
+            "prompts/list": self._guard(self._prompts_list),
+            "prompts/get": self._guard(self._prompts_get),
+            "logging/setLevel": self._guard(self._set_level),
+        })
+        rpc.threaded.add("tools/call")
+        rpc.notification_handlers.update({
+            "notifications/initialized": lambda params: None,
+            "notifications/cancelled": self._cancelled,
+        })
+
+    def serve(self):
+        self.rpc.serve_forever()
+
+    # -- protocol ----------------------------------------------------------------------
+
+    def server_info(self):
+        return {"name": "ferrus", "title": "ferrus (%s)" % (self.role or "all tools"),
+                "version": __version__}
+
+    def capabilities(self):
+        return {"tools": {"listChanged": False},
+                "resources": {"listChanged": False, "subscribe": False},
+                "prompts": {"listChanged": False}, "logging": {}}
+
+    def instructions(self):
+        if self.role == "executor":
+            return ("ferrus executor tools. Start with /wait_for_task, implement the task, run "
+                    "/check, then /submit. Call /heartbeat while you work.")
+        if self.role == "supervisor":
+            return ("ferrus supervisor tools: define tasks (/create_task), review submissions "
+                    "(/wait_for_review, /approve, /reject) and answer consultations.")
+        return "ferrus: every orchestration tool (no role restriction)."
+
+    def _initialize(self, request):
+        requested = request.params.get("protocolVersion")
+        version = requested if requested in MCP_LEGACY_VERSIONS else MCP_LEGACY_VERSIONS[0]
+        self.protocol_version = version
+        self.initialized = True
+        return {"protocolVersion": version, "capabilities": self.capabilities(),
+                "serverInfo": self.server_info(), "instructions": self.instructions()}
+
+    def _discover(self, request):
+        return {"resultType": "complete",
+                "supportedVersions": list(MCP_MODERN_VERSIONS) + list(MCP_LEGACY_VERSIONS),
+                "capabilities": self.capabilities(), "instructions": self.instructions(),
+                "ttlMs": 0, "cacheScope": "private",
+                "_meta": {META_SERVER_INFO: self.server_info()}}
+
+    def _guard(self, handler):
+        """Legacy requests need initialize first; modern ones carry their version in _meta."""
+        def guarded(request):
+            meta = request.meta
+            if META_VERSION in meta:
+                version = meta[META_VERSION]
+                if version not in MCP_MODERN_VERSIONS:
+                    raise RpcError(UNSUPPORTED_PROTOCOL_VERSION,
+                                   "Unsupported protocol version: %s" % (version,),
+                                   {"supported": list(MCP_MODERN_VERSIONS), "requested": version})
+                if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
+                    raise RpcError(INVALID_PARAMS, "_meta must carry %s" % META_CLIENT_CAPABILITIES)
+                request.modern = True
+                result = handler(request)
+                result.setdefault("resultType", "complete")
+                result.setdefault("_meta", {})[META_SERVER_INFO] = self.server_info()
+                return result
+            if not self.initialized and request.method != "ping":
+                raise RpcError(INVALID_REQUEST, "Server not initialized: send initialize first")
+            return handler(request)
+        return guarded
+
+    def _structured(self, request):
+        return request.modern or (self.protocol_version or "") >= "2025-06-18"
+
+    def _page(self, request, items, key):
+        cursor = request.params.get("cursor")
+        start = 0
+        if cursor is not None:
+            try:
+                start = int(base64.b64decode(str(cursor).encode("ascii"), validate=True))
+                if start < 0 or start > len(items):
+                    raise ValueError
+            except (ValueError, TypeError, UnicodeError):
+                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,))
+        page = items[start:start + self.PAGE_SIZE]
+        result = {key: page}
+        if start + self.PAGE_SIZE < len(items):
+            result["nextCursor"] = base64.b64encode(
+                str(start + self.PAGE_SIZE).encode("ascii")).decode("ascii")
+        if request.modern:
+            result.update(ttlMs=0, cacheScope="private")
+        return result
+
+    def _cancelled(self, params):
+        request_id = params.get("requestId")
+        if _valid_id(request_id):
+            self.rpc.cancel(request_id)
+
+    def _set_level(self, request):
+        level = request.params.get("level")
+        if level not in LOG_LEVELS:
+            raise RpcError(INVALID_PARAMS, "Invalid log level %r; expected one of %s"
+                           % (level, ", ".join(LOG_LEVELS)))
+        self.log_level = level
+        return {}
+
+    def send_log(self, level, message):
+        if LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.log_level) and self.initialized:
+            self.rpc.notify("notifications/message",
+                            {"level": level, "logger": "ferrus", "data": message})
+
+    # -- tools -------------------------------------------------------------------------
+
+    def _tools_list(self, request):
+        structured = self._structured(request)
+        items = []
+        for tool in self.tools:
+            entry = {"name": tool.name, "title": tool.title, "description": tool.description,
+                     "inputSchema": tool.input_schema(),
+                     "annotations": {"title": tool.title, "readOnlyHint": tool.read_only,
+                                     "destructiveHint": tool.destructive,
+                                     "idempotentHint": tool.idempotent,
+                                     "openWorldHint": False}}
+            if structured:
+                entry["outputSchema"] = tool.output_schema()
+            items.append(entry)
+        return self._page(request, items, "tools")
+
+    def _tools_call(self, request):
+        name = request.params.get("name")
+        if not isinstance(name, str) or name not in self.tool_names:
+            # A tool outside this role is as unknown as a tool that does not exist.
+            raise RpcError(INVALID_PARAMS, "Unknown tool: %s" % (name,))
+        tool = TOOLS_BY_NAME[name]
+        arguments = request.params.get("arguments")
+        arguments = {} if arguments is None else arguments
+        if not isinstance(arguments, dict):
+            raise RpcError(INVALID_PARAMS, "arguments of %s must be an object" % name)
+        _validate_arguments(tool, arguments)
+        caller = Caller(self.role or "agent", self.agent_id, request.cancel,
+                        self._progress_reporter(request))
+        self.tool_calls += 1
+        try:
+            outcome = tool.run(self.store, caller, **arguments)
+        except FerrusError as err:
+            return {"content": [{"type": "text", "text": err.full_text()}], "isError": True}
+        result = {"content": [{"type": "text", "text": outcome.text}], "isError": False}
+        if self._structured(request):
+            result["structuredContent"] = outcome.data
+        return result
+
+    def _progress_reporter(self, request):
+        token = request.meta.get("progressToken")
+        if not (_valid_id(token)):
+            return None
+        count = [0]
+
+        def report(message):
+            if request.cancel.is_set():
+                return
+            count[0] += 1
+            self.rpc.notify("notifications/progress",
+                            {"progressToken": token, "progress": count[0], "message": message})
+        return report
+
+    # -- resources and prompts ---------------------------------------------------------
+
+    def _resources_list(self, request):
+        items = [{"uri": "ferrus://" + name, "name": title, "mimeType": mime}
+                 for name, title, _, mime, _ in RESOURCES]
+        return self._page(request, items, "resources")
+
+    def _templates_list(self, request):
+        items = [{"uriTemplate": "ferrus://{file}", "name": "ferrus-file",
+                  "description": "A file of .ferrus/ by resource name (task, review, state, ...)"},
+                 {"uriTemplate": "ferrus://logs/{name}", "name": "ferrus-log",
+                  "description": "A check log from .ferrus/logs/", "mimeType": "text/plain"}]
+        return self._page(request, items, "resourceTemplates")
+
+    def _resources_read(self, request):
+        uri = request.params.get("uri")
+        if not isinstance(uri, str):
+            raise RpcError(INVALID_PARAMS, "resources/read needs a string uri")
+        try:
+            mime, text = read_resource(self.store, uri)
+        except FerrusError as err:
+            if err.message.startswith("Failed to read"):
+                raise RpcError(INTERNAL_ERROR, err.message)
+            code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
+            raise RpcError(code, err.message, {"uri": uri})
+        result = {"contents": [{"uri": uri, "mimeType": mime, "text": text}]}
+        if request.modern:
+            result.update(ttlMs=0, cacheScope="private")
+        return result
+
+    def _prompts_list(self, request):
+        items = [{"name": name, "description": description} for name, description, _ in PROMPTS]
+        return self._page(request, items, "prompts")
+
+    def _prompts_get(self, request):
+        name = request.params.get("name")
+        entry = next((p for p in PROMPTS if p[0] == name), None)
+        if entry is None:
+            raise RpcError(INVALID_PARAMS, "Prompt not found: %s" % (name,))
+        try:
+            text = render_prompt(self.store, name)
+        except FerrusError as err:
+            raise RpcError(INTERNAL_ERROR, err.full_text())
+        return {"description": entry[2],
+                "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
+
+
+_JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
+
+
+def _validate_arguments(tool, arguments):
+    expected = {p.name: p for p in tool.params}
+    for name, value in arguments.items():
+        if name not in expected:
+            raise RpcError(INVALID_PARAMS, "Unknown argument %r for tool %s; it takes %s" % (
+                name, tool.name, ", ".join(expected) or "no arguments"))
+        kind = expected[name].type
+        if not isinstance(value, _JSON_TYPES[kind]) or (
+                kind != "boolean" and isinstance(value, bool)):
+            raise RpcError(INVALID_PARAMS, "Argument %r of tool %s must be a %s, got %s" % (
+                name, tool.name, kind, type(value).__name__))
+    for param in tool.params:
+        if param.required and param.name not in arguments:
+            raise RpcError(INVALID_PARAMS, "Missing required argument %r for tool %s" % (
+                param.name, tool.name))
+
+
+def watch_parent(on_orphaned, interval=1.0):
+    """Call ``on_orphaned`` once the process that started us is gone."""
+    if IS_WINDOWS:  # pragma: no cover - Windows closes our stdin when the parent dies
+        return
+    parent = os.getppid()
+
+    def loop():
+        while True:
+            time.sleep(interval)
+            current = os.getppid()
+            if current != parent or current <= 1:
+                on_orphaned()
+                return
+    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
+
+
+def serve_stdio(root, role, agent_name, agent_index):
+    """`ferrus serve`: the MCP server on this process's stdin/stdout."""
+    store = Store(root)
+    store.require()
+    writer = sys.stdout.buffer
+    # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
+    sys.stdout = sys.stderr
+    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer)
+
+    def orphaned():
+        log.info("parent process exited; stopping the MCP server")
+        server.rpc.shutdown(wait=2.0)
+        os._exit(0)
+    watch_parent(orphaned)
+    server.serve()
+    return 0
+
+
+# ============================================================================
+# 11. Init and doctor
+# ============================================================================
+
+CONSULT_TEMPLATE = """## Problem
+...
+
+## What I tried
+...
+
+## Options (if any)
+...
+
+## Question
+...
+"""
+
+SPEC_TEMPLATE = """# <Feature Name> Specification
+
+## Summary
+One paragraph: what this feature is and who it is for.
+
+## Goals
+- What must be true when this is done.
+
+## Non-Goals
+- What is deliberately left out.
+
+## Context
+Where this fits in the codebase, and anything a newcomer must know first.
+
+## Requirements
+- Behaviour, interfaces, error handling, performance.
+
+## Milestones
+Order milestones so that each one can be built, checked and reviewed on its own.
+Each milestone is a checkbox line with a marker such as `#1.0`, followed by an
+`ID:` line and a `Depends on:` line (`none`, or markers like `#1.0, #1.1`).
+ferrus picks the first unchecked milestone whose dependencies are checked.
+
+- [ ] #1.0 ...
+  - ID: m1.0
+  - Depends on: none
+- [ ] #1.1 ...
+  - ID: m1.1
+  - Depends on: #1.0
+- [ ] #1.2 ...
+  - ID: m1.2
+  - Depends on: #1.0
+
+## Acceptance Criteria
+- How a reviewer decides that the feature is done.
+
+## Risks and Open Questions
+- What could go wrong, and what is still undecided.
+"""
+
+
+def default_config_text(agents_path=".agents"):
+    return """\
+# ferrus configuration.  Every key is optional unless noted; the values shown
+# are the defaults.  Reference: README.md, section "ferrus.toml".
+
+[checks]
+# The check gate: commands that must all exit 0 before work can be submitted,
+# run from the project root through the shell.  Agents cannot add commands.
+commands = []
+parallel = false        # run the commands at the same time
+timeout_secs = 600      # per command; a command past it is killed (its whole process group)
+fail_fast = false       # stop the remaining commands after the first failure
+
+[limits]
+max_check_retries = 20  # consecutive check failures before the task becomes Failed
+max_review_cycles = 3   # reject -> fix round trips before the task becomes Failed
+max_feedback_lines = 30 # output lines per failing command shown to the agent
+wait_timeout_secs = 60  # how long one wait_* tool call blocks before returning a timeout
+
+[lease]
+ttl_secs = 90                # a claim expires this long after its last renewal
+heartbeat_interval_secs = 30 # how often agents are asked to call /heartbeat
+
+[spec]
+directory = "docs/specs"     # where /create_spec saves specifications
+
+[agents]
+path = %s              # where `ferrus init` writes the skill files
+
+[hq.supervisor]
+agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
+model = ""             # empty: the agent's own default
+
+[hq.executor]
+agent = "codex"        # claude-code | codex | qwen-code | gemini-cli
+model = ""
+""" % format_toml_value(agents_path)
+
+
+SKILL_OVERVIEW = """---
+name: ferrus
+description: How the ferrus orchestration loop works — roles, states, tools and files. Advisory background; the prompt you were started with and the ferrus MCP tools always take precedence.
+---
+
+# ferrus
+
+ferrus runs one task at a time through a fixed loop:
+
+1. The **supervisor** agrees the task with the human and calls `create_task`.
+2. The **executor** claims it with `wait_for_task`, implements it, runs `check`
+   until the project's own lint and test commands pass, then calls `submit`.
+3. A **reviewer** (the supervisor role) claims the submission with
+   `wait_for_review` and calls `approve` or `reject` with notes.
+4. A rejection sends the task back to the executor (state Addressing).
+
+The state lives in `.ferrus/STATE.json`; agents keep nothing between runs.
+Move the task only through the MCP tools — never edit `.ferrus/` by hand.
+
+## States
+
+Idle → Executing → Reviewing → Complete, with these detours:
+- Executing/Addressing → Consultation (`consult`) → back (`wait_for_consult`)
+- Executing/Addressing/Consultation/Reviewing → AwaitingHuman (`ask_human`) →
+  back (`answer` by a human, read with `wait_for_answer`)
+- Reviewing → Addressing (`reject`); check failures stay in place
+- too many check failures or rejections → Failed (a human resets it)
+
+## Tools by role
+
+Supervisor: create_task, create_spec, wait_for_review, review_pending, approve,
+reject, respond_consult, ask_human, wait_for_answer, answer, status, reset,
+heartbeat.
+
+Executor: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
+wait_for_answer, answer, status, heartbeat.
+
+Every `wait_*` tool returns `{"status":"timeout"}` when nothing happened within
+`wait_timeout_secs`; simply call it again.  Call `heartbeat` about every
+`lease.heartbeat_interval_secs` while you hold a task.
+
+## Resources
+
+`ferrus://task`, `ferrus://review`, `ferrus://submission`, `ferrus://question`,
+`ferrus://answer`, `ferrus://consult_template`, `ferrus://spec_template`,
+`ferrus://consult_request`, `ferrus://consult_response`, `ferrus://state`,
+`ferrus://events` (the recent journal) and `ferrus://logs/<file>` (check logs).
+"""
+
+SKILL_SUPERVISOR = """---
+name: ferrus-supervisor
+description: Playbook for the ferrus supervisor — defining tasks, reviewing submissions and answering consultations. Advisory; the initial prompt and the ferrus tools take precedence.
+---
+
+# Supervisor playbook
+
+## Defining a task
+- Write the outcome first, then constraints, then acceptance criteria a
+  reviewer can check without guessing.
+- Keep a task small enough to review in one sitting; split larger work into
+  spec milestones (`create_spec`).
+- Show the draft to the human and wait for a clear yes before `create_task`.
+
+## Reviewing
+- Start with `wait_for_review`; read the task, the submission notes and the
+  diff itself, not only the notes.
+- Approve when every acceptance criterion holds.  Otherwise `reject` with
+  notes that name the file, the problem and the expected result.
+- Do not fix the code yourself.
+
+## Consultations
+- Read `ferrus://consult_request`, answer the question that was asked, and
+  give one recommended option.  Reply with `respond_consult`.
+
+## Humans
+- `ask_human` is for decisions only a human can make.  After it, call
+  `wait_for_answer` and nothing else.
+
+Tools: create_task, create_spec, wait_for_review, review_pending, approve,
+reject, respond_consult, ask_human, wait_for_answer, answer, status, reset,
+heartbeat.
+"""
+
+ROLE_SUPERVISOR = """---
+name: ferrus-supervisor-role
+description: What the ferrus supervisor is responsible for and what it must not do.
+---
+
+# Supervisor role
+
+Responsible for: turning a human's intent into a precise task, reviewing the
+executor's submission against it, and guiding the executor when it consults.
+
+Never: implement the task, approve work that has not passed review, change
+the task's state except through the ferrus tools, or edit files in `.ferrus/`.
+"""
+
+SKILL_EXECUTOR = """---
+name: ferrus-executor
+description: Playbook for the ferrus executor — implementing a task, using the check gate and submitting well. Advisory; the initial prompt and the ferrus tools take precedence.
+---
+
+# Executor playbook
+
+## Working
+- Call `wait_for_task` first; it returns the task and, after a rejection,
+  the review notes you must address.
+- Read the code around the change before editing.  Prefer the smallest diff
+  that fully solves the task; follow the project's existing style.
+- Run `check` whenever you want feedback and always right before `submit`.
+  Each failure uses one retry from a limited budget, so read the output.
+- Call `heartbeat` regularly so your lease does not expire.
+
+## When stuck
+- `consult` the supervisor with the four headings of
+  `ferrus://consult_template` (Problem, What I tried, Options, Question), then
+  call `wait_for_consult`.
+- `ask_human` only when no agent can decide; then call `wait_for_answer`.
+
+## Submitting
+- `submit` runs the check gate again.  The notes say what changed, why, and
+  how you verified it, and list anything left undone.
+
+Tools: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
+wait_for_answer, answer, status, heartbeat.
+"""
+
+ROLE_EXECUTOR = """---
+name: ferrus-executor-role
+description: What the ferrus executor is responsible for and what it must not do.
+---
+
+# Executor role
+
+Responsible for: implementing the claimed task, keeping the check gate green
+with `check`, and handing the work over with `submit`.
+
+Never: approve or review its own work, change the task's scope, or touch
+`.ferrus/` except through the ferrus tools.
+"""
+
+SKILL_FILES = (
+    ("skills/ferrus/SKILL.md", SKILL_OVERVIEW),
+    ("skills/ferrus-supervisor/SKILL.md", SKILL_SUPERVISOR),
+    ("skills/ferrus-supervisor/ROLE.md", ROLE_SUPERVISOR),
+    ("skills/ferrus-executor/SKILL.md", SKILL_EXECUTOR),
+    ("skills/ferrus-executor/ROLE.md", ROLE_EXECUTOR),
+)
+
+
+def ensure_gitignore_entry(root, entry, report):
+    """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
+    path = os.path.join(root, ".gitignore")
+    text = read_text(path, default="")
+    existing = {line.rstrip("\r").strip() for line in text.split("\n")}
+    if entry in existing or entry.rstrip("/") in existing or "/" + entry in existing:
+        return False
+    if not os.path.exists(path):
+        atomic_write(path, entry + "\n")
+        report("Created .gitignore")
+        return True
+    if text and not text.endswith("\n"):
+        text += "\n"
+    atomic_write(path, text + entry + "\n")
+    report("Added %s to .gitignore" % entry)
+    return True
+
+
+def init_project(root, agents_path=None, report=print):
+    """`ferrus init`: create whatever is missing; never overwrite what exists."""
+    root = os.path.abspath(root)
+    config_path = os.path.join(root, CONFIG_FILE)
+    if os.path.exists(config_path):
+        report("%s already exists, kept as it is." % CONFIG_FILE)
+        if agents_path is not None:
+            report("(--agents-path only applies when ferrus.toml is created)")
+    else:
+        atomic_write(config_path, default_config_text(agents_path or ".agents"))
+        report("Created %s" % CONFIG_FILE)
+    try:
+        config = load_config(root)
+    except FerrusError as err:
+        report("warning: %s — using defaults for the spec directory and agents path" % err)
+        config = Config()
+    store = Store(root)
+    os.makedirs(store.path("logs"), exist_ok=True)
+
+    def create(name, content):
+        path = store.path(name)
+        if os.path.exists(path):
+            return
+        atomic_write(path, content)
+        report("Created %s/%s" % (FERRUS_DIR, name))
+
+    create("CONSULT_TEMPLATE.md", CONSULT_TEMPLATE)
+    create("SPEC_TEMPLATE.md", SPEC_TEMPLATE)
+    now = utc_now()
+    create(STATE_FILE, StateData(updated_at=format_timestamp(now), owner_pid=os.getpid(),
+                                 state_entered_at=format_timestamp(now)).to_json())
+    for name in CONTENT_FILES:
+        create(name, "")
+    create(LOCK_FILE, "")
+    create("agents.json", pretty_json({"agents": []}))
+    create(JOURNAL_FILE, "")
+    spec_dir = os.path.join(root, config.spec.directory.strip() or "docs/specs")
+    if not os.path.isdir(spec_dir):
+        os.makedirs(spec_dir)
+        report("Created %s/" % os.path.relpath(spec_dir, root).replace(os.sep, "/"))
+    # An explicit --agents-path wins; otherwise the (possibly edited) ferrus.toml decides.
+    skills_root = os.path.join(root, agents_path or config.agents.path)
+    for rel, text in SKILL_FILES:
+        path = os.path.join(skills_root, rel)
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, text)
+        report("Created %s" % os.path.relpath(path, root).replace(os.sep, "/"))
+    ensure_gitignore_entry(root, FERRUS_DIR + "/", report)
+    return config
+
+
+@dataclasses.dataclass
+class Finding:
+    problem: str
+    repair: str
+    fix: "object | None" = None     # callable applying the safe repair, if there is one
+    severity: str = "error"          # error | warning
+
+
+def doctor_findings(root):
+    """Everything wrong with a project's ferrus files, each with its repair."""
+    store = Store(root)
+    findings = []
+    if not os.path.exists(os.path.join(root, CONFIG_FILE)):
+        findings.append(Finding("%s is missing" % CONFIG_FILE, "run `ferrus init`",
+                                lambda: init_project(root, report=lambda m: None)))
+    else:
+        try:
+            config = load_config(root)
+            for key in config.unknown_keys:
+                findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
+                                        "check its spelling against the README", severity="warning"))
+            if config.hq_problem:
+                findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+        except FerrusError as err:
+            findings.append(Finding(err.message, err.hint or "fix ferrus.toml"))
+    if not os.path.isdir(store.dir):
+        findings.append(Finding("%s/ is missing" % FERRUS_DIR, "run `ferrus init`",
+                                lambda: init_project(root, report=lambda m: None)))
+        return findings
+    for name in (LOCK_FILE, "agents.json", "CONSULT_TEMPLATE.md", "SPEC_TEMPLATE.md") + CONTENT_FILES:
+        if not os.path.exists(store.path(name)):
+            findings.append(Finding("%s/%s is missing" % (FERRUS_DIR, name),
+                                    "recreate it (empty or from the template)",
+                                    lambda: init_project(root, report=lambda m: None)))
+    data = None
+    state_path = store.path(STATE_FILE)
+    if not os.path.exists(state_path):
+        findings.append(Finding("%s/%s is missing" % (FERRUS_DIR, STATE_FILE),
+                                "write a fresh Idle state", lambda: _rebuild_state(store)))
+    else:
+        try:
+            data = StateData.from_json(read_text(state_path), FERRUS_DIR + "/" + STATE_FILE)
+        except StateCorrupt as err:
+            findings.append(Finding(
+                err.message, "keep the damaged file as STATE.json.corrupt-<time> and write a fresh "
+                "Idle state whose rev continues the journal", lambda: _rebuild_state(store)))
+    findings.extend(_journal_findings(store, data))
+    if data is not None:
+        findings.extend(_content_findings(store, data))
+    stray = [name for name in os.listdir(store.dir)
+             if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
+    for name in stray:
+        path = store.path(name)
+        age = time.time() - os.stat(path).st_mtime
+        if age > 60:
+            findings.append(Finding("stray temporary file %s/%s (%s old)" % (
+                FERRUS_DIR, name, format_duration(age)), "delete it",
+                lambda path=path: os.unlink(path)))
+    return findings
+
+
+def _journal_findings(store, data):
+    findings = []
+    path = store.journal_path()
+    if not os.path.exists(path):
+        return [Finding("%s/%s is missing" % (FERRUS_DIR, JOURNAL_FILE),
+                        "create it (history before now is gone)",
+                        lambda: atomic_write(path, ""))]
+    bad_lines, seqs = [], []
+    with open(path, "r", encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                seqs.append(int(json.loads(line)["seq"]))
+            except (ValueError, KeyError, TypeError):
+                bad_lines.append(number)
+    if bad_lines:
+        findings.append(Finding(
+            "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
+            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines), ", ".join(map(str, bad_lines[:5]))),
+            "drop those lines", lambda: _rewrite_journal(store)))
+    gaps = [b for a, b in zip(seqs, seqs[1:]) if b != a + 1]
+    if gaps:
+        findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
+                                % ", ".join(map(str, gaps[:5])),
+                                "renumbering would break history; nothing to fix automatically",
+                                severity="warning"))
+    if data is not None:
+        last = seqs[-1] if seqs else 0
+        if last < data.rev:
+            findings.append(Finding(
+                "STATE.json is at rev %d but the journal ends at seq %d: %d transition(s) were "
+                "committed without a journal line (a crash between the two writes)"
+                % (data.rev, last, data.rev - last),
+                "append placeholder entries so seq matches rev again",
+                lambda: _fill_journal(store)))
+        elif last > data.rev:
+            findings.append(Finding(
+                "the journal (seq %d) is ahead of STATE.json (rev %d) — STATE.json was restored "
+                "or hand-edited" % (last, data.rev),
+                "raise STATE.json's rev to %d" % last, lambda: _bump_rev(store, last)))
+    return findings
+
+
+def _content_findings(store, data):
+    findings = []
+    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_HUMAN: "QUESTION.md",
+              S.CONSULTATION: "CONSULT_REQUEST.md", S.EXECUTING: "TASK.md",
+              S.ADDRESSING: "REVIEW.md"}
+    name = expect.get(data.state)
+    if name and not store.read_file(name).strip():
+        findings.append(Finding("state is %s but %s/%s is empty" % (data.state, FERRUS_DIR, name),
+                                "the agents will lack context; `ferrus reset` starts over",
+                                severity="warning"))
+    if data.state == S.AWAITING_HUMAN and data.paused_state is None:
+        findings.append(Finding("state is AwaitingHuman but paused_state is missing, so an answer "
+                                "would return to Idle", "`ferrus reset` starts over",
+                                severity="warning"))
+    return findings
+
+
+def _rebuild_state(store):
+    with store.lock():
+        path = store.path(STATE_FILE)
+        if os.path.exists(path):
+            stamp = utc_now().strftime("%Y%m%dT%H%M%S")
+            os.replace(path, path + ".corrupt-" + stamp)
+        now = utc_now()
+        fresh = StateData(rev=store.last_journal_seq(), updated_at=format_timestamp(now),
+                          owner_pid=os.getpid(), state_entered_at=format_timestamp(now))
+        atomic_write(path, fresh.to_json())
+
+
+def _rewrite_journal(store):
+    with store.lock():
+        kept = []
+        with open(store.journal_path(), "r", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                try:
+                    int(json.loads(line)["seq"])
+                    kept.append(line.rstrip("\n") + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        atomic_write(store.journal_path(), "".join(kept))
+
+
+def _fill_journal(store):
+    with store.transaction("doctor") as tx:
+        tx.set(tx.state, "doctor", note="journal reconciled with STATE.json")
+
+
+def _bump_rev(store, last):
+    with store.lock():
+        data = store.read_state()
+        data.rev = last
+        atomic_write(store.path(STATE_FILE), data.to_json())
+
+
+# ============================================================================
+# 12. CLI
+# ============================================================================
+
+def _color_enabled(stream):
+    return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+_STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultation": "35",
+                 "AwaitingHuman": "1;33", "Reviewing": "34", "Complete": "32", "Failed": "1;31"}
+
+
+def _paint(text, code, enabled):
+    return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
+
+
+def cmd_init(args, root):
+    init_project(root, args.agents_path)
+    print()
+    print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
+          "ferrus.toml, then run `ferrus status`.")
+    return 0
+
+
+def cmd_status(args, root):
+    store = Store(root).require()
+    data = store.read_state()
+    now = store.clock()
+    info = status_data(store, data, now)
+    info.pop("message")
+    config = None
+    with contextlib.suppress(FerrusError):
+        config = store.config()
+    if args.json:
+        info["lease_holder"] = info["claimed_by"]
+        if config:
+            info["limits"] = dataclasses.asdict(config.limits)
+        print(json.dumps(info, indent=2))
+        return 0
+    color = _color_enabled(sys.stdout)
+    rows = [("state", _paint(data.state.value, _STATE_COLORS.get(data.state.value), color))]
+    if info["seconds_in_state"] is not None:
+        rows[0] = ("state", rows[0][1] + "  (for %s)" % format_duration(info["seconds_in_state"]))
+    if data.paused_state:
+        rows.append(("paused from", data.paused_state.value))
+    rows.append(("task", data.task_id or "-"))
+    if data.task_started_at:
+        with contextlib.suppress(ValueError):
+            rows.append(("task age", format_duration(
+                (now - parse_timestamp(data.task_started_at)).total_seconds())))
+    limits = config.limits if config else LimitsConfig()
+    rows.append(("check retries", "%d/%d" % (data.check_retries, limits.max_check_retries)))
+    rows.append(("review cycles", "%d/%d" % (data.review_cycles, limits.max_review_cycles)))
+    if data.failure_reason:
+        rows.append(("failure", data.failure_reason.splitlines()[0]))
+    if is_claimed(data, now):
+        left = (parse_timestamp(data.lease_until) - now).total_seconds()
+        rows.append(("lease", "%s, expires in %s (%s)" % (data.claimed_by, format_duration(left),
+                                                        data.lease_until)))
+    elif data.claimed_by:
+        rows.append(("lease", "expired (last holder %s)" % data.claimed_by))
+    else:
+        rows.append(("lease", "none"))
+    if data.selected_spec:
+        rows.append(("spec", data.selected_spec))
+        rows.append(("milestone", data.selected_milestone or "(none left)"))
+    else:
+        rows.append(("spec", "none selected"))
+    rows.append(("rev", str(data.rev)))
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print("%s  %s" % (label.rjust(width), value))
+    return 0
+
+
+def format_event(entry, color=False):
+    """One journal entry as a readable line."""
+    when = entry.get("time", "")
+    with contextlib.suppress(ValueError, TypeError):
+        when = parse_timestamp(when).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    moved = entry.get("from") != entry.get("to")
+    change = ("%s → %s" % (entry.get("from"), _paint(entry.get("to"), _STATE_COLORS.get(
+        entry.get("to")), color))) if moved else str(entry.get("to"))
+    detail = entry.get("detail") or {}
+    extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
+                     for k, v in detail.items() if v is not None)
+    return "%s  #%-5s %-22s %-16s %s%s" % (when, entry.get("seq"), entry.get("actor"),
+                                          entry.get("event"), change, "  " + extra if extra else "")
+
+
+def cmd_log(args, root):
+    store = Store(root).require()
+    entries = store.read_journal(limit=args.n)
+    color = _color_enabled(sys.stdout)
+    last = 0
+    for entry in entries:
+        print(compact_json(entry) if args.json else format_event(entry, color))
+        last = entry["seq"]
+    if not entries and not args.follow and not args.json:
+        print("(the journal is empty: nothing has happened yet)")
+    if not args.follow:
+        return 0
+    last = max(last, store.last_journal_seq())
+    sys.stdout.flush()
+    try:
+        while True:
+            stamp = store.state_stamp()
+            store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
+            for entry in store.read_journal(after_seq=last):
+                print(compact_json(entry) if args.json else format_event(entry, color))
+                last = entry["seq"]
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return 0
+
+
+def confirm(question):
+    """Ask a yes/no question on the terminal; refuse to guess without one."""
+    if not sys.stdin.isatty():
+        raise UsageError("%s — stdin is not a terminal, so nobody can answer" % question,
+                         "pass --yes to confirm")
+    answer = input("%s [y/N] " % question)
+    return answer.strip().lower() in ("y", "yes")
+
+
+def cmd_reset(args, root):
+    store = Store(root).require()
+    data = store.read_state()
+    if not args.yes and data.state != S.IDLE:
+        if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
+            print("Nothing changed.")
+            return 1
+    print(op_force_reset(store, HUMAN).text)
+    return 0
+
+
+def cmd_doctor(args, root):
+    findings = doctor_findings(root)
+    if not findings:
+        print("ferrus doctor: everything is consistent.")
+        return 0
+    remaining = 0
+    for finding in findings:
+        mark = "error" if finding.severity == "error" else "warning"
+        print("%s: %s" % (mark, finding.problem))
+        if args.fix and finding.fix is not None:
+            try:
+                finding.fix()
+                print("  fixed: %s" % finding.repair)
+                continue
+            except (OSError, FerrusError) as err:
+                print("  could not fix: %s" % err)
+        elif finding.fix is not None:
+            print("  repair: %s (run `ferrus doctor --fix`)" % finding.repair)
+        else:
+            print("  what to do: %s" % finding.repair)
+        if finding.severity == "error":
+            remaining += 1
+    if args.fix:
+        # Fixes can reveal or resolve others; report what is still wrong.
+        left = [f for f in doctor_findings(root) if f.severity == "error"]
+        print("ferrus doctor: %s" % ("all errors repaired." if not left else
+                                     "%d error(s) remain." % len(left)))
+        return 1 if left else 0
+    return 1 if remaining else 0
+
+
+def cmd_check(args, root):
+    store = Store(root).require()
+    if args.force:
+        run, config = op_run_checks_only(store)
+        if run is None:
+            print("No check commands are configured in ferrus.toml ([checks] commands).")
+            return 0
+        for result in run.results:
+            print("%-9s %s%s" % (result.status, result.command, _status_note(result)
+                                 if not result.passed else ""))
+        if not run.passed:
+            print()
+            print(run.report(config.limits.max_feedback_lines))
+        else:
+            print("All checks passed. Full log: %s" % run.log_path)
+        return 0 if run.passed else 1
+    outcome = op_check(store, Caller("human", "human:cli:0"))
+    print(outcome.text)
+    return 0 if outcome.data.get("passed") else 1
+
+
+def cmd_serve(args, root):
+    return serve_stdio(root, args.role, args.agent_name, args.agent_index)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="ferrus", description="Deterministic Supervisor → Executor → Reviewer orchestration "
+                                   "of coding agents.")
+    parser.add_argument("--version", action="version", version="ferrus %s" % __version__)
+    parser.add_argument("-C", dest="directory", metavar="DIR",
+                        help="run as if started in DIR (the project root)")
+    parser.add_argument("--debug", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create ferrus.toml, .ferrus/ and the skill files")
+    p.add_argument("--agents-path", metavar="P", help="where skill files go (default .agents)")
+    p.set_defaults(run=cmd_init)
+
+    p = sub.add_parser("status", help="where the task stands")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_status)
+
+    p = sub.add_parser("log", help="the journal of every transition")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
+    p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
+    p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(run=cmd_reset)
+
+    p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
+    p.add_argument("--fix", action="store_true", help="apply the safe repairs")
+    p.set_defaults(run=cmd_doctor)
+
+    p = sub.add_parser("check", help="run the check gate ([checks] commands)")
+    p.add_argument("--force", action="store_true",
+                   help="run the checks in any state and change nothing")
+    p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("serve", help="the MCP server on stdio (started by agents)")
+    p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
+    p.add_argument("--agent-name", default="unknown", help="agent name in the agent id")
+    p.add_argument("--agent-index", type=int, default=0, help="index in the agent id")
+    p.set_defaults(run=cmd_serve)
+    return parser
+
+
+def setup_logging(debug=False):
+    level_name = "debug" if debug else os.environ.get("FERRUS_LOG", "warning").lower()
+    level = getattr(logging, level_name.upper(), logging.WARNING)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ferrus: %(levelname)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
+    setup_logging(debug)
+    root = os.path.abspath(args.directory or os.getcwd())
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.run(args, root)
+    except FerrusError as err:
+        if debug:
+            raise
+        print("ferrus: %s" % err.message, file=sys.stderr)
+        if err.hint:
+            print("hint: %s" % err.hint, file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 1
+    except OSError as err:
+        if debug:
+            raise
+        # A full disk or a read-only file: the atomic writes left the old state intact.
+        where = " (%s)" % err.filename if err.filename else ""
+        print("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
+        print("hint: nothing was changed; free space or fix permissions and try again",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

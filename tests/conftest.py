@@ -1,0 +1,73 @@
+"""Shared fixtures: a fresh ferrus project in a temporary directory, the CLI as a subprocess."""
+
+import datetime as dt
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import ferrus  # noqa: E402
+
+FERRUS_PY = os.path.join(REPO, "ferrus.py")
+
+
+class FakeClock:
+    """An injectable clock: tests move time forward instead of sleeping."""
+
+    def __init__(self, start=None):
+        self.now = start or dt.datetime(2026, 5, 13, 10, 0, 0, tzinfo=dt.timezone.utc)
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def project(tmp_path):
+    """An initialised project directory (ferrus.toml + .ferrus/)."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    ferrus.init_project(str(root), report=lambda message: None)
+    return root
+
+
+@pytest.fixture
+def store(project, clock):
+    return ferrus.Store(str(project), clock=clock)
+
+
+def set_config(root, text):
+    """Replace ferrus.toml and make sure the config cache sees the change."""
+    path = os.path.join(str(root), "ferrus.toml")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    stamp = os.stat(path).st_mtime_ns + 1_000_000
+    os.utime(path, ns=(stamp, stamp))
+
+
+def run_cli(*args, cwd, input=None, env=None, timeout=60):
+    """Run `python ferrus.py ARGS` and return the CompletedProcess (text mode)."""
+    full_env = dict(os.environ)
+    full_env.pop("FERRUS_DEBUG", None)
+    full_env["NO_COLOR"] = "1"
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(cwd), input=input,
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
