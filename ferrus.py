@@ -1120,9 +1120,35 @@ class AgentChoice:
 
 
 @dataclasses.dataclass
+class AgentOptions:
+    """``[agents.<name>]``: flags and environment the user adds to an agent's launches."""
+
+    extra_args: list = dataclasses.field(default_factory=list)
+    headless_args: list = dataclasses.field(default_factory=list)
+    interactive_args: list = dataclasses.field(default_factory=list)
+    env: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class CustomAgentSpec:
+    """``[agents.custom.<name>]``: an agent CLI described by argv templates."""
+
+    name: str
+    interactive: list
+    headless: list
+    prompt: str = "argv"            # argv | stdin
+    version_args: list = dataclasses.field(default_factory=lambda: ["--version"])
+
+
+@dataclasses.dataclass
 class AgentsConfig:
     path: str = ".agents"
     claude_mcp_isolation: str = "merge-user"
+    options: dict = dataclasses.field(default_factory=dict)    # agent name -> AgentOptions
+    custom: dict = dataclasses.field(default_factory=dict)     # name -> CustomAgentSpec
+
+    def options_for(self, agent):
+        return self.options.get(agent) or AgentOptions()
 
 
 @dataclasses.dataclass
@@ -1231,6 +1257,62 @@ def _parse_agent_choice(path, role, value, known_agents):
     return AgentChoice(agent=agent, model=model.strip()), None
 
 
+def _string_list(path, key, value):
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _config_error(path, key, "must be an array of strings", value)
+    return list(value)
+
+
+def _parse_agent_sections(path, agents, target):
+    """``[agents.<name>]`` options and ``[agents.custom.<name>]`` descriptions."""
+    for name, table in agents.items():
+        if name in ("path", "custom") or not isinstance(table, dict):
+            continue
+        agent = "claude-code" if name == "claude" else name
+        options = AgentOptions()
+        for key, value in table.items():
+            dotted = "agents.%s.%s" % (name, key)
+            if key in ("extra_args", "headless_args", "interactive_args"):
+                setattr(options, key, _string_list(path, dotted, value))
+            elif key == "env":
+                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                    raise _config_error(path, dotted, "must be a table of strings", value)
+                options.env = dict(value)
+            elif not (key == "mcp_isolation" and agent == "claude-code"):
+                raise _config_error(path, dotted, "is not a known agent option (extra_args, "
+                                    "headless_args, interactive_args, env)")
+        target.options[agent] = options
+    custom = agents.get("custom", {})
+    if not isinstance(custom, dict):
+        raise _config_error(path, "agents.custom", "must be a table of agent tables", custom)
+    for name, table in custom.items():
+        where = "agents.custom.%s" % name
+        if not isinstance(table, dict):
+            raise _config_error(path, where, "must be a table", table)
+        if name in BUILTIN_AGENTS:
+            raise _config_error(path, where, "must not reuse a built-in agent name")
+        missing = [k for k in ("interactive", "headless") if k not in table]
+        if missing:
+            raise _config_error(path, where, "needs %s (argv templates)" % " and ".join(missing))
+        spec = CustomAgentSpec(name=name,
+                               interactive=_string_list(path, where + ".interactive",
+                                                        table["interactive"]),
+                               headless=_string_list(path, where + ".headless", table["headless"]))
+        if not spec.interactive or not spec.headless:
+            raise _config_error(path, where, "argv templates must not be empty")
+        if "prompt" in table:
+            if table["prompt"] not in ("argv", "stdin"):
+                raise _config_error(path, where + ".prompt", "must be \"argv\" or \"stdin\"",
+                                    table["prompt"])
+            spec.prompt = table["prompt"]
+        if "version_args" in table:
+            spec.version_args = _string_list(path, where + ".version_args", table["version_args"])
+        unknown = set(table) - {"interactive", "headless", "prompt", "version_args"}
+        if unknown:
+            raise _config_error(path, where, "has unknown keys: %s" % ", ".join(sorted(unknown)))
+        target.custom[name] = spec
+
+
 def parse_config(text, path=CONFIG_FILE):
     """Build a validated :class:`Config` from ferrus.toml text."""
     try:
@@ -1258,8 +1340,8 @@ def parse_config(text, path=CONFIG_FILE):
         raise _config_error(path, "agents.claude.mcp_isolation",
                             "must be \"merge-user\" or \"ferrus-only\"", isolation)
     config.agents.claude_mcp_isolation = isolation
-    custom = agents.get("custom", {})
-    known_agents = BUILTIN_AGENTS + tuple(custom) if isinstance(custom, dict) else BUILTIN_AGENTS
+    _parse_agent_sections(path, agents, config.agents)
+    known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     hq = raw.get("hq")
     if hq is not None:
         if not isinstance(hq, dict):
@@ -1751,12 +1833,20 @@ class Store:
         return read_text(self.path(name), default="")
 
     def state_stamp(self):
-        """A cheap fingerprint of STATE.json that changes on every commit."""
+        """A cheap fingerprint that changes on every commit.
+
+        STATE.json's inode, mtime and size alone could repeat on a filesystem with
+        coarse timestamps (inodes are reused, sizes often equal); the journal only
+        ever grows, one line per commit, so its size makes the stamp strictly new."""
         try:
             st = os.stat(self.path(STATE_FILE))
         except FileNotFoundError:
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            journal = os.stat(self.journal_path()).st_size
+        except FileNotFoundError:
+            journal = -1
+        return (st.st_ino, st.st_mtime_ns, st.st_size, journal)
 
     # -- transactions -----------------------------------------------------------
 
@@ -2562,12 +2652,18 @@ class _Waiter:
     def cancelled(self):
         return self.caller.cancel is not None and self.caller.cancel.is_set()
 
-    def pause(self, stamp, what):
-        """Wait for the next commit; False once the budget is spent or the call is cancelled."""
+    def pause(self, stamp, what, wake_after=None):
+        """Wait for the next commit (or ``wake_after`` seconds, e.g. until a foreign
+        lease expires, which commits nothing); False once the budget is spent or the
+        call is cancelled."""
+        wake_at = None if wake_after is None else time.monotonic() + max(0.0, wake_after)
         while True:
-            if self.cancelled() or time.monotonic() >= self.deadline:
+            now = time.monotonic()
+            if self.cancelled() or now >= self.deadline:
                 return False
-            slice_end = min(self.deadline, self.next_progress)
+            if wake_at is not None and now >= wake_at:
+                return True
+            slice_end = min(self.deadline, self.next_progress, wake_at or self.deadline)
             if self.store.wait_for_change(stamp, slice_end, self.caller.cancel):
                 return True
             if time.monotonic() >= self.next_progress:
@@ -2596,7 +2692,10 @@ def _wait_and_claim(store, caller, claimable, build, what):
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
             return _json_outcome(build(tx.state))
-        if not waiter.pause(stamp, what):
+        lease_left = None
+        if data.state in claimable and is_claimed(data, now):
+            lease_left = (lease_deadline(data) - now).total_seconds() + 0.001
+        if not waiter.pause(stamp, what, lease_left):
             return waiter.timeout(data.state)
 
 
@@ -2711,22 +2810,23 @@ def _run_gate(store, caller, action):
     return data, run, config
 
 
-def _same_task(tx, snapshot):
-    """Apply a gate result only to the task and state it was run for (bug §11.2)."""
+def _same_task(tx, snapshot, caller, now, action):
+    """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
         raise FerrusError(
             "The state moved from %s to %s while the checks ran, so their result was discarded "
             "and nothing was written." % (snapshot.state, current.state),
             "call /status, then /wait_for_task if there is still work to do")
+    _guard_lease(current, caller, now, action)
 
 
 def op_check(store, caller):
     snapshot, run, config = _run_gate(store, caller, "check")
     limits = config.limits
     with store.transaction(caller.agent_id) as tx:
-        _same_task(tx, snapshot)
         now = store.clock()
+        _same_task(tx, snapshot, caller, now, "check")
         if run is None or run.passed:
             tx.set(t_check_passed(tx.state, now), "check_passed",
                    log=run.log_path if run else None)
@@ -2756,8 +2856,8 @@ def op_submit(store, caller, content):
     snapshot, run, config = _run_gate(store, caller, "submit")
     limits = config.limits
     with store.transaction(caller.agent_id) as tx:
-        _same_task(tx, snapshot)
         now = store.clock()
+        _same_task(tx, snapshot, caller, now, "submit")
         if run is None or run.passed:
             tx.write("SUBMISSION.md", content)
             tx.set(t_submit(t_check_passed(tx.state, now), now), "submit",
@@ -2990,6 +3090,9 @@ class Request:
     params: dict
     cancel: threading.Event
     modern: bool = False      # sent in the 2026-07-28 stateless era
+    # Set by notifications/cancelled: the client no longer wants any answer.  An
+    # EOF shutdown also sets ``cancel`` (to end waits) but still answers.
+    abandoned: bool = False
 
     @property
     def meta(self):
@@ -3076,8 +3179,8 @@ class JsonRpcServer:
     def shutdown(self, wait=5.0):
         self.closed.set()
         with self._inflight_lock:
-            for event in self._inflight.values():
-                event.set()
+            for request in self._inflight.values():
+                request.cancel.set()
             workers = list(self._workers)
         deadline = time.monotonic() + wait
         for worker in workers:
@@ -3132,7 +3235,7 @@ class JsonRpcServer:
                     self._respond(request_id, error=RpcError(
                         INVALID_REQUEST, "request id %r is already in use" % (request_id,)))
                     return
-                self._inflight[request_id] = request.cancel
+                self._inflight[request_id] = request
                 worker = threading.Thread(target=self._run, args=(request,), daemon=True,
                                           name="mcp-%s" % method)
                 self._workers.add(worker)
@@ -3156,15 +3259,16 @@ class JsonRpcServer:
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
                 self._workers.discard(threading.current_thread())
-        if request.cancel.is_set():
-            return  # cancelled (or shutting down): the spec says send nothing more
+        if request.abandoned:
+            return  # cancelled by the client: the spec says send nothing more
         self._respond(request.id, result=result, error=error)
 
     def cancel(self, request_id):
         with self._inflight_lock:
-            event = self._inflight.get(request_id)
-        if event is not None:
-            event.set()
+            request = self._inflight.get(request_id)
+            if request is not None:
+                request.abandoned = True
+                request.cancel.set()
 
 
 def _valid_id(value):

@@ -48,12 +48,19 @@ def store(project, clock):
     return ferrus.Store(str(project), clock=clock)
 
 
+_last_config_stamp = [0]
+
+
 def set_config(root, text):
-    """Replace ferrus.toml and make sure the config cache sees the change."""
+    """Replace ferrus.toml and make sure the config cache sees the change.
+
+    Two writes within one timestamp tick could share an mtime (and a size), so the
+    mtime is pushed strictly forward on every call."""
     path = os.path.join(str(root), "ferrus.toml")
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
-    stamp = os.stat(path).st_mtime_ns + 1_000_000
+    stamp = max(os.stat(path).st_mtime_ns, _last_config_stamp[0]) + 1_000_000
+    _last_config_stamp[0] = stamp
     os.utime(path, ns=(stamp, stamp))
 
 

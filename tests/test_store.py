@@ -177,12 +177,12 @@ def test_sigkill_at_random_moments_never_corrupts_state(project):
                 _commit_forever(root)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0.001, 0.025))
+        time.sleep(rng.uniform(0.002, 0.04))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         data = store.read_state()          # parses every single time
         assert store.last_journal_seq() <= data.rev
-    assert store.read_state().rev > 100, "the children did commit work"
+    assert store.read_state().rev > 20, "the children did commit work"
     # Age any temp file a kill left behind so doctor considers it stray.
     for name in os.listdir(store.dir):
         if name.endswith(ferrus.TEMP_SUFFIX):
