@@ -24,8 +24,9 @@ Contents (each section uses only the sections above it):
      8. Specs ............. spec and milestone parsing, selection, completion
      9. Operations ........ one function per behaviour, shared by MCP and the CLI
     10. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
-    11. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    12. CLI ............... argparse front end, ``main(argv) -> int``
+    11. Agents ............ one adapter per agent CLI, register, prompts for every mode
+    12. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
+    13. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import argparse
@@ -3808,7 +3809,925 @@ def serve_stdio(root, role, agent_name, agent_index):
 
 
 # ============================================================================
-# 11. Init and doctor
+# 11. Agents
+# ============================================================================
+#
+# One adapter per agent CLI.  An adapter knows the binary, how to launch it
+# interactively and headless (the prompt travels on stdin wherever the CLI
+# allows, so it is never read as a flag nor cut by argv limits), how to keep it
+# to its own role's ferrus server, which files `register` writes, and how to
+# read its machine-readable output.  The traps of the real CLIs are handled
+# here: Claude's variadic --mcp-config, Codex ignoring an untrusted project's
+# .codex/config.toml, Gemini ignoring untrusted folders, client tool timeouts.
+
+FERRUS_FILE = os.path.abspath(__file__)
+DEFAULT_AGENT_INDEX = 1
+STDIN_PROMPT_POINTER = "Follow the instructions given on standard input."
+
+
+def server_key(role):
+    """The MCP server name of a role; one per role, so register stays idempotent."""
+    return "ferrus-%s-%d" % (role, DEFAULT_AGENT_INDEX)
+
+
+def ferrus_server_entry(root, role, agent):
+    """command + args that start *this* ferrus (absolute interpreter and file)."""
+    return {"command": os.path.abspath(sys.executable),
+            "args": [FERRUS_FILE, "-C", os.path.abspath(root), "serve", "--role", role,
+                     "--agent-name", agent, "--agent-index", str(DEFAULT_AGENT_INDEX)]}
+
+
+def entry_points_here(entry, root):
+    """Does an MCP entry start this ferrus for this project?"""
+    if not isinstance(entry, dict):
+        return False
+    args = entry.get("args") or []
+    return (entry.get("command") == os.path.abspath(sys.executable) and FERRUS_FILE in args
+            and os.path.abspath(root) in args)
+
+
+def client_tool_timeout_secs(config):
+    """Comfortably above one wait_* call, so no client cuts a long-poll short."""
+    return config.limits.wait_timeout_secs + 120
+
+
+@dataclasses.dataclass
+class Launch:
+    argv: list
+    stdin: "str | None" = None
+    env: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class AgentEvent:
+    """Something an agent's structured output reported."""
+
+    kind: str                 # tool_call | usage | session | limit
+    name: str = ""
+    ok: "bool | None" = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+
+
+# -- files register edits -----------------------------------------------------------
+
+def edit_json_file(path, mutate, what=None):
+    """Load a JSON object file (missing or empty: {}), apply ``mutate``, write if changed.
+
+    Key order and every unrelated setting are kept; the write is atomic."""
+    label = what or path
+    text = read_text(path, default="")
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except ValueError as err:
+        raise FerrusError("Failed to parse %s: %s" % (label, err),
+                          "fix the JSON by hand (ferrus never overwrites a file it cannot read)")
+    if not isinstance(data, dict):
+        raise FerrusError("%s root is not a JSON object" % label, "fix or remove the file")
+    before = json.dumps(data, sort_keys=False)
+    mutate(data)
+    if json.dumps(data, sort_keys=False) != before or not text.strip():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        atomic_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        return True
+    return False
+
+
+def _json_table(data, key, label):
+    value = data.setdefault(key, {})
+    if not isinstance(value, dict):
+        raise FerrusError("%s %s is not a JSON object" % (label, key), "fix the file by hand")
+    return value
+
+
+def _instruction_markers(role):
+    return "<!-- ferrus-%s-instructions -->" % role, "<!-- /ferrus-%s-instructions -->" % role
+
+
+def instruction_section(role):
+    start, end = _instruction_markers(role)
+    if role == "executor":
+        body = ("This repository is orchestrated by ferrus. As the executor you work through the "
+                "ferrus MCP tools: when HQ starts you, its prompt says what to do; when you are "
+                "started by hand, call `wait_for_task` first, then implement, `check`, and "
+                "`submit`.")
+    else:
+        body = ("This repository is orchestrated by ferrus. As the supervisor you define tasks, "
+                "review submissions and answer consultations through the ferrus MCP tools; the "
+                "prompt you were started with names your mode (task definition, planning, spec, "
+                "review or consultation).")
+    return ("\n%s\n## ferrus %s\n\n%s\n\nThe initial prompt and the ferrus MCP tools define what "
+            "you do. ROLE.md, SKILL.md, AGENTS.md and CLAUDE.md are supporting context only and "
+            "must not override them.\n%s\n" % (start, role, body, end))
+
+
+def add_instruction_section(path, role, report):
+    text = read_text(path, default="")
+    if _instruction_markers(role)[0] in text:
+        return
+    atomic_write(path, text + instruction_section(role))
+    report("Added the %s instructions to %s" % (role, os.path.basename(path)))
+
+
+def remove_instruction_section(path, role, report):
+    text = read_text(path, default="")
+    start, end = _instruction_markers(role)
+    first = text.find(start)
+    if first < 0:
+        return
+    last = text.find(end, first)
+    last = len(text) if last < 0 else last + len(end)
+    if text[last:last + 1] == "\n":
+        last += 1
+    if first > 0 and text[first - 1] == "\n":
+        first -= 1
+    atomic_write(path, text[:first] + text[last:])
+    report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
+
+
+# -- adapters -------------------------------------------------------------------------
+
+class AgentAdapter:
+    """What every agent CLI adapter provides; subclasses fill in the details."""
+
+    name = ""
+    binary = ""
+    package = ""              # npm package, for the install hint
+    instructions_file = None  # CLAUDE.md, AGENTS.md, ...
+
+    def __init__(self, config):
+        self.config = config
+        self.options = config.agents.options_for(self.name)
+
+    def install_hint(self):
+        return "npm install -g %s" % self.package
+
+    def executable(self):
+        return shutil.which(self.binary)
+
+    def version_argv(self):
+        return [self.binary, "--version"]
+
+    def register(self, root, role, model, report):
+        raise FerrusError("agent %s cannot be registered" % self.name)
+
+    def unregister(self, root, role, report):
+        pass
+
+    def registration(self, root, role):
+        """The MCP entry this agent's config holds for ``role`` (None when absent)."""
+        return None
+
+    def parse_line(self, line):
+        return []
+
+
+def _model_args(flag, model):
+    """The model flag, or nothing: a blank model means the agent's own default."""
+    model = (model or "").strip()
+    return [flag, model] if model else []
+
+
+def _load_json_quiet(path):
+    try:
+        data = json.loads(read_text(path, default="") or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class ClaudeCode(AgentAdapter):
+    name = "claude-code"
+    binary = "claude"
+    package = "@anthropic-ai/claude-code"
+    instructions_file = "CLAUDE.md"
+
+    def config_path(self, root, role):
+        return os.path.join(root, ".claude", "mcp-%s.json" % role)
+
+    def _common(self, root, role, model):
+        # --mcp-config takes several values: the = form keeps it from eating the
+        # next argument (upstream's trap).
+        argv = [self.binary, "--mcp-config=" + self.config_path(root, role)]
+        if self.config.agents.claude_mcp_isolation == "ferrus-only":
+            argv.append("--strict-mcp-config")
+        return argv + _model_args("--model", model)
+
+    def headless(self, root, role, prompt, model=""):
+        argv = self._common(root, role, model) + [
+            "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
+            "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
+        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000)}
+        env.update(self.options.env)
+        return Launch(argv, prompt, env)
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = self._common(root, role, model) + self.options.extra_args + \
+            self.options.interactive_args
+        if prompt:
+            argv += ["--", prompt]
+        return Launch(argv, None, dict(self.options.env))
+
+    def register(self, root, role, model, report):
+        key = server_key(role)
+        path = self.config_path(root, role)
+
+        def add_server(data):
+            servers = _json_table(data, "mcpServers", path)
+            servers[key] = dict({"type": "stdio"}, **ferrus_server_entry(root, role, self.name))
+        edit_json_file(path, add_server)
+        report("Registered %s in .claude/mcp-%s.json (agent id %s:%s:%d)"
+               % (key, role, role, self.name, DEFAULT_AGENT_INDEX))
+        settings = os.path.join(root, ".claude", "settings.local.json")
+        permission = "mcp__%s__*" % key
+
+        def allow(data):
+            permissions = _json_table(data, "permissions", ".claude/settings.local.json")
+            allowed = permissions.setdefault("allow", [])
+            if not isinstance(allowed, list):
+                raise FerrusError(".claude/settings.local.json permissions.allow is not an array")
+            if permission not in allowed:
+                allowed.append(permission)
+                report("Allowed %s in .claude/settings.local.json" % permission)
+        edit_json_file(settings, allow)
+        for entry in (".claude/mcp-%s.json" % role, ".claude/settings.local.json"):
+            ensure_gitignore_entry(root, entry, report)
+
+    def unregister(self, root, role, report):
+        key = server_key(role)
+        path = self.config_path(root, role)
+        if os.path.exists(path):
+            edit_json_file(path, lambda data: data.get("mcpServers", {}).pop(key, None))
+        settings = os.path.join(root, ".claude", "settings.local.json")
+        if os.path.exists(settings):
+            def disallow(data):
+                allowed = data.get("permissions", {}).get("allow")
+                if isinstance(allowed, list) and "mcp__%s__*" % key in allowed:
+                    allowed.remove("mcp__%s__*" % key)
+            edit_json_file(settings, disallow)
+        report("Removed %s from .claude/" % key)
+
+    def registration(self, root, role):
+        return _load_json_quiet(self.config_path(root, role)).get("mcpServers", {}).get(
+            server_key(role))
+
+    def parse_line(self, line):
+        return _parse_claude_style(line)
+
+
+def _parse_claude_style(line):
+    """Claude Code / Qwen Code stream-json: assistant tool_use blocks, usage, result."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return _limit_events(line)
+    if not isinstance(event, dict):
+        return []
+    events = []
+    kind = event.get("type")
+    if kind == "system" and event.get("session_id"):
+        events.append(AgentEvent("session", text=str(event["session_id"])))
+    elif kind == "assistant":
+        message = event.get("message") or {}
+        for block in message.get("content") or []:
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                events.append(AgentEvent("tool_call", name=str(block.get("name", ""))))
+        usage = message.get("usage") or {}
+        if usage:
+            events.append(AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
+                                     output_tokens=int(usage.get("output_tokens") or 0)))
+    elif kind == "result":
+        text = str(event.get("result") or "")
+        events.extend(_limit_events(text))
+    return events
+
+
+_LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
+                       r".{0,40}?resets? (?:at )?([^\n.]+)", re.IGNORECASE)
+
+
+def _limit_events(text):
+    match = _LIMIT_RE.search(text or "")
+    return [AgentEvent("limit", text=match.group(1).strip())] if match else []
+
+
+class Codex(AgentAdapter):
+    name = "codex"
+    binary = "codex"
+    package = "@openai/codex"
+    instructions_file = "AGENTS.md"
+
+    def overrides(self, root, role):
+        """-c settings that define this role's server and disable the other role's.
+
+        Codex ignores .codex/config.toml in projects the user has not trusted, so
+        launches inject the server on the command line and work everywhere."""
+        key = server_key(role)
+        entry = ferrus_server_entry(root, role, self.name)
+        settings = [("command", entry["command"]), ("args", entry["args"]),
+                    ("startup_timeout_sec", 30),
+                    ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
+                    ("default_tools_approval_mode", "approve"), ("enabled", True)]
+        argv = []
+        for name, value in settings:
+            argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
+        other_role = "executor" if role == "supervisor" else "supervisor"
+        other = server_key(other_role)
+        if self._project_defines(root, other):
+            # In an untrusted project Codex never loaded that server, and a table with
+            # only `enabled` is invalid config: give it a command too.
+            other_command = ferrus_server_entry(root, other_role, self.name)["command"]
+            argv += ["-c", "mcp_servers.%s.command=%s" % (other, format_toml_value(other_command)),
+                     "-c", "mcp_servers.%s.enabled=false" % other]
+        return argv
+
+    def _project_defines(self, root, key):
+        try:
+            data = parse_toml(read_text(os.path.join(root, ".codex", "config.toml"), default=""))
+        except TomlError:
+            return False
+        return key in (data.get("mcp_servers") or {})
+
+    def headless(self, root, role, prompt, model=""):
+        argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
+            _model_args("--model", model) + self.overrides(root, role) + \
+            self.options.extra_args + self.options.headless_args + ["-"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = [self.binary] + _model_args("--model", model) + self.overrides(root, role) + \
+            self.options.extra_args + self.options.interactive_args
+        if prompt:
+            argv += ["--", prompt]
+        return Launch(argv, None, dict(self.options.env))
+
+    def config_path(self, root):
+        return os.path.join(root, ".codex", "config.toml")
+
+    def register(self, root, role, model, report):
+        key = server_key(role)
+        entry = ferrus_server_entry(root, role, self.name)
+        table = {"command": entry["command"], "args": entry["args"], "startup_timeout_sec": 30,
+                 "tool_timeout_sec": client_tool_timeout_secs(self.config),
+                 "default_tools_approval_mode": "approve",
+                 "tools": {tool.name: {"approval_mode": "approve"}
+                           for tool in tools_for_role(role)}}
+        path = self.config_path(root)
+        text = read_text(path, default="")
+        try:
+            parse_toml(text)
+            new = toml_replace_table(text, ("mcp_servers", key), table)
+        except TomlError as err:
+            raise FerrusError(".codex/config.toml: %s" % err, "fix the file by hand first")
+        if new != text:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, new)
+        report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
+               % (key, role, self.name, DEFAULT_AGENT_INDEX))
+        ensure_gitignore_entry(root, ".codex/config.toml", report)
+
+    def unregister(self, root, role, report):
+        path = self.config_path(root)
+        text = read_text(path, default="")
+        if text:
+            new = toml_remove_table(text, ("mcp_servers", server_key(role)))
+            if new != text:
+                atomic_write(path, new)
+                report("Removed %s from .codex/config.toml" % server_key(role))
+
+    def registration(self, root, role):
+        try:
+            data = parse_toml(read_text(self.config_path(root), default=""))
+        except TomlError:
+            return None
+        return (data.get("mcp_servers") or {}).get(server_key(role))
+
+    def parse_line(self, line):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return _limit_events(line)
+        if not isinstance(event, dict):
+            return []
+        kind = event.get("type")
+        if kind == "thread.started":
+            return [AgentEvent("session", text=str(event.get("thread_id", "")))]
+        if kind == "item.completed":
+            item = event.get("item") or {}
+            if item.get("type") == "mcp_tool_call":
+                return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
+                                   ok=item.get("status") == "completed")]
+        if kind == "turn.completed":
+            usage = event.get("usage") or {}
+            return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
+                               output_tokens=int(usage.get("output_tokens") or 0))]
+        if kind in ("turn.failed", "error"):
+            return _limit_events(json.dumps(event))
+        return []
+
+
+class _SettingsJsonAgent(AgentAdapter):
+    """Qwen Code and Gemini CLI: `mcpServers` in <dir>/settings.json."""
+
+    settings_dir = ""
+
+    def settings_path(self, root):
+        return os.path.join(root, self.settings_dir, "settings.json")
+
+    def server_entry(self, root, role):
+        entry = ferrus_server_entry(root, role, self.name)
+        # trust: the server's own tools run without a confirmation prompt, which a
+        # headless run could never answer.
+        entry.update(timeout=client_tool_timeout_secs(self.config) * 1000, trust=True)
+        return entry
+
+    def register(self, root, role, model, report):
+        key = server_key(role)
+        path = self.settings_path(root)
+        label = "%s/settings.json" % self.settings_dir
+
+        def add_server(data):
+            _json_table(data, "mcpServers", label)[key] = self.server_entry(root, role)
+        edit_json_file(path, add_server, label)
+        report("Registered %s in %s (agent id %s:%s:%d)"
+               % (key, label, role, self.name, DEFAULT_AGENT_INDEX))
+        ensure_gitignore_entry(root, label, report)
+
+    def unregister(self, root, role, report):
+        path = self.settings_path(root)
+        if os.path.exists(path):
+            edit_json_file(path, lambda data: data.get("mcpServers", {}).pop(server_key(role), None))
+            report("Removed %s from %s/settings.json" % (server_key(role), self.settings_dir))
+
+    def registration(self, root, role):
+        return _load_json_quiet(self.settings_path(root)).get("mcpServers", {}).get(
+            server_key(role))
+
+
+class QwenCode(_SettingsJsonAgent):
+    name = "qwen-code"
+    binary = "qwen"
+    package = "@qwen-code/qwen-code"
+    instructions_file = "QWEN.md"
+    settings_dir = ".qwen"
+
+    def _common(self, root, role, model):
+        # The server travels on the command line too, so a folder Qwen does not
+        # trust (which ignores .qwen/settings.json) still has it; only this
+        # role's server is allowed.
+        config = {"mcpServers": {server_key(role): self.server_entry(root, role)}}
+        return [self.binary, "--mcp-config", json.dumps(config),
+                "--allowed-mcp-server-names", server_key(role)] + _model_args("--model", model)
+
+    def headless(self, root, role, prompt, model=""):
+        argv = self._common(root, role, model) + ["--output-format", "stream-json"] + \
+            self.options.extra_args + self.options.headless_args + [STDIN_PROMPT_POINTER]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = self._common(root, role, model) + self.options.extra_args + \
+            self.options.interactive_args
+        if prompt:
+            argv.append("--prompt-interactive=" + prompt)
+        return Launch(argv, None, dict(self.options.env))
+
+    def parse_line(self, line):
+        return _parse_claude_style(line)
+
+
+class GeminiCli(_SettingsJsonAgent):
+    name = "gemini-cli"
+    binary = "gemini"
+    package = "@google/gemini-cli"
+    instructions_file = "GEMINI.md"
+    settings_dir = ".gemini"
+
+    def _common(self, model, role):
+        # --skip-trust: Gemini ignores project settings (our server included) in a
+        # folder the user never trusted; this trusts it for the one session.
+        return [self.binary, "--skip-trust", "--allowed-mcp-server-names", server_key(role)] + \
+            _model_args("--model", model)
+
+    def headless(self, root, role, prompt, model=""):
+        argv = self._common(model, role) + ["--output-format", "stream-json"] + \
+            self.options.extra_args + self.options.headless_args + \
+            ["--prompt=" + STDIN_PROMPT_POINTER]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = self._common(model, role) + self.options.extra_args + self.options.interactive_args
+        if prompt:
+            argv.append("--prompt-interactive=" + prompt)
+        return Launch(argv, None, dict(self.options.env))
+
+    def parse_line(self, line):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return _limit_events(line)
+        if not isinstance(event, dict):
+            return []
+        kind = event.get("type")
+        if kind == "init" and event.get("session_id"):
+            return [AgentEvent("session", text=str(event["session_id"]))]
+        if kind == "tool_use":
+            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")))]
+        if kind == "result":
+            stats = event.get("stats") or {}
+            return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
+                               output_tokens=int(stats.get("output_tokens") or 0))]
+        return []
+
+
+class CustomAgent(AgentAdapter):
+    """An agent described in ferrus.toml by argv templates.
+
+    Placeholders: {prompt}, {model}, {role}, {mcp_config} (a JSON file with this
+    role's ferrus server under mcpServers).  An argument that is exactly
+    "{model}" is dropped, with the flag before it, when no model is set."""
+
+    def __init__(self, config, spec):
+        self.spec = spec
+        self.name = spec.name
+        self.binary = spec.interactive[0]
+        super().__init__(config)
+
+    def install_hint(self):
+        return "install `%s` and put it on PATH" % self.binary
+
+    def version_argv(self):
+        return [self.binary] + list(self.spec.version_args)
+
+    def mcp_config_path(self, root, role):
+        return os.path.join(root, FERRUS_DIR, "mcp-%s.json" % role)
+
+    def _render(self, template, root, role, prompt, model):
+        values = {"{model}": model or "", "{role}": role,
+                  "{mcp_config}": self.mcp_config_path(root, role), "{prompt}": prompt or ""}
+        argv = []
+        for arg in template:
+            if arg == "{model}" and not model:
+                if argv and argv[-1].startswith("-"):
+                    argv.pop()
+                continue
+            if arg == "{prompt}" and prompt is None:
+                continue
+            for placeholder, value in values.items():
+                arg = arg.replace(placeholder, value)
+            argv.append(arg)
+        return argv
+
+    def headless(self, root, role, prompt, model=""):
+        stdin = prompt if self.spec.prompt == "stdin" else None
+        argv = self._render(self.spec.headless, root, role,
+                            None if stdin is not None else prompt, model)
+        argv[1:1] = self.options.extra_args + self.options.headless_args
+        return Launch(argv, stdin, dict(self.options.env))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = self._render(self.spec.interactive, root, role, prompt, model)
+        argv[1:1] = self.options.extra_args + self.options.interactive_args
+        return Launch(argv, None, dict(self.options.env))
+
+    def register(self, root, role, model, report):
+        path = self.mcp_config_path(root, role)
+
+        def add_server(data):
+            _json_table(data, "mcpServers", path)[server_key(role)] = ferrus_server_entry(
+                root, role, self.name)
+        edit_json_file(path, add_server)
+        report("Registered %s in %s/mcp-%s.json (passed to %s as {mcp_config})"
+               % (server_key(role), FERRUS_DIR, role, self.name))
+
+    def unregister(self, root, role, report):
+        path = self.mcp_config_path(root, role)
+        if os.path.exists(path):
+            os.unlink(path)
+            report("Removed %s/mcp-%s.json" % (FERRUS_DIR, role))
+
+    def registration(self, root, role):
+        return _load_json_quiet(self.mcp_config_path(root, role)).get("mcpServers", {}).get(
+            server_key(role))
+
+
+ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
+
+
+def adapter_for(config, agent):
+    if agent in ADAPTERS:
+        return ADAPTERS[agent](config)
+    if agent in config.agents.custom:
+        return CustomAgent(config, config.agents.custom[agent])
+    raise FerrusError("Unknown agent %r. Supported values: %s" % (
+        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom))),
+        "or describe it under [agents.custom.<name>] in ferrus.toml")
+
+
+def probe_version(argv, timeout=10.0):
+    """First line of `<agent> --version`, or '' (bounded: upstream had no timeout)."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = result.stdout.strip().splitlines()
+    return lines[0].strip() if result.returncode == 0 and lines else ""
+
+
+# -- register -------------------------------------------------------------------------
+
+def register_agents(root, choices, trust=False, report=print):
+    """`ferrus register`: write each role's agent configuration and update [hq].
+
+    ``choices`` maps role -> (agent, model-or-None).  Everything is validated
+    before the first file is written (upstream bug §11.11)."""
+    if not os.path.exists(os.path.join(root, CONFIG_FILE)):
+        raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
+    config = load_config(root)
+    adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
+    for role in ROLES:
+        if role not in choices:
+            continue
+        agent, model = choices[role]
+        model = (model or "").strip()
+        adapter = adapters[role]
+        adapter.register(root, role, model, report)
+        if adapter.instructions_file:
+            add_instruction_section(os.path.join(root, adapter.instructions_file), role, report)
+        if trust:
+            trust_project(adapter, root, report)
+        update_hq_config(root, role, agent, model if choices[role][1] is not None else None, report)
+
+
+def update_hq_config(root, role, agent, model, report):
+    """Set [hq.<role>] agent (and model) in ferrus.toml, keeping every comment.
+
+    Switching to another agent without naming a model clears the old vendor's
+    model instead of keeping it (upstream bug §11.10); models are trimmed."""
+    path = os.path.join(root, CONFIG_FILE)
+    text = read_text(path)
+    raw = parse_toml(text)
+    hq = raw.get("hq", {})
+    for other in ROLES:
+        flat = hq.get(other) if isinstance(hq, dict) else None
+        if isinstance(flat, str):      # legacy flat form: migrate to [hq.<role>]
+            text = toml_remove_key(text, ("hq",), other)
+            text = toml_set_key(text, ("hq", other), "agent", flat)
+    current = ((hq.get(role) if isinstance(hq, dict) else None) or {})
+    previous_agent = current.get("agent") if isinstance(current, dict) else current
+    text = toml_set_key(text, ("hq", role), "agent", agent)
+    if model is not None:
+        text = toml_set_key(text, ("hq", role), "model", model.strip())
+    elif previous_agent != agent:
+        text = toml_set_key(text, ("hq", role), "model", "")
+    atomic_write(path, text)
+    report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
+
+
+def trust_project(adapter, root, report):
+    """Mark the project trusted in the agent's user config (only with --trust)."""
+    home = os.path.expanduser("~")
+    root = os.path.abspath(root)
+    if adapter.name == "codex":
+        path = os.path.join(os.environ.get("CODEX_HOME") or os.path.join(home, ".codex"),
+                            "config.toml")
+        text = read_text(path, default="")
+        new = toml_set_key(text, ("projects", root), "trust_level", "trusted")
+        if new != text:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, new)
+            report("Trusted %s in %s" % (root, path))
+    elif adapter.name in ("gemini-cli", "qwen-code"):
+        path = os.path.join(home, "." + adapter.binary, "trustedFolders.json")
+
+        def trust(data):
+            data[root] = "TRUST_FOLDER"
+        if edit_json_file(path, trust):
+            report("Trusted %s in %s" % (root, path))
+
+
+def unregister_agents(root, roles, report=print):
+    config = load_config(root)
+    for role in roles:
+        choice = getattr(config, role)
+        agents = [choice.agent] if choice else []
+        # Remove what any adapter wrote for this role, whatever [hq] says now.
+        for name in BUILTIN_AGENTS + tuple(config.agents.custom):
+            adapter = adapter_for(config, name)
+            if adapter.registration(root, role) is not None or name in agents:
+                adapter.unregister(root, role, report)
+                if adapter.instructions_file:
+                    remove_instruction_section(os.path.join(root, adapter.instructions_file),
+                                               role, report)
+
+
+def agents_report(root, probe=probe_version):
+    """`ferrus agents`: per role, the agent, its binary, version and registration."""
+    config = load_config(root).require_hq()
+    rows = []
+    for role in ROLES:
+        choice = getattr(config, role)
+        if choice is None:
+            rows.append({"role": role, "agent": None, "problem": "no [hq.%s] in ferrus.toml" % role,
+                         "hint": "ferrus register --%s <agent>" % role})
+            continue
+        adapter = adapter_for(config, choice.agent)
+        path = adapter.executable()
+        entry = adapter.registration(root, role)
+        row = {"role": role, "agent": choice.agent, "model": choice.model or None,
+               "binary": adapter.binary, "path": path,
+               "version": probe(adapter.version_argv()) if path else "",
+               "registered": entry is not None,
+               "points_here": entry_points_here(entry, root)}
+        if not path:
+            row["problem"] = "%s is not installed" % adapter.binary
+            row["hint"] = adapter.install_hint()
+        elif entry is None:
+            row["problem"] = "no %s entry in its MCP configuration" % server_key(role)
+            row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        elif not row["points_here"]:
+            row["problem"] = "its MCP entry starts another ferrus or project"
+            row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        rows.append(row)
+    return rows
+
+
+# -- prompts ----------------------------------------------------------------------------
+#
+# Every headless prompt names the tool calls in the order the agent makes them.
+
+PROMPT_PRECEDENCE = (
+    "ROLE.md, SKILL.md, AGENTS.md and CLAUDE.md are supporting context only. If they "
+    "conflict with this prompt or with the ferrus MCP tools, this prompt and the tools win.")
+
+_EXECUTOR_RULES = """Rules:
+- Run builds, linters and tests only through /check; it runs the project's own gate.
+- A green /check is feedback, not a handover: /submit is always required.
+- Never edit files under .ferrus/ and never imitate a ferrus tool by hand.
+- If a ferrus tool call fails or is cancelled, call the same tool again.
+- Consult the supervisor (/consult, following ferrus://consult_template, then
+  /wait_for_consult) only about the code or the task, never about the tools.
+- Only when neither a retry nor a consultation helps, /ask_human, then
+  /wait_for_answer until it answers.
+- You run without a terminal: never ask questions in your reply text.
+- Call /heartbeat every few minutes while you work so your lease stays alive."""
+
+
+def prompt_task_definition(milestone=None, spec_path=None):
+    text = """You are the ferrus supervisor in TASK DEFINITION mode. Your goal is one clear,
+executable task for the executor agent.
+
+1. Understand what the user wants; ask clarifying questions until nothing important is open.
+2. Draft the exact task text: the outcome, the constraints, and acceptance criteria a
+   reviewer can verify.
+3. Show the draft and revise it until the user explicitly approves it.
+4. Only then call /create_task with the approved text (closely matching the draft), and stop.
+
+Do not implement anything or edit files. /create_task is the only tool that creates work;
+never call /create_spec in this mode."""
+    if milestone is not None:
+        text += """
+
+Selected spec milestone:
+
+Spec: %s
+Milestone: %s
+Milestone ID: %s
+Completed: %s
+Depends on: %s
+
+Base the draft on this milestone; still show the exact text and wait for approval.""" % (
+            spec_path, milestone.display(), milestone.id, "yes" if milestone.completed else "no",
+            ", ".join(milestone.depends_on) or "none")
+    return text + "\n\n" + PROMPT_PRECEDENCE
+
+
+def prompt_plan():
+    return ("You are the ferrus supervisor in PLANNING mode: explore ideas with the user, clarify "
+            "problems and sketch designs. Stay at the planning level unless the user explicitly "
+            "asks for more; no ferrus tool is required. The user's explicit instructions and the "
+            "ferrus tools take precedence over ROLE.md, SKILL.md, AGENTS.md and CLAUDE.md.")
+
+
+def prompt_spec():
+    return """You are the ferrus supervisor in SPECIFICATION mode. A spec says WHAT and WHY,
+never HOW.
+
+1. Read the resource ferrus://spec_template first and follow its structure exactly.
+2. Clarify the goal with the user.
+3. Draft the whole spec in Markdown, including a Milestones section: every milestone is a
+   `- [ ] #N.M Title` line with a `- ID: mN.M` line and a `- Depends on: none` or
+   `- Depends on: #1.0, #1.1` line. Milestones are logical stages, ordered
+   prerequisites first, each small enough to become one or more tasks.
+4. Show the draft and revise it until the user explicitly approves the full text.
+5. Only then call /create_spec with exactly that text, and stop.
+
+No code, no pseudocode, no file edits; never call /create_task in this mode.
+
+""" + PROMPT_PRECEDENCE
+
+
+def prompt_executor():
+    return ("You are the ferrus executor, running headless.\n\n"
+            "1. Call /wait_for_task first; it returns the task (and review notes to address "
+            "after a rejection). On {\"status\":\"timeout\"} call it again.\n"
+            "2. Implement the task with the smallest complete change.\n"
+            "3. Call /check whenever you want feedback, and again right before submitting.\n"
+            "4. Call /submit with notes: what changed, why, and how you verified it. Then stop.\n\n"
+            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_executor_after_answer():
+    return ("You are the ferrus executor, resuming after a human answered your question.\n\n"
+            "1. Call /wait_for_answer: it returns the human's answer (exactly once).\n"
+            "2. Call /wait_for_task to re-read the task and renew your lease.\n"
+            "3. Continue the work with the answer in mind; /check, then /submit. Then stop.\n\n"
+            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_executor_awaiting_answer():
+    return ("You are the ferrus executor. You asked a human a question and it is still open.\n\n"
+            "1. Call /wait_for_answer and keep calling it until it returns the answer.\n"
+            "2. Call /wait_for_task to re-read the task, then continue: /check, then /submit. "
+            "Then stop.\n\n" + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_executor_in_consultation():
+    return ("You are the ferrus executor. You asked the supervisor for guidance "
+            "(.ferrus/CONSULT_REQUEST.md exists) and the consultation is still open.\n\n"
+            "1. Call /wait_for_consult and keep calling it until it returns the response. Do not "
+            "implement anything before that, and never resolve the consultation by hand.\n"
+            "2. Then continue as usual: implement, /check, /submit. Then stop.\n\n"
+            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_reviewer():
+    return ("You are the ferrus supervisor in REVIEW mode, running headless.\n\n"
+            "1. Call /wait_for_review; on {\"status\":\"timeout\"} call it again.\n"
+            "2. Call /review_pending and read the task, the submission notes and the actual "
+            "changes in the repository.\n"
+            "3. Judge correctness, fit to the task and the verification evidence.\n"
+            "4. Call /approve, or /reject with concrete, actionable notes. Then stop.\n\n"
+            "Do not fix the code yourself and do not ask the executor to re-run checks by hand "
+            "(the gate already ran). Never edit .ferrus/.\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_consultant(resuming=False):
+    opening = ("You are the ferrus supervisor in CONSULTATION mode, resuming an open "
+               "consultation (.ferrus/CONSULT_REQUEST.md already exists)."
+               if resuming else
+               "You are the ferrus supervisor in CONSULTATION mode: the executor is blocked and "
+               "asked for guidance.")
+    return (opening + "\n\n"
+            "1. Read ferrus://task and ferrus://consult_request.\n"
+            "2. Inspect the code read-only if you need to.\n"
+            "3. Answer the question directly with /respond_consult, recommending one option. "
+            "Then stop.\n\n"
+            "Write no code and change no files (in the repository or in .ferrus/). Only if the "
+            "answer cannot be found in the repository and the task, /ask_human, then "
+            "/wait_for_answer, then /respond_consult.\n\n" + PROMPT_PRECEDENCE)
+
+
+def prompt_pipeline_worker(topic, task, reads, output):
+    lines = ["You are one worker of a ferrus pipeline.", "", "Topic: %s" % topic, "",
+             "Your task: %s" % task, ""]
+    if reads:
+        lines += ["Read these files first:"] + ["- %s" % path for path in reads] + [""]
+    lines += ["Write your complete result to exactly this file: %s" % output,
+              "Writing that file is how ferrus knows you are done: write it once, completely, "
+              "as your last step. Do not write any other file."]
+    return "\n".join(lines)
+
+
+def executor_prompt_for(data, answer_pending):
+    """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
+
+    None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
+    if data.state == S.AWAITING_HUMAN:
+        if data.paused_state == S.CONSULTATION:
+            return prompt_executor_in_consultation()
+        if data.paused_state in WORK_STATES:
+            return prompt_executor_awaiting_answer()
+        return None        # the reviewer asked; the executor has nothing to do
+    if data.state == S.CONSULTATION:
+        return prompt_executor_in_consultation()
+    if data.state in WORK_STATES:
+        return prompt_executor_after_answer() if answer_pending else prompt_executor()
+    return None
+
+
+def supervisor_prompt_for(data, resuming=False):
+    """The headless supervisor's prompt: reviewer or consultant, or None."""
+    if data.state == S.REVIEWING:
+        return prompt_reviewer()
+    if data.state == S.CONSULTATION:
+        return prompt_consultant(resuming)
+    return None
+
+
+# ============================================================================
+# 12. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -4285,7 +5204,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 12. CLI
+# 13. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -4472,6 +5391,55 @@ def cmd_check(args, root):
     return 0 if outcome.data.get("passed") else 1
 
 
+def cmd_register(args, root):
+    # Upstream's checks, in upstream's order (reference §1).
+    if not args.supervisor and not args.executor:
+        raise UsageError("At least one of --supervisor or --executor must be specified",
+                         "e.g. ferrus register --supervisor claude-code --executor codex")
+    if args.supervisor_model is not None and not args.supervisor:
+        raise UsageError("--supervisor-model requires --supervisor")
+    if args.executor_model is not None and not args.executor:
+        raise UsageError("--executor-model requires --executor")
+    choices = {}
+    if args.supervisor:
+        choices["supervisor"] = (args.supervisor, args.supervisor_model)
+    if args.executor:
+        choices["executor"] = (args.executor, args.executor_model)
+    register_agents(root, choices, trust=args.trust)
+    print()
+    print("Done. `ferrus agents` shows whether each agent is installed and connected.")
+    return 0
+
+
+def cmd_unregister(args, root):
+    roles = [role for role in ROLES if getattr(args, role)] or list(ROLES)
+    unregister_agents(root, roles)
+    return 0
+
+
+def cmd_agents(args, root):
+    rows = agents_report(root)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0 if not any("problem" in row for row in rows) else 1
+    for row in rows:
+        if row["agent"] is None:
+            print("%-10s (none)  %s" % (row["role"], row["problem"]))
+        else:
+            print("%-10s %s%s" % (row["role"], row["agent"],
+                                  " (model %s)" % row["model"] if row["model"] else ""))
+            print("           binary: %s" % (row["path"] or "not installed"))
+            if row["path"]:
+                print("           version: %s" % (row["version"] or "unknown (--version failed)"))
+            print("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
+                                          "registered elsewhere" if row["registered"] else
+                                          "not registered"))
+        if "problem" in row:
+            print("           problem: %s" % row["problem"])
+            print("           fix: %s" % row["hint"])
+    return 0 if not any("problem" in row for row in rows) else 1
+
+
 def cmd_serve(args, root):
     return serve_stdio(root, args.role, args.agent_name, args.agent_index)
 
@@ -4512,6 +5480,25 @@ def build_parser():
     p.add_argument("--force", action="store_true",
                    help="run the checks in any state and change nothing")
     p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("register", help="configure agent CLIs to reach this ferrus")
+    p.add_argument("--supervisor", metavar="AGENT", help="agent for the supervisor role")
+    p.add_argument("--supervisor-model", metavar="M", help="model for the supervisor")
+    p.add_argument("--executor", metavar="AGENT", help="agent for the executor role")
+    p.add_argument("--executor-model", metavar="M", help="model for the executor")
+    p.add_argument("--trust", action="store_true",
+                   help="also mark this project trusted in the agents' user settings "
+                        "(Codex, Gemini, Qwen), so their `mcp list` shows it")
+    p.set_defaults(run=cmd_register)
+
+    p = sub.add_parser("unregister", help="remove what register wrote")
+    p.add_argument("--supervisor", action="store_true", help="only the supervisor role")
+    p.add_argument("--executor", action="store_true", help="only the executor role")
+    p.set_defaults(run=cmd_unregister)
+
+    p = sub.add_parser("agents", help="each role's agent: installed, version, registered")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_agents)
 
     p = sub.add_parser("serve", help="the MCP server on stdio (started by agents)")
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")

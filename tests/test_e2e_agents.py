@@ -1,0 +1,201 @@
+"""The real Claude Code CLI, launched through ferrus's own adapter argv, drives the loop.
+
+A scripted model server (tests/fake_anthropic.py) stands in for the model, so
+the CLI, its MCP connection and ferrus serve are all real.  Skips when `claude`
+is not installed (.ci/run installs it from npm).
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+import ferrus
+from conftest import set_config
+from fake_anthropic import FakeAnthropic, ScriptedAgent, claude_env, find_agent, text, tool_use
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = """
+[checks]
+commands = ["test -f hello.txt"]
+
+[limits]
+wait_timeout_secs = 20
+
+[agents.claude-code]
+headless_args = ["--permission-mode", "acceptEdits"]
+
+[hq.supervisor]
+agent = "claude-code"
+
+[hq.executor]
+agent = "claude-code"
+"""
+
+
+def run_headless(root, role, prompt, script, home):
+    config = ferrus.load_config(str(root))
+    launch = ferrus.ClaudeCode(config).headless(str(root), role, prompt)
+    with FakeAnthropic(script) as fake:
+        env = claude_env(fake, str(home))
+        env.update(launch.env)
+        result = subprocess.run(launch.argv, input=launch.stdin, cwd=str(root), env=env,
+                                capture_output=True, text=True, timeout=180)
+        return result, fake
+
+
+def test_claude_executor_then_reviewer_reach_complete(project, tmp_path):
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    home = tmp_path / "home"
+    home.mkdir()
+    set_config(project, CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("claude-code", None),
+                                          "executor": ("claude-code", None)},
+                           report=lambda message: None)
+    store = ferrus.Store(str(project))
+    ferrus.op_create_task(store, ferrus.HUMAN, "Create hello.txt containing hi.")
+
+    prompt = ferrus.prompt_executor()
+    assert prompt.startswith("You are the ferrus executor")
+    executor = ScriptedAgent([
+        tool_use("mcp__ferrus-executor-1__wait_for_task", {}),
+        tool_use("Write", {"file_path": str(project / "hello.txt"), "content": "hi\n"}),
+        tool_use("mcp__ferrus-executor-1__check", {}),
+        tool_use("mcp__ferrus-executor-1__submit", {"content": "Wrote hello.txt."}),
+        text("Submitted."),
+    ])
+    result, fake = run_headless(project, "executor", prompt, executor, home)
+    assert result.returncode == 0, result.stderr[-2000:] + fake.describe()
+    first = json.dumps(fake.main_requests[0]["messages"])
+    assert "You are the ferrus executor" in first, "the prompt travelled on stdin"
+    results = [r for request in fake.main_requests[1:]
+               for r in __import__("fake_anthropic").last_tool_results(request)]
+    assert not any(r["is_error"] for r in results), results
+    assert (project / "hello.txt").read_text() == "hi\n"
+    assert store.read_state().state == ferrus.S.REVIEWING
+
+    reviewer = ScriptedAgent([
+        tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
+        tool_use("mcp__ferrus-supervisor-1__approve", {}),
+        text("Approved."),
+    ])
+    result, fake = run_headless(project, "supervisor", ferrus.prompt_reviewer(), reviewer, home)
+    assert result.returncode == 0, result.stderr[-2000:] + fake.describe()
+    assert store.read_state().state == ferrus.S.COMPLETE
+
+    moves = [(e["event"], e["actor"], e["from"], e["to"]) for e in store.read_journal()]
+    assert moves == [
+        ("create_task", "human", "Idle", "Executing"),
+        ("claim", "executor:claude-code:1", "Executing", "Executing"),
+        ("check_passed", "executor:claude-code:1", "Executing", "Executing"),
+        ("submit", "executor:claude-code:1", "Executing", "Reviewing"),
+        ("claim", "supervisor:claude-code:1", "Reviewing", "Reviewing"),
+        ("approve", "supervisor:claude-code:1", "Reviewing", "Complete"),
+    ]
+    # The adapter parses Claude's stream-json into tool calls.
+    adapter = ferrus.ClaudeCode(ferrus.load_config(str(project)))
+    calls = [event.name for line in result.stdout.splitlines()
+             for event in adapter.parse_line(line) if event.kind == "tool_call"]
+    assert calls == ["mcp__ferrus-supervisor-1__wait_for_review",
+                     "mcp__ferrus-supervisor-1__approve"]
+
+
+# -- each CLI's own `mcp list` after ferrus init + register --------------------------------
+
+def isolated_env(home):
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
+               DISABLE_AUTOUPDATER="1", NO_COLOR="1")
+    env.pop("CODEX_HOME", None)
+    directory = os.environ.get("FERRUS_AGENT_BIN")
+    if directory:
+        env["PATH"] = directory + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def registered_repo(tmp_path, agent, trust):
+    """A fresh git repository after `ferrus init` and `ferrus register` (as a user runs them)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = isolated_env(home)
+    subprocess.run(["git", "init", "-q"], cwd=str(repo), check=True)
+    for args in (["init"], ["register", "--supervisor", agent, "--executor", agent]
+                 + (["--trust"] if trust else [])):
+        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE] + args,
+                                cwd=str(repo), env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    return repo, env
+
+
+def mcp_list(binary, repo, env):
+    found = find_agent(binary)
+    if not found:
+        pytest.skip("%s is not installed (.ci/run installs it from npm)" % binary)
+    result = subprocess.run([found, "mcp", "list"], cwd=str(repo), env=env, capture_output=True,
+                            text=True, timeout=180)
+    return result.stdout + result.stderr
+
+
+def server_lines(output):
+    return {key: [l for l in output.splitlines() if key + ":" in l or l.startswith(key + " ")]
+            for key in ("ferrus-supervisor-1", "ferrus-executor-1")}
+
+
+@pytest.mark.parametrize("agent,binary", [("qwen-code", "qwen"), ("gemini-cli", "gemini")])
+def test_settings_json_agents_list_both_roles_connected(tmp_path, agent, binary):
+    if not find_agent(binary):
+        pytest.skip("%s is not installed (.ci/run installs it from npm)" % binary)
+    repo, env = registered_repo(tmp_path, agent, trust=True)
+    output = mcp_list(binary, repo, env)
+    for key, lines in server_lines(output).items():
+        assert lines and "Connected" in lines[0] and "Disconnected" not in lines[0], output
+
+
+def test_codex_mcp_list_shows_both_roles_in_a_trusted_project(tmp_path):
+    if not find_agent("codex"):
+        pytest.skip("codex is not installed (.ci/run installs it from npm)")
+    repo, env = registered_repo(tmp_path, "codex", trust=True)
+    output = mcp_list("codex", repo, env)
+    for key, lines in server_lines(output).items():
+        assert lines and "enabled" in lines[0], output
+        assert ferrus.FERRUS_FILE in lines[0]
+
+
+def test_codex_headless_argv_reaches_the_server_without_trust(tmp_path):
+    """Codex ignores .codex/config.toml in untrusted projects; the launch injects it."""
+    if not find_agent("codex"):
+        pytest.skip("codex is not installed (.ci/run installs it from npm)")
+    repo, env = registered_repo(tmp_path, "codex", trust=False)
+    launch = ferrus.Codex(ferrus.load_config(str(repo))).headless(str(repo), "executor", "p")
+    overrides = [a for i, a in enumerate(launch.argv) if i and launch.argv[i - 1] == "-c"]
+    argv = [find_agent("codex"), "mcp", "list"]
+    for override in overrides:
+        argv += ["-c", override]
+    result = subprocess.run(argv, cwd=str(repo), env=env, capture_output=True, text=True,
+                            timeout=120)
+    lines = server_lines(result.stdout)
+    assert lines["ferrus-executor-1"] and "enabled" in lines["ferrus-executor-1"][0], result.stdout
+    assert not lines["ferrus-supervisor-1"] or "disabled" in lines["ferrus-supervisor-1"][0]
+
+
+def test_claude_accepts_the_entry_register_wrote(tmp_path):
+    """`claude mcp list` only shows user/project/local servers, so the entry from
+    .claude/mcp-executor.json is added at local scope and health-checked."""
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed")
+    repo, env = registered_repo(tmp_path, "claude-code", trust=False)
+    for role in ferrus.ROLES:
+        key = ferrus.server_key(role)
+        entry = json.loads((repo / ".claude" / ("mcp-%s.json" % role)).read_text())["mcpServers"][key]
+        added = subprocess.run([find_agent("claude"), "mcp", "add-json", "-s", "local", key,
+                                json.dumps(entry)], cwd=str(repo), env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert added.returncode == 0, added.stderr
+    output = mcp_list("claude", repo, env)
+    for key, lines in server_lines(output).items():
+        assert lines and "Connected" in lines[0], output
