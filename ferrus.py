@@ -19,14 +19,16 @@ Contents (each section uses only the sections above it):
      3. TOML .............. reading (tomllib or built-in) and line-preserving edits
      4. Config ............ ferrus.toml as validated dataclasses
      5. Task state machine  states, the transition table, pure transitions, leases
-     6. Store ............. paths, transactions, the journal, waiting
-     7. Checks ............ the check runner
-     8. Specs ............. spec and milestone parsing, selection, completion
-     9. Operations ........ one function per behaviour, shared by MCP and the CLI
-    10. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
-    11. Agents ............ one adapter per agent CLI, register, prompts for every mode
-    12. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    13. CLI ............... argparse front end, ``main(argv) -> int``
+     6. Session state machine  seed 001: supervising one agent slot, pure
+     7. Store ............. paths, transactions, the journal, waiting
+     8. Checks ............ the check runner
+     9. Specs ............. spec and milestone parsing, selection, completion
+    10. Operations ........ one function per behaviour, shared by MCP, HQ and the CLI
+    11. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
+    12. Agents ............ one adapter per agent CLI, register, prompts for every mode
+    13. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
+    14. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
+    15. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import argparse
@@ -1724,7 +1726,114 @@ def t_reset(data, now):
 
 
 # ============================================================================
-# 6. Store
+# 6. Session state machine
+# ============================================================================
+#
+# Every headless agent slot (executor, reviewer, consultant, pipeline worker)
+# is supervised by this machine (seed 001).  It is pure: step(session, event)
+# returns the next session and one side effect for the supervisor to carry out.
+
+class SessionState(str, enum.Enum):
+    INITIALIZING = "Initializing"
+    BUILDING_PROMPT = "BuildingPrompt"
+    SPAWNING = "Spawning"
+    RUNNING = "Running"
+    SESSION_COMPLETE = "SessionComplete"
+    COOLING_DOWN = "CoolingDown"
+    INTERRUPTING = "Interrupting"
+    STOPPED = "Stopped"
+
+    def __str__(self):
+        return self.value
+
+
+SS = SessionState
+
+# Effects the supervisor performs after a step.
+STORE_PROMPT, CANCEL_SESSION, FORCE_STOP_SESSION, INCREMENT_SESSION, LOG_FATAL = (
+    "StorePrompt", "CancelSession", "ForceStopSession", "IncrementSession", "LogFatal")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionEvent:
+    """WorktreeReady, PromptReady(prompt), SessionStarted(seq), SessionExited(outcome),
+    UrgentMessage(text), GraceExceeded, BackoffElapsed, OperatorStop, FatalError(text)."""
+
+    kind: str
+    value: object = None      # the prompt, seq, message text or fatal message
+    outcome: str = ""         # SessionExited: success | error | timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    state: SessionState = SS.INITIALIZING
+    session_seq: int = 0
+    consecutive_errors: int = 0
+    total_errors: int = 0
+    max_consecutive_errors: int = 5
+    max_total_errors: int = 20
+    prompt: "str | None" = None
+    urgent: "str | None" = None     # the operator message the next prompt must carry
+    backoff_ms: int = 0
+
+
+def backoff_ms(consecutive_errors):
+    """min(2000 * 2^(n-1), 60000) ms for the n-th consecutive error."""
+    n = max(1, consecutive_errors)
+    return min(2000 * 2 ** (n - 1), 60000)
+
+
+def session_step(session, event):
+    """One transition of seed 001's table: (new session, effect or None).
+
+    An event the current state does not accept leaves the session unchanged
+    (effect None); OperatorStop and FatalError are accepted from every state."""
+    replace = dataclasses.replace
+    state, kind = session.state, event.kind
+    if kind == "OperatorStop":
+        effect = CANCEL_SESSION if state in (SS.RUNNING, SS.INTERRUPTING) else None
+        return replace(session, state=SS.STOPPED), effect
+    if kind == "FatalError":
+        return replace(session, state=SS.STOPPED), (LOG_FATAL, event.value)
+    if state == SS.INITIALIZING and kind == "WorktreeReady":
+        return replace(session, state=SS.BUILDING_PROMPT), None
+    if state == SS.BUILDING_PROMPT and kind == "PromptReady":
+        return replace(session, state=SS.SPAWNING, prompt=event.value, urgent=None), \
+            (STORE_PROMPT, event.value)
+    if state == SS.SPAWNING and kind == "SessionStarted":
+        # Seed 001 also resets consecutive_errors here.  We reset it only on a
+        # successful exit: an agent that starts and then crashes every time would
+        # otherwise never back off beyond 2 s nor reach max_consecutive_errors.
+        return replace(session, state=SS.RUNNING, session_seq=event.value), None
+    if state in (SS.SPAWNING, SS.RUNNING) and kind == "SessionExited":
+        if event.outcome == "success" and state == SS.RUNNING:
+            return replace(session, state=SS.SESSION_COMPLETE, consecutive_errors=0), None
+        consecutive = session.consecutive_errors + 1
+        total = session.total_errors + 1
+        counted = replace(session, consecutive_errors=consecutive, total_errors=total)
+        if consecutive >= session.max_consecutive_errors or total >= session.max_total_errors:
+            reason = ("%d consecutive errors" % consecutive
+                      if consecutive >= session.max_consecutive_errors else
+                      "%d errors in total" % total)
+            return replace(counted, state=SS.STOPPED), (LOG_FATAL, "stopped after " + reason)
+        return replace(counted, state=SS.COOLING_DOWN, backoff_ms=backoff_ms(consecutive)), None
+    if state == SS.RUNNING and kind == "UrgentMessage":
+        return replace(session, state=SS.INTERRUPTING, urgent=event.value), CANCEL_SESSION
+    if state == SS.INTERRUPTING and kind == "SessionExited":
+        # An interrupt is intentional: no error is counted.
+        return replace(session, state=SS.BUILDING_PROMPT), None
+    if state == SS.INTERRUPTING and kind == "GraceExceeded":
+        return replace(session, state=SS.BUILDING_PROMPT), FORCE_STOP_SESSION
+    if state == SS.SESSION_COMPLETE and kind == "WorktreeReady":
+        return replace(session, state=SS.BUILDING_PROMPT,
+                       session_seq=session.session_seq + 1), INCREMENT_SESSION
+    if state == SS.COOLING_DOWN and kind == "BackoffElapsed":
+        return replace(session, state=SS.BUILDING_PROMPT), None
+    return session, None
+
+
+# ============================================================================
+# 7. Store
 # ============================================================================
 
 FERRUS_DIR = ".ferrus"
@@ -1974,12 +2083,36 @@ class Store:
             entries = entries[-limit:] if limit > 0 else []
         return entries
 
+    def journal_since(self, offset):
+        """(entries, new offset): the complete lines appended after byte ``offset``.
+
+        HQ polls with this, so each poll reads only what is new."""
+        try:
+            with open(self.journal_path(), "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return [], 0
+        end = data.rfind(b"\n") + 1        # a line still being written waits for the next poll
+        entries = []
+        for line in data[:end].split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line.decode("utf-8", "replace"))
+                int(entry["seq"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            entries.append(entry)
+        return entries, offset + end
+
     def append_event(self, actor, event, detail):
         """Journal an event that is not a task transition (sessions, gates, notes).
 
         It still bumps rev, so seq == rev holds and every waiter wakes."""
         with self.transaction(actor) as tx:
-            tx.set(tx.state, event, **detail)
+            tx.set(tx.state, event)
+            tx.detail.update(detail)
         return tx.committed
 
     # -- waiting ----------------------------------------------------------------------
@@ -2005,7 +2138,7 @@ class Store:
 
 
 # ============================================================================
-# 7. Checks
+# 8. Checks
 # ============================================================================
 
 # A single output line longer than this is cut in the in-memory tail (the log
@@ -2242,7 +2375,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
 
 
 # ============================================================================
-# 8. Specs
+# 9. Specs
 # ============================================================================
 
 @dataclasses.dataclass
@@ -2396,7 +2529,7 @@ def mark_milestone_complete(text, milestone):
 
 
 # ============================================================================
-# 9. Operations
+# 10. Operations
 # ============================================================================
 #
 # One function per behaviour.  The MCP tools, the CLI (and HQ) call these and
@@ -3048,7 +3181,7 @@ def op_run_checks_only(store, cancel=None):
 
 
 # ============================================================================
-# 10. MCP
+# 11. MCP
 # ============================================================================
 #
 # First a generic JSON-RPC 2.0 server on newline-delimited stdio, then the
@@ -3809,7 +3942,7 @@ def serve_stdio(root, role, agent_name, agent_index):
 
 
 # ============================================================================
-# 11. Agents
+# 12. Agents
 # ============================================================================
 #
 # One adapter per agent CLI.  An adapter knows the binary, how to launch it
@@ -4727,7 +4860,855 @@ def supervisor_prompt_for(data, resuming=False):
 
 
 # ============================================================================
-# 12. Init and doctor
+# 13. Sessions and HQ
+# ============================================================================
+#
+# HQ runs the loop: it reads the journal in order (so no transition is ever
+# missed), keeps one supervised session slot per headless role, and reacts.
+# The controller knows nothing about terminals: front ends (plain lines here,
+# `ferrus run`) feed it input and print what it emits.
+
+@dataclasses.dataclass
+class SessionsConfig:
+    max_consecutive_errors: int = 5
+    max_total_errors: int = 20
+    timeout_secs: int = 3600
+    interrupt_grace_secs: int = 10
+
+
+def sessions_config(root):
+    """[sessions] from ferrus.toml (validated like the other tables)."""
+    text = read_text(os.path.join(root, CONFIG_FILE), default="")
+    try:
+        raw = parse_toml(text)
+    except TomlError:
+        raw = {}
+    target = SessionsConfig()
+    _fill_section(CONFIG_FILE, raw, "sessions", target, [])
+    return target
+
+
+# What each slot must achieve before its session counts as done: HQ checks the
+# journal itself instead of trusting an exit code.
+SLOT_ROLES = {"executor": "executor", "reviewer": "supervisor", "consultant": "supervisor"}
+SLOT_PROGRESS = {"executor": ("submit", "consult", "ask_human", "check_failed"),
+                 "reviewer": ("approve", "reject", "ask_human"),
+                 "consultant": ("respond_consult", "ask_human")}
+
+
+def usage_limit_wait(text, now=None):
+    """Seconds until a "resets 3pm" / "resets at 15:30" time, or 15 minutes if unreadable."""
+    now = now or _dt.datetime.now()
+    match = re.search(r"(\d{1,2})(?::(\d{2}))?\s*([ap]m)?", text or "", re.IGNORECASE)
+    if not match:
+        return 900.0
+    hour, minute = int(match.group(1)), int(match.group(2) or 0)
+    if match.group(3):
+        hour = hour % 12 + (12 if match.group(3).lower() == "pm" else 0)
+    if hour > 23 or minute > 59:
+        return 900.0
+    target = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if target <= now:
+        target += _dt.timedelta(days=1)
+    return (target - now).total_seconds() + 60
+
+
+class AgentProcess:
+    """One running agent CLI: its process, its raw log, and what its output said."""
+
+    def __init__(self, launch, root, log_path, parse_line):
+        self.log_path = log_path
+        self.events = []
+        self.lines = 0
+        env = dict(os.environ)
+        env.update(launch.env)
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        self.log = open(log_path, "ab")
+        self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
+        self.proc = subprocess.Popen(
+            launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if launch.stdin is not None else subprocess.DEVNULL,
+            **process_group_kwargs())
+        self.pid = self.proc.pid
+        self._parse_line = parse_line
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        if launch.stdin is not None:
+            threading.Thread(target=self._feed, args=(launch.stdin,), daemon=True).start()
+
+    def _feed(self, text):
+        try:
+            with self.proc.stdin:
+                self.proc.stdin.write(text.encode("utf-8"))
+        except (OSError, ValueError):
+            pass   # the agent exited before reading its prompt; its exit says why
+
+    def _read(self):
+        with self.proc.stdout:
+            for raw in iter(self.proc.stdout.readline, b""):
+                self.log.write(raw)
+                self.log.flush()
+                self.lines += 1
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
+                    try:
+                        self.events.extend(self._parse_line(line))
+                    except Exception:   # a parser must never take the supervisor down
+                        log.debug("unparsable agent output line", exc_info=True)
+
+    def exited(self):
+        return self.proc.poll() is not None and not self.reader.is_alive()
+
+    def finish(self):
+        self.reader.join(2)
+        with contextlib.suppress(OSError):
+            self.log.write(("\n[exit %s]\n" % self.proc.returncode).encode())
+            self.log.close()
+        return self.proc.returncode
+
+    def terminate(self, grace=0.25):
+        kill_process_tree(self.proc, grace)
+
+    def limit(self):
+        hits = [e for e in self.events if e.kind == "limit"]
+        return hits[-1].text if hits else None
+
+
+@dataclasses.dataclass
+class HqMessage:
+    kind: str      # transition | info | warning | error | question | agent
+    text: str
+
+
+class SessionSlot:
+    """A headless role slot: the seed-001 session and the process it supervises."""
+
+    def __init__(self, name, limits):
+        self.name = name
+        self.role = SLOT_ROLES[name]
+        self.limits = limits
+        self.session = Session(max_consecutive_errors=limits.max_consecutive_errors,
+                               max_total_errors=limits.max_total_errors)
+        self.process = None
+        self.timer = None          # clock value when the current wait ends
+        self.start_seq = 0
+        self.tool_calls = 0
+        self.tokens = 0
+
+    @property
+    def state(self):
+        return self.session.state
+
+    def describe(self):
+        text = "%s: %s" % (self.name, self.session.state)
+        if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
+            text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
+        return text
+
+
+class HqController:
+    """The UI-independent HQ: journal in, sessions supervised, messages out.
+
+    ``clock`` is a monotonic clock (injectable so tests never sleep); ``emit``
+    receives HqMessage objects; ``launcher`` builds the Launch for a slot (the
+    configured adapters by default)."""
+
+    def __init__(self, store, emit, clock=time.monotonic, launcher=None):
+        self.store = store
+        self.emit = emit
+        self.clock = clock
+        self.launcher = launcher or self._launch_with_adapter
+        self.limits = sessions_config(store.root)
+        self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
+        self.cursor = store.last_journal_seq()
+        self.journal_offset = 0
+        self.paused = False           # True until the user agrees to resume a task in flight
+        self.shown_question = None
+        self.last_state = None
+
+    # -- start-up ------------------------------------------------------------------
+
+    def task_in_flight(self):
+        data = self.store.read_state()
+        return data if data.state in ACTIVE_STATES else None
+
+    def describe_state(self):
+        data = self.store.read_state()
+        now = self.store.clock()
+        text = "State %s" % data.state
+        if data.task_id:
+            text += ", task %s" % data.task_id
+        if data.state_entered_at:
+            with contextlib.suppress(ValueError):
+                text += ", for %s" % format_duration(
+                    (now - parse_timestamp(data.state_entered_at)).total_seconds())
+        text += ", check retries %d, review cycles %d" % (data.check_retries, data.review_cycles)
+        return text
+
+    # -- the loop --------------------------------------------------------------------
+
+    def poll(self):
+        """One step: journal entries in order, agent exits, timers, then reconcile."""
+        entries, self.journal_offset = self.store.journal_since(self.journal_offset)
+        for entry in entries:
+            if entry["seq"] > self.cursor:
+                self.cursor = entry["seq"]
+                self._show_entry(entry)
+        for slot in self.slots.values():
+            self._check_slot(slot)
+        if not self.paused:
+            self.reconcile()
+
+    def _show_entry(self, entry):
+        if entry.get("event") in ("heartbeat", "claim") or entry.get("actor") == "hq":
+            return
+        if entry.get("from") != entry.get("to"):
+            self.emit(HqMessage("transition", "%s → %s  (%s by %s)" % (
+                entry.get("from"), entry.get("to"), entry.get("event"), entry.get("actor"))))
+
+    def needed_slots(self, data):
+        answer_pending = bool(self.store.read_file("ANSWER.md").strip())
+        needed = {}
+        prompt = executor_prompt_for(data, answer_pending)
+        if prompt and data.state != S.AWAITING_HUMAN:
+            needed["executor"] = prompt
+        if data.state == S.REVIEWING:
+            needed["reviewer"] = prompt_reviewer()
+        if data.state == S.CONSULTATION:
+            needed["consultant"] = prompt_consultant(
+                resuming=self.slots["consultant"].session.session_seq > 0)
+        return needed
+
+    def reconcile(self):
+        data = self.store.read_state()
+        if data.state == S.AWAITING_HUMAN:
+            question = self.store.read_file("QUESTION.md").strip()
+            if question and question != self.shown_question:
+                self.shown_question = question
+                self.emit(HqMessage("question", question))
+        else:
+            self.shown_question = None
+        if data.state != self.last_state:
+            if data.state == S.COMPLETE:
+                self.emit(HqMessage("info", "Task complete."))
+            elif data.state == S.FAILED:
+                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
+            if data.state in (S.IDLE, S.COMPLETE, S.FAILED):
+                self.stop_all(quiet=True)
+            self.last_state = data.state
+        needed = self.needed_slots(data)
+        for name, prompt in needed.items():
+            self._advance(self.slots[name], prompt, data)
+
+    def _advance(self, slot, prompt, data):
+        """Move a needed slot forward through its session machine towards Running."""
+        session = slot.session
+        if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
+            self._step(slot, SessionEvent("WorktreeReady"))
+        if slot.session.state == SS.BUILDING_PROMPT:
+            text = prompt
+            if slot.session.urgent:
+                text += "\n\nURGENT message from the operator (act on it first):\n" + \
+                    slot.session.urgent
+            self._step(slot, SessionEvent("PromptReady", text))
+        if slot.session.state == SS.SPAWNING:
+            self._spawn(slot)
+
+    def _spawn(self, slot):
+        try:
+            launch, parse_line = self.launcher(slot)
+        except FerrusError as err:
+            self._step(slot, SessionEvent("FatalError", err.full_text()))
+            return
+        stamp = utc_now().strftime("%Y%m%dT%H%M%S")
+        log_path = self.store.path("logs", "%s_%s_%d.log" % (slot.name, stamp,
+                                                              slot.session.session_seq))
+        try:
+            slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
+        except OSError as err:
+            self.emit(HqMessage("error", "could not start the %s (%s): %s" % (
+                slot.name, launch.argv[0], err)))
+            self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            return
+        slot.start_seq = self.store.last_journal_seq()
+        slot.timer = self.clock() + self.limits.timeout_secs
+        slot.tool_calls = 0
+        self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
+        self._record_agent(slot, "running")
+        self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
+            slot.name, slot.process.pid, self.store.relpath(log_path))))
+
+    def _launch_with_adapter(self, slot):
+        config = self.store.config().require_hq()
+        choice = getattr(config, slot.role)
+        if choice is None:
+            raise FerrusError("no [hq.%s] agent in ferrus.toml" % slot.role,
+                              "ferrus register --%s <agent>" % slot.role)
+        adapter = adapter_for(config, choice.agent)
+        if not adapter.executable():
+            raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
+        return adapter.headless(self.store.root, slot.role, slot.session.prompt,
+                                choice.model), adapter.parse_line
+
+    def _check_slot(self, slot):
+        process = slot.process
+        now = self.clock()
+        if process is not None:
+            calls = sum(1 for e in process.events if e.kind == "tool_call")
+            if calls != slot.tool_calls:
+                slot.tool_calls = calls
+        if slot.state == SS.RUNNING and process is not None:
+            if process.exited():
+                self._on_exit(slot)
+            elif slot.timer is not None and now >= slot.timer:
+                self.emit(HqMessage("warning", "the %s ran past [sessions] timeout_secs; "
+                                               "stopping it" % slot.name))
+                process.terminate()
+                process.finish()
+                slot.process = None
+                self._record_agent(slot, "suspended")
+                self._step(slot, SessionEvent("SessionExited", outcome="timeout"))
+                self._arm_backoff(slot)
+        elif slot.state == SS.INTERRUPTING and process is not None:
+            if process.exited():
+                process.finish()
+                slot.process = None
+                self._record_agent(slot, "suspended")
+                self._step(slot, SessionEvent("SessionExited", outcome="interrupted"))
+            elif slot.timer is not None and now >= slot.timer:
+                self._step(slot, SessionEvent("GraceExceeded"))
+        elif slot.state == SS.COOLING_DOWN and slot.timer is not None and now >= slot.timer:
+            slot.timer = None
+            self._step(slot, SessionEvent("BackoffElapsed"))
+
+    def _on_exit(self, slot):
+        process = slot.process
+        code = process.finish()
+        slot.process = None
+        self._record_agent(slot, "suspended")
+        progressed = any(entry.get("event") in SLOT_PROGRESS[slot.name]
+                         or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
+                         for entry in self.store.read_journal(after_seq=slot.start_seq))
+        limit = process.limit()
+        if limit and not progressed:
+            wait = usage_limit_wait(limit)
+            self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
+                                           "%s instead of retrying" % (slot.name, limit,
+                                                                        format_duration(wait))))
+            slot.session = dataclasses.replace(slot.session, state=SS.COOLING_DOWN)
+            slot.timer = self.clock() + wait
+            return
+        if code == 0 and progressed:
+            self._step(slot, SessionEvent("SessionExited", outcome="success"))
+            return
+        if code == 0:
+            self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
+                slot.name, " or ".join(SLOT_PROGRESS[slot.name][:2]))))
+        else:
+            self.emit(HqMessage("warning", "the %s exited with code %s; see %s" % (
+                slot.name, code, self.store.relpath(process.log_path))))
+        self._step(slot, SessionEvent("SessionExited", outcome="error"))
+        self._arm_backoff(slot)
+
+    def _arm_backoff(self, slot):
+        if slot.state == SS.COOLING_DOWN:
+            slot.timer = self.clock() + slot.session.backoff_ms / 1000.0
+            self.emit(HqMessage("info", "retrying the %s in %s (error %d in a row)" % (
+                slot.name, format_duration(slot.session.backoff_ms / 1000.0),
+                slot.session.consecutive_errors)))
+
+    def _step(self, slot, event):
+        before = slot.session.state
+        slot.session, effect = session_step(slot.session, event)
+        if effect == CANCEL_SESSION and slot.process is not None:
+            if slot.session.state == SS.STOPPED:
+                slot.process.terminate()
+                slot.process.finish()
+                slot.process = None
+                self._record_agent(slot, "suspended")
+            else:
+                self._interrupt(slot)
+        elif effect == FORCE_STOP_SESSION and slot.process is not None:
+            slot.process.terminate(grace=0)
+            slot.process.finish()
+            slot.process = None
+            self._record_agent(slot, "suspended")
+        elif isinstance(effect, tuple) and effect[0] == LOG_FATAL:
+            self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
+        if slot.session.state != before:
+            with contextlib.suppress(FerrusError, OSError):
+                self.store.append_event("hq", "session", {
+                    "slot": slot.name, "from": before.value, "to": slot.session.state.value,
+                    "seq": slot.session.session_seq, "trigger": event.kind,
+                    "pid": slot.process.pid if slot.process else None})
+
+    def _interrupt(self, slot):
+        """TERM the process group now; KILL after the grace period (GraceExceeded)."""
+        if IS_WINDOWS:  # pragma: no cover
+            slot.process.terminate(grace=0)
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(slot.process.pid, signal.SIGTERM)
+        slot.timer = self.clock() + self.limits.interrupt_grace_secs
+
+    def _record_agent(self, slot, status):
+        """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
+        path = self.store.path("agents.json")
+        process = slot.process
+
+        def update(data):
+            agents = data.setdefault("agents", [])
+            entry = next((a for a in agents if a.get("name") == slot.name), None)
+            if entry is None:
+                entry = {"name": slot.name}
+                agents.append(entry)
+            entry.update(role=slot.role, status=status,
+                         pid=process.pid if process is not None and status == "running" else None,
+                         started_at=format_timestamp(utc_now()) if status == "running"
+                         else entry.get("started_at"))
+        with contextlib.suppress(FerrusError, OSError):
+            with self.store.lock():
+                edit_json_file(path, update)
+
+    # -- operator actions ------------------------------------------------------------
+
+    def tell(self, slot_name, message):
+        slot = self.slots.get(slot_name)
+        if slot is None:
+            raise UsageError("unknown role %r: use %s" % (slot_name, ", ".join(self.slots)))
+        if slot.state != SS.RUNNING:
+            slot.session = dataclasses.replace(slot.session, urgent=message)
+            self.emit(HqMessage("info", "the %s is not running; its next prompt carries the "
+                                        "message" % slot_name))
+            return
+        self._step(slot, SessionEvent("UrgentMessage", message))
+        self.emit(HqMessage("info", "interrupting the %s; it restarts with your message" %
+                                    slot_name))
+
+    def stop_all(self, quiet=False):
+        for slot in self.slots.values():
+            running = slot.process is not None
+            self._step(slot, SessionEvent("OperatorStop"))
+            if running and not quiet:
+                self.emit(HqMessage("info", "stopped the %s" % slot.name))
+            # A stopped slot starts afresh the next time its role is needed.
+            slot.session = Session(max_consecutive_errors=self.limits.max_consecutive_errors,
+                                   max_total_errors=self.limits.max_total_errors)
+            slot.timer = None
+
+    def restart_slots(self):
+        """/resume: give stopped slots a fresh session so reconcile starts them again."""
+        for slot in self.slots.values():
+            if slot.state == SS.STOPPED:
+                slot.session = Session(max_consecutive_errors=self.limits.max_consecutive_errors,
+                                       max_total_errors=self.limits.max_total_errors)
+        self.paused = False
+
+    def running(self):
+        return [slot for slot in self.slots.values() if slot.process is not None]
+
+    def shutdown(self):
+        for slot in self.slots.values():
+            if slot.process is not None:
+                slot.process.terminate()
+                slot.process.finish()
+                slot.process = None
+                self._record_agent(slot, "suspended")
+
+
+# -- `ferrus run`: the loop without any UI ---------------------------------------------
+
+RUN_COMPLETE, RUN_FAILED, RUN_TIMEOUT, RUN_NEEDS_HUMAN = 0, 1, 3, 4
+
+
+def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
+             clock=time.monotonic, poll_interval=0.02, launcher=None):
+    """Create (or take) the task and drive it to Complete or Failed.
+
+    ``ask(question) -> answer or None`` answers human questions (None: nobody can,
+    so the run ends with exit 4).  Returns the exit code."""
+    out = out or (lambda text: print(text, flush=True))
+    data = store.read_state()
+    if task is not None:
+        if data.state in ACTIVE_STATES:
+            raise FerrusError("a task is already in flight (state %s)" % data.state,
+                              "run `ferrus run --resume` to continue it, or `ferrus reset`")
+        if data.state in (S.COMPLETE, S.FAILED):
+            op_force_reset(store, HUMAN)
+        op_create_task(store, HUMAN, task)
+    elif data.state not in ACTIVE_STATES:
+        raise UsageError("nothing to run: state is %s and no task was given" % data.state,
+                         "pass --task TEXT or --task-file FILE")
+    elif not resume:
+        raise UsageError("a task is in flight (state %s)" % data.state,
+                         "pass --resume to continue it")
+    started = clock()
+    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
+                              launcher=launcher)
+    controller.cursor = max(0, store.last_journal_seq() - (1 if task is not None else 0))
+    out("ferrus run: %s" % controller.describe_state())
+    try:
+        while True:
+            controller.poll()
+            data = store.read_state()
+            if data.state == S.COMPLETE:
+                return RUN_COMPLETE
+            if data.state == S.FAILED:
+                return RUN_FAILED
+            if data.state == S.AWAITING_HUMAN and controller.shown_question:
+                answer = ask(controller.shown_question) if ask else None
+                if answer is None:
+                    out("ferrus run: an agent asked a human and nobody can answer here "
+                        "(stdin is not a terminal); answer with HQ or `ferrus run --resume` "
+                        "in a terminal")
+                    return RUN_NEEDS_HUMAN
+                if answer.strip():
+                    op_answer(store, HUMAN, answer)
+            if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
+                    not controller.running():
+                stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
+                out("ferrus run: giving up: %s stopped after repeated errors" % ", ".join(stuck))
+                return RUN_FAILED
+            if timeout is not None and clock() - started >= timeout:
+                out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
+                                                                    data.state))
+                return RUN_TIMEOUT
+            time.sleep(poll_interval)
+    finally:
+        controller.shutdown()
+
+
+def _run_line(message):
+    stamp = time.strftime("%H:%M:%S")
+    if message.kind == "question":
+        return "%s  question for a human:\n%s" % (stamp, message.text)
+    return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
+                         else message.kind + ": ", message.text)
+
+
+# -- HQ front end: plain lines ------------------------------------------------------------
+
+HQ_COMMANDS = (
+    ("/task", "[TEXT | --manual]", "define a task with the supervisor (or create TEXT directly) "
+                                   "and run the loop"),
+    ("/plan", "", "a free planning session with the supervisor"),
+    ("/spec", "", "draft and save a specification with the supervisor"),
+    ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
+    ("/reset-spec", "", "clear the spec selection"),
+    ("/status", "", "state, counters, lease, and each agent session"),
+    ("/log", "[N]", "the last N journal entries (default 20)"),
+    ("/agents", "", "installed agents and their registration"),
+    ("/attach", "ROLE", "show the live log of a running agent (Enter returns)"),
+    ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
+    ("/check", "[--force]", "run the check gate"),
+    ("/resume", "", "resume the task in flight (restarts stopped agents)"),
+    ("/review", "", "start the reviewer again"),
+    ("/stop", "", "stop every agent session"),
+    ("/reset", "", "return to Idle (asks first)"),
+    ("/supervisor", "", "an interactive supervisor session"),
+    ("/executor", "", "an interactive executor session"),
+    ("/model", "ROLE MODEL|--clear", "set or clear a role's model"),
+    ("/register", "--supervisor A --executor A", "register agents (as `ferrus register`)"),
+    ("/init", "[--agents-path P]", "initialise ferrus here"),
+    ("/help", "", "this list"),
+    ("/quit", "", "leave HQ (agents are stopped)"),
+)
+
+
+class PlainHq:
+    """HQ on plain lines: works without curses, on Windows and with piped stdin."""
+
+    def __init__(self, store, stdin=None, stdout=None, resume=None, clock=time.monotonic):
+        self.store = store
+        self.stdin = stdin or sys.stdin
+        self.stdout = stdout or sys.stdout
+        self.resume = resume
+        self.lines = collections.deque()
+        self.held = None            # messages queued while an interactive agent has the terminal
+        self.done = False
+        self.controller = HqController(store, self.show, clock=clock)
+
+    def show(self, message):
+        if self.held is not None:
+            self.held.append(message)
+            return
+        prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}.get(message.kind, "")
+        if message.kind == "question":
+            self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
+                       message.text)
+        else:
+            self.write(prefix + message.text)
+
+    def write(self, text):
+        print(text, file=self.stdout, flush=True)
+
+    def _reader(self):
+        for line in self.stdin:
+            self.lines.append(line.rstrip("\n"))
+        self.lines.append(None)   # EOF
+
+    def run(self):
+        self.write("ferrus HQ %s — /help lists the commands, /quit leaves." % __version__)
+        self.write(self.controller.describe_state())
+        data = self.controller.task_in_flight()
+        if data is not None:
+            if self.resume is None:
+                self.write("A task is in flight. Resume it? [y/N]")
+                self.controller.paused = True
+                self.awaiting_resume = True
+            else:
+                self.controller.paused = not self.resume
+                self.write("Resuming it." if self.resume else "Not resuming (use /resume).")
+        threading.Thread(target=self._reader, daemon=True).start()
+        try:
+            while not self.done:
+                self.controller.poll()
+                while self.lines and not self.done:
+                    line = self.lines.popleft()
+                    if line is None:
+                        self.done = True
+                        break
+                    self.handle(line)
+                time.sleep(0.02)
+        finally:
+            self.controller.shutdown()
+        return 0
+
+    # -- input -------------------------------------------------------------------------
+
+    def handle(self, line):
+        text = line.strip()
+        if getattr(self, "awaiting_resume", False):
+            self.awaiting_resume = False
+            if text.lower() in ("y", "yes"):
+                self.controller.paused = False
+                self.write("Resuming.")
+                return
+            self.write("Not resuming; /resume continues the task later.")
+            if not text or text.lower() in ("n", "no"):
+                return
+        if not text:
+            return
+        if not text.startswith("/"):
+            self.answer(text)
+            return
+        name, _, rest = text.partition(" ")
+        handler = getattr(self, "cmd_" + name[1:].replace("-", "_"), None)
+        if handler is None or name not in [c[0] for c in HQ_COMMANDS]:
+            self.write("error: unknown command %s — /help lists them" % name)
+            return
+        try:
+            handler(rest.strip())
+        except FerrusError as err:
+            self.write("error: %s" % err.message + ("\nhint: %s" % err.hint if err.hint else ""))
+
+    def answer(self, text):
+        data = self.store.read_state()
+        if data.state != S.AWAITING_HUMAN:
+            self.write("error: commands start with '/' (try /help); nobody is waiting for an "
+                       "answer (state %s)" % data.state)
+            return
+        op_answer(self.store, HUMAN, text)
+        self.write("Answer recorded; the agent continues.")
+
+    def confirm(self, question):
+        self.write(question + " [y/N]")
+        while not self.lines:
+            self.controller.poll()
+            time.sleep(0.02)
+        reply = self.lines.popleft()
+        if reply is None:
+            self.done = True
+            return False
+        return reply.strip().lower() in ("y", "yes")
+
+    # -- commands ----------------------------------------------------------------------
+
+    def cmd_help(self, rest):
+        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
+        for name, args, what in HQ_COMMANDS:
+            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
+        self.write("  Anything not starting with / answers the pending question.")
+
+    def cmd_quit(self, rest):
+        if self.controller.running() and not self.confirm(
+                "Agents are running; stop them and quit?"):
+            return
+        self.done = True
+
+    def cmd_status(self, rest):
+        self.write(self.controller.describe_state())
+        data = self.store.read_state()
+        if data.selected_spec:
+            self.write("spec %s, milestone %s" % (data.selected_spec,
+                                                  data.selected_milestone or "(none left)"))
+        for slot in self.controller.slots.values():
+            self.write("  " + slot.describe())
+
+    def cmd_log(self, rest):
+        count = int(rest) if rest.isdigit() else 20
+        for entry in self.store.read_journal(limit=count):
+            self.write(format_event(entry))
+
+    def cmd_agents(self, rest):
+        for row in agents_report(self.store.root):
+            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                     if "problem" in row else " — ok"))
+
+    def cmd_attach(self, rest):
+        slot = self.controller.slots.get(rest)
+        if slot is None or slot.process is None:
+            raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
+                s.name for s in self.controller.running()) or "none"))
+        self.write("--- %s (Enter returns) ---" % self.store.relpath(slot.process.log_path))
+        with open(slot.process.log_path, "r", encoding="utf-8", errors="replace") as handle:
+            self.write(handle.read()[-4000:].rstrip())
+            while not self.lines and slot.process is not None:
+                chunk = handle.read()
+                if chunk:
+                    self.write(chunk.rstrip())
+                self.controller.poll()
+                time.sleep(0.1)
+        if self.lines and self.lines[0] is not None:
+            self.lines.popleft()
+        self.write("--- detached ---")
+
+    def cmd_tell(self, rest):
+        role, _, message = rest.partition(" ")
+        if not message.strip():
+            raise UsageError("usage: /tell ROLE MESSAGE (roles: executor, reviewer, consultant)")
+        self.controller.tell(role, message.strip())
+
+    def cmd_check(self, rest):
+        if rest == "--force":
+            run, config = op_run_checks_only(self.store)
+            self.write("no check commands configured" if run is None else
+                       "checks passed" if run.passed else run.report(
+                           config.limits.max_feedback_lines))
+        else:
+            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+
+    def cmd_resume(self, rest):
+        data = self.store.read_state()
+        if data.state not in ACTIVE_STATES:
+            raise FerrusError("nothing to resume: the state is %s" % data.state,
+                              "start a task with /task")
+        self.controller.restart_slots()
+        self.write("Resuming the task (%s)." % data.state)
+
+    def cmd_review(self, rest):
+        if self.store.read_state().state != S.REVIEWING:
+            raise FerrusError("there is no submission to review")
+        self.controller.restart_slots()
+
+    def cmd_stop(self, rest):
+        if self.controller.running() and self.confirm("Stop every agent session?"):
+            self.controller.stop_all()
+            self.controller.paused = True
+            self.write("Stopped. /resume starts them again.")
+
+    def cmd_reset(self, rest):
+        data = self.store.read_state()
+        if data.state in ACTIVE_STATES and not self.confirm(
+                "The task is %s. Reset it to Idle and clear its files?" % data.state):
+            return
+        self.controller.stop_all()
+        self.write(op_force_reset(self.store, HUMAN).text)
+
+    def cmd_task(self, rest):
+        data = self.store.read_state()
+        if data.state in ACTIVE_STATES:
+            raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
+        if data.state in (S.COMPLETE, S.FAILED):
+            op_force_reset(self.store, HUMAN)
+        if rest and rest != "--manual":
+            op_create_task(self.store, HUMAN, rest)
+            self.controller.paused = False
+            return
+        milestone = spec = None
+        if rest != "--manual" and data.selected_milestone:
+            with contextlib.suppress(FerrusError):
+                spec, milestone = resolve_selected(self.store.root, data)
+        self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        self.controller.paused = False
+
+    def cmd_plan(self, rest):
+        self.interactive("supervisor", prompt_plan())
+
+    def cmd_spec(self, rest):
+        self.interactive("supervisor", prompt_spec())
+
+    def cmd_supervisor(self, rest):
+        self.interactive("supervisor", None)
+
+    def cmd_executor(self, rest):
+        self.interactive("executor", None)
+
+    def cmd_milestones(self, rest):
+        parts = rest.split()
+        if parts:
+            self.write(op_select_milestone(self.store, HUMAN, parts[0],
+                                           parts[1] if len(parts) > 1 else None).text)
+            return
+        config = self.store.config()
+        for path in list_spec_paths(self.store.root, config):
+            self.write(path)
+            for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
+                self.write("   [%s] %s (%s)" % ("x" if milestone.completed else " ",
+                                                milestone.display(), milestone.id))
+
+    def cmd_reset_spec(self, rest):
+        self.write(op_clear_selection(self.store, HUMAN).text)
+
+    def cmd_model(self, rest):
+        parts = rest.split(None, 1)
+        if len(parts) != 2 or parts[0] not in ROLES:
+            raise UsageError("usage: /model supervisor|executor MODEL (or --clear)")
+        config = self.store.config().require_hq()
+        choice = getattr(config, parts[0])
+        if choice is None:
+            raise FerrusError("no [hq.%s] agent yet" % parts[0], "/register first")
+        model = "" if parts[1] == "--clear" else parts[1]
+        update_hq_config(self.store.root, parts[0], choice.agent, model, self.write)
+
+    def cmd_register(self, rest):
+        args = build_parser().parse_args(["register"] + rest.split())
+        cmd_register(args, self.store.root)
+
+    def cmd_init(self, rest):
+        args = rest.split()
+        init_project(self.store.root, args[1] if len(args) == 2 else None, self.write)
+
+    def interactive(self, role, prompt):
+        """Hand the terminal to an agent; reactions keep running meanwhile."""
+        config = self.store.config().require_hq()
+        choice = getattr(config, role)
+        if choice is None:
+            raise FerrusError("no [hq.%s] agent in ferrus.toml" % role,
+                              "/register --%s <agent>" % role)
+        adapter = adapter_for(config, choice.agent)
+        launch = adapter.interactive(self.store.root, role, prompt, choice.model)
+        env = dict(os.environ)
+        env.update(launch.env)
+        self.held = []
+        try:
+            proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
+        except OSError as err:
+            self.held = None
+            raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
+                              adapter.install_hint())
+        try:
+            while proc.poll() is None:
+                self.controller.poll()
+                time.sleep(0.05)
+        finally:
+            held, self.held = self.held, None
+            for message in held:
+                self.show(message)
+
+
+# ============================================================================
+# 14. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -5204,7 +6185,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 13. CLI
+# 15. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -5440,6 +6421,30 @@ def cmd_agents(args, root):
     return 0 if not any("problem" in row for row in rows) else 1
 
 
+def cmd_run(args, root):
+    store = Store(root).require()
+    task = args.task
+    if args.task_file:
+        try:
+            task = read_text(args.task_file)
+        except OSError as err:
+            raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror))
+    interactive = sys.stdin.isatty()
+
+    def ask(question):
+        if not interactive:
+            return None
+        print("\nQuestion for you:\n%s" % question, flush=True)
+        return input("answer> ")
+    return run_loop(store, task, args.timeout, args.resume, ask=ask)
+
+
+def cmd_hq(args, root):
+    store = Store(root).require()
+    resume = True if getattr(args, "resume", False) else None
+    return PlainHq(store, resume=resume).run()
+
+
 def cmd_serve(args, root):
     return serve_stdio(root, args.role, args.agent_name, args.agent_index)
 
@@ -5500,6 +6505,19 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=cmd_agents)
 
+    p = sub.add_parser("run", help="run the whole loop without a UI until Complete or Failed")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
+    group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
+    p.add_argument("--resume", action="store_true", help="continue the task in flight")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
+    p.add_argument("--resume", action="store_true", help="resume a task in flight without asking")
+    p.add_argument("--no-tui", action="store_true", help="plain lines instead of curses")
+    p.set_defaults(run=cmd_hq)
+
     p = sub.add_parser("serve", help="the MCP server on stdio (started by agents)")
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
     p.add_argument("--agent-name", default="unknown", help="agent name in the agent id")
@@ -5525,8 +6543,11 @@ def main(argv=None):
     setup_logging(debug)
     root = os.path.abspath(args.directory or os.getcwd())
     if not getattr(args, "run", None):
-        parser.print_help()
-        return 0
+        if not os.path.isdir(os.path.join(root, FERRUS_DIR)):
+            parser.print_help()
+            return 0
+        args.run, args.resume = cmd_hq, False
+
     try:
         return args.run(args, root)
     except FerrusError as err:

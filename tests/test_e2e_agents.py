@@ -199,3 +199,45 @@ def test_claude_accepts_the_entry_register_wrote(tmp_path):
     output = mcp_list("claude", repo, env)
     for key, lines in server_lines(output).items():
         assert lines and "Connected" in lines[0], output
+
+
+def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
+    """`ferrus run --task ...` supervises real `claude -p` sessions (executor, reviewer)."""
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    home = tmp_path / "home"
+    home.mkdir()
+    set_config(project, CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("claude-code", None),
+                                          "executor": ("claude-code", None)},
+                           report=lambda message: None)
+    steps = {
+        "executor": [tool_use("mcp__ferrus-executor-1__wait_for_task", {}),
+                     tool_use("Write", {"file_path": str(project / "hello.txt"),
+                                        "content": "hi\n"}),
+                     tool_use("mcp__ferrus-executor-1__check", {}),
+                     tool_use("mcp__ferrus-executor-1__submit", {"content": "Wrote hello.txt."})],
+        "supervisor": [tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
+                       tool_use("mcp__ferrus-supervisor-1__approve", {})],
+    }
+
+    def turn(request):
+        names = [tool.get("name", "") for tool in request.get("tools") or []]
+        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
+            else "supervisor"
+        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
+
+    with FakeAnthropic(turn) as fake:
+        env = claude_env(fake, str(home))
+        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE, "run",
+                                 "--task", "Create hello.txt containing hi.", "--timeout", "240"],
+                                cwd=str(project), env=env, capture_output=True, text=True,
+                                timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "Reviewing → Complete" in result.stdout
+    store = ferrus.Store(str(project))
+    assert store.read_state().state == ferrus.S.COMPLETE
+    actors = {(e["event"], e["actor"]) for e in store.read_journal()}
+    assert ("submit", "executor:claude-code:1") in actors
+    assert ("approve", "supervisor:claude-code:1") in actors

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""A stand-in agent CLI for HQ and `ferrus run` tests.
+
+It behaves like a real agent would: it reads its prompt on stdin, starts the
+ferrus MCP server named in its MCP config file ({mcp_config}), and calls the
+tools its prompt asks for.  What it decides is steered by the environment:
+
+  SCRIPTED_BEHAVIOR  comma-separated: reject-once, consult, ask, crash-executor,
+                     crash-reviewer, silent-executor, slow-executor
+  SCRIPTED_DIR       a directory for its memory between sessions (flag files)
+
+Usage: scripted_agent.py ROLE MCP_CONFIG
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+class Mcp:
+    def __init__(self, command, args):
+        self.proc = subprocess.Popen([command] + args, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        self.next_id = 0
+        self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                    "clientInfo": {"name": "scripted-agent", "version": "1"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def send(self, message):
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def request(self, method, params):
+        self.next_id += 1
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        while True:
+            message = json.loads(self.proc.stdout.readline())
+            if message.get("id") == self.next_id:
+                if "error" in message:
+                    raise SystemExit("protocol error: %s" % message["error"])
+                return message["result"]
+
+    def call(self, name, **arguments):
+        result = self.request("tools/call", {"name": name, "arguments": arguments})
+        text = result["content"][0]["text"]
+        print("tool %s -> %s" % (name, text[:200].replace("\n", " ")), flush=True)
+        return result.get("structuredContent") or {}, text, result["isError"]
+
+    def wait(self, name, done):
+        while True:
+            data, text, error = self.call(name)
+            if error:
+                raise SystemExit("%s failed: %s" % (name, text))
+            if done(data):
+                return data
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+def flag(name):
+    return os.path.join(os.environ.get("SCRIPTED_DIR", "."), name)
+
+
+def once(name):
+    """True the first time a flag is asked for, False afterwards."""
+    path = flag(name)
+    if os.path.exists(path):
+        return False
+    open(path, "w").close()
+    return True
+
+
+def main():
+    role, config_path = sys.argv[1], sys.argv[2]
+    prompt = sys.stdin.read()
+    behavior = set(filter(None, os.environ.get("SCRIPTED_BEHAVIOR", "").split(",")))
+    mode = ("reviewer" if "REVIEW mode" in prompt else
+            "consultant" if "CONSULTATION mode" in prompt else role)
+    print("scripted agent: role %s, mode %s, behavior %s" % (role, mode, sorted(behavior)),
+          flush=True)
+    if "crash-" + mode in behavior:
+        print("crashing on purpose", flush=True)
+        return 3
+    if "silent-" + mode in behavior:
+        return 0
+    with open(config_path) as handle:
+        server = list(json.load(handle)["mcpServers"].values())[0]
+    mcp = Mcp(server["command"], server["args"])
+    try:
+        if mode == "reviewer":
+            mcp.wait("wait_for_review", lambda d: d.get("status") == "claimed")
+            if "reject-once" in behavior and once("rejected"):
+                mcp.call("reject", notes="Please also add a README line.")
+            else:
+                mcp.call("approve")
+        elif mode == "consultant":
+            mcp.call("respond_consult", response="Use option A.")
+        else:
+            if "consultation is still open" in prompt:
+                mcp.wait("wait_for_consult", lambda d: d.get("status") == "responded")
+            elif "/wait_for_answer" in prompt.split("\n\n")[1] if "\n\n" in prompt else False:
+                mcp.wait("wait_for_answer", lambda d: d.get("status") == "answered")
+            mcp.wait("wait_for_task", lambda d: d.get("status") == "claimed")
+            if "consult" in behavior and once("consulted"):
+                mcp.call("consult", question="## Problem\nx\n## What I tried\ny\n"
+                                             "## Options (if any)\nA or B\n## Question\nWhich?")
+                mcp.wait("wait_for_consult", lambda d: d.get("status") == "responded")
+            if "ask" in behavior and once("asked"):
+                mcp.call("ask_human", question="Which colour should the button be?")
+                answer = mcp.wait("wait_for_answer", lambda d: d.get("status") == "answered")
+                with open("answer.txt", "w") as handle:
+                    handle.write(answer["answer"])
+            if "slow-executor" in behavior:
+                time.sleep(30)
+            with open("work.txt", "a") as handle:
+                handle.write("work\n")
+            mcp.call("check")
+            mcp.call("submit", content="Did the work.")
+    finally:
+        mcp.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""HQ's controller, supervised sessions (seed 001) and `ferrus run`, with scripted agents.
+
+The agents are tests/scripted_agent.py: real processes that read their prompt on
+stdin and speak MCP to `ferrus serve`, registered as a custom agent.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ferrus
+from conftest import FERRUS_PY, set_config
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
+S, SS = ferrus.S, ferrus.SS
+
+CONFIG = """
+[checks]
+commands = ["test -f work.txt"]
+
+[limits]
+wait_timeout_secs = 5
+
+[agents.custom.scripted]
+interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+prompt = "stdin"
+
+[hq.supervisor]
+agent = "scripted"
+
+[hq.executor]
+agent = "scripted"
+""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPT)}
+
+
+@pytest.fixture
+def scripted(project, tmp_path, monkeypatch):
+    set_config(project, CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
+                                          "executor": ("scripted", None)},
+                           report=lambda m: None)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
+    return ferrus.Store(str(project))
+
+
+def run(store, task="Make work.txt", **kw):
+    lines = []
+    kw.setdefault("timeout", 90)
+    code = ferrus.run_loop(store, task, out=lines.append, **kw)
+    return code, lines
+
+
+def moves(store):
+    return [(e["event"], e["actor"]) for e in store.read_journal()
+            if e["actor"] != "hq" and e["event"] not in ("claim", "heartbeat")]
+
+
+def test_approve_path(scripted):
+    code, lines = run(scripted)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert scripted.read_state().state == S.COMPLETE
+    assert moves(scripted) == [("create_task", "human"),
+                               ("check_passed", "executor:scripted:1"),
+                               ("submit", "executor:scripted:1"),
+                               ("approve", "supervisor:scripted:1")]
+    assert any("Idle → Executing" in line for line in lines)
+    assert any("Reviewing → Complete" in line for line in lines)
+    sessions = [e["detail"] for e in scripted.read_journal() if e["event"] == "session"]
+    assert [d["to"] for d in sessions if d["slot"] == "executor"][:4] == [
+        "BuildingPrompt", "Spawning", "Running", "SessionComplete"]
+    assert "Running" in [d["to"] for d in sessions if d["slot"] == "reviewer"]
+
+
+def test_reject_then_addressing_then_approve(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "reject-once")
+    code, lines = run(scripted)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    events = [m[0] for m in moves(scripted)]
+    assert events == ["create_task", "check_passed", "submit", "reject", "check_passed",
+                      "submit", "approve"]
+    assert scripted.read_state().review_cycles == 1
+    assert any("Reviewing → Addressing" in line for line in lines)
+
+
+def test_consultation(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "consult")
+    code, lines = run(scripted)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    events = [m for m in moves(scripted)]
+    assert ("consult", "executor:scripted:1") in events
+    assert ("respond_consult", "supervisor:scripted:1") in events
+    assert ("finish_consult", "executor:scripted:1") in events
+
+
+def test_question_answered_by_the_human(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    asked = []
+
+    def ask(question):
+        asked.append(question)
+        return "blue"
+    code, lines = run(scripted, ask=ask)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert asked == ["Which colour should the button be?"]
+    assert (scripted.root and open(os.path.join(scripted.root, "answer.txt")).read()) == "blue"
+
+
+def test_question_without_a_human_ends_the_run_with_4(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    code, lines = run(scripted, ask=lambda question: None)
+    assert code == ferrus.RUN_NEEDS_HUMAN
+    assert any("Which colour" in line for line in lines)
+    assert scripted.read_state().state == S.AWAITING_HUMAN
+
+
+class FakeMonotonic:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def drive(controller, until, clock=None, step=0.0, limit=30.0):
+    """Poll the controller until ``until()`` holds (real time only passes for processes)."""
+    deadline = time.monotonic() + limit
+    while not until():
+        assert time.monotonic() < deadline, "condition not reached"
+        controller.poll()
+        if clock is not None:
+            clock.now += step
+        time.sleep(0.01)
+
+
+def test_a_crashing_agent_is_restarted_with_backoff_then_stopped(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "crash-executor")
+    ferrus.op_create_task(scripted, ferrus.HUMAN, "t")
+    clock = FakeMonotonic()
+    messages = []
+    controller = ferrus.HqController(scripted, messages.append, clock=clock)
+    slot = controller.slots["executor"]
+    waits = []
+    for attempt in range(1, 6):
+        drive(controller, lambda: slot.state in (SS.COOLING_DOWN, SS.STOPPED))
+        if slot.state == SS.STOPPED:
+            break
+        waits.append(slot.timer - clock.now)
+        controller.poll()
+        assert slot.state == SS.COOLING_DOWN, "no respawn before the backoff elapsed"
+        clock.now = slot.timer                      # time passes without sleeping
+        drive(controller, lambda: slot.state in (SS.RUNNING, SS.STOPPED))
+    assert waits == [2.0, 4.0, 8.0, 16.0]
+    assert slot.state == SS.STOPPED
+    assert slot.session.consecutive_errors == 5
+    assert any("stopped after 5 consecutive errors" in m.text for m in messages)
+    controller.shutdown()
+
+
+def test_an_agent_that_exits_without_progress_is_noticed(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "silent-executor")
+    ferrus.op_create_task(scripted, ferrus.HUMAN, "t")
+    messages = []
+    controller = ferrus.HqController(scripted, messages.append, clock=FakeMonotonic())
+    drive(controller, lambda: controller.slots["executor"].state == SS.COOLING_DOWN)
+    assert any("exited without calling submit or consult" in m.text for m in messages)
+    controller.shutdown()
+
+
+def test_hq_restarted_mid_task_resumes_it(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "reject-once")
+    ferrus.op_create_task(scripted, ferrus.HUMAN, "t")
+    first = ferrus.HqController(scripted, lambda m: None)
+    drive(first, lambda: scripted.read_state().state == S.ADDRESSING, limit=60)
+    first.shutdown()                                   # HQ dies mid-task
+    code, lines = run(scripted, task=None, resume=True)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert lines[0].startswith("ferrus run: State Addressing")
+
+
+def test_tell_interrupts_and_the_next_prompt_carries_the_message(scripted, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "slow-executor")
+    ferrus.op_create_task(scripted, ferrus.HUMAN, "t")
+    clock = FakeMonotonic()
+    controller = ferrus.HqController(scripted, lambda m: None, clock=clock)
+    slot = controller.slots["executor"]
+    drive(controller, lambda: slot.state == SS.RUNNING)
+    first_pid = slot.process.pid
+    controller.tell("executor", "stop and use tabs")
+    assert slot.state == SS.INTERRUPTING
+    drive(controller, lambda: slot.state == SS.RUNNING and slot.process.pid != first_pid)
+    assert "URGENT message from the operator" in slot.session.prompt
+    assert "stop and use tabs" in slot.session.prompt
+    assert slot.session.consecutive_errors == 0, "an interrupt is not an error"
+    controller.stop_all()
+    assert slot.state == SS.INITIALIZING and slot.process is None
+
+
+# -- the session state machine itself (seed 001) -------------------------------------
+
+def ev(kind, value=None, outcome=""):
+    return ferrus.SessionEvent(kind, value, outcome)
+
+
+def test_session_machine_table():
+    s = ferrus.Session()
+    s, effect = ferrus.session_step(s, ev("WorktreeReady"))
+    assert s.state == SS.BUILDING_PROMPT and effect is None
+    s, effect = ferrus.session_step(s, ev("PromptReady", "go"))
+    assert s.state == SS.SPAWNING and effect == (ferrus.STORE_PROMPT, "go")
+    s, _ = ferrus.session_step(s, ev("SessionStarted", 0))
+    assert s.state == SS.RUNNING
+    s, _ = ferrus.session_step(s, ev("SessionExited", outcome="success"))
+    assert s.state == SS.SESSION_COMPLETE
+    s, effect = ferrus.session_step(s, ev("WorktreeReady"))
+    assert s.state == SS.BUILDING_PROMPT and s.session_seq == 1
+    assert effect == ferrus.INCREMENT_SESSION
+    s, _ = ferrus.session_step(s, ev("PromptReady", "again"))
+    s, _ = ferrus.session_step(s, ev("SessionStarted", 1))
+    s, effect = ferrus.session_step(s, ev("UrgentMessage", "hey"))
+    assert s.state == SS.INTERRUPTING and effect == ferrus.CANCEL_SESSION and s.urgent == "hey"
+    s2, effect = ferrus.session_step(s, ev("GraceExceeded"))
+    assert s2.state == SS.BUILDING_PROMPT and effect == ferrus.FORCE_STOP_SESSION
+    s, _ = ferrus.session_step(s, ev("SessionExited", outcome="error"))
+    assert s.state == SS.BUILDING_PROMPT and s.consecutive_errors == 0 and s.total_errors == 0
+    for state_name in list(SS):
+        stopped, effect = ferrus.session_step(ferrus.Session(state=state_name), ev("OperatorStop"))
+        assert stopped.state == SS.STOPPED
+        assert effect == (ferrus.CANCEL_SESSION if state_name in (SS.RUNNING, SS.INTERRUPTING)
+                          else None)
+        fatal, effect = ferrus.session_step(ferrus.Session(state=state_name),
+                                            ev("FatalError", "x"))
+        assert fatal.state == SS.STOPPED and effect == (ferrus.LOG_FATAL, "x")
+
+
+def test_backoff_formula_and_thresholds():
+    assert [ferrus.backoff_ms(n) for n in range(1, 8)] == [2000, 4000, 8000, 16000, 32000,
+                                                          60000, 60000]
+    s = ferrus.Session(state=SS.SPAWNING, max_consecutive_errors=5, max_total_errors=7)
+    for expected in (2000, 4000, 8000, 16000):
+        s, _ = ferrus.session_step(s, ev("SessionExited", outcome="timeout"))
+        assert s.state == SS.COOLING_DOWN and s.backoff_ms == expected
+        s, _ = ferrus.session_step(s, ev("BackoffElapsed"))
+        s, _ = ferrus.session_step(s, ev("PromptReady", "p"))
+    s, effect = ferrus.session_step(s, ev("SessionExited", outcome="error"))
+    assert s.state == SS.STOPPED and effect[0] == ferrus.LOG_FATAL
+    # Total errors stop a session even when it keeps recovering in between.
+    s = ferrus.Session(state=SS.RUNNING, total_errors=19)
+    s, effect = ferrus.session_step(s, ev("SessionExited", outcome="error"))
+    assert s.state == SS.STOPPED and "20 errors in total" in effect[1]
+    # Events a state does not accept change nothing.
+    same, effect = ferrus.session_step(ferrus.Session(), ev("BackoffElapsed"))
+    assert same == ferrus.Session() and effect is None
+
+
+def test_usage_limit_wait():
+    now = __import__("datetime").datetime(2026, 5, 13, 14, 0)
+    assert ferrus.usage_limit_wait("3pm (UTC)", now) == 3600 + 60
+    assert ferrus.usage_limit_wait("at 13:30", now) == 23.5 * 3600 + 60
+    assert ferrus.usage_limit_wait("soon", now) == 900.0
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+def cli_env(tmp):
+    return dict(os.environ, SCRIPTED_DIR=str(tmp), NO_COLOR="1")
+
+
+def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
+    root = scripted.root
+    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+                          cwd=root, capture_output=True, text=True, timeout=120,
+                          env=cli_env(tmp_path), stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Reviewing → Complete" in done.stdout
+    again = subprocess.run([sys.executable, FERRUS_PY, "run", "--resume"], cwd=root,
+                           capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))
+    assert again.returncode == 2 and "nothing to run" in again.stderr
+    env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="slow-executor")
+    slow = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "slow", "--timeout", "3"],
+                          cwd=root, capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert slow.returncode == 3 and "timed out" in slow.stdout
+    ferrus.op_force_reset(scripted, ferrus.HUMAN)
+    env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="ask")
+    asked = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "ask"], cwd=root,
+                           capture_output=True, text=True, timeout=120, env=env,
+                           stdin=subprocess.DEVNULL)
+    assert asked.returncode == 4 and "Which colour" in asked.stdout
+
+
+def test_plain_hq_runs_a_task_to_complete(scripted, tmp_path):
+    proc = subprocess.Popen([sys.executable, FERRUS_PY, "hq", "--no-tui"], cwd=scripted.root,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=cli_env(tmp_path))
+    try:
+        proc.stdin.write("/status\n/task Make work.txt\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 90
+        while scripted.read_state().state != S.COMPLETE:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.stdin.write("/log 3\n/nonsense\nhello\n/quit\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "State Idle" in out and "executor: Initializing" in out
+    assert "Reviewing → Complete" in out and "Task complete." in out
+    assert "unknown command /nonsense" in out
+    assert "nobody is waiting for an answer" in out
