@@ -5415,8 +5415,14 @@ HQ_COMMANDS = (
 )
 
 
-class PlainHq:
-    """HQ on plain lines: works without curses, on Windows and with piped stdin."""
+class HqShell:
+    """HQ's commands on top of the controller, with a plain-line front end.
+
+    This class is the plain front end (it works without curses, on Windows and
+    with piped stdin).  Another front end subclasses it and overrides only the
+    terminal parts: ``show``/``write`` (output), ``run`` (the input loop that
+    calls ``handle`` per line and ``controller.poll`` between keys), ``confirm``,
+    ``interactive`` (handing the terminal to an agent) and ``cmd_attach``."""
 
     def __init__(self, store, stdin=None, stdout=None, resume=None, clock=time.monotonic):
         self.store = store
@@ -6442,7 +6448,7 @@ def cmd_run(args, root):
 def cmd_hq(args, root):
     store = Store(root).require()
     resume = True if getattr(args, "resume", False) else None
-    return PlainHq(store, resume=resume).run()
+    return HqShell(store, resume=resume).run()
 
 
 def cmd_serve(args, root):
