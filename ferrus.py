@@ -5022,6 +5022,7 @@ class HqController:
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
         self.cursor = store.last_journal_seq()
         self.journal_offset = 0
+        self._missing_rev = None
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
         self.last_state = None
@@ -5049,15 +5050,33 @@ class HqController:
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
+        self.drain_journal()
+        for slot in self.slots.values():
+            self._check_slot(slot)
+        if not self.paused:
+            self.reconcile()
+
+    def drain_journal(self):
         entries, self.journal_offset = self.store.journal_since(self.journal_offset)
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
                 self._show_entry(entry)
-        for slot in self.slots.values():
-            self._check_slot(slot)
-        if not self.paused:
-            self.reconcile()
+
+    def catch_up(self, rev, patience=1.0):
+        """Show journal entries up to ``rev``.  STATE.json is written just before its
+        journal line, so a state read can be a moment ahead of the journal."""
+        self.drain_journal()
+        if self.cursor >= rev or rev == self._missing_rev:
+            return
+        deadline = time.monotonic() + patience
+        while self.cursor < rev and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self.drain_journal()
+        if self.cursor < rev:
+            # A crash left STATE.json ahead of the journal; doctor (or the next
+            # commit) fills the gap.  Do not wait for it on every poll.
+            self._missing_rev = rev
 
     def _show_entry(self, entry):
         if entry.get("event") in ("heartbeat", "claim") or entry.get("actor") == "hq":
@@ -5081,6 +5100,7 @@ class HqController:
 
     def reconcile(self):
         data = self.store.read_state()
+        self.catch_up(data.rev)
         if data.state == S.AWAITING_HUMAN:
             question = self.store.read_file("QUESTION.md").strip()
             if question and question != self.shown_question:
@@ -5351,6 +5371,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         while True:
             controller.poll()
             data = store.read_state()
+            controller.catch_up(data.rev)
             if data.state == S.COMPLETE:
                 return RUN_COMPLETE
             if data.state == S.FAILED:
