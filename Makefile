@@ -40,8 +40,10 @@ test:
 test-matrix:
 	bash .ci/test-matrix
 
+# Agents start `ferrus serve` from cached bytecode; a PYTHONDONTWRITEBYTECODE
+# inherited from the shell would stop that cache from ever being written.
 bench:
-	$(PYTHON) bench/run.py $(BENCH_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PYTHON) bench/run.py $(BENCH_ARGS)
 
 fuzz:
 	FERRUS_FUZZ_N=$(N) $(PYTHON) -m pytest -q tests/test_fuzz.py $(PYTEST_ARGS)

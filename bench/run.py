@@ -1,0 +1,1084 @@
+#!/usr/bin/env python3
+"""ferrus benchmark suite: the performance bar of DESIGN §6, measured in one run.
+
+    python bench/run.py [--quick] [--json] [--only NAME[,NAME]] [--ferrus PATH]
+                        [--sdk-python PY | --sdk-venv DIR | --no-sdk] [--strict]
+
+Prints one table: each figure, what was measured, the bar beside it and
+PASS / MISS / n.a.  Every comparison (python -c pass, the MCP SDK server) is
+measured in the same run, interleaved with ferrus where that is possible.
+Standard library only; the MCP SDK is installed into a scratch virtualenv of
+its own (default ~/.cache/ferrus-bench/mcp-venv) and its columns say "not
+available" when that fails.  See bench/README.md.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import py_compile
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from mcpclient import McpConnection, McpFailure, ProcessRegistry, structured  # noqa: E402
+
+DEFAULT_FERRUS = os.path.join(os.path.dirname(__file__), "..", "ferrus.py")
+DEFAULT_SDK_VENV = os.path.join(os.path.expanduser("~"), ".cache", "ferrus-bench", "mcp-venv")
+SDK_INSTALL_TIMEOUT = 180.0
+ROLE = "executor"
+
+
+# ============================================================================
+# Results
+# ============================================================================
+
+class Figure:
+    """One figure's outcome: rows of (measured, bar, result), raw values for --json."""
+
+    def __init__(self, name):
+        self.name = name
+        self.rows = []
+        self.values = {}
+        self.error = None
+        self.seconds = 0.0
+
+    def info(self, measured):
+        self.rows.append({"measured": measured, "bar": "", "result": ""})
+
+    def check(self, measured, bar, ok):
+        """A bar: ok True -> PASS, False -> MISS, None -> n.a."""
+        result = "n.a." if ok is None else ("PASS" if ok else "MISS")
+        self.rows.append({"measured": measured, "bar": bar, "result": result})
+
+    def na(self, note, bar=""):
+        self.rows.append({"measured": note, "bar": bar, "result": "n.a."})
+
+    def fail(self, message):
+        self.error = message
+        self.rows.append({"measured": "error: %s" % message, "bar": "", "result": "error"})
+
+    @property
+    def result(self):
+        if self.error:
+            return "error"
+        results = [row["result"] for row in self.rows if row["result"]]
+        if "MISS" in results:
+            return "MISS"
+        if "PASS" in results:
+            return "PASS"
+        return "n.a." if results else "info"
+
+    def to_json(self):
+        return {"name": self.name, "result": self.result, "rows": self.rows,
+                "values": self.values, "error": self.error, "seconds": round(self.seconds, 3)}
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values, p):
+    """Nearest-rank percentile."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, int(math.ceil(p / 100.0 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def ms(seconds):
+    value = seconds * 1000.0
+    if value != value:  # nan
+        return "n/a"
+    if value < 10:
+        return "%.2f ms" % value
+    if value < 1000:
+        return "%.1f ms" % value
+    return "%.2f s" % seconds
+
+
+def ratio(a, b):
+    return a / b if b else float("inf")
+
+
+# ============================================================================
+# The bench context: ferrus, temp projects, child processes, the SDK
+# ============================================================================
+
+class BenchError(Exception):
+    pass
+
+
+def load_ferrus(path):
+    spec = importlib.util.spec_from_file_location("ferrus", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ferrus"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def progress(message):
+    sys.stderr.write("bench: %s\n" % message)
+    sys.stderr.flush()
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.quick = args.quick
+        self.python = sys.executable
+        self.ferrus_path = os.path.abspath(args.ferrus)
+        self.ferrus = load_ferrus(self.ferrus_path)
+        self.registry = ProcessRegistry()
+        self.tmp = tempfile.mkdtemp(prefix="ferrus-bench-")
+        self._sdk = None
+        self._sdk_lock = threading.Lock()
+
+    def reps(self, full, quick):
+        return quick if self.quick else full
+
+    # -- projects and servers ----------------------------------------------------------
+
+    def run_cli(self, root, *argv, timeout=60):
+        proc = self.registry.popen([self.python, self.ferrus_path] + list(argv), cwd=root,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        finally:
+            ProcessRegistry.stop(proc)
+            self.registry.forget(proc)
+        if proc.returncode != 0:
+            raise BenchError("`ferrus %s` failed (%s): %s" % (
+                " ".join(argv), proc.returncode, out.decode("utf-8", "replace").strip()[-400:]))
+        return out.decode("utf-8", "replace")
+
+    def project(self, name, commands=None):
+        """A fresh project made by `ferrus init`; ``commands`` become [checks] commands."""
+        root = os.path.join(self.tmp, name)
+        os.makedirs(root)
+        self.run_cli(root, "init")
+        if commands is not None:
+            path = os.path.join(root, "ferrus.toml")
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+            line = "commands = %s" % json.dumps(list(commands))
+            text, count = re.subn(r"(?m)^commands\s*=.*$", lambda m: line, text, count=1)
+            if not count:
+                raise BenchError("no `commands =` line in the ferrus.toml that init wrote")
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        return root
+
+    def serve_argv(self, role=ROLE, agent_name="bench"):
+        """`ferrus serve` started the way `ferrus register` configures agents to start it."""
+        if hasattr(self.ferrus, "ferrus_boot_code"):
+            return [self.python, "-c", self.ferrus.ferrus_boot_code(), "serve", "--role", role,
+                    "--agent-name", agent_name]
+        return [self.python, self.ferrus_path, "serve", "--role", role,
+                "--agent-name", agent_name]
+
+    def serve(self, root, role=ROLE, label=None):
+        return McpConnection(self.serve_argv(role), self.registry, cwd=root,
+                             label=label or "ferrus serve --role %s" % role)
+
+    def store(self, root):
+        return self.ferrus.Store(root)
+
+    def reset(self, root):
+        self.ferrus.op_force_reset(self.store(root), self.ferrus.HUMAN)
+
+    def run_child(self, argv, timeout):
+        """Run a helper script in its own session; its last stdout line as JSON."""
+        errors = tempfile.TemporaryFile()
+        proc = self.registry.popen(argv, new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=errors)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            ProcessRegistry.stop(proc)
+            raise BenchError("%s did not finish within %.0f s" % (os.path.basename(argv[1]), timeout))
+        finally:
+            ProcessRegistry.stop(proc)
+            self.registry.forget(proc)
+        lines = out.decode("utf-8", "replace").strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            errors.seek(0)
+            tail = errors.read().decode("utf-8", "replace").strip()[-500:]
+            raise BenchError("%s exited %s: %s" % (os.path.basename(argv[1]), proc.returncode,
+                                                   tail or "(no output)"))
+        return json.loads(lines[-1])
+
+    # -- the MCP SDK comparison server ----------------------------------------------------
+
+    def tool_specs(self, role=ROLE):
+        return [{"name": t.name, "description": t.description,
+                 "params": [[p.name, bool(p.required)] for p in t.params]}
+                for t in self.ferrus.tools_for_role(role)]
+
+    def sdk(self):
+        """(python, version, None) of an interpreter with the MCP SDK, or (None, None, why)."""
+        with self._sdk_lock:
+            if self._sdk is None:
+                self._sdk = self._find_sdk()
+            return self._sdk
+
+    def _probe_sdk(self, python, timeout=60):
+        code = ("import mcp.server, importlib.metadata as m, sys; "
+                "sys.stdout.write(m.version('mcp'))")
+        try:
+            proc = self.registry.popen([python, "-c", code], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as err:
+            return None, str(err)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, "probing %s timed out" % python
+        finally:
+            ProcessRegistry.stop(proc)
+            self.registry.forget(proc)
+        if proc.returncode != 0:
+            lines = err.decode("utf-8", "replace").strip().splitlines()
+            return None, lines[-1] if lines else "exit %s" % proc.returncode
+        return out.decode().strip() or "?", None
+
+    def _find_sdk(self):
+        args = self.args
+        if args.no_sdk:
+            return None, None, "disabled by --no-sdk"
+        if args.sdk_python:
+            version, why = self._probe_sdk(args.sdk_python)
+            return (args.sdk_python, version, None) if version else (None, None, why)
+        venv = os.path.abspath(os.path.expanduser(args.sdk_venv))
+        python = os.path.join(venv, "Scripts", "python.exe") if os.name == "nt" else \
+            os.path.join(venv, "bin", "python")
+        if os.path.exists(python):
+            version, why = self._probe_sdk(python)
+            if version:
+                return python, version, None
+        progress("installing the MCP Python SDK into %s (python -m venv + pip install mcp, "
+                 "at most %.0f s)" % (venv, SDK_INSTALL_TIMEOUT))
+        deadline = time.monotonic() + SDK_INSTALL_TIMEOUT
+        steps = []
+        if not os.path.exists(python):
+            steps.append([self.python, "-m", "venv", venv])
+        steps.append([python, "-m", "pip", "install", "--disable-pip-version-check",
+                      "--quiet", "mcp"])
+        for argv in steps:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None, None, "SDK install timed out after %.0f s" % SDK_INSTALL_TIMEOUT
+            log = tempfile.TemporaryFile()
+            try:
+                proc = self.registry.popen(argv, new_session=True, stdin=subprocess.DEVNULL,
+                                           stdout=log, stderr=subprocess.STDOUT)
+            except OSError as err:
+                return None, None, "cannot run %s: %s" % (argv[0], err)
+            try:
+                proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                return None, None, "SDK install timed out after %.0f s" % SDK_INSTALL_TIMEOUT
+            finally:
+                ProcessRegistry.stop(proc)
+                self.registry.forget(proc)
+            if proc.returncode != 0:
+                log.seek(0)
+                lines = [l for l in log.read().decode("utf-8", "replace").splitlines()
+                         if l.strip() and not l.startswith("WARNING")]
+                return None, None, "`%s` failed: %s" % (
+                    " ".join(os.path.basename(a) for a in argv[:4]),
+                    lines[-1] if lines else "exit %s" % proc.returncode)
+        version, why = self._probe_sdk(python)
+        return (python, version, None) if version else (None, None, why)
+
+    def sdk_argv(self, root, python):
+        return [python, os.path.join(HERE, "sdk_server.py"),
+                "--state", os.path.join(root, ".ferrus", "STATE.json"),
+                "--tools", json.dumps(self.tool_specs())]
+
+    # -- cleanup ---------------------------------------------------------------------------
+
+    def cleanup(self):
+        self.registry.kill_all()
+        if not self.args.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ============================================================================
+# Figures (one function each; each fills in a Figure)
+# ============================================================================
+
+def _handshake(bench, argv, cwd, label):
+    """Seconds from spawn to the answer of tools/list (after initialize), and the tool names."""
+    started = time.perf_counter()
+    conn = McpConnection(argv, bench.registry, cwd=cwd, label=label)
+    try:
+        conn.initialize(timeout=60)
+        request_id, _ = conn.start("tools/list")
+        result, arrived = conn.wait(request_id, timeout=60)
+    finally:
+        conn.close()
+    return arrived - started, sorted(t.get("name") for t in result.get("tools", []))
+
+
+def _bare_python(bench, *flags):
+    started = time.perf_counter()
+    proc = bench.registry.popen([bench.python] + list(flags) + ["-c", "pass"],
+                                stdin=subprocess.DEVNULL)
+    proc.wait()
+    elapsed = time.perf_counter() - started
+    bench.registry.forget(proc)
+    if proc.returncode != 0:
+        raise BenchError("python -c pass exited %s" % proc.returncode)
+    return elapsed
+
+
+def fig_serve_cold_start(bench, fig):
+    """`ferrus serve` spawn -> answered initialize + tools/list, vs python -c pass and the SDK."""
+    root = bench.project("cold")
+    runs = bench.reps(11, 3)
+    expected = sorted(t.name for t in bench.ferrus.tools_for_role(ROLE))
+    sdk_python, sdk_version, sdk_why = bench.sdk()
+
+    # For information: the same server started as `python -m ferrus` from cached
+    # bytecode (how the launcher / an installed ferrus start), compiled ahead here.
+    pyc_dir = os.path.join(bench.tmp, "pyc")
+    os.makedirs(pyc_dir)
+    shutil.copyfile(bench.ferrus_path, os.path.join(pyc_dir, "ferrus.py"))
+    py_compile.compile(os.path.join(pyc_dir, "ferrus.py"), doraise=True)
+    pyc_env = dict(os.environ, PYTHONPATH=pyc_dir)
+    pyc_env.pop("PYTHONPYCACHEPREFIX", None)
+
+    variants = [("ferrus", lambda: _handshake(bench, bench.serve_argv(), root, "ferrus serve")),
+                ("python", lambda: (_bare_python(bench), None))]
+    if sdk_python:
+        variants.append(("sdk", lambda: _handshake(bench, bench.sdk_argv(root, sdk_python), root,
+                                                   "MCP SDK server")))
+
+    def pyc_variant():
+        started = time.perf_counter()
+        conn = McpConnection([bench.python, "-m", "ferrus", "serve", "--role", ROLE], bench.registry,
+                             cwd=root, env=pyc_env, label="python -m ferrus serve")
+        try:
+            conn.initialize(timeout=60)
+            result, arrived = conn.wait(conn.start("tools/list")[0], timeout=60)
+        finally:
+            conn.close()
+        return arrived - started, None
+    variants.append(("pyc", pyc_variant))
+    # For information: both without site hooks (-S).  A .pth file in site-packages
+    # that imports something slows `python -c pass` far more than ferrus, which
+    # imports much of the same anyway, so the ratio depends on the installation.
+    no_site = [bench.python, "-S"] + bench.serve_argv()[1:]
+    variants.append(("ferrus_S", lambda: _handshake(bench, no_site, root, "ferrus serve (-S)")))
+    variants.append(("python_S", lambda: (_bare_python(bench, "-S"), None)))
+
+    samples = {name: [] for name, _ in variants}
+    for round_no in range(runs + 1):          # round 0 warms the page cache, not counted
+        for name, measure in variants:
+            elapsed, names = measure()
+            if names is not None and names != expected:
+                raise BenchError("%s listed %s, expected %s" % (name, names, expected))
+            if round_no:
+                samples[name].append(elapsed)
+
+    f, py = median(samples["ferrus"]), median(samples["python"])
+    fig.values.update({"runs": runs, "ferrus_s": samples["ferrus"], "python_s": samples["python"],
+                       "pyc_s": samples["pyc"], "ferrus_median_s": f, "python_median_s": py})
+    fig.info("ferrus serve %s (median of %d; min %s)" % (ms(f), runs, ms(min(samples["ferrus"]))))
+    fig.check("python -c pass %s → %.2f×" % (ms(py), ratio(f, py)), "≤ 3× python -c pass",
+              ratio(f, py) <= 3.0)
+    if sdk_python:
+        s = median(samples["sdk"])
+        fig.values.update({"sdk_s": samples["sdk"], "sdk_median_s": s, "sdk_version": sdk_version})
+        fig.check("MCP SDK %s server %s → %.2f×" % (sdk_version, ms(s), ratio(f, s)),
+                  "≤ 0.2× MCP SDK server", ratio(f, s) <= 0.2)
+    else:
+        fig.na("MCP SDK server: not available (%s)" % sdk_why, "≤ 0.2× MCP SDK server")
+    pyc = median(samples["pyc"])
+    fig.values["pyc_median_s"] = pyc
+    fig.info("(info) python -m ferrus, cached .pyc: %s → %.2f× python" % (ms(pyc), ratio(pyc, py)))
+    f_s, py_s = median(samples["ferrus_S"]), median(samples["python_S"])
+    fig.values.update({"ferrus_S_median_s": f_s, "python_S_median_s": py_s})
+    fig.info("(info) both with -S (no site hooks): %s vs %s → %.2f×" % (ms(f_s), ms(py_s),
+                                                                       ratio(f_s, py_s)))
+
+
+def fig_status_round_trip(bench, fig):
+    """tools/call status on a warm server, ferrus and SDK calls interleaved."""
+    root = bench.project("status")
+    calls = bench.reps(300, 50)
+    warmup = 20
+    sdk_python, sdk_version, sdk_why = bench.sdk()
+    conns = [("ferrus", bench.serve(root))]
+    if sdk_python:
+        conns.append(("sdk", McpConnection(bench.sdk_argv(root, sdk_python), bench.registry,
+                                           cwd=root, label="MCP SDK server")))
+    samples = {name: [] for name, _ in conns}
+    try:
+        for _, conn in conns:
+            conn.initialize(timeout=60)
+        result, _ = conns[0][1].call_tool("status")
+        if structured(result).get("state") != "Idle":
+            raise BenchError("ferrus status did not report state Idle: %s" % json.dumps(result)[:200])
+        for i in range(warmup + calls):
+            for name, conn in conns:
+                _, elapsed = conn.call_tool("status")
+                if i >= warmup:
+                    samples[name].append(elapsed)
+    finally:
+        for _, conn in conns:
+            conn.close()
+    f, f99 = median(samples["ferrus"]), percentile(samples["ferrus"], 99)
+    fig.values.update({"calls": calls, "ferrus_median_s": f, "ferrus_p99_s": f99})
+    fig.check("median %s, p99 %s (%d calls)" % (ms(f), ms(f99), calls), "≤ 2 ms median",
+              f <= 0.002)
+    if sdk_python:
+        s, s99 = median(samples["sdk"]), percentile(samples["sdk"], 99)
+        fig.values.update({"sdk_median_s": s, "sdk_p99_s": s99, "sdk_version": sdk_version})
+        fig.check("MCP SDK median %s, p99 %s → %.2f×" % (ms(s), ms(s99), ratio(f, s)),
+                  "≤ 0.5× MCP SDK", ratio(f, s) <= 0.5)
+    else:
+        fig.na("MCP SDK server: not available (%s)" % sdk_why, "≤ 0.5× MCP SDK")
+
+
+def fig_create_to_wait(bench, fig):
+    """A blocked wait_for_task (executor server) returns after create_task (supervisor server)."""
+    root = bench.project("wait")
+    rounds = bench.reps(40, 8)
+    warmup = 2
+    executor = bench.serve(root, "executor")
+    supervisor = bench.serve(root, "supervisor")
+    latencies, creates = [], []
+    try:
+        executor.initialize(timeout=60)
+        supervisor.initialize(timeout=60)
+        for round_no in range(warmup + rounds):
+            bench.reset(root)
+            wait_id, _ = executor.start_tool("wait_for_task")
+            # Let the wait reach its blocking poll; the jitter samples every poll phase.
+            time.sleep(0.03 + random.random() * 0.01)
+            create_id, sent = supervisor.start_tool("create_task",
+                                                    {"description": "bench round %d" % round_no})
+            result, arrived = executor.tool_result(wait_id, timeout=30)
+            _, created = supervisor.tool_result(create_id, timeout=30)
+            data = structured(result)
+            if data.get("status") != "claimed":
+                raise BenchError("wait_for_task returned %s, not a claim" % json.dumps(data)[:200])
+            if round_no >= warmup:
+                latencies.append(arrived - sent)
+                creates.append(created - sent)
+    finally:
+        executor.close()
+        supervisor.close()
+    med, p99 = median(latencies), percentile(latencies, 99)
+    fig.values.update({"rounds": rounds, "median_s": med, "p99_s": p99, "max_s": max(latencies),
+                       "create_task_median_s": median(creates)})
+    fig.check("median %s (%d rounds)" % (ms(med), rounds), "≤ 25 ms median", med <= 0.025)
+    fig.check("p99 %s, max %s" % (ms(p99), ms(max(latencies))), "≤ 100 ms p99", p99 <= 0.100)
+    fig.info("(info) create_task's own round trip: median %s" % ms(median(creates)))
+
+
+HQ_POLL_INTERVAL = 0.02   # the cadence of HQ's front ends (PlainHq.run, run_loop)
+
+
+def _prefill_journal(root, count):
+    """Give a project a long history: ``count`` journal lines, STATE.json rev to match.
+
+    Written directly (one fsynced transaction each would take minutes), in the
+    journal's documented format: seq == rev, one JSON object per line."""
+    ferrus_dir = os.path.join(root, ".ferrus")
+    state_path = os.path.join(ferrus_dir, "STATE.json")
+    with open(state_path, encoding="utf-8") as handle:
+        state = json.load(handle)
+    first = int(state.get("rev", 0)) + 1
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(os.path.join(ferrus_dir, "events.jsonl"), "a", encoding="utf-8") as handle:
+        for seq in range(first, first + count):
+            handle.write(json.dumps({
+                "seq": seq, "time": stamp, "actor": "executor:bench:0", "event": "heartbeat",
+                "from": state["state"], "to": state["state"], "task_id": None,
+                "detail": {}}, separators=(",", ":"), sort_keys=True) + "\n")
+    state["rev"] = first + count - 1
+    with open(state_path, "w", encoding="utf-8") as handle:
+        json.dump(state, handle, indent=2)
+
+
+def measure_hq_reaction(bench, rounds, history=0):
+    """Seconds from a committed journal entry to HQ spawning the agent that reacts to it.
+
+    A ``ferrus.HqController`` runs in a thread with the loop HQ's front ends use
+    (poll, then sleep HQ_POLL_INTERVAL); its launcher starts a stub agent (``sleep``)
+    instead of a real CLI.  Each round resets to Idle (HQ stops the stub), waits a
+    random part of a poll interval, commits create_task from a separate Store, and
+    times from the commit to HQ's "started the executor" message, emitted right
+    after the agent's process is spawned (the launcher call, just before the spawn,
+    is the fallback stamp if that message is ever reworded)."""
+    ferrus = bench.ferrus
+    root = bench.project("hq-%d" % history)
+    if history:
+        _prefill_journal(root, history)
+    stub = ["sleep", "30"] if os.name != "nt" else [bench.python, "-c",
+                                                       "import time; time.sleep(30)"]
+    launched, spawned = [], []
+    lock = threading.Lock()
+
+    def launcher(slot):
+        with lock:
+            launched.append((slot.name, time.perf_counter()))
+        return ferrus.Launch(argv=list(stub)), (lambda line: [])
+
+    def emit(message):
+        if message.kind == "agent" and "executor" in message.text and "start" in message.text:
+            with lock:
+                spawned.append(time.perf_counter())
+
+    controller = ferrus.HqController(bench.store(root), emit=emit, launcher=launcher)
+    stop = threading.Event()
+    failure = []
+    poll_times = []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                started = time.perf_counter()
+                controller.poll()
+                poll_times.append(time.perf_counter() - started)
+                stop.wait(HQ_POLL_INTERVAL)
+        except Exception as err:  # reported by the main thread
+            failure.append("HQ poll failed: %s: %s" % (type(err).__name__, err))
+
+    thread = threading.Thread(target=loop, daemon=True, name="bench-hq")
+    thread.start()
+    committer = bench.store(root)
+    supervisor = ferrus.Caller("supervisor", "supervisor:bench:0")
+    latencies = []
+    try:
+        for round_no in range(rounds + 1):          # round 0 is a warm-up
+            ferrus.op_force_reset(committer, ferrus.HUMAN)
+            deadline = time.monotonic() + 10       # until HQ has stopped the last stub
+            while controller.running() and not failure and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05 + random.random() * HQ_POLL_INTERVAL)
+            with lock:
+                seen_launch, seen_spawn = len(launched), len(spawned)
+            ferrus.op_create_task(committer, supervisor, "bench hq round %d" % round_no)
+            committed = time.perf_counter()
+            deadline = time.monotonic() + 10
+            while True:
+                with lock:
+                    done = len(spawned) > seen_spawn
+                    stamp = spawned[seen_spawn] if done else None
+                    fallback = [t for n, t in launched[seen_launch:] if n == "executor"]
+                if done or failure:
+                    break
+                if time.monotonic() > deadline:
+                    if fallback:
+                        stamp = fallback[0]
+                        break
+                    raise BenchError("HQ did not start the executor within 10 s of create_task")
+                time.sleep(0.001)
+            if failure:
+                raise BenchError(failure[0])
+            if round_no:
+                latencies.append(stamp - committed)
+        # What an idle HQ costs per poll (nothing new in the journal).
+        time.sleep(0.3)
+        del poll_times[:]
+        time.sleep(10 * HQ_POLL_INTERVAL)
+        idle = median(list(poll_times))
+    finally:
+        stop.set()
+        thread.join(5)
+        controller.shutdown()
+        with contextlib.suppress(Exception):
+            ferrus.op_force_reset(committer, ferrus.HUMAN)
+    return latencies, idle
+
+
+def fig_hq_reaction(bench, fig):
+    """Journal entry -> HQ spawns the reacting agent."""
+    if not hasattr(bench.ferrus, "HqController"):
+        fig.na("HQ not implemented yet", "≤ 50 ms median")
+        return
+    latencies, idle = measure_hq_reaction(bench, bench.reps(30, 5))
+    med = median(latencies)
+    fig.values.update({"median_s": med, "p99_s": percentile(latencies, 99), "idle_poll_s": idle})
+    fig.check("median %s, p99 %s (%d rounds)" % (ms(med), ms(percentile(latencies, 99)),
+                                                  len(latencies)), "≤ 50 ms median", med <= 0.050)
+    fig.info("(HQ polls every %.0f ms, as its front ends do; the agent is a stub; "
+             "an idle poll takes %s)" % (HQ_POLL_INTERVAL * 1000, ms(idle)))
+    # For information: the same after a long history, as in a project used for weeks
+    # (every heartbeat and HQ session step is a journal line).
+    history = 5000
+    long_lat, long_idle = measure_hq_reaction(bench, bench.reps(15, 5), history)
+    fig.values.update({"history": history, "history_median_s": median(long_lat),
+                       "history_idle_poll_s": long_idle})
+    fig.info("(info) with %d journal entries: median %s, idle poll %s" % (
+        history, ms(median(long_lat)), ms(long_idle)))
+
+
+def _checks_child(bench, root, commands, parallel, timeout, **extra):
+    spec = dict(root=root, commands=commands, parallel=parallel, **extra)
+    return bench.run_child([bench.python, os.path.join(HERE, "checks_child.py"),
+                            bench.ferrus_path, json.dumps(spec)], timeout)
+
+
+def _plain_root(bench, name):
+    root = os.path.join(bench.tmp, name)
+    os.makedirs(os.path.join(root, ".ferrus", "logs"))
+    return root
+
+
+def fig_checks_parallel(bench, fig):
+    """Four `sleep 1` checks through ferrus.run_checks, sequential and parallel."""
+    root = _plain_root(bench, "checks")
+    commands = ["sleep 1"] * 4
+    if os.name == "nt":  # pragma: no cover
+        commands = ['"%s" -c "import time; time.sleep(1)"' % bench.python] * 4
+    sequential = _checks_child(bench, root, commands, False, 60)
+    parallel = [_checks_child(bench, root, commands, True, 60) for _ in range(bench.reps(3, 1))]
+    for run in [sequential] + parallel:
+        if not run["passed"]:
+            raise BenchError("a check did not pass: %s" % run["results"])
+    par = median([run["wall"] for run in parallel])
+    fig.values.update({"sequential_s": sequential["wall"], "parallel_s": par,
+                       "parallel_runs_s": [run["wall"] for run in parallel]})
+    fig.check("parallel %s (median of %d)" % (ms(par), len(parallel)), "≤ 1.2 s wall", par <= 1.2)
+    fig.info("sequential %s → %.1f× speed-up" % (ms(sequential["wall"]),
+                                                  ratio(sequential["wall"], par)))
+
+
+def fig_check_memory_1gb(bench, fig):
+    """A check printing 1 GiB of lines: the runner's peak RSS growth and throughput."""
+    try:
+        import resource  # noqa: F401
+    except ImportError:  # pragma: no cover
+        fig.na("needs the resource module (POSIX)", "≤ 20 MB growth")
+        return
+    root = _plain_root(bench, "memory")
+    chunks = 16384                        # 16384 × 64 KiB = 1 GiB
+    total = chunks * 65536
+    code = ("import sys\nw = sys.stdout.buffer.write\nchunk = (b'x' * 63 + b'\\n') * 1024\n"
+            "for _ in range(%d):\n    w(chunk)\n" % chunks)
+    command = "%s -c \"%s\"" % (bench.python, code.replace('"', '\\"'))
+    if os.name != "nt":
+        import shlex
+        command = "%s -c %s" % (shlex.quote(bench.python), shlex.quote(code))
+    run = _checks_child(bench, root, [command], False, 600, delete_logs=True)
+    result = run["results"][0]
+    if result["status"] != "passed":
+        raise BenchError("the 1 GiB check ended %s (exit %s)" % (result["status"],
+                                                                result["exit_code"]))
+    expected_lines = total // 64
+    kib = []
+    if run.get("maxrss_before_kib") is not None:
+        kib.append(run["maxrss_after_kib"] - run["maxrss_before_kib"])
+    if run.get("hwm_after_kib") is not None and run.get("rss_before_kib") is not None:
+        kib.append(run["hwm_after_kib"] - run["rss_before_kib"])
+    growth_mb = max(kib) * 1024 / 1e6 if kib else float("nan")
+    throughput = total / run["wall"] / 1e6
+    fig.values.update({"bytes": total, "lines": result["line_count"], "wall_s": run["wall"],
+                       "growth_mb": growth_mb, "maxrss_before_kib": run["maxrss_before_kib"],
+                       "maxrss_after_kib": run["maxrss_after_kib"],
+                       "rss_before_kib": run["rss_before_kib"],
+                       "hwm_after_kib": run["hwm_after_kib"], "throughput_mb_s": throughput})
+    fig.check("peak RSS growth %.1f MB (ru_maxrss %s → %s KiB)" % (
+        growth_mb, run["maxrss_before_kib"], run["maxrss_after_kib"]), "≤ 20 MB growth",
+        growth_mb <= 20)
+    fig.info("1 GiB in %.2f s → %.0f MB/s, %d lines counted%s" % (
+        run["wall"], throughput, result["line_count"],
+        "" if result["line_count"] == expected_lines else " (expected %d!)" % expected_lines))
+
+
+def _race(bench, root, workers, per):
+    """Run ``workers`` race_worker.py processes on ``root``; their reports and the wall time."""
+    procs = []
+    outputs = {}
+    timer = None
+    killed = []
+    try:
+        for index in range(workers):
+            procs.append(bench.registry.popen(
+                [bench.python, os.path.join(HERE, "race_worker.py"), bench.ferrus_path, root,
+                 str(index), str(per)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL))
+        for proc in procs:
+            if proc.stdout.readline().strip() != b"ready":
+                raise BenchError("a race worker failed to start (exit %s)" % proc.wait())
+
+        def watchdog():
+            killed.append(True)
+            for proc in procs:
+                ProcessRegistry.stop(proc, grace=0.5)
+        timer = threading.Timer(300, watchdog)
+        timer.daemon = True
+        timer.start()
+        started = time.perf_counter()
+        for proc in procs:         # release every worker at once
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+        for proc in procs:
+            line = proc.stdout.readline()
+            if line.strip():
+                data = json.loads(line)
+                outputs[data["worker"]] = data
+        elapsed = time.perf_counter() - started
+        for proc in procs:
+            proc.wait(30)
+    finally:
+        if timer:
+            timer.cancel()
+        for proc in procs:
+            ProcessRegistry.stop(proc)
+            bench.registry.forget(proc)
+    if killed:
+        raise BenchError("the race did not finish within 300 s")
+    if len(outputs) != workers:
+        raise BenchError("only %d of %d workers reported" % (len(outputs), workers))
+    total = {key: sum(o[key] for o in outputs.values())
+             for key in ("done", "toggles", "fsyncs", "fsync_s", "lock_wait_s", "lock_held_s")}
+    total["errors"] = [e for o in outputs.values() for e in o["errors"]]
+    total["elapsed"] = elapsed
+    return total
+
+
+def _io_floor(directory, count):
+    """Seconds per transition for the disk work alone: the renames and fsyncs one
+    race transition makes (STATE.json + journal; every other one also TASK.md),
+    done by one process with no Python logic around them."""
+    journal = os.open(os.path.join(directory, "floor.jsonl"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    payload = b"{" + b'"k": "v", ' * 60 + b"}\n"
+
+    def replace(name):
+        fd, temp = tempfile.mkstemp(dir=directory, prefix="." + name)
+        os.write(fd, payload)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(temp, os.path.join(directory, name))
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    try:
+        started = time.perf_counter()
+        for k in range(count):
+            if k % 2:
+                replace("floor-task.md")
+            replace("floor-state.json")
+            os.write(journal, payload)
+            os.fsync(journal)
+        return (time.perf_counter() - started) / count
+    finally:
+        os.close(journal)
+
+
+def _tmpfs_dir():
+    """A RAM-backed directory (fsync is free there), or None."""
+    for path in ("/dev/shm",):
+        if os.path.isdir(path) and os.access(path, os.W_OK):
+            return path
+    return None
+
+
+def fig_transition_race(bench, fig):
+    """8 processes × 500 store transactions on one .ferrus/: throughput and lost updates."""
+    root = bench.project("race")
+    workers, per = 8, bench.reps(500, 100)
+    store = bench.store(root)
+    rev_before = store.read_state().rev
+    seq_before = store.last_journal_seq()
+    race = _race(bench, root, workers, per)
+    done, toggles, elapsed, errors = race["done"], race["toggles"], race["elapsed"], race["errors"]
+    final = store.read_state()
+    committed = final.rev - rev_before
+    counter = int(final.extra.get("bench_counter", 0))
+    # A lost update shows as a commit that did not advance rev, or an increment of
+    # bench_counter (read-modify-write of STATE.json) that another commit overwrote.
+    lost = max(done - committed, toggles - counter, 0)
+    entries = [e for e in store.read_journal() if int(e["seq"]) > seq_before]
+    seqs = [int(e["seq"]) for e in entries]
+    gapless = seqs == list(range(seq_before + 1, final.rev + 1))
+    ticks = {(e["detail"].get("worker"), e["detail"].get("k")) for e in entries
+             if e.get("event") == "bench_tick"}
+    ticks_expected = done - toggles
+    throughput = done / elapsed
+    fig.values.update({"workers": workers, "per_worker": per, "done": done,
+                       "refused": workers * per - done, "errors": errors[:10],
+                       "elapsed_s": elapsed, "transitions_per_s": throughput,
+                       "rev_delta": committed, "bench_counter": counter, "toggles": toggles,
+                       "lost_updates": lost, "journal_gapless": gapless,
+                       "journal_entries": len(seqs), "ticks_journaled": len(ticks),
+                       "fsyncs": race["fsyncs"], "fsync_s": race["fsync_s"],
+                       "lock_held_s": race["lock_held_s"], "lock_wait_s": race["lock_wait_s"]})
+    fig.check("%.0f transitions/s (%d × %d in %.2f s)" % (throughput, workers, per, elapsed),
+              "≥ 500 transitions/s", throughput >= 500)
+    fig.check("%d lost: rev +%d for %d commits, counter %d/%d, journal %d..%d %s" % (
+        lost, committed, done, counter, toggles, seq_before + 1, final.rev,
+        "gapless" if gapless else "NOT gapless"), "0 lost updates",
+        lost == 0 and gapless and committed == done and len(ticks) == ticks_expected)
+    if len(ticks) != ticks_expected:
+        fig.info("%d of %d append_event entries journaled" % (len(ticks), ticks_expected))
+    if errors:
+        fig.info("%d transitions refused: %s" % (workers * per - done, errors[0]))
+    if done:
+        fig.info("lock held %.0f%% of wall, %.2f ms per transition; %.1f fsyncs per "
+                 "transition, %.2f ms each = %.0f%% of wall" % (
+                     100 * race["lock_held_s"] / elapsed, 1000 * race["lock_held_s"] / done,
+                     race["fsyncs"] / done, 1000 * race["fsync_s"] / max(1, race["fsyncs"]),
+                     100 * race["fsync_s"] / elapsed))
+    if os.name != "nt":
+        floor = _io_floor(os.path.join(root, ".ferrus"), bench.reps(400, 100))
+        fig.values["io_floor_s"] = floor
+        fig.info("(info) that disk work alone, one process, no ferrus: %s per transition "
+                 "→ ceiling %.0f/s" % (ms(floor), 1 / floor))
+    # For information: the same race where fsync costs nothing, which separates
+    # ferrus's own per-transition cost (and lock hand-over) from the disk's.
+    shm = _tmpfs_dir()
+    if shm:
+        ram_root = tempfile.mkdtemp(prefix="ferrus-bench-race-", dir=shm)
+        try:
+            bench.run_cli(ram_root, "init")
+            ram = _race(bench, ram_root, workers, per)
+        finally:
+            shutil.rmtree(ram_root, ignore_errors=True)
+        ram_rate = ram["done"] / ram["elapsed"]
+        fig.values.update({"tmpfs_transitions_per_s": ram_rate,
+                           "tmpfs_lock_held_s": ram["lock_held_s"], "tmpfs_elapsed_s": ram["elapsed"]})
+        fig.info("(info) same race on tmpfs %s: %.0f transitions/s, lock held %.0f%% of wall" % (
+            shm, ram_rate, 100 * ram["lock_held_s"] / ram["elapsed"]))
+
+
+LOOP_STEPS = (
+    ("create_task", "supervisor", {"description": "bench loop"}),
+    ("wait_for_task", "executor", {}),
+    ("check", "executor", {}),
+    ("submit", "executor", {"content": "done"}),
+    ("wait_for_review", "supervisor", {}),
+    ("approve", "supervisor", {}),
+)
+
+
+def fig_full_loop(bench, fig):
+    """create → claim → check → submit → claim review → approve, two scripted MCP clients."""
+    root = bench.project("loop", commands=["true"])
+    loops = bench.reps(25, 5)
+    warmup = 1
+    conns = {"supervisor": bench.serve(root, "supervisor"), "executor": bench.serve(root, "executor")}
+    totals, steps = [], {name: [] for name, _, _ in LOOP_STEPS}
+    try:
+        for conn in conns.values():
+            conn.initialize(timeout=60)
+        for loop in range(warmup + loops):
+            bench.reset(root)
+            timings = {}
+            started = None
+            for name, role, arguments in LOOP_STEPS:
+                request_id, sent = conns[role].start_tool(name, arguments)
+                started = sent if started is None else started
+                result, arrived = conns[role].tool_result(request_id, timeout=60)
+                timings[name] = arrived - sent
+                data = structured(result)
+                if name in ("check", "submit") and data.get("passed") is False:
+                    raise BenchError("%s did not pass: %s" % (name, json.dumps(data)[:200]))
+            if data.get("state") != "Complete":
+                raise BenchError("the loop ended in state %s" % data.get("state"))
+            if loop >= warmup:
+                totals.append(arrived - started)
+                for name, value in timings.items():
+                    steps[name].append(value)
+    finally:
+        for conn in conns.values():
+            conn.close()
+    med = median(totals)
+    fig.values.update({"loops": loops, "median_s": med, "p99_s": percentile(totals, 99),
+                       "steps_median_s": {k: median(v) for k, v in steps.items()}})
+    fig.info("median %s per loop, p99 %s (%d loops, check = `true`)" % (
+        ms(med), ms(percentile(totals, 99)), loops))
+    parts = ["%s %s" % (name, ms(median(steps[name]))) for name, _, _ in LOOP_STEPS]
+    fig.info("steps: " + ", ".join(parts[:3]))
+    fig.info("       " + ", ".join(parts[3:]))
+
+
+FIGURES = (
+    ("serve_cold_start", fig_serve_cold_start),
+    ("status_round_trip", fig_status_round_trip),
+    ("create_to_wait", fig_create_to_wait),
+    ("hq_reaction", fig_hq_reaction),
+    ("checks_parallel", fig_checks_parallel),
+    ("check_memory_1gb", fig_check_memory_1gb),
+    ("transition_race", fig_transition_race),
+    ("full_loop", fig_full_loop),
+)
+
+
+# ============================================================================
+# Output
+# ============================================================================
+
+def header(bench):
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    cpus = os.cpu_count() or 0
+    return {
+        "cpus": cpus,
+        "cpus_usable": usable,
+        "python": "%s %s" % (platform.python_implementation(), platform.python_version()),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "ferrus": bench.ferrus_path,
+        "ferrus_version": getattr(bench.ferrus, "__version__", "?"),
+        "mode": "quick" if bench.quick else "full",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def render_table(head, figures):
+    cpu = "%d CPUs" % head["cpus"]
+    if head["cpus_usable"] and head["cpus_usable"] != head["cpus"]:
+        cpu += " (%d usable)" % head["cpus_usable"]
+    lines = ["ferrus bench (%s run) — %s, %s, %s" % (head["mode"], cpu, head["python"],
+                                                    head["platform"]),
+             "ferrus %s at %s" % (head["ferrus_version"], head["ferrus"]), ""]
+    rows = [("figure", "measured", "bar", "result")]
+    for fig in figures:
+        for i, row in enumerate(fig.rows or [{"measured": "", "bar": "", "result": ""}]):
+            rows.append((fig.name if i == 0 else "", row["measured"], row["bar"], row["result"]))
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    for n, row in enumerate(rows):
+        if n == 1 or (n > 1 and row[0]):
+            lines.append("  ".join("-" * w for w in widths) + "  ------")
+        lines.append("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row[:3]))
+                     + "  " + row[3])
+    counts = {}
+    for fig in figures:
+        counts[fig.result] = counts.get(fig.result, 0) + 1
+    lines.append("")
+    lines.append("figures: " + ", ".join("%d %s" % (counts[k], k) for k in
+                                         ("PASS", "MISS", "n.a.", "error", "info") if k in counts))
+    return "\n".join(lines)
+
+
+# ============================================================================
+# Main
+# ============================================================================
+
+def parse_args(argv):
+    names = [name for name, _ in FIGURES]
+    parser = argparse.ArgumentParser(
+        prog="bench/run.py", description="ferrus benchmark suite (DESIGN §6).",
+        epilog="figures: " + ", ".join(names))
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repetitions (a smoke run; bars are still applied)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--only", metavar="NAME[,NAME]",
+                        help="run only these figures (comma-separated)")
+    parser.add_argument("--ferrus", metavar="PATH", default=DEFAULT_FERRUS,
+                        help="the ferrus.py to measure (default: the repo's)")
+    parser.add_argument("--sdk-python", metavar="PY",
+                        help="an interpreter that has the MCP SDK (skips the scratch venv)")
+    parser.add_argument("--sdk-venv", metavar="DIR", default=DEFAULT_SDK_VENV,
+                        help="scratch virtualenv for the MCP SDK, created on first use "
+                             "(default %(default)s)")
+    parser.add_argument("--no-sdk", action="store_true",
+                        help="skip the MCP SDK comparisons (reported as n.a.)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary projects (their path is printed)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when a figure misses its bar or fails")
+    args = parser.parse_args(argv)
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            parser.error("unknown figure(s) %s; choose from %s"
+                         % (", ".join(unknown), ", ".join(names)))
+        args.selected = [n for n in names if n in wanted]
+    else:
+        args.selected = names
+    return args
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    path = os.path.abspath(args.ferrus)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            if any(line.strip() == "#@@TOML@@" for line in handle):
+                progress("%s still holds the #@@TOML@@ placeholder and cannot be imported; "
+                         "point --ferrus at a copy with the TOML section filled in" % path)
+                return 2
+    except OSError as err:
+        progress("cannot read %s: %s" % (path, err))
+        return 2
+    for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, _raise_interrupt)
+    bench = None
+    try:
+        try:
+            bench = Bench(args)
+        except Exception as err:
+            progress("cannot load %s: %s: %s" % (path, type(err).__name__, err))
+            return 2
+        figures = []
+        functions = dict(FIGURES)
+        for number, name in enumerate(args.selected, 1):
+            progress("[%d/%d] %s" % (number, len(args.selected), name))
+            fig = Figure(name)
+            started = time.perf_counter()
+            try:
+                functions[name](bench, fig)
+            except (McpFailure, BenchError) as err:
+                fig.fail(str(err))
+            except Exception as err:
+                fig.fail("%s: %s" % (type(err).__name__, err))
+            fig.seconds = time.perf_counter() - started
+            # A figure must not leave processes behind for the next one.
+            bench.registry.kill_all()
+            figures.append(fig)
+        head = header(bench)
+        if args.json:
+            print(json.dumps({"header": head, "figures": [f.to_json() for f in figures]},
+                             indent=2))
+        else:
+            print(render_table(head, figures))
+        if args.keep:
+            progress("temporary projects kept in %s" % bench.tmp)
+        if args.strict and any(f.result in ("MISS", "error") for f in figures):
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        progress("interrupted; stopping child processes")
+        return 130
+    finally:
+        if bench is not None:
+            bench.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
