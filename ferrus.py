@@ -2964,70 +2964,70 @@ def _same_task(tx, snapshot, caller, now, action):
     _guard_lease(current, caller, now, action)
 
 
-def op_check(store, caller):
-    snapshot, run, config = _run_gate(store, caller, "check")
+# The agents' messages for the check gate (upstream's wording), by action and result.
+GATE_TEXTS = {
+    "check": {
+        "none": "All checks passed. Warning: no check commands are configured in ferrus.toml. "
+                "State remains unchanged.",
+        "pass": "All checks passed. State remains %(state)s. Continue working or call /submit "
+                "when the task is ready for review.",
+        "fail": "Checks failed (retry %(retries)d/%(max)d).\n\n%(report)s\n\nState remains "
+                "%(state)s. Fix the issues and call /check again.",
+        "limit": "Check retry limit reached (%(retries)d/%(max)d).\n\n%(report)s\n\nState is "
+                 "now Failed. A human must call /reset to recover.",
+    },
+    "submit": {
+        "none": "Submitted for review. Warning: no check commands are configured in ferrus.toml, "
+                "so the final check gate was treated as a pass. State: Reviewing.",
+        "pass": "Submitted for review. State: Reviewing. The Supervisor can now call "
+                "/review_pending.",
+        "fail": "Final review gate failed during /submit (retry %(retries)d/%(max)d).\n\n"
+                "%(report)s\n\nState remains %(state)s. Fix the issues and run /check or /submit "
+                "again.",
+        "limit": "Final review gate failed during /submit and hit the retry limit "
+                 "(%(retries)d/%(max)d).\n\n%(report)s\n\nState is now Failed. A human must "
+                 "call /reset to recover.",
+    },
+}
+
+
+def _gate_operation(store, caller, action, content=None):
+    """check and submit: run the gate unlocked, then apply its result in a transaction."""
+    snapshot, run, config = _run_gate(store, caller, action)
     limits = config.limits
+    passed = run is None or run.passed
     with store.transaction(caller.agent_id) as tx:
         now = store.clock()
-        _same_task(tx, snapshot, caller, now, "check")
-        if run is None or run.passed:
-            tx.set(t_check_passed(tx.state, now), "check_passed",
-                   log=run.log_path if run else None)
+        _same_task(tx, snapshot, caller, now, action)
+        log_path = run.log_path if run else None
+        if passed and action == "submit":
+            tx.write("SUBMISSION.md", content)
+            tx.set(t_submit(t_check_passed(tx.state, now), now), "submit", log=log_path)
+        elif passed:
+            tx.set(t_check_passed(tx.state, now), "check_passed", log=log_path)
         else:
             tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
-                   "check_failed", log=run.log_path, failed=[r.command for r in run.failed])
+                   "check_failed", log=log_path, failed=[r.command for r in run.failed])
+            if action == "submit":
+                tx.detail["during"] = "submit"
     new = tx.state
-    if run is None:
-        return _outcome("All checks passed. Warning: no check commands are configured in "
-                        "ferrus.toml. State remains unchanged.", new.state, passed=True)
-    if run.passed:
-        return _outcome("All checks passed. State remains %s. Continue working or call /submit "
-                        "when the task is ready for review." % new.state, new.state,
-                        passed=True, log=run.log_path)
-    report = run.report(limits.max_feedback_lines)
-    if new.state == S.FAILED:
-        text = ("Check retry limit reached (%d/%d).\n\n%s\n\nState is now Failed. A human must "
-                "call /reset to recover." % (new.check_retries, limits.max_check_retries, report))
-    else:
-        text = ("Checks failed (retry %d/%d).\n\n%s\n\nState remains %s. Fix the issues and call "
-                "/check again." % (new.check_retries, limits.max_check_retries, report, new.state))
+    kind = ("none" if run is None else "pass" if passed else
+            "limit" if new.state == S.FAILED else "fail")
+    text = GATE_TEXTS[action][kind] % {
+        "state": new.state, "retries": new.check_retries, "max": limits.max_check_retries,
+        "report": "" if passed else run.report(limits.max_feedback_lines)}
+    if passed:
+        return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
+
+
+def op_check(store, caller):
+    return _gate_operation(store, caller, "check")
 
 
 def op_submit(store, caller, content):
-    snapshot, run, config = _run_gate(store, caller, "submit")
-    limits = config.limits
-    with store.transaction(caller.agent_id) as tx:
-        now = store.clock()
-        _same_task(tx, snapshot, caller, now, "submit")
-        if run is None or run.passed:
-            tx.write("SUBMISSION.md", content)
-            tx.set(t_submit(t_check_passed(tx.state, now), now), "submit",
-                   log=run.log_path if run else None)
-        else:
-            tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
-                   "check_failed", log=run.log_path, failed=[r.command for r in run.failed],
-                   during="submit")
-    new = tx.state
-    if run is None:
-        return _outcome("Submitted for review. Warning: no check commands are configured in "
-                        "ferrus.toml, so the final check gate was treated as a pass. State: "
-                        "Reviewing.", new.state, passed=True)
-    if run.passed:
-        return _outcome("Submitted for review. State: Reviewing. The Supervisor can now call "
-                        "/review_pending.", new.state, passed=True, log=run.log_path)
-    report = run.report(limits.max_feedback_lines)
-    if new.state == S.FAILED:
-        text = ("Final review gate failed during /submit and hit the retry limit (%d/%d).\n\n%s\n\n"
-                "State is now Failed. A human must call /reset to recover."
-                % (new.check_retries, limits.max_check_retries, report))
-    else:
-        text = ("Final review gate failed during /submit (retry %d/%d).\n\n%s\n\nState remains %s. "
-                "Fix the issues and run /check or /submit again."
-                % (new.check_retries, limits.max_check_retries, report, new.state))
-    return _outcome(text, new.state, passed=False, log=run.log_path,
-                    check_retries=new.check_retries)
+    return _gate_operation(store, caller, "submit", content)
 
 
 CONSULT_HEADINGS = ("## Problem", "## What I tried", "## Options (if any)", "## Question")
