@@ -20,15 +20,16 @@ Contents (each section uses only the sections above it):
      4. Config ............ ferrus.toml as validated dataclasses
      5. Task state machine  states, the transition table, pure transitions, leases
      6. Session state machine  seed 001: supervising one agent slot, pure
-     7. Store ............. paths, transactions, the journal, waiting
-     8. Checks ............ the check runner
-     9. Specs ............. spec and milestone parsing, selection, completion
-    10. Operations ........ one function per behaviour, shared by MCP, HQ and the CLI
-    11. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
-    12. Agents ............ one adapter per agent CLI, register, prompts for every mode
-    13. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
-    14. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    15. CLI ............... argparse front end, ``main(argv) -> int``
+     7. Capacity gates .... seed 004: usage signals to tier and action, pure
+     8. Store ............. paths, transactions, the journal, waiting
+     9. Checks ............ the check runner
+    10. Specs ............. spec and milestone parsing, selection, completion
+    11. Operations ........ one function per behaviour, shared by MCP, HQ and the CLI
+    12. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
+    13. Agents ............ one adapter per agent CLI, register, prompts for every mode
+    14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
+    15. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
+    16. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import argparse
@@ -277,13 +278,14 @@ def _current_umask():
 _UMASK = _current_umask()
 
 
-def atomic_write(path, data):
+def atomic_write(path, data, durable=True):
     """Replace ``path`` with ``data`` (str or bytes) so readers see old or new, never half.
 
     A uniquely named temporary file in the same directory is written, flushed and
     fsynced, then renamed over the target, and the directory is fsynced.  On any
     failure (a full disk, a read-only file) the temporary file is removed and the
-    previous content stays intact."""
+    previous content stays intact.  ``durable=False`` skips the fsyncs, for
+    counters that may lose their last increments in a power cut."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
@@ -293,7 +295,8 @@ def atomic_write(path, data):
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         # mkstemp makes 0600 files; keep the old mode, or the usual one for new files.
         with contextlib.suppress(OSError):
             mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_UMASK
@@ -303,7 +306,8 @@ def atomic_write(path, data):
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    fsync_directory(directory)
+    if durable:
+        fsync_directory(directory)
 
 
 def read_text(path, default=None):
@@ -1156,12 +1160,31 @@ class AgentsConfig:
 
 
 @dataclasses.dataclass
+class CapacityConfig:
+    """[capacity]: every limit is off (0) by default."""
+
+    max_tool_calls: int = 0        # ferrus tool calls per task (counted by the MCP servers)
+    max_sessions: int = 0          # agent sessions per task
+    max_tasks: int = 0             # tasks completed per HQ / `ferrus run`
+    max_tokens: int = 0            # tokens per task, from agents that report usage
+    max_parallel_agents: int = 0   # agent processes at once
+    orange_percent: int = 80       # at this share of a limit: Orange, Throttle
+    emergency_percent: int = 150   # at this share: EmergencyStop (from 100%: Checkpoint)
+    throttle_secs: int = 10        # how long a Throttle waits before spawning
+
+    def enabled(self):
+        return any((self.max_tool_calls, self.max_sessions, self.max_tasks, self.max_tokens,
+                    self.max_parallel_agents))
+
+
+@dataclasses.dataclass
 class Config:
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     lease: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
     agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
+    capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # A problem in [hq] only matters to commands that launch agents, so it is kept
@@ -1185,6 +1208,9 @@ _INT_LIMITS = {
     ("lease", "ttl_secs"): (1, 31_536_000),
     ("lease", "heartbeat_interval_secs"): (1, 31_536_000),
     ("checks", "timeout_secs"): (1, 604_800),
+    ("capacity", "orange_percent"): (1, 100),
+    ("capacity", "emergency_percent"): (100, 100_000),
+    ("capacity", "throttle_secs"): (0, 86_400),
 }
 
 
@@ -1326,7 +1352,7 @@ def parse_config(text, path=CONFIG_FILE):
                           "fix the syntax at that line; `ferrus init` shows a valid example")
     config = Config(path=path)
     unknown = config.unknown_keys
-    for name in ("checks", "limits", "lease", "spec"):
+    for name in ("checks", "limits", "lease", "spec", "capacity"):
         _fill_section(path, raw, name, getattr(config, name), unknown)
     agents = raw.get("agents", {})
     if not isinstance(agents, dict):
@@ -1834,7 +1860,61 @@ def session_step(session, event):
 
 
 # ============================================================================
-# 7. Store
+# 7. Capacity gates
+# ============================================================================
+#
+# Seed 004: before every agent spawn and every transition HQ drives, the usage
+# signals are classified Green / Orange / Red and mapped to an action.  This
+# section is pure; HQ and `ferrus run` call it and journal every decision.
+
+GREEN, ORANGE, RED = "Green", "Orange", "Red"
+CONTINUE, THROTTLE, CHECKPOINT, EMERGENCY_STOP = "Continue", "Throttle", "Checkpoint", "EmergencyStop"
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    tool_calls: int = 0
+    sessions: int = 0
+    tasks_completed: int = 0
+    tokens_used: int = 0
+    parallel_agents: int = 0
+
+
+# signal field -> the limit it is measured against
+SIGNAL_LIMITS = (("tool_calls", "max_tool_calls"), ("sessions", "max_sessions"),
+                 ("tasks_completed", "max_tasks"), ("tokens_used", "max_tokens"),
+                 ("parallel_agents", "max_parallel_agents"))
+
+
+def classify(signals, limits):
+    """(tier, action, the signal closest to its limit or None)."""
+    worst, ratio = None, 0.0
+    for signal, limit_name in SIGNAL_LIMITS:
+        limit = getattr(limits, limit_name)
+        if limit > 0:
+            share = getattr(signals, signal) / float(limit)
+            if share > ratio:
+                worst, ratio = signal, share
+    if ratio * 100 >= limits.emergency_percent:
+        return RED, EMERGENCY_STOP, worst
+    if ratio >= 1.0:
+        return RED, CHECKPOINT, worst
+    if ratio * 100 >= limits.orange_percent:
+        return ORANGE, THROTTLE, worst
+    return GREEN, CONTINUE, worst
+
+
+def gate_record(target, tier, action, signals, limits, worst=None):
+    """The journal detail of one gate decision (seed 004's GateRecord, plus limits)."""
+    record = {"target": target, "tier": tier, "action": action, "signal": worst}
+    record.update(dataclasses.asdict(signals))
+    record["limits"] = {name: getattr(limits, name) for _, name in SIGNAL_LIMITS
+                        if getattr(limits, name)}
+    return record
+
+
+# ============================================================================
+# 8. Store
 # ============================================================================
 
 FERRUS_DIR = ".ferrus"
@@ -2139,7 +2219,7 @@ class Store:
 
 
 # ============================================================================
-# 8. Checks
+# 9. Checks
 # ============================================================================
 
 # A single output line longer than this is cut in the in-memory tail (the log
@@ -2384,7 +2464,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
 
 
 # ============================================================================
-# 9. Specs
+# 10. Specs
 # ============================================================================
 
 @dataclasses.dataclass
@@ -2538,7 +2618,7 @@ def mark_milestone_complete(text, milestone):
 
 
 # ============================================================================
-# 10. Operations
+# 11. Operations
 # ============================================================================
 #
 # One function per behaviour.  The MCP tools, the CLI (and HQ) call these and
@@ -3120,7 +3200,24 @@ def status_data(store, data, now):
             "state_entered_at": entered, "seconds_in_state": seconds_in_state,
             "task_started_at": data.task_started_at,
             "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
-            "rev": data.rev, "message": None}
+            "rev": data.rev, "capacity": capacity_status(store, data), "message": None}
+
+
+def capacity_status(store, data):
+    """The capacity tier as the last gate decision left it (None when no limit is set)."""
+    with contextlib.suppress(FerrusError):
+        if not store.config().capacity.enabled():
+            return None
+    checkpoint = data.extra.get("capacity_checkpoint")
+    if checkpoint:
+        return {"tier": checkpoint.get("tier"), "action": checkpoint.get("action"),
+                "signal": checkpoint.get("signal"), "checkpoint": True}
+    for entry in reversed(store.read_journal(limit=500)):
+        if entry.get("event") == "gate":
+            detail = entry.get("detail") or {}
+            return {"tier": detail.get("tier"), "action": detail.get("action"),
+                    "signal": detail.get("signal"), "checkpoint": False}
+    return {"tier": GREEN, "action": CONTINUE, "signal": None, "checkpoint": False}
 
 
 def op_reset(store, caller):
@@ -3190,7 +3287,7 @@ def op_run_checks_only(store, cancel=None):
 
 
 # ============================================================================
-# 11. MCP
+# 12. MCP
 # ============================================================================
 #
 # First a generic JSON-RPC 2.0 server on newline-delimited stdio, then the
@@ -3579,7 +3676,7 @@ TOOLS = (
           "claimed_by": "string?", "lease_until": "string?", "state_entered_at": "string?",
           "seconds_in_state": "number?", "task_started_at": "string?",
           "selected_spec": "string?", "selected_milestone": "string?", "rev": "integer",
-          "message": "string?"},
+          "capacity": "object?", "message": "string?"},
          read_only=True, idempotent=True),
     Tool("reset", "Reset failed task",
          "Escape hatch after the task Failed: return to Idle, clearing review, submission and "
@@ -3701,6 +3798,7 @@ class FerrusMcpServer:
         self.protocol_version = None
         self.log_level = "info"
         self.tool_calls = 0
+        self.usage = ToolCallCounter(agent_name=self.agent_id)
         rpc = self.rpc
         rpc.handlers.update({
             "initialize": self._initialize,
@@ -3852,6 +3950,8 @@ class FerrusMcpServer:
         caller = Caller(self.role or "agent", self.agent_id, request.cancel,
                         self._progress_reporter(request))
         self.tool_calls += 1
+        with contextlib.suppress(FerrusError, OSError):
+            self.usage.count(self.store)
         try:
             outcome = tool.run(self.store, caller, **arguments)
         except FerrusError as err:
@@ -3942,6 +4042,43 @@ def _validate_arguments(tool, arguments):
                 param.name, tool.name))
 
 
+class ToolCallCounter:
+    """This server's ferrus tool calls per task, for the capacity gate.
+
+    Each server owns one small file, .ferrus/usage/<agent>-<pid>.json, so no two
+    processes ever write the same file and nothing needs the state lock."""
+
+    def __init__(self, agent_name):
+        self.agent_name = agent_name
+        self.counts = {}
+        self._lock = threading.Lock()
+
+    def count(self, store):
+        task = store.read_state().task_id or "-"
+        with self._lock:
+            self.counts[task] = self.counts.get(task, 0) + 1
+            name = "%s-%d.json" % (re.sub(r"[^A-Za-z0-9_.-]", "_", self.agent_name), os.getpid())
+            os.makedirs(store.path("usage"), exist_ok=True)
+            atomic_write(store.path("usage", name), compact_json(
+                {"agent_id": self.agent_name, "pid": os.getpid(), "tool_calls": self.counts}),
+                durable=False)
+
+
+def tool_calls_for_task(store, task_id):
+    """Ferrus tool calls made for ``task_id``, summed over every server's usage file."""
+    total = 0
+    directory = store.path("usage")
+    if not task_id or not os.path.isdir(directory):
+        return 0
+    for name in os.listdir(directory):
+        if not name.endswith(".json"):
+            continue
+        with contextlib.suppress(ValueError, OSError, AttributeError, TypeError):
+            total += int(json.loads(read_text(os.path.join(directory, name)))
+                         ["tool_calls"].get(task_id, 0))
+    return total
+
+
 def watch_parent(on_orphaned, interval=1.0):
     """Call ``on_orphaned`` once the process that started us is gone."""
     if IS_WINDOWS:  # pragma: no cover - Windows closes our stdin when the parent dies
@@ -3977,7 +4114,7 @@ def serve_stdio(root, role, agent_name, agent_index):
 
 
 # ============================================================================
-# 12. Agents
+# 13. Agents
 # ============================================================================
 #
 # One adapter per agent CLI.  An adapter knows the binary, how to launch it
@@ -4906,7 +5043,7 @@ def supervisor_prompt_for(data, resuming=False):
 
 
 # ============================================================================
-# 13. Sessions and HQ
+# 14. Sessions and HQ
 # ============================================================================
 #
 # HQ runs the loop: it reads the journal in order (so no transition is ever
@@ -5052,6 +5189,14 @@ class SessionSlot:
         return text
 
 
+def clear_capacity_checkpoint(store):
+    with store.transaction("hq") as tx:
+        if "capacity_checkpoint" in tx.state.extra:
+            data = tx.state.copy()
+            del data.extra["capacity_checkpoint"]
+            tx.set(data, "capacity_continue")
+
+
 class HqController:
     """The UI-independent HQ: journal in, sessions supervised, messages out.
 
@@ -5067,8 +5212,20 @@ class HqController:
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
         self.cursor = store.last_journal_seq()
+        self.start_seq = self.cursor
         self.journal_offset = 0
         self._missing_rev = None
+        # Capacity signals HQ counts itself (tool calls come from the MCP servers).
+        self.sessions_by_task = {}
+        self.tokens_by_task = {}
+        self.tasks_completed = 0
+        self.baseline = Signals()
+        self.throttle_until = None
+        self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
+        self.last_gate = None
+        # Count the sessions the journal already holds, so limits hold across restarts;
+        # entries from before this HQ started are not shown again.
+        self.drain_journal()
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
         self.last_state = None
@@ -5094,19 +5251,28 @@ class HqController:
 
     # -- the loop --------------------------------------------------------------------
 
+    CAPACITY_CHECK_EVERY = 1.0
+
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
         self.drain_journal()
         for slot in self.slots.values():
             self._check_slot(slot)
+        self._watch_capacity()
         if not self.paused:
             self.reconcile()
 
     def drain_journal(self):
         entries, self.journal_offset = self.store.journal_since(self.journal_offset)
         for entry in entries:
+            detail = entry.get("detail") or {}
+            if entry.get("event") == "session" and detail.get("to") == "Running":
+                task = entry.get("task_id")
+                self.sessions_by_task[task] = self.sessions_by_task.get(task, 0) + 1
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
+                if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
+                    self.tasks_completed += 1
                 self._show_entry(entry)
 
     def catch_up(self, rev, patience=1.0):
@@ -5177,8 +5343,113 @@ class HqController:
                 text += "\n\nURGENT message from the operator (act on it first):\n" + \
                     slot.session.urgent
             self._step(slot, SessionEvent("PromptReady", text))
-        if slot.session.state == SS.SPAWNING:
+        if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
             self._spawn(slot)
+
+    # -- capacity gates (seed 004) ---------------------------------------------------
+
+    def signals(self, extra_parallel=0):
+        data = self.store.read_state()
+        task = data.task_id
+        current = Signals(tool_calls=tool_calls_for_task(self.store, task),
+                          sessions=self.sessions_by_task.get(task, 0),
+                          tasks_completed=self.tasks_completed,
+                          tokens_used=self.tokens_by_task.get(task, 0),
+                          parallel_agents=len(self.running()) + extra_parallel)
+        base = self.baseline
+        return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
+                       sessions=max(0, current.sessions - base.sessions),
+                       tasks_completed=max(0, current.tasks_completed - base.tasks_completed),
+                       tokens_used=max(0, current.tokens_used - base.tokens_used),
+                       parallel_agents=current.parallel_agents)
+
+    def gate(self, target, extra_parallel=0):
+        """Classify the signals, journal the decision and carry out its action."""
+        limits = self.store.config().capacity
+        if not limits.enabled():
+            return CONTINUE
+        signals = self.signals(extra_parallel)
+        tier, action, worst = classify(signals, limits)
+        record = gate_record(target, tier, action, signals, limits, worst)
+        self.last_gate = record
+        with contextlib.suppress(FerrusError, OSError):
+            self.store.append_event("hq", "gate", record)
+        if action in (CHECKPOINT, EMERGENCY_STOP):
+            if action == EMERGENCY_STOP:
+                self.stop_all()
+            self._set_checkpoint(record)
+            self.emit(HqMessage("error", "capacity %s: %s at %s of its limit — %s. Raise the "
+                                         "limit in [capacity] or /continue." % (
+                action, worst, getattr(signals, worst),
+                "every agent was stopped" if action == EMERGENCY_STOP else "no new agents start")))
+        elif action == THROTTLE:
+            self.emit(HqMessage("warning", "capacity Orange (%s near its limit): waiting %s "
+                                           "before starting the next agent" % (
+                worst, format_duration(limits.throttle_secs))))
+        return action
+
+    def _watch_capacity(self):
+        """While agents run, a limit can be crossed between spawns: look once a second
+        and stop everything at the emergency level (journaling only then)."""
+        now = self.clock()
+        if not self.running() or now < getattr(self, "_next_capacity_check", 0):
+            return
+        self._next_capacity_check = now + self.CAPACITY_CHECK_EVERY
+        limits = self.store.config().capacity
+        if not limits.enabled() or self.checkpoint:
+            return
+        _, action, _ = classify(self.signals(), limits)
+        if action == EMERGENCY_STOP:     # a Checkpoint only stops the next spawn
+            self.gate("running")
+
+    def _capacity_allows(self, target):
+        if self.checkpoint:
+            return False
+        now = self.clock()
+        if self.throttle_until is not None:
+            if now < self.throttle_until:
+                return False
+            self.throttle_until = None       # the wait is over: start the agent
+            return True
+        action = self.gate(target, extra_parallel=1)
+        if action == THROTTLE:
+            self.throttle_until = now + self.store.config().capacity.throttle_secs
+            return self.throttle_until <= now
+        return action == CONTINUE
+
+    def _set_checkpoint(self, record):
+        self.checkpoint = record
+        with contextlib.suppress(FerrusError, OSError):
+            with self.store.transaction("hq") as tx:
+                data = tx.state.copy()
+                data.extra["capacity_checkpoint"] = dict(record, at=format_timestamp(utc_now()))
+                tx.set(data, "capacity_checkpoint", target=record["target"],
+                       action=record["action"])
+
+    def continue_after_checkpoint(self):
+        """/continue: clear the checkpoint; the budget counts again from here."""
+        self.checkpoint = None
+        self.throttle_until = None
+        current = self.signals()
+        self.baseline = Signals(tool_calls=self.baseline.tool_calls + current.tool_calls,
+                                sessions=self.baseline.sessions + current.sessions,
+                                tasks_completed=self.baseline.tasks_completed +
+                                current.tasks_completed,
+                                tokens_used=self.baseline.tokens_used + current.tokens_used)
+        clear_capacity_checkpoint(self.store)
+
+    def recheck_checkpoint(self):
+        """After limits were raised: clear the checkpoint if the gate now lets work go on."""
+        if not self.checkpoint:
+            return True
+        limits = self.store.config().capacity
+        tier, action, _ = classify(self.signals(), limits)
+        if action in (CONTINUE, THROTTLE):
+            self.checkpoint = None
+            clear_capacity_checkpoint(self.store)
+            self.emit(HqMessage("info", "capacity is %s again; continuing" % tier))
+            return True
+        return False
 
     def _spawn(self, slot):
         try:
@@ -5198,7 +5469,7 @@ class HqController:
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
-        slot.tool_calls = 0
+        slot.tool_calls = slot.tokens = 0
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -5221,8 +5492,13 @@ class HqController:
         now = self.clock()
         if process is not None:
             calls = sum(1 for e in process.events if e.kind == "tool_call")
-            if calls != slot.tool_calls:
-                slot.tool_calls = calls
+            tokens = sum(e.input_tokens + e.output_tokens for e in process.events
+                         if e.kind == "usage")
+            if tokens != slot.tokens:
+                task = self.store.read_state().task_id
+                self.tokens_by_task[task] = self.tokens_by_task.get(task, 0) + tokens - slot.tokens
+                slot.tokens = tokens
+            slot.tool_calls = calls
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -5385,6 +5661,7 @@ class HqController:
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
 
 RUN_COMPLETE, RUN_FAILED, RUN_TIMEOUT, RUN_NEEDS_HUMAN = 0, 1, 3, 4
+RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the run with 3
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
@@ -5395,6 +5672,15 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     so the run ends with exit 4).  Returns the exit code."""
     out = out or (lambda text: print(text, flush=True))
     data = store.read_state()
+    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
+                              launcher=launcher)
+    if not controller.recheck_checkpoint():
+        out("ferrus run: the capacity checkpoint still holds (%s); raise the limit in "
+            "[capacity] and run again" % controller.checkpoint.get("signal"))
+        return RUN_CHECKPOINT
+    if task is not None and controller.gate("transition:create_task") in (
+            CHECKPOINT, EMERGENCY_STOP):
+        return RUN_CHECKPOINT
     if task is not None:
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
@@ -5409,9 +5695,6 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         raise UsageError("a task is in flight (state %s)" % data.state,
                          "pass --resume to continue it")
     started = clock()
-    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
-                              launcher=launcher)
-    controller.cursor = max(0, store.last_journal_seq() - (1 if task is not None else 0))
     out("ferrus run: %s" % controller.describe_state())
     try:
         while True:
@@ -5422,6 +5705,10 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 return RUN_COMPLETE
             if data.state == S.FAILED:
                 return RUN_FAILED
+            if controller.checkpoint and not controller.running():
+                out("ferrus run: stopped at a capacity checkpoint; raise the limit in [capacity] "
+                    "and run `ferrus run --resume`")
+                return RUN_CHECKPOINT
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
@@ -5471,6 +5758,7 @@ HQ_COMMANDS = (
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
     ("/review", "", "start the reviewer again"),
     ("/stop", "", "stop every agent session"),
+    ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/reset", "", "return to Idle (asks first)"),
     ("/supervisor", "", "an interactive supervisor session"),
     ("/executor", "", "an interactive executor session"),
@@ -5611,6 +5899,10 @@ class HqShell:
 
     def cmd_status(self, rest):
         self.write(self.controller.describe_state())
+        capacity = capacity_status(self.store, self.store.read_state())
+        if capacity:
+            self.write("capacity %s (%s)%s" % (capacity["tier"], capacity["action"],
+                                               " — checkpoint" if capacity["checkpoint"] else ""))
         data = self.store.read_state()
         if data.selected_spec:
             self.write("spec %s, milestone %s" % (data.selected_spec,
@@ -5679,6 +5971,13 @@ class HqShell:
             self.controller.stop_all()
             self.controller.paused = True
             self.write("Stopped. /resume starts them again.")
+
+    def cmd_continue(self, rest):
+        if not self.controller.checkpoint:
+            raise FerrusError("there is no capacity checkpoint to continue from")
+        self.controller.continue_after_checkpoint()
+        self.controller.paused = False
+        self.write("Continuing; the capacity budget counts again from now.")
 
     def cmd_reset(self, rest):
         data = self.store.read_state()
@@ -5781,7 +6080,7 @@ class HqShell:
 
 
 # ============================================================================
-# 14. Init and doctor
+# 15. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -6258,7 +6557,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 15. CLI
+# 16. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -6325,6 +6624,13 @@ def cmd_status(args, root):
         rows.append(("milestone", data.selected_milestone or "(none left)"))
     else:
         rows.append(("spec", "none selected"))
+    capacity = info.get("capacity")
+    if capacity:
+        rows.append(("capacity", "%s (%s%s)%s" % (
+            capacity["tier"], capacity["action"],
+            ", %s" % capacity["signal"] if capacity["signal"] else "",
+            " — checkpoint: raise [capacity] limits or /continue in HQ"
+            if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
