@@ -28,8 +28,9 @@ Contents (each section uses only the sections above it):
     12. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
     13. Agents ............ one adapter per agent CLI, register, prompts for every mode
     14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
-    15. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    16. CLI ............... argparse front end, ``main(argv) -> int``
+    15. Pipelines ......... seed 003: workflows.json, status.json, the reconcile loop
+    16. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
+    17. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import argparse
@@ -5759,6 +5760,8 @@ HQ_COMMANDS = (
     ("/review", "", "start the reviewer again"),
     ("/stop", "", "stop every agent session"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
+    ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
+     "file-driven pipelines (workflows.json), followed in the background"),
     ("/reset", "", "return to Idle (asks first)"),
     ("/supervisor", "", "an interactive supervisor session"),
     ("/executor", "", "an interactive executor session"),
@@ -5971,6 +5974,9 @@ class HqShell:
             self.controller.stop_all()
             self.controller.paused = True
             self.write("Stopped. /resume starts them again.")
+
+    def cmd_pipeline(self, rest):
+        hq_cmd_pipeline(self, rest)
 
     def cmd_continue(self, rest):
         if not self.controller.checkpoint:
@@ -6575,7 +6581,914 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# 15. Init and doctor
+# 15. Pipelines
+# ============================================================================
+#
+# Seed 003: a file-driven pipeline automaton in three parts.
+#
+#   workflows.json  static definitions: phases (parallel or sequential), their
+#                   workers (agent, model, timeout, task, reads, final), pause_after.
+#   status.json     one per run, in .ferrus/pipelines/<name>-<stamp>/, written only
+#                   by the orchestrator, atomically, under .ferrus/pipelines/.lock.
+#   workers         agent sessions that write <run folder>/<role>.md and exit.  The
+#                   file existing is the completion signal; workers never touch
+#                   status.json and never decide what comes next.
+#
+# reconcile() reads the files, brings status.json up to date and applies the
+# seed's decision table.  It is idempotent, so it can run on every tick, after
+# every restart, from any process.
+#
+# Restart protocol.  A dispatch is recorded before its process exists: the worker
+# entry becomes "spawning" with a new spawn token and attempt number (the dispatch
+# record), the process starts, the entry becomes "running" with its pid.  Workers
+# have their own process group and write to a log file, not to our pipes, so they
+# outlive a killed orchestrator.  A small wrapper writes the worker's pid to
+# logs/<role>-<attempt>.pid and then execs the agent, which closes the gap between
+# "spawning" and "running".  A restarted orchestrator adopts what it finds: it
+# leaves a live pid alone and notices its exit by polling the pid (it cannot
+# Popen.wait it).  A dead pid without output counts as one failed session, which
+# the seed-001 machine retries or stops.  A "spawning" entry that still has no pid
+# file after SPAWN_GRACE_SECS never started, and counts the same way.  Nothing
+# starts twice without being counted.  (If the system reuses a pid after a long
+# outage, the worker looks alive; the phase timeout catches that.)
+
+PIPELINES_DIR, PIPELINE_ARCHIVE = "pipelines", "archive"
+PIPELINE_GRACE_SECS = 120          # the seed's grace beyond a phase's timeout
+SPAWN_GRACE_SECS = 10              # how long a recorded spawn may take to show its pid
+WORKER_RUNNING = ("spawning", "running")
+_PIPELINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_ROLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+# A worker entry in status.json *is* its seed-001 session, persisted.
+_SESSION_OF = {"pending": SS.INITIALIZING, "spawning": SS.SPAWNING, "running": SS.RUNNING,
+               "cooling": SS.COOLING_DOWN, "completed": SS.SESSION_COMPLETE,
+               "failed": SS.STOPPED, "cancelled": SS.STOPPED}
+_STATUS_OF = {SS.INITIALIZING: "pending", SS.BUILDING_PROMPT: "pending",
+              SS.SPAWNING: "spawning", SS.RUNNING: "running", SS.COOLING_DOWN: "cooling",
+              SS.SESSION_COMPLETE: "completed", SS.STOPPED: "failed"}
+
+
+@dataclasses.dataclass
+class PipelinesConfig:
+    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
+
+    file: str = "workflows.json"
+    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
+
+
+def pipelines_config(root):
+    """[pipelines] from ferrus.toml (load_config reports a TOML syntax error)."""
+    try:
+        raw = parse_toml(read_text(os.path.join(root, CONFIG_FILE), default=""))
+    except TomlError:
+        raw = {}
+    target, unknown = PipelinesConfig(), []
+    _fill_section(CONFIG_FILE, raw, "pipelines", target, unknown)
+    if not 1 <= target.max_parallel <= 1000:
+        raise _config_error(CONFIG_FILE, "pipelines.max_parallel", "must be between 1 and 1000",
+                            target.max_parallel)
+    for key in unknown:
+        log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
+    return target
+
+
+# -- definitions ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WorkerDef:
+    role: str
+    task: str
+    timeout: int
+    agent: str = ""                # "" means [hq.executor]'s agent, fixed when a run starts
+    model: str = ""
+    reads: tuple = ()
+    final: bool = False
+
+    @property
+    def output(self):
+        return self.role + ".md"
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseDef:
+    id: str
+    mode: str                      # parallel | sequential
+    workers: tuple
+    pause_after: bool = False
+
+    @property
+    def timeout(self):
+        return max(worker.timeout for worker in self.workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineDef:
+    name: str
+    description: str
+    phases: tuple
+
+    def final_worker(self):
+        return next(w for w in self.phases[-1].workers if w.final)
+
+
+_NOTHING = object()
+
+
+def _check(ok, path, where, message, got=_NOTHING):
+    """Raise the precise error for one JSON path unless ``ok``."""
+    if not ok:
+        text = "%s: %s %s" % (path, where, message)
+        if got is not _NOTHING:
+            text += ", got %s" % _describe_value(got)
+        raise FerrusError(text, "edit %s (`ferrus pipeline init` writes a commented example)"
+                          % path)
+
+
+def _check_keys(path, where, value, allowed, required):
+    _check(isinstance(value, dict), path, where, "must be an object", value)
+    for key in value:
+        _check(key in allowed, path, "%s.%s" % (where, key),
+               "is not a known key (known: %s)" % ", ".join(allowed))
+    for key in required:
+        _check(key in value, path, where, "needs %s" % json.dumps(key))
+
+
+def _check_text(path, where, value, pattern=None, what="a non-empty string"):
+    _check(isinstance(value, str) and value.strip() and (pattern is None or
+                                                         pattern.match(value)),
+           path, where, "must be " + what, value)
+    return value.strip()
+
+
+def parse_workflows(text, path, known_agents=None):
+    """Validate workflows.json text into {name: PipelineDef}.
+
+    ``known_agents`` None skips the agent check (a run's own snapshot, whose agents
+    were checked when the run began)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise FerrusError("%s is not valid JSON: %s" % (path, err),
+                          "fix the syntax (`ferrus pipeline init` shows a valid example)")
+    _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
+    # JSON has no comments, so one top-level "_comment" key may hold them.
+    return {name: _parse_pipeline(path, name, body, known_agents)
+            for name, body in raw.items() if name != "_comment"}
+
+
+def _parse_pipeline(path, name, body, known_agents):
+    _check_text(path, name, name, _PIPELINE_NAME_RE,
+                "a pipeline name of letters, digits, - and _ (it names the run folder)")
+    _check_keys(path, name, body, ("description", "phases"), ("phases",))
+    _check(isinstance(body.get("description", ""), str), path, name + ".description",
+           "must be a string", body.get("description"))
+    raw_phases = body["phases"]
+    _check(isinstance(raw_phases, list) and raw_phases, path, name + ".phases",
+           "must be a non-empty array", raw_phases)
+    phases, produced, finals = [], set(), []
+    for p_index, raw in enumerate(raw_phases):
+        where = "%s.phases[%d]" % (name, p_index)
+        _check_keys(path, where, raw, ("id", "mode", "pause_after", "workers"),
+                    ("id", "mode", "workers"))
+        phase_id = _check_text(path, where + ".id", raw["id"])
+        _check(phase_id not in [p.id for p in phases], path, where + ".id",
+               "repeats the phase id %s" % json.dumps(phase_id))
+        _check(raw["mode"] in ("parallel", "sequential"), path, where + ".mode",
+               "must be \"parallel\" or \"sequential\"", raw["mode"])
+        pause_after = raw.get("pause_after", False)
+        _check(isinstance(pause_after, bool), path, where + ".pause_after",
+               "must be true or false", pause_after)
+        _check(not (pause_after and p_index == len(raw_phases) - 1), path, where + ".pause_after",
+               "is on the last phase, which delivers instead of waiting")
+        _check(isinstance(raw["workers"], list) and raw["workers"], path, where + ".workers",
+               "must be a non-empty array", raw["workers"])
+        workers = []
+        for w_index, raw_worker in enumerate(raw["workers"]):
+            at = "%s.workers[%d]" % (where, w_index)
+            worker = _parse_worker(path, at, raw_worker, produced, known_agents)
+            _check(worker.output not in produced | {w.output for w in workers}, path,
+                   at + ".role", "repeats the role %s (roles name the output files, so they "
+                   "are unique in a pipeline)" % json.dumps(worker.role))
+            if worker.final:
+                finals.append((worker.role, p_index, at + ".final"))
+            workers.append(worker)
+        produced |= {w.output for w in workers}          # readable from the next phase on
+        phases.append(PhaseDef(phase_id, raw["mode"], tuple(workers), pause_after))
+    _check(len(finals) == 1, path, name, "has %s final workers%s; exactly one worker, in the "
+           "last phase, must have \"final\": true (its output is the result)" % (
+               len(finals) or "no", " (%s)" % ", ".join(f[0] for f in finals) if finals else ""))
+    _check(finals[0][1] == len(phases) - 1, path, finals[0][2],
+           "marks a worker outside the last phase; the final worker must be in the last phase")
+    return PipelineDef(name, body.get("description", ""), tuple(phases))
+
+
+def _parse_worker(path, where, raw, produced, known_agents):
+    _check_keys(path, where, raw, ("role", "agent", "model", "timeout", "task", "reads", "final"),
+                ("role", "timeout", "task"))
+    role = _check_text(path, where + ".role", raw["role"], _ROLE_RE,
+                       "a role of letters, digits, '.', - and _ (it names <role>.md)")
+    timeout = raw["timeout"]
+    _check(type(timeout) is int and 0 < timeout <= 604800, path, where + ".timeout",
+           "must be a number of seconds from 1 to 604800", timeout)
+    for key in ("agent", "model"):
+        _check(isinstance(raw.get(key, ""), str), path, "%s.%s" % (where, key),
+               "must be a string", raw.get(key))
+    agent = raw.get("agent", "").strip()
+    _check(not agent or known_agents is None or agent in known_agents, path, where + ".agent",
+           "names the unknown agent %s (known: %s)" % (json.dumps(agent),
+                                                       ", ".join(known_agents or ())))
+    reads = raw.get("reads", [])
+    _check(isinstance(reads, list) and all(isinstance(r, str) for r in reads), path,
+           where + ".reads", "must be an array of file names", reads)
+    for name in reads:
+        _check(name in produced, path, where + ".reads", "names %s, which no worker of an "
+               "earlier phase writes (earlier outputs: %s)" % (
+                   json.dumps(name), ", ".join(sorted(produced)) or "none"))
+    final = raw.get("final", False)
+    _check(isinstance(final, bool), path, where + ".final", "must be true or false", final)
+    return WorkerDef(role, _check_text(path, where + ".task", raw["task"]), timeout, agent,
+                     raw.get("model", "").strip(), tuple(reads), final)
+
+
+def read_workflows(root, config):
+    """(file name, its text, {name: PipelineDef}) checked against the project's agents."""
+    name = pipelines_config(root).file
+    try:
+        text = read_text(os.path.join(root, name))
+    except FileNotFoundError:
+        raise FerrusError("%s not found in %s" % (name, root),
+                          "`ferrus pipeline init` writes an example to edit")
+    return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
+
+
+def pipeline_worker_launch(config, agent, root, prompt, model, reads=()):
+    """One worker's Launch: its agent's headless executor launch.
+
+    Claude Code asks before it writes a file, and in a headless run nobody can
+    answer, so the worker is allowed Write, and Read when it has inputs."""
+    adapter = adapter_for(config, agent)
+    if not adapter.executable():
+        raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
+    launch = adapter.headless(root, "executor", prompt, model)
+    if isinstance(adapter, ClaudeCode):
+        launch.argv.append("--allowedTools=" + ("Write,Read" if reads else "Write"))
+    return launch
+
+
+# -- worker processes --------------------------------------------------------------------------
+
+# Runs as `python -c` in front of the agent: it records its pid, then becomes the
+# agent.  exec keeps the pid on POSIX; Windows has no exec, so there the wrapper waits.
+_PID_WRAPPER = (
+    "import os, subprocess, sys\n"
+    "with open(sys.argv[1] + '.tmp', 'w') as handle:\n"
+    "    handle.write(str(os.getpid()))\n"
+    "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+    "if os.name == 'nt':\n"
+    "    sys.exit(subprocess.call(sys.argv[2:]))\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def start_worker_process(launch, root, base):
+    """Start a worker that outlives us.  It gets its own process group, reads its
+    prompt from ``base``.prompt, writes to ``base``.log, and records its pid in
+    ``base``.pid.  None of our pipes is passed to it."""
+    env = dict(os.environ)
+    env.update(launch.env)
+    stdin = subprocess.DEVNULL
+    if launch.stdin is not None:
+        atomic_write(base + ".prompt", launch.stdin)
+        stdin = open(base + ".prompt", "rb")
+    try:
+        with open(base + ".log", "ab") as log_file:
+            log_file.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
+            log_file.flush()
+            return subprocess.Popen([sys.executable, "-c", _PID_WRAPPER, base + ".pid"] +
+                                    list(launch.argv), cwd=root, env=env, stdin=stdin,
+                                    stdout=log_file, stderr=subprocess.STDOUT,
+                                    **process_group_kwargs())
+    finally:
+        if stdin is not subprocess.DEVNULL:
+            stdin.close()
+
+
+def worker_pid_running(pid):
+    """pid_alive, except that the zombie an exited worker leaves behind counts as gone."""
+    if not IS_WINDOWS:
+        with contextlib.suppress(ChildProcessError, OSError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:     # our own child: reaped now
+                return False
+    if not pid_alive(pid):
+        return False
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:   # Linux marks a zombie 'Z'
+            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class AdoptedWorker:
+    """A worker that an earlier orchestrator started; all we know of it is its pid."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None and not worker_pid_running(self.pid):
+            self.returncode = "unknown"
+        return self.returncode
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PipelineRun:
+    name: str
+    path: str
+    archived: bool
+    status: dict
+    definition: "PipelineDef | None" = None
+
+    def file(self, *parts):
+        return os.path.join(self.path, *parts)
+
+    def phase(self):
+        return self.status["phases"][self.status["current_phase"]]
+
+
+@dataclasses.dataclass
+class PipelineOutcome:
+    """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
+    Every state except running needs a human or is final."""
+
+    run: str
+    state: str
+    message: str = ""
+    output: "str | None" = None     # delivered: the final output file, and its text
+    text: "str | None" = None
+
+    @property
+    def finished(self):
+        return self.state != "running"
+
+
+def _new_worker(attempts=0):
+    return {"status": "pending", "session": "", "pid": None, "started_at": None,
+            "attempts": attempts, "token": "", "errors": 0, "total_errors": 0,
+            "retry_at": None, "message": ""}
+
+
+def _has_output(path):
+    with contextlib.suppress(OSError):
+        return os.path.getsize(path) > 0
+    return False
+
+
+def list_runs(store):
+    """[(name, path, archived)] for every run: active ones first, newest first."""
+    runs = []
+    for archived, folder in ((False, store.path(PIPELINES_DIR)),
+                             (True, store.path(PIPELINES_DIR, PIPELINE_ARCHIVE))):
+        with contextlib.suppress(FileNotFoundError):
+            runs += [(n, os.path.join(folder, n), archived)
+                     for n in sorted(os.listdir(folder), reverse=True)
+                     if os.path.isfile(os.path.join(folder, n, "status.json"))]
+    return runs
+
+
+def find_run(store, ref):
+    """A run by its folder name or by a unique prefix of it."""
+    runs = list_runs(store)
+    matches = [r for r in runs if r[0] == ref] or [r for r in runs if r[0].startswith(ref)]
+    if not matches:
+        raise FerrusError("no pipeline run matches %s" % json.dumps(ref),
+                          "`ferrus pipeline status` lists the runs")
+    if len(matches) > 1:
+        raise FerrusError("%s matches several runs: %s" % (
+            json.dumps(ref), ", ".join(r[0] for r in matches)), "give more of the name")
+    return matches[0]
+
+
+def read_run(store, ref, with_definition=False):
+    """A run's status.json (and its workflow.json snapshot), checked for damage."""
+    name, path, archived = find_run(store, ref)
+    where = store.relpath(os.path.join(path, "status.json"))
+    hint = "repair it by hand (`ferrus log` shows what happened), or move %s away and start " \
+        "a new run" % store.relpath(path)
+    try:
+        status = json.loads(read_text(os.path.join(path, "status.json")))
+        for phase in status["phases"]:
+            phase["workers"] = {role: dict(_new_worker(), **entry)
+                                for role, entry in phase["workers"].items()}
+        if not 0 <= status["current_phase"] < len(status["phases"]):
+            raise IndexError("current_phase %r is not a phase" % status["current_phase"])
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err), hint)
+    run = PipelineRun(name, path, archived, status)
+    if with_definition:
+        snapshot = os.path.join(path, "workflow.json")
+        run.definition = parse_workflows(read_text(snapshot), store.relpath(snapshot))[
+            status["pipeline"]]
+        if [(p.id, sorted(w.role for w in p.workers)) for p in run.definition.phases] != \
+                [(p.get("id"), sorted(p["workers"])) for p in status["phases"]]:
+            raise FerrusError("%s does not match the run's workflow.json" % where, hint)
+    return run
+
+
+def run_state(status):
+    """running | paused | failed | delivered | cancelled, as status.json has it."""
+    if status.get("cancelled"):
+        return "cancelled"
+    if status.get("result_delivered"):
+        return "delivered"
+    if any(p["status"] == "failed" for p in status["phases"]):
+        return "failed"
+    return "paused" if status.get("paused") else "running"
+
+
+# -- the orchestrator ----------------------------------------------------------------------------
+
+class PipelineOrchestrator:
+    """Creates runs and reconciles them; the only writer of status.json.
+
+    ``clock`` returns aware datetimes (the store's clock by default).  Deadlines are
+    kept in status.json as timestamps so that they survive restarts.
+    ``spawner(launch, root, base)`` starts a worker and returns something with
+    ``pid`` and ``poll()``.  ``gate(target)`` is the capacity hook: it is asked
+    before every spawn and answers Continue, Throttle, Checkpoint or EmergencyStop.
+    ``emit`` receives an HqMessage for every event."""
+
+    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None):
+        self.store = store.require()
+        self.clock = clock or store.clock
+        self.spawner = spawner or start_worker_process
+        self.gate = gate or self._capacity_gate
+        self.emit = emit or (lambda message: log.info("%s", message.text))
+        self.config = store.config()
+        self.settings = pipelines_config(store.root)
+        self.limits = sessions_config(store.root)
+        self._processes = {}       # (run, role) -> (spawn token, the process, ours or adopted)
+        self._pending = []         # journal entries that wait for the next status.json write
+        self._run = None           # the run being reconciled, for the default gate
+
+    def _lock(self):
+        os.makedirs(self.store.path(PIPELINES_DIR), exist_ok=True)
+        return FileLock(self.store.path(PIPELINES_DIR, ".lock"), self.store.lock_timeout,
+                        "%s/%s/.lock" % (FERRUS_DIR, PIPELINES_DIR))
+
+    def _now(self):
+        return format_timestamp(self.clock())
+
+    def _age(self, stamp):
+        return (self.clock() - parse_timestamp(stamp)).total_seconds()
+
+    def _note(self, run, event, text, kind="info", **detail):
+        self._pending.append((event, dict(run=run.name, **detail), HqMessage(kind, text)))
+
+    def _save(self, run):
+        """Write status.json first (it is the truth), then journal what it records."""
+        atomic_write(run.file("status.json"), pretty_json(run.status) + "\n")
+        pending, self._pending = self._pending, []
+        for event, detail, message in pending:
+            with contextlib.suppress(FerrusError, OSError):
+                self.store.append_event("pipeline", event, detail)
+            self.emit(message)
+
+    def create(self, pipeline, topic):
+        """Make the run folder with a workflow.json snapshot and status.json; return its name."""
+        if not topic.strip():
+            raise UsageError("the topic is empty", "ferrus pipeline run NAME TOPIC")
+        file_name, text, definitions = read_workflows(self.store.root, self.config)
+        if pipeline not in definitions:
+            raise FerrusError("no pipeline %s in %s" % (json.dumps(pipeline), file_name),
+                              "defined: %s" % (", ".join(definitions) or "none"))
+        # The snapshot fixes the definition and the default agent for the whole run.
+        snapshot = json.loads(text)[pipeline]
+        for p_index, phase in enumerate(snapshot["phases"]):
+            for w_index, worker in enumerate(phase["workers"]):
+                if not worker.get("agent", "").strip():
+                    choice = self.config.require_hq().executor
+                    _check(choice is not None, file_name, "%s.phases[%d].workers[%d]" % (
+                        pipeline, p_index, w_index), "names no agent and ferrus.toml has no "
+                        "[hq.executor] to default to")
+                    worker.update(agent=choice.agent, model=worker.get("model") or choice.model)
+        definition = parse_workflows(json.dumps({pipeline: snapshot}), file_name)[pipeline]
+        stamp = self.clock().astimezone().strftime("%Y%m%d-%H%M%S")
+        taken = {name for name, _, _ in list_runs(self.store)}
+        with self._lock():
+            for name in ["%s-%s%s" % (pipeline, stamp, suffix)
+                         for suffix in [""] + ["-%d" % n for n in range(2, 100)]]:
+                path = self.store.path(PIPELINES_DIR, name)
+                if name not in taken and not os.path.exists(path):
+                    break
+            else:
+                raise FerrusError("too many %s runs started within one second" % pipeline)
+            os.makedirs(os.path.join(path, "logs"))
+            atomic_write(os.path.join(path, "workflow.json"),
+                         pretty_json({pipeline: snapshot}) + "\n")
+            status = {"pipeline": pipeline, "dir": name, "topic": topic.strip(),
+                      "current_phase": 0, "retry_count": 0,
+                      "phases": [{"id": p.id, "status": "pending", "started_at": None,
+                                  "message": "", "workers": {w.role: _new_worker()
+                                                             for w in p.workers}}
+                                 for p in definition.phases],
+                      "result_delivered": False, "paused": False, "paused_reason": "",
+                      "cancelled": False, "created_at": self._now()}
+            run = PipelineRun(name, path, False, status, definition)
+            self._note(run, "run_created", "run %s created in %s" % (
+                name, self.store.relpath(path)), pipeline=pipeline, topic=status["topic"])
+            self._save(run)
+        return name
+
+    # -- reconcile: files in; status.json and the decision table out ----------------------
+
+    def reconcile(self, ref):
+        """One idempotent step; returns a PipelineOutcome."""
+        with self._lock():
+            run = read_run(self.store, ref, with_definition=True)
+            before = json.dumps(run.status, sort_keys=True)
+            self._run = run
+            try:
+                return self._decide(run)
+            finally:
+                self._run = None
+                if self._pending or json.dumps(run.status, sort_keys=True) != before:
+                    self._save(run)
+                self._sweep(run)
+
+    def _decide(self, run):
+        status = run.status
+        if status.get("cancelled") or status["result_delivered"]:
+            return self._archive(run)            # seed: result_delivered → archive
+        while True:
+            index, phase = status["current_phase"], run.phase()
+            definition = run.definition.phases[index]
+            if phase["status"] == "pending":
+                phase.update(status="running", started_at=self._now())
+                self._note(run, "phase_started", "phase %s started (%d worker%s, %s)" % (
+                    phase["id"], len(definition.workers), "s"[len(definition.workers) == 1:],
+                    definition.mode), phase=phase["id"])
+            self._observe(run, definition)
+            # A phase is failed while a worker of it is (retry, or a late output, lifts
+            # that); its other workers run on and their outputs are kept.
+            failed = [role for role, w in phase["workers"].items() if w["status"] == "failed"]
+            if failed:
+                message = "; ".join("%s failed: %s" % (role, phase["workers"][role]["message"])
+                                    for role in failed)
+                if (phase["status"], phase["message"]) != ("failed", message):
+                    phase.update(status="failed", message=message)
+                    self._note(run, "phase_failed", "phase %s failed — %s" % (
+                        phase["id"], message), "error", phase=phase["id"], workers=failed)
+                return PipelineOutcome(run.name, "failed", message)
+            if phase["status"] == "failed":
+                phase.update(status="running", message="")
+            problems = self._dispatch_gates(run, definition)
+            if not problems and all(w["status"] == "completed" for w in phase["workers"].values()):
+                phase.update(status="completed", finished_at=self._now())
+                self._note(run, "phase_completed", "phase %s completed" % phase["id"],
+                           phase=phase["id"])
+                if index == len(status["phases"]) - 1:
+                    return self._deliver(run)
+                status["current_phase"] += 1
+                if definition.pause_after:
+                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; outputs: "
+                                "%s. `ferrus pipeline continue %s` starts phase %s" % (
+                                    phase["id"], ", ".join(run.file(w.output)
+                                                           for w in definition.workers),
+                                    run.name, run.phase()["id"]))
+                else:
+                    continue           # seed step 6: the next phase starts at once
+            if not problems and not status["paused"]:
+                self._dispatch(run, definition)
+            if status["paused"]:
+                return PipelineOutcome(run.name, "paused", status["paused_reason"])
+            if problems and not any(w["status"] in WORKER_RUNNING for w in phase["workers"].values()):
+                return PipelineOutcome(run.name, "blocked", phase["message"])
+            return PipelineOutcome(run.name, "running", phase["message"])
+
+    def _observe(self, run, definition):
+        """Bring the current phase's workers up to date with their files and processes."""
+        for worker in definition.workers:
+            entry = run.phase()["workers"][worker.role]
+            if entry["status"] in ("completed", "cancelled"):
+                continue
+            if entry["attempts"] and _has_output(run.file(worker.output)):
+                # The file is the signal, whatever the session thought.
+                if entry["status"] == "running":
+                    self._step(run, worker.role, SessionEvent("SessionExited", outcome="success"))
+                entry.update(status="completed", retry_at=None, message="")
+                self._note(run, "worker_completed", "%s completed: %s" % (
+                    worker.role, run.file(worker.output)), role=worker.role)
+                continue
+            if entry["status"] not in WORKER_RUNNING:
+                continue
+            process = self._process(run, worker.role, entry)
+            if entry["status"] == "spawning":
+                if process is None and self._age(entry["started_at"]) < SPAWN_GRACE_SECS:
+                    continue           # someone may be recording its start right now
+                if process is not None:
+                    self._step(run, worker.role, SessionEvent("SessionStarted", entry["attempts"]))
+                    entry["pid"] = process.pid
+                    self._note(run, "worker_adopted", "%s was started before a restart; adopted "
+                               "pid %d" % (worker.role, process.pid), "agent", role=worker.role,
+                               pid=process.pid, attempt=entry["attempts"])
+            if process is not None and process.poll() is None:
+                if self._age(entry["started_at"]) > definition.timeout + PIPELINE_GRACE_SECS:
+                    self._step(run, worker.role, SessionEvent("OperatorStop"))
+                    kill_process_tree(process)
+                    entry["message"] = "timed out: still running after %s (phase timeout %ds " \
+                        "+ %ds)" % (format_duration(self._age(entry["started_at"])),
+                                    definition.timeout, PIPELINE_GRACE_SECS)
+                    self._note(run, "worker_failed", "%s %s" % (worker.role, entry["message"]),
+                               "error", role=worker.role, reason="timeout")
+                continue
+            code = getattr(process, "returncode", None)
+            self._exited(run, worker, entry, "its start was interrupted before the process "
+                         "existed" if process is None else "exited %swithout writing %s" % (
+                             "with code %s " % code if isinstance(code, int) else "",
+                             worker.output))
+
+    def _exited(self, run, worker, entry, why):
+        """A session ended without output: seed 001 decides between a retry and a stop."""
+        _, effect = self._step(run, worker.role, SessionEvent("SessionExited", outcome="error"))
+        entry.update(pid=None, message=why)
+        if entry["status"] == "cooling":
+            wait = backoff_ms(entry["errors"]) / 1000.0
+            entry["retry_at"] = format_timestamp(self.clock() + _dt.timedelta(seconds=wait))
+            self._note(run, "worker_failed", "%s %s; retrying in %s (error %d in a row)" % (
+                worker.role, why, format_duration(wait), entry["errors"]), "warning",
+                role=worker.role, retry_in=wait, attempt=entry["attempts"])
+        else:
+            entry["message"] = "%s (%s)" % (why, effect[1])
+            self._note(run, "worker_failed", "%s %s; %s" % (worker.role, why, effect[1]),
+                       "error", role=worker.role, attempt=entry["attempts"])
+
+    def _step(self, run, role, event):
+        """One seed-001 transition of the session that a worker entry persists."""
+        entry = next(p["workers"][role] for p in run.status["phases"] if role in p["workers"])
+        session = Session(state=_SESSION_OF[entry["status"]], session_seq=entry["attempts"],
+                          consecutive_errors=entry["errors"], total_errors=entry["total_errors"],
+                          max_consecutive_errors=self.limits.max_consecutive_errors,
+                          max_total_errors=self.limits.max_total_errors)
+        session, effect = session_step(session, event)
+        entry.update(status=_STATUS_OF[session.state], errors=session.consecutive_errors,
+                     total_errors=session.total_errors)
+        return session, effect
+
+    def _process(self, run, role, entry):
+        """The worker's process: ours, or one adopted by the pid in status.json or its pid file."""
+        token, process = self._processes.get((run.name, role), (None, None))
+        if process is not None and token == entry["token"]:
+            return process
+        pid = entry["pid"]
+        with contextlib.suppress(OSError, ValueError):
+            pid = pid or int(read_text(self._base(run, role, entry) + ".pid"))
+        if not pid:
+            return None
+        self._processes[(run.name, role)] = (entry["token"], AdoptedWorker(pid))
+        return self._processes[(run.name, role)][1]
+
+    def _base(self, run, role, entry):
+        return run.file("logs", "%s-%d" % (role, entry["attempts"]))
+
+    def _sweep(self, run):
+        """Forget, and so reap, the exited processes whose exit is already recorded."""
+        watched = {role for p in run.status["phases"]
+                   for role, w in p["workers"].items() if w["status"] in WORKER_RUNNING}
+        for key, (_, process) in list(self._processes.items()):
+            if key[0] == run.name and key[1] not in watched and process.poll() is not None:
+                del self._processes[key]
+
+    # -- dispatch gates (seed 004) ------------------------------------------------------------
+
+    def _dispatch_gates(self, run, definition):
+        """Coverage, batch size and input coverage for the current phase.  While one of
+        them fails, the phase is "blocked" and nothing more in it is dispatched."""
+        phase, problems = run.phase(), []
+        for worker in definition.workers:
+            entry = phase["workers"][worker.role]
+            recorded = bool(entry["token"] and entry["attempts"])
+            if entry["status"] == "completed" and not recorded:
+                problems.append("coverage: %s is marked completed without a dispatch record"
+                                % worker.role)
+            elif not recorded and _has_output(run.file(worker.output)):
+                problems.append("coverage: %s exists but %s was never dispatched (`ferrus "
+                                "pipeline retry %s %s` discards it and runs the worker)" % (
+                                    worker.output, worker.role, run.name, worker.role))
+            missing = [name for name in worker.reads if not _has_output(run.file(name))]
+            if missing and entry["status"] in ("pending", "cooling"):
+                problems.append("input: %s waits for %s (missing)" % (
+                    worker.role, ", ".join(missing)))
+        running = [role for role, w in phase["workers"].items() if w["status"] in WORKER_RUNNING]
+        if len(running) > self._batch_limit(definition):
+            problems.append("batch size: %d workers running (%s), more than the %d allowed" % (
+                len(running), ", ".join(running), self._batch_limit(definition)))
+        message = "; ".join(problems)
+        if problems and message != phase["message"]:
+            self._note(run, "phase_blocked", "phase %s blocked — %s" % (phase["id"], message),
+                       "warning", phase=phase["id"], problems=problems)
+        if problems or phase["status"] == "blocked":
+            phase.update(status="blocked" if problems else "running", message=message)
+        return problems
+
+    def _batch_limit(self, definition):
+        return 1 if definition.mode == "sequential" else self.settings.max_parallel
+
+    def _dispatch(self, run, definition):
+        """Start what the phase allows: in definition order, at most the batch limit at once."""
+        phase, now = run.phase(), self.clock()
+        running = sum(w["status"] in WORKER_RUNNING for w in phase["workers"].values())
+        for worker in definition.workers:
+            entry = phase["workers"][worker.role]
+            if entry["status"] == "completed":
+                continue
+            due = entry["status"] == "pending" or (
+                entry["status"] == "cooling" and parse_timestamp(entry["retry_at"]) <= now)
+            if due and running < self._batch_limit(definition):
+                action = self.gate("pipeline:%s:%s" % (run.name, worker.role))
+                if action == CHECKPOINT:
+                    self._pause(run, "capacity checkpoint", "capacity checkpoint before %s; "
+                                "`ferrus pipeline continue %s` goes on" % (worker.role, run.name))
+                    return
+                if action == EMERGENCY_STOP:
+                    stopped = self._stop_workers(run, "pending", "stopped by the capacity gate")
+                    self._pause(run, "capacity emergency stop", "capacity emergency stop; "
+                                "stopped %s" % (", ".join(stopped) or "no worker"))
+                    return
+                self._spawn(run, worker, entry, throttled=action == THROTTLE)
+                running += entry["status"] in WORKER_RUNNING
+            if definition.mode == "sequential":
+                return                 # the next worker waits for this one to finish
+
+    def _spawn(self, run, worker, entry, throttled=False):
+        """spawning (the dispatch record, saved first), then start, then running with a pid."""
+        self._step(run, worker.role, SessionEvent("BackoffElapsed" if entry["status"] == "cooling"
+                                                  else "WorktreeReady"))
+        reads = [run.file(name) for name in worker.reads]
+        prompt = prompt_pipeline_worker(run.status["topic"], worker.task, reads,
+                                        run.file(worker.output))
+        self._step(run, worker.role, SessionEvent("PromptReady", prompt))
+        run.status["retry_count"] += bool(entry["attempts"])
+        token = secrets.token_hex(4)
+        entry.update(status="spawning", token=token, attempts=entry["attempts"] + 1, pid=None,
+                     session="pipeline:%s:%s:%s" % (run.name, worker.role, token),
+                     started_at=self._now(), retry_at=None)
+        self._save(run)
+        try:
+            launch = pipeline_worker_launch(self.config, worker.agent, self.store.root, prompt,
+                                            worker.model, reads)
+            process = self.spawner(launch, self.store.root, self._base(run, worker.role, entry))
+        except FerrusError as err:
+            self._step(run, worker.role, SessionEvent("FatalError", err.full_text()))
+            entry["message"] = err.full_text()
+            self._note(run, "worker_failed", "%s cannot start: %s" % (worker.role, err.message),
+                       "error", role=worker.role)
+            return
+        except OSError as err:
+            self._exited(run, worker, entry, "could not start: %s" % err)
+            return
+        self._processes[(run.name, worker.role)] = (token, process)
+        self._step(run, worker.role, SessionEvent("SessionStarted", entry["attempts"]))
+        entry.update(pid=process.pid, message="")
+        self._note(run, "worker_spawned", "%s spawned (pid %d, attempt %d, agent %s)%s" % (
+            worker.role, process.pid, entry["attempts"], worker.agent,
+            " after a capacity throttle" if throttled else ""), "agent", role=worker.role,
+            pid=process.pid, attempt=entry["attempts"], token=token, throttled=throttled)
+        self._save(run)
+
+    def _capacity_gate(self, target):
+        """The default hook: seed 004 on this run's own signals, each decision journaled.
+        A Throttle is only recorded here; waiting is the business of the gate's owner."""
+        limits = self.config.capacity
+        if not limits.enabled() or self._run is None:
+            return CONTINUE
+        workers = [w for p in self._run.status["phases"] for w in p["workers"].values()]
+        signals = Signals(sessions=sum(w["attempts"] for w in workers) + 1,
+                          parallel_agents=sum(w["status"] in WORKER_RUNNING for w in workers) + 1)
+        tier, action, worst = classify(signals, limits)
+        with contextlib.suppress(FerrusError, OSError):
+            self.store.append_event("pipeline", "gate", gate_record(target, tier, action, signals,
+                                                                    limits, worst))
+        return action
+
+    # -- pausing, delivering, stopping -------------------------------------------------------------
+
+    def _pause(self, run, reason, text):
+        run.status.update(paused=True, paused_reason=reason)
+        self._note(run, "paused", text, "warning", reason=reason)
+
+    def _deliver(self, run):
+        final = run.definition.final_worker()
+        run.status.update(result_delivered=True, result=final.output, delivered_at=self._now())
+        self._note(run, "delivered", "delivered %s" % run.file(final.output), output=final.output)
+        self._save(run)            # delivered on disk before the folder moves
+        return self._archive(run)
+
+    def _archive(self, run):
+        """Move a finished run into .ferrus/pipelines/archive/ (again: nothing to do)."""
+        if not run.archived:
+            archive = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE)
+            os.makedirs(archive, exist_ok=True)
+            os.replace(run.path, os.path.join(archive, run.name))
+            fsync_directory(archive)
+            run.path, run.archived = os.path.join(archive, run.name), True
+            self._note(run, "archived", "run %s archived in %s" % (
+                run.name, self.store.relpath(run.path)), to=self.store.relpath(run.path))
+        if run.status.get("cancelled"):
+            return PipelineOutcome(run.name, "cancelled", "the run was cancelled")
+        output = run.file(run.status.get("result") or run.definition.final_worker().output)
+        return PipelineOutcome(run.name, "delivered", output, output,
+                               read_text(output, default=""))
+
+    def _stop_workers(self, run, status, why):
+        """Kill the current phase's running workers and leave each in ``status``."""
+        stopped = []
+        for role, entry in run.phase()["workers"].items():
+            if entry["status"] in WORKER_RUNNING:
+                process = self._process(run, role, entry)
+                if process is not None and process.poll() is None:
+                    kill_process_tree(process)
+                self._step(run, role, SessionEvent("OperatorStop"))
+                # As in HQ after OperatorStop: the next dispatch is a fresh session.
+                entry.update(status=status, pid=None, errors=0, message=why)
+                stopped.append(role)
+                self._note(run, "worker_stopped", "%s stopped (%s)" % (role, why), "warning",
+                           role=role)
+        return stopped
+
+    # -- operator commands ----------------------------------------------------------------------
+
+    def _change(self, ref, change):
+        """Apply ``change(run)`` to an active run under the lock, then save it."""
+        with self._lock():
+            run = read_run(self.store, ref, with_definition=True)
+            if run.archived:
+                raise FerrusError("run %s is %s and archived" % (run.name, run_state(run.status)),
+                                  "start a new one with `ferrus pipeline run`")
+            change(run)
+            self._save(run)
+            return run.name
+
+    def continue_run(self, ref):
+        """Un-pause after pause_after or a capacity checkpoint."""
+        def change(run):
+            if not run.status["paused"]:
+                raise FerrusError("run %s is not paused (it is %s)" % (
+                    run.name, run_state(run.status)),
+                    "`ferrus pipeline resume %s` follows it" % run.name)
+            self._note(run, "continued", "continuing after %s" % run.status["paused_reason"],
+                       reason=run.status["paused_reason"])
+            run.status.update(paused=False, paused_reason="")
+        return self._change(ref, change)
+
+    def retry(self, ref, role):
+        """Forget a worker's failure (or a stray output) so that it runs again."""
+        def change(run):
+            phase = run.phase()
+            if role not in phase["workers"]:
+                raise UsageError("%s is not a worker of the current phase %s (workers: %s)" % (
+                    json.dumps(role), phase["id"], ", ".join(phase["workers"])))
+            entry = phase["workers"][role]
+            if entry["status"] in WORKER_RUNNING:
+                raise FerrusError("%s is running (pid %s)" % (role, entry["pid"]),
+                                  "wait for it, or `ferrus pipeline cancel %s`" % run.name)
+            if entry["status"] == "completed" and entry["token"]:
+                raise FerrusError("%s already completed" % role,
+                                  "its output is %s" % run.file(role + ".md"))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(run.file(role + ".md"))   # a stray or partial output is no signal
+            phase["workers"][role] = dict(_new_worker(entry["attempts"]), token=entry["token"])
+            if phase["status"] in ("failed", "blocked"):
+                phase.update(status="running", message="")    # reconcile derives both again
+            self._note(run, "worker_retry", "%s will run again" % role, role=role)
+        return self._change(ref, change)
+
+    def cancel(self, ref):
+        """Stop the run's workers, mark it cancelled and archive it."""
+        def change(run):
+            stopped = self._stop_workers(run, "cancelled", "the run was cancelled")
+            for phase in run.status["phases"]:
+                if phase["status"] not in ("completed", "failed"):
+                    phase["status"] = "cancelled"
+            run.status.update(cancelled=True, paused=False)
+            self._note(run, "cancelled", "run %s cancelled%s" % (run.name, (
+                "; stopped " + ", ".join(stopped)) if stopped else ""), "warning", stopped=stopped)
+            self._save(run)        # cancelled on disk before the folder moves
+            self._archive(run)
+        return self._change(ref, change)
+
+    def drive(self, ref, poll_interval=0.1, should_stop=None):
+        """Reconcile until the run is done or needs a human: the foreground loop."""
+        while True:
+            outcome = self.reconcile(ref)
+            if outcome.finished or (should_stop is not None and should_stop()):
+                return outcome
+            time.sleep(poll_interval)
+
+
+# ============================================================================
+# 16. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -7052,7 +7965,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 16. CLI
+# 17. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -7319,6 +8232,264 @@ def cmd_hq(args, root):
     return hq_front_end(store, resume, getattr(args, "no_tui", False)).run()
 
 
+# -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
+#
+# One implementation for both front ends: pipeline_command() does the work and
+# reports through ``out``; only following a run differs (the CLI drives it in
+# the foreground, HQ in a background thread so HQ keeps reacting).
+
+WORKFLOWS_EXAMPLE = {
+    "_comment": [
+        "ferrus pipelines (seed 003). Each top-level key but this one defines a pipeline:",
+        "  description  what it is for",
+        "  phases       run in order; a phase starts when every output of the previous exists",
+        "    id         the phase's name;  mode: \"parallel\" or \"sequential\"",
+        "    pause_after  true: stop after this phase until `ferrus pipeline continue RUN`",
+        "    workers    each writes <role>.md in the run folder and exits",
+        "      role, timeout (seconds), task     required",
+        "      agent    an agent name; default: [hq.executor] in ferrus.toml",
+        "      model    that agent's model name (e.g. sonnet); default: the agent's own",
+        "      reads    outputs of earlier phases, e.g. [\"researcher-a.md\"]",
+        "      final    exactly one worker, in the last phase: its output is the result",
+        "Run: ferrus pipeline run research \"your topic\"",
+    ],
+    "research": {
+        "description": "Pure research + analysis",
+        "phases": [
+            {"id": "collect", "mode": "parallel", "workers": [
+                {"role": "researcher-a", "timeout": 600,
+                 "task": "Research perspective A: main sources, facts, current state"},
+                {"role": "researcher-b", "timeout": 600,
+                 "task": "Research perspective B: alternative views, criticism, edge cases"}]},
+            {"id": "synthesis", "mode": "sequential", "workers": [
+                {"role": "synthesizer", "timeout": 420, "final": True,
+                 "reads": ["researcher-a.md", "researcher-b.md"],
+                 "task": "Synthesize research from both researchers"}]}]},
+}
+
+
+def init_workflows(root, report=print):
+    """Write the example workflows.json; never over an existing file."""
+    name = pipelines_config(root).file
+    path = os.path.join(root, name)
+    if os.path.exists(path):
+        raise FerrusError("%s already exists" % name, "edit it, or move it away first")
+    atomic_write(path, pretty_json(WORKFLOWS_EXAMPLE) + "\n")
+    report("Wrote %s with an example pipeline (research). `ferrus pipeline list` shows it."
+           % name)
+
+
+def describe_workflows(definitions, config):
+    """Lines listing every pipeline with its phases and workers."""
+    default = config.executor.agent if config.executor else "[hq.executor] (not set)"
+    lines = []
+    for name, definition in definitions.items():
+        lines.append("%s%s" % (name, " — " + definition.description
+                               if definition.description else ""))
+        for number, phase in enumerate(definition.phases, 1):
+            lines.append("  %d. %s (%s%s, timeout %ds)" % (
+                number, phase.id, phase.mode, ", pause after" if phase.pause_after else "",
+                phase.timeout))
+            for w in phase.workers:
+                notes = [w.agent or default, "%ds" % w.timeout] + (["model " + w.model]
+                                                                  if w.model else [])
+                notes += ["reads " + ", ".join(w.reads)] if w.reads else []
+                lines.append("     - %s%s (%s): %s" % (w.role, " [final]" if w.final else "",
+                                                      ", ".join(notes), w.task))
+    return lines or ["no pipelines defined"]
+
+
+def describe_run(store, status, path, now=None):
+    """Lines showing one run's phases and workers."""
+    now = now or store.clock()
+    lines = ["run       %s (%s%s)" % (status["dir"], run_state(status),
+                                      ": " + status["paused_reason"] if status.get("paused")
+                                      else ""),
+             "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
+             "folder    %s" % store.relpath(path),
+             "retries   %d" % status.get("retry_count", 0)]
+    for number, phase in enumerate(status["phases"], 1):
+        current = "  <- current" if number - 1 == status["current_phase"] and \
+            run_state(status) not in ("delivered", "cancelled") else ""
+        lines.append("phase %d  %s: %s%s" % (number, phase["id"], phase["status"], current))
+        if phase.get("message"):
+            lines.append("          %s" % phase["message"])
+        for role, w in phase["workers"].items():
+            detail = "attempt %d" % w.get("attempts", 0) if w.get("attempts") else ""
+            if w.get("status") in WORKER_RUNNING and w.get("pid"):
+                detail += ", pid %s" % w["pid"]
+                with contextlib.suppress(ValueError, TypeError):
+                    detail += ", for %s" % format_duration(
+                        (now - parse_timestamp(w["started_at"])).total_seconds())
+            if w.get("message") and w.get("status") != "completed":
+                detail += (", " if detail else "") + w["message"]
+            lines.append("    %-16s %-10s %s" % (role, w.get("status"), detail))
+    if status.get("result"):
+        lines.append("result    %s" % store.relpath(os.path.join(path, status["result"])))
+    return lines
+
+
+def pipeline_command(store, args, out, follow):
+    """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
+    command = args.pipeline_command
+    if command == "init":
+        init_workflows(store.root, out)
+        return 0
+    if command == "list":
+        config = store.config()
+        for line in describe_workflows(read_workflows(store.root, config)[2], config):
+            out(line)
+        return 0
+    if command == "status":
+        return _pipeline_status(store, args, out)
+    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
+    if command == "run":
+        return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
+    if command == "resume":
+        return follow(orchestrator, find_run(store, args.ref)[0])
+    if command == "continue":
+        return follow(orchestrator, orchestrator.continue_run(args.ref))
+    if command == "retry":
+        return follow(orchestrator, orchestrator.retry(args.ref, args.worker))
+    orchestrator.cancel(args.ref)          # the parser allows nothing else
+    return 0
+
+
+def _pipeline_status(store, args, out):
+    if args.ref:
+        name, path, _ = find_run(store, args.ref)
+        run = read_run(store, name)
+        if args.json:
+            out(pretty_json(run.status))
+        else:
+            for line in describe_run(store, run.status, path):
+                out(line)
+        return 0
+    rows = []
+    for name, path, archived in list_runs(store):
+        row = {"run": name, "state": "damaged", "archived": archived, "pipeline": "?",
+               "topic": "", "phase": "?"}
+        with contextlib.suppress(FerrusError):     # `status RUN` explains the damage
+            status = read_run(store, name).status
+            row.update(state=run_state(status), pipeline=status["pipeline"],
+                       topic=status["topic"], phase="%d/%d %s" % (
+                           status["current_phase"] + 1, len(status["phases"]),
+                           status["phases"][status["current_phase"]]["id"]))
+        rows.append(row)
+    if args.json:
+        out(pretty_json(rows))
+        return 0
+    if not rows:
+        out("no pipeline runs yet (`ferrus pipeline run NAME TOPIC` starts one)")
+    for row in rows:
+        out("%-32s %-10s phase %-16s %s%s" % (row["run"], row["state"], row["phase"],
+                                             json.dumps(row["topic"]),
+                                             "  (archived)" if row["archived"] else ""))
+    return 0
+
+
+def _pipeline_result(outcome, out):
+    """Report how a followed run ended; the exit code says whether a human is needed."""
+    if outcome.state == "delivered":
+        out("result: %s" % outcome.output)
+        out(outcome.text.rstrip())
+        return 0
+    if outcome.state == "failed":
+        out("run %s failed: %s" % (outcome.run, outcome.message))
+        out("hint: `ferrus pipeline retry %s WORKER` runs a worker again" % outcome.run)
+        return RUN_FAILED
+    if outcome.state in ("paused", "blocked"):
+        out("run %s is %s: %s" % (outcome.run, outcome.state, outcome.message))
+        return RUN_NEEDS_HUMAN
+    out("run %s is %s" % (outcome.run, outcome.state))
+    return RUN_FAILED if outcome.state == "cancelled" else RUN_COMPLETE
+
+
+def _follow_in_foreground(orchestrator, name):
+    print("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
+    try:
+        outcome = orchestrator.drive(name)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the workers keep running and status.json is intact; "
+              "`ferrus pipeline resume %s` continues" % name, flush=True)
+        return 130
+    return _pipeline_result(outcome, lambda text: print(text, flush=True))
+
+
+def cmd_pipeline(args, root):
+    store = Store(root).require()
+    return pipeline_command(store, args, lambda text: print(text, flush=True),
+                            _follow_in_foreground)
+
+
+def add_pipeline_parser(sub):
+    """`ferrus pipeline …` on the top-level subparsers."""
+    p = sub.add_parser("pipeline", help="file-driven multi-agent pipelines (workflows.json)")
+    commands = p.add_subparsers(dest="pipeline_command", metavar="COMMAND")
+    commands.required = True
+    commands.add_parser("list", help="the pipelines workflows.json defines")
+    commands.add_parser("init", help="write an example workflows.json (never overwrites)")
+    c = commands.add_parser("run", help="start a run and drive it to delivery")
+    c.add_argument("name", metavar="NAME", help="the pipeline")
+    c.add_argument("topic", metavar="TOPIC", nargs="+", help="what the workers work on")
+    c = commands.add_parser("status", help="one run's phases and workers, or every run")
+    c.add_argument("ref", metavar="RUN", nargs="?", help="a run folder name (or unique prefix)")
+    c.add_argument("--json", action="store_true", help="status.json / machine-readable rows")
+    for name, what in (("resume", "drive a run again (after Ctrl+C, a crash or a reboot)"),
+                       ("continue", "go on after pause_after or a capacity checkpoint"),
+                       ("cancel", "stop a run's workers, mark it cancelled and archive it")):
+        c = commands.add_parser(name, help=what)
+        c.add_argument("ref", metavar="RUN", help="a run folder name (or unique prefix)")
+    c = commands.add_parser("retry", help="run a failed worker again")
+    c.add_argument("ref", metavar="RUN", help="a run folder name (or unique prefix)")
+    c.add_argument("worker", metavar="WORKER", help="the worker's role")
+    p.set_defaults(run=cmd_pipeline)
+
+
+# HQ follows runs in background threads; one per run, however often it is asked.
+_HQ_FOLLOWED = {}
+
+
+def hq_cmd_pipeline(shell, rest):
+    """/pipeline list|init|run NAME TOPIC|status [RUN]|resume|continue|cancel RUN|retry RUN W"""
+    usage = UsageError("usage: /pipeline list | init | run NAME TOPIC | status [RUN] | "
+                       "resume RUN | continue RUN | retry RUN WORKER | cancel RUN")
+    words = rest.split()
+    if not words:
+        raise usage
+    args = argparse.Namespace(pipeline_command=words[0], json=False, ref=None)
+    arities = {"list": (0,), "init": (0,), "status": (0, 1), "resume": (1,), "continue": (1,),
+               "cancel": (1,), "retry": (2,)}
+    if words[0] == "run" and len(words) >= 3:
+        args.name, args.topic = words[1], rest.split(None, 2)[2:]
+    elif len(words) - 1 in arities.get(words[0], ()):
+        args.ref = words[1] if len(words) > 1 else None
+        args.worker = words[2] if len(words) > 2 else None
+    else:
+        raise usage
+
+    def follow(orchestrator, name):
+        thread = _HQ_FOLLOWED.get(name)
+        if thread is not None and thread.is_alive():
+            shell.write("run %s is already being followed" % name)
+            return 0
+
+        def loop():
+            orchestrator.emit = shell.show
+            try:
+                outcome = orchestrator.drive(name, poll_interval=0.25,
+                                             should_stop=lambda: shell.done)
+            except FerrusError as err:
+                shell.show(HqMessage("error", "pipeline %s: %s" % (name, err.full_text())))
+                return
+            _pipeline_result(outcome, lambda text: shell.show(HqMessage("info", text)))
+        _HQ_FOLLOWED[name] = threading.Thread(target=loop, daemon=True)
+        _HQ_FOLLOWED[name].start()
+        shell.write("following run %s; /pipeline status %s shows it" % (name, name))
+        return 0
+    pipeline_command(shell.store, args, shell.write, follow)
+
+
 def cmd_serve(args, root):
     return serve_stdio(root, args.role, args.agent_name, args.agent_index)
 
@@ -7391,6 +8562,8 @@ def build_parser():
     p.add_argument("--resume", action="store_true", help="resume a task in flight without asking")
     p.add_argument("--no-tui", action="store_true", help="plain lines instead of curses")
     p.set_defaults(run=cmd_hq)
+
+    add_pipeline_parser(sub)
 
     p = sub.add_parser("serve", help="the MCP server on stdio (started by agents)")
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
