@@ -138,9 +138,12 @@ def parse_timestamp(text):
         offset = _dt.timedelta(hours=int(match.group(10)), minutes=int(match.group(11)))
         if match.group(9) == "-":
             offset = -offset
-    moment = _dt.datetime(year, month, day, hour, minute, second, micros,
-                          tzinfo=_dt.timezone(offset))
-    return moment.astimezone(_dt.timezone.utc)
+    try:
+        moment = _dt.datetime(year, month, day, hour, minute, second, micros,
+                              tzinfo=_dt.timezone(offset))
+        return moment.astimezone(_dt.timezone.utc)
+    except OverflowError:
+        raise ValueError("timestamp out of range: %r" % (text,))
 
 
 def format_duration(seconds):
@@ -420,6 +423,8 @@ def parse_toml(text):
         return parse_toml_builtin(text)
     try:
         return tomllib.loads(text)
+    except RecursionError:
+        raise TomlError("values are nested too deeply") from None
     except tomllib.TOMLDecodeError as exc:
         detail, line = str(exc), None
         where = _TOML_TOMLLIB_WHERE.search(detail)
@@ -434,7 +439,10 @@ def parse_toml_builtin(text):
     """Parse a TOML 1.0 document into a dict without tomllib."""
     if not isinstance(text, str):
         raise TypeError("TOML text must be str, not %s" % type(text).__name__)
-    return _TomlParser(text).parse()
+    try:
+        return _TomlParser(text).parse()
+    except RecursionError:
+        raise TomlError("values are nested too deeply") from None
 
 
 # --- The built-in parser ----------------------------------------------------
@@ -1546,7 +1554,11 @@ class StateData:
     def from_json(cls, text, where="STATE.json"):
         try:
             raw = json.loads(text)
-        except ValueError as err:
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise StateCorrupt("%s holds a \\u escape that is no character (a lone surrogate)"
+                               % where)
+        except (ValueError, RecursionError) as err:
             raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
@@ -1948,6 +1960,27 @@ class Commit:
                 "detail": self.detail}
 
 
+_JOURNAL_TEXT_FIELDS = ("time", "actor", "event", "from", "to", "task_id")
+
+
+def journal_entry(line):
+    """One journal line as a dict with an integer seq, or None when it is not one
+    (a write cut short by a crash, or a hand edit)."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    seq = entry.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        return None
+    if not isinstance(entry.get("detail", {}), dict) or not all(
+            isinstance(entry.get(key), (str, type(None))) for key in _JOURNAL_TEXT_FIELDS):
+        return None
+    return entry
+
+
 class Transaction:
     """The working copy inside ``Store.transaction``: read the state, stage changes.
 
@@ -1979,6 +2012,11 @@ class Transaction:
         self.state = state
         self.event = event
         self.detail.update(detail)
+
+
+class JournalWriteError(FerrusError, OSError):
+    """STATE.json was committed but its journal line could not be written (still an
+    OSError for callers that catch those)."""
 
 
 class Store:
@@ -2074,7 +2112,14 @@ class Store:
         commit = Commit(seq=state.rev, time=state.updated_at, actor=tx.actor, event=tx.event,
                         from_state=tx.before.state.value, to_state=state.state.value,
                         task_id=state.task_id, detail=tx.detail)
-        self._append_journal(commit, state.rev)
+        try:
+            self._append_journal(commit, state.rev)
+        except OSError as err:
+            raise JournalWriteError(
+                "%s was committed to STATE.json (rev %d), but its journal line could not be "
+                "written: %s" % (tx.event, state.rev, err.strerror or err),
+                "free space or fix permissions, then run `ferrus doctor --fix` to add the "
+                "missing journal entry") from err
         return commit
 
     # -- the journal ----------------------------------------------------------------
@@ -2100,10 +2145,9 @@ class Store:
                         line = line.strip()
                         if not line:
                             continue
-                        try:
-                            return int(json.loads(line.decode("utf-8"))["seq"])
-                        except (ValueError, KeyError, TypeError):
-                            continue
+                        entry = journal_entry(line.decode("utf-8", "replace"))
+                        if entry is not None:
+                            return entry["seq"]
                     if start == 0:
                         return 0
                     chunk *= 4
@@ -2135,7 +2179,9 @@ class Store:
                     handle.seek(-1, os.SEEK_END)
                     if handle.read(1) != b"\n":
                         payload = b"\n" + payload
-            os.write(fd, payload)
+            view = memoryview(payload)
+            while view:         # a short write (a full disk) must not pass for a whole line
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -2154,12 +2200,8 @@ class Store:
                 line = line.strip()
                 if not line:
                     continue
-                try:
-                    entry = json.loads(line)
-                    seq = int(entry["seq"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if seq > after_seq:
+                entry = journal_entry(line)
+                if entry is not None and entry["seq"] > after_seq:
                     entries.append(entry)
         if limit is not None:
             entries = entries[-limit:] if limit > 0 else []
@@ -2180,12 +2222,9 @@ class Store:
         for line in data[:end].split(b"\n"):
             if not line.strip():
                 continue
-            try:
-                entry = json.loads(line.decode("utf-8", "replace"))
-                int(entry["seq"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            entries.append(entry)
+            entry = journal_entry(line.decode("utf-8", "replace"))
+            if entry is not None:
+                entries.append(entry)
         return entries, offset + end
 
     def append_event(self, actor, event, detail):
@@ -3367,7 +3406,15 @@ class JsonRpcServer:
     # -- plumbing ------------------------------------------------------------------
 
     def send(self, message):
-        text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+        try:
+            text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+        except (RecursionError, ValueError):
+            # A value echoed from the request is nested too deeply to serialise.
+            if "id" not in message:
+                return
+            message = {"jsonrpc": "2.0", "id": message["id"], "error": {
+                "code": INTERNAL_ERROR, "message": "the response is nested too deeply to send"}}
+            text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
         try:
             data = (text + "\n").encode("utf-8")
         except UnicodeEncodeError:
@@ -3436,7 +3483,7 @@ class JsonRpcServer:
     def _handle_line(self, line):
         try:
             message = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
             self._respond(None, error=RpcError(PARSE_ERROR, "Parse error: %s" % err))
             return
         if isinstance(message, list):
@@ -4037,6 +4084,13 @@ def _validate_arguments(tool, arguments):
                 kind != "boolean" and isinstance(value, bool)):
             raise RpcError(INVALID_PARAMS, "Argument %r of tool %s must be a %s, got %s" % (
                 name, tool.name, kind, type(value).__name__))
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RpcError(INVALID_PARAMS, "Argument %r of tool %s is not valid Unicode "
+                                               "(it holds a lone surrogate \\u escape)"
+                               % (name, tool.name))
     for param in tool.params:
         if param.required and param.name not in arguments:
             raise RpcError(INVALID_PARAMS, "Missing required argument %r for tool %s" % (
@@ -4110,6 +4164,10 @@ def serve_stdio(root, role, agent_name, agent_index):
         server.rpc.shutdown(wait=2.0)
         os._exit(0)
     watch_parent(orphaned)
+    if not IS_WINDOWS:
+        # Clients stop servers with SIGTERM: end running checks (their process
+        # groups) as EOF does, instead of dying and leaving them behind.
+        signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
     server.serve()
     return 0
 
@@ -7856,6 +7914,9 @@ def doctor_findings(root):
         findings.extend(_content_findings(store, data))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
+    if os.path.isdir(store.path("usage")):
+        stray += ["usage/" + name for name in os.listdir(store.path("usage"))
+                  if name.endswith(TEMP_SUFFIX)]
     for name in stray:
         path = store.path(name)
         age = time.time() - os.stat(path).st_mtime
@@ -7878,10 +7939,11 @@ def _journal_findings(store, data):
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            try:
-                seqs.append(int(json.loads(line)["seq"]))
-            except (ValueError, KeyError, TypeError):
+            entry = journal_entry(line)
+            if entry is None:
                 bad_lines.append(number)
+            else:
+                seqs.append(entry["seq"])
     if bad_lines:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
@@ -7944,11 +8006,8 @@ def _rewrite_journal(store):
         kept = []
         with open(store.journal_path(), "r", encoding="utf-8", errors="replace") as handle:
             for line in handle:
-                try:
-                    int(json.loads(line)["seq"])
+                if journal_entry(line) is not None:
                     kept.append(line.rstrip("\n") + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
         atomic_write(store.journal_path(), "".join(kept))
 
 
