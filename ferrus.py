@@ -4101,22 +4101,43 @@ class ToolCallCounter:
     """This server's ferrus tool calls per task, for the capacity gate.
 
     Each server owns one small file, .ferrus/usage/<agent>-<pid>.json, so no two
-    processes ever write the same file and nothing needs the state lock."""
+    processes ever write the same file and nothing needs the state lock.  The
+    file is rewritten at most every FLUSH_EVERY seconds and at exit, so counting
+    costs a tool call next to nothing."""
+
+    FLUSH_EVERY = 0.25
 
     def __init__(self, agent_name):
         self.agent_name = agent_name
         self.counts = {}
         self._lock = threading.Lock()
+        self._stamp = self._task = None
+        self._flushed_at = 0.0
+        self._dirty = False
 
     def count(self, store):
-        task = store.read_state().task_id or "-"
+        stamp = store.state_stamp()
         with self._lock:
-            self.counts[task] = self.counts.get(task, 0) + 1
-            name = "%s-%d.json" % (re.sub(r"[^A-Za-z0-9_.-]", "_", self.agent_name), os.getpid())
-            os.makedirs(store.path("usage"), exist_ok=True)
-            atomic_write(store.path("usage", name), compact_json(
-                {"agent_id": self.agent_name, "pid": os.getpid(), "tool_calls": self.counts}),
-                durable=False)
+            if stamp != self._stamp:
+                self._stamp, self._task = stamp, store.read_state().task_id or "-"
+            self.counts[self._task] = self.counts.get(self._task, 0) + 1
+            self._dirty = True
+            if time.monotonic() - self._flushed_at >= self.FLUSH_EVERY:
+                self._write(store)
+
+    def flush(self, store):
+        with self._lock:
+            if self._dirty:
+                self._write(store)
+
+    def _write(self, store):
+        name = "%s-%d.json" % (re.sub(r"[^A-Za-z0-9_.-]", "_", self.agent_name), os.getpid())
+        os.makedirs(store.path("usage"), exist_ok=True)
+        atomic_write(store.path("usage", name), compact_json(
+            {"agent_id": self.agent_name, "pid": os.getpid(), "tool_calls": self.counts}),
+            durable=False)
+        self._flushed_at = time.monotonic()
+        self._dirty = False
 
 
 def tool_calls_for_task(store, task_id):
@@ -4162,6 +4183,8 @@ def serve_stdio(root, role, agent_name, agent_index):
     def orphaned():
         log.info("parent process exited; stopping the MCP server")
         server.rpc.shutdown(wait=2.0)
+        with contextlib.suppress(FerrusError, OSError):
+            server.usage.flush(store)
         os._exit(0)
     watch_parent(orphaned)
     if not IS_WINDOWS:
@@ -4169,6 +4192,8 @@ def serve_stdio(root, role, agent_name, agent_index):
         # groups) as EOF does, instead of dying and leaving them behind.
         signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
     server.serve()
+    with contextlib.suppress(FerrusError, OSError):
+        server.usage.flush(store)
     return 0
 
 
