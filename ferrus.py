@@ -41,7 +41,6 @@ import dataclasses
 import datetime as _dt
 import enum
 import errno
-import io
 import json
 import logging
 import os
@@ -1902,12 +1901,12 @@ SIGNAL_LIMITS = (("tool_calls", "max_tool_calls"), ("sessions", "max_sessions"),
 def classify(signals, limits):
     """(tier, action, the signal closest to its limit or None)."""
     worst, ratio = None, 0.0
-    for signal, limit_name in SIGNAL_LIMITS:
+    for name, limit_name in SIGNAL_LIMITS:
         limit = getattr(limits, limit_name)
         if limit > 0:
-            share = getattr(signals, signal) / float(limit)
+            share = getattr(signals, name) / float(limit)
             if share > ratio:
-                worst, ratio = signal, share
+                worst, ratio = name, share
     if ratio * 100 >= limits.emergency_percent:
         return RED, EMERGENCY_STOP, worst
     if ratio >= 1.0:

@@ -11,7 +11,6 @@ SIGTERM / SIGINT cancel the run through ``run_checks(cancel=...)``, which kills
 the command's process group, so an interrupted bench leaves nothing behind.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,13 +18,8 @@ import sys
 import threading
 import time
 
-
-def load_ferrus(path):
-    spec = importlib.util.spec_from_file_location("ferrus", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ferrus"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcpclient import load_ferrus  # noqa: E402
 
 
 def maxrss_kib():

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import subprocess
 import tempfile
 import threading
@@ -270,3 +271,13 @@ def structured(result):
                 return {"text": block["text"]}
             return value if isinstance(value, dict) else {"value": value}
     return {}
+
+
+def load_ferrus(path):
+    """Import the ferrus.py at ``path`` as the module ``ferrus``."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ferrus", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ferrus"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -16,19 +16,13 @@ in os.fsync (counted by wrapping ``os.fsync`` and ``FileLock``; the wrappers
 cost microseconds against milliseconds per transition).
 """
 
-import importlib.util
 import json
 import os
 import sys
 import time
 
-
-def load_ferrus(path):
-    spec = importlib.util.spec_from_file_location("ferrus", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ferrus"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcpclient import load_ferrus  # noqa: E402
 
 
 def instrument(ferrus, stats):

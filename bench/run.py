@@ -14,7 +14,6 @@ available" when that fails.  See bench/README.md.
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -35,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from mcpclient import McpConnection, McpFailure, ProcessRegistry, structured  # noqa: E402
+from mcpclient import McpConnection, McpFailure, ProcessRegistry, load_ferrus, structured  # noqa: E402
 
 DEFAULT_FERRUS = os.path.join(os.path.dirname(__file__), "..", "ferrus.py")
 DEFAULT_SDK_VENV = os.path.join(os.path.expanduser("~"), ".cache", "ferrus-bench", "mcp-venv")
@@ -122,14 +121,6 @@ def ratio(a, b):
 
 class BenchError(Exception):
     pass
-
-
-def load_ferrus(path):
-    spec = importlib.util.spec_from_file_location("ferrus", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ferrus"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def progress(message):

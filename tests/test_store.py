@@ -1,12 +1,10 @@
 """The store: transactions under the lock, atomic durable writes, the journal, crash safety."""
 
 import errno
-import json
 import multiprocessing
 import os
 import random
 import signal
-import sys
 import time
 
 import pytest
