@@ -241,3 +241,45 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     actors = {(e["event"], e["actor"]) for e in store.read_journal()}
     assert ("submit", "executor:claude-code:1") in actors
     assert ("approve", "supervisor:claude-code:1") in actors
+
+
+def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tmp_path):
+    """`ferrus pipeline init` + `ferrus pipeline run research "FSA architecture"`, every
+    worker a real `claude -p` whose scripted model writes the worker's output file."""
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    import re
+    import sys
+    home = tmp_path / "home"
+    home.mkdir()
+    set_config(project, CONFIG)
+    ferrus.register_agents(str(project), {"executor": ("claude-code", None)},
+                           report=lambda message: None)
+
+    def turn(request):
+        if any(m.get("role") == "assistant" for m in request.get("messages", [])):
+            return [text("Written.")]
+        prompt = json.dumps(request.get("messages", []))
+        output = re.search(r"exactly this file: ([^\s\"\\]+)", prompt).group(1)
+        role = os.path.splitext(os.path.basename(output))[0]
+        return [tool_use("Write", {"file_path": output,
+                                   "content": "# %s\n\nFindings about FSA architecture.\n" % role})]
+
+    subprocess.run([sys.executable, ferrus.FERRUS_FILE, "pipeline", "init"], cwd=str(project),
+                   check=True, capture_output=True)
+    with FakeAnthropic(turn, is_main=lambda request: bool(request.get("tools"))) as fake:
+        env = claude_env(fake, str(home))
+        result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "pipeline", "run", "research",
+                                 "FSA architecture"], cwd=str(project), env=env,
+                                capture_output=True, text=True, timeout=300,
+                                stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    archive = project / ".ferrus" / "pipelines" / "archive"
+    runs = list(archive.iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("research-")
+    final = (runs[0] / "synthesizer.md").read_text()
+    assert final.startswith("# synthesizer")
+    for role in ("researcher-a", "researcher-b"):
+        assert (runs[0] / ("%s.md" % role)).exists()
+    status = json.loads((runs[0] / "status.json").read_text())
+    assert status["result_delivered"] is True
