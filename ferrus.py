@@ -6132,8 +6132,17 @@ class HqShell:
         update_hq_config(self.store.root, parts[0], choice.agent, model, self.write)
 
     def cmd_register(self, rest):
-        args = build_parser().parse_args(["register"] + rest.split())
-        cmd_register(args, self.store.root)
+        try:
+            args = build_parser().parse_args(["register"] + rest.split())
+        except SystemExit:
+            raise UsageError("usage: /register [--supervisor A] [--executor A] "
+                             "[--supervisor-model M] [--executor-model M] [--trust]")
+        if not args.supervisor and not args.executor:
+            raise UsageError("At least one of --supervisor or --executor must be specified")
+        choices = {role: (getattr(args, role), getattr(args, role + "_model"))
+                   for role in ROLES if getattr(args, role)}
+        # Through write(), so the output lands in HQ's transcript, not over the screen.
+        register_agents(self.store.root, choices, trust=args.trust, report=self.write)
 
     def cmd_init(self, rest):
         args = rest.split()
@@ -6157,11 +6166,18 @@ class HqShell:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
                               adapter.install_hint())
+        # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
+        # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
         try:
             while proc.poll() is None:
                 self.controller.poll()
                 time.sleep(0.05)
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             held, self.held = self.held, None
             for message in held:
                 self.show(message)
@@ -6635,13 +6651,9 @@ class CursesHq(HqShell):
         curses.endwin()
         print("--- the %s agent has the terminal; HQ continues when it exits ---" % role,
               flush=True)
-        # Ctrl+C reaches the whole foreground group; it is meant for the agent.  A Python
-        # handler rather than SIG_IGN, so that the agent gets the default one after exec.
-        previous = signal.signal(signal.SIGINT, lambda *_: None)
         try:
-            super().interactive(role, prompt)
+            super().interactive(role, prompt)      # which leaves Ctrl+C to the agent
         finally:
-            signal.signal(signal.SIGINT, previous)
             curses.reset_prog_mode()
             self.scr.clearok(True)
             self.status_due = 0
