@@ -283,3 +283,54 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
         assert (runs[0] / ("%s.md" % role)).exists()
     status = json.loads((runs[0] / "status.json").read_text())
     assert status["result_delivered"] is True
+
+
+def test_hq_task_flow_with_real_claude_reaches_complete(project, tmp_path):
+    """HQ (plain lines) with `/task TEXT`: real `claude -p` executor and reviewer."""
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    import sys
+    import time
+    home = tmp_path / "home"
+    home.mkdir()
+    set_config(project, CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("claude-code", None),
+                                          "executor": ("claude-code", None)},
+                           report=lambda message: None)
+    steps = {
+        "executor": [tool_use("mcp__ferrus-executor-1__wait_for_task", {}),
+                     tool_use("Write", {"file_path": str(project / "hello.txt"),
+                                        "content": "hi\n"}),
+                     tool_use("mcp__ferrus-executor-1__submit", {"content": "Wrote hello.txt."})],
+        "supervisor": [tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
+                       tool_use("mcp__ferrus-supervisor-1__approve", {})],
+    }
+
+    def turn(request):
+        names = [tool.get("name", "") for tool in request.get("tools") or []]
+        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
+            else "supervisor"
+        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
+
+    store = ferrus.Store(str(project))
+    with FakeAnthropic(turn) as fake:
+        proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "hq", "--no-tui"],
+                                cwd=str(project), env=claude_env(fake, str(home)),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            proc.stdin.write("/task Create hello.txt containing hi.\n")
+            proc.stdin.flush()
+            deadline = time.monotonic() + 180
+            while store.read_state().state != ferrus.S.COMPLETE:
+                assert time.monotonic() < deadline, "HQ did not reach Complete"
+                time.sleep(0.2)
+            proc.stdin.write("/quit\n")
+            proc.stdin.flush()
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0
+    assert "Reviewing → Complete" in out and "Task complete." in out
+    assert (project / "hello.txt").read_text() == "hi\n"
