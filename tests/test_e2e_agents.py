@@ -201,8 +201,10 @@ def test_claude_accepts_the_entry_register_wrote(tmp_path):
         assert lines and "Connected" in lines[0], output
 
 
-def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
-    """`ferrus run --task ...` supervises real `claude -p` sessions (executor, reviewer)."""
+def claude_loop(project, tmp_path):
+    """A project whose supervisor and executor are Claude Code, and a model script that
+    plays both: the executor writes hello.txt, checks and submits; the reviewer approves.
+    Returns (the scripted turn function, the isolated HOME)."""
     if not find_agent("claude"):
         pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
     home = tmp_path / "home"
@@ -222,12 +224,18 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     }
 
     def turn(request):
+        # Each claude process is one role: its tools say which.
         names = [tool.get("name", "") for tool in request.get("tools") or []]
         role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
             else "supervisor"
         done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
         return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
+    return turn, home
 
+
+def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
+    """`ferrus run --task ...` supervises real `claude -p` sessions (executor, reviewer)."""
+    turn, home = claude_loop(project, tmp_path)
     with FakeAnthropic(turn) as fake:
         env = claude_env(fake, str(home))
         result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE, "run",
@@ -287,32 +295,9 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
 
 def test_hq_task_flow_with_real_claude_reaches_complete(project, tmp_path):
     """HQ (plain lines) with `/task TEXT`: real `claude -p` executor and reviewer."""
-    if not find_agent("claude"):
-        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
     import sys
     import time
-    home = tmp_path / "home"
-    home.mkdir()
-    set_config(project, CONFIG)
-    ferrus.register_agents(str(project), {"supervisor": ("claude-code", None),
-                                          "executor": ("claude-code", None)},
-                           report=lambda message: None)
-    steps = {
-        "executor": [tool_use("mcp__ferrus-executor-1__wait_for_task", {}),
-                     tool_use("Write", {"file_path": str(project / "hello.txt"),
-                                        "content": "hi\n"}),
-                     tool_use("mcp__ferrus-executor-1__submit", {"content": "Wrote hello.txt."})],
-        "supervisor": [tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
-                       tool_use("mcp__ferrus-supervisor-1__approve", {})],
-    }
-
-    def turn(request):
-        names = [tool.get("name", "") for tool in request.get("tools") or []]
-        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
-            else "supervisor"
-        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
-        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
-
+    turn, home = claude_loop(project, tmp_path)
     store = ferrus.Store(str(project))
     with FakeAnthropic(turn) as fake:
         proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "hq", "--no-tui"],
