@@ -482,7 +482,7 @@ def test_sigkill_of_serve_mid_transaction_then_doctor_and_a_new_server(project, 
             _stop(server)
         data = store.read_state()                  # parses after every kill
         assert store.last_journal_seq() <= data.rev, "journal ahead of STATE.json (round %d)" % round_
-    assert store.read_state().rev > 4, "the servers did commit work"
+    assert store.read_state().rev >= 4, "every round committed work before its kill"
     _age_temp_files(project)
     fixed = cli("doctor", "--fix", cwd=project)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
