@@ -292,7 +292,9 @@ def atomic_write(path, data, durable=True):
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+    # The temporary name is longer than the target's; a shortened prefix keeps a
+    # target near the 255-byte name limit writable.
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path)[:96] + ".",
                                 suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -311,6 +313,20 @@ def atomic_write(path, data, durable=True):
         raise
     if durable:
         fsync_directory(directory)
+
+
+def open_private_log(path):
+    """Open ``path`` for appending, readable by its owner only (0600).
+
+    Agent session logs hold whole transcripts (code, prompts, sometimes secrets an
+    agent printed), so they are created 0600 whatever the umask, and an existing
+    one written by an older ferrus is narrowed to 0600 too."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, 0o600)
+    if not IS_WINDOWS:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def read_text(path, default=None):
@@ -2634,9 +2650,19 @@ def resolve_selected(root, data):
                       "select another milestone with /milestones")
 
 
-def slugify(title):
+# Longest slug in a spec's file name: with the date, a "-NNNN" counter, ".md" and
+# atomic_write's temporary-name decoration it stays far below the 255-byte limit
+# of common file systems (a 239-character title used to fail "File name too long").
+SLUG_MAX_CHARS = 80
+
+
+def slugify(title, max_chars=SLUG_MAX_CHARS):
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower().encode("ascii", "replace").decode("ascii")
                   .replace("?", "-")).strip("-")
+    if len(slug) > max_chars:
+        # Cut at a word boundary when one is near, so the name stays readable.
+        cut = slug[:max_chars + 1].rfind("-")
+        slug = (slug[:cut] if cut >= max_chars // 2 else slug[:max_chars]).strip("-")
     return slug or "spec"
 
 
@@ -2841,7 +2867,16 @@ def op_create_spec(store, caller, markdown):
             break
         except FileExistsError:
             continue
-    atomic_write(path, text)
+    else:
+        raise FerrusError("Cannot create spec: %s already holds 9999 specs named %s-*.md"
+                          % (directory, stem), "rename or archive some of them")
+    try:
+        atomic_write(path, text)
+    except BaseException:
+        # Never leave the empty placeholder behind a failed write.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     rel = os.path.relpath(path, store.root).replace(os.sep, "/")
     milestone = first_ready_milestone(parse_spec(text))
     with store.transaction(caller.agent_id) as tx:
@@ -5189,7 +5224,7 @@ class AgentProcess:
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "ab")
+        self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -6954,7 +6989,7 @@ def start_worker_process(launch, root, base):
         atomic_write(base + ".prompt", launch.stdin)
         stdin = open(base + ".prompt", "rb")
     try:
-        with open(base + ".log", "ab") as log_file:
+        with open_private_log(base + ".log") as log_file:
             log_file.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
             log_file.flush()
             return subprocess.Popen([sys.executable, "-c", _PID_WRAPPER, base + ".pid"] +
