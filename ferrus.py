@@ -2610,6 +2610,40 @@ def first_ready_milestone(milestones, after=None):
     return None
 
 
+def next_ready_milestone(milestones, after):
+    """The milestone to select once ``after`` is done: the next ready one in document
+    order, else an earlier one that was waiting on it (``Depends on:`` may point forward)."""
+    return first_ready_milestone(milestones, after=after) or first_ready_milestone(milestones)
+
+
+def unmet_dependencies(milestone, milestones):
+    """The markers or ids ``milestone`` waits for that are not complete yet."""
+    done = {m.marker for m in milestones if m.completed} | {m.id for m in milestones if m.completed}
+    known = {m.marker for m in milestones} | {m.id for m in milestones}
+    return [dep for dep in milestone.depends_on if dep in known and dep not in done]
+
+
+def milestone_block(text, milestone):
+    """The milestone's header line and its own child lines, as written in the spec."""
+    lines = text.split("\n")
+    block = [lines[milestone.line_index].strip()]
+    for line in lines[milestone.line_index + 1:]:
+        if _milestone_header(line) or _HEADING_RE.match(line) or _FENCE_RE.match(line):
+            break
+        block.append(line.rstrip())
+    while block and not block[-1].strip():
+        block.pop()
+    return "\n".join(block)
+
+
+def milestone_task_text(spec_path, text, milestone):
+    """A task description for ``ferrus run --milestone``: the milestone and its spec."""
+    return ("Implement milestone %s (ID %s) of the spec %s.\n\n%s\n\n"
+            "Read the whole spec for context. Do this milestone only; the reviewer checks "
+            "it against the spec's requirements and acceptance criteria.\n"
+            % (milestone.marker, milestone.id, spec_path, milestone_block(text, milestone)))
+
+
 def spec_directory(root, config):
     directory = config.spec.directory.strip()
     if not directory:
@@ -2744,7 +2778,9 @@ def _guard_lease(data, caller, now, action):
 
 # -- supervisor ---------------------------------------------------------------
 
-def op_create_task(store, caller, description):
+def op_create_task(store, caller, description, origin=None):
+    """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
+    implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
     _nonblank(description, "Cannot create task: the description is empty.")
     with store.transaction(caller.agent_id) as tx:
         if tx.state.state != S.IDLE:
@@ -2753,7 +2789,15 @@ def op_create_task(store, caller, description):
                 "the current task first." % tx.state.state,
                 "a human can run `ferrus reset` to return to Idle")
         task_id = new_id("t")
-        tx.set(t_create_task(tx.state, store.clock(), task_id), "create_task", task_id=task_id)
+        data = tx.state
+        if origin is not None:
+            data = data.copy()
+            data.pending_task_spec, data.pending_task_milestone = origin
+        new = t_create_task(data, store.clock(), task_id)
+        detail = {"task_id": task_id}
+        if new.task_milestone:
+            detail.update(spec=new.task_spec, milestone=new.task_milestone)
+        tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (upstream bug §11.18).
@@ -2809,8 +2853,9 @@ def op_approve(store, caller):
                         detail["milestone_completed"] = match.id
                     if (data.selected_spec == data.task_spec
                             and data.selected_milestone == data.task_milestone):
-                        following = first_ready_milestone(milestones, after=match.id)
+                        following = next_ready_milestone(milestones, match.id)
                         new.selected_milestone = following.id if following else None
+                        detail["selected_milestone"] = new.selected_milestone
         tx.set(new, "approve", **detail)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
@@ -2921,6 +2966,74 @@ def op_select_milestone(store, caller, spec_path, milestone_id=None):
         tx.set(data, "select_milestone", spec=rel, milestone=data.selected_milestone)
     return _outcome("Selected %s, milestone %s." % (rel, data.selected_milestone or "(none left)"),
                     data.state)
+
+
+def op_stage_task_origin(store, caller, spec_path=None, milestone_id=None):
+    """Record which milestone the next create_task implements (HQ's /task, before the
+    supervisor defines it), or forget it (both None)."""
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        if (data.pending_task_spec, data.pending_task_milestone) == (spec_path, milestone_id):
+            return
+        data.pending_task_spec, data.pending_task_milestone = spec_path, milestone_id
+        tx.set(data, "stage_task_origin", spec=spec_path, milestone=milestone_id)
+
+
+def find_milestone(store, wanted):
+    """(spec path, spec text, milestone) for ``ferrus run --milestone``.
+
+    ``wanted`` is a milestone id or marker, or "next": the selected milestone when it is
+    still open, else the first ready one of the selected spec (or of the only spec).
+    Returns None for "next" when every milestone is done; raises when nothing fits."""
+    data = store.read_state()
+    config = store.config()
+    specs = list_spec_paths(store.root, config)
+    if data.selected_spec:
+        if not os.path.isfile(os.path.join(store.root, data.selected_spec)):
+            raise FerrusError("the selected spec %s does not exist" % data.selected_spec,
+                              "select another with /milestones in HQ")
+        candidates = [data.selected_spec] + ([p for p in specs if p != data.selected_spec]
+                                             if wanted != "next" else [])
+    elif wanted != "next" or len(specs) == 1:
+        candidates = specs
+    elif not specs:
+        raise FerrusError("there is no spec in %s" % config.spec.directory,
+                          "write one with /spec in HQ (or by hand), then run again")
+    else:
+        raise FerrusError("no spec is selected and %s holds %d specs" % (
+            config.spec.directory, len(specs)), "select one with /milestones in HQ")
+    for path in candidates:
+        text = read_text(os.path.join(store.root, path))
+        milestones = parse_spec(text)
+        if wanted == "next":
+            chosen = None
+            if path == data.selected_spec and data.selected_milestone:
+                chosen = next((m for m in milestones if m.id == data.selected_milestone
+                               and not m.completed and dependencies_met(m, milestones)), None)
+            chosen = chosen or first_ready_milestone(milestones)
+            if chosen is None:
+                blocked = [m for m in milestones if not m.completed]
+                if blocked:
+                    raise FerrusError(
+                        "no milestone of %s is ready: %s" % (path, "; ".join(
+                            "%s waits for %s" % (m.marker, ", ".join(
+                                unmet_dependencies(m, milestones))) for m in blocked)),
+                        "fix the `Depends on:` lines of %s" % path)
+                return None
+        else:
+            chosen = next((m for m in milestones if wanted in (m.id, m.marker)), None)
+            if chosen is None:
+                continue
+            if chosen.completed:
+                raise FerrusError("milestone %s of %s is already complete" % (wanted, path),
+                                  "untick its box in the spec to do it again")
+            waits = unmet_dependencies(chosen, milestones)
+            if waits:
+                raise FerrusError("milestone %s of %s depends on %s, not complete yet" % (
+                    wanted, path, ", ".join(waits)), "run `ferrus run --milestone next`")
+        return path, text, chosen
+    raise FerrusError("no milestone %s in %s" % (wanted, ", ".join(candidates) or "any spec"),
+                      "`ferrus run --milestone next` takes the next ready one")
 
 
 def op_clear_selection(store, caller):
@@ -5783,11 +5896,12 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  Returns the exit code."""
+    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: print(text, flush=True))
     data = store.read_state()
     controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
@@ -5803,9 +5917,14 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
+        if data.state == S.FAILED and not reset:
+            raise FerrusError(
+                "the last task failed: %s" % (data.failure_reason or "(no reason recorded)")
+                .splitlines()[0], "pass --reset to clear it and start the new task "
+                "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task)
+        op_create_task(store, HUMAN, task, origin=origin)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -5848,6 +5967,50 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+
+
+def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
+                   reset=False, out=None, clock=time.monotonic, **run_options):
+    """``ferrus run --milestone ID|next`` and ``--until-done``: one task per spec milestone.
+
+    Each milestone becomes a task whose origin is that milestone, so approving it ticks
+    the box and advances the selection.  With ``until_done`` the next ready milestone
+    follows until none is left; any other ending (Failed, a question nobody can answer,
+    a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
+    out = out or (lambda text: print(text, flush=True))
+    started = clock()
+
+    def time_left():
+        return None if timeout is None else max(0.0, timeout - (clock() - started))
+    if resume and store.read_state().state in ACTIVE_STATES:
+        code = run_loop(store, None, time_left(), True, out=out, clock=clock, **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        wanted = "next"
+    previous = None
+    finished = 0
+    while True:
+        found = find_milestone(store, wanted)
+        if found is None:
+            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
+                                    if finished else "every milestone of the spec is complete"))
+            return RUN_COMPLETE
+        path, text, milestone = found
+        if (path, milestone.id) == previous:
+            raise FerrusError("milestone %s of %s was approved but its box is still open"
+                              % (milestone.id, path),
+                              "tick `- [x]` on its line in the spec, then run again")
+        previous = (path, milestone.id)
+        op_select_milestone(store, HUMAN, path, milestone.id)
+        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
+                        out=out, clock=clock, origin=(path, milestone.id), reset=reset,
+                        **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        finished += 1
+        reset = False       # --reset clears the Failed task the run started from, only that one
+        wanted = "next"
 
 
 def _run_line(message):
@@ -6114,6 +6277,11 @@ class HqShell:
         data = self.store.read_state()
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
+        if data.state == S.FAILED and not self.confirm(
+                "The last task failed (%s). Reset it and start a new task?"
+                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+            self.write("Nothing changed; the failed task is kept (/reset clears it).")
+            return
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
@@ -6124,7 +6292,14 @@ class HqShell:
         if rest != "--manual" and data.selected_milestone:
             with contextlib.suppress(FerrusError):
                 spec, milestone = resolve_selected(self.store.root, data)
-        self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        # The supervisor's create_task takes this origin, so approving the task ticks the
+        # milestone and advances the selection.
+        op_stage_task_origin(self.store, HUMAN, spec, milestone.id if milestone else None)
+        try:
+            self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        finally:
+            if self.store.read_state().state == S.IDLE:
+                op_stage_task_origin(self.store, HUMAN)
         self.controller.paused = False
 
     def cmd_plan(self, rest):
@@ -8353,7 +8528,13 @@ def cmd_run(args, root):
             return None
         print("\nQuestion for you:\n%s" % question, flush=True)
         return input("answer> ")
-    return run_loop(store, task, args.timeout, args.resume, ask=ask)
+    if args.until_done and task is not None:
+        raise UsageError("--until-done works through spec milestones; it cannot follow --task",
+                         "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
+                              args.resume, args.reset, ask=ask)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
@@ -8684,8 +8865,16 @@ def build_parser():
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
     group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--milestone", metavar="ID|next",
+                       help="create the task from this spec milestone (id or marker), or the "
+                            "next ready one; approving it ticks its box")
+    p.add_argument("--until-done", action="store_true",
+                   help="after each milestone, take the next ready one until none is left")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
     p.add_argument("--resume", action="store_true", help="continue the task in flight")
+    p.add_argument("--reset", action="store_true",
+                   help="replace a Failed task (without it, a Failed task is kept and the run "
+                        "refuses)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
