@@ -302,7 +302,9 @@ def atomic_write(path, data, durable=True):
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+    # The temporary name is longer than the target's; a shortened prefix keeps a
+    # target near the 255-byte name limit writable.
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path)[:96] + ".",
                                 suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -321,6 +323,20 @@ def atomic_write(path, data, durable=True):
         raise
     if durable:
         fsync_directory(directory)
+
+
+def open_private_log(path):
+    """Open ``path`` for appending, readable by its owner only (0600).
+
+    Agent session logs hold whole transcripts (code, prompts, sometimes secrets an
+    agent printed), so they are created 0600 whatever the umask, and an existing
+    one written by an older ferrus is narrowed to 0600 too."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, 0o600)
+    if not IS_WINDOWS:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def read_text(path, default=None):
@@ -1118,6 +1134,7 @@ class ChecksConfig:
     parallel: bool = False
     timeout_secs: int = 600
     fail_fast: bool = False
+    max_log_bytes: int = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -1226,6 +1243,7 @@ _INT_LIMITS = {
     ("lease", "ttl_secs"): (1, 31_536_000),
     ("lease", "heartbeat_interval_secs"): (1, 31_536_000),
     ("checks", "timeout_secs"): (1, 604_800),
+    ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
@@ -2286,6 +2304,8 @@ class CommandResult:
     tail: list = dataclasses.field(default_factory=list)
     log_path: "str | None" = None      # relative to the project root, for reports
     log_path_abs: "str | None" = None
+    log_cut_bytes: int = 0             # output left out of the middle of the log file
+    log_error: "str | None" = None     # why the log file is incomplete (a full disk)
 
     @property
     def passed(self):
@@ -2326,10 +2346,18 @@ class CheckRun:
                 out.append("(last %d of %d lines)\n" % (max_lines, result.line_count))
             out.append("```\n" + "\n".join(tail) + "\n```\n")
             if result.log_path:
-                out.append("(full output: `%s`)\n" % result.log_path)
+                out.append("(%s: `%s`)\n" % (_log_description(result), result.log_path))
             out.append("\n")
         out.append("Full log: `%s`" % self.log_path)
         return "".join(out)
+
+
+def _log_description(result):
+    if result.log_error:
+        return "incomplete log, %s" % result.log_error
+    if result.log_cut_bytes:
+        return "log, %d bytes cut from the middle" % result.log_cut_bytes
+    return "full output"
 
 
 def _status_note(result):
@@ -2342,6 +2370,112 @@ def _status_note(result):
     if result.exit_code is not None:
         return " (exit %d)" % result.exit_code
     return ""
+
+
+class CappedLog:
+    """A log file that never grows past ``max_bytes``: the head and the tail survive.
+
+    The first half of the budget goes straight into the file.  After that the
+    output goes to two tail segment files beside it (``<log>.tail0`` and
+    ``.tail1``) of a quarter budget each; when the current one is full the older
+    is emptied and reused, so the disk holds at most the budget at any moment
+    and memory holds nothing but one chunk.  ``close`` appends a
+    ``[… N bytes cut …]`` line and the kept tail (the last quarter to half of the
+    budget) to the log and removes the segments.  A write error (a full disk)
+    stops the logging, never the check: output is still drained and counted."""
+
+    def __init__(self, path, max_bytes):
+        self.path = path
+        self.head_budget = max(1, max_bytes // 2)
+        self.segment_budget = max(1, (max_bytes - self.head_budget) // 2)
+        self.handle = open(path, "wb")
+        self.written = 0           # bytes in the log file itself
+        self.total = 0             # every byte offered, kept or not
+        self.segments = []         # [path, handle, size], oldest first, at most two
+        self.error = None
+        self.closed = False
+        # A reader thread still draining a pipe that an escaped process holds may
+        # write while close() runs.
+        self._lock = threading.Lock()
+
+    def write(self, data):
+        with self._lock:
+            if self.closed:
+                return
+            self.total += len(data)
+            if self.error is None and data:
+                self._write(data)
+
+    def _write(self, data):
+        try:
+            room = self.head_budget - self.written
+            if room > 0:
+                self.handle.write(data[:room])
+                self.written += min(room, len(data))
+                data = data[room:]
+            while data:
+                data = self._write_tail(data)
+        except OSError as err:
+            self.error = "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+
+    def _write_tail(self, data):
+        if not self.segments or self.segments[-1][2] >= self.segment_budget:
+            if len(self.segments) == 2:
+                # Reuse the older segment: its bytes are no longer among the last ones.
+                oldest = self.segments.pop(0)
+                oldest[1].seek(0)
+                oldest[1].truncate()
+                oldest[2] = 0
+                self.segments.append(oldest)
+            else:
+                name = "%s.tail%d" % (self.path, len(self.segments))
+                self.segments.append([name, open(name, "w+b"), 0])
+        current = self.segments[-1]
+        piece = data[:self.segment_budget - current[2]]
+        current[1].write(piece)
+        current[2] += len(piece)
+        return data[len(piece):]
+
+    @property
+    def cut_bytes(self):
+        """Bytes of output the finished log leaves out (0 while nothing is cut)."""
+        kept = self.written + sum(segment[2] for segment in self.segments)
+        return max(0, self.total - kept) if self.error is None else 0
+
+    def close(self, trailer=b""):
+        """Splice the tail into the log, append ``trailer`` and close everything."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._close(trailer)
+
+    def _close(self, trailer):
+        try:
+            if self.segments and self.error is None:
+                cut = self.cut_bytes
+                if cut:
+                    self.handle.write(("\n[\u2026 %d bytes cut \u2026]\n" % cut).encode("utf-8"))
+                for _name, handle, size in self.segments:
+                    handle.seek(0)
+                    left = size
+                    while left:
+                        chunk = handle.read(min(left, 1 << 20))
+                        if not chunk:
+                            break
+                        self.handle.write(chunk)
+                        left -= len(chunk)
+            if self.error is not None:
+                trailer = ("\n[log incomplete: %s]\n" % self.error).encode("utf-8") + trailer
+            self.handle.write(trailer)
+        except OSError as err:
+            self.error = self.error or "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+        finally:
+            for name, handle, _size in self.segments:
+                handle.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            with contextlib.suppress(OSError):
+                self.handle.close()
 
 
 class _OutputSink:
@@ -2384,13 +2518,15 @@ def _tail_text(raw, cut=False):
     return "..." + text if cut else text
 
 
-def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
+def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
+                     max_log_bytes=ChecksConfig.max_log_bytes):
     """Run one check command to completion, timeout or ``stop``; fill ``result``."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
         return
-    with open(result.log_path_abs, "wb") as handle:
+    handle = CappedLog(result.log_path_abs, max_log_bytes)
+    try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
@@ -2430,8 +2566,11 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
             result.status = "passed" if proc.returncode == 0 else "failed"
         else:
             result.status = outcome
-        handle.write(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
+        result.log_cut_bytes = handle.cut_bytes
+    finally:
+        handle.close(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
                                                     result.duration)).encode("utf-8"))
+        result.log_error = handle.error
 
 
 def _pump_output(stream, sink):
@@ -2480,7 +2619,8 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     stop = _StopFlag(cancel)
 
     def run(result):
-        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir)
+        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
+                         checks.max_log_bytes)
         if checks.fail_fast and not result.passed:
             stop.set()
 
@@ -2504,8 +2644,10 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     for result in results:
         label = {"passed": "PASS", "failed": "FAIL"}.get(result.status, result.status.upper())
         lines.append("=== [%s] %s\n" % (label, result.command))
-        lines.append("exit: %s, %.2f s, %d lines, log: %s\n\n" % (
-            result.exit_code, result.duration, result.line_count, result.log_path))
+        lines.append("exit: %s, %.2f s, %d lines, log: %s%s\n\n" % (
+            result.exit_code, result.duration, result.line_count, result.log_path,
+            "" if _log_description(result) == "full output"
+            else " (%s)" % _log_description(result)))
     with open(summary, "w", encoding="utf-8") as handle:
         handle.writelines(lines)
     return CheckRun(results=results, cancelled=cancelled,
@@ -2678,9 +2820,19 @@ def resolve_selected(root, data):
                       "select another milestone with /milestones")
 
 
-def slugify(title):
+# Longest slug in a spec's file name: with the date, a "-NNNN" counter, ".md" and
+# atomic_write's temporary-name decoration it stays far below the 255-byte limit
+# of common file systems (a 239-character title used to fail "File name too long").
+SLUG_MAX_CHARS = 80
+
+
+def slugify(title, max_chars=SLUG_MAX_CHARS):
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower().encode("ascii", "replace").decode("ascii")
                   .replace("?", "-")).strip("-")
+    if len(slug) > max_chars:
+        # Cut at a word boundary when one is near, so the name stays readable.
+        cut = slug[:max_chars + 1].rfind("-")
+        slug = (slug[:cut] if cut >= max_chars // 2 else slug[:max_chars]).strip("-")
     return slug or "spec"
 
 
@@ -2896,7 +3048,16 @@ def op_create_spec(store, caller, markdown):
             break
         except FileExistsError:
             continue
-    atomic_write(path, text)
+    else:
+        raise FerrusError("Cannot create spec: %s already holds 9999 specs named %s-*.md"
+                          % (directory, stem), "rename or archive some of them")
+    try:
+        atomic_write(path, text)
+    except BaseException:
+        # Never leave the empty placeholder behind a failed write.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     rel = os.path.relpath(path, store.root).replace(os.sep, "/")
     milestone = first_ready_milestone(parse_spec(text))
     with store.transaction(caller.agent_id) as tx:
@@ -5317,7 +5478,7 @@ class AgentProcess:
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "ab")
+        self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -7144,7 +7305,7 @@ def start_worker_process(launch, root, base):
         atomic_write(base + ".prompt", launch.stdin)
         stdin = open(base + ".prompt", "rb")
     try:
-        with open(base + ".log", "ab") as log_file:
+        with open_private_log(base + ".log") as log_file:
             log_file.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
             log_file.flush()
             return subprocess.Popen([sys.executable, "-c", _PID_WRAPPER, base + ".pid"] +
