@@ -56,12 +56,11 @@ def test_a_bad_sessions_value_is_a_config_error_everywhere(project):
 def test_status_shows_a_broken_config_instead_of_defaults(project, cli):
     set_config(project, BROKEN)
     result = cli("status", cwd=project)
-    assert result.returncode == 1
+    assert result.returncode == 0      # status reports; the error is part of the report
     assert "error: ferrus.toml: [checks.timeout_secs]" in result.stdout
     assert "limit unknown" in result.stdout and "0/20" not in result.stdout
     assert "lists all 4 problems" in result.stdout
     as_json = cli("status", "--json", cwd=project)
-    assert as_json.returncode == 1
     info = json.loads(as_json.stdout)
     assert "checks.timeout_secs" in info["config_error"] and "limits" not in info
 
