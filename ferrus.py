@@ -5520,6 +5520,18 @@ def usage_limit_wait(text, now=None):
     return (target - now).total_seconds() + 60
 
 
+def _spawn_error_hint(err):
+    """Why an agent program could not be started, in terms a user can act on."""
+    if err.errno == errno.ENOEXEC:
+        return " — it is not a program this system can run; a script needs a first line " \
+               "such as #!/usr/bin/env python3"
+    if err.errno == errno.ENOENT:
+        return " — the program, or the interpreter named on its #! line, does not exist"
+    if err.errno == errno.EACCES:
+        return " — it is not executable (chmod +x) or a folder on the way is not readable"
+    return ""
+
+
 class AgentProcess:
     """One running agent CLI: its process, its raw log, and what its output said."""
 
@@ -5887,9 +5899,12 @@ class HqController:
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
-            self.emit(HqMessage("error", "could not start the %s (%s): %s" % (
-                slot.name, launch.argv[0], err)))
+            self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
+                slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            # A start that fails counts as a failed session: back off, retry, and stop
+            # at the thresholds (seed 001) instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            self._arm_backoff(slot)
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
@@ -6477,6 +6492,17 @@ class HqShell:
                 % (data.failure_reason or "no reason recorded").splitlines()[0]):
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
+        # Creating a task is a transition HQ drives: it passes the capacity gate the way
+        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        if self.controller.checkpoint and not self.controller.recheck_checkpoint():
+            raise FerrusError("no new task: the capacity checkpoint holds (%s)"
+                              % self.controller.checkpoint.get("signal"),
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
+        if self.controller.gate("transition:create_task") in (CHECKPOINT, EMERGENCY_STOP):
+            raise FerrusError("no new task: the capacity gate stopped it",
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
@@ -8735,6 +8761,9 @@ def cmd_agents(args, root):
 
 
 def cmd_run(args, root):
+    if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
+        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
+                         "leave --timeout out to run until the task ends")
     store = Store(root).require()
     task = args.task
     if args.task_file:
@@ -9176,8 +9205,10 @@ def main(argv=None):
         # A full disk or a read-only file: the atomic writes left the old state intact.
         where = " (%s)" % err.filename if err.filename else ""
         print("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
-        print("hint: nothing was changed; free space or fix permissions and try again",
-              file=sys.stderr)
+        # Never "nothing was changed": a command may fail after an earlier write landed.
+        print("hint: each file in .ferrus/ is replaced whole, so it holds its old or its new "
+              "content; free space or fix permissions, check with `ferrus status` and "
+              "`ferrus doctor`, and try again", file=sys.stderr)
         return 1
 
 
