@@ -2144,7 +2144,16 @@ class Store:
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
         self.require()
-        return StateData.from_json(read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE)
+        return self.continue_journal(StateData.from_json(read_text(self.path(STATE_FILE)),
+                                                         FERRUS_DIR + "/" + STATE_FILE))
+
+    def continue_journal(self, data):
+        """A STATE.json without ``rev`` was last written by upstream ferrus (which knows
+        no journal) or never written at all: its revision is where the journal ends, so
+        the next commit continues the journal instead of looking like a restored file."""
+        if data.rev == 0:
+            data.rev = self.last_journal_seq()
+        return data
 
     def read_file(self, name):
         return read_text(self.path(name), default="")
@@ -6043,7 +6052,12 @@ class HqController:
             if entry is None:
                 entry = {"name": slot.name}
                 agents.append(entry)
+            choice = None
+            with contextlib.suppress(FerrusError):
+                choice = getattr(self.store.config(), slot.role)
+            # agent_type is required by upstream's reader of this file.
             entry.update(role=slot.role, status=status,
+                         agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
                          else entry.get("started_at"))
@@ -8344,7 +8358,8 @@ def doctor_findings(root):
                                 "write a fresh Idle state", lambda: _rebuild_state(store)))
     else:
         try:
-            data = StateData.from_json(read_text(state_path), FERRUS_DIR + "/" + STATE_FILE)
+            data = store.continue_journal(StateData.from_json(read_text(state_path),
+                                                              FERRUS_DIR + "/" + STATE_FILE))
         except StateCorrupt as err:
             findings.append(Finding(
                 err.message, "keep the damaged file as STATE.json.corrupt-<time> and write a fresh "
