@@ -1213,6 +1213,29 @@ class CapacityConfig:
 
 
 @dataclasses.dataclass
+class SessionsConfig:
+    """[sessions]: how HQ supervises each agent slot (seed 001)."""
+
+    max_consecutive_errors: int = 5
+    max_total_errors: int = 20
+    timeout_secs: int = 3600
+    interrupt_grace_secs: int = 10
+
+
+@dataclasses.dataclass
+class PipelinesConfig:
+    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
+
+    file: str = "workflows.json"
+    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
+
+
+# The tables _fill_section reads straight into their dataclass, in file order.
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+
+
+@dataclasses.dataclass
 class Config:
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
@@ -1220,6 +1243,8 @@ class Config:
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
     agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
+    sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
+    pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # A problem in [hq] only matters to commands that launch agents, so it is kept
@@ -1247,6 +1272,11 @@ _INT_LIMITS = {
     ("capacity", "orange_percent"): (1, 100),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
+    ("sessions", "max_consecutive_errors"): (1, 1_000_000),
+    ("sessions", "max_total_errors"): (1, 1_000_000),
+    ("sessions", "timeout_secs"): (1, 31_536_000),
+    ("sessions", "interrupt_grace_secs"): (0, 86_400),
+    ("pipelines", "max_parallel"): (1, 1000),
 }
 
 
@@ -1278,9 +1308,10 @@ def _fill_section(path, raw, name, target, unknown):
     if not isinstance(table, dict):
         raise _config_error(path, name, "must be a table", table)
     fields = {f.name: f for f in dataclasses.fields(target)}
+    # Unknown keys first, so a bad value earlier in the table does not hide them.
+    unknown.extend("%s.%s" % (name, key) for key in table if key not in fields)
     for key, value in table.items():
         if key not in fields:
-            unknown.append("%s.%s" % (name, key))
             continue
         current = getattr(target, key)
         dotted = "%s.%s" % (name, key)
@@ -1379,8 +1410,12 @@ def _parse_agent_sections(path, agents, target):
         target.custom[name] = spec
 
 
-def parse_config(text, path=CONFIG_FILE):
-    """Build a validated :class:`Config` from ferrus.toml text."""
+def parse_config(text, path=CONFIG_FILE, problems=None):
+    """Build a validated :class:`Config` from ferrus.toml text.
+
+    Every table is checked.  The first error is raised, unless ``problems`` is a
+    list: then each table's error is appended to it and parsing goes on, so
+    `ferrus doctor` can list them all at once."""
     try:
         raw = parse_toml(text)
     except TomlError as err:
@@ -1388,25 +1423,20 @@ def parse_config(text, path=CONFIG_FILE):
                           "fix the syntax at that line; `ferrus init` shows a valid example")
     config = Config(path=path)
     unknown = config.unknown_keys
-    for name in ("checks", "limits", "lease", "spec", "capacity"):
-        _fill_section(path, raw, name, getattr(config, name), unknown)
+    found = [] if problems is None else problems
+
+    def checked(parse, *args):
+        try:
+            parse(*args)
+        except FerrusError as err:
+            found.append(err)
+    for name in PLAIN_TABLES:
+        checked(_fill_section, path, raw, name, getattr(config, name), unknown)
     agents = raw.get("agents", {})
     if not isinstance(agents, dict):
-        raise _config_error(path, "agents", "must be a table", agents)
-    if "path" in agents:
-        if not isinstance(agents["path"], str):
-            raise _config_error(path, "agents.path", "must be a string", agents["path"])
-        config.agents.path = agents["path"]
-    claude = agents.get("claude", {})
-    if not isinstance(claude, dict):
-        raise _config_error(path, "agents.claude", "must be a table", claude)
-    isolation = claude.get("mcp_isolation", "merge-user")
-    if isolation not in CLAUDE_MCP_ISOLATION:
-        # Upstream silently treated typos as merge-user (bug §11.15).
-        raise _config_error(path, "agents.claude.mcp_isolation",
-                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
-    config.agents.claude_mcp_isolation = isolation
-    _parse_agent_sections(path, agents, config.agents)
+        found.append(_config_error(path, "agents", "must be a table", agents))
+        agents = {}
+    checked(_parse_agents_table, path, agents, config)
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     hq = raw.get("hq")
     if hq is not None:
@@ -1423,12 +1453,32 @@ def parse_config(text, path=CONFIG_FILE):
                 setattr(config, role, choice)
                 config.hq_problem = config.hq_problem or problem
     for name in raw:
-        if name not in ("checks", "limits", "lease", "spec", "agents", "hq", "sessions",
-                        "capacity", "pipelines"):
+        if name not in KNOWN_TABLES:
             unknown.append(name)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", path, key)
+    if found and problems is None:
+        first = found[0]
+        if len(found) > 1:
+            raise FerrusError(first.message, "%s; `ferrus doctor` lists all %d problems in %s"
+                              % (first.hint, len(found), path))
+        raise first
     return config
+
+
+def _parse_agents_table(path, agents, config):
+    if "path" in agents:
+        if not isinstance(agents["path"], str):
+            raise _config_error(path, "agents.path", "must be a string", agents["path"])
+        config.agents.path = agents["path"]
+    claude = agents.get("claude", {})
+    if not isinstance(claude, dict):
+        raise _config_error(path, "agents.claude", "must be a table", claude)
+    isolation = claude.get("mcp_isolation", "merge-user")
+    if isolation not in CLAUDE_MCP_ISOLATION:
+        # Upstream silently treated typos as merge-user (bug §11.15).
+        raise _config_error(path, "agents.claude.mcp_isolation",
+                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
+    config.agents.claude_mcp_isolation = isolation
+    _parse_agent_sections(path, agents, config.agents)
 
 
 def load_config(root):
@@ -1462,7 +1512,17 @@ class ConfigCache:
             if stamp is None or stamp != self._stamp:
                 self._config = load_config(self.root)
                 self._stamp = stamp
+                # Once per change of the file, not on every read (`ferrus doctor`
+                # lists them too).
+                for key in self._config.unknown_keys:
+                    log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
             return self._config
+
+
+NO_CHECKS_WARNING = ("%s has no [checks] commands, so the check gate passes every "
+                     "submission" % CONFIG_FILE)
+NO_CHECKS_HINT = ("add your lint and test commands, e.g. commands = [\"make lint\", "
+                  "\"make test\"] under [checks]")
 
 
 # ============================================================================
@@ -5486,24 +5546,16 @@ def supervisor_prompt_for(data, resuming=False):
 # The controller knows nothing about terminals: front ends (plain lines here,
 # `ferrus run`) feed it input and print what it emits.
 
-@dataclasses.dataclass
-class SessionsConfig:
-    max_consecutive_errors: int = 5
-    max_total_errors: int = 20
-    timeout_secs: int = 3600
-    interrupt_grace_secs: int = 10
-
-
 def sessions_config(root):
-    """[sessions] from ferrus.toml (validated like the other tables)."""
-    text = read_text(os.path.join(root, CONFIG_FILE), default="")
+    """[sessions] from ferrus.toml (validated with the whole file by load_config).
+
+    HQ starts even when ferrus.toml is broken, so a human can see the task and fix
+    the file; every agent launch loads the config and reports the error, so these
+    defaults never drive a session."""
     try:
-        raw = parse_toml(text)
-    except TomlError:
-        raw = {}
-    target = SessionsConfig()
-    _fill_section(CONFIG_FILE, raw, "sessions", target, [])
-    return target
+        return load_config(root).sessions
+    except FerrusError:
+        return SessionsConfig()
 
 
 # What each slot must achieve before its session counts as done: HQ checks the
@@ -6166,6 +6218,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         raise UsageError("a task is in flight (state %s)" % data.state,
                          "pass --resume to continue it")
     started = clock()
+    if not store.config().checks.commands:
+        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
     out("ferrus run: %s" % controller.describe_state())
     try:
         while True:
@@ -7178,28 +7232,9 @@ _STATUS_OF = {SS.INITIALIZING: "pending", SS.BUILDING_PROMPT: "pending",
               SS.SESSION_COMPLETE: "completed", SS.STOPPED: "failed"}
 
 
-@dataclasses.dataclass
-class PipelinesConfig:
-    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
-
-    file: str = "workflows.json"
-    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
-
-
 def pipelines_config(root):
-    """[pipelines] from ferrus.toml (load_config reports a TOML syntax error)."""
-    try:
-        raw = parse_toml(read_text(os.path.join(root, CONFIG_FILE), default=""))
-    except TomlError:
-        raw = {}
-    target, unknown = PipelinesConfig(), []
-    _fill_section(CONFIG_FILE, raw, "pipelines", target, unknown)
-    if not 1 <= target.max_parallel <= 1000:
-        raise _config_error(CONFIG_FILE, "pipelines.max_parallel", "must be between 1 and 1000",
-                            target.max_parallel)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
-    return target
+    """[pipelines] from ferrus.toml (validated with the whole file by load_config)."""
+    return load_config(root).pipelines
 
 
 # -- definitions ------------------------------------------------------------------------------
@@ -8371,15 +8406,7 @@ def doctor_findings(root):
         findings.append(Finding("%s is missing" % CONFIG_FILE, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
     else:
-        try:
-            config = load_config(root)
-            for key in config.unknown_keys:
-                findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                        "check its spelling against the README", severity="warning"))
-            if config.hq_problem:
-                findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
-        except FerrusError as err:
-            findings.append(Finding(err.message, err.hint or "fix ferrus.toml"))
+        findings.extend(config_findings(root))
     if not os.path.isdir(store.dir):
         findings.append(Finding("%s/ is missing" % FERRUS_DIR, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
@@ -8416,6 +8443,26 @@ def doctor_findings(root):
             findings.append(Finding("stray temporary file %s/%s (%s old)" % (
                 FERRUS_DIR, name, format_duration(age)), "delete it",
                 lambda path=path: os.unlink(path)))
+    return findings
+
+
+def config_findings(root):
+    """Every problem in ferrus.toml, each once: errors in any table, a bad [hq], unknown
+    keys, and an empty [checks] (then the check gate passes every submission)."""
+    problems = []
+    try:
+        config = parse_config(read_text(os.path.join(root, CONFIG_FILE)), CONFIG_FILE, problems)
+    except FerrusError as err:          # not valid TOML: nothing else can be checked
+        return [Finding(err.message, err.hint or "fix ferrus.toml")]
+    findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
+    if config.hq_problem:
+        findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    for key in dict.fromkeys(config.unknown_keys):
+        findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
+                                "check its spelling against the README", severity="warning"))
+    if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
+            and not config.checks.commands:
+        findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
     return findings
 
 
@@ -8545,13 +8592,24 @@ def cmd_status(args, root):
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
-    config = None
-    with contextlib.suppress(FerrusError):
+    config = config_error = None
+    try:
         config = store.config()
+    except FerrusError as err:
+        # Defaults would hide the problem: say that the limits are unknown instead.
+        config_error = err
+    notes = []
+    if config_error is None:
+        if not config.checks.commands:
+            notes.append(NO_CHECKS_WARNING)
+        if config.hq_problem:
+            notes.append(config.hq_problem.message)
     if args.json:
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
+        info["config_error"] = config_error.full_text() if config_error else None
+        info["config_warnings"] = notes
         print(json.dumps(info, indent=2))
         return 0
     color = _color_enabled(sys.stdout)
@@ -8565,9 +8623,16 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    limits = config.limits if config else LimitsConfig()
-    rows.append(("check retries", "%d/%d" % (data.check_retries, limits.max_check_retries)))
-    rows.append(("review cycles", "%d/%d" % (data.review_cycles, limits.max_review_cycles)))
+    if config:
+        rows.append(("check retries", "%d/%d" % (data.check_retries,
+                                                 config.limits.max_check_retries)))
+        rows.append(("review cycles", "%d/%d" % (data.review_cycles,
+                                                 config.limits.max_review_cycles)))
+    else:
+        rows.append(("check retries", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.check_retries))
+        rows.append(("review cycles", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
     if is_claimed(data, now):
@@ -8591,6 +8656,11 @@ def cmd_status(args, root):
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
+    if config_error:
+        rows.append(("config", _paint("error: " + config_error.message, "1;31", color)))
+        rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
+    for note in notes:
+        rows.append(("config", _paint("warning: " + note, "33", color)))
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print("%s  %s" % (label.rjust(width), value))
@@ -8663,7 +8733,7 @@ def cmd_doctor(args, root):
     if not findings:
         print("ferrus doctor: everything is consistent.")
         return 0
-    remaining = 0
+    remaining = repaired = 0
     for finding in findings:
         mark = "error" if finding.severity == "error" else "warning"
         print("%s: %s" % (mark, finding.problem))
@@ -8671,6 +8741,7 @@ def cmd_doctor(args, root):
             try:
                 finding.fix()
                 print("  fixed: %s" % finding.repair)
+                repaired += 1
                 continue
             except (OSError, FerrusError) as err:
                 print("  could not fix: %s" % err)
@@ -8680,12 +8751,21 @@ def cmd_doctor(args, root):
             print("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
+    warnings = sum(1 for finding in findings if finding.severity != "error")
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
-        print("ferrus doctor: %s" % ("all errors repaired." if not left else
-                                     "%d error(s) remain." % len(left)))
+        done = "repaired %d problem(s)" % repaired if repaired else "repaired nothing"
+        if left:
+            print("ferrus doctor: %s; %d error(s) remain (see above for what to do)."
+                  % (done, len(left)))
+        elif repaired:
+            print("ferrus doctor: %s; no errors remain." % done)
+        else:
+            print("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
+    if not remaining:
+        print("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
     return 1 if remaining else 0
 
 
