@@ -4872,6 +4872,69 @@ def _limit_events(text):
     return [AgentEvent("limit", text=match.group(1).strip())] if match else []
 
 
+# Errors no retry can cure, as the agent CLIs word them, with what the user must do.
+PERMANENT_AGENT_ERRORS = (
+    ("login", re.compile(
+        r"invalid api key|invalid x-api-key|incorrect api key|api key not valid|"
+        r"authentication_error|authentication failed|please run /login|not logged in|"
+        r"oauth token has expired|please set an auth method|401 unauthorized|"
+        r"no api key (?:found|provided)|missing api key|api key is missing", re.IGNORECASE),
+     "log the agent in (run it once interactively, e.g. `claude` then /login) or set its "
+     "API key, then run again"),
+    ("model", re.compile(
+        r"unknown model|invalid model|model_not_found|"
+        r"model\b[^\n]{0,80}?\b(?:not found|does not exist|is not supported|is not available|"
+        r"not available|may not exist)|issue with the selected model", re.IGNORECASE),
+     "check the model name: `ferrus register --<role>-model M`, /model in HQ, or [hq.<role>] "
+     "in ferrus.toml"),
+    ("flag", re.compile(
+        r"unknown option|unrecognized option|unexpected argument|unrecognized arguments?|"
+        r"unknown (?:flag|argument)s?:?|invalid option", re.IGNORECASE),
+     "the agent refused its command line: check extra_args / headless_args under "
+     "[agents.<name>] in ferrus.toml and the agent's version (`ferrus agents`)"),
+)
+
+# Output events that report the agent's own failure.  Tool results (a check's output
+# that mentions "unknown option", say) are never read as the agent failing.
+_ERROR_EVENT_TYPES = ("result", "error", "turn.failed")
+
+
+def _error_texts(line):
+    """The parts of one output line that may state why the agent itself failed."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return [line]          # plain text, usually stderr (it is merged into stdout)
+    if not isinstance(event, dict) or event.get("type") not in _ERROR_EVENT_TYPES:
+        return []
+    if event.get("type") == "result" and not (event.get("is_error") or
+                                              event.get("status") == "error"):
+        return []
+    texts = []
+
+    def collect(value, depth=0):
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, dict) and depth < 4:
+            for item in value.values():
+                collect(item, depth + 1)
+        elif isinstance(value, list) and depth < 4:
+            for item in value[:20]:
+                collect(item, depth + 1)
+    collect(event)
+    return texts
+
+
+def permanent_agent_error(line):
+    """(kind, the agent's own words, hint) when ``line`` says no retry can help, else None."""
+    for text in _error_texts(line):
+        for kind, pattern, hint in PERMANENT_AGENT_ERRORS:
+            if pattern.search(text):
+                words = " ".join(text.split())
+                return kind, words[:400] + ("…" if len(words) > 400 else ""), hint
+    return None
+
+
 class Codex(AgentAdapter):
     name = "codex"
     binary = "codex"
@@ -5558,11 +5621,13 @@ class AgentProcess:
         self.log_path = log_path
         self.events = []
         self.lines = 0
+        self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
+        self.argv0 = launch.argv[0]
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if launch.stdin is not None else subprocess.DEVNULL,
@@ -5591,6 +5656,8 @@ class AgentProcess:
                 if line:
                     try:
                         self.events.extend(self._parse_line(line))
+                        if self.fatal is None:
+                            self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
                         log.debug("unparsable agent output line", exc_info=True)
 
@@ -6004,6 +6071,17 @@ class HqController:
         if code == 0 and progressed:
             self._step(slot, SessionEvent("SessionExited", outcome="success"))
             return
+        if process.fatal is not None and not progressed:
+            # Not logged in, a bad key, an unknown model or flag: retrying only repeats it.
+            kind, words, hint = process.fatal
+            self.emit(HqMessage("error", "the %s cannot work: %s said: %s" % (
+                slot.name, os.path.basename(process.argv0), words)))
+            self._step(slot, SessionEvent("FatalError", "%s\nhint: %s (log: %s)" % (
+                {"login": "the agent is not logged in or its key is refused",
+                 "model": "the agent does not know its model",
+                 "flag": "the agent refused an option"}[kind],
+                hint, self.store.relpath(process.log_path))))
+            return
         if code == 0:
             self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
                 slot.name, " or ".join(SLOT_PROGRESS[slot.name][:2]))))
@@ -6195,7 +6273,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: %s stopped after repeated errors" % ", ".join(stuck))
+                out("ferrus run: giving up: the %s is stopped (the reason is above)"
+                    % " and the ".join(stuck))
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),

@@ -71,7 +71,7 @@ def test_an_agent_that_cannot_start_backs_off_then_stops_and_run_returns(
     assert "could not start the executor" in text
     assert "retrying the executor in 2s" in text and "retrying the executor in 16s" in text
     assert "stopped after 5 consecutive errors" in text
-    assert "giving up: executor stopped" in text
+    assert "giving up: the executor is stopped" in text
 
 
 def test_a_failed_start_arms_the_backoff_timer(project, tmp_path):
@@ -142,3 +142,78 @@ def test_hq_task_text_creates_the_task_when_the_gate_allows(project):
     assert [e["detail"]["target"] for e in store.read_journal() if e["event"] == "gate"] == [
         "transition:create_task"]
     shell.controller.shutdown()
+
+
+# -- permanent agent errors ----------------------------------------------------------------------
+
+FAILING_AGENT = """#!%(py)s
+import sys
+sys.stdin.read()
+print(%(stdout)r, flush=True)
+sys.stderr.write(%(stderr)r)
+sys.exit(1)
+"""
+
+
+def failing_agent(tmp_path, stdout="", stderr=""):
+    return write_program(tmp_path / "agent", FAILING_AGENT % {
+        "py": sys.executable, "stdout": stdout, "stderr": stderr})
+
+
+@pytest.mark.parametrize("stdout,stderr,words", [
+    (json.dumps({"type": "result", "subtype": "success", "is_error": True,
+                 "result": "Invalid API key \u00b7 Please run /login"}), "",
+     "Invalid API key \u00b7 Please run /login"),
+    ("", "error: unknown option '--frobnicate'\n", "error: unknown option '--frobnicate'"),
+    (json.dumps({"type": "error", "message": "The model `gpt-nope` does not exist or you do "
+                                            "not have access to it."}), "",
+     "The model `gpt-nope` does not exist"),
+], ids=["claude-login", "unknown-flag", "unknown-model"])
+def test_a_permanent_agent_error_stops_at_once_with_the_agents_words(
+        project, tmp_path, stdout, stderr, words):
+    program = failing_agent(tmp_path, stdout, stderr)
+    set_config(project, custom_agent_config([program, "{role}"]))
+    store = ferrus.Store(str(project))
+    lines = []
+    code = ferrus.run_loop(store, "a task", out=lines.append, clock=FakeMonotonic(),
+                           poll_interval=0.01, timeout=120)
+    text = "\n".join(lines)
+    assert code == ferrus.RUN_FAILED, text
+    assert words in text
+    assert "the executor cannot work" in text and "hint:" in text
+    assert "retrying" not in text                     # no second session
+    sessions = [e for e in store.read_journal()
+                if e["event"] == "session" and e["detail"]["to"] == "Running"]
+    assert len(sessions) == 1
+
+
+def test_a_tool_result_mentioning_an_error_is_not_the_agent_failing():
+    tool_output = json.dumps({"type": "user", "message": {"content": [
+        {"type": "tool_result", "content": "pytest: error: unrecognized arguments: --x"}]}})
+    assert ferrus.permanent_agent_error(tool_output) is None
+    ok_result = json.dumps({"type": "result", "is_error": False,
+                            "result": "I fixed the unknown option handling"})
+    assert ferrus.permanent_agent_error(ok_result) is None
+    kind, words, hint = ferrus.permanent_agent_error(
+        json.dumps({"type": "turn.failed", "error": {"message": "401 Unauthorized: "
+                                                                "Incorrect API key provided"}}))
+    assert kind == "login" and "Incorrect API key provided" in words and hint
+    assert ferrus.permanent_agent_error("Please set an Auth method in your settings")[0] == "login"
+
+
+def test_an_agent_failing_for_other_reasons_is_still_retried(project, tmp_path):
+    program = failing_agent(tmp_path, "", "Segmentation fault\n")
+    set_config(project, custom_agent_config([program, "{role}"]))
+    store = ferrus.Store(str(project))
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    clock = FakeMonotonic()
+    controller = ferrus.HqController(store, lambda m: None, clock=clock)
+    slot = controller.slots["executor"]
+    import time
+    deadline = time.monotonic() + 60
+    while slot.state not in (SS.COOLING_DOWN, SS.STOPPED):
+        assert time.monotonic() < deadline
+        controller.poll()
+        time.sleep(0.01)
+    assert slot.state == SS.COOLING_DOWN
+    controller.shutdown()
