@@ -212,10 +212,14 @@ class FileLock:
         self.what = what or path
         self._fd = None
 
+    SLOW_WAIT = 2.0   # a wait this long is logged once (and reaches MCP clients)
+
     def acquire(self):
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         pause = 0.0005
+        slow_logged = False
         while True:
             try:
                 if IS_WINDOWS:  # pragma: no cover
@@ -237,6 +241,10 @@ class FileLock:
                     "another ferrus process (or upstream ferrus) is holding it; if none is "
                     "running, the lock is stale only in theory — flock locks die with their "
                     "process — so check for a hung `ferrus` process")
+            if not slow_logged and time.monotonic() - started >= self.SLOW_WAIT:
+                slow_logged = True
+                log.warning("waited %.1f s so far for the lock on %s; another ferrus process "
+                            "holds it", time.monotonic() - started, self.what)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -2602,6 +2610,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, **process_group_kwargs())
         except OSError as err:
+            log.error("check command %r could not start: %s", result.command, err)
             result.status = "failed"
             result.tail = ["could not start the shell: %s" % err]
             result.line_count = 1

@@ -356,6 +356,22 @@ def test_modern_requests_get_log_messages_only_at_their_own_level(serve, root):
     assert error_of(server.request("tools/list", {"_meta": bad}))["code"] == -32602
 
 
+def test_a_slow_lock_wait_is_logged_to_the_client(project, monkeypatch):
+    config(project)
+    monkeypatch.setattr(ferrus.FileLock, "SLOW_WAIT", 0.05)
+    store = ferrus.Store(str(project))
+    with InProcessMcp(store, "supervisor") as server:
+        server.initialize()
+        server.result("logging/setLevel", {"level": "warning"})
+        with store.lock():    # another holder: the tool's transaction must wait
+            request_id = server.start_tool("create_task", {"description": "patient"})
+            message = server.wait_notification(
+                lambda n: n["method"] == "notifications/message")
+        assert message["params"]["level"] == "warning"
+        assert "for the lock on .ferrus/STATE.lock" in message["params"]["data"]
+        assert server.wait_response(request_id)["result"]["isError"] is False
+
+
 # ============================================================================
 # 7. Fields a version does not define
 # ============================================================================
