@@ -4779,7 +4779,11 @@ class ClaudeCode(AgentAdapter):
         argv = self._common(root, role, model) + [
             "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
             "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
-        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000)}
+        # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
+        # first turn can find ferrus's tools "still connecting" on a busy machine;
+        # every prompt starts with a ferrus tool, so wait for the server.
+        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000),
+               "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
 
