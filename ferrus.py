@@ -34,6 +34,7 @@ Contents (each section uses only the sections above it):
 """
 
 import argparse
+import atexit
 import base64
 import collections
 import contextlib
@@ -396,6 +397,88 @@ def pid_alive(pid):
     except PermissionError:
         return True
     return True
+
+
+ProcessInfo = collections.namedtuple("ProcessInfo", "pid ppid pgid sid start zombie")
+
+
+def _proc_stat(pid):
+    """ProcessInfo from Linux's /proc/<pid>/stat, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ")".
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return ProcessInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]),
+                           fields[19].decode("ascii"), fields[0] == b"Z")
+    except (IndexError, ValueError):
+        return None
+
+
+HAS_PROC = not IS_WINDOWS and os.path.isdir("/proc/self") and _proc_stat(os.getpid()) is not None
+
+
+def process_table():
+    """Every visible process as {pid: ProcessInfo}.
+
+    Linux reads /proc (start = boot-relative start time, sid known); other POSIX
+    systems ask ``ps`` (no session, start time only through process_start);
+    Windows returns {}."""
+    if IS_WINDOWS:  # pragma: no cover
+        return {}
+    table = {}
+    if HAS_PROC:
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                info = _proc_stat(int(name))
+                if info is not None:
+                    table[info.pid] = info
+        return table
+    try:  # pragma: no cover - macOS and the BSDs
+        output = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "pgid=",
+                                 "-o", "stat="], capture_output=True, text=True,
+                                timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):  # pragma: no cover
+        return table
+    for line in output.splitlines():  # pragma: no cover
+        parts = line.split()
+        if len(parts) >= 3 and all(p.isdigit() for p in parts[:3]):
+            pid, ppid, pgid = (int(p) for p in parts[:3])
+            zombie = len(parts) > 3 and parts[3].startswith("Z")
+            table[pid] = ProcessInfo(pid, ppid, pgid, None, None, zombie)
+    return table
+
+
+def process_start(pid):
+    """An opaque start-time token of ``pid`` (None when unknown or gone).
+
+    With the pid it names one process for good: a pid reused later gets another
+    start time, so a stale pid file never makes ferrus signal a stranger."""
+    if IS_WINDOWS:  # pragma: no cover
+        return None
+    if HAS_PROC:
+        info = _proc_stat(pid)
+        return info.start if info is not None else None
+    try:  # pragma: no cover - macOS and the BSDs
+        output = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # pragma: no cover
+        return None
+    return output or None  # pragma: no cover
+
+
+def process_environ_has(pid, entry):
+    """Does ``pid``'s environment hold ``entry`` (bytes, ``NAME=value``)?  Linux only."""
+    if not HAS_PROC:
+        return False
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            return entry in handle.read().split(b"\0")
+    except OSError:
+        return False
 
 
 # ============================================================================
@@ -2509,25 +2592,30 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes):
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None):
     """Run one check command to completion, timeout or ``stop``; fill ``result``."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
         return
     handle = CappedLog(result.log_path_abs, max_log_bytes)
+    record = CheckProcessRecord(
+        process_dir or os.path.join(os.path.dirname(os.path.abspath(log_dir)), CHECK_PROCESS_DIR),
+        os.path.basename(result.log_path_abs)[:-len(".log")], result.command)
     try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
             proc = subprocess.Popen(shell_argv(result.command), cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, **process_group_kwargs())
+                                    stderr=subprocess.STDOUT, env=record.environment(),
+                                    **process_group_kwargs())
         except OSError as err:
             result.status = "failed"
             result.tail = ["could not start the shell: %s" % err]
             result.line_count = 1
             return
+        record.started(proc)
         reader = threading.Thread(target=_pump_output, args=(proc.stdout, sink), daemon=True)
         reader.start()
         outcome = None
@@ -2541,11 +2629,12 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                 elif time.monotonic() - started >= timeout:
                     outcome = "timed out"
         if outcome != "exited":
-            kill_process_tree(proc)
+            record.end()
             proc.wait()
         else:
-            # Grandchildren that kept the pipe open must not hang the gate.
-            kill_process_tree(proc, grace=0)
+            # What the command left running (a daemon, a grandchild holding the
+            # pipe) ends with it: nothing of a check outlives the check.
+            record.end(grace=0)
         reader.join(5)
         sink.finish()
         result.duration = time.monotonic() - started
@@ -2557,10 +2646,243 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
         else:
             result.status = outcome
         result.log_cut_bytes = handle.cut_bytes
+    except BaseException:
+        # Ctrl+C or a crash in ferrus: the command must not run on unwatched.
+        record.end(grace=0)
+        raise
     finally:
+        record.close()
         handle.close(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
                                                     result.duration)).encode("utf-8"))
         result.log_error = handle.error
+
+
+# -- check processes -------------------------------------------------------------------
+#
+# A check command starts in its own session and process group, with
+# FERRUS_CHECK_ID=<unique marker> in its environment.  A process that leaves the
+# group (setsid, a double fork) keeps the marker, so on Linux it is found by
+# reading /proc/<pid>/environ; every process in a group or session holding a
+# marked process, and every descendant of one, belongs to the check too.  While
+# a command runs, its pid file in .ferrus/check-processes/ names the marker, the
+# shell's pid and start time and its owner (this ferrus, by pid and start time),
+# so the next ferrus to start ends what a SIGKILLed one left behind.
+
+CHECK_MARKER_ENV = "FERRUS_CHECK_ID"
+CHECK_PROCESS_DIR = "check-processes"
+
+_ACTIVE_CHECKS = set()            # CheckProcessRecord of this process's running commands
+_ACTIVE_CHECKS_LOCK = threading.Lock()
+_OWN_START = []                   # this process's start token, read once
+
+
+def _own_start():
+    if not _OWN_START:
+        _OWN_START.append(process_start(os.getpid()))
+    return _OWN_START[0]
+
+
+def _check_members(table, marker, leader_pid=None, leader_start=None):
+    """The pids in ``table`` that belong to the check marked ``marker``."""
+    entry = ("%s=%s" % (CHECK_MARKER_ENV, marker)).encode("utf-8")
+    skip = {0, 1, os.getpid()}
+    verified = {pid for pid, info in table.items()
+                if pid not in skip and not info.zombie and process_environ_has(pid, entry)}
+    if (leader_pid in table and leader_start is not None
+            and process_start(leader_pid) == leader_start):
+        verified.add(leader_pid)
+    own = table.get(os.getpid())
+    own_ids = {own.pgid, own.sid} if own is not None else set()
+    groups = {table[pid].pgid for pid in verified} - own_ids
+    sessions = {table[pid].sid for pid in verified} - own_ids - {None}
+    members = set(verified)
+    members.update(pid for pid, info in table.items()
+                   if info.pgid in groups or info.sid in sessions)
+    children = collections.defaultdict(list)
+    for pid, info in table.items():
+        children[info.ppid].append(pid)
+    pending = list(members)
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            if child not in members:
+                members.add(child)
+                pending.append(child)
+    return {pid for pid in members - skip if not table[pid].zombie}
+
+
+def _signal_each(pids, sig):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _gone(pid):
+    if HAS_PROC:
+        info = _proc_stat(pid)
+        return info is None or info.zombie
+    return not pid_alive(pid)  # pragma: no cover
+
+
+def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, grace=0.25,
+                        leader_done=None):
+    """End every process of one check: TERM, up to ``grace`` seconds, then KILL.
+
+    Before the KILL the processes are stopped (SIGSTOP) and the table is read
+    again until no new member shows up, so a process that forks as fast as it
+    can cannot outrun the sweep.  ``pgid`` is signalled as a group as well (the
+    only handle on the group where there is no /proc).  Returns the pids found."""
+    if IS_WINDOWS:  # pragma: no cover - Windows uses kill_process_tree
+        return set()
+
+    def find():
+        return _check_members(process_table(), marker, leader_pid, leader_start)
+
+    def signal_group(sig):
+        if pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+    found = find()
+    if grace > 0 and (found or pgid):
+        _signal_each(found, signal.SIGTERM)
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if (leader_done is None or leader_done()) and all(_gone(pid) for pid in found):
+                break
+            time.sleep(0.01)
+    stopped = set()
+    for _ in range(100):
+        fresh = find() - stopped
+        if not fresh:
+            break
+        _signal_each(fresh, signal.SIGSTOP)
+        stopped |= fresh
+    signal_group(signal.SIGKILL)
+    _signal_each(stopped, signal.SIGKILL)
+    return found | stopped
+
+
+class CheckProcessRecord:
+    """The pid file of one running check command, and how to end its processes."""
+
+    def __init__(self, directory, check_id, command):
+        self.path = os.path.join(directory, check_id + ".json")
+        self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
+        self.proc = None
+        self.data = {"check_id": check_id, "marker": self.marker, "command": command,
+                     "owner_pid": os.getpid(), "owner_start": _own_start(),
+                     "started_at": format_timestamp(utc_now())}
+        with _ACTIVE_CHECKS_LOCK:
+            _ACTIVE_CHECKS.add(self)
+        self._save(directory)
+
+    def _save(self, directory=None):
+        # Written before the command starts, so no moment exists in which a
+        # process of it runs unrecorded; a failure only costs the restart cleanup.
+        try:
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            atomic_write(self.path, pretty_json(self.data) + "\n", durable=False)
+        except OSError as err:
+            log.warning("cannot record check processes in %s: %s", self.path, err)
+
+    def environment(self):
+        env = dict(os.environ)
+        env[CHECK_MARKER_ENV] = self.marker
+        return env
+
+    def started(self, proc):
+        self.proc = proc
+        self.data.update(leader_pid=proc.pid, leader_start=process_start(proc.pid))
+        self._save()
+
+    def end(self, grace=0.25):
+        """End the command's processes (all of them, wherever they went)."""
+        proc = self.proc
+        if IS_WINDOWS:  # pragma: no cover
+            if proc is not None:
+                kill_process_tree(proc, grace)
+            return
+        leader = proc.pid if proc is not None else None
+        end_check_processes(self.marker, leader, self.data.get("leader_start"), pgid=leader,
+                            grace=grace,
+                            leader_done=(lambda: proc.poll() is not None) if proc else None)
+
+    def close(self):
+        with _ACTIVE_CHECKS_LOCK:
+            _ACTIVE_CHECKS.discard(self)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def end_active_checks():
+    """End the check processes this ferrus started (at exit or on SIGTERM)."""
+    with _ACTIVE_CHECKS_LOCK:
+        records = list(_ACTIVE_CHECKS)
+    for record in records:
+        with contextlib.suppress(Exception):
+            record.end(grace=0)
+            record.close()
+
+
+atexit.register(end_active_checks)
+
+
+def orphaned_check_records(ferrus_dir):
+    """(path, record or None) for pid files whose ferrus is gone."""
+    directory = os.path.join(ferrus_dir, CHECK_PROCESS_DIR)
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            data = json.loads(read_text(path))
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("marker"), str):
+            found.append((path, None))
+            continue
+        owner = data.get("owner_pid")
+        if (isinstance(owner, int) and pid_alive(owner)
+                and (data.get("owner_start") is None
+                     or process_start(owner) == data.get("owner_start"))):
+            continue      # its ferrus still runs and will end it
+        found.append((path, data))
+    return found
+
+
+def end_orphaned_checks(ferrus_dir):
+    """End the processes of checks whose ferrus died (SIGKILL, a crash, a power cut).
+
+    Identity is verified before any signal: the unique marker in a process's
+    environment, or the recorded shell pid *and* start time.  Returns one line
+    per pid file handled, for logs and `ferrus doctor`."""
+    messages = []
+    for path, data in orphaned_check_records(ferrus_dir):
+        if data is not None:
+            leader = data.get("leader_pid") if isinstance(data.get("leader_pid"), int) else None
+            pids = end_check_processes(data["marker"], leader, data.get("leader_start"),
+                                       grace=0.25)
+            messages.append("check `%s` (started %s by ferrus pid %s): %s" % (
+                data.get("command", "?"), data.get("started_at", "?"), data.get("owner_pid"),
+                "ended pids %s" % ", ".join(str(p) for p in sorted(pids)) if pids
+                else "no process was left"))
+        else:
+            messages.append("unreadable pid file %s removed" % os.path.basename(path))
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return messages
+
+
+def report_orphaned_checks(store):
+    """At start-up: end what checks of a dead ferrus left running, and say so on stderr."""
+    for message in end_orphaned_checks(store.dir):
+        log.warning("left by a ferrus that died: %s", message)
 
 
 def _pump_output(stream, sink):
@@ -4448,6 +4770,7 @@ def serve_stdio(root, role, agent_name, agent_index):
     """`ferrus serve`: the MCP server on this process's stdin/stdout."""
     store = Store(root)
     store.require()
+    report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
     sys.stdout = sys.stderr
@@ -4456,6 +4779,7 @@ def serve_stdio(root, role, agent_name, agent_index):
     def orphaned():
         log.info("parent process exited; stopping the MCP server")
         server.rpc.shutdown(wait=2.0)
+        end_active_checks()      # os._exit skips atexit
         with contextlib.suppress(FerrusError, OSError):
             server.usage.flush(store)
         os._exit(0)
@@ -8284,11 +8608,22 @@ def doctor_findings(root):
     findings.extend(_journal_findings(store, data))
     if data is not None:
         findings.extend(_content_findings(store, data))
+    for path, record in orphaned_check_records(store.dir):
+        what = ("check `%s` started %s by ferrus pid %s, which is gone" % (
+            record.get("command", "?"), record.get("started_at", "?"), record.get("owner_pid"))
+            if record is not None else "unreadable check pid file %s" % os.path.basename(path))
+        findings.append(Finding(
+            "%s/%s/%s: %s; processes of it may still run" % (
+                FERRUS_DIR, CHECK_PROCESS_DIR, os.path.basename(path), what),
+            "end the processes carrying its marker (identity verified) and remove the pid file",
+            lambda: [log.info("%s", m) for m in end_orphaned_checks(store.dir)],
+            severity="warning"))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
-    if os.path.isdir(store.path("usage")):
-        stray += ["usage/" + name for name in os.listdir(store.path("usage"))
-                  if name.endswith(TEMP_SUFFIX)]
+    for folder in ("usage", CHECK_PROCESS_DIR):
+        if os.path.isdir(store.path(folder)):
+            stray += [folder + "/" + name for name in os.listdir(store.path(folder))
+                      if name.endswith(TEMP_SUFFIX)]
     for name in stray:
         path = store.path(name)
         age = time.time() - os.stat(path).st_mtime
@@ -8571,6 +8906,7 @@ def cmd_doctor(args, root):
 
 def cmd_check(args, root):
     store = Store(root).require()
+    report_orphaned_checks(store)
     if args.force:
         run, config = op_run_checks_only(store)
         if run is None:
@@ -8641,6 +8977,7 @@ def cmd_agents(args, root):
 
 def cmd_run(args, root):
     store = Store(root).require()
+    report_orphaned_checks(store)
     task = args.task
     if args.task_file:
         try:
@@ -8665,6 +9002,7 @@ def cmd_run(args, root):
 
 def cmd_hq(args, root):
     store = Store(root).require()
+    report_orphaned_checks(store)
     resume = True if getattr(args, "resume", False) else None
     return hq_front_end(store, resume, getattr(args, "no_tui", False)).run()
 
