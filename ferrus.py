@@ -33,7 +33,18 @@ Contents (each section uses only the sections above it):
     17. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
-import argparse
+import sys
+
+# `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
+# the current folder.  When ferrus.py sits in a project root that has its own queue.py,
+# logging.py or enum.py, those would be imported instead of the standard library, so
+# that entry goes before any other import (ferrus needs nothing but the standard
+# library).  -I and -P (3.11+) add no such entry.
+if (__name__ == "__main__" and sys.path and not sys.flags.isolated
+        and not getattr(sys.flags, "safe_path", False)):
+    del sys.path[0]
+
+import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import atexit
 import base64
 import collections
@@ -51,7 +62,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -4817,13 +4827,18 @@ def server_key(role):
 
 
 def ferrus_boot_code():
-    """`python -c` code that imports *this* ferrus.py from its absolute folder.
+    """`python -c` code that imports *this* ferrus.py from its absolute path.
 
     Running `python ferrus.py` compiles the whole file on every start (about
     100 ms); importing it lets Python reuse the cached bytecode, so an agent's
-    server starts about twice as fast."""
-    return ("import sys; sys.path.insert(0, %r); import ferrus; sys.exit(ferrus.main())"
-            % os.path.dirname(FERRUS_FILE))
+    server starts about twice as fast.  The current folder ('' on sys.path) is
+    dropped and ferrus.py is loaded by path rather than by putting its folder on
+    sys.path, so a project's own queue.py or logging.py never hides the
+    standard library."""
+    return ("import sys; sys.path[:] = [p for p in sys.path if p]; import importlib.util as u; "
+            "s = u.spec_from_file_location('ferrus', %r); f = u.module_from_spec(s); "
+            "sys.modules['ferrus'] = f; s.loader.exec_module(f); sys.exit(f.main())"
+            % FERRUS_FILE)
 
 
 def ferrus_server_entry(root, role, agent):
@@ -9366,12 +9381,34 @@ def setup_logging(debug=False):
     log.propagate = False
 
 
+def find_project_root(start):
+    """The nearest folder from ``start`` upwards that holds .ferrus/ or ferrus.toml (as git
+    finds .git), so every command works from a subdirectory; ``start`` when none does."""
+    folder = start
+    while True:
+        if (os.path.isdir(os.path.join(folder, FERRUS_DIR))
+                or os.path.isfile(os.path.join(folder, CONFIG_FILE))):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return start
+        folder = parent
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
     setup_logging(debug)
-    root = os.path.abspath(args.directory or os.getcwd())
+    start = os.path.abspath(args.directory or os.getcwd())
+    if args.directory is not None and not os.path.isdir(start):
+        print("ferrus: -C %s: %s" % (args.directory, "not a directory" if os.path.exists(start)
+                                     else "no such directory"), file=sys.stderr)
+        print("hint: pass the project's folder, e.g. `ferrus -C path/to/project status`",
+              file=sys.stderr)
+        return 2
+    # `init` creates a project right here; every other command finds the enclosing one.
+    root = start if args.command == "init" else find_project_root(start)
     if not getattr(args, "run", None):
         if not os.path.isdir(os.path.join(root, FERRUS_DIR)):
             parser.print_help()
