@@ -300,6 +300,23 @@ def atomic_write(path, data, durable=True):
     failure (a full disk, a read-only file) the temporary file is removed and the
     previous content stays intact.  ``durable=False`` skips the fsyncs, for
     counters that may lose their last increments in a power cut."""
+    temp = write_temp_beside(path, data, durable)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    if durable:
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_temp_beside(path, data, durable=True):
+    """Write ``data`` to a new temporary file in ``path``'s folder; return its name.
+
+    The first half of atomic_write: renaming the result over ``path`` is the
+    second.  The temporary file gets ``path``'s mode (or the usual one for a new
+    file) and is removed again if writing it fails."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
@@ -317,13 +334,11 @@ def atomic_write(path, data, durable=True):
         with contextlib.suppress(OSError):
             mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_UMASK
             os.chmod(temp, mode)
-        os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    if durable:
-        fsync_directory(directory)
+    return temp
 
 
 def open_private_log(path):
@@ -4883,25 +4898,178 @@ class AgentEvent:
 
 
 # -- files register edits -----------------------------------------------------------
+#
+# `register` and `unregister` touch several files (MCP configs, settings,
+# CLAUDE.md, .gitignore, ferrus.toml, the user's trust lists).  They do it as one
+# change set: every new content is computed, and every input validated, before
+# the first byte is written, so a bad file met late leaves all files as they
+# were.  Writes follow symlinks: a CLAUDE.md or settings file that links to a
+# shared copy is updated at its target and stays a link.
+
+class FileChanges:
+    """New contents for several files, written all together or not at all.
+
+    Used as ``with FileChanges():`` — planned_read/planned_write inside the block
+    (on this thread) go through it, and leaving the block without an exception
+    commits.  ``commit`` writes every temporary file first and renames them only
+    once all exist; if a rename still fails, the files already replaced get
+    their old content back."""
+
+    _active = threading.local()
+
+    def __init__(self):
+        self.planned = {}        # real path -> bytes, in the order first planned
+
+    def read(self, path):
+        real = os.path.realpath(path)
+        if real in self.planned:
+            return self.planned[real].decode("utf-8")
+        return _read_or_none(real)
+
+    def write(self, path, data):
+        self.planned[os.path.realpath(path)] = data.encode("utf-8") if isinstance(data, str) \
+            else data
+
+    def commit(self):
+        """Write every planned file; returns the real paths that changed."""
+        changed = [(real, data) for real, data in self.planned.items()
+                   if _read_bytes_or_none(real) != data]
+        staged = []
+        try:
+            for real, data in changed:
+                os.makedirs(os.path.dirname(real), exist_ok=True)
+                staged.append((real, write_temp_beside(real, data)))
+        except BaseException:
+            for _real, temp in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            raise
+        done = []
+        try:
+            for real, temp in staged:
+                before = _read_bytes_or_none(real)
+                os.replace(temp, real)
+                done.append((real, before))
+        except BaseException:
+            for _real, temp in staged[len(done):]:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            for real, before in reversed(done):
+                with contextlib.suppress(OSError):
+                    if before is None:
+                        os.unlink(real)
+                    else:
+                        atomic_write(real, before)
+            raise
+        for directory in {os.path.dirname(real) for real, _ in done}:
+            fsync_directory(directory)
+        return [real for real, _ in done]
+
+    def __enter__(self):
+        if getattr(FileChanges._active, "current", None) is not None:
+            raise RuntimeError("FileChanges blocks do not nest")
+        FileChanges._active.current = self
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        FileChanges._active.current = None
+        if kind is None:
+            self.commit()
+
+
+def _read_bytes_or_none(path):
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+def _read_or_none(path):
+    data = _read_bytes_or_none(path)
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def planned_read(path):
+    """A file's text as the current change set would leave it (None: no such file)."""
+    changes = getattr(FileChanges._active, "current", None)
+    if changes is not None:
+        return changes.read(path)
+    return _read_or_none(os.path.realpath(path))
+
+
+def planned_write(path, data):
+    """Write through the current change set, or at once (atomically, through symlinks)."""
+    changes = getattr(FileChanges._active, "current", None)
+    if changes is not None:
+        changes.write(path, data)
+        return
+    real = os.path.realpath(path)
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    atomic_write(real, data)
+
+
+def _strip_json_comments(text):
+    """``text`` without // and /* */ comments outside strings (to recognise JSONC)."""
+    out = []
+    index, length, in_string = 0, len(text), False
+    while index < length:
+        char = text[index]
+        if in_string:
+            out.append(char)
+            if char == "\\":
+                out.append(text[index + 1:index + 2])
+                index += 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+            out.append(char)
+        elif text.startswith("//", index):
+            end = text.find("\n", index)
+            index = length if end < 0 else end
+            continue
+        elif text.startswith("/*", index):
+            end = text.find("*/", index + 2)
+            index = length if end < 0 else end + 2
+            continue
+        else:
+            out.append(char)
+        index += 1
+    return "".join(out)
+
 
 def edit_json_file(path, mutate, what=None):
     """Load a JSON object file (missing or empty: {}), apply ``mutate``, write if changed.
 
-    Key order and every unrelated setting are kept; the write is atomic."""
+    Key order and every unrelated setting are kept; the write is atomic, goes to
+    a symlink's target, and joins the current FileChanges when there is one."""
     label = what or path
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     try:
         data = json.loads(text) if text.strip() else {}
     except ValueError as err:
+        try:
+            json.loads(_strip_json_comments(text))
+            has_comments = True
+        except ValueError:
+            has_comments = False
+        if has_comments:
+            raise FerrusError(
+                "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
+                "the file" % label,
+                "remove the comments from %s and run the command again; nothing was written"
+                % path)
         raise FerrusError("Failed to parse %s: %s" % (label, err),
-                          "fix the JSON by hand (ferrus never overwrites a file it cannot read)")
+                          "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
+                          "nothing was written")
     if not isinstance(data, dict):
-        raise FerrusError("%s root is not a JSON object" % label, "fix or remove the file")
+        raise FerrusError("%s root is not a JSON object" % label,
+                          "fix or remove the file; nothing was written")
     before = json.dumps(data, sort_keys=False)
     mutate(data)
     if json.dumps(data, sort_keys=False) != before or not text.strip():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        atomic_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        planned_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         return True
     return False
 
@@ -4935,15 +5103,15 @@ def instruction_section(role):
 
 
 def add_instruction_section(path, role, report):
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     if _instruction_markers(role)[0] in text:
         return
-    atomic_write(path, text + instruction_section(role))
+    planned_write(path, text + instruction_section(role))
     report("Added the %s instructions to %s" % (role, os.path.basename(path)))
 
 
 def remove_instruction_section(path, role, report):
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     start, end = _instruction_markers(role)
     first = text.find(start)
     if first < 0:
@@ -4954,7 +5122,7 @@ def remove_instruction_section(path, role, report):
         last += 1
     if first > 0 and text[first - 1] == "\n":
         first -= 1
-    atomic_write(path, text[:first] + text[last:])
+    planned_write(path, text[:first] + text[last:])
     report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
 
 
@@ -5186,26 +5354,30 @@ class Codex(AgentAdapter):
                  "tools": {tool.name: {"approval_mode": "approve"}
                            for tool in tools_for_role(role)}}
         path = self.config_path(root)
-        text = read_text(path, default="")
+        text = planned_read(path) or ""
         try:
             parse_toml(text)
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
-            raise FerrusError(".codex/config.toml: %s" % err, "fix the file by hand first")
+            raise FerrusError(".codex/config.toml: %s" % err,
+                              "fix the file by hand first; nothing was written")
         if new != text:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write(path, new)
+            planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
                % (key, role, self.name, DEFAULT_AGENT_INDEX))
         ensure_gitignore_entry(root, ".codex/config.toml", report)
 
     def unregister(self, root, role, report):
         path = self.config_path(root)
-        text = read_text(path, default="")
+        text = planned_read(path) or ""
         if text:
-            new = toml_remove_table(text, ("mcp_servers", server_key(role)))
+            try:
+                new = toml_remove_table(text, ("mcp_servers", server_key(role)))
+            except TomlError as err:
+                raise FerrusError(".codex/config.toml: %s" % err,
+                                  "fix the file by hand first; nothing was written")
             if new != text:
-                atomic_write(path, new)
+                planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
 
     def registration(self, root, role):
@@ -5458,18 +5630,26 @@ def register_agents(root, choices, trust=False, report=print):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
     adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
-    for role in ROLES:
-        if role not in choices:
-            continue
-        agent, model = choices[role]
-        model = (model or "").strip()
-        adapter = adapters[role]
-        adapter.register(root, role, model, report)
-        if adapter.instructions_file:
-            add_instruction_section(os.path.join(root, adapter.instructions_file), role, report)
-        if trust:
-            trust_project(adapter, root, report)
-        update_hq_config(root, role, agent, model if choices[role][1] is not None else None, report)
+    # One change set: every file's new content is computed (and every input read
+    # and validated) before any is written; the messages follow the commit.
+    messages = []
+    with FileChanges():
+        for role in ROLES:
+            if role not in choices:
+                continue
+            agent, model = choices[role]
+            model = (model or "").strip()
+            adapter = adapters[role]
+            adapter.register(root, role, model, messages.append)
+            if adapter.instructions_file:
+                add_instruction_section(os.path.join(root, adapter.instructions_file), role,
+                                        messages.append)
+            if trust:
+                trust_project(adapter, root, messages.append)
+            update_hq_config(root, role, agent, model if choices[role][1] is not None else None,
+                             messages.append)
+    for message in messages:
+        report(message)
 
 
 def update_hq_config(root, role, agent, model, report):
@@ -5478,22 +5658,28 @@ def update_hq_config(root, role, agent, model, report):
     Switching to another agent without naming a model clears the old vendor's
     model instead of keeping it (upstream bug §11.10); models are trimmed."""
     path = os.path.join(root, CONFIG_FILE)
-    text = read_text(path)
-    raw = parse_toml(text)
-    hq = raw.get("hq", {})
-    for other in ROLES:
-        flat = hq.get(other) if isinstance(hq, dict) else None
-        if isinstance(flat, str):      # legacy flat form: migrate to [hq.<role>]
-            text = toml_remove_key(text, ("hq",), other)
-            text = toml_set_key(text, ("hq", other), "agent", flat)
-    current = ((hq.get(role) if isinstance(hq, dict) else None) or {})
-    previous_agent = current.get("agent") if isinstance(current, dict) else current
-    text = toml_set_key(text, ("hq", role), "agent", agent)
-    if model is not None:
-        text = toml_set_key(text, ("hq", role), "model", model.strip())
-    elif previous_agent != agent:
-        text = toml_set_key(text, ("hq", role), "model", "")
-    atomic_write(path, text)
+    text = planned_read(path)
+    if text is None:
+        raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
+    try:
+        raw = parse_toml(text)
+        hq = raw.get("hq", {})
+        for other in ROLES:
+            flat = hq.get(other) if isinstance(hq, dict) else None
+            if isinstance(flat, str):      # legacy flat form: migrate to [hq.<role>]
+                text = toml_remove_key(text, ("hq",), other)
+                text = toml_set_key(text, ("hq", other), "agent", flat)
+        current = ((hq.get(role) if isinstance(hq, dict) else None) or {})
+        previous_agent = current.get("agent") if isinstance(current, dict) else current
+        text = toml_set_key(text, ("hq", role), "agent", agent)
+        if model is not None:
+            text = toml_set_key(text, ("hq", role), "model", model.strip())
+        elif previous_agent != agent:
+            text = toml_set_key(text, ("hq", role), "model", "")
+    except TomlError as err:
+        raise FerrusError("%s: %s" % (CONFIG_FILE, err),
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+    planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
 
@@ -5504,11 +5690,16 @@ def trust_project(adapter, root, report):
     if adapter.name == "codex":
         path = os.path.join(os.environ.get("CODEX_HOME") or os.path.join(home, ".codex"),
                             "config.toml")
-        text = read_text(path, default="")
-        new = toml_set_key(text, ("projects", root), "trust_level", "trusted")
+        text = planned_read(path) or ""
+        try:
+            parse_toml(text)
+            new = toml_set_key(text, ("projects", root), "trust_level", "trusted")
+        except TomlError as err:
+            raise FerrusError("%s: %s" % (path, err),
+                              "fix the file by hand first, or register without --trust; "
+                              "nothing was written")
         if new != text:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write(path, new)
+            planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
     elif adapter.name in ("gemini-cli", "qwen-code"):
         path = os.path.join(home, "." + adapter.binary, "trustedFolders.json")
@@ -5521,6 +5712,14 @@ def trust_project(adapter, root, report):
 
 def unregister_agents(root, roles, report=print):
     config = load_config(root)
+    messages = []
+    with FileChanges():
+        _unregister_roles(root, config, roles, messages.append)
+    for message in messages:
+        report(message)
+
+
+def _unregister_roles(root, config, roles, report):
     for role in roles:
         choice = getattr(config, role)
         agents = [choice.agent] if choice else []
@@ -8506,17 +8705,17 @@ SKILL_FILES = (
 def ensure_gitignore_entry(root, entry, report):
     """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
     path = os.path.join(root, ".gitignore")
-    text = read_text(path, default="")
-    existing = {line.rstrip("\r").strip() for line in text.split("\n")}
+    text = planned_read(path)
+    existing = {line.rstrip("\r").strip() for line in (text or "").split("\n")}
     if entry in existing or entry.rstrip("/") in existing or "/" + entry in existing:
         return False
-    if not os.path.exists(path):
-        atomic_write(path, entry + "\n")
+    if text is None:
+        planned_write(path, entry + "\n")
         report("Created .gitignore")
         return True
     if text and not text.endswith("\n"):
         text += "\n"
-    atomic_write(path, text + entry + "\n")
+    planned_write(path, text + entry + "\n")
     report("Added %s to .gitignore" % entry)
     return True
 
