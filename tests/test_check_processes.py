@@ -164,8 +164,13 @@ def test_pid_file_names_the_check_while_it_runs(project):
         thread.start()
         shell = wait_for_pid(project, "shell.pid")
         (name,) = record_files(project)
-        with open(os.path.join(str(project), ".ferrus", ferrus.CHECK_PROCESS_DIR, name)) as h:
-            record = json.load(h)
+        record = {}
+        deadline = time.monotonic() + 15
+        # The file is written before the shell starts and again with its pid just after.
+        while "leader_pid" not in record and time.monotonic() < deadline:
+            with open(os.path.join(str(project), ".ferrus", ferrus.CHECK_PROCESS_DIR, name)) as h:
+                record = json.load(h)
+            time.sleep(0.01)
         assert record["command"] == command
         assert record["owner_pid"] == os.getpid()
         assert record["owner_start"] == ferrus.process_start(os.getpid())
