@@ -5863,6 +5863,8 @@ def unregister_agents(root, roles, report=print):
         _unregister_roles(root, config, roles, messages.append)
     for message in messages:
         report(message)
+    # After the changes are on disk: only then can a file be seen to be empty.
+    remove_emptied_registration_files(root, report)
 
 
 def _unregister_roles(root, config, roles, report):
@@ -5877,7 +5879,6 @@ def _unregister_roles(root, config, roles, report):
                 if adapter.instructions_file:
                     remove_instruction_section(os.path.join(root, adapter.instructions_file),
                                                role, report)
-    remove_emptied_registration_files(root, report)
 
 
 # Every file `register` may create or extend, relative to the project root.
