@@ -2144,7 +2144,16 @@ class Store:
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
         self.require()
-        return StateData.from_json(read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE)
+        return self.continue_journal(StateData.from_json(read_text(self.path(STATE_FILE)),
+                                                         FERRUS_DIR + "/" + STATE_FILE))
+
+    def continue_journal(self, data):
+        """A STATE.json without ``rev`` was last written by upstream ferrus (which knows
+        no journal) or never written at all: its revision is where the journal ends, so
+        the next commit continues the journal instead of looking like a restored file."""
+        if data.rev == 0:
+            data.rev = self.last_journal_seq()
+        return data
 
     def read_file(self, name):
         return read_text(self.path(name), default="")
@@ -3309,7 +3318,8 @@ def op_wait_for_task(store, caller):
     def build(data):
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
-                "review": store.read_file("REVIEW.md"), "task_id": data.task_id}
+                "review": store.read_file("REVIEW.md"), "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
 
 
@@ -3320,7 +3330,8 @@ def op_wait_for_review(store, caller):
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
                 "review_cycles_used": data.review_cycles,
-                "check_retries_used": data.check_retries, "task_id": data.task_id}
+                "check_retries_used": data.check_retries, "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, (S.REVIEWING,), build, "a submission")
 
 
@@ -3995,7 +4006,8 @@ SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")
 _TEXT_OUT = {"message": "string", "state": "string"}
 _CLAIM_OUT = {"status": "string", "state": "string", "claimed_by": "string?",
-              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?"}
+              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?",
+              "heartbeat_interval_secs": "integer?"}
 
 TOOLS = (
     Tool("create_task", "Create task",
@@ -4809,7 +4821,11 @@ class ClaudeCode(AgentAdapter):
         argv = self._common(root, role, model) + [
             "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
             "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
-        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000)}
+        # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
+        # first turn can find ferrus's tools "still connecting" on a busy machine;
+        # every prompt starts with a ferrus tool, so wait for the server.
+        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000),
+               "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
 
@@ -5426,8 +5442,14 @@ _EXECUTOR_RULES = """Rules:
   /wait_for_consult) only about the code or the task, never about the tools.
 - Only when neither a retry nor a consultation helps, /ask_human, then
   /wait_for_answer until it answers.
-- You run without a terminal: never ask questions in your reply text.
-- Call /heartbeat every few minutes while you work so your lease stays alive."""
+- You run without a terminal: never ask questions in your reply text."""
+
+
+def _executor_rules(heartbeat_secs):
+    """The executor's rules, with ferrus.toml's [lease] heartbeat_interval_secs."""
+    return _EXECUTOR_RULES + (
+        "\n- Call /heartbeat about every %d seconds while you work (lease.heartbeat_interval_secs) "
+        "so your lease stays alive." % heartbeat_secs)
 
 
 def prompt_task_definition(milestone=None, spec_path=None):
@@ -5484,38 +5506,38 @@ No code, no pseudocode, no file edits; never call /create_task in this mode.
 """ + PROMPT_PRECEDENCE
 
 
-def prompt_executor():
+def prompt_executor(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, running headless.\n\n"
             "1. Call /wait_for_task first; it returns the task (and review notes to address "
             "after a rejection). On {\"status\":\"timeout\"} call it again.\n"
             "2. Implement the task with the smallest complete change.\n"
             "3. Call /check whenever you want feedback, and again right before submitting.\n"
             "4. Call /submit with notes: what changed, why, and how you verified it. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_after_answer():
+def prompt_executor_after_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, resuming after a human answered your question.\n\n"
             "1. Call /wait_for_answer: it returns the human's answer (exactly once).\n"
             "2. Call /wait_for_task to re-read the task and renew your lease.\n"
             "3. Continue the work with the answer in mind; /check, then /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_awaiting_answer():
+def prompt_executor_awaiting_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked a human a question and it is still open.\n\n"
             "1. Call /wait_for_answer and keep calling it until it returns the answer.\n"
             "2. Call /wait_for_task to re-read the task, then continue: /check, then /submit. "
-            "Then stop.\n\n" + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            "Then stop.\n\n" + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_in_consultation():
+def prompt_executor_in_consultation(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked the supervisor for guidance "
             "(.ferrus/CONSULT_REQUEST.md exists) and the consultation is still open.\n\n"
             "1. Call /wait_for_consult and keep calling it until it returns the response. Do not "
             "implement anything before that, and never resolve the consultation by hand.\n"
             "2. Then continue as usual: implement, /check, /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
 def prompt_reviewer():
@@ -5556,20 +5578,21 @@ def prompt_pipeline_worker(topic, task, reads, output):
     return "\n".join(lines)
 
 
-def executor_prompt_for(data, answer_pending):
+def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
 
     None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
-            return prompt_executor_in_consultation()
+            return prompt_executor_in_consultation(heartbeat_secs)
         if data.paused_state in WORK_STATES:
-            return prompt_executor_awaiting_answer()
+            return prompt_executor_awaiting_answer(heartbeat_secs)
         return None        # the reviewer asked; the executor has nothing to do
     if data.state == S.CONSULTATION:
-        return prompt_executor_in_consultation()
+        return prompt_executor_in_consultation(heartbeat_secs)
     if data.state in WORK_STATES:
-        return prompt_executor_after_answer() if answer_pending else prompt_executor()
+        return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
+                else prompt_executor(heartbeat_secs))
     return None
 
 
@@ -6007,7 +6030,10 @@ class HqController:
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
         needed = {}
-        prompt = executor_prompt_for(data, answer_pending)
+        heartbeat = LeaseConfig.heartbeat_interval_secs
+        with contextlib.suppress(FerrusError):      # a broken file stops the spawn itself
+            heartbeat = self.store.config().lease.heartbeat_interval_secs
+        prompt = executor_prompt_for(data, answer_pending, heartbeat)
         if prompt and data.state != S.AWAITING_HUMAN:
             needed["executor"] = prompt
         if data.state == S.REVIEWING:
@@ -6330,7 +6356,12 @@ class HqController:
             if entry is None:
                 entry = {"name": slot.name}
                 agents.append(entry)
+            choice = None
+            with contextlib.suppress(FerrusError):
+                choice = getattr(self.store.config(), slot.role)
+            # agent_type is required by upstream's reader of this file.
             entry.update(role=slot.role, status=status,
+                         agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
                          else entry.get("started_at"),
@@ -8634,7 +8665,8 @@ def doctor_findings(root):
                                 "write a fresh Idle state", lambda: _rebuild_state(store)))
     else:
         try:
-            data = StateData.from_json(read_text(state_path), FERRUS_DIR + "/" + STATE_FILE)
+            data = store.continue_journal(StateData.from_json(read_text(state_path),
+                                                              FERRUS_DIR + "/" + STATE_FILE))
         except StateCorrupt as err:
             findings.append(Finding(
                 err.message, "keep the damaged file as STATE.json.corrupt-<time> and write a fresh "

@@ -93,3 +93,15 @@ def test_doctor_fix_says_when_it_repaired_nothing(project, cli):
     result = cli("doctor", "--fix", cwd=project)
     assert result.returncode == 0
     assert "repaired 1 problem(s); no errors remain" in result.stdout
+
+
+def test_heartbeat_interval_reaches_the_executor(project):
+    set_config(project, '[checks]\ncommands = ["true"]\n[lease]\nheartbeat_interval_secs = 17\n'
+                        '[limits]\nwait_timeout_secs = 1\n')
+    store = ferrus.Store(str(project))
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    controller = ferrus.HqController(store, emit=lambda message: None)
+    prompt = controller.needed_slots(store.read_state())["executor"]
+    assert "/heartbeat about every 17 seconds" in prompt
+    claimed = ferrus.op_wait_for_task(store, ferrus.Caller("executor", "executor:t:1"))
+    assert claimed.data["heartbeat_interval_secs"] == 17
