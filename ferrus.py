@@ -8328,6 +8328,34 @@ class PipelineRun:
         return self.status["phases"][self.status["current_phase"]]
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
+    """Lines telling a human what one worker's output holds without opening it: its
+    size and its first non-empty lines (seed 003: summarise, then wait).  Reads at
+    most ``chunk`` bytes, so a huge output costs nothing."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "r", encoding="utf-8", errors="replace") as handle:
+            head = handle.read(chunk)
+    except OSError as err:
+        return ["  - %s (unreadable: %s)" % (label, err.strerror or err)]
+    lines = [line.strip() for line in head.splitlines() if line.strip()]
+    words = len(head.split())
+    if size <= chunk:
+        about = "%d non-empty line%s, %d words" % (len(lines), "s"[len(lines) == 1:], words)
+    else:
+        about = "%d bytes" % size
+    summary = ["  - %s (%s)" % (label, about)]
+    for line in lines[:max_lines]:
+        line = _UNPRINTABLE.sub("?", line)
+        summary.append("      " + (line if len(line) <= width else line[:width - 1] + "…"))
+    if len(lines) > max_lines or size > chunk:
+        summary.append("      …")
+    return summary
+
+
 @dataclasses.dataclass
 class PipelineOutcome:
     """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
@@ -8563,11 +8591,13 @@ class PipelineOrchestrator:
                     return self._deliver(run)
                 status["current_phase"] += 1
                 if definition.pause_after:
-                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; outputs: "
-                                "%s. `ferrus pipeline continue %s` starts phase %s" % (
-                                    phase["id"], ", ".join(run.file(w.output)
-                                                           for w in definition.workers),
-                                    run.name, run.phase()["id"]))
+                    summary = [line for w in definition.workers
+                               for line in summarize_output(run.file(w.output),
+                                                            self.store.relpath(run.file(w.output)))]
+                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; its "
+                                "outputs:\n%s\nRead them, then `ferrus pipeline continue %s` "
+                                "starts phase %s" % (phase["id"], "\n".join(summary), run.name,
+                                                     run.phase()["id"]))
                 else:
                     continue           # seed step 6: the next phase starts at once
             if not problems and not status["paused"]:
@@ -8792,7 +8822,11 @@ class PipelineOrchestrator:
     def _deliver(self, run):
         final = run.definition.final_worker()
         run.status.update(result_delivered=True, result=final.output, delivered_at=self._now())
-        self._note(run, "delivered", "delivered %s" % run.file(final.output), output=final.output)
+        # The folder moves to the archive right after this, so name the output where it
+        # will be (the run's current path would no longer exist).
+        archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
+        self._note(run, "delivered", "delivered %s" % self.store.relpath(
+            run.file(final.output) if run.archived else archived), output=final.output)
         self._save(run)            # delivered on disk before the folder moves
         return self._archive(run)
 
