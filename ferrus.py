@@ -167,6 +167,40 @@ def pretty_json(value):
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 
+# Every C0 control except tab and newline, DEL, and every C1 control (U+0080–U+009F;
+# some terminals act on UTF-8-encoded C1 such as U+009B CSI).  ESC is among them, so
+# no escape sequence (OSC 52 clipboard, window title, clear screen) survives.
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible_control(match):
+    code = ord(match.group())
+    if code < 0x20 or code == 0x7f:
+        return "^" + chr(code ^ 0x40)       # caret notation: ESC → ^[, CR → ^M, DEL → ^?
+    return "\\x%02x" % code
+
+
+def terminal_safe(text):
+    """``text`` with every terminal control made visible, for printing to a terminal.
+
+    Agents, checks and files are untrusted: what they wrote is shown, never obeyed.
+    Newline and tab are kept; every other character (CJK, emoji, accents) is
+    untouched.  Applied where text is printed, never to what is stored."""
+    text = text if isinstance(text, str) else str(text)
+    return _TERMINAL_CONTROLS.sub(_visible_control, text)
+
+
+def say(text="", file=None, flush=False):
+    """print() for every line that may carry agent, check or file text."""
+    print(terminal_safe(text), file=file if file is not None else sys.stdout, flush=flush)
+
+
+def json_for_terminal(text):
+    """JSON text with DEL and C1 controls written as \\u escapes: the same value when
+    parsed (json already escapes C0), and nothing a terminal would act on."""
+    return _TERMINAL_CONTROLS.sub(lambda match: "\\u%04x" % ord(match.group()), text)
+
+
 def new_id(prefix):
     """A short unique id such as ``t-20261123T085200-3fa2c1``."""
     stamp = utc_now().strftime("%Y%m%dT%H%M%S")
@@ -5753,7 +5787,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
     so the run ends with exit 4).  Returns the exit code."""
-    out = out or (lambda text: print(text, flush=True))
+    out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
     controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
                               launcher=launcher)
@@ -5886,7 +5920,7 @@ class HqShell:
             self.write(prefix + message.text)
 
     def write(self, text):
-        print(text, file=self.stdout, flush=True)
+        say(text, file=self.stdout, flush=True)
 
     def _reader(self):
         for line in self.stdin:
@@ -6253,7 +6287,7 @@ class CursesHq(HqShell):
         self.add("error" if text.startswith("error:") else "output", text)
 
     def add(self, kind, text):
-        for line in str(text).expandtabs().split("\n"):
+        for line in terminal_safe(text).expandtabs().split("\n"):
             self.transcript.append((kind, line))
             if self.scroll:                  # a scrolled-back view stays where it is
                 self.scroll += 1
@@ -6520,7 +6554,8 @@ class CursesHq(HqShell):
 
     def put(self, row, col, text, attr=0):
         with contextlib.suppress(self.curses.error):    # writing the last cell "fails"
-            self.scr.addnstr(row, col, text, max(0, self.scr.getmaxyx()[1] - col), attr)
+            self.scr.addnstr(row, col, terminal_safe(text), max(0, self.scr.getmaxyx()[1] - col),
+                             attr)
 
     def draw(self):
         curses = self.curses
@@ -8136,8 +8171,8 @@ def cmd_status(args, root):
             if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
     width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print("%s  %s" % (label.rjust(width), value))
+    for label, value in rows:     # the state row carries ferrus's own colour codes
+        print("%s  %s" % (label.rjust(width), value if label == "state" else terminal_safe(value)))
     return 0
 
 
@@ -8146,23 +8181,29 @@ def format_event(entry, color=False):
     when = entry.get("time", "")
     with contextlib.suppress(ValueError, TypeError):
         when = parse_timestamp(when).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    # Every field came from a file an agent may have shaped: shown, never obeyed.
     moved = entry.get("from") != entry.get("to")
-    change = ("%s → %s" % (entry.get("from"), _paint(entry.get("to"), _STATE_COLORS.get(
-        entry.get("to")), color))) if moved else str(entry.get("to"))
+    change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
+        terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
+        if moved else terminal_safe(entry.get("to"))
     detail = entry.get("detail") or {}
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
-    return "%s  #%-5s %-22s %-16s %s%s" % (when, entry.get("seq"), entry.get("actor"),
-                                          entry.get("event"), change, "  " + extra if extra else "")
+    return "%s  #%-5s %-22s %-16s %s%s" % (
+        terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
+        terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
 
 
 def cmd_log(args, root):
     store = Store(root).require()
     entries = store.read_journal(limit=args.n)
     color = _color_enabled(sys.stdout)
+
+    def line(entry):
+        return json_for_terminal(compact_json(entry)) if args.json else format_event(entry, color)
     last = 0
     for entry in entries:
-        print(compact_json(entry) if args.json else format_event(entry, color))
+        print(line(entry))
         last = entry["seq"]
     if not entries and not args.follow and not args.json:
         print("(the journal is empty: nothing has happened yet)")
@@ -8175,7 +8216,7 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                print(compact_json(entry) if args.json else format_event(entry, color))
+                print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
     except KeyboardInterrupt:
@@ -8196,38 +8237,38 @@ def cmd_reset(args, root):
     data = store.read_state()
     if not args.yes and data.state != S.IDLE:
         if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
-            print("Nothing changed.")
+            say("Nothing changed.")
             return 1
-    print(op_force_reset(store, HUMAN).text)
+    say(op_force_reset(store, HUMAN).text)
     return 0
 
 
 def cmd_doctor(args, root):
     findings = doctor_findings(root)
     if not findings:
-        print("ferrus doctor: everything is consistent.")
+        say("ferrus doctor: everything is consistent.")
         return 0
     remaining = 0
     for finding in findings:
         mark = "error" if finding.severity == "error" else "warning"
-        print("%s: %s" % (mark, finding.problem))
+        say("%s: %s" % (mark, finding.problem))
         if args.fix and finding.fix is not None:
             try:
                 finding.fix()
-                print("  fixed: %s" % finding.repair)
+                say("  fixed: %s" % finding.repair)
                 continue
             except (OSError, FerrusError) as err:
-                print("  could not fix: %s" % err)
+                say("  could not fix: %s" % err)
         elif finding.fix is not None:
-            print("  repair: %s (run `ferrus doctor --fix`)" % finding.repair)
+            say("  repair: %s (run `ferrus doctor --fix`)" % finding.repair)
         else:
-            print("  what to do: %s" % finding.repair)
+            say("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
-        print("ferrus doctor: %s" % ("all errors repaired." if not left else
+        say("ferrus doctor: %s" % ("all errors repaired." if not left else
                                      "%d error(s) remain." % len(left)))
         return 1 if left else 0
     return 1 if remaining else 0
@@ -8238,19 +8279,19 @@ def cmd_check(args, root):
     if args.force:
         run, config = op_run_checks_only(store)
         if run is None:
-            print("No check commands are configured in ferrus.toml ([checks] commands).")
+            say("No check commands are configured in ferrus.toml ([checks] commands).")
             return 0
         for result in run.results:
-            print("%-9s %s%s" % (result.status, result.command, _status_note(result)
+            say("%-9s %s%s" % (result.status, result.command, _status_note(result)
                                  if not result.passed else ""))
         if not run.passed:
-            print()
-            print(run.report(config.limits.max_feedback_lines))
+            say()
+            say(run.report(config.limits.max_feedback_lines))
         else:
-            print("All checks passed. Full log: %s" % run.log_path)
+            say("All checks passed. Full log: %s" % run.log_path)
         return 0 if run.passed else 1
     outcome = op_check(store, Caller("human", "human:cli:0"))
-    print(outcome.text)
+    say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
 
@@ -8283,23 +8324,23 @@ def cmd_unregister(args, root):
 def cmd_agents(args, root):
     rows = agents_report(root)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        say(json.dumps(rows, indent=2))
         return 0 if not any("problem" in row for row in rows) else 1
     for row in rows:
         if row["agent"] is None:
-            print("%-10s (none)  %s" % (row["role"], row["problem"]))
+            say("%-10s (none)  %s" % (row["role"], row["problem"]))
         else:
-            print("%-10s %s%s" % (row["role"], row["agent"],
+            say("%-10s %s%s" % (row["role"], row["agent"],
                                   " (model %s)" % row["model"] if row["model"] else ""))
-            print("           binary: %s" % (row["path"] or "not installed"))
+            say("           binary: %s" % (row["path"] or "not installed"))
             if row["path"]:
-                print("           version: %s" % (row["version"] or "unknown (--version failed)"))
-            print("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
+                say("           version: %s" % (row["version"] or "unknown (--version failed)"))
+            say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
         if "problem" in row:
-            print("           problem: %s" % row["problem"])
-            print("           fix: %s" % row["hint"])
+            say("           problem: %s" % row["problem"])
+            say("           fix: %s" % row["hint"])
     return 0 if not any("problem" in row for row in rows) else 1
 
 
@@ -8316,7 +8357,7 @@ def cmd_run(args, root):
     def ask(question):
         if not interactive:
             return None
-        print("\nQuestion for you:\n%s" % question, flush=True)
+        say("\nQuestion for you:\n%s" % question, flush=True)
         return input("answer> ")
     return run_loop(store, task, args.timeout, args.resume, ask=ask)
 
@@ -8455,7 +8496,7 @@ def _pipeline_status(store, args, out):
         name, path, _ = find_run(store, args.ref)
         run = read_run(store, name)
         if args.json:
-            out(pretty_json(run.status))
+            out(json_for_terminal(pretty_json(run.status)))
         else:
             for line in describe_run(store, run.status, path):
                 out(line)
@@ -8472,7 +8513,7 @@ def _pipeline_status(store, args, out):
                            status["phases"][status["current_phase"]]["id"]))
         rows.append(row)
     if args.json:
-        out(pretty_json(rows))
+        out(json_for_terminal(pretty_json(rows)))
         return 0
     if not rows:
         out("no pipeline runs yet (`ferrus pipeline run NAME TOPIC` starts one)")
@@ -8501,19 +8542,19 @@ def _pipeline_result(outcome, out):
 
 
 def _follow_in_foreground(orchestrator, name):
-    print("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
+    say("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
     try:
         outcome = orchestrator.drive(name)
     except KeyboardInterrupt:
-        print("\ninterrupted: the workers keep running and status.json is intact; "
+        say("\ninterrupted: the workers keep running and status.json is intact; "
               "`ferrus pipeline resume %s` continues" % name, flush=True)
         return 130
-    return _pipeline_result(outcome, lambda text: print(text, flush=True))
+    return _pipeline_result(outcome, lambda text: say(text, flush=True))
 
 
 def cmd_pipeline(args, root):
     store = Store(root).require()
-    return pipeline_command(store, args, lambda text: print(text, flush=True),
+    return pipeline_command(store, args, lambda text: say(text, flush=True),
                             _follow_in_foreground)
 
 
@@ -8695,9 +8736,9 @@ def main(argv=None):
     except FerrusError as err:
         if debug:
             raise
-        print("ferrus: %s" % err.message, file=sys.stderr)
+        say("ferrus: %s" % err.message, file=sys.stderr)
         if err.hint:
-            print("hint: %s" % err.hint, file=sys.stderr)
+            say("hint: %s" % err.hint, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130
@@ -8708,8 +8749,8 @@ def main(argv=None):
             raise
         # A full disk or a read-only file: the atomic writes left the old state intact.
         where = " (%s)" % err.filename if err.filename else ""
-        print("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
-        print("hint: nothing was changed; free space or fix permissions and try again",
+        say("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
+        say("hint: nothing was changed; free space or fix permissions and try again",
               file=sys.stderr)
         return 1
 
