@@ -41,6 +41,7 @@ import dataclasses
 import datetime as _dt
 import enum
 import errno
+import itertools
 import json
 import logging
 import os
@@ -1967,6 +1968,56 @@ FERRUS_DIR = ".ferrus"
 STATE_FILE = "STATE.json"
 LOCK_FILE = "STATE.lock"
 JOURNAL_FILE = "events.jsonl"
+JOURNAL_ARCHIVE_FILE = "events.jsonl.1"    # what the last rotation moved aside
+JOURNAL_GAP_EVENT = "journal_gap"          # one entry for seqs whose lines are lost
+# events.jsonl is rotated when a line would take it past this size (FERRUS_JOURNAL_MAX_BYTES).
+JOURNAL_MAX_BYTES = 16 * 1024 * 1024
+
+
+def journal_max_bytes():
+    value = os.environ.get("FERRUS_JOURNAL_MAX_BYTES", "")
+    try:
+        return max(1024, int(value)) if value.strip() else JOURNAL_MAX_BYTES
+    except ValueError:
+        return JOURNAL_MAX_BYTES
+
+
+def _lines_backwards(path, chunk=4096):
+    """The lines of a file (bytes, without their newline) from the last to the first,
+    read in chunks from the end that grow up to 1 MiB (most callers want only the
+    last few lines).  A missing file has none."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with handle:
+        position = handle.seek(0, os.SEEK_END)
+        rest = b""
+        while position > 0:
+            start = max(0, position - chunk)
+            handle.seek(start)
+            data = handle.read(position - start) + rest
+            position = start
+            chunk = min(chunk * 4, 1 << 20)
+            lines = data.split(b"\n")
+            rest = lines[0]              # may continue in the chunk before this one
+            for line in reversed(lines[1:]):
+                yield line
+        yield rest
+
+
+def _end_of_complete_lines(handle, size, chunk=65536):
+    """The offset just past the last newline in an open binary file (0 for none)."""
+    position = size
+    while position > 0:
+        start = max(0, position - chunk)
+        handle.seek(start)
+        data = handle.read(position - start)
+        newline = data.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        position = start
+    return 0
 CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER.md",
                  "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md", "LAST_SPEC_PATH")
 # Files that a new task, a reset or HQ's force-reset empty.
@@ -2030,6 +2081,8 @@ class Transaction:
         self.event = None
         self.detail = {}
         self.committed = None   # the Commit, once the block has ended
+        self.rotate_journal = False     # start a new events.jsonl with this commit's line
+        self.rotated_journal = False    # whether the commit did
 
     def read(self, name):
         """A content file as this transaction will leave it."""
@@ -2099,14 +2152,16 @@ class Store:
         """A cheap fingerprint that changes on every commit.
 
         STATE.json's inode, mtime and size alone could repeat on a filesystem with
-        coarse timestamps (inodes are reused, sizes often equal); the journal only
-        ever grows, one line per commit, so its size makes the stamp strictly new."""
+        coarse timestamps (inodes are reused, sizes often equal); the journal grows
+        one line per commit, and a rotation gives it a new inode, so its inode and
+        size make the stamp strictly new."""
         try:
             st = os.stat(self.path(STATE_FILE))
         except FileNotFoundError:
             return None
         try:
-            journal = os.stat(self.journal_path()).st_size
+            journal = os.stat(self.journal_path())
+            journal = (journal.st_ino, journal.st_size)
         except FileNotFoundError:
             journal = -1
         return (st.st_ino, st.st_mtime_ns, st.st_size, journal)
@@ -2146,7 +2201,8 @@ class Store:
                         from_state=tx.before.state.value, to_state=state.state.value,
                         task_id=state.task_id, detail=tx.detail)
         try:
-            self._append_journal(commit, state.rev)
+            tx.rotated_journal = self._append_journal(commit, state.rev,
+                                                      rotate=tx.rotate_journal)
         except OSError as err:
             raise JournalWriteError(
                 "%s was committed to STATE.json (rev %d), but its journal line could not be "
@@ -2160,50 +2216,58 @@ class Store:
     def journal_path(self):
         return self.path(JOURNAL_FILE)
 
+    def journal_archive_path(self):
+        return self.path(JOURNAL_ARCHIVE_FILE)
+
+    def journal_entries_backwards(self):
+        """Journal entries from the newest back, reading the files from their ends.
+
+        events.jsonl first, then the archive a rotation left; only strictly falling
+        seqs are yielded, so an entry that both files hold is not seen twice.  The
+        cost is what the caller consumes, never the length of the journal."""
+        below = None
+        for path in (self.journal_path(), self.journal_archive_path()):
+            for raw in _lines_backwards(path):
+                if not raw.strip():
+                    continue
+                entry = journal_entry(raw.decode("utf-8", "replace"))
+                if entry is None or (below is not None and entry["seq"] >= below):
+                    continue
+                below = entry["seq"]
+                yield entry
+
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
-        path = self.journal_path()
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                chunk = 4096
-                while True:
-                    start = max(0, size - chunk)
-                    handle.seek(start)
-                    data = handle.read(size - start)
-                    lines = data.split(b"\n")
-                    complete = lines[:-1] if not data.endswith(b"\n") else lines
-                    for line in reversed(complete if start == 0 else complete[1:]):
-                        line = line.strip()
-                        if not line:
-                            continue
-                        entry = journal_entry(line.decode("utf-8", "replace"))
-                        if entry is not None:
-                            return entry["seq"]
-                    if start == 0:
-                        return 0
-                    chunk *= 4
-        except FileNotFoundError:
-            return 0
+        entry = next(self.journal_entries_backwards(), None)
+        return entry["seq"] if entry is not None else 0
 
-    def _append_journal(self, commit, rev):
-        """Append one fsynced line; fill any gap a crash left first, so seq stays gapless."""
+    def _append_journal(self, commit, rev, rotate=False):
+        """Append one fsynced line.  A gap a crash left (STATE.json committed, its line
+        never written) is first recorded as ONE journal_gap entry, however many seqs
+        it spans, so seq stays continuous and the cost stays constant.  Returns whether
+        events.jsonl was rotated first."""
         path = self.journal_path()
         last = self.last_journal_seq()
         lines = []
-        for missing in range(last + 1, rev):
+        if last + 1 < rev:
             lines.append(compact_json(Commit(
-                seq=missing, time=commit.time, actor="ferrus", event="lost",
+                seq=rev - 1, time=commit.time, actor="ferrus", event=JOURNAL_GAP_EVENT,
                 from_state="?", to_state="?", task_id=None,
-                detail={"note": "this transition was committed to STATE.json but the "
-                                "process stopped before journaling it"}).to_json()))
+                detail={"from": last + 1, "to": rev - 1,
+                        "note": "these transitions were committed to STATE.json, but their "
+                                "journal lines are lost (a crash before the write, or an "
+                                "emptied or damaged events.jsonl)"}).to_json()))
         if last >= rev:
             # The journal is ahead of STATE.json (e.g. a restored backup): keep both
             # readable and let doctor explain it rather than writing duplicate seqs.
             log.warning("journal seq %d is ahead of STATE.json rev %d", last, rev)
         lines.append(compact_json(commit.to_json()))
         payload = ("\n".join(lines) + "\n").encode("utf-8")
+        rotated = False
+        with contextlib.suppress(FileNotFoundError):
+            size = os.stat(path).st_size
+            if size and (rotate or size + len(payload) > journal_max_bytes()):
+                rotated = self._rotate_journal()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             # A torn last line (killed mid-write) must not glue onto ours.
@@ -2218,47 +2282,80 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+        return rotated
+
+    def _rotate_journal(self):
+        """events.jsonl becomes the archive (replacing the previous one), so the journal
+        on disk stays under about twice the limit.  The caller's line then starts the
+        new file, which keeps its last seq equal to rev.  Called under the lock."""
+        try:
+            os.replace(self.journal_path(), self.journal_archive_path())
+        except OSError as err:
+            # Windows refuses to rename a file another process has open: keep
+            # appending and rotate on a later commit.
+            log.warning("could not rotate %s: %s", JOURNAL_FILE, err)
+            return False
+        with contextlib.suppress(OSError):
+            fsync_directory(self.dir)
+        return True
 
     def read_journal(self, after_seq=0, limit=None):
-        """Journal entries with seq > after_seq (the last ``limit`` when given).
+        """Journal entries with seq > after_seq (the last ``limit`` when given), oldest
+        first, read from the end, so a short tail is cheap however long the journal.
 
         Lines that do not parse (a torn write) are skipped here; doctor reports them."""
+        if limit is not None and limit <= 0:
+            return []
         entries = []
-        try:
-            handle = open(self.journal_path(), "r", encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return entries
-        with handle:
-            for line in handle:
-                line = line.strip()
-                if not line:
-                    continue
-                entry = journal_entry(line)
-                if entry is not None and entry["seq"] > after_seq:
-                    entries.append(entry)
-        if limit is not None:
-            entries = entries[-limit:] if limit > 0 else []
+        for entry in self.journal_entries_backwards():
+            if entry["seq"] <= after_seq or (limit is not None and len(entries) >= limit):
+                break
+            entries.append(entry)
+        entries.reverse()
         return entries
 
-    def journal_since(self, offset):
-        """(entries, new offset): the complete lines appended after byte ``offset``.
-
-        HQ polls with this, so each poll reads only what is new."""
+    def journal_position(self):
+        """Where the journal ends now, for journal_since: (file identity, byte offset)."""
         try:
             with open(self.journal_path(), "rb") as handle:
-                handle.seek(offset)
-                data = handle.read()
+                stat = os.fstat(handle.fileno())
+                return ((stat.st_dev, stat.st_ino), _end_of_complete_lines(handle, stat.st_size))
         except FileNotFoundError:
-            return [], 0
+            return None
+
+    def journal_since(self, position, after_seq=0):
+        """(entries with seq > after_seq appended after ``position``, the new position).
+
+        HQ polls with this, so each poll reads only what is new.  When events.jsonl
+        was rotated (or replaced by doctor) since ``position``, what the archive holds
+        after ``after_seq`` comes first and the new file is read from its start."""
+        try:
+            handle = open(self.journal_path(), "rb")
+        except FileNotFoundError:
+            return [], position            # between a rotation's rename and its write
+        with handle:
+            stat = os.fstat(handle.fileno())
+            identity = (stat.st_dev, stat.st_ino)
+            entries = []
+            if position is None or position[0] != identity or stat.st_size < position[1]:
+                start = 0
+                for entry in self.journal_entries_backwards():
+                    if entry["seq"] <= after_seq:
+                        break
+                    entries.append(entry)
+                entries.reverse()
+                return entries, (identity, _end_of_complete_lines(handle, stat.st_size))
+            start = position[1]
+            handle.seek(start)
+            data = handle.read()
         end = data.rfind(b"\n") + 1        # a line still being written waits for the next poll
-        entries = []
         for line in data[:end].split(b"\n"):
             if not line.strip():
                 continue
             entry = journal_entry(line.decode("utf-8", "replace"))
-            if entry is not None:
+            if entry is not None and entry["seq"] > after_seq:
                 entries.append(entry)
-        return entries, offset + end
+        return entries, (identity, start + end)
 
     def append_event(self, actor, event, detail):
         """Journal an event that is not a task transition (sessions, gates, notes).
@@ -3285,7 +3382,8 @@ def capacity_status(store, data):
     if checkpoint:
         return {"tier": checkpoint.get("tier"), "action": checkpoint.get("action"),
                 "signal": checkpoint.get("signal"), "checkpoint": True}
-    for entry in reversed(store.read_journal(limit=500)):
+    # The newest gate decision among the last 500 entries, read from the journal's end.
+    for entry in itertools.islice(store.journal_entries_backwards(), 500):
         if entry.get("event") == "gate":
             detail = entry.get("detail") or {}
             return {"tier": detail.get("tier"), "action": detail.get("action"),
@@ -3323,6 +3421,23 @@ def op_force_reset(store, caller):
                 tx.write("agents.json", pretty_json(registry))
     return _outcome("State reset to Idle from %s. Task files cleared; the spec selection is kept."
                     % previous, S.IDLE, previous_state=previous.value)
+
+
+def op_rotate_journal(store, caller):
+    """Move events.jsonl aside now (it also happens by itself at the size limit)."""
+    with store.transaction(caller.agent_id) as tx:
+        tx.set(tx.state, "journal_rotated", archive=JOURNAL_ARCHIVE_FILE)
+        tx.rotate_journal = True
+    seq = tx.committed.seq
+    if not tx.rotated_journal:
+        return _outcome("%s/%s was empty, or could not be renamed (Windows: another process has "
+                        "it open); entry #%d "
+                        "records the attempt." % (FERRUS_DIR, JOURNAL_FILE, seq),
+                        tx.state.state, seq=seq, rotated=False)
+    return _outcome("%s/%s moved to %s/%s (replacing the older archive); the new %s starts "
+                    "with entry #%d." % (FERRUS_DIR, JOURNAL_FILE, FERRUS_DIR,
+                                         JOURNAL_ARCHIVE_FILE, JOURNAL_FILE, seq),
+                    tx.state.state, seq=seq, rotated=True)
 
 
 def op_heartbeat(store, caller, agent_id=None):
@@ -5314,6 +5429,10 @@ def clear_capacity_checkpoint(store):
             tx.set(data, "capacity_continue")
 
 
+# STATE.json's count of the sessions HQ started for the current task.
+TASK_SESSIONS_KEY = "task_sessions"
+
+
 class HqController:
     """The UI-independent HQ: journal in, sessions supervised, messages out.
 
@@ -5328,21 +5447,21 @@ class HqController:
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
+        # Entries from before this HQ started are not shown again, and none is read:
+        # start-up costs the same whatever the journal's length.
+        self.journal_offset = store.journal_position()
         self.cursor = store.last_journal_seq()
         self.start_seq = self.cursor
-        self.journal_offset = 0
         self._missing_rev = None
         # Capacity signals HQ counts itself (tool calls come from the MCP servers).
-        self.sessions_by_task = {}
+        # Sessions per task live in STATE.json, so limits hold across restarts.
+        self.sessions_seed = self._sessions_before_counter()
         self.tokens_by_task = {}
         self.tasks_completed = 0
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
         self.last_gate = None
-        # Count the sessions the journal already holds, so limits hold across restarts;
-        # entries from before this HQ started are not shown again.
-        self.drain_journal()
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
         self.last_state = None
@@ -5380,12 +5499,9 @@ class HqController:
             self.reconcile()
 
     def drain_journal(self):
-        entries, self.journal_offset = self.store.journal_since(self.journal_offset)
+        entries, self.journal_offset = self.store.journal_since(self.journal_offset,
+                                                                after_seq=self.cursor)
         for entry in entries:
-            detail = entry.get("detail") or {}
-            if entry.get("event") == "session" and detail.get("to") == "Running":
-                task = entry.get("task_id")
-                self.sessions_by_task[task] = self.sessions_by_task.get(task, 0) + 1
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
                 if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
@@ -5469,7 +5585,7 @@ class HqController:
         data = self.store.read_state()
         task = data.task_id
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_by_task.get(task, 0),
+                          sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
                           tokens_used=self.tokens_by_task.get(task, 0),
                           parallel_agents=len(self.running()) + extra_parallel)
@@ -5696,10 +5812,49 @@ class HqController:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
             with contextlib.suppress(FerrusError, OSError):
-                self.store.append_event("hq", "session", {
-                    "slot": slot.name, "from": before.value, "to": slot.session.state.value,
-                    "seq": slot.session.session_seq, "trigger": event.kind,
-                    "pid": slot.process.pid if slot.process else None})
+                self._journal_session(slot, before, event)
+
+    def _journal_session(self, slot, before, event):
+        """Journal a session's move; a start also counts in STATE.json, so the sessions
+        a task had are known after a restart without reading the journal."""
+        with self.store.transaction("hq") as tx:
+            tx.set(tx.state, "session")
+            tx.detail.update({
+                "slot": slot.name, "from": before.value, "to": slot.session.state.value,
+                "seq": slot.session.session_seq, "trigger": event.kind,
+                "pid": slot.process.pid if slot.process else None})
+            if slot.session.state == SS.RUNNING:
+                tx.state.extra[TASK_SESSIONS_KEY] = {"task_id": tx.state.task_id,
+                                                     "sessions": self.sessions_of(tx.state) + 1}
+
+    # How far back a project from before STATE.json counted sessions is searched.
+    SESSION_SCAN_LIMIT = 10000
+
+    def _sessions_before_counter(self):
+        """The current task's session starts, for a STATE.json written before it counted
+        them: the task's own entries at the journal's end, read backwards (bounded)."""
+        data = self.store.read_state()
+        counter = data.extra.get(TASK_SESSIONS_KEY)
+        if data.task_id is None or (isinstance(counter, dict) and
+                                    counter.get("task_id") == data.task_id):
+            return {}
+        count = 0
+        entries = self.store.journal_entries_backwards()
+        for entry in itertools.islice(entries, self.SESSION_SCAN_LIMIT):
+            if entry.get("task_id") != data.task_id or entry.get("event") == "create_task":
+                break
+            if entry.get("event") == "session" and (entry.get("detail") or {}).get(
+                    "to") == SS.RUNNING.value:
+                count += 1
+        return {data.task_id: count}
+
+    def sessions_of(self, data):
+        """Sessions started for ``data``'s task so far (all HQs, across restarts)."""
+        counter = data.extra.get(TASK_SESSIONS_KEY)
+        if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
+                isinstance(counter.get("sessions"), int):
+            return counter["sessions"]
+        return self.sessions_seed.get(data.task_id, 0)
 
     def _interrupt(self, slot):
         """TERM the process group now; KILL after the grace period (GraceExceeded)."""
@@ -8005,35 +8160,48 @@ def _journal_findings(store, data):
         return [Finding("%s/%s is missing" % (FERRUS_DIR, JOURNAL_FILE),
                         "create it (history before now is gone)",
                         lambda: atomic_write(path, ""))]
-    bad_lines, seqs = [], []
+    # One pass in constant memory: a rotated journal is bounded, a hand-made one may not be.
+    bad_lines, gaps, previous = [], [], None
     with open(path, "r", encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             entry = journal_entry(line)
             if entry is None:
-                bad_lines.append(number)
-            else:
-                seqs.append(entry["seq"])
+                if len(bad_lines) < 5:
+                    bad_lines.append(number)
+                else:
+                    bad_lines.append(None)
+                continue
+            seq = entry["seq"]
+            # A journal_gap entry stands for the seqs from detail.from up to its own.
+            first = seq
+            if entry.get("event") == JOURNAL_GAP_EVENT:
+                gap_from = (entry.get("detail") or {}).get("from")
+                if isinstance(gap_from, int) and not isinstance(gap_from, bool):
+                    first = gap_from
+            if previous is not None and first != previous + 1 and len(gaps) < 5:
+                gaps.append(seq)
+            previous = seq
     if bad_lines:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
-            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines), ", ".join(map(str, bad_lines[:5]))),
+            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines),
+               ", ".join(str(n) for n in bad_lines if n is not None)),
             "drop those lines", lambda: _rewrite_journal(store)))
-    gaps = [b for a, b in zip(seqs, seqs[1:]) if b != a + 1]
     if gaps:
         findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
                                 % ", ".join(map(str, gaps[:5])),
                                 "renumbering would break history; nothing to fix automatically",
                                 severity="warning"))
     if data is not None:
-        last = seqs[-1] if seqs else 0
+        last = store.last_journal_seq()      # the archive's, right after a rotation
         if last < data.rev:
             findings.append(Finding(
                 "STATE.json is at rev %d but the journal ends at seq %d: %d transition(s) were "
-                "committed without a journal line (a crash between the two writes)"
-                % (data.rev, last, data.rev - last),
-                "append placeholder entries so seq matches rev again",
+                "committed without a journal line (a crash between the two writes, or an "
+                "emptied events.jsonl)" % (data.rev, last, data.rev - last),
+                "record them as one journal_gap entry so seq matches rev again",
                 lambda: _fill_journal(store)))
         elif last > data.rev:
             findings.append(Finding(
@@ -8221,6 +8389,12 @@ def cmd_log(args, root):
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_journal(args, root):
+    store = Store(root).require()
+    say(op_rotate_journal(store, HUMAN).text)
+    return 0
 
 
 def confirm(question):
@@ -8653,6 +8827,12 @@ def build_parser():
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
     p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
+    commands = p.add_subparsers(dest="journal_command", metavar="COMMAND")
+    commands.required = True
+    commands.add_parser("rotate", help="move events.jsonl to events.jsonl.1 and start anew")
+    p.set_defaults(run=cmd_journal)
 
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
