@@ -1979,6 +1979,8 @@ def journal_max_bytes():
     try:
         return max(1024, int(value)) if value.strip() else JOURNAL_MAX_BYTES
     except ValueError:
+        log.warning("FERRUS_JOURNAL_MAX_BYTES=%r is not a number of bytes; using %d",
+                    value, JOURNAL_MAX_BYTES)
         return JOURNAL_MAX_BYTES
 
 
@@ -2235,6 +2237,23 @@ class Store:
                     continue
                 below = entry["seq"]
                 yield entry
+
+    def journal_entries(self):
+        """Every journal entry, oldest first (the archive, then events.jsonl), streamed
+        so that printing a long journal needs no memory for it."""
+        above = None
+        for path in (self.journal_archive_path(), self.journal_path()):
+            try:
+                handle = open(path, "r", encoding="utf-8", errors="replace")
+            except FileNotFoundError:
+                continue
+            with handle:
+                for line in handle:
+                    entry = journal_entry(line) if line.strip() else None
+                    if entry is None or (above is not None and entry["seq"] <= above):
+                        continue
+                    above = entry["seq"]
+                    yield entry
 
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
@@ -8364,7 +8383,7 @@ def format_event(entry, color=False):
 
 def cmd_log(args, root):
     store = Store(root).require()
-    entries = store.read_journal(limit=args.n)
+    entries = store.journal_entries() if args.n is None else store.read_journal(limit=args.n)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -8373,7 +8392,7 @@ def cmd_log(args, root):
     for entry in entries:
         print(line(entry))
         last = entry["seq"]
-    if not entries and not args.follow and not args.json:
+    if not last and not args.follow and not args.json:
         print("(the journal is empty: nothing has happened yet)")
     if not args.follow:
         return 0
