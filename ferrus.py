@@ -33,7 +33,18 @@ Contents (each section uses only the sections above it):
     17. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
-import argparse
+import sys
+
+# `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
+# the current folder.  When ferrus.py sits in a project root that has its own queue.py,
+# logging.py or enum.py, those would be imported instead of the standard library, so
+# that entry goes before any other import (ferrus needs nothing but the standard
+# library).  -I and -P (3.11+) add no such entry.
+if (__name__ == "__main__" and sys.path and not sys.flags.isolated
+        and not getattr(sys.flags, "safe_path", False)):
+    del sys.path[0]
+
+import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import base64
 import collections
 import contextlib
@@ -51,7 +62,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -327,7 +337,9 @@ def atomic_write(path, data, durable=True):
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+    # The temporary name is longer than the target's; a shortened prefix keeps a
+    # target near the 255-byte name limit writable.
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path)[:96] + ".",
                                 suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -346,6 +358,20 @@ def atomic_write(path, data, durable=True):
         raise
     if durable:
         fsync_directory(directory)
+
+
+def open_private_log(path):
+    """Open ``path`` for appending, readable by its owner only (0600).
+
+    Agent session logs hold whole transcripts (code, prompts, sometimes secrets an
+    agent printed), so they are created 0600 whatever the umask, and an existing
+    one written by an older ferrus is narrowed to 0600 too."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, 0o600)
+    if not IS_WINDOWS:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def read_text(path, default=None):
@@ -1143,6 +1169,7 @@ class ChecksConfig:
     parallel: bool = False
     timeout_secs: int = 600
     fail_fast: bool = False
+    max_log_bytes: int = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -1221,6 +1248,29 @@ class CapacityConfig:
 
 
 @dataclasses.dataclass
+class SessionsConfig:
+    """[sessions]: how HQ supervises each agent slot (seed 001)."""
+
+    max_consecutive_errors: int = 5
+    max_total_errors: int = 20
+    timeout_secs: int = 3600
+    interrupt_grace_secs: int = 10
+
+
+@dataclasses.dataclass
+class PipelinesConfig:
+    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
+
+    file: str = "workflows.json"
+    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
+
+
+# The tables _fill_section reads straight into their dataclass, in file order.
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+
+
+@dataclasses.dataclass
 class Config:
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
@@ -1228,6 +1278,8 @@ class Config:
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
     agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
+    sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
+    pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # A problem in [hq] only matters to commands that launch agents, so it is kept
@@ -1251,9 +1303,15 @@ _INT_LIMITS = {
     ("lease", "ttl_secs"): (1, 31_536_000),
     ("lease", "heartbeat_interval_secs"): (1, 31_536_000),
     ("checks", "timeout_secs"): (1, 604_800),
+    ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
+    ("sessions", "max_consecutive_errors"): (1, 1_000_000),
+    ("sessions", "max_total_errors"): (1, 1_000_000),
+    ("sessions", "timeout_secs"): (1, 31_536_000),
+    ("sessions", "interrupt_grace_secs"): (0, 86_400),
+    ("pipelines", "max_parallel"): (1, 1000),
 }
 
 
@@ -1285,9 +1343,10 @@ def _fill_section(path, raw, name, target, unknown):
     if not isinstance(table, dict):
         raise _config_error(path, name, "must be a table", table)
     fields = {f.name: f for f in dataclasses.fields(target)}
+    # Unknown keys first, so a bad value earlier in the table does not hide them.
+    unknown.extend("%s.%s" % (name, key) for key in table if key not in fields)
     for key, value in table.items():
         if key not in fields:
-            unknown.append("%s.%s" % (name, key))
             continue
         current = getattr(target, key)
         dotted = "%s.%s" % (name, key)
@@ -1386,8 +1445,12 @@ def _parse_agent_sections(path, agents, target):
         target.custom[name] = spec
 
 
-def parse_config(text, path=CONFIG_FILE):
-    """Build a validated :class:`Config` from ferrus.toml text."""
+def parse_config(text, path=CONFIG_FILE, problems=None):
+    """Build a validated :class:`Config` from ferrus.toml text.
+
+    Every table is checked.  The first error is raised, unless ``problems`` is a
+    list: then each table's error is appended to it and parsing goes on, so
+    `ferrus doctor` can list them all at once."""
     try:
         raw = parse_toml(text)
     except TomlError as err:
@@ -1395,25 +1458,20 @@ def parse_config(text, path=CONFIG_FILE):
                           "fix the syntax at that line; `ferrus init` shows a valid example")
     config = Config(path=path)
     unknown = config.unknown_keys
-    for name in ("checks", "limits", "lease", "spec", "capacity"):
-        _fill_section(path, raw, name, getattr(config, name), unknown)
+    found = [] if problems is None else problems
+
+    def checked(parse, *args):
+        try:
+            parse(*args)
+        except FerrusError as err:
+            found.append(err)
+    for name in PLAIN_TABLES:
+        checked(_fill_section, path, raw, name, getattr(config, name), unknown)
     agents = raw.get("agents", {})
     if not isinstance(agents, dict):
-        raise _config_error(path, "agents", "must be a table", agents)
-    if "path" in agents:
-        if not isinstance(agents["path"], str):
-            raise _config_error(path, "agents.path", "must be a string", agents["path"])
-        config.agents.path = agents["path"]
-    claude = agents.get("claude", {})
-    if not isinstance(claude, dict):
-        raise _config_error(path, "agents.claude", "must be a table", claude)
-    isolation = claude.get("mcp_isolation", "merge-user")
-    if isolation not in CLAUDE_MCP_ISOLATION:
-        # Upstream silently treated typos as merge-user (bug §11.15).
-        raise _config_error(path, "agents.claude.mcp_isolation",
-                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
-    config.agents.claude_mcp_isolation = isolation
-    _parse_agent_sections(path, agents, config.agents)
+        found.append(_config_error(path, "agents", "must be a table", agents))
+        agents = {}
+    checked(_parse_agents_table, path, agents, config)
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     hq = raw.get("hq")
     if hq is not None:
@@ -1430,12 +1488,32 @@ def parse_config(text, path=CONFIG_FILE):
                 setattr(config, role, choice)
                 config.hq_problem = config.hq_problem or problem
     for name in raw:
-        if name not in ("checks", "limits", "lease", "spec", "agents", "hq", "sessions",
-                        "capacity", "pipelines"):
+        if name not in KNOWN_TABLES:
             unknown.append(name)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", path, key)
+    if found and problems is None:
+        first = found[0]
+        if len(found) > 1:
+            raise FerrusError(first.message, "%s; `ferrus doctor` lists all %d problems in %s"
+                              % (first.hint, len(found), path))
+        raise first
     return config
+
+
+def _parse_agents_table(path, agents, config):
+    if "path" in agents:
+        if not isinstance(agents["path"], str):
+            raise _config_error(path, "agents.path", "must be a string", agents["path"])
+        config.agents.path = agents["path"]
+    claude = agents.get("claude", {})
+    if not isinstance(claude, dict):
+        raise _config_error(path, "agents.claude", "must be a table", claude)
+    isolation = claude.get("mcp_isolation", "merge-user")
+    if isolation not in CLAUDE_MCP_ISOLATION:
+        # Upstream silently treated typos as merge-user (bug §11.15).
+        raise _config_error(path, "agents.claude.mcp_isolation",
+                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
+    config.agents.claude_mcp_isolation = isolation
+    _parse_agent_sections(path, agents, config.agents)
 
 
 def load_config(root):
@@ -1469,7 +1547,17 @@ class ConfigCache:
             if stamp is None or stamp != self._stamp:
                 self._config = load_config(self.root)
                 self._stamp = stamp
+                # Once per change of the file, not on every read (`ferrus doctor`
+                # lists them too).
+                for key in self._config.unknown_keys:
+                    log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
             return self._config
+
+
+NO_CHECKS_WARNING = ("%s has no [checks] commands, so the check gate passes every "
+                     "submission" % CONFIG_FILE)
+NO_CHECKS_HINT = ("add your lint and test commands, e.g. commands = [\"make lint\", "
+                  "\"make test\"] under [checks]")
 
 
 # ============================================================================
@@ -2145,7 +2233,16 @@ class Store:
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
         self.require()
-        return StateData.from_json(read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE)
+        return self.continue_journal(StateData.from_json(read_text(self.path(STATE_FILE)),
+                                                         FERRUS_DIR + "/" + STATE_FILE))
+
+    def continue_journal(self, data):
+        """A STATE.json without ``rev`` was last written by upstream ferrus (which knows
+        no journal) or never written at all: its revision is where the journal ends, so
+        the next commit continues the journal instead of looking like a restored file."""
+        if data.rev == 0:
+            data.rev = self.last_journal_seq()
+        return data
 
     def read_file(self, name):
         return read_text(self.path(name), default="")
@@ -2426,6 +2523,8 @@ class CommandResult:
     tail: list = dataclasses.field(default_factory=list)
     log_path: "str | None" = None      # relative to the project root, for reports
     log_path_abs: "str | None" = None
+    log_cut_bytes: int = 0             # output left out of the middle of the log file
+    log_error: "str | None" = None     # why the log file is incomplete (a full disk)
 
     @property
     def passed(self):
@@ -2466,10 +2565,18 @@ class CheckRun:
                 out.append("(last %d of %d lines)\n" % (max_lines, result.line_count))
             out.append("```\n" + "\n".join(tail) + "\n```\n")
             if result.log_path:
-                out.append("(full output: `%s`)\n" % result.log_path)
+                out.append("(%s: `%s`)\n" % (_log_description(result), result.log_path))
             out.append("\n")
         out.append("Full log: `%s`" % self.log_path)
         return "".join(out)
+
+
+def _log_description(result):
+    if result.log_error:
+        return "incomplete log, %s" % result.log_error
+    if result.log_cut_bytes:
+        return "log, %d bytes cut from the middle" % result.log_cut_bytes
+    return "full output"
 
 
 def _status_note(result):
@@ -2482,6 +2589,112 @@ def _status_note(result):
     if result.exit_code is not None:
         return " (exit %d)" % result.exit_code
     return ""
+
+
+class CappedLog:
+    """A log file that never grows past ``max_bytes``: the head and the tail survive.
+
+    The first half of the budget goes straight into the file.  After that the
+    output goes to two tail segment files beside it (``<log>.tail0`` and
+    ``.tail1``) of a quarter budget each; when the current one is full the older
+    is emptied and reused, so the disk holds at most the budget at any moment
+    and memory holds nothing but one chunk.  ``close`` appends a
+    ``[… N bytes cut …]`` line and the kept tail (the last quarter to half of the
+    budget) to the log and removes the segments.  A write error (a full disk)
+    stops the logging, never the check: output is still drained and counted."""
+
+    def __init__(self, path, max_bytes):
+        self.path = path
+        self.head_budget = max(1, max_bytes // 2)
+        self.segment_budget = max(1, (max_bytes - self.head_budget) // 2)
+        self.handle = open(path, "wb")
+        self.written = 0           # bytes in the log file itself
+        self.total = 0             # every byte offered, kept or not
+        self.segments = []         # [path, handle, size], oldest first, at most two
+        self.error = None
+        self.closed = False
+        # A reader thread still draining a pipe that an escaped process holds may
+        # write while close() runs.
+        self._lock = threading.Lock()
+
+    def write(self, data):
+        with self._lock:
+            if self.closed:
+                return
+            self.total += len(data)
+            if self.error is None and data:
+                self._write(data)
+
+    def _write(self, data):
+        try:
+            room = self.head_budget - self.written
+            if room > 0:
+                self.handle.write(data[:room])
+                self.written += min(room, len(data))
+                data = data[room:]
+            while data:
+                data = self._write_tail(data)
+        except OSError as err:
+            self.error = "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+
+    def _write_tail(self, data):
+        if not self.segments or self.segments[-1][2] >= self.segment_budget:
+            if len(self.segments) == 2:
+                # Reuse the older segment: its bytes are no longer among the last ones.
+                oldest = self.segments.pop(0)
+                oldest[1].seek(0)
+                oldest[1].truncate()
+                oldest[2] = 0
+                self.segments.append(oldest)
+            else:
+                name = "%s.tail%d" % (self.path, len(self.segments))
+                self.segments.append([name, open(name, "w+b"), 0])
+        current = self.segments[-1]
+        piece = data[:self.segment_budget - current[2]]
+        current[1].write(piece)
+        current[2] += len(piece)
+        return data[len(piece):]
+
+    @property
+    def cut_bytes(self):
+        """Bytes of output the finished log leaves out (0 while nothing is cut)."""
+        kept = self.written + sum(segment[2] for segment in self.segments)
+        return max(0, self.total - kept) if self.error is None else 0
+
+    def close(self, trailer=b""):
+        """Splice the tail into the log, append ``trailer`` and close everything."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._close(trailer)
+
+    def _close(self, trailer):
+        try:
+            if self.segments and self.error is None:
+                cut = self.cut_bytes
+                if cut:
+                    self.handle.write(("\n[\u2026 %d bytes cut \u2026]\n" % cut).encode("utf-8"))
+                for _name, handle, size in self.segments:
+                    handle.seek(0)
+                    left = size
+                    while left:
+                        chunk = handle.read(min(left, 1 << 20))
+                        if not chunk:
+                            break
+                        self.handle.write(chunk)
+                        left -= len(chunk)
+            if self.error is not None:
+                trailer = ("\n[log incomplete: %s]\n" % self.error).encode("utf-8") + trailer
+            self.handle.write(trailer)
+        except OSError as err:
+            self.error = self.error or "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+        finally:
+            for name, handle, _size in self.segments:
+                handle.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            with contextlib.suppress(OSError):
+                self.handle.close()
 
 
 class _OutputSink:
@@ -2524,13 +2737,15 @@ def _tail_text(raw, cut=False):
     return "..." + text if cut else text
 
 
-def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
+def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
+                     max_log_bytes=ChecksConfig.max_log_bytes):
     """Run one check command to completion, timeout or ``stop``; fill ``result``."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
         return
-    with open(result.log_path_abs, "wb") as handle:
+    handle = CappedLog(result.log_path_abs, max_log_bytes)
+    try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
@@ -2570,8 +2785,11 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
             result.status = "passed" if proc.returncode == 0 else "failed"
         else:
             result.status = outcome
-        handle.write(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
+        result.log_cut_bytes = handle.cut_bytes
+    finally:
+        handle.close(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
                                                     result.duration)).encode("utf-8"))
+        result.log_error = handle.error
 
 
 def _pump_output(stream, sink):
@@ -2620,7 +2838,8 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     stop = _StopFlag(cancel)
 
     def run(result):
-        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir)
+        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
+                         checks.max_log_bytes)
         if checks.fail_fast and not result.passed:
             stop.set()
 
@@ -2644,8 +2863,10 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     for result in results:
         label = {"passed": "PASS", "failed": "FAIL"}.get(result.status, result.status.upper())
         lines.append("=== [%s] %s\n" % (label, result.command))
-        lines.append("exit: %s, %.2f s, %d lines, log: %s\n\n" % (
-            result.exit_code, result.duration, result.line_count, result.log_path))
+        lines.append("exit: %s, %.2f s, %d lines, log: %s%s\n\n" % (
+            result.exit_code, result.duration, result.line_count, result.log_path,
+            "" if _log_description(result) == "full output"
+            else " (%s)" % _log_description(result)))
     with open(summary, "w", encoding="utf-8") as handle:
         handle.writelines(lines)
     return CheckRun(results=results, cancelled=cancelled,
@@ -2744,6 +2965,40 @@ def first_ready_milestone(milestones, after=None):
     return None
 
 
+def next_ready_milestone(milestones, after):
+    """The milestone to select once ``after`` is done: the next ready one in document
+    order, else an earlier one that was waiting on it (``Depends on:`` may point forward)."""
+    return first_ready_milestone(milestones, after=after) or first_ready_milestone(milestones)
+
+
+def unmet_dependencies(milestone, milestones):
+    """The markers or ids ``milestone`` waits for that are not complete yet."""
+    done = {m.marker for m in milestones if m.completed} | {m.id for m in milestones if m.completed}
+    known = {m.marker for m in milestones} | {m.id for m in milestones}
+    return [dep for dep in milestone.depends_on if dep in known and dep not in done]
+
+
+def milestone_block(text, milestone):
+    """The milestone's header line and its own child lines, as written in the spec."""
+    lines = text.split("\n")
+    block = [lines[milestone.line_index].strip()]
+    for line in lines[milestone.line_index + 1:]:
+        if _milestone_header(line) or _HEADING_RE.match(line) or _FENCE_RE.match(line):
+            break
+        block.append(line.rstrip())
+    while block and not block[-1].strip():
+        block.pop()
+    return "\n".join(block)
+
+
+def milestone_task_text(spec_path, text, milestone):
+    """A task description for ``ferrus run --milestone``: the milestone and its spec."""
+    return ("Implement milestone %s (ID %s) of the spec %s.\n\n%s\n\n"
+            "Read the whole spec for context. Do this milestone only; the reviewer checks "
+            "it against the spec's requirements and acceptance criteria.\n"
+            % (milestone.marker, milestone.id, spec_path, milestone_block(text, milestone)))
+
+
 def spec_directory(root, config):
     directory = config.spec.directory.strip()
     if not directory:
@@ -2784,9 +3039,19 @@ def resolve_selected(root, data):
                       "select another milestone with /milestones")
 
 
-def slugify(title):
+# Longest slug in a spec's file name: with the date, a "-NNNN" counter, ".md" and
+# atomic_write's temporary-name decoration it stays far below the 255-byte limit
+# of common file systems (a 239-character title used to fail "File name too long").
+SLUG_MAX_CHARS = 80
+
+
+def slugify(title, max_chars=SLUG_MAX_CHARS):
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower().encode("ascii", "replace").decode("ascii")
                   .replace("?", "-")).strip("-")
+    if len(slug) > max_chars:
+        # Cut at a word boundary when one is near, so the name stays readable.
+        cut = slug[:max_chars + 1].rfind("-")
+        slug = (slug[:cut] if cut >= max_chars // 2 else slug[:max_chars]).strip("-")
     return slug or "spec"
 
 
@@ -2868,7 +3133,9 @@ def _guard_lease(data, caller, now, action):
 
 # -- supervisor ---------------------------------------------------------------
 
-def op_create_task(store, caller, description):
+def op_create_task(store, caller, description, origin=None):
+    """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
+    implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
     _nonblank(description, "Cannot create task: the description is empty.")
     with store.transaction(caller.agent_id) as tx:
         if tx.state.state != S.IDLE:
@@ -2877,7 +3144,15 @@ def op_create_task(store, caller, description):
                 "the current task first." % tx.state.state,
                 "a human can run `ferrus reset` to return to Idle")
         task_id = new_id("t")
-        tx.set(t_create_task(tx.state, store.clock(), task_id), "create_task", task_id=task_id)
+        data = tx.state
+        if origin is not None:
+            data = data.copy()
+            data.pending_task_spec, data.pending_task_milestone = origin
+        new = t_create_task(data, store.clock(), task_id)
+        detail = {"task_id": task_id}
+        if new.task_milestone:
+            detail.update(spec=new.task_spec, milestone=new.task_milestone)
+        tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (upstream bug §11.18).
@@ -2933,8 +3208,9 @@ def op_approve(store, caller):
                         detail["milestone_completed"] = match.id
                     if (data.selected_spec == data.task_spec
                             and data.selected_milestone == data.task_milestone):
-                        following = first_ready_milestone(milestones, after=match.id)
+                        following = next_ready_milestone(milestones, match.id)
                         new.selected_milestone = following.id if following else None
+                        detail["selected_milestone"] = new.selected_milestone
         tx.set(new, "approve", **detail)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
@@ -2991,7 +3267,16 @@ def op_create_spec(store, caller, markdown):
             break
         except FileExistsError:
             continue
-    atomic_write(path, text)
+    else:
+        raise FerrusError("Cannot create spec: %s already holds 9999 specs named %s-*.md"
+                          % (directory, stem), "rename or archive some of them")
+    try:
+        atomic_write(path, text)
+    except BaseException:
+        # Never leave the empty placeholder behind a failed write.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     rel = os.path.relpath(path, store.root).replace(os.sep, "/")
     milestone = first_ready_milestone(parse_spec(text))
     with store.transaction(caller.agent_id) as tx:
@@ -3036,6 +3321,74 @@ def op_select_milestone(store, caller, spec_path, milestone_id=None):
         tx.set(data, "select_milestone", spec=rel, milestone=data.selected_milestone)
     return _outcome("Selected %s, milestone %s." % (rel, data.selected_milestone or "(none left)"),
                     data.state)
+
+
+def op_stage_task_origin(store, caller, spec_path=None, milestone_id=None):
+    """Record which milestone the next create_task implements (HQ's /task, before the
+    supervisor defines it), or forget it (both None)."""
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        if (data.pending_task_spec, data.pending_task_milestone) == (spec_path, milestone_id):
+            return
+        data.pending_task_spec, data.pending_task_milestone = spec_path, milestone_id
+        tx.set(data, "stage_task_origin", spec=spec_path, milestone=milestone_id)
+
+
+def find_milestone(store, wanted):
+    """(spec path, spec text, milestone) for ``ferrus run --milestone``.
+
+    ``wanted`` is a milestone id or marker, or "next": the selected milestone when it is
+    still open, else the first ready one of the selected spec (or of the only spec).
+    Returns None for "next" when every milestone is done; raises when nothing fits."""
+    data = store.read_state()
+    config = store.config()
+    specs = list_spec_paths(store.root, config)
+    if data.selected_spec:
+        if not os.path.isfile(os.path.join(store.root, data.selected_spec)):
+            raise FerrusError("the selected spec %s does not exist" % data.selected_spec,
+                              "select another with /milestones in HQ")
+        candidates = [data.selected_spec] + ([p for p in specs if p != data.selected_spec]
+                                             if wanted != "next" else [])
+    elif wanted != "next" or len(specs) == 1:
+        candidates = specs
+    elif not specs:
+        raise FerrusError("there is no spec in %s" % config.spec.directory,
+                          "write one with /spec in HQ (or by hand), then run again")
+    else:
+        raise FerrusError("no spec is selected and %s holds %d specs" % (
+            config.spec.directory, len(specs)), "select one with /milestones in HQ")
+    for path in candidates:
+        text = read_text(os.path.join(store.root, path))
+        milestones = parse_spec(text)
+        if wanted == "next":
+            chosen = None
+            if path == data.selected_spec and data.selected_milestone:
+                chosen = next((m for m in milestones if m.id == data.selected_milestone
+                               and not m.completed and dependencies_met(m, milestones)), None)
+            chosen = chosen or first_ready_milestone(milestones)
+            if chosen is None:
+                blocked = [m for m in milestones if not m.completed]
+                if blocked:
+                    raise FerrusError(
+                        "no milestone of %s is ready: %s" % (path, "; ".join(
+                            "%s waits for %s" % (m.marker, ", ".join(
+                                unmet_dependencies(m, milestones))) for m in blocked)),
+                        "fix the `Depends on:` lines of %s" % path)
+                return None
+        else:
+            chosen = next((m for m in milestones if wanted in (m.id, m.marker)), None)
+            if chosen is None:
+                continue
+            if chosen.completed:
+                raise FerrusError("milestone %s of %s is already complete" % (wanted, path),
+                                  "untick its box in the spec to do it again")
+            waits = unmet_dependencies(chosen, milestones)
+            if waits:
+                raise FerrusError("milestone %s of %s depends on %s, not complete yet" % (
+                    wanted, path, ", ".join(waits)), "run `ferrus run --milestone next`")
+        return path, text, chosen
+    raise FerrusError("no milestone %s in %s" % (wanted, ", ".join(candidates) or "any spec"),
+                      "`ferrus run --milestone next` takes the next ready one")
 
 
 def op_clear_selection(store, caller):
@@ -3115,7 +3468,8 @@ def op_wait_for_task(store, caller):
     def build(data):
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
-                "review": store.read_file("REVIEW.md"), "task_id": data.task_id}
+                "review": store.read_file("REVIEW.md"), "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
 
 
@@ -3126,7 +3480,8 @@ def op_wait_for_review(store, caller):
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
                 "review_cycles_used": data.review_cycles,
-                "check_retries_used": data.check_retries, "task_id": data.task_id}
+                "check_retries_used": data.check_retries, "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, (S.REVIEWING,), build, "a submission")
 
 
@@ -3799,7 +4154,8 @@ SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")
 _TEXT_OUT = {"message": "string", "state": "string"}
 _CLAIM_OUT = {"status": "string", "state": "string", "claimed_by": "string?",
-              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?"}
+              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?",
+              "heartbeat_interval_secs": "integer?"}
 
 TOOLS = (
     Tool("create_task", "Create task",
@@ -4387,13 +4743,18 @@ def server_key(role):
 
 
 def ferrus_boot_code():
-    """`python -c` code that imports *this* ferrus.py from its absolute folder.
+    """`python -c` code that imports *this* ferrus.py from its absolute path.
 
     Running `python ferrus.py` compiles the whole file on every start (about
     100 ms); importing it lets Python reuse the cached bytecode, so an agent's
-    server starts about twice as fast."""
-    return ("import sys; sys.path.insert(0, %r); import ferrus; sys.exit(ferrus.main())"
-            % os.path.dirname(FERRUS_FILE))
+    server starts about twice as fast.  The current folder ('' on sys.path) is
+    dropped and ferrus.py is loaded by path rather than by putting its folder on
+    sys.path, so a project's own queue.py or logging.py never hides the
+    standard library."""
+    return ("import sys; sys.path[:] = [p for p in sys.path if p]; import importlib.util as u; "
+            "s = u.spec_from_file_location('ferrus', %r); f = u.module_from_spec(s); "
+            "sys.modules['ferrus'] = f; s.loader.exec_module(f); sys.exit(f.main())"
+            % FERRUS_FILE)
 
 
 def ferrus_server_entry(root, role, agent):
@@ -4677,6 +5038,69 @@ _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate 
 def _limit_events(text):
     match = _LIMIT_RE.search(text or "")
     return [AgentEvent("limit", text=match.group(1).strip())] if match else []
+
+
+# Errors no retry can cure, as the agent CLIs word them, with what the user must do.
+PERMANENT_AGENT_ERRORS = (
+    ("login", re.compile(
+        r"invalid api key|invalid x-api-key|incorrect api key|api key not valid|"
+        r"authentication_error|authentication failed|please run /login|not logged in|"
+        r"oauth token has expired|please set an auth method|401 unauthorized|"
+        r"no api key (?:found|provided)|missing api key|api key is missing", re.IGNORECASE),
+     "log the agent in (run it once interactively, e.g. `claude` then /login) or set its "
+     "API key, then run again"),
+    ("model", re.compile(
+        r"unknown model|invalid model|model_not_found|"
+        r"model\b[^\n]{0,80}?\b(?:not found|does not exist|is not supported|is not available|"
+        r"not available|may not exist)|issue with the selected model", re.IGNORECASE),
+     "check the model name: `ferrus register --<role>-model M`, /model in HQ, or [hq.<role>] "
+     "in ferrus.toml"),
+    ("flag", re.compile(
+        r"unknown option|unrecognized option|unexpected argument|unrecognized arguments?|"
+        r"unknown (?:flag|argument)s?:?|invalid option", re.IGNORECASE),
+     "the agent refused its command line: check extra_args / headless_args under "
+     "[agents.<name>] in ferrus.toml and the agent's version (`ferrus agents`)"),
+)
+
+# Output events that report the agent's own failure.  Tool results (a check's output
+# that mentions "unknown option", say) are never read as the agent failing.
+_ERROR_EVENT_TYPES = ("result", "error", "turn.failed")
+
+
+def _error_texts(line):
+    """The parts of one output line that may state why the agent itself failed."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return [line]          # plain text, usually stderr (it is merged into stdout)
+    if not isinstance(event, dict) or event.get("type") not in _ERROR_EVENT_TYPES:
+        return []
+    if event.get("type") == "result" and not (event.get("is_error") or
+                                              event.get("status") == "error"):
+        return []
+    texts = []
+
+    def collect(value, depth=0):
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, dict) and depth < 4:
+            for item in value.values():
+                collect(item, depth + 1)
+        elif isinstance(value, list) and depth < 4:
+            for item in value[:20]:
+                collect(item, depth + 1)
+    collect(event)
+    return texts
+
+
+def permanent_agent_error(line):
+    """(kind, the agent's own words, hint) when ``line`` says no retry can help, else None."""
+    for text in _error_texts(line):
+        for kind, pattern, hint in PERMANENT_AGENT_ERRORS:
+            if pattern.search(text):
+                words = " ".join(text.split())
+                return kind, words[:400] + ("…" if len(words) > 400 else ""), hint
+    return None
 
 
 class Codex(AgentAdapter):
@@ -5137,8 +5561,14 @@ _EXECUTOR_RULES = """Rules:
   /wait_for_consult) only about the code or the task, never about the tools.
 - Only when neither a retry nor a consultation helps, /ask_human, then
   /wait_for_answer until it answers.
-- You run without a terminal: never ask questions in your reply text.
-- Call /heartbeat every few minutes while you work so your lease stays alive."""
+- You run without a terminal: never ask questions in your reply text."""
+
+
+def _executor_rules(heartbeat_secs):
+    """The executor's rules, with ferrus.toml's [lease] heartbeat_interval_secs."""
+    return _EXECUTOR_RULES + (
+        "\n- Call /heartbeat about every %d seconds while you work (lease.heartbeat_interval_secs) "
+        "so your lease stays alive." % heartbeat_secs)
 
 
 def prompt_task_definition(milestone=None, spec_path=None):
@@ -5195,38 +5625,38 @@ No code, no pseudocode, no file edits; never call /create_task in this mode.
 """ + PROMPT_PRECEDENCE
 
 
-def prompt_executor():
+def prompt_executor(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, running headless.\n\n"
             "1. Call /wait_for_task first; it returns the task (and review notes to address "
             "after a rejection). On {\"status\":\"timeout\"} call it again.\n"
             "2. Implement the task with the smallest complete change.\n"
             "3. Call /check whenever you want feedback, and again right before submitting.\n"
             "4. Call /submit with notes: what changed, why, and how you verified it. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_after_answer():
+def prompt_executor_after_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, resuming after a human answered your question.\n\n"
             "1. Call /wait_for_answer: it returns the human's answer (exactly once).\n"
             "2. Call /wait_for_task to re-read the task and renew your lease.\n"
             "3. Continue the work with the answer in mind; /check, then /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_awaiting_answer():
+def prompt_executor_awaiting_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked a human a question and it is still open.\n\n"
             "1. Call /wait_for_answer and keep calling it until it returns the answer.\n"
             "2. Call /wait_for_task to re-read the task, then continue: /check, then /submit. "
-            "Then stop.\n\n" + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            "Then stop.\n\n" + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_in_consultation():
+def prompt_executor_in_consultation(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked the supervisor for guidance "
             "(.ferrus/CONSULT_REQUEST.md exists) and the consultation is still open.\n\n"
             "1. Call /wait_for_consult and keep calling it until it returns the response. Do not "
             "implement anything before that, and never resolve the consultation by hand.\n"
             "2. Then continue as usual: implement, /check, /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
 def prompt_reviewer():
@@ -5267,20 +5697,21 @@ def prompt_pipeline_worker(topic, task, reads, output):
     return "\n".join(lines)
 
 
-def executor_prompt_for(data, answer_pending):
+def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
 
     None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
-            return prompt_executor_in_consultation()
+            return prompt_executor_in_consultation(heartbeat_secs)
         if data.paused_state in WORK_STATES:
-            return prompt_executor_awaiting_answer()
+            return prompt_executor_awaiting_answer(heartbeat_secs)
         return None        # the reviewer asked; the executor has nothing to do
     if data.state == S.CONSULTATION:
-        return prompt_executor_in_consultation()
+        return prompt_executor_in_consultation(heartbeat_secs)
     if data.state in WORK_STATES:
-        return prompt_executor_after_answer() if answer_pending else prompt_executor()
+        return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
+                else prompt_executor(heartbeat_secs))
     return None
 
 
@@ -5302,24 +5733,16 @@ def supervisor_prompt_for(data, resuming=False):
 # The controller knows nothing about terminals: front ends (plain lines here,
 # `ferrus run`) feed it input and print what it emits.
 
-@dataclasses.dataclass
-class SessionsConfig:
-    max_consecutive_errors: int = 5
-    max_total_errors: int = 20
-    timeout_secs: int = 3600
-    interrupt_grace_secs: int = 10
-
-
 def sessions_config(root):
-    """[sessions] from ferrus.toml (validated like the other tables)."""
-    text = read_text(os.path.join(root, CONFIG_FILE), default="")
+    """[sessions] from ferrus.toml (validated with the whole file by load_config).
+
+    HQ starts even when ferrus.toml is broken, so a human can see the task and fix
+    the file; every agent launch loads the config and reports the error, so these
+    defaults never drive a session."""
     try:
-        raw = parse_toml(text)
-    except TomlError:
-        raw = {}
-    target = SessionsConfig()
-    _fill_section(CONFIG_FILE, raw, "sessions", target, [])
-    return target
+        return load_config(root).sessions
+    except FerrusError:
+        return SessionsConfig()
 
 
 # What each slot must achieve before its session counts as done: HQ checks the
@@ -5347,6 +5770,18 @@ def usage_limit_wait(text, now=None):
     return (target - now).total_seconds() + 60
 
 
+def _spawn_error_hint(err):
+    """Why an agent program could not be started, in terms a user can act on."""
+    if err.errno == errno.ENOEXEC:
+        return " — it is not a program this system can run; a script needs a first line " \
+               "such as #!/usr/bin/env python3"
+    if err.errno == errno.ENOENT:
+        return " — the program, or the interpreter named on its #! line, does not exist"
+    if err.errno == errno.EACCES:
+        return " — it is not executable (chmod +x) or a folder on the way is not readable"
+    return ""
+
+
 class AgentProcess:
     """One running agent CLI: its process, its raw log, and what its output said."""
 
@@ -5354,11 +5789,13 @@ class AgentProcess:
         self.log_path = log_path
         self.events = []
         self.lines = 0
+        self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "ab")
+        self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
+        self.argv0 = launch.argv[0]
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if launch.stdin is not None else subprocess.DEVNULL,
@@ -5387,6 +5824,8 @@ class AgentProcess:
                 if line:
                     try:
                         self.events.extend(self._parse_line(line))
+                        if self.fatal is None:
+                            self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
                         log.debug("unparsable agent output line", exc_info=True)
 
@@ -5552,7 +5991,10 @@ class HqController:
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
         needed = {}
-        prompt = executor_prompt_for(data, answer_pending)
+        heartbeat = LeaseConfig.heartbeat_interval_secs
+        with contextlib.suppress(FerrusError):      # a broken file stops the spawn itself
+            heartbeat = self.store.config().lease.heartbeat_interval_secs
+        prompt = executor_prompt_for(data, answer_pending, heartbeat)
         if prompt and data.state != S.AWAITING_HUMAN:
             needed["executor"] = prompt
         if data.state == S.REVIEWING:
@@ -5715,9 +6157,12 @@ class HqController:
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
-            self.emit(HqMessage("error", "could not start the %s (%s): %s" % (
-                slot.name, launch.argv[0], err)))
+            self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
+                slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            # A start that fails counts as a failed session: back off, retry, and stop
+            # at the thresholds (seed 001) instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            self._arm_backoff(slot)
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
@@ -5794,6 +6239,17 @@ class HqController:
             return
         if code == 0 and progressed:
             self._step(slot, SessionEvent("SessionExited", outcome="success"))
+            return
+        if process.fatal is not None and not progressed:
+            # Not logged in, a bad key, an unknown model or flag: retrying only repeats it.
+            kind, words, hint = process.fatal
+            self.emit(HqMessage("error", "the %s cannot work: %s said: %s" % (
+                slot.name, os.path.basename(process.argv0), words)))
+            self._step(slot, SessionEvent("FatalError", "%s\nhint: %s (log: %s)" % (
+                {"login": "the agent is not logged in or its key is refused",
+                 "model": "the agent does not know its model",
+                 "flag": "the agent refused an option"}[kind],
+                hint, self.store.relpath(process.log_path))))
             return
         if code == 0:
             self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
@@ -5895,7 +6351,12 @@ class HqController:
             if entry is None:
                 entry = {"name": slot.name}
                 agents.append(entry)
+            choice = None
+            with contextlib.suppress(FerrusError):
+                choice = getattr(self.store.config(), slot.role)
+            # agent_type is required by upstream's reader of this file.
             entry.update(role=slot.role, status=status,
+                         agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
                          else entry.get("started_at"))
@@ -5956,11 +6417,12 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  Returns the exit code."""
+    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
     controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
@@ -5976,9 +6438,14 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
+        if data.state == S.FAILED and not reset:
+            raise FerrusError(
+                "the last task failed: %s" % (data.failure_reason or "(no reason recorded)")
+                .splitlines()[0], "pass --reset to clear it and start the new task "
+                "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task)
+        op_create_task(store, HUMAN, task, origin=origin)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -5986,6 +6453,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         raise UsageError("a task is in flight (state %s)" % data.state,
                          "pass --resume to continue it")
     started = clock()
+    if not store.config().checks.commands:
+        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
     out("ferrus run: %s" % controller.describe_state())
     try:
         while True:
@@ -6012,7 +6481,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: %s stopped after repeated errors" % ", ".join(stuck))
+                out("ferrus run: giving up: the %s is stopped (the reason is above)"
+                    % " and the ".join(stuck))
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
@@ -6021,6 +6491,50 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+
+
+def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
+                   reset=False, out=None, clock=time.monotonic, **run_options):
+    """``ferrus run --milestone ID|next`` and ``--until-done``: one task per spec milestone.
+
+    Each milestone becomes a task whose origin is that milestone, so approving it ticks
+    the box and advances the selection.  With ``until_done`` the next ready milestone
+    follows until none is left; any other ending (Failed, a question nobody can answer,
+    a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
+    out = out or (lambda text: say(text, flush=True))
+    started = clock()
+
+    def time_left():
+        return None if timeout is None else max(0.0, timeout - (clock() - started))
+    if resume and store.read_state().state in ACTIVE_STATES:
+        code = run_loop(store, None, time_left(), True, out=out, clock=clock, **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        wanted = "next"
+    previous = None
+    finished = 0
+    while True:
+        found = find_milestone(store, wanted)
+        if found is None:
+            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
+                                    if finished else "every milestone of the spec is complete"))
+            return RUN_COMPLETE
+        path, text, milestone = found
+        if (path, milestone.id) == previous:
+            raise FerrusError("milestone %s of %s was approved but its box is still open"
+                              % (milestone.id, path),
+                              "tick `- [x]` on its line in the spec, then run again")
+        previous = (path, milestone.id)
+        op_select_milestone(store, HUMAN, path, milestone.id)
+        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
+                        out=out, clock=clock, origin=(path, milestone.id), reset=reset,
+                        **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        finished += 1
+        reset = False       # --reset clears the Failed task the run started from, only that one
+        wanted = "next"
 
 
 def _run_line(message):
@@ -6287,6 +6801,22 @@ class HqShell:
         data = self.store.read_state()
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
+        if data.state == S.FAILED and not self.confirm(
+                "The last task failed (%s). Reset it and start a new task?"
+                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+            self.write("Nothing changed; the failed task is kept (/reset clears it).")
+            return
+        # Creating a task is a transition HQ drives: it passes the capacity gate the way
+        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        if self.controller.checkpoint and not self.controller.recheck_checkpoint():
+            raise FerrusError("no new task: the capacity checkpoint holds (%s)"
+                              % self.controller.checkpoint.get("signal"),
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
+        if self.controller.gate("transition:create_task") in (CHECKPOINT, EMERGENCY_STOP):
+            raise FerrusError("no new task: the capacity gate stopped it",
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
@@ -6297,7 +6827,14 @@ class HqShell:
         if rest != "--manual" and data.selected_milestone:
             with contextlib.suppress(FerrusError):
                 spec, milestone = resolve_selected(self.store.root, data)
-        self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        # The supervisor's create_task takes this origin, so approving the task ticks the
+        # milestone and advances the selection.
+        op_stage_task_origin(self.store, HUMAN, spec, milestone.id if milestone else None)
+        try:
+            self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        finally:
+            if self.store.read_state().state == S.IDLE:
+                op_stage_task_origin(self.store, HUMAN)
         self.controller.paused = False
 
     def cmd_plan(self, rest):
@@ -6931,28 +7468,9 @@ _STATUS_OF = {SS.INITIALIZING: "pending", SS.BUILDING_PROMPT: "pending",
               SS.SESSION_COMPLETE: "completed", SS.STOPPED: "failed"}
 
 
-@dataclasses.dataclass
-class PipelinesConfig:
-    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
-
-    file: str = "workflows.json"
-    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
-
-
 def pipelines_config(root):
-    """[pipelines] from ferrus.toml (load_config reports a TOML syntax error)."""
-    try:
-        raw = parse_toml(read_text(os.path.join(root, CONFIG_FILE), default=""))
-    except TomlError:
-        raw = {}
-    target, unknown = PipelinesConfig(), []
-    _fill_section(CONFIG_FILE, raw, "pipelines", target, unknown)
-    if not 1 <= target.max_parallel <= 1000:
-        raise _config_error(CONFIG_FILE, "pipelines.max_parallel", "must be between 1 and 1000",
-                            target.max_parallel)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
-    return target
+    """[pipelines] from ferrus.toml (validated with the whole file by load_config)."""
+    return load_config(root).pipelines
 
 
 # -- definitions ------------------------------------------------------------------------------
@@ -7163,7 +7681,7 @@ def start_worker_process(launch, root, base):
         atomic_write(base + ".prompt", launch.stdin)
         stdin = open(base + ".prompt", "rb")
     try:
-        with open(base + ".log", "ab") as log_file:
+        with open_private_log(base + ".log") as log_file:
             log_file.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
             log_file.flush()
             return subprocess.Popen([sys.executable, "-c", _PID_WRAPPER, base + ".pid"] +
@@ -8124,15 +8642,7 @@ def doctor_findings(root):
         findings.append(Finding("%s is missing" % CONFIG_FILE, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
     else:
-        try:
-            config = load_config(root)
-            for key in config.unknown_keys:
-                findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                        "check its spelling against the README", severity="warning"))
-            if config.hq_problem:
-                findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
-        except FerrusError as err:
-            findings.append(Finding(err.message, err.hint or "fix ferrus.toml"))
+        findings.extend(config_findings(root))
     if not os.path.isdir(store.dir):
         findings.append(Finding("%s/ is missing" % FERRUS_DIR, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
@@ -8149,7 +8659,8 @@ def doctor_findings(root):
                                 "write a fresh Idle state", lambda: _rebuild_state(store)))
     else:
         try:
-            data = StateData.from_json(read_text(state_path), FERRUS_DIR + "/" + STATE_FILE)
+            data = store.continue_journal(StateData.from_json(read_text(state_path),
+                                                              FERRUS_DIR + "/" + STATE_FILE))
         except StateCorrupt as err:
             findings.append(Finding(
                 err.message, "keep the damaged file as STATE.json.corrupt-<time> and write a fresh "
@@ -8169,6 +8680,26 @@ def doctor_findings(root):
             findings.append(Finding("stray temporary file %s/%s (%s old)" % (
                 FERRUS_DIR, name, format_duration(age)), "delete it",
                 lambda path=path: os.unlink(path)))
+    return findings
+
+
+def config_findings(root):
+    """Every problem in ferrus.toml, each once: errors in any table, a bad [hq], unknown
+    keys, and an empty [checks] (then the check gate passes every submission)."""
+    problems = []
+    try:
+        config = parse_config(read_text(os.path.join(root, CONFIG_FILE)), CONFIG_FILE, problems)
+    except FerrusError as err:          # not valid TOML: nothing else can be checked
+        return [Finding(err.message, err.hint or "fix ferrus.toml")]
+    findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
+    if config.hq_problem:
+        findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    for key in dict.fromkeys(config.unknown_keys):
+        findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
+                                "check its spelling against the README", severity="warning"))
+    if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
+            and not config.checks.commands:
+        findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
     return findings
 
 
@@ -8311,13 +8842,24 @@ def cmd_status(args, root):
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
-    config = None
-    with contextlib.suppress(FerrusError):
+    config = config_error = None
+    try:
         config = store.config()
+    except FerrusError as err:
+        # Defaults would hide the problem: say that the limits are unknown instead.
+        config_error = err
+    notes = []
+    if config_error is None:
+        if not config.checks.commands:
+            notes.append(NO_CHECKS_WARNING)
+        if config.hq_problem:
+            notes.append(config.hq_problem.message)
     if args.json:
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
+        info["config_error"] = config_error.full_text() if config_error else None
+        info["config_warnings"] = notes
         print(json.dumps(info, indent=2))
         return 0
     color = _color_enabled(sys.stdout)
@@ -8331,9 +8873,16 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    limits = config.limits if config else LimitsConfig()
-    rows.append(("check retries", "%d/%d" % (data.check_retries, limits.max_check_retries)))
-    rows.append(("review cycles", "%d/%d" % (data.review_cycles, limits.max_review_cycles)))
+    if config:
+        rows.append(("check retries", "%d/%d" % (data.check_retries,
+                                                 config.limits.max_check_retries)))
+        rows.append(("review cycles", "%d/%d" % (data.review_cycles,
+                                                 config.limits.max_review_cycles)))
+    else:
+        rows.append(("check retries", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.check_retries))
+        rows.append(("review cycles", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
     if is_claimed(data, now):
@@ -8357,9 +8906,16 @@ def cmd_status(args, root):
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
+    if config_error:
+        rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
+                                      color)))
+        rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
+    for note in notes:
+        rows.append(("config", _paint("warning: " + terminal_safe(note), "33", color)))
     width = max(len(label) for label, _ in rows)
-    for label, value in rows:     # the state row carries ferrus's own colour codes
-        print("%s  %s" % (label.rjust(width), value if label == "state" else terminal_safe(value)))
+    for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
+        print("%s  %s" % (label.rjust(width),
+                          value if label in ("state", "config") else terminal_safe(value)))
     return 0
 
 
@@ -8441,7 +8997,7 @@ def cmd_doctor(args, root):
     if not findings:
         say("ferrus doctor: everything is consistent.")
         return 0
-    remaining = 0
+    remaining = repaired = 0
     for finding in findings:
         mark = "error" if finding.severity == "error" else "warning"
         say("%s: %s" % (mark, finding.problem))
@@ -8449,6 +9005,7 @@ def cmd_doctor(args, root):
             try:
                 finding.fix()
                 say("  fixed: %s" % finding.repair)
+                repaired += 1
                 continue
             except (OSError, FerrusError) as err:
                 say("  could not fix: %s" % err)
@@ -8458,12 +9015,21 @@ def cmd_doctor(args, root):
             say("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
+    warnings = sum(1 for finding in findings if finding.severity != "error")
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
-        say("ferrus doctor: %s" % ("all errors repaired." if not left else
-                                     "%d error(s) remain." % len(left)))
+        done = "repaired %d problem(s)" % repaired if repaired else "repaired nothing"
+        if left:
+            say("ferrus doctor: %s; %d error(s) remain (see above for what to do)."
+                % (done, len(left)))
+        elif repaired:
+            say("ferrus doctor: %s; no errors remain." % done)
+        else:
+            say("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
+    if not remaining:
+        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
     return 1 if remaining else 0
 
 
@@ -8538,6 +9104,9 @@ def cmd_agents(args, root):
 
 
 def cmd_run(args, root):
+    if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
+        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
+                         "leave --timeout out to run until the task ends")
     store = Store(root).require()
     task = args.task
     if args.task_file:
@@ -8552,7 +9121,13 @@ def cmd_run(args, root):
             return None
         say("\nQuestion for you:\n%s" % question, flush=True)
         return input("answer> ")
-    return run_loop(store, task, args.timeout, args.resume, ask=ask)
+    if args.until_done and task is not None:
+        raise UsageError("--until-done works through spec milestones; it cannot follow --task",
+                         "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
+                              args.resume, args.reset, ask=ask)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
@@ -8889,8 +9464,16 @@ def build_parser():
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
     group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--milestone", metavar="ID|next",
+                       help="create the task from this spec milestone (id or marker), or the "
+                            "next ready one; approving it ticks its box")
+    p.add_argument("--until-done", action="store_true",
+                   help="after each milestone, take the next ready one until none is left")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
     p.add_argument("--resume", action="store_true", help="continue the task in flight")
+    p.add_argument("--reset", action="store_true",
+                   help="replace a Failed task (without it, a Failed task is kept and the run "
+                        "refuses)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
@@ -8918,12 +9501,34 @@ def setup_logging(debug=False):
     log.propagate = False
 
 
+def find_project_root(start):
+    """The nearest folder from ``start`` upwards that holds .ferrus/ or ferrus.toml (as git
+    finds .git), so every command works from a subdirectory; ``start`` when none does."""
+    folder = start
+    while True:
+        if (os.path.isdir(os.path.join(folder, FERRUS_DIR))
+                or os.path.isfile(os.path.join(folder, CONFIG_FILE))):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return start
+        folder = parent
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
     setup_logging(debug)
-    root = os.path.abspath(args.directory or os.getcwd())
+    start = os.path.abspath(args.directory or os.getcwd())
+    if args.directory is not None and not os.path.isdir(start):
+        say("ferrus: -C %s: %s" % (args.directory, "not a directory" if os.path.exists(start)
+                                   else "no such directory"), file=sys.stderr)
+        say("hint: pass the project's folder, e.g. `ferrus -C path/to/project status`",
+            file=sys.stderr)
+        return 2
+    # `init` creates a project right here; every other command finds the enclosing one.
+    root = start if args.command == "init" else find_project_root(start)
     if not getattr(args, "run", None):
         if not os.path.isdir(os.path.join(root, FERRUS_DIR)):
             parser.print_help()
@@ -8949,8 +9554,10 @@ def main(argv=None):
         # A full disk or a read-only file: the atomic writes left the old state intact.
         where = " (%s)" % err.filename if err.filename else ""
         say("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
-        say("hint: nothing was changed; free space or fix permissions and try again",
-              file=sys.stderr)
+        # Never "nothing was changed": a command may fail after an earlier write landed.
+        say("hint: each file in .ferrus/ is replaced whole, so it holds its old or its new "
+            "content; free space or fix permissions, check with `ferrus status` and "
+            "`ferrus doctor`, and try again", file=sys.stderr)
         return 1
 
 
