@@ -62,7 +62,7 @@ def test_a_wide_gap_is_recorded_as_one_journal_gap_entry(store):
     assert reset["seq"] == 300001 == store.read_state().rev
     assert [e["seq"] for e in store.read_journal()] == [300000, 300001]
     # Readers understand it: doctor sees a continuous journal, log shows the range.
-    assert [f for f in ferrus.doctor_findings(store.root)] == []
+    assert [f for f in ferrus.doctor_findings(store.root) if "journal" in f.problem] == []
     shown = ferrus.format_event(gap)
     assert "journal_gap" in shown and "from=1" in shown and "to=300000" in shown
 
@@ -118,7 +118,7 @@ def test_the_journal_rotates_at_its_size_limit_and_rev_stays_last_seq(store, mon
     assert [e["seq"] for e in tail] == list(range(120 - len(current) - 2, 121))
     assert [e["seq"] for e in store.read_journal(after_seq=current[0]["seq"] - 2)] == \
         list(range(current[0]["seq"] - 1, 121))
-    assert ferrus.doctor_findings(store.root) == []
+    assert [f for f in ferrus.doctor_findings(store.root) if "journal" in f.problem] == []
 
 
 def test_journal_rotate_command(project):
