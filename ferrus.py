@@ -50,6 +50,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as _dt
+import difflib
 import enum
 import errno
 import itertools
@@ -4946,7 +4947,11 @@ class ClaudeCode(AgentAdapter):
         argv = self._common(root, role, model) + [
             "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
             "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
-        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000)}
+        # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
+        # first turn can find ferrus's tools "still connecting" on a busy machine;
+        # every prompt starts with a ferrus tool, so wait for the server.
+        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000),
+               "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
 
@@ -5511,6 +5516,58 @@ def unregister_agents(root, roles, report=print):
                 if adapter.instructions_file:
                     remove_instruction_section(os.path.join(root, adapter.instructions_file),
                                                role, report)
+    remove_emptied_registration_files(root, report)
+
+
+# Every file `register` may create or extend, relative to the project root.
+REGISTRATION_FILES = (".claude/mcp-supervisor.json", ".claude/mcp-executor.json",
+                      ".claude/settings.local.json", ".codex/config.toml", ".qwen/settings.json",
+                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md")
+
+
+def _hollow(value):
+    """True for JSON holding nothing but empty objects and arrays."""
+    if isinstance(value, dict):
+        return all(_hollow(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_hollow(v) for v in value)
+    return False
+
+
+def remove_emptied_registration_files(root, report):
+    """After unregister: delete the registration files left with nothing in them (and
+    their .gitignore lines and emptied folders); a file with anything else stays."""
+    for rel in REGISTRATION_FILES:
+        path = os.path.join(root, *rel.split("/"))
+        if not os.path.isfile(path):
+            continue
+        text = read_text(path)
+        if rel.endswith(".json"):
+            try:
+                empty = _hollow(json.loads(text))
+            except ValueError:
+                empty = False
+        else:
+            empty = not text.strip()
+        if not empty:
+            continue
+        os.unlink(path)
+        report("Removed %s (nothing else was in it)" % rel)
+        remove_gitignore_entry(root, rel, report)
+        folder = os.path.dirname(path)
+        if folder != root and not os.listdir(folder):
+            os.rmdir(folder)
+
+
+def remove_gitignore_entry(root, entry, report):
+    """Drop the exact line ``ensure_gitignore_entry`` added for ``entry``."""
+    path = os.path.join(root, ".gitignore")
+    text = read_text(path, default="")
+    lines = text.split("\n")
+    kept = [line for line in lines if line.rstrip("\r").strip() != entry]
+    if len(kept) != len(lines):
+        atomic_write(path, "\n".join(kept))
+        report("Removed %s from .gitignore" % entry)
 
 
 def agents_report(root, probe=probe_version):
@@ -6663,7 +6720,9 @@ class HqShell:
         name, _, rest = text.partition(" ")
         handler = getattr(self, "cmd_" + name[1:].replace("-", "_"), None)
         if handler is None or name not in [c[0] for c in HQ_COMMANDS]:
-            self.write("error: unknown command %s — /help lists them" % name)
+            known = did_you_mean(name, [c[0] for c in HQ_COMMANDS])
+            self.write("error: unknown command %s — %s/help lists them" % (
+                name, "did you mean %s? " % known if known else ""))
             return
         try:
             handler(rest.strip())
@@ -9049,7 +9108,14 @@ def cmd_check(args, root):
         else:
             say("All checks passed. Full log: %s" % run.log_path)
         return 0 if run.passed else 1
-    outcome = op_check(store, Caller("human", "human:cli:0"))
+    try:
+        outcome = op_check(store, Caller("human", "human:cli:0"))
+    except FerrusError as err:
+        if store.read_state().state in WORK_STATES:
+            raise
+        # The agents' message cannot mention a CLI flag; the human at the shell can use it.
+        raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
+                                       "and changes nothing")
     say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -9398,8 +9464,53 @@ def cmd_serve(args, root):
     return serve_stdio(root, args.role, args.agent_name, args.agent_index)
 
 
+def did_you_mean(word, candidates):
+    """The known name closest to a mistyped one, or None (difflib; argparse suggests
+    only from Python 3.14 on)."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with a "did you mean" hint for a mistyped command, choice or option."""
+
+    argv = ()       # the command line being parsed, to find the subcommand's options
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        text = "%s: error: %s\n" % (self.prog, message)
+        suggestion = self._suggestion(message)
+        if suggestion:
+            text += "hint: did you mean %s?\n" % suggestion
+        self.exit(2, text)
+
+    def _suggestion(self, message):
+        choice = re.search(r"invalid choice: '?([^'\s]*)'? \(choose from (.*)\)", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"[^',\s]+", choice.group(2)))
+        if not message.startswith("unrecognized arguments:"):
+            return None
+        options = self._option_names()
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                found = did_you_mean(word.split("=", 1)[0], options)
+                if found:
+                    return found
+        return None
+
+    def _option_names(self):
+        """This parser's options and those of the subcommand named on the command line."""
+        names = [o for action in self._actions for o in action.option_strings]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                command = next((word for word in CliParser.argv if word in action.choices), None)
+                if command:
+                    names += action.choices[command]._option_names()
+        return names
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="ferrus", description="Deterministic Supervisor → Executor → Reviewer orchestration "
                                    "of coding agents.")
     parser.add_argument("--version", action="version", version="ferrus %s" % __version__)
@@ -9517,6 +9628,7 @@ def find_project_root(start):
 
 def main(argv=None):
     parser = build_parser()
+    CliParser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
     setup_logging(debug)
