@@ -4162,7 +4162,9 @@ def op_heartbeat(store, caller, agent_id=None):
     """Renew the caller's own lease.  The identity is the server's, not an argument."""
     def error(code, message):
         return _json_outcome({"status": "error", "code": code, "message": message})
-    if agent_id and agent_id != caller.agent_id:
+    # The agent may name itself without its session; the lease is still renewed only
+    # for this server's own identity, session included.
+    if agent_id and agent_id not in (caller.agent_id, caller.agent_id.partition("/")[0]):
         # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
         return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
                      % (caller.agent_id, agent_id))
@@ -4181,6 +4183,24 @@ def op_heartbeat(store, caller, agent_id=None):
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
+
+
+def lease_session(agent_id):
+    """The agent session a lease holder id names (``<role>:<agent>:<index>/<session>``)."""
+    return agent_id.rpartition("/")[2] if agent_id and "/" in agent_id else None
+
+
+def op_release_sessions(store, sessions):
+    """Free the lease when one of ``sessions`` (stopped agent sessions) holds it.
+
+    Returns the holder whose lease was freed, or None."""
+    with store.transaction("hq") as tx:
+        data = tx.state
+        if data.claimed_by and lease_session(data.claimed_by) in sessions:
+            tx.set(clear_lease(data), "lease_released", holder=data.claimed_by,
+                   reason="its agent session was stopped")
+            return data.claimed_by
+    return None
 
 
 def op_run_checks_only(store, cancel=None):
@@ -4692,8 +4712,29 @@ def render_prompt(store, name):
 
 # -- the ferrus MCP server ------------------------------------------------------------------
 
-def agent_identity(role, agent_name, index):
-    return "%s:%s:%s" % (role or "agent", agent_name, index)
+# Names the agent session a `ferrus serve` works for.  HQ sets it for every agent it
+# starts; the agent's MCP server inherits it and leases carry it, so two copies of one
+# <role>:<agent>:<index> can never both hold or renew a lease.
+SESSION_ENV = "FERRUS_SESSION"
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def agent_identity(role, agent_name, index, session=None):
+    """``<role>:<agent>:<index>`` (upstream's agent id), plus ``/<session>`` when the
+    server works for one known agent session."""
+    identity = "%s:%s:%s" % (role or "agent", agent_name, index)
+    return identity + "/" + session if session else identity
+
+
+def session_from_environment(value=None):
+    """The agent session named by --session or $FERRUS_SESSION (None when unset)."""
+    value = os.environ.get(SESSION_ENV, "") if value is None else value
+    if not value:
+        return None
+    if not _SESSION_RE.match(value):
+        raise UsageError("the agent session %r is not a valid id" % value[:80],
+                         "use letters, digits, '.', '_' and '-' (at most 64), as HQ does")
+    return value
 
 
 class FerrusMcpServer:
@@ -4702,10 +4743,10 @@ class FerrusMcpServer:
     PAGE_SIZE = 100
 
     def __init__(self, store, role=None, agent_name="unknown", agent_index=0,
-                 reader=None, writer=None):
+                 reader=None, writer=None, session=None):
         self.store = store
         self.role = role
-        self.agent_id = agent_identity(role, agent_name, agent_index)
+        self.agent_id = agent_identity(role, agent_name, agent_index, session)
         self.rpc = JsonRpcServer(reader, writer)
         self.tools = tools_for_role(role)
         self.tool_names = {tool.name for tool in self.tools}
@@ -5038,15 +5079,17 @@ def watch_parent(on_orphaned, interval=1.0):
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()
 
 
-def serve_stdio(root, role, agent_name, agent_index):
+def serve_stdio(root, role, agent_name, agent_index, session=None):
     """`ferrus serve`: the MCP server on this process's stdin/stdout."""
+    session = session_from_environment(session)
     store = Store(root)
     store.require()
     report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
     sys.stdout = sys.stderr
-    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer)
+    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer,
+                             session=session)
 
     def orphaned():
         log.info("parent process exited; stopping the MCP server")
@@ -5622,7 +5665,9 @@ class Codex(AgentAdapter):
         settings = [("command", entry["command"]), ("args", entry["args"]),
                     ("startup_timeout_sec", 30),
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
-                    ("default_tools_approval_mode", "approve"), ("enabled", True)]
+                    ("default_tools_approval_mode", "approve"), ("enabled", True),
+                    # Codex passes only listed variables to servers: the session id must reach it.
+                    ("env_vars", [SESSION_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
@@ -6449,6 +6494,7 @@ class SessionSlot:
         self.session = Session(max_consecutive_errors=limits.max_consecutive_errors,
                                max_total_errors=limits.max_total_errors)
         self.process = None
+        self.session_id = None     # names the running agent session (its leases carry it)
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
@@ -6463,6 +6509,164 @@ class SessionSlot:
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
             text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
         return text
+
+
+# -- one orchestrator per project ------------------------------------------------------------
+#
+# HQ, `ferrus run` and the pipeline orchestrator each hold .ferrus/orchestrator.lock
+# (the platform FileLock) for their whole life; .ferrus/orchestrator.json says who
+# holds it.  The OS drops the lock when its holder dies however it dies, so a free
+# lock with a record left behind means a dead holder: the agents it started are
+# stopped (and their leases freed) before the new holder starts anything.
+
+ORCHESTRATOR_LOCK = "orchestrator.lock"
+ORCHESTRATOR_RECORD = "orchestrator.json"
+
+
+def describe_orchestrator(record):
+    """'ferrus run (pid 123 on host, since 2026-…Z)' from an orchestrator.json record."""
+    if not isinstance(record, dict):
+        return "another ferrus process (it has not said which yet)"
+    return "%s (pid %s on %s, since %s)" % (record.get("kind", "?"), record.get("pid", "?"),
+                                            record.get("host", "?"), record.get("started", "?"))
+
+
+def read_orchestrator_record(store):
+    try:
+        record = json.loads(read_text(store.path(ORCHESTRATOR_RECORD), default="") or "null")
+    except (ValueError, OSError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class OrchestratorLock:
+    """The project's orchestrator lock, held from acquire() to release().
+
+    ``notes`` lists what taking over from a dead holder did, for the caller to show."""
+
+    def __init__(self, store, kind):
+        self.store = store
+        self.kind = kind
+        self.notes = []
+        self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
+                              "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+
+    def acquire(self):
+        try:
+            self._lock.acquire()
+        except LockTimeout:
+            holder = read_orchestrator_record(self.store)
+            raise FerrusError(
+                "another orchestrator is running on this project: %s"
+                % describe_orchestrator(holder),
+                "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
+                "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
+                "along safely)")
+        try:
+            previous = read_orchestrator_record(self.store)
+            if previous is not None and previous.get("pid") != os.getpid():
+                self.notes.append("took over from %s, which ended without releasing the "
+                                  "project" % describe_orchestrator(previous))
+            atomic_write(self.store.path(ORCHESTRATOR_RECORD), pretty_json({
+                "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
+                "started": format_timestamp(utc_now())}) + "\n")
+            self.notes.extend(stop_orphaned_agents(self.store))
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def release(self):
+        with contextlib.suppress(OSError):
+            record = read_orchestrator_record(self.store)
+            if record is not None and record.get("pid") == os.getpid():
+                os.unlink(self.store.path(ORCHESTRATOR_RECORD))
+        self._lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _host_name():
+    import platform
+    return platform.node() or "this machine"
+
+
+def _is_agent_group(pid):
+    """Is ``pid`` alive and the leader of its own process group, as every agent HQ starts
+    is?  A pid reused by an unrelated process is almost never a group leader."""
+    if not pid_alive(pid):
+        return False
+    if IS_WINDOWS:  # pragma: no cover
+        return True
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _stop_process_group(pid, grace=2.0):
+    if IS_WINDOWS:  # pragma: no cover
+        subprocess.run(["taskkill", "/T", "/F", "/PID", str(pid)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and pid_alive(pid):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.02)
+        if not pid_alive(pid):
+            return
+
+
+def stop_orphaned_agents(store):
+    """Stop the agents a dead orchestrator left running and free the leases of their
+    sessions; returns what was done, one line each.
+
+    HQ's agents cannot be adopted — their output pipes died with their orchestrator, so
+    nobody could read what they report — so they are stopped; the task state in
+    STATE.json is kept and the next session starts from it.  Pipeline workers write
+    files, not pipes, and are adopted by the pipeline orchestrator instead."""
+    path = store.path("agents.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        registry = json.loads(read_text(path) or "{}")
+        entries = [e for e in registry.get("agents") or []
+                   if isinstance(e, dict) and e.get("status") == "running"]
+    except (ValueError, OSError, AttributeError) as err:
+        return ["could not read %s/agents.json (%s): agents a previous orchestrator started "
+                "may still be running" % (FERRUS_DIR, err)]
+    notes, sessions = [], []
+    for entry in entries:
+        pid = entry.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool) and _is_agent_group(pid):
+            _stop_process_group(pid)
+            notes.append("stopped the %s (pid %d) that the previous orchestrator left running"
+                         % (entry.get("name", "agent"), pid))
+        if entry.get("session"):
+            sessions.append(entry["session"])
+    if entries:
+        def mark(data):
+            for entry in data.get("agents") or []:
+                if isinstance(entry, dict) and entry.get("status") == "running":
+                    entry.update(status="suspended", pid=None)
+        with contextlib.suppress(FerrusError):
+            with store.lock():
+                edit_json_file(path, mark)
+    if sessions:
+        released = op_release_sessions(store, sessions)
+        if released:
+            notes.append("freed the task's lease, held by the stopped %s" % released)
+    return notes
 
 
 def clear_capacity_checkpoint(store):
@@ -6740,6 +6944,11 @@ class HqController:
         stamp = utc_now().strftime("%Y%m%dT%H%M%S")
         log_path = self.store.path("logs", "%s_%s_%d.log" % (slot.name, stamp,
                                                               slot.session.session_seq))
+        # The agent's `ferrus serve` inherits this id and puts it in its lease holder id,
+        # so a lease names this one session, not just <role>:<agent>:<index>.
+        slot.session_id = new_id("s")
+        launch = dataclasses.replace(launch, env=dict(launch.env,
+                                                      **{SESSION_ENV: slot.session_id}))
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
@@ -6945,7 +7154,9 @@ class HqController:
                          agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
-                         else entry.get("started_at"))
+                         else entry.get("started_at"),
+                         session=slot.session_id if status == "running" else
+                         entry.get("session"))
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
@@ -9766,17 +9977,24 @@ def cmd_run(args, root):
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
-    if args.milestone or args.until_done:
-        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
-                              args.resume, args.reset, ask=ask)
-    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+    with OrchestratorLock(store, "ferrus run") as held:
+        for note in held.notes:
+            say("ferrus run: %s" % note, flush=True)
+        if args.milestone or args.until_done:
+            return run_milestones(store, args.milestone or "next", args.until_done,
+                                  args.timeout, args.resume, args.reset, ask=ask)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
     store = Store(root).require()
     report_orphaned_checks(store)
     resume = True if getattr(args, "resume", False) else None
-    return hq_front_end(store, resume, getattr(args, "no_tui", False)).run()
+    with OrchestratorLock(store, "ferrus hq") as held:
+        front = hq_front_end(store, resume, getattr(args, "no_tui", False))
+        for note in held.notes:
+            front.write(note)
+        return front.run()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -9963,10 +10181,19 @@ def _follow_in_foreground(orchestrator, name):
     return _pipeline_result(outcome, lambda text: say(text, flush=True))
 
 
+# The pipeline subcommands that drive runs, and so need the orchestrator lock.
+PIPELINE_DRIVING = ("run", "resume", "continue", "retry")
+
+
 def cmd_pipeline(args, root):
     store = Store(root).require()
-    return pipeline_command(store, args, lambda text: say(text, flush=True),
-                            _follow_in_foreground)
+    out = lambda text: say(text, flush=True)     # noqa: E731
+    if args.pipeline_command not in PIPELINE_DRIVING:
+        return pipeline_command(store, args, out, _follow_in_foreground)
+    with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
+        for note in held.notes:
+            out(note)
+        return pipeline_command(store, args, out, _follow_in_foreground)
 
 
 def add_pipeline_parser(sub):
@@ -10038,7 +10265,7 @@ def hq_cmd_pipeline(shell, rest):
 
 
 def cmd_serve(args, root):
-    return serve_stdio(root, args.role, args.agent_name, args.agent_index)
+    return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
 
 
 def did_you_mean(word, candidates):
@@ -10175,6 +10402,9 @@ def build_parser():
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
     p.add_argument("--agent-name", default="unknown", help="agent name in the agent id")
     p.add_argument("--agent-index", type=int, default=0, help="index in the agent id")
+    p.add_argument("--session", metavar="ID",
+                   help="the agent session this server works for (default: $%s, set by HQ); "
+                        "leases name it" % SESSION_ENV)
     p.set_defaults(run=cmd_serve)
     return parser
 
