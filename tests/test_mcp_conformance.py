@@ -482,19 +482,12 @@ def test_symlinks_out_of_ferrus_are_not_followed(serve, root, secret, tmp_path):
     assert error_of(response)["code"] == -32002 and "TOP-SECRET" not in json.dumps(response)
 
 
-def test_a_name_too_long_is_a_tool_error_with_its_cause(serve, root):
-    sup = serve("supervisor")
-    markdown = "# " + "a" * 400 + "\n\n## Milestones\n\n- [ ] one\n"
-    result = sup.call_tool("create_spec", {"markdown": markdown})
-    assert result["isError"] is True
-    text = tool_text(result)
-    assert "File name too long" in text and "hint:" in text and "shorter" in text
-    assert sup.result("ping") == {}
-
-
-@pytest.mark.parametrize("code,cause", [(errno.ENOSPC, "No space left on device"),
-                                        (errno.EROFS, "Read-only file system")])
-def test_disk_full_and_read_only_are_tool_errors(project, monkeypatch, code, cause):
+@pytest.mark.parametrize("code,cause,hint", [
+    (errno.ENOSPC, "No space left on device", "free some space"),
+    (errno.EROFS, "Read-only file system", "read-only file system"),
+    (errno.ENAMETOOLONG, "File name too long", "shorter name")])
+def test_disk_full_read_only_and_name_too_long_are_tool_errors(project, monkeypatch, code,
+                                                                cause, hint):
     config(project)
     store = ferrus.Store(str(project))
     before = store.read_state()
@@ -506,7 +499,9 @@ def test_disk_full_and_read_only_are_tool_errors(project, monkeypatch, code, cau
         server.initialize()
         result = server.call_tool("create_task", {"description": "no room"})
         assert result["isError"] is True
-        assert cause in tool_text(result) and "hint:" in tool_text(result)
+        text = tool_text(result)
+        assert cause in text and "TASK.md" in text and "hint: " in text and hint in text
+        assert server.result("ping") == {}
     after = store.read_state()
     assert (after.state, after.rev) == (before.state, before.rev)
 
