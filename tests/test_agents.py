@@ -54,7 +54,7 @@ def test_claude_argv(project, config):
     assert launch.argv == [
         "claude", "--mcp-config=" + os.path.join(root, ".claude", "mcp-executor.json"),
         "--model", "opus", "--allowedTools=mcp__ferrus-executor-1__*",
-        "--output-format", "stream-json", "--verbose", "-p"]
+        "--permission-mode", "acceptEdits", "--output-format", "stream-json", "--verbose", "-p"]
     assert int(launch.env["MCP_TOOL_TIMEOUT"]) > config.limits.wait_timeout_secs * 1000
     interactive = ferrus.ClaudeCode(config).interactive(root, "supervisor", DASHED)
     assert interactive.argv[-2:] == ["--", DASHED], "a dash prompt is never read as a flag"
