@@ -33,7 +33,18 @@ Contents (each section uses only the sections above it):
     17. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
-import argparse
+import sys
+
+# `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
+# the current folder.  When ferrus.py sits in a project root that has its own queue.py,
+# logging.py or enum.py, those would be imported instead of the standard library, so
+# that entry goes before any other import (ferrus needs nothing but the standard
+# library).  -I and -P (3.11+) add no such entry.
+if (__name__ == "__main__" and sys.path and not sys.flags.isolated
+        and not getattr(sys.flags, "safe_path", False)):
+    del sys.path[0]
+
+import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import base64
 import collections
 import contextlib
@@ -50,7 +61,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -292,7 +302,9 @@ def atomic_write(path, data, durable=True):
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+    # The temporary name is longer than the target's; a shortened prefix keeps a
+    # target near the 255-byte name limit writable.
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path)[:96] + ".",
                                 suffix=TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -311,6 +323,20 @@ def atomic_write(path, data, durable=True):
         raise
     if durable:
         fsync_directory(directory)
+
+
+def open_private_log(path):
+    """Open ``path`` for appending, readable by its owner only (0600).
+
+    Agent session logs hold whole transcripts (code, prompts, sometimes secrets an
+    agent printed), so they are created 0600 whatever the umask, and an existing
+    one written by an older ferrus is narrowed to 0600 too."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, 0o600)
+    if not IS_WINDOWS:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def read_text(path, default=None):
@@ -1112,6 +1138,7 @@ class ChecksConfig:
     parallel: bool = False
     timeout_secs: int = 600
     fail_fast: bool = False
+    max_log_bytes: int = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -1227,6 +1254,7 @@ _INT_LIMITS = {
     ("lease", "ttl_secs"): (1, 31_536_000),
     ("lease", "heartbeat_interval_secs"): (1, 31_536_000),
     ("checks", "timeout_secs"): (1, 604_800),
+    ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
@@ -2292,6 +2320,8 @@ class CommandResult:
     tail: list = dataclasses.field(default_factory=list)
     log_path: "str | None" = None      # relative to the project root, for reports
     log_path_abs: "str | None" = None
+    log_cut_bytes: int = 0             # output left out of the middle of the log file
+    log_error: "str | None" = None     # why the log file is incomplete (a full disk)
 
     @property
     def passed(self):
@@ -2332,10 +2362,18 @@ class CheckRun:
                 out.append("(last %d of %d lines)\n" % (max_lines, result.line_count))
             out.append("```\n" + "\n".join(tail) + "\n```\n")
             if result.log_path:
-                out.append("(full output: `%s`)\n" % result.log_path)
+                out.append("(%s: `%s`)\n" % (_log_description(result), result.log_path))
             out.append("\n")
         out.append("Full log: `%s`" % self.log_path)
         return "".join(out)
+
+
+def _log_description(result):
+    if result.log_error:
+        return "incomplete log, %s" % result.log_error
+    if result.log_cut_bytes:
+        return "log, %d bytes cut from the middle" % result.log_cut_bytes
+    return "full output"
 
 
 def _status_note(result):
@@ -2348,6 +2386,112 @@ def _status_note(result):
     if result.exit_code is not None:
         return " (exit %d)" % result.exit_code
     return ""
+
+
+class CappedLog:
+    """A log file that never grows past ``max_bytes``: the head and the tail survive.
+
+    The first half of the budget goes straight into the file.  After that the
+    output goes to two tail segment files beside it (``<log>.tail0`` and
+    ``.tail1``) of a quarter budget each; when the current one is full the older
+    is emptied and reused, so the disk holds at most the budget at any moment
+    and memory holds nothing but one chunk.  ``close`` appends a
+    ``[… N bytes cut …]`` line and the kept tail (the last quarter to half of the
+    budget) to the log and removes the segments.  A write error (a full disk)
+    stops the logging, never the check: output is still drained and counted."""
+
+    def __init__(self, path, max_bytes):
+        self.path = path
+        self.head_budget = max(1, max_bytes // 2)
+        self.segment_budget = max(1, (max_bytes - self.head_budget) // 2)
+        self.handle = open(path, "wb")
+        self.written = 0           # bytes in the log file itself
+        self.total = 0             # every byte offered, kept or not
+        self.segments = []         # [path, handle, size], oldest first, at most two
+        self.error = None
+        self.closed = False
+        # A reader thread still draining a pipe that an escaped process holds may
+        # write while close() runs.
+        self._lock = threading.Lock()
+
+    def write(self, data):
+        with self._lock:
+            if self.closed:
+                return
+            self.total += len(data)
+            if self.error is None and data:
+                self._write(data)
+
+    def _write(self, data):
+        try:
+            room = self.head_budget - self.written
+            if room > 0:
+                self.handle.write(data[:room])
+                self.written += min(room, len(data))
+                data = data[room:]
+            while data:
+                data = self._write_tail(data)
+        except OSError as err:
+            self.error = "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+
+    def _write_tail(self, data):
+        if not self.segments or self.segments[-1][2] >= self.segment_budget:
+            if len(self.segments) == 2:
+                # Reuse the older segment: its bytes are no longer among the last ones.
+                oldest = self.segments.pop(0)
+                oldest[1].seek(0)
+                oldest[1].truncate()
+                oldest[2] = 0
+                self.segments.append(oldest)
+            else:
+                name = "%s.tail%d" % (self.path, len(self.segments))
+                self.segments.append([name, open(name, "w+b"), 0])
+        current = self.segments[-1]
+        piece = data[:self.segment_budget - current[2]]
+        current[1].write(piece)
+        current[2] += len(piece)
+        return data[len(piece):]
+
+    @property
+    def cut_bytes(self):
+        """Bytes of output the finished log leaves out (0 while nothing is cut)."""
+        kept = self.written + sum(segment[2] for segment in self.segments)
+        return max(0, self.total - kept) if self.error is None else 0
+
+    def close(self, trailer=b""):
+        """Splice the tail into the log, append ``trailer`` and close everything."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._close(trailer)
+
+    def _close(self, trailer):
+        try:
+            if self.segments and self.error is None:
+                cut = self.cut_bytes
+                if cut:
+                    self.handle.write(("\n[\u2026 %d bytes cut \u2026]\n" % cut).encode("utf-8"))
+                for _name, handle, size in self.segments:
+                    handle.seek(0)
+                    left = size
+                    while left:
+                        chunk = handle.read(min(left, 1 << 20))
+                        if not chunk:
+                            break
+                        self.handle.write(chunk)
+                        left -= len(chunk)
+            if self.error is not None:
+                trailer = ("\n[log incomplete: %s]\n" % self.error).encode("utf-8") + trailer
+            self.handle.write(trailer)
+        except OSError as err:
+            self.error = self.error or "%s (%s)" % (err.strerror or err, err.__class__.__name__)
+        finally:
+            for name, handle, _size in self.segments:
+                handle.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            with contextlib.suppress(OSError):
+                self.handle.close()
 
 
 class _OutputSink:
@@ -2390,13 +2534,15 @@ def _tail_text(raw, cut=False):
     return "..." + text if cut else text
 
 
-def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
+def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
+                     max_log_bytes=ChecksConfig.max_log_bytes):
     """Run one check command to completion, timeout or ``stop``; fill ``result``."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
         return
-    with open(result.log_path_abs, "wb") as handle:
+    handle = CappedLog(result.log_path_abs, max_log_bytes)
+    try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
@@ -2436,8 +2582,11 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir):
             result.status = "passed" if proc.returncode == 0 else "failed"
         else:
             result.status = outcome
-        handle.write(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
+        result.log_cut_bytes = handle.cut_bytes
+    finally:
+        handle.close(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
                                                     result.duration)).encode("utf-8"))
+        result.log_error = handle.error
 
 
 def _pump_output(stream, sink):
@@ -2486,7 +2635,8 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     stop = _StopFlag(cancel)
 
     def run(result):
-        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir)
+        _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
+                         checks.max_log_bytes)
         if checks.fail_fast and not result.passed:
             stop.set()
 
@@ -2510,8 +2660,10 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     for result in results:
         label = {"passed": "PASS", "failed": "FAIL"}.get(result.status, result.status.upper())
         lines.append("=== [%s] %s\n" % (label, result.command))
-        lines.append("exit: %s, %.2f s, %d lines, log: %s\n\n" % (
-            result.exit_code, result.duration, result.line_count, result.log_path))
+        lines.append("exit: %s, %.2f s, %d lines, log: %s%s\n\n" % (
+            result.exit_code, result.duration, result.line_count, result.log_path,
+            "" if _log_description(result) == "full output"
+            else " (%s)" % _log_description(result)))
     with open(summary, "w", encoding="utf-8") as handle:
         handle.writelines(lines)
     return CheckRun(results=results, cancelled=cancelled,
@@ -2610,6 +2762,40 @@ def first_ready_milestone(milestones, after=None):
     return None
 
 
+def next_ready_milestone(milestones, after):
+    """The milestone to select once ``after`` is done: the next ready one in document
+    order, else an earlier one that was waiting on it (``Depends on:`` may point forward)."""
+    return first_ready_milestone(milestones, after=after) or first_ready_milestone(milestones)
+
+
+def unmet_dependencies(milestone, milestones):
+    """The markers or ids ``milestone`` waits for that are not complete yet."""
+    done = {m.marker for m in milestones if m.completed} | {m.id for m in milestones if m.completed}
+    known = {m.marker for m in milestones} | {m.id for m in milestones}
+    return [dep for dep in milestone.depends_on if dep in known and dep not in done]
+
+
+def milestone_block(text, milestone):
+    """The milestone's header line and its own child lines, as written in the spec."""
+    lines = text.split("\n")
+    block = [lines[milestone.line_index].strip()]
+    for line in lines[milestone.line_index + 1:]:
+        if _milestone_header(line) or _HEADING_RE.match(line) or _FENCE_RE.match(line):
+            break
+        block.append(line.rstrip())
+    while block and not block[-1].strip():
+        block.pop()
+    return "\n".join(block)
+
+
+def milestone_task_text(spec_path, text, milestone):
+    """A task description for ``ferrus run --milestone``: the milestone and its spec."""
+    return ("Implement milestone %s (ID %s) of the spec %s.\n\n%s\n\n"
+            "Read the whole spec for context. Do this milestone only; the reviewer checks "
+            "it against the spec's requirements and acceptance criteria.\n"
+            % (milestone.marker, milestone.id, spec_path, milestone_block(text, milestone)))
+
+
 def spec_directory(root, config):
     directory = config.spec.directory.strip()
     if not directory:
@@ -2650,9 +2836,19 @@ def resolve_selected(root, data):
                       "select another milestone with /milestones")
 
 
-def slugify(title):
+# Longest slug in a spec's file name: with the date, a "-NNNN" counter, ".md" and
+# atomic_write's temporary-name decoration it stays far below the 255-byte limit
+# of common file systems (a 239-character title used to fail "File name too long").
+SLUG_MAX_CHARS = 80
+
+
+def slugify(title, max_chars=SLUG_MAX_CHARS):
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower().encode("ascii", "replace").decode("ascii")
                   .replace("?", "-")).strip("-")
+    if len(slug) > max_chars:
+        # Cut at a word boundary when one is near, so the name stays readable.
+        cut = slug[:max_chars + 1].rfind("-")
+        slug = (slug[:cut] if cut >= max_chars // 2 else slug[:max_chars]).strip("-")
     return slug or "spec"
 
 
@@ -2734,7 +2930,9 @@ def _guard_lease(data, caller, now, action):
 
 # -- supervisor ---------------------------------------------------------------
 
-def op_create_task(store, caller, description):
+def op_create_task(store, caller, description, origin=None):
+    """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
+    implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
     _nonblank(description, "Cannot create task: the description is empty.")
     with store.transaction(caller.agent_id) as tx:
         if tx.state.state != S.IDLE:
@@ -2743,7 +2941,15 @@ def op_create_task(store, caller, description):
                 "the current task first." % tx.state.state,
                 "a human can run `ferrus reset` to return to Idle")
         task_id = new_id("t")
-        tx.set(t_create_task(tx.state, store.clock(), task_id), "create_task", task_id=task_id)
+        data = tx.state
+        if origin is not None:
+            data = data.copy()
+            data.pending_task_spec, data.pending_task_milestone = origin
+        new = t_create_task(data, store.clock(), task_id)
+        detail = {"task_id": task_id}
+        if new.task_milestone:
+            detail.update(spec=new.task_spec, milestone=new.task_milestone)
+        tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (upstream bug §11.18).
@@ -2799,8 +3005,9 @@ def op_approve(store, caller):
                         detail["milestone_completed"] = match.id
                     if (data.selected_spec == data.task_spec
                             and data.selected_milestone == data.task_milestone):
-                        following = first_ready_milestone(milestones, after=match.id)
+                        following = next_ready_milestone(milestones, match.id)
                         new.selected_milestone = following.id if following else None
+                        detail["selected_milestone"] = new.selected_milestone
         tx.set(new, "approve", **detail)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
@@ -2857,7 +3064,16 @@ def op_create_spec(store, caller, markdown):
             break
         except FileExistsError:
             continue
-    atomic_write(path, text)
+    else:
+        raise FerrusError("Cannot create spec: %s already holds 9999 specs named %s-*.md"
+                          % (directory, stem), "rename or archive some of them")
+    try:
+        atomic_write(path, text)
+    except BaseException:
+        # Never leave the empty placeholder behind a failed write.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     rel = os.path.relpath(path, store.root).replace(os.sep, "/")
     milestone = first_ready_milestone(parse_spec(text))
     with store.transaction(caller.agent_id) as tx:
@@ -2902,6 +3118,74 @@ def op_select_milestone(store, caller, spec_path, milestone_id=None):
         tx.set(data, "select_milestone", spec=rel, milestone=data.selected_milestone)
     return _outcome("Selected %s, milestone %s." % (rel, data.selected_milestone or "(none left)"),
                     data.state)
+
+
+def op_stage_task_origin(store, caller, spec_path=None, milestone_id=None):
+    """Record which milestone the next create_task implements (HQ's /task, before the
+    supervisor defines it), or forget it (both None)."""
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state.copy()
+        if (data.pending_task_spec, data.pending_task_milestone) == (spec_path, milestone_id):
+            return
+        data.pending_task_spec, data.pending_task_milestone = spec_path, milestone_id
+        tx.set(data, "stage_task_origin", spec=spec_path, milestone=milestone_id)
+
+
+def find_milestone(store, wanted):
+    """(spec path, spec text, milestone) for ``ferrus run --milestone``.
+
+    ``wanted`` is a milestone id or marker, or "next": the selected milestone when it is
+    still open, else the first ready one of the selected spec (or of the only spec).
+    Returns None for "next" when every milestone is done; raises when nothing fits."""
+    data = store.read_state()
+    config = store.config()
+    specs = list_spec_paths(store.root, config)
+    if data.selected_spec:
+        if not os.path.isfile(os.path.join(store.root, data.selected_spec)):
+            raise FerrusError("the selected spec %s does not exist" % data.selected_spec,
+                              "select another with /milestones in HQ")
+        candidates = [data.selected_spec] + ([p for p in specs if p != data.selected_spec]
+                                             if wanted != "next" else [])
+    elif wanted != "next" or len(specs) == 1:
+        candidates = specs
+    elif not specs:
+        raise FerrusError("there is no spec in %s" % config.spec.directory,
+                          "write one with /spec in HQ (or by hand), then run again")
+    else:
+        raise FerrusError("no spec is selected and %s holds %d specs" % (
+            config.spec.directory, len(specs)), "select one with /milestones in HQ")
+    for path in candidates:
+        text = read_text(os.path.join(store.root, path))
+        milestones = parse_spec(text)
+        if wanted == "next":
+            chosen = None
+            if path == data.selected_spec and data.selected_milestone:
+                chosen = next((m for m in milestones if m.id == data.selected_milestone
+                               and not m.completed and dependencies_met(m, milestones)), None)
+            chosen = chosen or first_ready_milestone(milestones)
+            if chosen is None:
+                blocked = [m for m in milestones if not m.completed]
+                if blocked:
+                    raise FerrusError(
+                        "no milestone of %s is ready: %s" % (path, "; ".join(
+                            "%s waits for %s" % (m.marker, ", ".join(
+                                unmet_dependencies(m, milestones))) for m in blocked)),
+                        "fix the `Depends on:` lines of %s" % path)
+                return None
+        else:
+            chosen = next((m for m in milestones if wanted in (m.id, m.marker)), None)
+            if chosen is None:
+                continue
+            if chosen.completed:
+                raise FerrusError("milestone %s of %s is already complete" % (wanted, path),
+                                  "untick its box in the spec to do it again")
+            waits = unmet_dependencies(chosen, milestones)
+            if waits:
+                raise FerrusError("milestone %s of %s depends on %s, not complete yet" % (
+                    wanted, path, ", ".join(waits)), "run `ferrus run --milestone next`")
+        return path, text, chosen
+    raise FerrusError("no milestone %s in %s" % (wanted, ", ".join(candidates) or "any spec"),
+                      "`ferrus run --milestone next` takes the next ready one")
 
 
 def op_clear_selection(store, caller):
@@ -4235,13 +4519,18 @@ def server_key(role):
 
 
 def ferrus_boot_code():
-    """`python -c` code that imports *this* ferrus.py from its absolute folder.
+    """`python -c` code that imports *this* ferrus.py from its absolute path.
 
     Running `python ferrus.py` compiles the whole file on every start (about
     100 ms); importing it lets Python reuse the cached bytecode, so an agent's
-    server starts about twice as fast."""
-    return ("import sys; sys.path.insert(0, %r); import ferrus; sys.exit(ferrus.main())"
-            % os.path.dirname(FERRUS_FILE))
+    server starts about twice as fast.  The current folder ('' on sys.path) is
+    dropped and ferrus.py is loaded by path rather than by putting its folder on
+    sys.path, so a project's own queue.py or logging.py never hides the
+    standard library."""
+    return ("import sys; sys.path[:] = [p for p in sys.path if p]; import importlib.util as u; "
+            "s = u.spec_from_file_location('ferrus', %r); f = u.module_from_spec(s); "
+            "sys.modules['ferrus'] = f; s.loader.exec_module(f); sys.exit(f.main())"
+            % FERRUS_FILE)
 
 
 def ferrus_server_entry(root, role, agent):
@@ -5368,7 +5657,7 @@ class AgentProcess:
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "ab")
+        self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -5927,11 +6216,12 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  Returns the exit code."""
+    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: print(text, flush=True))
     data = store.read_state()
     controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
@@ -5947,9 +6237,14 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
+        if data.state == S.FAILED and not reset:
+            raise FerrusError(
+                "the last task failed: %s" % (data.failure_reason or "(no reason recorded)")
+                .splitlines()[0], "pass --reset to clear it and start the new task "
+                "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task)
+        op_create_task(store, HUMAN, task, origin=origin)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -5992,6 +6287,50 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+
+
+def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
+                   reset=False, out=None, clock=time.monotonic, **run_options):
+    """``ferrus run --milestone ID|next`` and ``--until-done``: one task per spec milestone.
+
+    Each milestone becomes a task whose origin is that milestone, so approving it ticks
+    the box and advances the selection.  With ``until_done`` the next ready milestone
+    follows until none is left; any other ending (Failed, a question nobody can answer,
+    a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
+    out = out or (lambda text: print(text, flush=True))
+    started = clock()
+
+    def time_left():
+        return None if timeout is None else max(0.0, timeout - (clock() - started))
+    if resume and store.read_state().state in ACTIVE_STATES:
+        code = run_loop(store, None, time_left(), True, out=out, clock=clock, **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        wanted = "next"
+    previous = None
+    finished = 0
+    while True:
+        found = find_milestone(store, wanted)
+        if found is None:
+            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
+                                    if finished else "every milestone of the spec is complete"))
+            return RUN_COMPLETE
+        path, text, milestone = found
+        if (path, milestone.id) == previous:
+            raise FerrusError("milestone %s of %s was approved but its box is still open"
+                              % (milestone.id, path),
+                              "tick `- [x]` on its line in the spec, then run again")
+        previous = (path, milestone.id)
+        op_select_milestone(store, HUMAN, path, milestone.id)
+        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
+                        out=out, clock=clock, origin=(path, milestone.id), reset=reset,
+                        **run_options)
+        if code != RUN_COMPLETE or not until_done:
+            return code
+        finished += 1
+        reset = False       # --reset clears the Failed task the run started from, only that one
+        wanted = "next"
 
 
 def _run_line(message):
@@ -6258,6 +6597,11 @@ class HqShell:
         data = self.store.read_state()
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
+        if data.state == S.FAILED and not self.confirm(
+                "The last task failed (%s). Reset it and start a new task?"
+                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+            self.write("Nothing changed; the failed task is kept (/reset clears it).")
+            return
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
@@ -6268,7 +6612,14 @@ class HqShell:
         if rest != "--manual" and data.selected_milestone:
             with contextlib.suppress(FerrusError):
                 spec, milestone = resolve_selected(self.store.root, data)
-        self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        # The supervisor's create_task takes this origin, so approving the task ticks the
+        # milestone and advances the selection.
+        op_stage_task_origin(self.store, HUMAN, spec, milestone.id if milestone else None)
+        try:
+            self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        finally:
+            if self.store.read_state().state == S.IDLE:
+                op_stage_task_origin(self.store, HUMAN)
         self.controller.paused = False
 
     def cmd_plan(self, rest):
@@ -7128,7 +7479,7 @@ def start_worker_process(launch, root, base):
         atomic_write(base + ".prompt", launch.stdin)
         stdin = open(base + ".prompt", "rb")
     try:
-        with open(base + ".log", "ab") as log_file:
+        with open_private_log(base + ".log") as log_file:
             log_file.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
             log_file.flush()
             return subprocess.Popen([sys.executable, "-c", _PID_WRAPPER, base + ".pid"] +
@@ -8492,7 +8843,13 @@ def cmd_run(args, root):
             return None
         print("\nQuestion for you:\n%s" % question, flush=True)
         return input("answer> ")
-    return run_loop(store, task, args.timeout, args.resume, ask=ask)
+    if args.until_done and task is not None:
+        raise UsageError("--until-done works through spec milestones; it cannot follow --task",
+                         "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
+                              args.resume, args.reset, ask=ask)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
@@ -8823,8 +9180,16 @@ def build_parser():
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
     group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--milestone", metavar="ID|next",
+                       help="create the task from this spec milestone (id or marker), or the "
+                            "next ready one; approving it ticks its box")
+    p.add_argument("--until-done", action="store_true",
+                   help="after each milestone, take the next ready one until none is left")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
     p.add_argument("--resume", action="store_true", help="continue the task in flight")
+    p.add_argument("--reset", action="store_true",
+                   help="replace a Failed task (without it, a Failed task is kept and the run "
+                        "refuses)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
@@ -8852,12 +9217,34 @@ def setup_logging(debug=False):
     log.propagate = False
 
 
+def find_project_root(start):
+    """The nearest folder from ``start`` upwards that holds .ferrus/ or ferrus.toml (as git
+    finds .git), so every command works from a subdirectory; ``start`` when none does."""
+    folder = start
+    while True:
+        if (os.path.isdir(os.path.join(folder, FERRUS_DIR))
+                or os.path.isfile(os.path.join(folder, CONFIG_FILE))):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return start
+        folder = parent
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
     setup_logging(debug)
-    root = os.path.abspath(args.directory or os.getcwd())
+    start = os.path.abspath(args.directory or os.getcwd())
+    if args.directory is not None and not os.path.isdir(start):
+        print("ferrus: -C %s: %s" % (args.directory, "not a directory" if os.path.exists(start)
+                                     else "no such directory"), file=sys.stderr)
+        print("hint: pass the project's folder, e.g. `ferrus -C path/to/project status`",
+              file=sys.stderr)
+        return 2
+    # `init` creates a project right here; every other command finds the enclosing one.
+    root = start if args.command == "init" else find_project_root(start)
     if not getattr(args, "run", None):
         if not os.path.isdir(os.path.join(root, FERRUS_DIR)):
             parser.print_help()

@@ -258,8 +258,9 @@ def test_huge_output_keeps_memory_bounded(project):
         assert outcome.line_count == lines
         assert len(outcome.tail) <= 25
         assert outcome.tail == [line] * 25
-        # The log has everything: header + output + footer.
-        assert os.path.getsize(outcome.log_path_abs) > lines * (len(line) + 1)
+        # The log keeps the head and the tail within [checks] max_log_bytes (8 MiB).
+        assert os.path.getsize(outcome.log_path_abs) <= 8 * 1024 * 1024 + 200
+        assert outcome.log_cut_bytes > lines * (len(line) + 1) - 8 * 1024 * 1024
         # ru_maxrss is in KiB on Linux; a buffered 200 MB would show.
         assert after - before < 64 * 1024, "max RSS grew by %d KiB" % (after - before)
     finally:
@@ -278,8 +279,12 @@ def test_giant_line_is_cut_in_the_tail(project):
     assert len(unterminated) <= ferrus._TAIL_LINE_BYTES + 3
     assert unterminated.endswith("y" * 100) and set(unterminated) <= {".", "y"}
     assert len(result.report(30)) < 3 * ferrus._TAIL_LINE_BYTES + 1000
-    # The log keeps both lines whole.
-    assert os.path.getsize(outcome.log_path_abs) > 2 * size
+    # The log keeps the head (x...) and the tail (...y) within max_log_bytes (8 MiB).
+    assert os.path.getsize(outcome.log_path_abs) <= 8 * 1024 * 1024 + 200
+    with open(outcome.log_path_abs, "rb") as handle:
+        data = handle.read()
+    assert b"x" * 1000 in data[:8192] and b"y" * 1000 in data[-8192:]
+    assert b"bytes cut" in data
 
 
 def test_a_cut_giant_line_is_always_marked_as_cut(project):

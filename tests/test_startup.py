@@ -1,0 +1,96 @@
+"""ferrus runs where users put it: a project root whose own modules share standard
+library names, subdirectories, and `-C` a missing folder."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ferrus
+from conftest import FERRUS_PY, REPO
+
+SHADOWED = ("queue", "logging", "secrets", "signal", "enum", "json", "subprocess",
+            "threading", "tempfile", "argparse", "dataclasses", "types")
+INIT = {"protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "test", "version": "1"}}
+
+
+@pytest.fixture
+def shadowed_project(tmp_path):
+    """ferrus.py and its launcher copied into a project root full of modules that
+    share standard-library names and refuse to be imported."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    for name in SHADOWED:
+        (root / (name + ".py")).write_text("raise SystemExit('the project %s.py was imported')\n"
+                                           % name)
+    shutil.copy(FERRUS_PY, str(root / "ferrus.py"))
+    shutil.copy(os.path.join(REPO, "ferrus"), str(root / "ferrus"))
+    return root
+
+
+def env():
+    clean = dict(os.environ, NO_COLOR="1")
+    clean.pop("PYTHONPATH", None)
+    return clean
+
+
+def run(argv, cwd, **kw):
+    return subprocess.run(argv, cwd=str(cwd), capture_output=True, text=True, env=env(),
+                          timeout=60, **kw)
+
+
+def test_every_way_of_starting_ferrus_gets_the_standard_library(shadowed_project):
+    root = shadowed_project
+    python = sys.executable
+    init = run([python, "ferrus.py", "init"], root)
+    assert init.returncode == 0, init.stderr
+    for argv in ([python, "ferrus.py", "status"], [python, "-m", "ferrus", "status"],
+                 [python, str(root / "ferrus"), "status"], [python, "ferrus.py", "doctor"]):
+        result = run(argv, root)
+        assert "was imported" not in result.stderr + result.stdout, argv
+        assert result.returncode == 0, (argv, result.stderr)
+
+
+def test_the_registered_server_command_gets_the_standard_library(shadowed_project):
+    root = shadowed_project
+    assert run([sys.executable, "ferrus.py", "init"], root).returncode == 0
+    registered = run([sys.executable, "ferrus.py", "register", "--executor", "claude-code"], root)
+    assert registered.returncode == 0, registered.stderr
+    entry = list(json.loads((root / ".claude" / "mcp-executor.json").read_text())["mcpServers"].values())[0]
+    request = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INIT})
+    result = run([entry["command"]] + entry["args"], root, input=request + "\n")
+    assert "was imported" not in result.stderr
+    assert json.loads(result.stdout.splitlines()[0])["result"]["serverInfo"]["name"] == "ferrus"
+
+
+def test_boot_code_loads_this_file_without_putting_its_folder_on_sys_path():
+    code = ferrus.ferrus_boot_code()
+    assert "sys.path.insert" not in code and repr(ferrus.FERRUS_FILE) in code
+
+
+def test_commands_find_the_project_from_a_subdirectory(project, cli):
+    deep = project / "src" / "pkg"
+    deep.mkdir(parents=True)
+    status = cli("status", "--json", cwd=deep)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["state"] == "Idle"
+    checked = cli("-C", "src", "check", "--force", cwd=project)
+    assert checked.returncode == 0, checked.stderr
+    created = cli("run", "--task", "x", "--timeout", "0.01", cwd=deep)
+    assert "no .ferrus" not in created.stderr.lower()
+    # init still creates a project where it is asked to, even inside another one.
+    inner = cli("init", cwd=deep)
+    assert inner.returncode == 0 and (deep / ".ferrus").is_dir()
+
+
+def test_dash_c_a_missing_directory_says_so(tmp_path, cli):
+    result = cli("-C", "nowhere", "status", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "ferrus: -C nowhere: no such directory" in result.stderr
+    (tmp_path / "file").write_text("")
+    result = cli("-C", "file", "status", cwd=tmp_path)
+    assert "not a directory" in result.stderr
