@@ -4550,6 +4550,30 @@ def entry_points_here(entry, root):
             and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
 
 
+def entry_mismatch(entry, root):
+    """Why an MCP entry does not start this ferrus for this project: (severity, text),
+    or None when it does.  Another Python still works while it exists, so it is only
+    a warning."""
+    if not isinstance(entry, dict):
+        return "error", "its MCP entry is not a JSON object / TOML table"
+    args = [str(arg) for arg in entry.get("args") or []]
+    project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
+    if project is None or os.path.abspath(project) != os.path.abspath(root):
+        return "error", "its MCP entry serves another project (%s)" % (project or "none named")
+    if args[:2] != ["-c", ferrus_boot_code()]:
+        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+        named = re.search(r"'([^']+)'", code)
+        return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
+            named.group(1) if named else code[:80])
+    command = str(entry.get("command") or "")
+    if command != os.path.abspath(sys.executable):
+        if not shutil.which(command):
+            return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
+        return "warning", ("registered with another Python (%s); this ferrus runs on %s"
+                           % (command, os.path.abspath(sys.executable)))
+    return None
+
+
 def client_tool_timeout_secs(config):
     """Comfortably above one wait_* call, so no client cuts a long-poll short."""
     return config.limits.wait_timeout_secs + 120
@@ -4761,7 +4785,10 @@ class ClaudeCode(AgentAdapter):
             self.permission_args(self._profile(role, profile)) + \
             ["--output-format", "stream-json", "--verbose"] + \
             self.options.extra_args + self.options.headless_args + ["-p"]
-        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000)}
+        # Claude Code 2.1 starts the first turn while MCP servers still connect; a
+        # fast first turn then finds no ferrus tool ("still connecting").
+        env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000),
+               "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
 
@@ -5402,22 +5429,64 @@ def agents_report(root, probe=probe_version):
         adapter = adapter_for(config, choice.agent)
         path = adapter.executable()
         entry = adapter.registration(root, role)
+        profile, source = effective_permissions(config, role)
         row = {"role": role, "agent": choice.agent, "model": choice.model or None,
                "binary": adapter.binary, "path": path,
                "version": probe(adapter.version_argv()) if path else "",
                "registered": entry is not None,
-               "points_here": entry_points_here(entry, root)}
+               "points_here": entry_points_here(entry, root),
+               "permissions": profile, "permissions_from": source,
+               "permission_args": adapter.permission_args(profile)}
+        mismatch = entry_mismatch(entry, root) if entry is not None else None
+        warnings = permission_warnings(config, role)
         if not path:
             row["problem"] = "%s is not installed" % adapter.binary
             row["hint"] = adapter.install_hint()
         elif entry is None:
             row["problem"] = "no %s entry in its MCP configuration" % server_key(role)
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
-        elif not row["points_here"]:
-            row["problem"] = "its MCP entry starts another ferrus or project"
+        elif mismatch and mismatch[0] == "error":
+            row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        elif mismatch:
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
+                                "this Python" % (role, choice.agent)))
+        if warnings:
+            row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)
     return rows
+
+
+def permission_warnings(config, role):
+    """[(warning, hint)] about what a role's headless agent may do: an executor that
+    cannot edit fails every task at the check gate."""
+    choice = getattr(config, role, None)
+    if choice is None:
+        return []
+    adapter = adapter_for(config, choice.agent)
+    profile, source = effective_permissions(config, role)
+    warnings = []
+    fix = 'set `permissions = "edit"` under [hq.executor] in %s' % CONFIG_FILE
+    if role == "executor":
+        can_edit = adapter.can_edit(profile)
+        if can_edit is False:
+            warnings.append(("the executor (%s) cannot edit files: permissions are %s (%s)"
+                             % (choice.agent, json.dumps(profile), source), fix))
+        elif can_edit is None:
+            warnings.append(("ferrus cannot tell whether the executor (%s) may edit files: its "
+                             "[agents.custom.%s] argv templates decide" % (choice.agent,
+                                                                           choice.agent),
+                             "make its headless template grant file edits"))
+    flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
+             if arg.startswith("-")}
+    options = adapter.options.extra_args + adapter.options.headless_args
+    overridden = sorted({arg.split("=", 1)[0] for arg in options} & flags)
+    if overridden:
+        warnings.append(("[agents.%s] sets %s itself; it follows ferrus's %s flags and may "
+                         "change what the %s may do" % (choice.agent, ", ".join(overridden),
+                                                        json.dumps(profile), role),
+                         "use [hq.%s] permissions instead" % role))
+    return warnings
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -8447,6 +8516,10 @@ def doctor_findings(root):
                                         "check its spelling against the README", severity="warning"))
             if config.hq_problem:
                 findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+            else:
+                for role in ROLES:
+                    for text, hint in permission_warnings(config, role):
+                        findings.append(Finding(text, hint, severity="warning"))
         except FerrusError as err:
             findings.append(Finding(err.message, err.hint or "fix ferrus.toml"))
     if not os.path.isdir(store.dir):
@@ -8822,6 +8895,12 @@ def cmd_agents(args, root):
             print("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
+            print("           permissions: %s (%s)%s" % (
+                row["permissions"], row["permissions_from"],
+                ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
+        for warning in row.get("warnings", ()):
+            print("           warning: %s" % warning["warning"])
+            print("           fix: %s" % warning["hint"])
         if "problem" in row:
             print("           problem: %s" % row["problem"])
             print("           fix: %s" % row["hint"])
