@@ -1224,6 +1224,29 @@ class CapacityConfig:
 
 
 @dataclasses.dataclass
+class SessionsConfig:
+    """[sessions]: how HQ supervises each agent slot (seed 001)."""
+
+    max_consecutive_errors: int = 5
+    max_total_errors: int = 20
+    timeout_secs: int = 3600
+    interrupt_grace_secs: int = 10
+
+
+@dataclasses.dataclass
+class PipelinesConfig:
+    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
+
+    file: str = "workflows.json"
+    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
+
+
+# The tables _fill_section reads straight into their dataclass, in file order.
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+
+
+@dataclasses.dataclass
 class Config:
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
@@ -1231,6 +1254,8 @@ class Config:
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
     agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
+    sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
+    pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # A problem in [hq] only matters to commands that launch agents, so it is kept
@@ -1258,6 +1283,11 @@ _INT_LIMITS = {
     ("capacity", "orange_percent"): (1, 100),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
+    ("sessions", "max_consecutive_errors"): (1, 1_000_000),
+    ("sessions", "max_total_errors"): (1, 1_000_000),
+    ("sessions", "timeout_secs"): (1, 31_536_000),
+    ("sessions", "interrupt_grace_secs"): (0, 86_400),
+    ("pipelines", "max_parallel"): (1, 1000),
 }
 
 
@@ -1289,9 +1319,10 @@ def _fill_section(path, raw, name, target, unknown):
     if not isinstance(table, dict):
         raise _config_error(path, name, "must be a table", table)
     fields = {f.name: f for f in dataclasses.fields(target)}
+    # Unknown keys first, so a bad value earlier in the table does not hide them.
+    unknown.extend("%s.%s" % (name, key) for key in table if key not in fields)
     for key, value in table.items():
         if key not in fields:
-            unknown.append("%s.%s" % (name, key))
             continue
         current = getattr(target, key)
         dotted = "%s.%s" % (name, key)
@@ -1395,8 +1426,12 @@ def _parse_agent_sections(path, agents, target):
         target.custom[name] = spec
 
 
-def parse_config(text, path=CONFIG_FILE):
-    """Build a validated :class:`Config` from ferrus.toml text."""
+def parse_config(text, path=CONFIG_FILE, problems=None):
+    """Build a validated :class:`Config` from ferrus.toml text.
+
+    Every table is checked.  The first error is raised, unless ``problems`` is a
+    list: then each table's error is appended to it and parsing goes on, so
+    `ferrus doctor` can list them all at once."""
     try:
         raw = parse_toml(text)
     except TomlError as err:
@@ -1404,25 +1439,20 @@ def parse_config(text, path=CONFIG_FILE):
                           "fix the syntax at that line; `ferrus init` shows a valid example")
     config = Config(path=path)
     unknown = config.unknown_keys
-    for name in ("checks", "limits", "lease", "spec", "capacity"):
-        _fill_section(path, raw, name, getattr(config, name), unknown)
+    found = [] if problems is None else problems
+
+    def checked(parse, *args):
+        try:
+            parse(*args)
+        except FerrusError as err:
+            found.append(err)
+    for name in PLAIN_TABLES:
+        checked(_fill_section, path, raw, name, getattr(config, name), unknown)
     agents = raw.get("agents", {})
     if not isinstance(agents, dict):
-        raise _config_error(path, "agents", "must be a table", agents)
-    if "path" in agents:
-        if not isinstance(agents["path"], str):
-            raise _config_error(path, "agents.path", "must be a string", agents["path"])
-        config.agents.path = agents["path"]
-    claude = agents.get("claude", {})
-    if not isinstance(claude, dict):
-        raise _config_error(path, "agents.claude", "must be a table", claude)
-    isolation = claude.get("mcp_isolation", "merge-user")
-    if isolation not in CLAUDE_MCP_ISOLATION:
-        # Upstream silently treated typos as merge-user (bug §11.15).
-        raise _config_error(path, "agents.claude.mcp_isolation",
-                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
-    config.agents.claude_mcp_isolation = isolation
-    _parse_agent_sections(path, agents, config.agents)
+        found.append(_config_error(path, "agents", "must be a table", agents))
+        agents = {}
+    checked(_parse_agents_table, path, agents, config)
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     hq = raw.get("hq")
     if hq is not None:
@@ -1439,12 +1469,32 @@ def parse_config(text, path=CONFIG_FILE):
                 setattr(config, role, choice)
                 config.hq_problem = config.hq_problem or problem
     for name in raw:
-        if name not in ("checks", "limits", "lease", "spec", "agents", "hq", "sessions",
-                        "capacity", "pipelines"):
+        if name not in KNOWN_TABLES:
             unknown.append(name)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", path, key)
+    if found and problems is None:
+        first = found[0]
+        if len(found) > 1:
+            raise FerrusError(first.message, "%s; `ferrus doctor` lists all %d problems in %s"
+                              % (first.hint, len(found), path))
+        raise first
     return config
+
+
+def _parse_agents_table(path, agents, config):
+    if "path" in agents:
+        if not isinstance(agents["path"], str):
+            raise _config_error(path, "agents.path", "must be a string", agents["path"])
+        config.agents.path = agents["path"]
+    claude = agents.get("claude", {})
+    if not isinstance(claude, dict):
+        raise _config_error(path, "agents.claude", "must be a table", claude)
+    isolation = claude.get("mcp_isolation", "merge-user")
+    if isolation not in CLAUDE_MCP_ISOLATION:
+        # Upstream silently treated typos as merge-user (bug §11.15).
+        raise _config_error(path, "agents.claude.mcp_isolation",
+                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
+    config.agents.claude_mcp_isolation = isolation
+    _parse_agent_sections(path, agents, config.agents)
 
 
 def load_config(root):
@@ -1478,7 +1528,17 @@ class ConfigCache:
             if stamp is None or stamp != self._stamp:
                 self._config = load_config(self.root)
                 self._stamp = stamp
+                # Once per change of the file, not on every read (`ferrus doctor`
+                # lists them too).
+                for key in self._config.unknown_keys:
+                    log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
             return self._config
+
+
+NO_CHECKS_WARNING = ("%s has no [checks] commands, so the check gate passes every "
+                     "submission" % CONFIG_FILE)
+NO_CHECKS_HINT = ("add your lint and test commands, e.g. commands = [\"make lint\", "
+                  "\"make test\"] under [checks]")
 
 
 # ============================================================================
@@ -2100,7 +2160,16 @@ class Store:
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
         self.require()
-        return StateData.from_json(read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE)
+        return self.continue_journal(StateData.from_json(read_text(self.path(STATE_FILE)),
+                                                         FERRUS_DIR + "/" + STATE_FILE))
+
+    def continue_journal(self, data):
+        """A STATE.json without ``rev`` was last written by upstream ferrus (which knows
+        no journal) or never written at all: its revision is where the journal ends, so
+        the next commit continues the journal instead of looking like a restored file."""
+        if data.rev == 0:
+            data.rev = self.last_journal_seq()
+        return data
 
     def read_file(self, name):
         return read_text(self.path(name), default="")
@@ -3265,7 +3334,8 @@ def op_wait_for_task(store, caller):
     def build(data):
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
-                "review": store.read_file("REVIEW.md"), "task_id": data.task_id}
+                "review": store.read_file("REVIEW.md"), "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
 
 
@@ -3276,7 +3346,8 @@ def op_wait_for_review(store, caller):
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
                 "review_cycles_used": data.review_cycles,
-                "check_retries_used": data.check_retries, "task_id": data.task_id}
+                "check_retries_used": data.check_retries, "task_id": data.task_id,
+                "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
     return _wait_and_claim(store, caller, (S.REVIEWING,), build, "a submission")
 
 
@@ -3931,7 +4002,8 @@ SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")
 _TEXT_OUT = {"message": "string", "state": "string"}
 _CLAIM_OUT = {"status": "string", "state": "string", "claimed_by": "string?",
-              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?"}
+              "lease_until": "string?", "task": "string", "review": "string", "task_id": "string?",
+              "heartbeat_interval_secs": "integer?"}
 
 TOOLS = (
     Tool("create_task", "Create task",
@@ -4785,8 +4857,9 @@ class ClaudeCode(AgentAdapter):
             self.permission_args(self._profile(role, profile)) + \
             ["--output-format", "stream-json", "--verbose"] + \
             self.options.extra_args + self.options.headless_args + ["-p"]
-        # Claude Code 2.1 starts the first turn while MCP servers still connect; a
-        # fast first turn then finds no ferrus tool ("still connecting").
+        # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
+        # first turn can find ferrus's tools "still connecting" on a busy machine;
+        # every prompt starts with a ferrus tool, so wait for the server.
         env = {"MCP_TOOL_TIMEOUT": str(client_tool_timeout_secs(self.config) * 1000),
                "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
@@ -4914,6 +4987,69 @@ _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate 
 def _limit_events(text):
     match = _LIMIT_RE.search(text or "")
     return [AgentEvent("limit", text=match.group(1).strip())] if match else []
+
+
+# Errors no retry can cure, as the agent CLIs word them, with what the user must do.
+PERMANENT_AGENT_ERRORS = (
+    ("login", re.compile(
+        r"invalid api key|invalid x-api-key|incorrect api key|api key not valid|"
+        r"authentication_error|authentication failed|please run /login|not logged in|"
+        r"oauth token has expired|please set an auth method|401 unauthorized|"
+        r"no api key (?:found|provided)|missing api key|api key is missing", re.IGNORECASE),
+     "log the agent in (run it once interactively, e.g. `claude` then /login) or set its "
+     "API key, then run again"),
+    ("model", re.compile(
+        r"unknown model|invalid model|model_not_found|"
+        r"model\b[^\n]{0,80}?\b(?:not found|does not exist|is not supported|is not available|"
+        r"not available|may not exist)|issue with the selected model", re.IGNORECASE),
+     "check the model name: `ferrus register --<role>-model M`, /model in HQ, or [hq.<role>] "
+     "in ferrus.toml"),
+    ("flag", re.compile(
+        r"unknown option|unrecognized option|unexpected argument|unrecognized arguments?|"
+        r"unknown (?:flag|argument)s?:?|invalid option", re.IGNORECASE),
+     "the agent refused its command line: check extra_args / headless_args under "
+     "[agents.<name>] in ferrus.toml and the agent's version (`ferrus agents`)"),
+)
+
+# Output events that report the agent's own failure.  Tool results (a check's output
+# that mentions "unknown option", say) are never read as the agent failing.
+_ERROR_EVENT_TYPES = ("result", "error", "turn.failed")
+
+
+def _error_texts(line):
+    """The parts of one output line that may state why the agent itself failed."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return [line]          # plain text, usually stderr (it is merged into stdout)
+    if not isinstance(event, dict) or event.get("type") not in _ERROR_EVENT_TYPES:
+        return []
+    if event.get("type") == "result" and not (event.get("is_error") or
+                                              event.get("status") == "error"):
+        return []
+    texts = []
+
+    def collect(value, depth=0):
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, dict) and depth < 4:
+            for item in value.values():
+                collect(item, depth + 1)
+        elif isinstance(value, list) and depth < 4:
+            for item in value[:20]:
+                collect(item, depth + 1)
+    collect(event)
+    return texts
+
+
+def permanent_agent_error(line):
+    """(kind, the agent's own words, hint) when ``line`` says no retry can help, else None."""
+    for text in _error_texts(line):
+        for kind, pattern, hint in PERMANENT_AGENT_ERRORS:
+            if pattern.search(text):
+                words = " ".join(text.split())
+                return kind, words[:400] + ("…" if len(words) > 400 else ""), hint
+    return None
 
 
 class Codex(AgentAdapter):
@@ -5506,8 +5642,14 @@ _EXECUTOR_RULES = """Rules:
   /wait_for_consult) only about the code or the task, never about the tools.
 - Only when neither a retry nor a consultation helps, /ask_human, then
   /wait_for_answer until it answers.
-- You run without a terminal: never ask questions in your reply text.
-- Call /heartbeat every few minutes while you work so your lease stays alive."""
+- You run without a terminal: never ask questions in your reply text."""
+
+
+def _executor_rules(heartbeat_secs):
+    """The executor's rules, with ferrus.toml's [lease] heartbeat_interval_secs."""
+    return _EXECUTOR_RULES + (
+        "\n- Call /heartbeat about every %d seconds while you work (lease.heartbeat_interval_secs) "
+        "so your lease stays alive." % heartbeat_secs)
 
 
 def prompt_task_definition(milestone=None, spec_path=None):
@@ -5564,38 +5706,38 @@ No code, no pseudocode, no file edits; never call /create_task in this mode.
 """ + PROMPT_PRECEDENCE
 
 
-def prompt_executor():
+def prompt_executor(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, running headless.\n\n"
             "1. Call /wait_for_task first; it returns the task (and review notes to address "
             "after a rejection). On {\"status\":\"timeout\"} call it again.\n"
             "2. Implement the task with the smallest complete change.\n"
             "3. Call /check whenever you want feedback, and again right before submitting.\n"
             "4. Call /submit with notes: what changed, why, and how you verified it. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_after_answer():
+def prompt_executor_after_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor, resuming after a human answered your question.\n\n"
             "1. Call /wait_for_answer: it returns the human's answer (exactly once).\n"
             "2. Call /wait_for_task to re-read the task and renew your lease.\n"
             "3. Continue the work with the answer in mind; /check, then /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_awaiting_answer():
+def prompt_executor_awaiting_answer(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked a human a question and it is still open.\n\n"
             "1. Call /wait_for_answer and keep calling it until it returns the answer.\n"
             "2. Call /wait_for_task to re-read the task, then continue: /check, then /submit. "
-            "Then stop.\n\n" + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            "Then stop.\n\n" + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
-def prompt_executor_in_consultation():
+def prompt_executor_in_consultation(heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     return ("You are the ferrus executor. You asked the supervisor for guidance "
             "(.ferrus/CONSULT_REQUEST.md exists) and the consultation is still open.\n\n"
             "1. Call /wait_for_consult and keep calling it until it returns the response. Do not "
             "implement anything before that, and never resolve the consultation by hand.\n"
             "2. Then continue as usual: implement, /check, /submit. Then stop.\n\n"
-            + _EXECUTOR_RULES + "\n\n" + PROMPT_PRECEDENCE)
+            + _executor_rules(heartbeat_secs) + "\n\n" + PROMPT_PRECEDENCE)
 
 
 def prompt_reviewer():
@@ -5636,20 +5778,21 @@ def prompt_pipeline_worker(topic, task, reads, output):
     return "\n".join(lines)
 
 
-def executor_prompt_for(data, answer_pending):
+def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
     """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
 
     None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
-            return prompt_executor_in_consultation()
+            return prompt_executor_in_consultation(heartbeat_secs)
         if data.paused_state in WORK_STATES:
-            return prompt_executor_awaiting_answer()
+            return prompt_executor_awaiting_answer(heartbeat_secs)
         return None        # the reviewer asked; the executor has nothing to do
     if data.state == S.CONSULTATION:
-        return prompt_executor_in_consultation()
+        return prompt_executor_in_consultation(heartbeat_secs)
     if data.state in WORK_STATES:
-        return prompt_executor_after_answer() if answer_pending else prompt_executor()
+        return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
+                else prompt_executor(heartbeat_secs))
     return None
 
 
@@ -5671,24 +5814,16 @@ def supervisor_prompt_for(data, resuming=False):
 # The controller knows nothing about terminals: front ends (plain lines here,
 # `ferrus run`) feed it input and print what it emits.
 
-@dataclasses.dataclass
-class SessionsConfig:
-    max_consecutive_errors: int = 5
-    max_total_errors: int = 20
-    timeout_secs: int = 3600
-    interrupt_grace_secs: int = 10
-
-
 def sessions_config(root):
-    """[sessions] from ferrus.toml (validated like the other tables)."""
-    text = read_text(os.path.join(root, CONFIG_FILE), default="")
+    """[sessions] from ferrus.toml (validated with the whole file by load_config).
+
+    HQ starts even when ferrus.toml is broken, so a human can see the task and fix
+    the file; every agent launch loads the config and reports the error, so these
+    defaults never drive a session."""
     try:
-        raw = parse_toml(text)
-    except TomlError:
-        raw = {}
-    target = SessionsConfig()
-    _fill_section(CONFIG_FILE, raw, "sessions", target, [])
-    return target
+        return load_config(root).sessions
+    except FerrusError:
+        return SessionsConfig()
 
 
 # What each slot must achieve before its session counts as done: HQ checks the
@@ -5716,6 +5851,18 @@ def usage_limit_wait(text, now=None):
     return (target - now).total_seconds() + 60
 
 
+def _spawn_error_hint(err):
+    """Why an agent program could not be started, in terms a user can act on."""
+    if err.errno == errno.ENOEXEC:
+        return " — it is not a program this system can run; a script needs a first line " \
+               "such as #!/usr/bin/env python3"
+    if err.errno == errno.ENOENT:
+        return " — the program, or the interpreter named on its #! line, does not exist"
+    if err.errno == errno.EACCES:
+        return " — it is not executable (chmod +x) or a folder on the way is not readable"
+    return ""
+
+
 class AgentProcess:
     """One running agent CLI: its process, its raw log, and what its output said."""
 
@@ -5723,11 +5870,13 @@ class AgentProcess:
         self.log_path = log_path
         self.events = []
         self.lines = 0
+        self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
+        self.argv0 = launch.argv[0]
         self.proc = subprocess.Popen(
             launch.argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if launch.stdin is not None else subprocess.DEVNULL,
@@ -5756,6 +5905,8 @@ class AgentProcess:
                 if line:
                     try:
                         self.events.extend(self._parse_line(line))
+                        if self.fatal is None:
+                            self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
                         log.debug("unparsable agent output line", exc_info=True)
 
@@ -5920,7 +6071,10 @@ class HqController:
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
         needed = {}
-        prompt = executor_prompt_for(data, answer_pending)
+        heartbeat = LeaseConfig.heartbeat_interval_secs
+        with contextlib.suppress(FerrusError):      # a broken file stops the spawn itself
+            heartbeat = self.store.config().lease.heartbeat_interval_secs
+        prompt = executor_prompt_for(data, answer_pending, heartbeat)
         if prompt and data.state != S.AWAITING_HUMAN:
             needed["executor"] = prompt
         if data.state == S.REVIEWING:
@@ -6083,9 +6237,12 @@ class HqController:
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
-            self.emit(HqMessage("error", "could not start the %s (%s): %s" % (
-                slot.name, launch.argv[0], err)))
+            self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
+                slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            # A start that fails counts as a failed session: back off, retry, and stop
+            # at the thresholds (seed 001) instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            self._arm_backoff(slot)
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
@@ -6163,6 +6320,17 @@ class HqController:
         if code == 0 and progressed:
             self._step(slot, SessionEvent("SessionExited", outcome="success"))
             return
+        if process.fatal is not None and not progressed:
+            # Not logged in, a bad key, an unknown model or flag: retrying only repeats it.
+            kind, words, hint = process.fatal
+            self.emit(HqMessage("error", "the %s cannot work: %s said: %s" % (
+                slot.name, os.path.basename(process.argv0), words)))
+            self._step(slot, SessionEvent("FatalError", "%s\nhint: %s (log: %s)" % (
+                {"login": "the agent is not logged in or its key is refused",
+                 "model": "the agent does not know its model",
+                 "flag": "the agent refused an option"}[kind],
+                hint, self.store.relpath(process.log_path))))
+            return
         if code == 0:
             self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
                 slot.name, " or ".join(SLOT_PROGRESS[slot.name][:2]))))
@@ -6224,7 +6392,12 @@ class HqController:
             if entry is None:
                 entry = {"name": slot.name}
                 agents.append(entry)
+            choice = None
+            with contextlib.suppress(FerrusError):
+                choice = getattr(self.store.config(), slot.role)
+            # agent_type is required by upstream's reader of this file.
             entry.update(role=slot.role, status=status,
+                         agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
                          else entry.get("started_at"))
@@ -6321,6 +6494,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         raise UsageError("a task is in flight (state %s)" % data.state,
                          "pass --resume to continue it")
     started = clock()
+    if not store.config().checks.commands:
+        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
     out("ferrus run: %s" % controller.describe_state())
     try:
         while True:
@@ -6347,7 +6522,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: %s stopped after repeated errors" % ", ".join(stuck))
+                out("ferrus run: giving up: the %s is stopped (the reason is above)"
+                    % " and the ".join(stuck))
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
@@ -6671,6 +6847,17 @@ class HqShell:
                 % (data.failure_reason or "no reason recorded").splitlines()[0]):
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
+        # Creating a task is a transition HQ drives: it passes the capacity gate the way
+        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        if self.controller.checkpoint and not self.controller.recheck_checkpoint():
+            raise FerrusError("no new task: the capacity checkpoint holds (%s)"
+                              % self.controller.checkpoint.get("signal"),
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
+        if self.controller.gate("transition:create_task") in (CHECKPOINT, EMERGENCY_STOP):
+            raise FerrusError("no new task: the capacity gate stopped it",
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
@@ -7321,28 +7508,9 @@ _STATUS_OF = {SS.INITIALIZING: "pending", SS.BUILDING_PROMPT: "pending",
               SS.SESSION_COMPLETE: "completed", SS.STOPPED: "failed"}
 
 
-@dataclasses.dataclass
-class PipelinesConfig:
-    """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
-
-    file: str = "workflows.json"
-    max_parallel: int = 4          # the batch-size gate: workers running at once in a run
-
-
 def pipelines_config(root):
-    """[pipelines] from ferrus.toml (load_config reports a TOML syntax error)."""
-    try:
-        raw = parse_toml(read_text(os.path.join(root, CONFIG_FILE), default=""))
-    except TomlError:
-        raw = {}
-    target, unknown = PipelinesConfig(), []
-    _fill_section(CONFIG_FILE, raw, "pipelines", target, unknown)
-    if not 1 <= target.max_parallel <= 1000:
-        raise _config_error(CONFIG_FILE, "pipelines.max_parallel", "must be between 1 and 1000",
-                            target.max_parallel)
-    for key in unknown:
-        log.warning("%s: unknown key %s is ignored", CONFIG_FILE, key)
-    return target
+    """[pipelines] from ferrus.toml (validated with the whole file by load_config)."""
+    return load_config(root).pipelines
 
 
 # -- definitions ------------------------------------------------------------------------------
@@ -8509,19 +8677,7 @@ def doctor_findings(root):
         findings.append(Finding("%s is missing" % CONFIG_FILE, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
     else:
-        try:
-            config = load_config(root)
-            for key in config.unknown_keys:
-                findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                        "check its spelling against the README", severity="warning"))
-            if config.hq_problem:
-                findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
-            else:
-                for role in ROLES:
-                    for text, hint in permission_warnings(config, role):
-                        findings.append(Finding(text, hint, severity="warning"))
-        except FerrusError as err:
-            findings.append(Finding(err.message, err.hint or "fix ferrus.toml"))
+        findings.extend(config_findings(root))
     if not os.path.isdir(store.dir):
         findings.append(Finding("%s/ is missing" % FERRUS_DIR, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
@@ -8538,7 +8694,8 @@ def doctor_findings(root):
                                 "write a fresh Idle state", lambda: _rebuild_state(store)))
     else:
         try:
-            data = StateData.from_json(read_text(state_path), FERRUS_DIR + "/" + STATE_FILE)
+            data = store.continue_journal(StateData.from_json(read_text(state_path),
+                                                              FERRUS_DIR + "/" + STATE_FILE))
         except StateCorrupt as err:
             findings.append(Finding(
                 err.message, "keep the damaged file as STATE.json.corrupt-<time> and write a fresh "
@@ -8558,6 +8715,30 @@ def doctor_findings(root):
             findings.append(Finding("stray temporary file %s/%s (%s old)" % (
                 FERRUS_DIR, name, format_duration(age)), "delete it",
                 lambda path=path: os.unlink(path)))
+    return findings
+
+
+def config_findings(root):
+    """Every problem in ferrus.toml, each once: errors in any table, a bad [hq], unknown
+    keys, and an empty [checks] (then the check gate passes every submission)."""
+    problems = []
+    try:
+        config = parse_config(read_text(os.path.join(root, CONFIG_FILE)), CONFIG_FILE, problems)
+    except FerrusError as err:          # not valid TOML: nothing else can be checked
+        return [Finding(err.message, err.hint or "fix ferrus.toml")]
+    findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
+    if config.hq_problem:
+        findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    else:
+        for role in ROLES:
+            for text, hint in permission_warnings(config, role):
+                findings.append(Finding(text, hint, severity="warning"))
+    for key in dict.fromkeys(config.unknown_keys):
+        findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
+                                "check its spelling against the README", severity="warning"))
+    if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
+            and not config.checks.commands:
+        findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
     return findings
 
 
@@ -8687,13 +8868,24 @@ def cmd_status(args, root):
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
-    config = None
-    with contextlib.suppress(FerrusError):
+    config = config_error = None
+    try:
         config = store.config()
+    except FerrusError as err:
+        # Defaults would hide the problem: say that the limits are unknown instead.
+        config_error = err
+    notes = []
+    if config_error is None:
+        if not config.checks.commands:
+            notes.append(NO_CHECKS_WARNING)
+        if config.hq_problem:
+            notes.append(config.hq_problem.message)
     if args.json:
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
+        info["config_error"] = config_error.full_text() if config_error else None
+        info["config_warnings"] = notes
         print(json.dumps(info, indent=2))
         return 0
     color = _color_enabled(sys.stdout)
@@ -8707,9 +8899,16 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    limits = config.limits if config else LimitsConfig()
-    rows.append(("check retries", "%d/%d" % (data.check_retries, limits.max_check_retries)))
-    rows.append(("review cycles", "%d/%d" % (data.review_cycles, limits.max_review_cycles)))
+    if config:
+        rows.append(("check retries", "%d/%d" % (data.check_retries,
+                                                 config.limits.max_check_retries)))
+        rows.append(("review cycles", "%d/%d" % (data.review_cycles,
+                                                 config.limits.max_review_cycles)))
+    else:
+        rows.append(("check retries", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.check_retries))
+        rows.append(("review cycles", "%d (limit unknown: ferrus.toml is invalid)"
+                     % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
     if is_claimed(data, now):
@@ -8733,6 +8932,11 @@ def cmd_status(args, root):
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
+    if config_error:
+        rows.append(("config", _paint("error: " + config_error.message, "1;31", color)))
+        rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
+    for note in notes:
+        rows.append(("config", _paint("warning: " + note, "33", color)))
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print("%s  %s" % (label.rjust(width), value))
@@ -8805,7 +9009,7 @@ def cmd_doctor(args, root):
     if not findings:
         print("ferrus doctor: everything is consistent.")
         return 0
-    remaining = 0
+    remaining = repaired = 0
     for finding in findings:
         mark = "error" if finding.severity == "error" else "warning"
         print("%s: %s" % (mark, finding.problem))
@@ -8813,6 +9017,7 @@ def cmd_doctor(args, root):
             try:
                 finding.fix()
                 print("  fixed: %s" % finding.repair)
+                repaired += 1
                 continue
             except (OSError, FerrusError) as err:
                 print("  could not fix: %s" % err)
@@ -8822,12 +9027,21 @@ def cmd_doctor(args, root):
             print("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
+    warnings = sum(1 for finding in findings if finding.severity != "error")
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
-        print("ferrus doctor: %s" % ("all errors repaired." if not left else
-                                     "%d error(s) remain." % len(left)))
+        done = "repaired %d problem(s)" % repaired if repaired else "repaired nothing"
+        if left:
+            print("ferrus doctor: %s; %d error(s) remain (see above for what to do)."
+                  % (done, len(left)))
+        elif repaired:
+            print("ferrus doctor: %s; no errors remain." % done)
+        else:
+            print("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
+    if not remaining:
+        print("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
     return 1 if remaining else 0
 
 
@@ -8908,6 +9122,9 @@ def cmd_agents(args, root):
 
 
 def cmd_run(args, root):
+    if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
+        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
+                         "leave --timeout out to run until the task ends")
     store = Store(root).require()
     task = args.task
     if args.task_file:
@@ -9349,8 +9566,10 @@ def main(argv=None):
         # A full disk or a read-only file: the atomic writes left the old state intact.
         where = " (%s)" % err.filename if err.filename else ""
         print("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
-        print("hint: nothing was changed; free space or fix permissions and try again",
-              file=sys.stderr)
+        # Never "nothing was changed": a command may fail after an earlier write landed.
+        print("hint: each file in .ferrus/ is replaced whole, so it holds its old or its new "
+              "content; free space or fix permissions, check with `ferrus status` and "
+              "`ferrus doctor`, and try again", file=sys.stderr)
         return 1
 
 

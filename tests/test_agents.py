@@ -56,6 +56,8 @@ def test_claude_argv(project, config):
         "--model", "opus", "--allowedTools=mcp__ferrus-executor-1__*",
         "--permission-mode", "acceptEdits", "--output-format", "stream-json", "--verbose", "-p"]
     assert int(launch.env["MCP_TOOL_TIMEOUT"]) > config.limits.wait_timeout_secs * 1000
+    # -p must not start its first turn before ferrus's server is connected
+    assert launch.env["MCP_CONNECTION_NONBLOCKING"] == "false"
     interactive = ferrus.ClaudeCode(config).interactive(root, "supervisor", DASHED)
     assert interactive.argv[-2:] == ["--", DASHED], "a dash prompt is never read as a flag"
     assert interactive.argv[1].startswith("--mcp-config="), \
