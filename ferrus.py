@@ -45,11 +45,13 @@ if (__name__ == "__main__" and sys.path and not sys.flags.isolated
     del sys.path[0]
 
 import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
+import atexit
 import base64
 import collections
 import contextlib
 import dataclasses
 import datetime as _dt
+import difflib
 import enum
 import errno
 import json
@@ -299,6 +301,23 @@ def atomic_write(path, data, durable=True):
     failure (a full disk, a read-only file) the temporary file is removed and the
     previous content stays intact.  ``durable=False`` skips the fsyncs, for
     counters that may lose their last increments in a power cut."""
+    temp = write_temp_beside(path, data, durable)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    if durable:
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_temp_beside(path, data, durable=True):
+    """Write ``data`` to a new temporary file in ``path``'s folder; return its name.
+
+    The first half of atomic_write: renaming the result over ``path`` is the
+    second.  The temporary file gets ``path``'s mode (or the usual one for a new
+    file) and is removed again if writing it fails."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
@@ -316,13 +335,11 @@ def atomic_write(path, data, durable=True):
         with contextlib.suppress(OSError):
             mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_UMASK
             os.chmod(temp, mode)
-        os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    if durable:
-        fsync_directory(directory)
+    return temp
 
 
 def open_private_log(path):
@@ -406,6 +423,88 @@ def pid_alive(pid):
     except PermissionError:
         return True
     return True
+
+
+ProcessInfo = collections.namedtuple("ProcessInfo", "pid ppid pgid sid start zombie")
+
+
+def _proc_stat(pid):
+    """ProcessInfo from Linux's /proc/<pid>/stat, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ")".
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return ProcessInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]),
+                           fields[19].decode("ascii"), fields[0] == b"Z")
+    except (IndexError, ValueError):
+        return None
+
+
+HAS_PROC = not IS_WINDOWS and os.path.isdir("/proc/self") and _proc_stat(os.getpid()) is not None
+
+
+def process_table():
+    """Every visible process as {pid: ProcessInfo}.
+
+    Linux reads /proc (start = boot-relative start time, sid known); other POSIX
+    systems ask ``ps`` (no session, start time only through process_start);
+    Windows returns {}."""
+    if IS_WINDOWS:  # pragma: no cover
+        return {}
+    table = {}
+    if HAS_PROC:
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                info = _proc_stat(int(name))
+                if info is not None:
+                    table[info.pid] = info
+        return table
+    try:  # pragma: no cover - macOS and the BSDs
+        output = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "pgid=",
+                                 "-o", "stat="], capture_output=True, text=True,
+                                timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):  # pragma: no cover
+        return table
+    for line in output.splitlines():  # pragma: no cover
+        parts = line.split()
+        if len(parts) >= 3 and all(p.isdigit() for p in parts[:3]):
+            pid, ppid, pgid = (int(p) for p in parts[:3])
+            zombie = len(parts) > 3 and parts[3].startswith("Z")
+            table[pid] = ProcessInfo(pid, ppid, pgid, None, None, zombie)
+    return table
+
+
+def process_start(pid):
+    """An opaque start-time token of ``pid`` (None when unknown or gone).
+
+    With the pid it names one process for good: a pid reused later gets another
+    start time, so a stale pid file never makes ferrus signal a stranger."""
+    if IS_WINDOWS:  # pragma: no cover
+        return None
+    if HAS_PROC:
+        info = _proc_stat(pid)
+        return info.start if info is not None else None
+    try:  # pragma: no cover - macOS and the BSDs
+        output = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # pragma: no cover
+        return None
+    return output or None  # pragma: no cover
+
+
+def process_environ_has(pid, entry):
+    """Does ``pid``'s environment hold ``entry`` (bytes, ``NAME=value``)?  Linux only."""
+    if not HAS_PROC:
+        return False
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            return entry in handle.read().split(b"\0")
+    except OSError:
+        return False
 
 
 # ============================================================================
@@ -2604,25 +2703,30 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes):
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None):
     """Run one check command to completion, timeout or ``stop``; fill ``result``."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
         return
     handle = CappedLog(result.log_path_abs, max_log_bytes)
+    record = CheckProcessRecord(
+        process_dir or os.path.join(os.path.dirname(os.path.abspath(log_dir)), CHECK_PROCESS_DIR),
+        os.path.basename(result.log_path_abs)[:-len(".log")], result.command)
     try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
             proc = subprocess.Popen(shell_argv(result.command), cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, **process_group_kwargs())
+                                    stderr=subprocess.STDOUT, env=record.environment(),
+                                    **process_group_kwargs())
         except OSError as err:
             result.status = "failed"
             result.tail = ["could not start the shell: %s" % err]
             result.line_count = 1
             return
+        record.started(proc)
         reader = threading.Thread(target=_pump_output, args=(proc.stdout, sink), daemon=True)
         reader.start()
         outcome = None
@@ -2636,11 +2740,12 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                 elif time.monotonic() - started >= timeout:
                     outcome = "timed out"
         if outcome != "exited":
-            kill_process_tree(proc)
+            record.end()
             proc.wait()
         else:
-            # Grandchildren that kept the pipe open must not hang the gate.
-            kill_process_tree(proc, grace=0)
+            # What the command left running (a daemon, a grandchild holding the
+            # pipe) ends with it: nothing of a check outlives the check.
+            record.end(grace=0)
         reader.join(5)
         sink.finish()
         result.duration = time.monotonic() - started
@@ -2652,10 +2757,249 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
         else:
             result.status = outcome
         result.log_cut_bytes = handle.cut_bytes
+    except BaseException:
+        # Ctrl+C or a crash in ferrus: the command must not run on unwatched.
+        record.end(grace=0)
+        raise
     finally:
+        record.close()
         handle.close(("\n[%s, exit %s, %.2f s]\n" % (result.status, result.exit_code,
                                                     result.duration)).encode("utf-8"))
         result.log_error = handle.error
+
+
+# -- check processes -------------------------------------------------------------------
+#
+# A check command starts in its own session and process group, with
+# FERRUS_CHECK_ID=<unique marker> in its environment.  A process that leaves the
+# group (setsid, a double fork) keeps the marker, so on Linux it is found by
+# reading /proc/<pid>/environ; every process in a group or session holding a
+# marked process, and every descendant of one, belongs to the check too.  While
+# a command runs, its pid file in .ferrus/check-processes/ names the marker, the
+# shell's pid and start time and its owner (this ferrus, by pid and start time),
+# so the next ferrus to start ends what a SIGKILLed one left behind.
+
+CHECK_MARKER_ENV = "FERRUS_CHECK_ID"
+CHECK_PROCESS_DIR = "check-processes"
+
+_ACTIVE_CHECKS = set()            # CheckProcessRecord of this process's running commands
+_ACTIVE_CHECKS_LOCK = threading.Lock()
+_OWN_START = []                   # this process's start token, read once
+
+
+def _own_start():
+    if not _OWN_START:
+        _OWN_START.append(process_start(os.getpid()))
+    return _OWN_START[0]
+
+
+def _check_members(table, marker, leader_pid=None, leader_start=None):
+    """The pids in ``table`` that belong to the check marked ``marker``."""
+    entry = ("%s=%s" % (CHECK_MARKER_ENV, marker)).encode("utf-8")
+    skip = {0, 1, os.getpid()}
+    verified = {pid for pid, info in table.items()
+                if pid not in skip and not info.zombie and process_environ_has(pid, entry)}
+    leader = table.get(leader_pid)
+    if leader is not None and leader_start is not None and (
+            leader.start if leader.start is not None else process_start(leader_pid)) \
+            == leader_start:
+        verified.add(leader_pid)
+    own = table.get(os.getpid())
+    own_ids = {own.pgid, own.sid} if own is not None else set()
+    groups = {table[pid].pgid for pid in verified} - own_ids
+    sessions = {table[pid].sid for pid in verified} - own_ids - {None}
+    members = set(verified)
+    members.update(pid for pid, info in table.items()
+                   if info.pgid in groups or info.sid in sessions)
+    children = collections.defaultdict(list)
+    for pid, info in table.items():
+        children[info.ppid].append(pid)
+    pending = list(members)
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            if child not in members:
+                members.add(child)
+                pending.append(child)
+    return {pid for pid in members - skip if not table[pid].zombie}
+
+
+def _signal_each(pids, sig):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _gone(pid):
+    if HAS_PROC:
+        info = _proc_stat(pid)
+        return info is None or info.zombie
+    return not pid_alive(pid)  # pragma: no cover
+
+
+def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, grace=0.25,
+                        leader_done=None):
+    """End every process of one check: TERM, up to ``grace`` seconds, then KILL.
+
+    Before the KILL the processes are stopped (SIGSTOP) and the table is read
+    again until no new member shows up, so a process that forks as fast as it
+    can cannot outrun the sweep.  ``pgid`` is signalled as a group as well (the
+    only handle on the group where there is no /proc).  Returns the pids found."""
+    if IS_WINDOWS:  # pragma: no cover - Windows uses kill_process_tree
+        return set()
+
+    def find():
+        return _check_members(process_table(), marker, leader_pid, leader_start)
+
+    def signal_group(sig):
+        if pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+    found = find()
+    if grace > 0 and (found or pgid):
+        _signal_each(found, signal.SIGTERM)
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if (leader_done is None or leader_done()) and all(_gone(pid) for pid in found):
+                break
+            time.sleep(0.01)
+    stopped = set()
+    for _ in range(100):
+        fresh = find() - stopped
+        if not fresh:
+            break
+        _signal_each(fresh, signal.SIGSTOP)
+        stopped |= fresh
+    signal_group(signal.SIGKILL)
+    _signal_each(stopped, signal.SIGKILL)
+    return found | stopped
+
+
+class CheckProcessRecord:
+    """The pid file of one running check command, and how to end its processes."""
+
+    def __init__(self, directory, check_id, command):
+        self.path = os.path.join(directory, check_id + ".json")
+        self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
+        self.proc = None
+        self.data = {"check_id": check_id, "marker": self.marker, "command": command,
+                     "owner_pid": os.getpid(), "owner_start": _own_start(),
+                     "started_at": format_timestamp(utc_now())}
+        with _ACTIVE_CHECKS_LOCK:
+            _ACTIVE_CHECKS.add(self)
+        self._save(directory)
+
+    def _save(self, directory=None):
+        # Written before the command starts, so no moment exists in which a
+        # process of it runs unrecorded; a failure only costs the restart cleanup.
+        try:
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            atomic_write(self.path, pretty_json(self.data) + "\n", durable=False)
+        except OSError as err:
+            log.warning("cannot record check processes in %s: %s", self.path, err)
+
+    def environment(self):
+        env = dict(os.environ)
+        env[CHECK_MARKER_ENV] = self.marker
+        return env
+
+    def started(self, proc):
+        self.proc = proc
+        self.data.update(leader_pid=proc.pid, leader_start=process_start(proc.pid))
+        self._save()
+
+    def end(self, grace=0.25):
+        """End the command's processes (all of them, wherever they went)."""
+        proc = self.proc
+        if IS_WINDOWS:  # pragma: no cover
+            if proc is not None:
+                kill_process_tree(proc, grace)
+            return
+        leader = proc.pid if proc is not None else None
+        end_check_processes(self.marker, leader, self.data.get("leader_start"), pgid=leader,
+                            grace=grace,
+                            leader_done=(lambda: proc.poll() is not None) if proc else None)
+
+    def close(self):
+        with _ACTIVE_CHECKS_LOCK:
+            _ACTIVE_CHECKS.discard(self)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def end_active_checks():
+    """End the check processes this ferrus started (at exit or on SIGTERM)."""
+    with _ACTIVE_CHECKS_LOCK:
+        records = list(_ACTIVE_CHECKS)
+    for record in records:
+        with contextlib.suppress(Exception):
+            record.end(grace=0)
+            record.close()
+
+
+atexit.register(end_active_checks)
+
+
+def orphaned_check_records(ferrus_dir):
+    """(path, record or None) for pid files whose ferrus is gone.
+
+    None on Windows: without a start time a pid names no process for sure."""
+    if IS_WINDOWS:  # pragma: no cover
+        return []
+    directory = os.path.join(ferrus_dir, CHECK_PROCESS_DIR)
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            data = json.loads(read_text(path))
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("marker"), str):
+            found.append((path, None))
+            continue
+        owner = data.get("owner_pid")
+        if (isinstance(owner, int) and pid_alive(owner)
+                and (data.get("owner_start") is None
+                     or process_start(owner) == data.get("owner_start"))):
+            continue      # its ferrus still runs and will end it
+        found.append((path, data))
+    return found
+
+
+def end_orphaned_checks(ferrus_dir):
+    """End the processes of checks whose ferrus died (SIGKILL, a crash, a power cut).
+
+    Identity is verified before any signal: the unique marker in a process's
+    environment, or the recorded shell pid *and* start time.  Returns one line
+    per pid file handled, for logs and `ferrus doctor`."""
+    messages = []
+    for path, data in orphaned_check_records(ferrus_dir):
+        if data is not None:
+            leader = data.get("leader_pid") if isinstance(data.get("leader_pid"), int) else None
+            pids = end_check_processes(data["marker"], leader, data.get("leader_start"),
+                                       grace=0.25)
+            messages.append("check `%s` (started %s by ferrus pid %s): %s" % (
+                data.get("command", "?"), data.get("started_at", "?"), data.get("owner_pid"),
+                "ended pids %s" % ", ".join(str(p) for p in sorted(pids)) if pids
+                else "no process was left"))
+        else:
+            messages.append("unreadable pid file %s removed" % os.path.basename(path))
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return messages
+
+
+def report_orphaned_checks(store):
+    """At start-up: end what checks of a dead ferrus left running, and say so on stderr."""
+    for message in end_orphaned_checks(store.dir):
+        log.warning("left by a ferrus that died: %s", message)
 
 
 def _pump_output(stream, sink):
@@ -3666,7 +4010,9 @@ def op_heartbeat(store, caller, agent_id=None):
     """Renew the caller's own lease.  The identity is the server's, not an argument."""
     def error(code, message):
         return _json_outcome({"status": "error", "code": code, "message": message})
-    if agent_id and agent_id != caller.agent_id:
+    # The agent may name itself without its session; the lease is still renewed only
+    # for this server's own identity, session included.
+    if agent_id and agent_id not in (caller.agent_id, caller.agent_id.partition("/")[0]):
         # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
         return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
                      % (caller.agent_id, agent_id))
@@ -3685,6 +4031,24 @@ def op_heartbeat(store, caller, agent_id=None):
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
+
+
+def lease_session(agent_id):
+    """The agent session a lease holder id names (``<role>:<agent>:<index>/<session>``)."""
+    return agent_id.rpartition("/")[2] if agent_id and "/" in agent_id else None
+
+
+def op_release_sessions(store, sessions):
+    """Free the lease when one of ``sessions`` (stopped agent sessions) holds it.
+
+    Returns the holder whose lease was freed, or None."""
+    with store.transaction("hq") as tx:
+        data = tx.state
+        if data.claimed_by and lease_session(data.claimed_by) in sessions:
+            tx.set(clear_lease(data), "lease_released", holder=data.claimed_by,
+                   reason="its agent session was stopped")
+            return data.claimed_by
+    return None
 
 
 def op_run_checks_only(store, cancel=None):
@@ -4196,8 +4560,29 @@ def render_prompt(store, name):
 
 # -- the ferrus MCP server ------------------------------------------------------------------
 
-def agent_identity(role, agent_name, index):
-    return "%s:%s:%s" % (role or "agent", agent_name, index)
+# Names the agent session a `ferrus serve` works for.  HQ sets it for every agent it
+# starts; the agent's MCP server inherits it and leases carry it, so two copies of one
+# <role>:<agent>:<index> can never both hold or renew a lease.
+SESSION_ENV = "FERRUS_SESSION"
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def agent_identity(role, agent_name, index, session=None):
+    """``<role>:<agent>:<index>`` (upstream's agent id), plus ``/<session>`` when the
+    server works for one known agent session."""
+    identity = "%s:%s:%s" % (role or "agent", agent_name, index)
+    return identity + "/" + session if session else identity
+
+
+def session_from_environment(value=None):
+    """The agent session named by --session or $FERRUS_SESSION (None when unset)."""
+    value = os.environ.get(SESSION_ENV, "") if value is None else value
+    if not value:
+        return None
+    if not _SESSION_RE.match(value):
+        raise UsageError("the agent session %r is not a valid id" % value[:80],
+                         "use letters, digits, '.', '_' and '-' (at most 64), as HQ does")
+    return value
 
 
 class FerrusMcpServer:
@@ -4206,10 +4591,10 @@ class FerrusMcpServer:
     PAGE_SIZE = 100
 
     def __init__(self, store, role=None, agent_name="unknown", agent_index=0,
-                 reader=None, writer=None):
+                 reader=None, writer=None, session=None):
         self.store = store
         self.role = role
-        self.agent_id = agent_identity(role, agent_name, agent_index)
+        self.agent_id = agent_identity(role, agent_name, agent_index, session)
         self.rpc = JsonRpcServer(reader, writer)
         self.tools = tools_for_role(role)
         self.tool_names = {tool.name for tool in self.tools}
@@ -4542,18 +4927,22 @@ def watch_parent(on_orphaned, interval=1.0):
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()
 
 
-def serve_stdio(root, role, agent_name, agent_index):
+def serve_stdio(root, role, agent_name, agent_index, session=None):
     """`ferrus serve`: the MCP server on this process's stdin/stdout."""
+    session = session_from_environment(session)
     store = Store(root)
     store.require()
+    report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
     sys.stdout = sys.stderr
-    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer)
+    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer,
+                             session=session)
 
     def orphaned():
         log.info("parent process exited; stopping the MCP server")
         server.rpc.shutdown(wait=2.0)
+        end_active_checks()      # os._exit skips atexit
         with contextlib.suppress(FerrusError, OSError):
             server.usage.flush(store)
         os._exit(0)
@@ -4671,25 +5060,178 @@ class AgentEvent:
 
 
 # -- files register edits -----------------------------------------------------------
+#
+# `register` and `unregister` touch several files (MCP configs, settings,
+# CLAUDE.md, .gitignore, ferrus.toml, the user's trust lists).  They do it as one
+# change set: every new content is computed, and every input validated, before
+# the first byte is written, so a bad file met late leaves all files as they
+# were.  Writes follow symlinks: a CLAUDE.md or settings file that links to a
+# shared copy is updated at its target and stays a link.
+
+class FileChanges:
+    """New contents for several files, written all together or not at all.
+
+    Used as ``with FileChanges():`` — planned_read/planned_write inside the block
+    (on this thread) go through it, and leaving the block without an exception
+    commits.  ``commit`` writes every temporary file first and renames them only
+    once all exist; if a rename still fails, the files already replaced get
+    their old content back."""
+
+    _active = threading.local()
+
+    def __init__(self):
+        self.planned = {}        # real path -> bytes, in the order first planned
+
+    def read(self, path):
+        real = os.path.realpath(path)
+        if real in self.planned:
+            return self.planned[real].decode("utf-8")
+        return _read_or_none(real)
+
+    def write(self, path, data):
+        self.planned[os.path.realpath(path)] = data.encode("utf-8") if isinstance(data, str) \
+            else data
+
+    def commit(self):
+        """Write every planned file; returns the real paths that changed."""
+        changed = [(real, data) for real, data in self.planned.items()
+                   if _read_bytes_or_none(real) != data]
+        staged = []
+        try:
+            for real, data in changed:
+                os.makedirs(os.path.dirname(real), exist_ok=True)
+                staged.append((real, write_temp_beside(real, data)))
+        except BaseException:
+            for _real, temp in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            raise
+        done = []
+        try:
+            for real, temp in staged:
+                before = _read_bytes_or_none(real)
+                os.replace(temp, real)
+                done.append((real, before))
+        except BaseException:
+            for _real, temp in staged[len(done):]:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            for real, before in reversed(done):
+                with contextlib.suppress(OSError):
+                    if before is None:
+                        os.unlink(real)
+                    else:
+                        atomic_write(real, before)
+            raise
+        for directory in {os.path.dirname(real) for real, _ in done}:
+            fsync_directory(directory)
+        return [real for real, _ in done]
+
+    def __enter__(self):
+        if getattr(FileChanges._active, "current", None) is not None:
+            raise RuntimeError("FileChanges blocks do not nest")
+        FileChanges._active.current = self
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        FileChanges._active.current = None
+        if kind is None:
+            self.commit()
+
+
+def _read_bytes_or_none(path):
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+def _read_or_none(path):
+    data = _read_bytes_or_none(path)
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def planned_read(path):
+    """A file's text as the current change set would leave it (None: no such file)."""
+    changes = getattr(FileChanges._active, "current", None)
+    if changes is not None:
+        return changes.read(path)
+    return _read_or_none(os.path.realpath(path))
+
+
+def planned_write(path, data):
+    """Write through the current change set, or at once (atomically, through symlinks)."""
+    changes = getattr(FileChanges._active, "current", None)
+    if changes is not None:
+        changes.write(path, data)
+        return
+    real = os.path.realpath(path)
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    atomic_write(real, data)
+
+
+def _strip_json_comments(text):
+    """``text`` without // and /* */ comments outside strings (to recognise JSONC)."""
+    out = []
+    index, length, in_string = 0, len(text), False
+    while index < length:
+        char = text[index]
+        if in_string:
+            out.append(char)
+            if char == "\\":
+                out.append(text[index + 1:index + 2])
+                index += 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+            out.append(char)
+        elif text.startswith("//", index):
+            end = text.find("\n", index)
+            index = length if end < 0 else end
+            continue
+        elif text.startswith("/*", index):
+            end = text.find("*/", index + 2)
+            index = length if end < 0 else end + 2
+            continue
+        else:
+            out.append(char)
+        index += 1
+    return "".join(out)
+
 
 def edit_json_file(path, mutate, what=None):
     """Load a JSON object file (missing or empty: {}), apply ``mutate``, write if changed.
 
-    Key order and every unrelated setting are kept; the write is atomic."""
+    Key order and every unrelated setting are kept; the write is atomic, goes to
+    a symlink's target, and joins the current FileChanges when there is one."""
     label = what or path
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     try:
         data = json.loads(text) if text.strip() else {}
     except ValueError as err:
+        try:
+            json.loads(_strip_json_comments(text))
+            has_comments = True
+        except ValueError:
+            has_comments = False
+        if has_comments:
+            raise FerrusError(
+                "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
+                "the file" % label,
+                "remove the comments from %s and run the command again; nothing was written"
+                % path)
         raise FerrusError("Failed to parse %s: %s" % (label, err),
-                          "fix the JSON by hand (ferrus never overwrites a file it cannot read)")
+                          "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
+                          "nothing was written")
     if not isinstance(data, dict):
-        raise FerrusError("%s root is not a JSON object" % label, "fix or remove the file")
+        raise FerrusError("%s root is not a JSON object" % label,
+                          "fix or remove the file; nothing was written")
     before = json.dumps(data, sort_keys=False)
     mutate(data)
     if json.dumps(data, sort_keys=False) != before or not text.strip():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        atomic_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        planned_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         return True
     return False
 
@@ -4723,15 +5265,15 @@ def instruction_section(role):
 
 
 def add_instruction_section(path, role, report):
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     if _instruction_markers(role)[0] in text:
         return
-    atomic_write(path, text + instruction_section(role))
+    planned_write(path, text + instruction_section(role))
     report("Added the %s instructions to %s" % (role, os.path.basename(path)))
 
 
 def remove_instruction_section(path, role, report):
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     start, end = _instruction_markers(role)
     first = text.find(start)
     if first < 0:
@@ -4742,7 +5284,7 @@ def remove_instruction_section(path, role, report):
         last += 1
     if first > 0 and text[first - 1] == "\n":
         first -= 1
-    atomic_write(path, text[:first] + text[last:])
+    planned_write(path, text[:first] + text[last:])
     report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
 
 
@@ -5068,7 +5610,9 @@ class Codex(AgentAdapter):
         settings = [("command", entry["command"]), ("args", entry["args"]),
                     ("startup_timeout_sec", 30),
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
-                    ("default_tools_approval_mode", "approve"), ("enabled", True)]
+                    ("default_tools_approval_mode", "approve"), ("enabled", True),
+                    # Codex passes only listed variables to servers: the session id must reach it.
+                    ("env_vars", [SESSION_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
@@ -5137,26 +5681,30 @@ class Codex(AgentAdapter):
                  "tools": {tool.name: {"approval_mode": "approve"}
                            for tool in tools_for_role(role)}}
         path = self.config_path(root)
-        text = read_text(path, default="")
+        text = planned_read(path) or ""
         try:
             parse_toml(text)
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
-            raise FerrusError(".codex/config.toml: %s" % err, "fix the file by hand first")
+            raise FerrusError(".codex/config.toml: %s" % err,
+                              "fix the file by hand first; nothing was written")
         if new != text:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write(path, new)
+            planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
                % (key, role, self.name, DEFAULT_AGENT_INDEX))
         ensure_gitignore_entry(root, ".codex/config.toml", report)
 
     def unregister(self, root, role, report):
         path = self.config_path(root)
-        text = read_text(path, default="")
+        text = planned_read(path) or ""
         if text:
-            new = toml_remove_table(text, ("mcp_servers", server_key(role)))
+            try:
+                new = toml_remove_table(text, ("mcp_servers", server_key(role)))
+            except TomlError as err:
+                raise FerrusError(".codex/config.toml: %s" % err,
+                                  "fix the file by hand first; nothing was written")
             if new != text:
-                atomic_write(path, new)
+                planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
 
     def registration(self, root, role):
@@ -5476,18 +6024,26 @@ def register_agents(root, choices, trust=False, report=print):
     choices = {role: (agent if agent in config.agents.custom else canonical_agent(agent), model)
                for role, (agent, model) in choices.items()}
     adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
-    for role in ROLES:
-        if role not in choices:
-            continue
-        agent, model = choices[role]
-        model = (model or "").strip()
-        adapter = adapters[role]
-        adapter.register(root, role, model, report)
-        if adapter.instructions_file:
-            add_instruction_section(os.path.join(root, adapter.instructions_file), role, report)
-        if trust:
-            trust_project(adapter, root, report)
-        update_hq_config(root, role, agent, model if choices[role][1] is not None else None, report)
+    # One change set: every file's new content is computed (and every input read
+    # and validated) before any is written; the messages follow the commit.
+    messages = []
+    with FileChanges():
+        for role in ROLES:
+            if role not in choices:
+                continue
+            agent, model = choices[role]
+            model = (model or "").strip()
+            adapter = adapters[role]
+            adapter.register(root, role, model, messages.append)
+            if adapter.instructions_file:
+                add_instruction_section(os.path.join(root, adapter.instructions_file), role,
+                                        messages.append)
+            if trust:
+                trust_project(adapter, root, messages.append)
+            update_hq_config(root, role, agent, model if choices[role][1] is not None else None,
+                             messages.append)
+    for message in messages:
+        report(message)
 
 
 def update_hq_config(root, role, agent, model, report):
@@ -5496,22 +6052,28 @@ def update_hq_config(root, role, agent, model, report):
     Switching to another agent without naming a model clears the old vendor's
     model instead of keeping it (upstream bug §11.10); models are trimmed."""
     path = os.path.join(root, CONFIG_FILE)
-    text = read_text(path)
-    raw = parse_toml(text)
-    hq = raw.get("hq", {})
-    for other in ROLES:
-        flat = hq.get(other) if isinstance(hq, dict) else None
-        if isinstance(flat, str):      # legacy flat form: migrate to [hq.<role>]
-            text = toml_remove_key(text, ("hq",), other)
-            text = toml_set_key(text, ("hq", other), "agent", flat)
-    current = ((hq.get(role) if isinstance(hq, dict) else None) or {})
-    previous_agent = current.get("agent") if isinstance(current, dict) else current
-    text = toml_set_key(text, ("hq", role), "agent", agent)
-    if model is not None:
-        text = toml_set_key(text, ("hq", role), "model", model.strip())
-    elif previous_agent != agent:
-        text = toml_set_key(text, ("hq", role), "model", "")
-    atomic_write(path, text)
+    text = planned_read(path)
+    if text is None:
+        raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
+    try:
+        raw = parse_toml(text)
+        hq = raw.get("hq", {})
+        for other in ROLES:
+            flat = hq.get(other) if isinstance(hq, dict) else None
+            if isinstance(flat, str):      # legacy flat form: migrate to [hq.<role>]
+                text = toml_remove_key(text, ("hq",), other)
+                text = toml_set_key(text, ("hq", other), "agent", flat)
+        current = ((hq.get(role) if isinstance(hq, dict) else None) or {})
+        previous_agent = current.get("agent") if isinstance(current, dict) else current
+        text = toml_set_key(text, ("hq", role), "agent", agent)
+        if model is not None:
+            text = toml_set_key(text, ("hq", role), "model", model.strip())
+        elif previous_agent != agent:
+            text = toml_set_key(text, ("hq", role), "model", "")
+    except TomlError as err:
+        raise FerrusError("%s: %s" % (CONFIG_FILE, err),
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+    planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
 
@@ -5522,11 +6084,16 @@ def trust_project(adapter, root, report):
     if adapter.name == "codex":
         path = os.path.join(os.environ.get("CODEX_HOME") or os.path.join(home, ".codex"),
                             "config.toml")
-        text = read_text(path, default="")
-        new = toml_set_key(text, ("projects", root), "trust_level", "trusted")
+        text = planned_read(path) or ""
+        try:
+            parse_toml(text)
+            new = toml_set_key(text, ("projects", root), "trust_level", "trusted")
+        except TomlError as err:
+            raise FerrusError("%s: %s" % (path, err),
+                              "fix the file by hand first, or register without --trust; "
+                              "nothing was written")
         if new != text:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write(path, new)
+            planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
     elif adapter.name in ("gemini-cli", "qwen-code"):
         path = os.path.join(home, "." + adapter.binary, "trustedFolders.json")
@@ -5539,6 +6106,14 @@ def trust_project(adapter, root, report):
 
 def unregister_agents(root, roles, report=print):
     config = load_config(root)
+    messages = []
+    with FileChanges():
+        _unregister_roles(root, config, roles, messages.append)
+    for message in messages:
+        report(message)
+
+
+def _unregister_roles(root, config, roles, report):
     for role in roles:
         choice = getattr(config, role)
         agents = [choice.agent] if choice else []
@@ -5550,6 +6125,58 @@ def unregister_agents(root, roles, report=print):
                 if adapter.instructions_file:
                     remove_instruction_section(os.path.join(root, adapter.instructions_file),
                                                role, report)
+    remove_emptied_registration_files(root, report)
+
+
+# Every file `register` may create or extend, relative to the project root.
+REGISTRATION_FILES = (".claude/mcp-supervisor.json", ".claude/mcp-executor.json",
+                      ".claude/settings.local.json", ".codex/config.toml", ".qwen/settings.json",
+                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md")
+
+
+def _hollow(value):
+    """True for JSON holding nothing but empty objects and arrays."""
+    if isinstance(value, dict):
+        return all(_hollow(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_hollow(v) for v in value)
+    return False
+
+
+def remove_emptied_registration_files(root, report):
+    """After unregister: delete the registration files left with nothing in them (and
+    their .gitignore lines and emptied folders); a file with anything else stays."""
+    for rel in REGISTRATION_FILES:
+        path = os.path.join(root, *rel.split("/"))
+        if not os.path.isfile(path):
+            continue
+        text = read_text(path)
+        if rel.endswith(".json"):
+            try:
+                empty = _hollow(json.loads(text))
+            except ValueError:
+                empty = False
+        else:
+            empty = not text.strip()
+        if not empty:
+            continue
+        os.unlink(path)
+        report("Removed %s (nothing else was in it)" % rel)
+        remove_gitignore_entry(root, rel, report)
+        folder = os.path.dirname(path)
+        if folder != root and not os.listdir(folder):
+            os.rmdir(folder)
+
+
+def remove_gitignore_entry(root, entry, report):
+    """Drop the exact line ``ensure_gitignore_entry`` added for ``entry``."""
+    path = os.path.join(root, ".gitignore")
+    text = read_text(path, default="")
+    lines = text.split("\n")
+    kept = [line for line in lines if line.rstrip("\r").strip() != entry]
+    if len(kept) != len(lines):
+        atomic_write(path, "\n".join(kept))
+        report("Removed %s from .gitignore" % entry)
 
 
 def agents_report(root, probe=probe_version):
@@ -5944,6 +6571,7 @@ class SessionSlot:
         self.session = Session(max_consecutive_errors=limits.max_consecutive_errors,
                                max_total_errors=limits.max_total_errors)
         self.process = None
+        self.session_id = None     # names the running agent session (its leases carry it)
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
@@ -5958,6 +6586,164 @@ class SessionSlot:
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
             text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
         return text
+
+
+# -- one orchestrator per project ------------------------------------------------------------
+#
+# HQ, `ferrus run` and the pipeline orchestrator each hold .ferrus/orchestrator.lock
+# (the platform FileLock) for their whole life; .ferrus/orchestrator.json says who
+# holds it.  The OS drops the lock when its holder dies however it dies, so a free
+# lock with a record left behind means a dead holder: the agents it started are
+# stopped (and their leases freed) before the new holder starts anything.
+
+ORCHESTRATOR_LOCK = "orchestrator.lock"
+ORCHESTRATOR_RECORD = "orchestrator.json"
+
+
+def describe_orchestrator(record):
+    """'ferrus run (pid 123 on host, since 2026-…Z)' from an orchestrator.json record."""
+    if not isinstance(record, dict):
+        return "another ferrus process (it has not said which yet)"
+    return "%s (pid %s on %s, since %s)" % (record.get("kind", "?"), record.get("pid", "?"),
+                                            record.get("host", "?"), record.get("started", "?"))
+
+
+def read_orchestrator_record(store):
+    try:
+        record = json.loads(read_text(store.path(ORCHESTRATOR_RECORD), default="") or "null")
+    except (ValueError, OSError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class OrchestratorLock:
+    """The project's orchestrator lock, held from acquire() to release().
+
+    ``notes`` lists what taking over from a dead holder did, for the caller to show."""
+
+    def __init__(self, store, kind):
+        self.store = store
+        self.kind = kind
+        self.notes = []
+        self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
+                              "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+
+    def acquire(self):
+        try:
+            self._lock.acquire()
+        except LockTimeout:
+            holder = read_orchestrator_record(self.store)
+            raise FerrusError(
+                "another orchestrator is running on this project: %s"
+                % describe_orchestrator(holder),
+                "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
+                "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
+                "along safely)")
+        try:
+            previous = read_orchestrator_record(self.store)
+            if previous is not None and previous.get("pid") != os.getpid():
+                self.notes.append("took over from %s, which ended without releasing the "
+                                  "project" % describe_orchestrator(previous))
+            atomic_write(self.store.path(ORCHESTRATOR_RECORD), pretty_json({
+                "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
+                "started": format_timestamp(utc_now())}) + "\n")
+            self.notes.extend(stop_orphaned_agents(self.store))
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def release(self):
+        with contextlib.suppress(OSError):
+            record = read_orchestrator_record(self.store)
+            if record is not None and record.get("pid") == os.getpid():
+                os.unlink(self.store.path(ORCHESTRATOR_RECORD))
+        self._lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _host_name():
+    import platform
+    return platform.node() or "this machine"
+
+
+def _is_agent_group(pid):
+    """Is ``pid`` alive and the leader of its own process group, as every agent HQ starts
+    is?  A pid reused by an unrelated process is almost never a group leader."""
+    if not pid_alive(pid):
+        return False
+    if IS_WINDOWS:  # pragma: no cover
+        return True
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _stop_process_group(pid, grace=2.0):
+    if IS_WINDOWS:  # pragma: no cover
+        subprocess.run(["taskkill", "/T", "/F", "/PID", str(pid)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and pid_alive(pid):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.02)
+        if not pid_alive(pid):
+            return
+
+
+def stop_orphaned_agents(store):
+    """Stop the agents a dead orchestrator left running and free the leases of their
+    sessions; returns what was done, one line each.
+
+    HQ's agents cannot be adopted — their output pipes died with their orchestrator, so
+    nobody could read what they report — so they are stopped; the task state in
+    STATE.json is kept and the next session starts from it.  Pipeline workers write
+    files, not pipes, and are adopted by the pipeline orchestrator instead."""
+    path = store.path("agents.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        registry = json.loads(read_text(path) or "{}")
+        entries = [e for e in registry.get("agents") or []
+                   if isinstance(e, dict) and e.get("status") == "running"]
+    except (ValueError, OSError, AttributeError) as err:
+        return ["could not read %s/agents.json (%s): agents a previous orchestrator started "
+                "may still be running" % (FERRUS_DIR, err)]
+    notes, sessions = [], []
+    for entry in entries:
+        pid = entry.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool) and _is_agent_group(pid):
+            _stop_process_group(pid)
+            notes.append("stopped the %s (pid %d) that the previous orchestrator left running"
+                         % (entry.get("name", "agent"), pid))
+        if entry.get("session"):
+            sessions.append(entry["session"])
+    if entries:
+        def mark(data):
+            for entry in data.get("agents") or []:
+                if isinstance(entry, dict) and entry.get("status") == "running":
+                    entry.update(status="suspended", pid=None)
+        with contextlib.suppress(FerrusError):
+            with store.lock():
+                edit_json_file(path, mark)
+    if sessions:
+        released = op_release_sessions(store, sessions)
+        if released:
+            notes.append("freed the task's lease, held by the stopped %s" % released)
+    return notes
 
 
 def clear_capacity_checkpoint(store):
@@ -6234,6 +7020,11 @@ class HqController:
         stamp = utc_now().strftime("%Y%m%dT%H%M%S")
         log_path = self.store.path("logs", "%s_%s_%d.log" % (slot.name, stamp,
                                                               slot.session.session_seq))
+        # The agent's `ferrus serve` inherits this id and puts it in its lease holder id,
+        # so a lease names this one session, not just <role>:<agent>:<index>.
+        slot.session_id = new_id("s")
+        launch = dataclasses.replace(launch, env=dict(launch.env,
+                                                      **{SESSION_ENV: slot.session_id}))
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
@@ -6400,7 +7191,9 @@ class HqController:
                          agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
-                         else entry.get("started_at"))
+                         else entry.get("started_at"),
+                         session=slot.session_id if status == "running" else
+                         entry.get("session"))
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
@@ -6704,7 +7497,9 @@ class HqShell:
         name, _, rest = text.partition(" ")
         handler = getattr(self, "cmd_" + name[1:].replace("-", "_"), None)
         if handler is None or name not in [c[0] for c in HQ_COMMANDS]:
-            self.write("error: unknown command %s — /help lists them" % name)
+            known = did_you_mean(name, [c[0] for c in HQ_COMMANDS])
+            self.write("error: unknown command %s — %s/help lists them" % (
+                name, "did you mean %s? " % known if known else ""))
             return
         try:
             handler(rest.strip())
@@ -7773,6 +8568,34 @@ class PipelineRun:
         return self.status["phases"][self.status["current_phase"]]
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
+    """Lines telling a human what one worker's output holds without opening it: its
+    size and its first non-empty lines (seed 003: summarise, then wait).  Reads at
+    most ``chunk`` bytes, so a huge output costs nothing."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "r", encoding="utf-8", errors="replace") as handle:
+            head = handle.read(chunk)
+    except OSError as err:
+        return ["  - %s (unreadable: %s)" % (label, err.strerror or err)]
+    lines = [line.strip() for line in head.splitlines() if line.strip()]
+    words = len(head.split())
+    if size <= chunk:
+        about = "%d non-empty line%s, %d words" % (len(lines), "s"[len(lines) == 1:], words)
+    else:
+        about = "%d bytes" % size
+    summary = ["  - %s (%s)" % (label, about)]
+    for line in lines[:max_lines]:
+        line = _UNPRINTABLE.sub("?", line)
+        summary.append("      " + (line if len(line) <= width else line[:width - 1] + "…"))
+    if len(lines) > max_lines or size > chunk:
+        summary.append("      …")
+    return summary
+
+
 @dataclasses.dataclass
 class PipelineOutcome:
     """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
@@ -8008,11 +8831,13 @@ class PipelineOrchestrator:
                     return self._deliver(run)
                 status["current_phase"] += 1
                 if definition.pause_after:
-                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; outputs: "
-                                "%s. `ferrus pipeline continue %s` starts phase %s" % (
-                                    phase["id"], ", ".join(run.file(w.output)
-                                                           for w in definition.workers),
-                                    run.name, run.phase()["id"]))
+                    summary = [line for w in definition.workers
+                               for line in summarize_output(run.file(w.output),
+                                                            self.store.relpath(run.file(w.output)))]
+                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; its "
+                                "outputs:\n%s\nRead them, then `ferrus pipeline continue %s` "
+                                "starts phase %s" % (phase["id"], "\n".join(summary), run.name,
+                                                     run.phase()["id"]))
                 else:
                     continue           # seed step 6: the next phase starts at once
             if not problems and not status["paused"]:
@@ -8237,7 +9062,11 @@ class PipelineOrchestrator:
     def _deliver(self, run):
         final = run.definition.final_worker()
         run.status.update(result_delivered=True, result=final.output, delivered_at=self._now())
-        self._note(run, "delivered", "delivered %s" % run.file(final.output), output=final.output)
+        # The folder moves to the archive right after this, so name the output where it
+        # will be (the run's current path would no longer exist).
+        archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
+        self._note(run, "delivered", "delivered %s" % self.store.relpath(
+            run.file(final.output) if run.archived else archived), output=final.output)
         self._save(run)            # delivered on disk before the folder moves
         return self._archive(run)
 
@@ -8593,17 +9422,17 @@ SKILL_FILES = (
 def ensure_gitignore_entry(root, entry, report):
     """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
     path = os.path.join(root, ".gitignore")
-    text = read_text(path, default="")
-    existing = {line.rstrip("\r").strip() for line in text.split("\n")}
+    text = planned_read(path)
+    existing = {line.rstrip("\r").strip() for line in (text or "").split("\n")}
     if entry in existing or entry.rstrip("/") in existing or "/" + entry in existing:
         return False
-    if not os.path.exists(path):
-        atomic_write(path, entry + "\n")
+    if text is None:
+        planned_write(path, entry + "\n")
         report("Created .gitignore")
         return True
     if text and not text.endswith("\n"):
         text += "\n"
-    atomic_write(path, text + entry + "\n")
+    planned_write(path, text + entry + "\n")
     report("Added %s to .gitignore" % entry)
     return True
 
@@ -8703,11 +9532,22 @@ def doctor_findings(root):
     findings.extend(_journal_findings(store, data))
     if data is not None:
         findings.extend(_content_findings(store, data))
+    for path, record in orphaned_check_records(store.dir):
+        what = ("check `%s` started %s by ferrus pid %s, which is gone" % (
+            record.get("command", "?"), record.get("started_at", "?"), record.get("owner_pid"))
+            if record is not None else "unreadable check pid file %s" % os.path.basename(path))
+        findings.append(Finding(
+            "%s/%s/%s: %s; processes of it may still run" % (
+                FERRUS_DIR, CHECK_PROCESS_DIR, os.path.basename(path), what),
+            "end the processes carrying its marker (identity verified) and remove the pid file",
+            lambda: [log.info("%s", m) for m in end_orphaned_checks(store.dir)],
+            severity="warning"))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
-    if os.path.isdir(store.path("usage")):
-        stray += ["usage/" + name for name in os.listdir(store.path("usage"))
-                  if name.endswith(TEMP_SUFFIX)]
+    for folder in ("usage", CHECK_PROCESS_DIR):
+        if os.path.isdir(store.path(folder)):
+            stray += [folder + "/" + name for name in os.listdir(store.path(folder))
+                      if name.endswith(TEMP_SUFFIX)]
     for name in stray:
         path = store.path(name)
         age = time.time() - os.stat(path).st_mtime
@@ -9047,6 +9887,7 @@ def cmd_doctor(args, root):
 
 def cmd_check(args, root):
     store = Store(root).require()
+    report_orphaned_checks(store)
     if args.force:
         run, config = op_run_checks_only(store)
         if run is None:
@@ -9061,7 +9902,14 @@ def cmd_check(args, root):
         else:
             print("All checks passed. Full log: %s" % run.log_path)
         return 0 if run.passed else 1
-    outcome = op_check(store, Caller("human", "human:cli:0"))
+    try:
+        outcome = op_check(store, Caller("human", "human:cli:0"))
+    except FerrusError as err:
+        if store.read_state().state in WORK_STATES:
+            raise
+        # The agents' message cannot mention a CLI flag; the human at the shell can use it.
+        raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
+                                       "and changes nothing")
     print(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -9126,6 +9974,7 @@ def cmd_run(args, root):
         raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
                          "leave --timeout out to run until the task ends")
     store = Store(root).require()
+    report_orphaned_checks(store)
     task = args.task
     if args.task_file:
         try:
@@ -9142,16 +9991,24 @@ def cmd_run(args, root):
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
-    if args.milestone or args.until_done:
-        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
-                              args.resume, args.reset, ask=ask)
-    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+    with OrchestratorLock(store, "ferrus run") as held:
+        for note in held.notes:
+            print("ferrus run: %s" % note, flush=True)
+        if args.milestone or args.until_done:
+            return run_milestones(store, args.milestone or "next", args.until_done,
+                                  args.timeout, args.resume, args.reset, ask=ask)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
     store = Store(root).require()
+    report_orphaned_checks(store)
     resume = True if getattr(args, "resume", False) else None
-    return hq_front_end(store, resume, getattr(args, "no_tui", False)).run()
+    with OrchestratorLock(store, "ferrus hq") as held:
+        front = hq_front_end(store, resume, getattr(args, "no_tui", False))
+        for note in held.notes:
+            front.write(note)
+        return front.run()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -9338,10 +10195,19 @@ def _follow_in_foreground(orchestrator, name):
     return _pipeline_result(outcome, lambda text: print(text, flush=True))
 
 
+# The pipeline subcommands that drive runs, and so need the orchestrator lock.
+PIPELINE_DRIVING = ("run", "resume", "continue", "retry")
+
+
 def cmd_pipeline(args, root):
     store = Store(root).require()
-    return pipeline_command(store, args, lambda text: print(text, flush=True),
-                            _follow_in_foreground)
+    out = lambda text: print(text, flush=True)     # noqa: E731
+    if args.pipeline_command not in PIPELINE_DRIVING:
+        return pipeline_command(store, args, out, _follow_in_foreground)
+    with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
+        for note in held.notes:
+            out(note)
+        return pipeline_command(store, args, out, _follow_in_foreground)
 
 
 def add_pipeline_parser(sub):
@@ -9413,11 +10279,56 @@ def hq_cmd_pipeline(shell, rest):
 
 
 def cmd_serve(args, root):
-    return serve_stdio(root, args.role, args.agent_name, args.agent_index)
+    return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
+
+
+def did_you_mean(word, candidates):
+    """The known name closest to a mistyped one, or None (difflib; argparse suggests
+    only from Python 3.14 on)."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with a "did you mean" hint for a mistyped command, choice or option."""
+
+    argv = ()       # the command line being parsed, to find the subcommand's options
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        text = "%s: error: %s\n" % (self.prog, message)
+        suggestion = self._suggestion(message)
+        if suggestion:
+            text += "hint: did you mean %s?\n" % suggestion
+        self.exit(2, text)
+
+    def _suggestion(self, message):
+        choice = re.search(r"invalid choice: '?([^'\s]*)'? \(choose from (.*)\)", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"[^',\s]+", choice.group(2)))
+        if not message.startswith("unrecognized arguments:"):
+            return None
+        options = self._option_names()
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                found = did_you_mean(word.split("=", 1)[0], options)
+                if found:
+                    return found
+        return None
+
+    def _option_names(self):
+        """This parser's options and those of the subcommand named on the command line."""
+        names = [o for action in self._actions for o in action.option_strings]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                command = next((word for word in CliParser.argv if word in action.choices), None)
+                if command:
+                    names += action.choices[command]._option_names()
+        return names
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="ferrus", description="Deterministic Supervisor → Executor → Reviewer orchestration "
                                    "of coding agents.")
     parser.add_argument("--version", action="version", version="ferrus %s" % __version__)
@@ -9499,6 +10410,9 @@ def build_parser():
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
     p.add_argument("--agent-name", default="unknown", help="agent name in the agent id")
     p.add_argument("--agent-index", type=int, default=0, help="index in the agent id")
+    p.add_argument("--session", metavar="ID",
+                   help="the agent session this server works for (default: $%s, set by HQ); "
+                        "leases name it" % SESSION_ENV)
     p.set_defaults(run=cmd_serve)
     return parser
 
@@ -9529,6 +10443,7 @@ def find_project_root(start):
 
 def main(argv=None):
     parser = build_parser()
+    CliParser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FERRUS_DEBUG") == "1"
     setup_logging(debug)
