@@ -8029,6 +8029,7 @@ class HqShell:
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:
             proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
@@ -10288,8 +10289,8 @@ def cmd_agents(args, root):
 
 def cmd_run(args, root):
     if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
-        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
-                         "leave --timeout out to run until the task ends")
+        raise UsageError("--timeout must be a positive number of seconds, got %g"
+                         % args.timeout, "leave --timeout out to run until the task ends")
     store = Store(root).require()
     report_orphaned_checks(store)
     task = args.task
