@@ -1259,6 +1259,10 @@ def toml_remove_table(text, table):
 
 CONFIG_FILE = "ferrus.toml"
 BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+# The binary names people type for the built-in agents.
+AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
+# What a headless agent may do besides calling ferrus's tools (see section 13).
+PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 
@@ -1294,6 +1298,13 @@ class SpecConfig:
 class AgentChoice:
     agent: str
     model: str = ""
+    permissions: str = ""     # "" = the role's default profile
+
+
+def canonical_agent(name):
+    """A built-in agent's name for what the user typed (`claude` means claude-code)."""
+    name = (name or "").strip()
+    return AGENT_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass
@@ -1468,24 +1479,29 @@ def _fill_section(path, raw, name, target, unknown):
 
 
 def _parse_agent_choice(path, role, value, known_agents):
+    permissions = ""
     if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
         agent, model = value, ""
     elif isinstance(value, dict):
         agent = value.get("agent")
         model = value.get("model", "")
+        permissions = value.get("permissions", "")
         if not isinstance(agent, str):
             raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
         if not isinstance(model, str):
             raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+        if permissions not in PERMISSION_PROFILES + ("",):
+            raise _config_error(path, "hq.%s.permissions" % role, "must be one of %s" % ", ".join(
+                json.dumps(p) for p in PERMISSION_PROFILES), permissions)
     else:
         raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
-    agent = agent.strip()
+    agent = canonical_agent(agent) if agent.strip() not in known_agents else agent.strip()
     if agent not in known_agents:
         return None, FerrusError(
             "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
             "use one of: %s (or describe it under [agents.custom.<name>])"
             % ", ".join(known_agents))
-    return AgentChoice(agent=agent, model=model.strip()), None
+    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), None
 
 
 def _string_list(path, key, value):
@@ -5163,6 +5179,30 @@ def entry_points_here(entry, root):
             and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
 
 
+def entry_mismatch(entry, root):
+    """Why an MCP entry does not start this ferrus for this project: (severity, text),
+    or None when it does.  Another Python still works while it exists, so it is only
+    a warning."""
+    if not isinstance(entry, dict):
+        return "error", "its MCP entry is not a JSON object / TOML table"
+    args = [str(arg) for arg in entry.get("args") or []]
+    project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
+    if project is None or os.path.abspath(project) != os.path.abspath(root):
+        return "error", "its MCP entry serves another project (%s)" % (project or "none named")
+    if args[:2] != ["-c", ferrus_boot_code()]:
+        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+        named = re.search(r"'([^']+)'", code)
+        return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
+            named.group(1) if named else code[:80])
+    command = str(entry.get("command") or "")
+    if command != os.path.abspath(sys.executable):
+        if not shutil.which(command):
+            return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
+        return "warning", ("registered with another Python (%s); this ferrus runs on %s"
+                           % (command, os.path.abspath(sys.executable)))
+    return None
+
+
 def client_tool_timeout_secs(config):
     """Comfortably above one wait_* call, so no client cuts a long-poll short."""
     return config.limits.wait_timeout_secs + 120
@@ -5416,6 +5456,32 @@ def remove_instruction_section(path, role, report):
     report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
 
 
+# -- permission profiles ----------------------------------------------------------------
+#
+# A headless agent has nobody to answer a permission prompt: whatever its CLI
+# would ask about is refused, so each launch says up front what the role may do
+# besides calling ferrus's tools (which register already allows).
+#   read-only  read the project; the reviewer and consultant (supervisor role)
+#   edit       also create and edit files inside the project; the executor.  Its
+#              builds and tests run through ferrus's /check, so no shell is granted
+#   full       anything the CLI can do, without asking
+#   output     pipeline workers: write their one output file (Claude Code can say
+#              exactly that; the other CLIs get their nearest, "edit")
+# `[hq.<role>] permissions` overrides the role's default.  Interactive sessions
+# keep each CLI's own prompts: a person is there to answer them.
+
+DEFAULT_PERMISSIONS = {"supervisor": "read-only", "executor": "edit"}
+WORKER_PERMISSIONS = "output"
+
+
+def effective_permissions(config, role):
+    """(profile, where it comes from) for a role's headless launches."""
+    choice = getattr(config, role, None)
+    if choice is not None and choice.permissions:
+        return choice.permissions, "[hq.%s] permissions in %s" % (role, CONFIG_FILE)
+    return DEFAULT_PERMISSIONS[role], "the %s's default" % role
+
+
 # -- adapters -------------------------------------------------------------------------
 
 class AgentAdapter:
@@ -5452,6 +5518,17 @@ class AgentAdapter:
     def parse_line(self, line):
         return []
 
+    def permission_args(self, profile, output=None, reads=()):
+        """The CLI's own flags for a permission profile (see above); [] when it has none."""
+        return []
+
+    def can_edit(self, profile):
+        """Can a headless launch with this profile change files?  None: ferrus cannot tell."""
+        return profile in ("edit", "full")
+
+    def _profile(self, role, profile):
+        return profile or effective_permissions(self.config, role)[0]
+
 
 def _model_args(flag, model):
     """The model flag, or nothing: a blank model means the agent's own default."""
@@ -5484,10 +5561,12 @@ class ClaudeCode(AgentAdapter):
             argv.append("--strict-mcp-config")
         return argv + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = self._common(root, role, model) + [
-            "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
-            "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
+            "--allowedTools=mcp__%s__*" % server_key(role)] + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
         # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
         # first turn can find ferrus's tools "still connecting" on a busy machine;
         # every prompt starts with a ferrus tool, so wait for the server.
@@ -5495,6 +5574,34 @@ class ClaudeCode(AgentAdapter):
                "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: no ferrus server at all, allowed to write ``output`` only."""
+        argv = [self.binary]
+        if self.config.agents.claude_mcp_isolation == "ferrus-only":
+            argv.append("--strict-mcp-config")
+        argv += _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def permission_args(self, profile, output=None, reads=()):
+        if profile == "full":
+            return ["--permission-mode", "bypassPermissions"]
+        if profile == "edit":
+            return ["--permission-mode", "acceptEdits"]
+        # "default" mode: anything not allowed up front is refused headless.  The
+        # edit tools are denied outright, so a user-level allow rule cannot
+        # widen a read-only role.
+        args = ["--permission-mode", "default"]
+        if profile == "output":
+            # Edit(...) rules cover Write too; "//" starts an absolute path (a Windows
+            # drive is written /c/...).  Tried with Claude Code 2.1.197: the worker
+            # writes that file and is refused any other.
+            rule = "Edit(/%s)" % _claude_rule_path(output) if output else "Write"
+            return args + ["--allowedTools=" + rule + (",Read" if reads else "")]
+        return args + ["--disallowedTools=Edit,Write,NotebookEdit"]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -5548,6 +5655,12 @@ class ClaudeCode(AgentAdapter):
 
     def parse_line(self, line):
         return _parse_claude_style(line)
+
+
+def _claude_rule_path(path):
+    path = os.path.abspath(path).replace(os.sep, "/")
+    drive = re.match(r"([A-Za-z]):/", path)
+    return "/%s/%s" % (drive.group(1).lower(), path[3:]) if drive else path
 
 
 def _parse_claude_style(line):
@@ -5672,14 +5785,18 @@ class Codex(AgentAdapter):
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
         other_role = "executor" if role == "supervisor" else "supervisor"
-        other = server_key(other_role)
-        if self._project_defines(root, other):
-            # In an untrusted project Codex never loaded that server, and a table with
-            # only `enabled` is invalid config: give it a command too.
-            other_command = ferrus_server_entry(root, other_role, self.name)["command"]
-            argv += ["-c", "mcp_servers.%s.command=%s" % (other, format_toml_value(other_command)),
-                     "-c", "mcp_servers.%s.enabled=false" % other]
-        return argv
+        return argv + self._disable(root, other_role)
+
+    def _disable(self, root, role):
+        """-c settings that switch off the project's server for ``role``, if it has one."""
+        key = server_key(role)
+        if not self._project_defines(root, key):
+            return []
+        # In an untrusted project Codex never loaded that server, and a table with
+        # only `enabled` is invalid config: give it a command too.
+        command = ferrus_server_entry(root, role, self.name)["command"]
+        return ["-c", "mcp_servers.%s.command=%s" % (key, format_toml_value(command)),
+                "-c", "mcp_servers.%s.enabled=false" % key]
 
     def _project_defines(self, root, key):
         try:
@@ -5688,11 +5805,30 @@ class Codex(AgentAdapter):
             return False
         return key in (data.get("mcp_servers") or {})
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
             _model_args("--model", model) + self.overrides(root, role) + \
+            self.permission_args(self._profile(role, profile)) + \
             self.options.extra_args + self.options.headless_args + ["-"]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: ferrus's servers disabled, the sandbox lets it write."""
+        argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
+            _model_args("--model", model)
+        for role in ROLES:
+            argv += self._disable(root, role)
+        argv += self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            self.options.extra_args + self.options.headless_args + ["-"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    # `codex exec` never asks for approval; the sandbox alone bounds what the
+    # model's commands and patches may touch (read-only is its default).
+    _SANDBOX = {"read-only": "read-only", "edit": "workspace-write",
+                "output": "workspace-write", "full": "danger-full-access"}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--sandbox", self._SANDBOX[profile]]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = [self.binary] + _model_args("--model", model) + self.overrides(root, role) + \
@@ -5807,6 +5943,31 @@ class _SettingsJsonAgent(AgentAdapter):
         return _load_json_quiet(self.settings_path(root)).get("mcpServers", {}).get(
             server_key(role))
 
+    # --approval-mode values; headless, a tool that would need approval is refused.
+    _APPROVAL = {}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--approval-mode", self._APPROVAL[profile]]
+
+    def _servers_except_ferrus(self, root):
+        """The other MCP servers a worker keeps (project and user settings), or a name
+        no server has: an allow-list that is never empty excludes ferrus's servers."""
+        names = []
+        for path in (self.settings_path(root),
+                     os.path.join(os.path.expanduser("~"), self.settings_dir, "settings.json")):
+            servers = _load_json_quiet(path).get("mcpServers")
+            for name in (servers if isinstance(servers, dict) else {}):
+                if not name.startswith("ferrus-") and name not in names:
+                    names.append(name)
+        return names or ["ferrus-no-server"]
+
+    def _worker_argv(self, root, model, output, reads):
+        return [self.binary, "--allowed-mcp-server-names"] + \
+            self._servers_except_ferrus(root) + _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json"] + self.options.extra_args + \
+            self.options.headless_args
+
 
 class QwenCode(_SettingsJsonAgent):
     name = "qwen-code"
@@ -5823,10 +5984,19 @@ class QwenCode(_SettingsJsonAgent):
         return [self.binary, "--mcp-config", json.dumps(config),
                 "--allowed-mcp-server-names", server_key(role)] + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(root, role, model) + ["--output-format", "stream-json"] + \
+    _APPROVAL = {"read-only": "default", "edit": "auto-edit", "output": "auto-edit",
+                 "full": "yolo"}
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(root, role, model) + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + [STDIN_PROMPT_POINTER]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        return Launch(self._worker_argv(root, model, output, reads) + [STDIN_PROMPT_POINTER],
+                      prompt, dict(self.options.env))
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -5846,23 +6016,38 @@ class GeminiCli(_SettingsJsonAgent):
     instructions_file = "GEMINI.md"
     settings_dir = ".gemini"
 
+    _APPROVAL = {"read-only": "default", "edit": "auto_edit", "output": "auto_edit",
+                 "full": "yolo"}
+
     def _common(self, model, role):
-        # --skip-trust: Gemini ignores project settings (our server included) in a
-        # folder the user never trusted; this trusts it for the one session.
         return [self.binary, "--skip-trust", "--allowed-mcp-server-names", server_key(role)] + \
             _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(model, role) + ["--output-format", "stream-json"] + \
+    def _env(self):
+        # Gemini ignores project settings (our server included) in a folder the user
+        # never trusted.  --skip-trust alone comes too late for that in Gemini CLI
+        # 0.61 (the settings are read before the flag), the variable it sets works.
+        env = {"GEMINI_CLI_TRUST_WORKSPACE": "true"}
+        env.update(self.options.env)
+        return env
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(model, role) + self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + \
             ["--prompt=" + STDIN_PROMPT_POINTER]
-        return Launch(argv, prompt, dict(self.options.env))
+        return Launch(argv, prompt, self._env())
+
+    def worker(self, root, prompt, model, output, reads=()):
+        argv = self._worker_argv(root, model, output, reads)
+        argv.insert(1, "--skip-trust")
+        return Launch(argv + ["--prompt=" + STDIN_PROMPT_POINTER], prompt, self._env())
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(model, role) + self.options.extra_args + self.options.interactive_args
         if prompt:
             argv.append("--prompt-interactive=" + prompt)
-        return Launch(argv, None, dict(self.options.env))
+        return Launch(argv, None, self._env())
 
     def parse_line(self, line):
         try:
@@ -5881,6 +6066,9 @@ class GeminiCli(_SettingsJsonAgent):
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
                                output_tokens=int(stats.get("output_tokens") or 0))]
         return []
+
+
+WORKER_MCP_CONFIG = '{"mcpServers": {}}\n'
 
 
 class CustomAgent(AgentAdapter):
@@ -5921,12 +6109,23 @@ class CustomAgent(AgentAdapter):
             argv.append(arg)
         return argv
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         stdin = prompt if self.spec.prompt == "stdin" else None
         argv = self._render(self.spec.headless, root, role,
                             None if stdin is not None else prompt, model)
         argv[1:1] = self.options.extra_args + self.options.headless_args
         return Launch(argv, stdin, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: {mcp_config} names a file without any ferrus server."""
+        path = self.mcp_config_path(root, "worker")
+        if read_text(path, default="") != WORKER_MCP_CONFIG:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, WORKER_MCP_CONFIG)
+        return self.headless(root, "worker", prompt, model)
+
+    def can_edit(self, profile):
+        return None           # its argv templates decide; ferrus adds no flags
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -5958,6 +6157,8 @@ ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
 
 
 def adapter_for(config, agent):
+    if agent not in config.agents.custom:
+        agent = canonical_agent(agent)
     if agent in ADAPTERS:
         return ADAPTERS[agent](config)
     if agent in config.agents.custom:
@@ -5988,6 +6189,8 @@ def register_agents(root, choices, trust=False, report=print):
     if not os.path.exists(os.path.join(root, CONFIG_FILE)):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
+    choices = {role: (agent if agent in config.agents.custom else canonical_agent(agent), model)
+               for role, (agent, model) in choices.items()}
     adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
     # One change set: every file's new content is computed (and every input read
     # and validated) before any is written; the messages follow the commit.
@@ -6158,22 +6361,64 @@ def agents_report(root, probe=probe_version):
         adapter = adapter_for(config, choice.agent)
         path = adapter.executable()
         entry = adapter.registration(root, role)
+        profile, source = effective_permissions(config, role)
         row = {"role": role, "agent": choice.agent, "model": choice.model or None,
                "binary": adapter.binary, "path": path,
                "version": probe(adapter.version_argv()) if path else "",
                "registered": entry is not None,
-               "points_here": entry_points_here(entry, root)}
+               "points_here": entry_points_here(entry, root),
+               "permissions": profile, "permissions_from": source,
+               "permission_args": adapter.permission_args(profile)}
+        mismatch = entry_mismatch(entry, root) if entry is not None else None
+        warnings = permission_warnings(config, role)
         if not path:
             row["problem"] = "%s is not installed" % adapter.binary
             row["hint"] = adapter.install_hint()
         elif entry is None:
             row["problem"] = "no %s entry in its MCP configuration" % server_key(role)
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
-        elif not row["points_here"]:
-            row["problem"] = "its MCP entry starts another ferrus or project"
+        elif mismatch and mismatch[0] == "error":
+            row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        elif mismatch:
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
+                                "this Python" % (role, choice.agent)))
+        if warnings:
+            row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)
     return rows
+
+
+def permission_warnings(config, role):
+    """[(warning, hint)] about what a role's headless agent may do: an executor that
+    cannot edit fails every task at the check gate."""
+    choice = getattr(config, role, None)
+    if choice is None:
+        return []
+    adapter = adapter_for(config, choice.agent)
+    profile, source = effective_permissions(config, role)
+    warnings = []
+    fix = 'set `permissions = "edit"` under [hq.executor] in %s' % CONFIG_FILE
+    if role == "executor":
+        can_edit = adapter.can_edit(profile)
+        if can_edit is False:
+            warnings.append(("the executor (%s) cannot edit files: permissions are %s (%s)"
+                             % (choice.agent, json.dumps(profile), source), fix))
+        elif can_edit is None:
+            warnings.append(("ferrus cannot tell whether the executor (%s) may edit files: its "
+                             "[agents.custom.%s] argv templates decide" % (choice.agent,
+                                                                           choice.agent),
+                             "make its headless template grant file edits"))
+    flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
+             if arg.startswith("-")}
+    options = adapter.options.extra_args + adapter.options.headless_args
+    overridden = sorted({arg.split("=", 1)[0] for arg in options} & flags)
+    if overridden:
+        warnings.append(("[agents.%s] sets %s itself; it follows ferrus's %s flags and may "
+                         "change what the %s may do" % (choice.agent, ", ".join(overridden),
+                                                        json.dumps(profile), role),
+                         "use [hq.%s] permissions instead" % role))
+    return warnings
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -8442,18 +8687,13 @@ def read_workflows(root, config):
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
-def pipeline_worker_launch(config, agent, root, prompt, model, reads=()):
-    """One worker's Launch: its agent's headless executor launch.
-
-    Claude Code asks before it writes a file, and in a headless run nobody can
-    answer, so the worker is allowed Write, and Read when it has inputs."""
+def pipeline_worker_launch(config, agent, root, prompt, model, reads=(), output=None):
+    """One worker's Launch: headless, without ferrus's tools (a worker must not claim
+    or submit the main task), allowed to write its output file (section 13)."""
     adapter = adapter_for(config, agent)
     if not adapter.executable():
         raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
-    launch = adapter.headless(root, "executor", prompt, model)
-    if isinstance(adapter, ClaudeCode):
-        launch.argv.append("--allowedTools=" + ("Write,Read" if reads else "Write"))
-    return launch
+    return adapter.worker(root, prompt, model, output, reads)
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -8988,7 +9228,7 @@ class PipelineOrchestrator:
         self._save(run)
         try:
             launch = pipeline_worker_launch(self.config, worker.agent, self.store.root, prompt,
-                                            worker.model, reads)
+                                            worker.model, reads, run.file(worker.output))
             process = self.spawner(launch, self.store.root, self._base(run, worker.role, entry))
         except FerrusError as err:
             self._step(run, worker.role, SessionEvent("FatalError", err.full_text()))
@@ -9539,6 +9779,10 @@ def config_findings(root):
     findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
     if config.hq_problem:
         findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    else:
+        for role in ROLES:
+            for text, hint in permission_warnings(config, role):
+                findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
                                 "check its spelling against the README", severity="warning"))
@@ -9950,6 +10194,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
+            print("           permissions: %s (%s)%s" % (
+                row["permissions"], row["permissions_from"],
+                ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
+        for warning in row.get("warnings", ()):
+            print("           warning: %s" % warning["warning"])
+            print("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
