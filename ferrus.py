@@ -1872,6 +1872,56 @@ def claim(data, agent_id, now, ttl_secs):
     return data
 
 
+class LeaseSightings:
+    """How long this process honours a lease — never on a wall clock alone.
+
+    Wall clocks jump, and another process's clock may run hours ahead or behind.  So a
+    lease, known by (project, holder, lease_until), is honoured for at most its holder's
+    own length (lease_until − last_heartbeat, capped at ttl_secs) from the moment this
+    process first saw it, counted on this process's monotonic clock; and while our wall
+    clock agreed at first sight that it was live, also no longer than our wall clock says.
+    A lease our wall clock calls expired at first sight (abandoned long ago, or our clock
+    runs ahead) is honoured for what is left of its length since STATE.json was last
+    written, as the file system's clock saw it: a dead holder's lease frees at once, a
+    live holder's lease is not taken from it by a process whose clock is ahead."""
+
+    KEEP = 256
+
+    def __init__(self):
+        self._seen = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def seconds_left(self, where, data, now, monotonic, ttl, written_age):
+        deadline = lease_deadline(data)
+        if deadline is None:
+            return 0.0
+        length = float(ttl)
+        if data.last_heartbeat:
+            with contextlib.suppress(ValueError):
+                length = min(length, (deadline - parse_timestamp(data.last_heartbeat))
+                             .total_seconds())
+        wall_left = (deadline - now).total_seconds()
+        key = (where, data.claimed_by, data.lease_until)
+        mono = monotonic()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is None:
+                looked_live = wall_left > 0
+                budget = min(length, wall_left) if looked_live else length - written_age()
+                seen = self._seen[key] = (mono, looked_live, max(0.0, budget))
+                while len(self._seen) > self.KEEP:
+                    self._seen.popitem(last=False)
+        first_seen, looked_live, budget = seen
+        left = budget - (mono - first_seen)
+        if looked_live:
+            left = min(left, wall_left)
+        return max(0.0, left)
+
+
+# One table per process: every Store of a project shares what this process has seen.
+LEASE_SIGHTINGS = LeaseSightings()
+
+
 def clear_lease(data):
     data = data.copy()
     data.claimed_by = data.lease_until = data.last_heartbeat = None
@@ -2313,10 +2363,11 @@ class JournalWriteError(FerrusError, OSError):
 class Store:
     """The project's ``.ferrus/`` directory: state, content files, journal, lock."""
 
-    def __init__(self, root, clock=utc_now, lock_timeout=None):
+    def __init__(self, root, clock=utc_now, lock_timeout=None, monotonic=time.monotonic):
         self.root = os.path.abspath(root)
         self.dir = os.path.join(self.root, FERRUS_DIR)
-        self.clock = clock
+        self.clock = clock              # wall clock: timestamps written to files
+        self.monotonic = monotonic      # for durations: leases honoured, waits
         self.lock_timeout = lock_timeout if lock_timeout is not None else float(
             os.environ.get("FERRUS_LOCK_TIMEOUT", "10"))
         self.config_cache = ConfigCache(self.root)
@@ -2344,6 +2395,27 @@ class Store:
 
     def config(self):
         return self.config_cache.get()
+
+    # -- leases, judged by this process's own monotonic clock -------------------
+
+    def lease_seconds_left(self, data):
+        """How much longer this process honours ``data``'s lease (0.0: free)."""
+        try:
+            ttl = self.config().lease.ttl_secs
+        except FerrusError:
+            ttl = LeaseConfig().ttl_secs
+        return LEASE_SIGHTINGS.seconds_left(self.dir, data, self.clock(), self.monotonic, ttl,
+                                            self._state_written_age)
+
+    def lease_live(self, data):
+        return self.lease_seconds_left(data) > 0
+
+    def _state_written_age(self):
+        """Real seconds since STATE.json was last written, by the file system's clock."""
+        try:
+            return max(0.0, time.time() - os.stat(self.path(STATE_FILE)).st_mtime)
+        except OSError:
+            return 0.0
 
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
@@ -3481,9 +3553,9 @@ def _nonblank(value, message):
     return value
 
 
-def _guard_lease(data, caller, now, action):
+def _guard_lease(store, data, caller, action):
     """An agent may not act on a task whose live lease another agent holds."""
-    if not caller.is_agent or not is_claimed(data, now) or data.claimed_by == caller.agent_id:
+    if not caller.is_agent or data.claimed_by == caller.agent_id or not store.lease_live(data):
         return
     raise FerrusError(
         "Cannot %s: the task is leased to %s until %s." % (action, data.claimed_by, data.lease_until),
@@ -3550,7 +3622,7 @@ def op_approve(store, caller):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "approve")
+        _guard_lease(store, data, caller, "approve")
         new = t_approve(data, store.clock())
         detail = {}
         # The milestone tick is a content file written before STATE.json, and it
@@ -3582,7 +3654,7 @@ def op_reject(store, caller, notes):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "reject")
+        _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "reject", review_cycles=new.review_cycles)
@@ -3809,17 +3881,19 @@ def _wait_and_claim(store, caller, claimable, build, what):
         with store.transaction(caller.agent_id) as tx:
             data = tx.state
             now = store.clock()
-            if data.state in claimable and (not is_claimed(data, now)
-                                            or data.claimed_by == caller.agent_id):
-                renewing = data.claimed_by == caller.agent_id and is_claimed(data, now)
+            live = store.lease_seconds_left(data) > 0
+            if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
+                renewing = data.claimed_by == caller.agent_id and live
                 # Re-entry renews the lease too (upstream did not: bug §11.7).
                 tx.set(claim(data, caller.agent_id, now, ttl), "claim",
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
+            store.lease_seconds_left(tx.state)      # the new lease is seen from now on
             return _json_outcome(build(tx.state))
         lease_left = None
-        if data.state in claimable and is_claimed(data, now):
-            lease_left = (lease_deadline(data) - now).total_seconds() + 0.001
+        if data.state in claimable and live:
+            # Wake when the foreign lease runs out by our monotonic count.
+            lease_left = store.lease_seconds_left(data) + 0.001
         if not waiter.pause(stamp, what, lease_left):
             return waiter.timeout(data.state)
 
@@ -3926,7 +4000,7 @@ def _run_gate(store, caller, action):
                               "or Addressing state." % data.state)
         raise FerrusError("Cannot submit from state %s. Submit is only valid from Executing or "
                           "Addressing after the implementation is ready." % data.state)
-    _guard_lease(data, caller, store.clock(), action)
+    _guard_lease(store, data, caller, action)
     config = store.config()
     if not config.checks.commands:
         return data, None, config
@@ -3937,7 +4011,7 @@ def _run_gate(store, caller, action):
     return data, run, config
 
 
-def _same_task(tx, snapshot, caller, now, action):
+def _same_task(store, tx, snapshot, caller, action):
     """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
@@ -3945,7 +4019,7 @@ def _same_task(tx, snapshot, caller, now, action):
             "The state moved from %s to %s while the checks ran, so their result was discarded "
             "and nothing was written." % (snapshot.state, current.state),
             "call /status, then /wait_for_task if there is still work to do")
-    _guard_lease(current, caller, now, action)
+    _guard_lease(store, current, caller, action)
 
 
 # The agents' messages for the check gate (upstream's wording), by action and result.
@@ -3982,7 +4056,7 @@ def _gate_operation(store, caller, action, content=None):
     passed = run is None or run.passed
     with store.transaction(caller.agent_id) as tx:
         now = store.clock()
-        _same_task(tx, snapshot, caller, now, action)
+        _same_task(store, tx, snapshot, caller, action)
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
@@ -4023,7 +4097,7 @@ def op_consult(store, caller, question):
         if data.state not in WORK_STATES:
             raise FerrusError("Cannot consult from state %s. Consultation is only available while "
                               "executing work." % data.state)
-        _guard_lease(data, caller, store.clock(), "consult")
+        _guard_lease(store, data, caller, "consult")
         missing = [h for h in CONSULT_HEADINGS if h not in (question or "")]
         if missing:
             raise FerrusError("The consultation request must follow the template; it lacks %s."
@@ -4083,7 +4157,7 @@ def op_status(store, caller=None):
         lines.append("**Failure reason:** %s" % data.failure_reason)
     if data.task_id:
         lines.append("**Task:** %s" % data.task_id)
-    if is_claimed(data, now):
+    if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
     return Outcome("\n".join(lines), status_data(store, data, now))
 
@@ -4099,8 +4173,8 @@ def status_data(store, data, now):
             "check_retries": data.check_retries, "review_cycles": data.review_cycles,
             "failure_reason": data.failure_reason, "paused_state":
                 data.paused_state.value if data.paused_state else None,
-            "claimed_by": data.claimed_by if is_claimed(data, now) else None,
-            "lease_until": data.lease_until if is_claimed(data, now) else None,
+            "claimed_by": data.claimed_by if store.lease_live(data) else None,
+            "lease_until": data.lease_until if store.lease_live(data) else None,
             "state_entered_at": entered, "seconds_in_state": seconds_in_state,
             "task_started_at": data.task_started_at,
             "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
@@ -4192,11 +4266,12 @@ def op_heartbeat(store, caller, agent_id=None):
             if data.claimed_by is None:
                 return error("not_claimed", "No active lease exists")
             return error("claimed_by_other", "Lease is held by %s" % data.claimed_by)
-        if not is_claimed(data, now):
+        if not store.lease_live(data):
             return error("expired", "Your lease expired before renewal")
         if data.state not in ALLOWED_FROM["heartbeat"]:
             return error("invalid_state", "State %s cannot hold a lease" % data.state)
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
+    store.lease_seconds_left(tx.state)              # the renewed lease is seen from now on
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
 
@@ -7406,6 +7481,11 @@ class HqController:
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
+        if status != "running" and slot.session_id:
+            # The session is over: a lease it still holds protects nothing, and the next
+            # session (a new id) should not wait ttl_secs for it.
+            with contextlib.suppress(FerrusError, OSError):
+                op_release_sessions(self.store, [slot.session_id])
 
     # -- operator actions ------------------------------------------------------------
 
@@ -9974,8 +10054,8 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
-    if is_claimed(data, now):
-        left = (parse_timestamp(data.lease_until) - now).total_seconds()
+    left = store.lease_seconds_left(data)
+    if left > 0:
         rows.append(("lease", "%s, expires in %s (%s)" % (data.claimed_by, format_duration(left),
                                                         data.lease_until)))
     elif data.claimed_by:
