@@ -1266,6 +1266,10 @@ def toml_remove_table(text, table):
 
 CONFIG_FILE = "ferrus.toml"
 BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+# The binary names people type for the built-in agents.
+AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
+# What a headless agent may do besides calling ferrus's tools (see section 13).
+PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 
@@ -1301,6 +1305,13 @@ class SpecConfig:
 class AgentChoice:
     agent: str
     model: str = ""
+    permissions: str = ""     # "" = the role's default profile
+
+
+def canonical_agent(name):
+    """A built-in agent's name for what the user typed (`claude` means claude-code)."""
+    name = (name or "").strip()
+    return AGENT_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass
@@ -1475,24 +1486,29 @@ def _fill_section(path, raw, name, target, unknown):
 
 
 def _parse_agent_choice(path, role, value, known_agents):
+    permissions = ""
     if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
         agent, model = value, ""
     elif isinstance(value, dict):
         agent = value.get("agent")
         model = value.get("model", "")
+        permissions = value.get("permissions", "")
         if not isinstance(agent, str):
             raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
         if not isinstance(model, str):
             raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+        if permissions not in PERMISSION_PROFILES + ("",):
+            raise _config_error(path, "hq.%s.permissions" % role, "must be one of %s" % ", ".join(
+                json.dumps(p) for p in PERMISSION_PROFILES), permissions)
     else:
         raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
-    agent = agent.strip()
+    agent = canonical_agent(agent) if agent.strip() not in known_agents else agent.strip()
     if agent not in known_agents:
         return None, FerrusError(
             "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
             "use one of: %s (or describe it under [agents.custom.<name>])"
             % ", ".join(known_agents))
-    return AgentChoice(agent=agent, model=model.strip()), None
+    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), None
 
 
 def _string_list(path, key, value):
@@ -1861,6 +1877,56 @@ def claim(data, agent_id, now, ttl_secs):
     data.lease_until = format_timestamp(now + _dt.timedelta(seconds=ttl_secs))
     data.last_heartbeat = format_timestamp(now)
     return data
+
+
+class LeaseSightings:
+    """How long this process honours a lease — never on a wall clock alone.
+
+    Wall clocks jump, and another process's clock may run hours ahead or behind.  So a
+    lease, known by (project, holder, lease_until), is honoured for at most its holder's
+    own length (lease_until − last_heartbeat, capped at ttl_secs) from the moment this
+    process first saw it, counted on this process's monotonic clock; and while our wall
+    clock agreed at first sight that it was live, also no longer than our wall clock says.
+    A lease our wall clock calls expired at first sight (abandoned long ago, or our clock
+    runs ahead) is honoured for what is left of its length since STATE.json was last
+    written, as the file system's clock saw it: a dead holder's lease frees at once, a
+    live holder's lease is not taken from it by a process whose clock is ahead."""
+
+    KEEP = 256
+
+    def __init__(self):
+        self._seen = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def seconds_left(self, where, data, now, monotonic, ttl, written_age):
+        deadline = lease_deadline(data)
+        if deadline is None:
+            return 0.0
+        length = float(ttl)
+        if data.last_heartbeat:
+            with contextlib.suppress(ValueError):
+                length = min(length, (deadline - parse_timestamp(data.last_heartbeat))
+                             .total_seconds())
+        wall_left = (deadline - now).total_seconds()
+        key = (where, data.claimed_by, data.lease_until)
+        mono = monotonic()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is None:
+                looked_live = wall_left > 0
+                budget = min(length, wall_left) if looked_live else length - written_age()
+                seen = self._seen[key] = (mono, looked_live, max(0.0, budget))
+                while len(self._seen) > self.KEEP:
+                    self._seen.popitem(last=False)
+        first_seen, looked_live, budget = seen
+        left = budget - (mono - first_seen)
+        if looked_live:
+            left = min(left, wall_left)
+        return max(0.0, left)
+
+
+# One table per process: every Store of a project shares what this process has seen.
+LEASE_SIGHTINGS = LeaseSightings()
 
 
 def clear_lease(data):
@@ -2304,10 +2370,11 @@ class JournalWriteError(FerrusError, OSError):
 class Store:
     """The project's ``.ferrus/`` directory: state, content files, journal, lock."""
 
-    def __init__(self, root, clock=utc_now, lock_timeout=None):
+    def __init__(self, root, clock=utc_now, lock_timeout=None, monotonic=time.monotonic):
         self.root = os.path.abspath(root)
         self.dir = os.path.join(self.root, FERRUS_DIR)
-        self.clock = clock
+        self.clock = clock              # wall clock: timestamps written to files
+        self.monotonic = monotonic      # for durations: leases honoured, waits
         self.lock_timeout = lock_timeout if lock_timeout is not None else float(
             os.environ.get("FERRUS_LOCK_TIMEOUT", "10"))
         self.config_cache = ConfigCache(self.root)
@@ -2335,6 +2402,27 @@ class Store:
 
     def config(self):
         return self.config_cache.get()
+
+    # -- leases, judged by this process's own monotonic clock -------------------
+
+    def lease_seconds_left(self, data):
+        """How much longer this process honours ``data``'s lease (0.0: free)."""
+        try:
+            ttl = self.config().lease.ttl_secs
+        except FerrusError:
+            ttl = LeaseConfig().ttl_secs
+        return LEASE_SIGHTINGS.seconds_left(self.dir, data, self.clock(), self.monotonic, ttl,
+                                            self._state_written_age)
+
+    def lease_live(self, data):
+        return self.lease_seconds_left(data) > 0
+
+    def _state_written_age(self):
+        """Real seconds since STATE.json was last written, by the file system's clock."""
+        try:
+            return max(0.0, time.time() - os.stat(self.path(STATE_FILE)).st_mtime)
+        except OSError:
+            return 0.0
 
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
@@ -3473,9 +3561,9 @@ def _nonblank(value, message):
     return value
 
 
-def _guard_lease(data, caller, now, action):
+def _guard_lease(store, data, caller, action):
     """An agent may not act on a task whose live lease another agent holds."""
-    if not caller.is_agent or not is_claimed(data, now) or data.claimed_by == caller.agent_id:
+    if not caller.is_agent or data.claimed_by == caller.agent_id or not store.lease_live(data):
         return
     raise FerrusError(
         "Cannot %s: the task is leased to %s until %s." % (action, data.claimed_by, data.lease_until),
@@ -3542,7 +3630,7 @@ def op_approve(store, caller):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "approve")
+        _guard_lease(store, data, caller, "approve")
         new = t_approve(data, store.clock())
         detail = {}
         # The milestone tick is a content file written before STATE.json, and it
@@ -3574,7 +3662,7 @@ def op_reject(store, caller, notes):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "reject")
+        _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "reject", review_cycles=new.review_cycles)
@@ -3801,17 +3889,19 @@ def _wait_and_claim(store, caller, claimable, build, what):
         with store.transaction(caller.agent_id) as tx:
             data = tx.state
             now = store.clock()
-            if data.state in claimable and (not is_claimed(data, now)
-                                            or data.claimed_by == caller.agent_id):
-                renewing = data.claimed_by == caller.agent_id and is_claimed(data, now)
+            live = store.lease_seconds_left(data) > 0
+            if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
+                renewing = data.claimed_by == caller.agent_id and live
                 # Re-entry renews the lease too (upstream did not: bug §11.7).
                 tx.set(claim(data, caller.agent_id, now, ttl), "claim",
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
+            store.lease_seconds_left(tx.state)      # the new lease is seen from now on
             return _json_outcome(build(tx.state))
         lease_left = None
-        if data.state in claimable and is_claimed(data, now):
-            lease_left = (lease_deadline(data) - now).total_seconds() + 0.001
+        if data.state in claimable and live:
+            # Wake when the foreign lease runs out by our monotonic count.
+            lease_left = store.lease_seconds_left(data) + 0.001
         if not waiter.pause(stamp, what, lease_left):
             return waiter.timeout(data.state)
 
@@ -3918,7 +4008,7 @@ def _run_gate(store, caller, action):
                               "or Addressing state." % data.state)
         raise FerrusError("Cannot submit from state %s. Submit is only valid from Executing or "
                           "Addressing after the implementation is ready." % data.state)
-    _guard_lease(data, caller, store.clock(), action)
+    _guard_lease(store, data, caller, action)
     config = store.config()
     if not config.checks.commands:
         return data, None, config
@@ -3929,7 +4019,7 @@ def _run_gate(store, caller, action):
     return data, run, config
 
 
-def _same_task(tx, snapshot, caller, now, action):
+def _same_task(store, tx, snapshot, caller, action):
     """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
@@ -3937,7 +4027,7 @@ def _same_task(tx, snapshot, caller, now, action):
             "The state moved from %s to %s while the checks ran, so their result was discarded "
             "and nothing was written." % (snapshot.state, current.state),
             "call /status, then /wait_for_task if there is still work to do")
-    _guard_lease(current, caller, now, action)
+    _guard_lease(store, current, caller, action)
 
 
 # The agents' messages for the check gate (upstream's wording), by action and result.
@@ -3974,7 +4064,7 @@ def _gate_operation(store, caller, action, content=None):
     passed = run is None or run.passed
     with store.transaction(caller.agent_id) as tx:
         now = store.clock()
-        _same_task(tx, snapshot, caller, now, action)
+        _same_task(store, tx, snapshot, caller, action)
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
@@ -4015,7 +4105,7 @@ def op_consult(store, caller, question):
         if data.state not in WORK_STATES:
             raise FerrusError("Cannot consult from state %s. Consultation is only available while "
                               "executing work." % data.state)
-        _guard_lease(data, caller, store.clock(), "consult")
+        _guard_lease(store, data, caller, "consult")
         missing = [h for h in CONSULT_HEADINGS if h not in (question or "")]
         if missing:
             raise FerrusError("The consultation request must follow the template; it lacks %s."
@@ -4075,7 +4165,7 @@ def op_status(store, caller=None):
         lines.append("**Failure reason:** %s" % data.failure_reason)
     if data.task_id:
         lines.append("**Task:** %s" % data.task_id)
-    if is_claimed(data, now):
+    if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
     return Outcome("\n".join(lines), status_data(store, data, now))
 
@@ -4091,8 +4181,8 @@ def status_data(store, data, now):
             "check_retries": data.check_retries, "review_cycles": data.review_cycles,
             "failure_reason": data.failure_reason, "paused_state":
                 data.paused_state.value if data.paused_state else None,
-            "claimed_by": data.claimed_by if is_claimed(data, now) else None,
-            "lease_until": data.lease_until if is_claimed(data, now) else None,
+            "claimed_by": data.claimed_by if store.lease_live(data) else None,
+            "lease_until": data.lease_until if store.lease_live(data) else None,
             "state_entered_at": entered, "seconds_in_state": seconds_in_state,
             "task_started_at": data.task_started_at,
             "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
@@ -4184,11 +4274,12 @@ def op_heartbeat(store, caller, agent_id=None):
             if data.claimed_by is None:
                 return error("not_claimed", "No active lease exists")
             return error("claimed_by_other", "Lease is held by %s" % data.claimed_by)
-        if not is_claimed(data, now):
+        if not store.lease_live(data):
             return error("expired", "Your lease expired before renewal")
         if data.state not in ALLOWED_FROM["heartbeat"]:
             return error("invalid_state", "State %s cannot hold a lease" % data.state)
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
+    store.lease_seconds_left(tx.state)              # the renewed lease is seen from now on
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
 
@@ -5629,6 +5720,30 @@ def entry_points_here(entry, root):
             and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
 
 
+def entry_mismatch(entry, root):
+    """Why an MCP entry does not start this ferrus for this project: (severity, text),
+    or None when it does.  Another Python still works while it exists, so it is only
+    a warning."""
+    if not isinstance(entry, dict):
+        return "error", "its MCP entry is not a JSON object / TOML table"
+    args = [str(arg) for arg in entry.get("args") or []]
+    project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
+    if project is None or os.path.abspath(project) != os.path.abspath(root):
+        return "error", "its MCP entry serves another project (%s)" % (project or "none named")
+    if args[:2] != ["-c", ferrus_boot_code()]:
+        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+        named = re.search(r"'([^']+)'", code)
+        return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
+            named.group(1) if named else code[:80])
+    command = str(entry.get("command") or "")
+    if command != os.path.abspath(sys.executable):
+        if not shutil.which(command):
+            return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
+        return "warning", ("registered with another Python (%s); this ferrus runs on %s"
+                           % (command, os.path.abspath(sys.executable)))
+    return None
+
+
 def client_tool_timeout_secs(config):
     """Comfortably above one wait_* call, so no client cuts a long-poll short."""
     return config.limits.wait_timeout_secs + 120
@@ -5882,6 +5997,32 @@ def remove_instruction_section(path, role, report):
     report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
 
 
+# -- permission profiles ----------------------------------------------------------------
+#
+# A headless agent has nobody to answer a permission prompt: whatever its CLI
+# would ask about is refused, so each launch says up front what the role may do
+# besides calling ferrus's tools (which register already allows).
+#   read-only  read the project; the reviewer and consultant (supervisor role)
+#   edit       also create and edit files inside the project; the executor.  Its
+#              builds and tests run through ferrus's /check, so no shell is granted
+#   full       anything the CLI can do, without asking
+#   output     pipeline workers: write their one output file (Claude Code can say
+#              exactly that; the other CLIs get their nearest, "edit")
+# `[hq.<role>] permissions` overrides the role's default.  Interactive sessions
+# keep each CLI's own prompts: a person is there to answer them.
+
+DEFAULT_PERMISSIONS = {"supervisor": "read-only", "executor": "edit"}
+WORKER_PERMISSIONS = "output"
+
+
+def effective_permissions(config, role):
+    """(profile, where it comes from) for a role's headless launches."""
+    choice = getattr(config, role, None)
+    if choice is not None and choice.permissions:
+        return choice.permissions, "[hq.%s] permissions in %s" % (role, CONFIG_FILE)
+    return DEFAULT_PERMISSIONS[role], "the %s's default" % role
+
+
 # -- adapters -------------------------------------------------------------------------
 
 class AgentAdapter:
@@ -5918,6 +6059,17 @@ class AgentAdapter:
     def parse_line(self, line):
         return []
 
+    def permission_args(self, profile, output=None, reads=()):
+        """The CLI's own flags for a permission profile (see above); [] when it has none."""
+        return []
+
+    def can_edit(self, profile):
+        """Can a headless launch with this profile change files?  None: ferrus cannot tell."""
+        return profile in ("edit", "full")
+
+    def _profile(self, role, profile):
+        return profile or effective_permissions(self.config, role)[0]
+
 
 def _model_args(flag, model):
     """The model flag, or nothing: a blank model means the agent's own default."""
@@ -5950,10 +6102,12 @@ class ClaudeCode(AgentAdapter):
             argv.append("--strict-mcp-config")
         return argv + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = self._common(root, role, model) + [
-            "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
-            "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
+            "--allowedTools=mcp__%s__*" % server_key(role)] + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
         # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
         # first turn can find ferrus's tools "still connecting" on a busy machine;
         # every prompt starts with a ferrus tool, so wait for the server.
@@ -5961,6 +6115,34 @@ class ClaudeCode(AgentAdapter):
                "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: no ferrus server at all, allowed to write ``output`` only."""
+        argv = [self.binary]
+        if self.config.agents.claude_mcp_isolation == "ferrus-only":
+            argv.append("--strict-mcp-config")
+        argv += _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def permission_args(self, profile, output=None, reads=()):
+        if profile == "full":
+            return ["--permission-mode", "bypassPermissions"]
+        if profile == "edit":
+            return ["--permission-mode", "acceptEdits"]
+        # "default" mode: anything not allowed up front is refused headless.  The
+        # edit tools are denied outright, so a user-level allow rule cannot
+        # widen a read-only role.
+        args = ["--permission-mode", "default"]
+        if profile == "output":
+            # Edit(...) rules cover Write too; "//" starts an absolute path (a Windows
+            # drive is written /c/...).  Tried with Claude Code 2.1.197: the worker
+            # writes that file and is refused any other.
+            rule = "Edit(/%s)" % _claude_rule_path(output) if output else "Write"
+            return args + ["--allowedTools=" + rule + (",Read" if reads else "")]
+        return args + ["--disallowedTools=Edit,Write,NotebookEdit"]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -6014,6 +6196,12 @@ class ClaudeCode(AgentAdapter):
 
     def parse_line(self, line):
         return _parse_claude_style(line)
+
+
+def _claude_rule_path(path):
+    path = os.path.abspath(path).replace(os.sep, "/")
+    drive = re.match(r"([A-Za-z]):/", path)
+    return "/%s/%s" % (drive.group(1).lower(), path[3:]) if drive else path
 
 
 def _parse_claude_style(line):
@@ -6138,14 +6326,18 @@ class Codex(AgentAdapter):
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
         other_role = "executor" if role == "supervisor" else "supervisor"
-        other = server_key(other_role)
-        if self._project_defines(root, other):
-            # In an untrusted project Codex never loaded that server, and a table with
-            # only `enabled` is invalid config: give it a command too.
-            other_command = ferrus_server_entry(root, other_role, self.name)["command"]
-            argv += ["-c", "mcp_servers.%s.command=%s" % (other, format_toml_value(other_command)),
-                     "-c", "mcp_servers.%s.enabled=false" % other]
-        return argv
+        return argv + self._disable(root, other_role)
+
+    def _disable(self, root, role):
+        """-c settings that switch off the project's server for ``role``, if it has one."""
+        key = server_key(role)
+        if not self._project_defines(root, key):
+            return []
+        # In an untrusted project Codex never loaded that server, and a table with
+        # only `enabled` is invalid config: give it a command too.
+        command = ferrus_server_entry(root, role, self.name)["command"]
+        return ["-c", "mcp_servers.%s.command=%s" % (key, format_toml_value(command)),
+                "-c", "mcp_servers.%s.enabled=false" % key]
 
     def _project_defines(self, root, key):
         try:
@@ -6154,11 +6346,30 @@ class Codex(AgentAdapter):
             return False
         return key in (data.get("mcp_servers") or {})
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
             _model_args("--model", model) + self.overrides(root, role) + \
+            self.permission_args(self._profile(role, profile)) + \
             self.options.extra_args + self.options.headless_args + ["-"]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: ferrus's servers disabled, the sandbox lets it write."""
+        argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
+            _model_args("--model", model)
+        for role in ROLES:
+            argv += self._disable(root, role)
+        argv += self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            self.options.extra_args + self.options.headless_args + ["-"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    # `codex exec` never asks for approval; the sandbox alone bounds what the
+    # model's commands and patches may touch (read-only is its default).
+    _SANDBOX = {"read-only": "read-only", "edit": "workspace-write",
+                "output": "workspace-write", "full": "danger-full-access"}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--sandbox", self._SANDBOX[profile]]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = [self.binary] + _model_args("--model", model) + self.overrides(root, role) + \
@@ -6273,6 +6484,31 @@ class _SettingsJsonAgent(AgentAdapter):
         return _load_json_quiet(self.settings_path(root)).get("mcpServers", {}).get(
             server_key(role))
 
+    # --approval-mode values; headless, a tool that would need approval is refused.
+    _APPROVAL = {}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--approval-mode", self._APPROVAL[profile]]
+
+    def _servers_except_ferrus(self, root):
+        """The other MCP servers a worker keeps (project and user settings), or a name
+        no server has: an allow-list that is never empty excludes ferrus's servers."""
+        names = []
+        for path in (self.settings_path(root),
+                     os.path.join(os.path.expanduser("~"), self.settings_dir, "settings.json")):
+            servers = _load_json_quiet(path).get("mcpServers")
+            for name in (servers if isinstance(servers, dict) else {}):
+                if not name.startswith("ferrus-") and name not in names:
+                    names.append(name)
+        return names or ["ferrus-no-server"]
+
+    def _worker_argv(self, root, model, output, reads):
+        return [self.binary, "--allowed-mcp-server-names"] + \
+            self._servers_except_ferrus(root) + _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json"] + self.options.extra_args + \
+            self.options.headless_args
+
 
 class QwenCode(_SettingsJsonAgent):
     name = "qwen-code"
@@ -6289,10 +6525,19 @@ class QwenCode(_SettingsJsonAgent):
         return [self.binary, "--mcp-config", json.dumps(config),
                 "--allowed-mcp-server-names", server_key(role)] + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(root, role, model) + ["--output-format", "stream-json"] + \
+    _APPROVAL = {"read-only": "default", "edit": "auto-edit", "output": "auto-edit",
+                 "full": "yolo"}
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(root, role, model) + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + [STDIN_PROMPT_POINTER]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        return Launch(self._worker_argv(root, model, output, reads) + [STDIN_PROMPT_POINTER],
+                      prompt, dict(self.options.env))
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -6312,23 +6557,38 @@ class GeminiCli(_SettingsJsonAgent):
     instructions_file = "GEMINI.md"
     settings_dir = ".gemini"
 
+    _APPROVAL = {"read-only": "default", "edit": "auto_edit", "output": "auto_edit",
+                 "full": "yolo"}
+
     def _common(self, model, role):
-        # --skip-trust: Gemini ignores project settings (our server included) in a
-        # folder the user never trusted; this trusts it for the one session.
         return [self.binary, "--skip-trust", "--allowed-mcp-server-names", server_key(role)] + \
             _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(model, role) + ["--output-format", "stream-json"] + \
+    def _env(self):
+        # Gemini ignores project settings (our server included) in a folder the user
+        # never trusted.  --skip-trust alone comes too late for that in Gemini CLI
+        # 0.61 (the settings are read before the flag), the variable it sets works.
+        env = {"GEMINI_CLI_TRUST_WORKSPACE": "true"}
+        env.update(self.options.env)
+        return env
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(model, role) + self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + \
             ["--prompt=" + STDIN_PROMPT_POINTER]
-        return Launch(argv, prompt, dict(self.options.env))
+        return Launch(argv, prompt, self._env())
+
+    def worker(self, root, prompt, model, output, reads=()):
+        argv = self._worker_argv(root, model, output, reads)
+        argv.insert(1, "--skip-trust")
+        return Launch(argv + ["--prompt=" + STDIN_PROMPT_POINTER], prompt, self._env())
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(model, role) + self.options.extra_args + self.options.interactive_args
         if prompt:
             argv.append("--prompt-interactive=" + prompt)
-        return Launch(argv, None, dict(self.options.env))
+        return Launch(argv, None, self._env())
 
     def parse_line(self, line):
         try:
@@ -6347,6 +6607,9 @@ class GeminiCli(_SettingsJsonAgent):
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
                                output_tokens=int(stats.get("output_tokens") or 0))]
         return []
+
+
+WORKER_MCP_CONFIG = '{"mcpServers": {}}\n'
 
 
 class CustomAgent(AgentAdapter):
@@ -6387,12 +6650,23 @@ class CustomAgent(AgentAdapter):
             argv.append(arg)
         return argv
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         stdin = prompt if self.spec.prompt == "stdin" else None
         argv = self._render(self.spec.headless, root, role,
                             None if stdin is not None else prompt, model)
         argv[1:1] = self.options.extra_args + self.options.headless_args
         return Launch(argv, stdin, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: {mcp_config} names a file without any ferrus server."""
+        path = self.mcp_config_path(root, "worker")
+        if read_text(path, default="") != WORKER_MCP_CONFIG:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, WORKER_MCP_CONFIG)
+        return self.headless(root, "worker", prompt, model)
+
+    def can_edit(self, profile):
+        return None           # its argv templates decide; ferrus adds no flags
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -6424,6 +6698,8 @@ ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
 
 
 def adapter_for(config, agent):
+    if agent not in config.agents.custom:
+        agent = canonical_agent(agent)
     if agent in ADAPTERS:
         return ADAPTERS[agent](config)
     if agent in config.agents.custom:
@@ -6454,6 +6730,8 @@ def register_agents(root, choices, trust=False, report=print):
     if not os.path.exists(os.path.join(root, CONFIG_FILE)):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
+    choices = {role: (agent if agent in config.agents.custom else canonical_agent(agent), model)
+               for role, (agent, model) in choices.items()}
     adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
     # One change set: every file's new content is computed (and every input read
     # and validated) before any is written; the messages follow the commit.
@@ -6624,22 +6902,64 @@ def agents_report(root, probe=probe_version):
         adapter = adapter_for(config, choice.agent)
         path = adapter.executable()
         entry = adapter.registration(root, role)
+        profile, source = effective_permissions(config, role)
         row = {"role": role, "agent": choice.agent, "model": choice.model or None,
                "binary": adapter.binary, "path": path,
                "version": probe(adapter.version_argv()) if path else "",
                "registered": entry is not None,
-               "points_here": entry_points_here(entry, root)}
+               "points_here": entry_points_here(entry, root),
+               "permissions": profile, "permissions_from": source,
+               "permission_args": adapter.permission_args(profile)}
+        mismatch = entry_mismatch(entry, root) if entry is not None else None
+        warnings = permission_warnings(config, role)
         if not path:
             row["problem"] = "%s is not installed" % adapter.binary
             row["hint"] = adapter.install_hint()
         elif entry is None:
             row["problem"] = "no %s entry in its MCP configuration" % server_key(role)
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
-        elif not row["points_here"]:
-            row["problem"] = "its MCP entry starts another ferrus or project"
+        elif mismatch and mismatch[0] == "error":
+            row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        elif mismatch:
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
+                                "this Python" % (role, choice.agent)))
+        if warnings:
+            row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)
     return rows
+
+
+def permission_warnings(config, role):
+    """[(warning, hint)] about what a role's headless agent may do: an executor that
+    cannot edit fails every task at the check gate."""
+    choice = getattr(config, role, None)
+    if choice is None:
+        return []
+    adapter = adapter_for(config, choice.agent)
+    profile, source = effective_permissions(config, role)
+    warnings = []
+    fix = 'set `permissions = "edit"` under [hq.executor] in %s' % CONFIG_FILE
+    if role == "executor":
+        can_edit = adapter.can_edit(profile)
+        if can_edit is False:
+            warnings.append(("the executor (%s) cannot edit files: permissions are %s (%s)"
+                             % (choice.agent, json.dumps(profile), source), fix))
+        elif can_edit is None:
+            warnings.append(("ferrus cannot tell whether the executor (%s) may edit files: its "
+                             "[agents.custom.%s] argv templates decide" % (choice.agent,
+                                                                           choice.agent),
+                             "make its headless template grant file edits"))
+    flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
+             if arg.startswith("-")}
+    options = adapter.options.extra_args + adapter.options.headless_args
+    overridden = sorted({arg.split("=", 1)[0] for arg in options} & flags)
+    if overridden:
+        warnings.append(("[agents.%s] sets %s itself; it follows ferrus's %s flags and may "
+                         "change what the %s may do" % (choice.agent, ", ".join(overridden),
+                                                        json.dumps(profile), role),
+                         "use [hq.%s] permissions instead" % role))
+    return warnings
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -7627,6 +7947,11 @@ class HqController:
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
+        if status != "running" and slot.session_id:
+            # The session is over: a lease it still holds protects nothing, and the next
+            # session (a new id) should not wait ttl_secs for it.
+            with contextlib.suppress(FerrusError, OSError):
+                op_release_sessions(self.store, [slot.session_id])
 
     # -- operator actions ------------------------------------------------------------
 
@@ -8170,6 +8495,7 @@ class HqShell:
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:
             proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
@@ -8908,18 +9234,13 @@ def read_workflows(root, config):
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
-def pipeline_worker_launch(config, agent, root, prompt, model, reads=()):
-    """One worker's Launch: its agent's headless executor launch.
-
-    Claude Code asks before it writes a file, and in a headless run nobody can
-    answer, so the worker is allowed Write, and Read when it has inputs."""
+def pipeline_worker_launch(config, agent, root, prompt, model, reads=(), output=None):
+    """One worker's Launch: headless, without ferrus's tools (a worker must not claim
+    or submit the main task), allowed to write its output file (section 13)."""
     adapter = adapter_for(config, agent)
     if not adapter.executable():
         raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
-    launch = adapter.headless(root, "executor", prompt, model)
-    if isinstance(adapter, ClaudeCode):
-        launch.argv.append("--allowedTools=" + ("Write,Read" if reads else "Write"))
-    return launch
+    return adapter.worker(root, prompt, model, output, reads)
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -9454,7 +9775,7 @@ class PipelineOrchestrator:
         self._save(run)
         try:
             launch = pipeline_worker_launch(self.config, worker.agent, self.store.root, prompt,
-                                            worker.model, reads)
+                                            worker.model, reads, run.file(worker.output))
             process = self.spawner(launch, self.store.root, self._base(run, worker.role, entry))
         except FerrusError as err:
             self._step(run, worker.role, SessionEvent("FatalError", err.full_text()))
@@ -10005,6 +10326,10 @@ def config_findings(root):
     findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
     if config.hq_problem:
         findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    else:
+        for role in ROLES:
+            for text, hint in permission_warnings(config, role):
+                findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
                                 "check its spelling against the README", severity="warning"))
@@ -10196,8 +10521,8 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
-    if is_claimed(data, now):
-        left = (parse_timestamp(data.lease_until) - now).total_seconds()
+    left = store.lease_seconds_left(data)
+    if left > 0:
         rows.append(("lease", "%s, expires in %s (%s)" % (data.claimed_by, format_duration(left),
                                                         data.lease_until)))
     elif data.claimed_by:
@@ -10416,6 +10741,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
+            print("           permissions: %s (%s)%s" % (
+                row["permissions"], row["permissions_from"],
+                ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
+        for warning in row.get("warnings", ()):
+            print("           warning: %s" % warning["warning"])
+            print("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
@@ -10424,8 +10755,8 @@ def cmd_agents(args, root):
 
 def cmd_run(args, root):
     if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
-        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
-                         "leave --timeout out to run until the task ends")
+        raise UsageError("--timeout must be a positive number of seconds, got %g"
+                         % args.timeout, "leave --timeout out to run until the task ends")
     store = Store(root).require()
     report_orphaned_checks(store)
     task = args.task
