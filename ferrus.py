@@ -4413,7 +4413,8 @@ class JsonRpcServer:
     before); it decides whether JSON-RPC batches are accepted (2025-03-26 only)
     and how an error answers a message whose id is unknown."""
 
-    MAX_BLOCKING = 16        # blocking calls running at once (each holds a thread)
+    MAX_BLOCKING = 8         # blocking calls running at once (each holds a thread; an agent
+                             # needs one or two, and every one polls while it waits)
     MAX_QUICK_WORKERS = 4    # threads for quick calls
     MAX_QUICK_QUEUED = 256   # quick calls waiting for one of those threads
 
