@@ -4639,7 +4639,7 @@ class JsonRpcServer:
 
     def _run(self, request, handler=None):
         result = error = None
-        _current_request.value = request
+        _current_request.value, _current_request.server = request, self
         try:
             handler = handler or self.handlers.get(request.method)
             if handler is None:
@@ -4651,7 +4651,7 @@ class JsonRpcServer:
             log.exception("internal error in %s", request.method)
             error = RpcError(INTERNAL_ERROR, "Internal error: %s: %s" % (type(err).__name__, err))
         finally:
-            _current_request.value = None
+            _current_request.value = _current_request.server = None
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
         if request.abandoned:
@@ -5514,6 +5514,9 @@ class _McpLogHandler(logging.Handler):
             return  # logging while sending a log message must not loop
         self._busy.value = True
         try:
+            owner = getattr(_current_request, "server", None)
+            if owner is not None and owner is not self.server.rpc:
+                return  # another server in this process is handling that request
             level = next(name for number, name in self.LEVELS if record.levelno >= number)
             request = getattr(_current_request, "value", None)
             self.server.send_log(level, record.getMessage(), request)
