@@ -4369,6 +4369,7 @@ class Request:
     abandoned: bool = False
     batched: bool = False     # an element of a JSON-RPC batch (2025-03-26)
     reply: object = None      # callable(response or None): where the answer goes
+    lane: object = None       # the _Lane it was admitted to (None: run inline)
 
     @property
     def meta(self):
@@ -4617,6 +4618,7 @@ class JsonRpcServer:
             admitted = lane.active < lane.max_workers + lane.max_queued
             if admitted:
                 self._inflight[request_id] = request
+                request.lane = lane
                 lane.active += 1
                 lane.pending.append(request)
                 worker = None
@@ -4654,6 +4656,11 @@ class JsonRpcServer:
             _current_request.value = _current_request.server = None
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
+                if request.lane is not None:
+                    # Free the slot before answering: a client may send its next
+                    # call the moment it reads this answer.
+                    request.lane.active -= 1
+                    request.lane = None
         if request.abandoned:
             request.reply(None)  # cancelled by the client: the spec says send nothing more
             return
@@ -4670,11 +4677,7 @@ class JsonRpcServer:
                         lane.waiting += 1
                         lane.ready.wait()
                     request = lane.pending.popleft()
-                try:
-                    self._run(request)
-                finally:
-                    with self._inflight_lock:
-                        lane.active -= 1
+                self._run(request)
         finally:
             with self._inflight_lock:
                 lane.threads -= 1

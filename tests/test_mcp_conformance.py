@@ -574,3 +574,16 @@ def test_blocking_lane_full_keeps_quick_lane_free(project, monkeypatch):
         assert not server.has_response(second)
         server.cancel_pending()
         assert server.result("ping") == {}
+
+
+def test_a_call_sent_right_after_an_answer_finds_its_slot_free(project, monkeypatch):
+    """The lane slot is freed before the answer is written, so a client at the
+    limit that sends its next call the moment it reads an answer is never refused."""
+    config(project, wait=0)
+    monkeypatch.setattr(ferrus.JsonRpcServer, "MAX_BLOCKING", 1)
+    store = ferrus.Store(str(project))
+    with InProcessMcp(store, "executor") as server:
+        server.initialize()
+        for _ in range(100):
+            result = server.call_tool("wait_for_task")
+            assert tool_json(result)["status"] == "timeout", tool_text(result)
