@@ -409,6 +409,48 @@ def read_text(path, default=None):
         return default
 
 
+class UnsafePath(FerrusError):
+    """A file ferrus will not read: a symbolic link, a folder on the way that leads
+    outside the base folder, or something other than a regular file."""
+
+
+def open_inside(base, *parts):
+    """``base/parts`` opened for binary reading without leaving ``base``.
+
+    A symbolic link as the file itself is never followed (an agent could point
+    TASK.md or a check log at any file of the machine), a folder on the way must
+    resolve inside ``base``, and only regular files are opened (a FIFO would block
+    the reader).  Raises UnsafePath, or OSError (FileNotFoundError, ...)."""
+    shown = "/".join((os.path.basename(base),) + parts)
+    real_base = os.path.realpath(base)
+    path = os.path.join(base, *parts)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != real_base and not parent.startswith(real_base + os.sep):
+        raise UnsafePath("%s is outside %s/ (a symbolic link on the way)"
+                         % (shown, os.path.basename(base)),
+                         "ferrus reads only files inside %s/; remove the link"
+                         % os.path.basename(base))
+    link_refused = UnsafePath("%s is a symbolic link; ferrus does not follow links there"
+                              % shown, "replace the link with the file itself")
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
+        raise link_refused
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise link_refused
+        raise
+    try:
+        if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
+            raise UnsafePath("%s is not a regular file" % shown)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def shell_argv(command):
     """The argv that runs one check command through the platform shell."""
     if IS_WINDOWS:  # pragma: no cover
@@ -2439,7 +2481,12 @@ class Store:
         return data
 
     def read_file(self, name):
-        return read_text(self.path(name), default="")
+        """A content file's text ("" when missing); never through a symbolic link."""
+        try:
+            with open_inside(self.dir, name) as handle:
+                return handle.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def state_stamp(self):
         """A cheap fingerprint that changes on every commit.
@@ -4895,46 +4942,12 @@ class ResourceNotFound(FerrusError):
 
 
 def open_in_ferrus_dir(store, *parts):
-    """An open binary file object for .ferrus/<parts>, refusing to leave .ferrus/.
-
-    A symbolic link as the file itself is never followed (an agent could point
-    TASK.md or a check log at any file of the machine), a directory on the way
-    must resolve inside .ferrus/, and only regular files are opened (a FIFO
-    would block the reader).  Raises ResourceNotFound or OSError."""
-    base = os.path.realpath(store.path())
-    path = store.path(*parts)
-    parent = os.path.realpath(os.path.dirname(path))
-    if parent != base and not parent.startswith(base + os.sep):
-        raise ResourceNotFound("%s/%s is outside %s (a symbolic link on the way)"
-                               % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
-                               "ferrus reads only files inside .ferrus/; remove the link")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
-        getattr(os, "O_BINARY", 0)
-    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
-        raise _symlink_refused(parts)
+    """An open binary file object for .ferrus/<parts> (see open_inside): raises
+    ResourceNotFound for what ferrus refuses to read, or OSError."""
     try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise _symlink_refused(parts)
-        raise
-    try:
-        if not stat_is_regular(os.fstat(fd)):
-            raise ResourceNotFound("%s/%s is not a regular file" % (FERRUS_DIR, "/".join(parts)))
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _symlink_refused(parts):
-    return ResourceNotFound("%s/%s is a symbolic link; ferrus does not follow links in %s"
-                            % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
-                            "replace the link with the file itself")
-
-
-def stat_is_regular(st):
-    return (st.st_mode & 0o170000) == 0o100000   # stat.S_ISREG without another import
+        return open_inside(store.path(), *parts)
+    except UnsafePath as err:
+        raise ResourceNotFound(err.message, err.hint)
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):

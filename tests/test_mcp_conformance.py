@@ -587,3 +587,17 @@ def test_a_call_sent_right_after_an_answer_finds_its_slot_free(project, monkeypa
         for _ in range(100):
             result = server.call_tool("wait_for_task")
             assert tool_json(result)["status"] == "timeout", tool_text(result)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="POSIX symlinks")
+def test_tool_results_never_carry_a_symlinked_files_target(serve, root, secret):
+    sup, exe = serve("supervisor"), serve("executor")
+    assert sup.call_tool("create_task", {"description": "real task"})["isError"] is False
+    task = os.path.join(str(root), ".ferrus", "TASK.md")
+    os.unlink(task)
+    os.symlink(secret, task)
+    results = [exe.call_tool("wait_for_task"), sup.call_tool("status"),
+               exe.call_tool("status")]
+    assert "TOP-SECRET" not in json.dumps(results)
+    assert results[0]["isError"] is True
+    assert "symbolic link" in tool_text(results[0]) and "hint:" in tool_text(results[0])
