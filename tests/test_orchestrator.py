@@ -458,3 +458,17 @@ def test_a_lease_abandoned_long_ago_is_free_at_first_sight(project, clock, monke
     fresh = ferrus.Store(str(project), clock=clock, monotonic=Monotonic())
     taken = ferrus.op_wait_for_task(fresh, ferrus.Caller("executor", "executor:x:1/s-next"))
     assert taken.data["status"] == "claimed"
+
+
+def test_an_interactive_agent_gets_its_own_session(project, tmp_path, monkeypatch):
+    seen = tmp_path / "session.txt"
+    argv = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write("
+            "os.environ.get('FERRUS_SESSION', ''))", str(seen)]
+    set_config(project, custom_agent_config(argv))
+    monkeypatch.setenv(ferrus.SESSION_ENV, "s-inherited-from-outside")
+    store = ferrus.Store(str(project))
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=io.StringIO())
+    shell.interactive("executor", None)
+    session = seen.read_text()
+    assert session.startswith("s-") and session != "s-inherited-from-outside"
+    shell.controller.shutdown()
