@@ -8034,7 +8034,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task, origin=origin)
+        # A task given as text implements no milestone, whatever an interrupted HQ /task
+        # may have staged.
+        op_create_task(store, HUMAN, task, origin=origin or (None, None))
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -8411,7 +8413,7 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest)
+            op_create_task(self.store, HUMAN, rest, origin=(None, None))
             self.controller.paused = False
             return
         milestone = spec = None
@@ -10529,6 +10531,9 @@ def cmd_status(args, root):
         rows.append(("lease", "expired (last holder %s)" % data.claimed_by))
     else:
         rows.append(("lease", "none"))
+    if data.task_milestone:
+        rows.append(("task from", "milestone %s of %s (approving ticks it)"
+                     % (data.task_milestone, data.task_spec)))
     if data.selected_spec:
         rows.append(("spec", data.selected_spec))
         rows.append(("milestone", data.selected_milestone or "(none left)"))
