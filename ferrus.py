@@ -10789,12 +10789,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
-            print("           permissions: %s (%s)%s" % (
+            say("           permissions: %s (%s)%s" % (
                 row["permissions"], row["permissions_from"],
                 ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
         for warning in row.get("warnings", ()):
-            print("           warning: %s" % warning["warning"])
-            print("           fix: %s" % warning["hint"])
+            say("           warning: %s" % warning["warning"])
+            say("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
