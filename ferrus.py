@@ -2244,10 +2244,16 @@ def journal_max_bytes():
         return JOURNAL_MAX_BYTES
 
 
-def _lines_backwards(path, chunk=4096):
+# A journal line longer than this is damage (ferrus writes lines of a few hundred bytes):
+# readers skip it without ever holding it in memory.
+JOURNAL_LINE_LIMIT = 16 * 1024 * 1024
+
+
+def _lines_backwards(path, chunk=4096, limit=None):
     """The lines of a file (bytes, without their newline) from the last to the first,
     read in chunks from the end that grow up to 1 MiB (most callers want only the
-    last few lines).  A missing file has none."""
+    last few lines).  Lines longer than ``limit`` are skipped.  A missing file has none."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -2255,6 +2261,7 @@ def _lines_backwards(path, chunk=4096):
     with handle:
         position = handle.seek(0, os.SEEK_END)
         rest = b""
+        skipping = False                 # inside a line already known to be too long
         while position > 0:
             start = max(0, position - chunk)
             handle.seek(start)
@@ -2262,10 +2269,37 @@ def _lines_backwards(path, chunk=4096):
             position = start
             chunk = min(chunk * 4, 1 << 20)
             lines = data.split(b"\n")
+            if skipping:
+                if len(lines) == 1:
+                    continue             # still inside the long line
+                lines.pop()              # its first part; what precedes it is whole again
+                skipping = False
             rest = lines[0]              # may continue in the chunk before this one
             for line in reversed(lines[1:]):
                 yield line
-        yield rest
+            if len(rest) > limit:
+                rest, skipping = b"", True
+        if not skipping:
+            yield rest
+
+
+def _lines_forward(path, limit=None):
+    """The lines of a file (bytes, without their newline) from the first; a line longer
+    than ``limit`` comes as None, read past in bounded pieces."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
+    with open(path, "rb") as handle:
+        while True:
+            line = handle.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                while True:
+                    more = handle.readline(1 << 20)
+                    if not more or more.endswith(b"\n"):
+                        break
+                yield None
+                continue
+            yield line[:-1] if line.endswith(b"\n") else line
 
 
 def _end_of_complete_lines(handle, size, chunk=65536):
@@ -2534,17 +2568,15 @@ class Store:
         so that printing a long journal needs no memory for it."""
         above = None
         for path in (self.journal_archive_path(), self.journal_path()):
-            try:
-                handle = open(path, "r", encoding="utf-8", errors="replace")
-            except FileNotFoundError:
+            if not os.path.exists(path):
                 continue
-            with handle:
-                for line in handle:
-                    entry = journal_entry(line) if line.strip() else None
-                    if entry is None or (above is not None and entry["seq"] <= above):
-                        continue
-                    above = entry["seq"]
-                    yield entry
+            for line in _lines_forward(path):
+                entry = journal_entry(line.decode("utf-8", "replace")) \
+                    if line is not None and line.strip() else None
+                if entry is None or (above is not None and entry["seq"] <= above):
+                    continue
+                above = entry["seq"]
+                yield entry
 
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
@@ -10349,33 +10381,30 @@ def _journal_findings(store, data):
                         "create it (history before now is gone)",
                         lambda: atomic_write(path, ""))]
     # One pass in constant memory: a rotated journal is bounded, a hand-made one may not be.
-    bad_lines, gaps, previous = [], [], None
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            entry = journal_entry(line)
-            if entry is None:
-                if len(bad_lines) < 5:
-                    bad_lines.append(number)
-                else:
-                    bad_lines.append(None)
-                continue
-            seq = entry["seq"]
-            # A journal_gap entry stands for the seqs from detail.from up to its own.
-            first = seq
-            if entry.get("event") == JOURNAL_GAP_EVENT:
-                gap_from = (entry.get("detail") or {}).get("from")
-                if isinstance(gap_from, int) and not isinstance(gap_from, bool):
-                    first = gap_from
-            if previous is not None and first != previous + 1 and len(gaps) < 5:
-                gaps.append(seq)
-            previous = seq
-    if bad_lines:
+    bad_count, bad_lines, gaps, previous = 0, [], [], None
+    for number, line in enumerate(_lines_forward(path), 1):
+        if line is not None and not line.strip():
+            continue
+        entry = journal_entry(line.decode("utf-8", "replace")) if line is not None else None
+        if entry is None:           # torn, hand-edited, or longer than any real line
+            bad_count += 1
+            if len(bad_lines) < 5:
+                bad_lines.append(number)
+            continue
+        seq = entry["seq"]
+        # A journal_gap entry stands for the seqs from detail.from up to its own.
+        first = seq
+        if entry.get("event") == JOURNAL_GAP_EVENT:
+            gap_from = (entry.get("detail") or {}).get("from")
+            if isinstance(gap_from, int) and not isinstance(gap_from, bool):
+                first = gap_from
+        if previous is not None and first != previous + 1 and len(gaps) < 5:
+            gaps.append(seq)
+        previous = seq
+    if bad_count:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
-            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines),
-               ", ".join(str(n) for n in bad_lines if n is not None)),
+            % (FERRUS_DIR, JOURNAL_FILE, bad_count, ", ".join(map(str, bad_lines))),
             "drop those lines", lambda: _rewrite_journal(store)))
     if gaps:
         findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
@@ -10429,13 +10458,27 @@ def _rebuild_state(store):
 
 
 def _rewrite_journal(store):
+    """Keep the readable lines, streamed through a temporary file (never all in memory)."""
+    path = store.journal_path()
     with store.lock():
-        kept = []
-        with open(store.journal_path(), "r", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if journal_entry(line) is not None:
-                    kept.append(line.rstrip("\n") + "\n")
-        atomic_write(store.journal_path(), "".join(kept))
+        fd, temp = tempfile.mkstemp(prefix="." + JOURNAL_FILE + ".", suffix=TEMP_SUFFIX,
+                                    dir=store.dir)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for line in _lines_forward(path):
+                    if line is not None and journal_entry(
+                            line.decode("utf-8", "replace")) is not None:
+                        out.write(line.rstrip(b"\r") + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            with contextlib.suppress(OSError):
+                os.chmod(temp, os.stat(path).st_mode & 0o7777)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        fsync_directory(store.dir)
 
 
 def _fill_journal(store):
@@ -10746,12 +10789,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
-            print("           permissions: %s (%s)%s" % (
+            say("           permissions: %s (%s)%s" % (
                 row["permissions"], row["permissions_from"],
                 ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
         for warning in row.get("warnings", ()):
-            print("           warning: %s" % warning["warning"])
-            print("           fix: %s" % warning["hint"])
+            say("           warning: %s" % warning["warning"])
+            say("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
