@@ -8357,8 +8357,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)

@@ -217,3 +217,16 @@ def test_claude_full_as_root_is_a_warning_until_the_sandbox_says_so(project):
     set_config(project, '[hq.executor]\nagent = "claude-code"\npermissions = "full"\n\n'
                         '[agents.claude-code]\nenv = { IS_SANDBOX = "1" }\n')
     assert ferrus.permission_warnings(ferrus.load_config(str(project)), "executor") == []
+
+
+def test_hq_agents_command_shows_profile_and_warnings(project, monkeypatch):
+    import io
+    set_config(project, '[hq.supervisor]\nagent = "codex"\n\n'
+                        '[hq.executor]\nagent = "codex"\npermissions = "read-only"\n')
+    monkeypatch.setattr(ferrus.AgentAdapter, "executable", lambda self: None)
+    out = io.StringIO()
+    shell = ferrus.HqShell(ferrus.Store(str(project)), stdin=io.StringIO(""), stdout=out)
+    shell.handle("/agents")
+    text = out.getvalue()
+    assert "executor: codex — codex is not installed, permissions read-only" in text
+    assert "warning: the executor (codex) cannot edit files" in text
