@@ -120,9 +120,9 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     with FakeModels(loop) as fake:
         env.update(offline_setup(agent, fake, home))
         result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "run", "--task",
-                                 "Create hello.txt containing hi.", "--timeout", "120"],
+                                 "Create hello.txt containing hi.", "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
-                                timeout=180, stdin=subprocess.DEVNULL)
+                                timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-2000:] +
                                     fake.describe())
     assert "Reviewing → Complete" in result.stdout
