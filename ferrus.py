@@ -6860,6 +6860,19 @@ def read_orchestrator_record(store):
     return record if isinstance(record, dict) else None
 
 
+def running_orchestrator(store):
+    """Who holds the orchestrator lock, read without touching the lock (None: nobody).
+
+    A record whose process is gone on this host was left by a holder that died."""
+    record = read_orchestrator_record(store)
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if record.get("host") == _host_name() and not (isinstance(pid, int) and pid_alive(pid)):
+        return None
+    return record
+
+
 class OrchestratorLock:
     """The project's orchestrator lock, held from acquire() to release().
 
@@ -10024,7 +10037,9 @@ def cmd_status(args, root):
             notes.append(NO_CHECKS_WARNING)
         if config.hq_problem:
             notes.append(config.hq_problem.message)
+    orchestrator = running_orchestrator(store)
     if args.json:
+        info["orchestrator"] = orchestrator
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -10075,6 +10090,8 @@ def cmd_status(args, root):
             ", %s" % capacity["signal"] if capacity["signal"] else "",
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
+    rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
+                 "none running"))
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
