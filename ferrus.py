@@ -30,7 +30,8 @@ Contents (each section uses only the sections above it):
     14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
     15. Pipelines ......... seed 003: workflows.json, status.json, the reconcile loop
     16. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    17. CLI ............... argparse front end, ``main(argv) -> int``
+    17. Packaging ......... ferrus as its own PEP 517 build backend (``pip install .``)
+    18. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -58,7 +59,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -250,10 +250,14 @@ class FileLock:
         self.what = what or path
         self._fd = None
 
+    SLOW_WAIT = 2.0   # a wait this long is logged once (and reaches MCP clients)
+
     def acquire(self):
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         pause = 0.0005
+        slow_logged = False
         while True:
             try:
                 if IS_WINDOWS:  # pragma: no cover
@@ -275,6 +279,10 @@ class FileLock:
                     "another ferrus process (or upstream ferrus) is holding it; if none is "
                     "running, the lock is stale only in theory — flock locks die with their "
                     "process — so check for a hung `ferrus` process")
+            if not slow_logged and time.monotonic() - started >= self.SLOW_WAIT:
+                slow_logged = True
+                log.warning("waited %.1f s so far for the lock on %s; another ferrus process "
+                            "holds it", time.monotonic() - started, self.what)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -2237,10 +2245,16 @@ def journal_max_bytes():
         return JOURNAL_MAX_BYTES
 
 
-def _lines_backwards(path, chunk=4096):
+# A journal line longer than this is damage (ferrus writes lines of a few hundred bytes):
+# readers skip it without ever holding it in memory.
+JOURNAL_LINE_LIMIT = 16 * 1024 * 1024
+
+
+def _lines_backwards(path, chunk=4096, limit=None):
     """The lines of a file (bytes, without their newline) from the last to the first,
     read in chunks from the end that grow up to 1 MiB (most callers want only the
-    last few lines).  A missing file has none."""
+    last few lines).  Lines longer than ``limit`` are skipped.  A missing file has none."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -2248,6 +2262,7 @@ def _lines_backwards(path, chunk=4096):
     with handle:
         position = handle.seek(0, os.SEEK_END)
         rest = b""
+        skipping = False                 # inside a line already known to be too long
         while position > 0:
             start = max(0, position - chunk)
             handle.seek(start)
@@ -2255,10 +2270,37 @@ def _lines_backwards(path, chunk=4096):
             position = start
             chunk = min(chunk * 4, 1 << 20)
             lines = data.split(b"\n")
+            if skipping:
+                if len(lines) == 1:
+                    continue             # still inside the long line
+                lines.pop()              # its first part; what precedes it is whole again
+                skipping = False
             rest = lines[0]              # may continue in the chunk before this one
             for line in reversed(lines[1:]):
                 yield line
-        yield rest
+            if len(rest) > limit:
+                rest, skipping = b"", True
+        if not skipping:
+            yield rest
+
+
+def _lines_forward(path, limit=None):
+    """The lines of a file (bytes, without their newline) from the first; a line longer
+    than ``limit`` comes as None, read past in bounded pieces."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
+    with open(path, "rb") as handle:
+        while True:
+            line = handle.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                while True:
+                    more = handle.readline(1 << 20)
+                    if not more or more.endswith(b"\n"):
+                        break
+                yield None
+                continue
+            yield line[:-1] if line.endswith(b"\n") else line
 
 
 def _end_of_complete_lines(handle, size, chunk=65536):
@@ -2527,17 +2569,15 @@ class Store:
         so that printing a long journal needs no memory for it."""
         above = None
         for path in (self.journal_archive_path(), self.journal_path()):
-            try:
-                handle = open(path, "r", encoding="utf-8", errors="replace")
-            except FileNotFoundError:
+            if not os.path.exists(path):
                 continue
-            with handle:
-                for line in handle:
-                    entry = journal_entry(line) if line.strip() else None
-                    if entry is None or (above is not None and entry["seq"] <= above):
-                        continue
-                    above = entry["seq"]
-                    yield entry
+            for line in _lines_forward(path):
+                entry = journal_entry(line.decode("utf-8", "replace")) \
+                    if line is not None and line.strip() else None
+                if entry is None or (above is not None and entry["seq"] <= above):
+                    continue
+                above = entry["seq"]
+                yield entry
 
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
@@ -2944,6 +2984,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                                     stderr=subprocess.STDOUT, env=record.environment(),
                                     **process_group_kwargs())
         except OSError as err:
+            log.error("check command %r could not start: %s", result.command, err)
             result.status = "failed"
             result.tail = ["could not start the shell: %s" % err]
             result.line_count = 1
@@ -4322,6 +4363,15 @@ PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR =
     -32700, -32600, -32601, -32602, -32603)
 RESOURCE_NOT_FOUND = -32002
 UNSUPPORTED_PROTOCOL_VERSION = -32022
+MCP_ALL_VERSIONS = MCP_MODERN_VERSIONS + MCP_LEGACY_VERSIONS
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+# Versions whose base protocol requires servers to accept JSON-RPC batches.
+BATCH_VERSIONS = ("2025-03-26",)
+# Versions whose error schema requires an id, so an unreadable id is sent as null
+# (JSON-RPC 2.0); from 2025-11-25 on the id is optional and left out instead.
+NULL_ERROR_ID_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18")
+# Legacy methods the 2026-07-28 revision removed: -32601 when a request is modern.
+REMOVED_IN_MODERN = ("initialize", "ping", "logging/setLevel")
 
 
 class RpcError(Exception):
@@ -4350,6 +4400,8 @@ class Request:
     # Set by notifications/cancelled: the client no longer wants any answer.  An
     # EOF shutdown also sets ``cancel`` (to end waits) but still answers.
     abandoned: bool = False
+    batched: bool = False     # an element of a JSON-RPC batch (2025-03-26)
+    reply: object = None      # callable(response or None): where the answer goes
 
     @property
     def meta(self):
@@ -4357,27 +4409,63 @@ class Request:
         return meta if isinstance(meta, dict) else {}
 
 
+class _Lane:
+    """A bounded group of worker threads for one kind of request.
+
+    At most ``max_workers`` requests of the lane run at once and at most
+    ``max_queued`` more wait for a worker; a request beyond that is refused at
+    once (never left unanswered).  Workers stay for the next request, so a
+    quick call does not pay for starting a thread."""
+
+    def __init__(self, name, max_workers, max_queued, lock):
+        self.name = name
+        self.max_workers = max_workers
+        self.max_queued = max_queued
+        self.pending = collections.deque()
+        self.active = 0       # admitted and not finished (running or queued)
+        self.threads = 0      # worker threads alive
+        self.waiting = 0      # workers parked on ``ready`` and not yet handed a request
+        self.ready = threading.Condition(lock)
+
+
+_current_request = threading.local()   # the request a thread is handling (for logging)
+
+
 class JsonRpcServer:
     """Newline-delimited JSON-RPC 2.0 over a pair of binary streams.
 
-    The reader thread parses messages and answers cheap methods inline; methods
-    named in ``threaded`` run on a worker thread so a long call never delays
-    ``ping`` or a cancellation.  Workers stay for the next request (a new one is
-    started only when every worker is busy), so a quick call does not pay for
-    creating and starting a thread.  One lock serialises writes."""
+    The reader thread parses messages and answers cheap methods inline.  What
+    ``lane_of(request)`` puts in a lane runs on that lane's bounded worker
+    threads: long blocking calls ("blocking") have their own lane, so they can
+    never starve quick calls ("quick") and neither can delay ``ping`` or a
+    cancellation, which the reader answers itself.  A request its lane cannot
+    take gets ``busy(request, lane)`` as its answer at once.  One lock
+    serialises writes.
+
+    ``protocol_version`` is the legacy version negotiated by initialize (None
+    before); it decides whether JSON-RPC batches are accepted (2025-03-26 only)
+    and how an error answers a message whose id is unknown."""
+
+    MAX_BLOCKING = 16        # blocking calls running at once (each holds a thread)
+    MAX_QUICK_WORKERS = 4    # threads for quick calls
+    MAX_QUICK_QUEUED = 256   # quick calls waiting for one of those threads
 
     def __init__(self, reader, writer):
         self.reader = reader
         self.writer = writer
         self.handlers = {}
         self.notification_handlers = {}
-        self.threaded = set()
+        self.lane_of = lambda request: None
+        self.busy = self._default_busy
+        self.protocol_version = None
         self._write_lock = threading.Lock()
         self._inflight = {}
         self._inflight_lock = threading.Lock()
+        self._lanes = {
+            "blocking": _Lane("blocking", self.MAX_BLOCKING, 0, self._inflight_lock),
+            "quick": _Lane("quick", self.MAX_QUICK_WORKERS, self.MAX_QUICK_QUEUED,
+                           self._inflight_lock)}
         self._workers = set()
-        self._queue = queue.SimpleQueue()   # requests for the workers; None stops one
-        self._idle = 0                      # workers waiting on the queue
         self.closed = threading.Event()
 
     # -- plumbing ------------------------------------------------------------------
@@ -4387,7 +4475,7 @@ class JsonRpcServer:
             text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
         except (RecursionError, ValueError):
             # A value echoed from the request is nested too deeply to serialise.
-            if "id" not in message:
+            if isinstance(message, list) or "id" not in message:
                 return
             message = {"jsonrpc": "2.0", "id": message["id"], "error": {
                 "code": INTERNAL_ERROR, "message": "the response is nested too deeply to send"}}
@@ -4408,13 +4496,25 @@ class JsonRpcServer:
     def notify(self, method, params):
         self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
-    def _respond(self, request_id, result=None, error=None):
-        message = {"jsonrpc": "2.0", "id": request_id}
+    def _send_reply(self, message):
+        if message is not None:
+            self.send(message)
+
+    def _response(self, request_id, result=None, error=None):
+        """A response message.  An error to a message whose id could not be read
+        has no id in 2025-11-25 and later (JSONRPCErrorResponse makes it
+        optional there) and ``"id": null`` before, as JSON-RPC 2.0 says."""
+        message = {"jsonrpc": "2.0"}
+        if request_id is not None or self.protocol_version in NULL_ERROR_ID_VERSIONS:
+            message["id"] = request_id
         if error is not None:
             message["error"] = error.to_json()
         else:
             message["result"] = result
-        self.send(message)
+        return message
+
+    def _respond(self, request_id, result=None, error=None, reply=None):
+        (reply or self._send_reply)(self._response(request_id, result, error))
 
     def _read_line(self):
         """The next line, or None at EOF; an over-long line becomes an error marker."""
@@ -4450,9 +4550,10 @@ class JsonRpcServer:
         with self._inflight_lock:
             for request in self._inflight.values():
                 request.cancel.set()
+            for lane in self._lanes.values():
+                lane.waiting = 0
+                lane.ready.notify_all()
             workers = list(self._workers)
-            for _ in workers:
-                self._queue.put(None)
         deadline = time.monotonic() + wait
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -4464,17 +4565,49 @@ class JsonRpcServer:
             self._respond(None, error=RpcError(PARSE_ERROR, "Parse error: %s" % err))
             return
         if isinstance(message, list):
-            self._respond(None, error=RpcError(
-                INVALID_REQUEST, "JSON-RPC batches are not supported; send one message per line"))
+            if self.protocol_version not in BATCH_VERSIONS:
+                self._respond(None, error=RpcError(
+                    INVALID_REQUEST, "JSON-RPC batches are not supported in protocol version %s; "
+                    "send one message per line" % (self.protocol_version or "negotiation")))
+            elif not message:
+                self._respond(None, error=RpcError(
+                    INVALID_REQUEST, "Invalid Request: an empty batch"))
+            else:
+                self._handle_batch(message)
             return
+        self._handle_message(message, self._send_reply)
+
+    def _handle_batch(self, messages):
+        """2025-03-26 batches: one array of responses once every request is answered
+        (notifications and cancelled requests add nothing; no array when empty)."""
+        lock = threading.Lock()
+        responses = []
+        remaining = [len(messages)]
+
+        def reply(message):
+            with lock:
+                if message is not None:
+                    responses.append(message)
+                remaining[0] -= 1
+                finished = remaining[0] == 0
+            if finished and responses:
+                self.send(responses)
+        for message in messages:
+            self._handle_message(message, reply, batched=True)
+
+    def _handle_message(self, message, reply, batched=False):
+        """Handle one parsed message; ``reply`` is called exactly once, with the
+        response or None when none is due."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             request_id = message.get("id") if isinstance(message, dict) else None
             self._respond(request_id if _valid_id(request_id) else None, error=RpcError(
-                INVALID_REQUEST, "Invalid Request: expected an object with \"jsonrpc\": \"2.0\""))
+                INVALID_REQUEST, "Invalid Request: expected an object with \"jsonrpc\": \"2.0\""),
+                reply=reply)
             return
         method = message.get("method")
         if method is None and ("result" in message or "error" in message):
-            return  # a response to a request we never send; ignore it
+            reply(None)  # a response to a request we never send; ignore it
+            return
         params = message.get("params", {})
         if "id" not in message:
             if isinstance(method, str) and isinstance(params, dict):
@@ -4484,45 +4617,63 @@ class JsonRpcServer:
                         handler(params)
                     except Exception:  # a notification never gets an answer, even on failure
                         log.exception("notification %s failed", method)
+            reply(None)
             return
         request_id = message["id"]
         if not _valid_id(request_id):
-            self._respond(None, error=RpcError(INVALID_REQUEST,
-                                               "Invalid Request: id must be a string or integer"))
+            self._respond(None, error=RpcError(
+                INVALID_REQUEST, "Invalid Request: id must be a string or integer"), reply=reply)
             return
         if not isinstance(method, str):
-            self._respond(request_id, error=RpcError(INVALID_REQUEST,
-                                                     "Invalid Request: method must be a string"))
+            self._respond(request_id, error=RpcError(
+                INVALID_REQUEST, "Invalid Request: method must be a string"), reply=reply)
             return
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            self._respond(request_id, error=RpcError(INVALID_PARAMS, "params must be an object"))
+            self._respond(request_id, error=RpcError(INVALID_PARAMS, "params must be an object"),
+                          reply=reply)
             return
-        request = Request(request_id, method, params, threading.Event())
-        if method in self.threaded:
-            with self._inflight_lock:
-                if request_id in self._inflight:
-                    self._respond(request_id, error=RpcError(
-                        INVALID_REQUEST, "request id %r is already in use" % (request_id,)))
-                    return
-                self._inflight[request_id] = request
-                worker = None
-                if self._idle:
-                    self._idle -= 1
-                else:
-                    worker = threading.Thread(target=self._work, daemon=True, name="mcp-worker")
-                    self._workers.add(worker)
-                self._queue.put(request)
-            if worker is not None:
-                worker.start()
-        else:
+        request = Request(request_id, method, params, threading.Event(), batched=batched,
+                          reply=reply)
+        lane = self._lanes.get(self.lane_of(request))
+        if lane is None:
             self._run(request)
+            return
+        with self._inflight_lock:
+            if request_id in self._inflight:
+                self._respond(request_id, error=RpcError(
+                    INVALID_REQUEST, "request id %r is already in use" % (request_id,)),
+                    reply=reply)
+                return
+            admitted = lane.active < lane.max_workers + lane.max_queued
+            if admitted:
+                self._inflight[request_id] = request
+                lane.active += 1
+                lane.pending.append(request)
+                worker = None
+                if lane.waiting:
+                    lane.waiting -= 1
+                    lane.ready.notify()
+                elif lane.threads < lane.max_workers:
+                    lane.threads += 1
+                    worker = threading.Thread(target=self._work, args=(lane,), daemon=True,
+                                              name="mcp-%s" % lane.name)
+                    self._workers.add(worker)
+        if not admitted:
+            self._run(request, lambda request: self.busy(request, lane))
+        elif worker is not None:
+            worker.start()
 
-    def _run(self, request):
+    def _default_busy(self, request, lane):
+        raise RpcError(INTERNAL_ERROR, "server busy: %d %s requests are already running; "
+                                       "retry when one has finished" % (lane.active, lane.name))
+
+    def _run(self, request, handler=None):
         result = error = None
+        _current_request.value = request
         try:
-            handler = self.handlers.get(request.method)
+            handler = handler or self.handlers.get(request.method)
             if handler is None:
                 raise RpcError(METHOD_NOT_FOUND, "Method not found: %s" % request.method)
             result = handler(request)
@@ -4532,26 +4683,33 @@ class JsonRpcServer:
             log.exception("internal error in %s", request.method)
             error = RpcError(INTERNAL_ERROR, "Internal error: %s: %s" % (type(err).__name__, err))
         finally:
+            _current_request.value = None
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
         if request.abandoned:
-            return  # cancelled by the client: the spec says send nothing more
-        self._respond(request.id, result=result, error=error)
+            request.reply(None)  # cancelled by the client: the spec says send nothing more
+            return
+        self._respond(request.id, result=result, error=error, reply=request.reply)
 
-    def _work(self):
-        """A worker thread: run queued requests until shutdown."""
+    def _work(self, lane):
+        """A worker thread of ``lane``: run its queued requests until shutdown."""
         try:
             while True:
-                request = self._queue.get()
-                if request is None:
-                    return
-                self._run(request)
                 with self._inflight_lock:
-                    if self.closed.is_set():
-                        return
-                    self._idle += 1
+                    while not lane.pending:
+                        if self.closed.is_set():
+                            return
+                        lane.waiting += 1
+                        lane.ready.wait()
+                    request = lane.pending.popleft()
+                try:
+                    self._run(request)
+                finally:
+                    with self._inflight_lock:
+                        lane.active -= 1
         finally:
             with self._inflight_lock:
+                lane.threads -= 1
                 self._workers.discard(threading.current_thread())
 
     def cancel(self, request_id):
@@ -4743,6 +4901,15 @@ RESOURCES = (
 )
 RESOURCES_BY_NAME = {entry[0]: entry for entry in RESOURCES}
 EVENTS_RESOURCE_LIMIT = 200
+# A .ferrus/ file served whole up to this size; past it the tail is left out (and said so).
+RESOURCE_MAX_BYTES = 4 * 1024 * 1024
+# ferrus://logs/{name}: a log up to HEAD + TAIL bytes is served whole, a longer one as
+# its first HEAD and last TAIL bytes; ?offset=&length= reads any range up to READ_MAX.
+LOG_WINDOW_HEAD = 16 * 1024
+LOG_WINDOW_TAIL = 240 * 1024
+LOG_READ_MAX = 1024 * 1024
+LOG_URI_RE = re.compile(r"^ferrus://logs/([A-Za-z0-9_][A-Za-z0-9_.-]*)"
+                        r"(?:\?(offset=\d{1,18}(?:&length=\d{1,18})?|length=\d{1,18}))?$")
 
 PROMPTS = (
     ("executor-context", "Executor task context: state, task, and review notes",
@@ -4752,50 +4919,198 @@ PROMPTS = (
 )
 
 
+class ResourceNotFound(FerrusError):
+    """A ferrus:// URI that names nothing ferrus will serve."""
+
+
+def open_in_ferrus_dir(store, *parts):
+    """An open binary file object for .ferrus/<parts>, refusing to leave .ferrus/.
+
+    A symbolic link as the file itself is never followed (an agent could point
+    TASK.md or a check log at any file of the machine), a directory on the way
+    must resolve inside .ferrus/, and only regular files are opened (a FIFO
+    would block the reader).  Raises ResourceNotFound or OSError."""
+    base = os.path.realpath(store.path())
+    path = store.path(*parts)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != base and not parent.startswith(base + os.sep):
+        raise ResourceNotFound("%s/%s is outside %s (a symbolic link on the way)"
+                               % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
+                               "ferrus reads only files inside .ferrus/; remove the link")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_BINARY", 0)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
+        raise _symlink_refused(parts)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _symlink_refused(parts)
+        raise
+    try:
+        if not stat_is_regular(os.fstat(fd)):
+            raise ResourceNotFound("%s/%s is not a regular file" % (FERRUS_DIR, "/".join(parts)))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _symlink_refused(parts):
+    return ResourceNotFound("%s/%s is a symbolic link; ferrus does not follow links in %s"
+                            % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
+                            "replace the link with the file itself")
+
+
+def stat_is_regular(st):
+    return (st.st_mode & 0o170000) == 0o100000   # stat.S_ISREG without another import
+
+
+def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
+    """The text of .ferrus/<name> (symlink-safe), at most ``limit`` bytes of it."""
+    with open_in_ferrus_dir(store, name) as handle:
+        data = handle.read(limit + 1)
+    text = data[:limit].decode("utf-8", errors="replace")
+    if len(data) > limit:
+        text += ("\n\n[ferrus: %s/%s is larger than %d bytes; the rest is left out]\n"
+                 % (FERRUS_DIR, name, limit))
+    return text
+
+
+def _utf8_start(data, index):
+    """``index`` moved forward past UTF-8 continuation bytes (at most 3)."""
+    for _ in range(3):
+        if index < len(data) and 0x80 <= data[index] < 0xC0:
+            index += 1
+    return index
+
+
+def _utf8_text(data):
+    """``data`` as text when it is UTF-8 without NUL bytes (a cut last character
+    is dropped), else None: such content is sent as a blob."""
+    if b"\0" in data:
+        return None
+    for cut in range(4):
+        try:
+            return data[:len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError as err:
+            if err.start < len(data) - 4:
+                return None
+    return None
+
+
+def read_log_window(store, uri):
+    """(contents list) of ferrus://logs/<name>[?offset=N&length=M], never the whole
+    of a huge log: see LOG_WINDOW_HEAD/TAIL and LOG_READ_MAX."""
+    match = LOG_URI_RE.match(uri)
+    if not match:
+        raise ResourceNotFound("Resource not found: %s" % uri,
+                               "log URIs are ferrus://logs/<file name in .ferrus/logs>, "
+                               "optionally with ?offset=<byte>&length=<bytes>")
+    name, query = match.group(1), match.group(2)
+    base_uri = "ferrus://logs/" + name
+    try:
+        handle = open_in_ferrus_dir(store, "logs", name)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ResourceNotFound("Resource not found: %s" % uri,
+                               "the log may have been removed; a check run writes new ones")
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if query:
+            fields = dict(part.split("=") for part in query.split("&"))
+            offset = min(int(fields.get("offset", 0)), size)
+            length = min(int(fields.get("length", LOG_READ_MAX)), LOG_READ_MAX)
+            handle.seek(offset)
+            pieces = [(offset, handle.read(length))]
+        elif size <= LOG_WINDOW_HEAD + LOG_WINDOW_TAIL:
+            pieces = [(0, handle.read(size))]
+        else:
+            head = handle.read(LOG_WINDOW_HEAD)
+            handle.seek(size - LOG_WINDOW_TAIL)
+            tail = handle.read(LOG_WINDOW_TAIL)
+            skip = _utf8_start(tail, 0)
+            pieces = [(0, head), (size - LOG_WINDOW_TAIL + skip, tail[skip:])]
+    end = pieces[-1][0] + len(pieces[-1][1])
+    texts = [_utf8_text(data) for _, data in pieces]
+    if len(pieces) == 2:
+        gap_start = len(pieces[0][1])
+        note = ("[ferrus: this log has %d bytes; bytes %d to %d (%d bytes) are left out. "
+                "Read them with %s?offset=%d&length=%d (at most %d bytes per read).]"
+                % (size, gap_start, pieces[1][0], pieces[1][0] - gap_start, base_uri,
+                   gap_start, min(pieces[1][0] - gap_start, LOG_READ_MAX), LOG_READ_MAX))
+    elif query and (pieces[0][0] > 0 or end < size):
+        note = ("[ferrus: bytes %d to %d of %d]" % (pieces[0][0], end, size))
+    else:
+        note = None
+    if all(text is not None for text in texts):
+        if len(texts) == 2:
+            text = "%s\n\n%s\n\n%s" % (texts[0], note, texts[1])
+        else:
+            text = texts[0] if note is None else "%s\n%s" % (note, texts[0])
+        return [{"uri": uri, "mimeType": "text/plain", "text": text}]
+    # Binary (NUL bytes or not UTF-8): the bytes as they are, base64 in blobs.
+    contents = []
+    if note:
+        contents.append({"uri": uri, "mimeType": "text/plain", "text": note})
+    for offset, data in pieces:
+        contents.append({"uri": "%s?offset=%d&length=%d" % (base_uri, offset, len(data)),
+                         "mimeType": "application/octet-stream",
+                         "blob": base64.b64encode(data).decode("ascii")})
+    return contents
+
+
 def read_resource(store, uri):
-    """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable."""
+    """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable.
+
+    Raises ResourceNotFound for a URI that names nothing (or a file that is
+    missing or refused), OSError when reading fails."""
     if not isinstance(uri, str) or not uri.startswith("ferrus://"):
-        raise FerrusError("Resource not found: %s" % uri)
+        raise ResourceNotFound("Resource not found: %s" % uri)
     name = uri[len("ferrus://"):]
     if name.startswith("logs/"):
-        log_name = name[len("logs/"):]
-        # One plain file name inside .ferrus/logs: no separators, no dot-dot.
-        if not re.match(r"^[A-Za-z0-9_.-]+$", log_name) or log_name.startswith("."):
-            raise FerrusError("Resource not found: %s" % uri)
-        path = store.path("logs", log_name)
-        if not os.path.isfile(path):
-            raise FerrusError("Resource not found: %s" % uri)
-        return "text/plain", read_text(path)
+        contents = read_log_window(store, uri)
+        return contents[0]["mimeType"], "".join(c.get("text", "") for c in contents)
     entry = RESOURCES_BY_NAME.get(name)
     if entry is None:
-        raise FerrusError("Unknown ferrus resource: %s" % name)
+        raise ResourceNotFound("Unknown ferrus resource: %s" % name,
+                               "resources/list names every resource ferrus serves")
     _, _, filename, mime, missing = entry
-    if name == "events":
-        return mime, pretty_json(store.read_journal(limit=EVENTS_RESOURCE_LIMIT))
     try:
-        text = read_text(store.path(filename))
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        if name in ("events", "state"):
+            # Parsed by the store; opening first refuses a symlink in their place.
+            open_in_ferrus_dir(store, filename).close()
+            if name == "events":
+                return mime, pretty_json(store.read_journal(limit=EVENTS_RESOURCE_LIMIT))
+            return mime, store.read_state().to_json()
+        return mime, read_ferrus_text(store, filename)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
-            raise FerrusError("Failed to read .ferrus/%s" % filename)
+            raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
+                                   % (uri, filename))
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
-    if name == "state":
-        text = store.read_state().to_json()
-    return mime, text
 
 
 def render_prompt(store, name):
     data = store.read_state()
-    task = store.read_file("TASK.md")
+
+    def read(filename):
+        try:
+            return read_ferrus_text(store, filename)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return ""
+        except ResourceNotFound as err:   # a symlink out of .ferrus/: say so, show nothing
+            return "[ferrus: %s]" % err.message
+    task = read("TASK.md")
     if name == "executor-context":
         sections = ["## State\n\nCurrent state: **%s** | Check retries: %d | Review cycles: %d"
                     % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
-        review = store.read_file("REVIEW.md")
+        review = read("REVIEW.md")
         if review.strip():
             sections.append("## Review Notes (Re-address)\n\n" + review)
     else:
         sections = ["## State\n\nCurrent state: **%s** | Check retries used: %d | Review cycles: %d"
                     % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
-        submission = store.read_file("SUBMISSION.md")
+        submission = read("SUBMISSION.md")
         if submission.strip():
             sections.append("## Submission Notes\n\n" + submission)
     return "\n\n---\n\n".join(sections)
@@ -4829,7 +5144,12 @@ def session_from_environment(value=None):
 
 
 class FerrusMcpServer:
-    """The ferrus tools, resources and prompts for one role, on a JsonRpcServer."""
+    """The ferrus tools, resources and prompts for one role, on a JsonRpcServer.
+
+    Every answer is shaped for the protocol version in force for its request
+    (``era``): the one negotiated by initialize, or 2026-07-28 for a request
+    whose ``_meta`` carries a protocol version.  Fields a version does not
+    define are left out for it."""
 
     PAGE_SIZE = 100
 
@@ -4860,20 +5180,35 @@ class FerrusMcpServer:
             "prompts/get": self._guard(self._prompts_get),
             "logging/setLevel": self._guard(self._set_level),
         })
-        rpc.threaded.add("tools/call")
+        rpc.lane_of = self._lane_of
+        rpc.busy = self._busy
         rpc.notification_handlers.update({
             "notifications/initialized": lambda params: None,
             "notifications/cancelled": self._cancelled,
         })
+        self._log_handler = _McpLogHandler(self)
 
     def serve(self):
-        self.rpc.serve_forever()
+        # The server's own warnings and errors also go to the client (notifications/message).
+        log.addHandler(self._log_handler)
+        try:
+            self.rpc.serve_forever()
+        finally:
+            log.removeHandler(self._log_handler)
 
     # -- protocol ----------------------------------------------------------------------
 
-    def server_info(self):
-        return {"name": "ferrus", "title": "ferrus (%s)" % (self.role or "all tools"),
-                "version": __version__}
+    def era(self, request):
+        """The protocol version a request is answered under."""
+        if request is not None and request.modern:
+            return MCP_MODERN_VERSIONS[0]
+        return self.protocol_version or MCP_LEGACY_VERSIONS[0]
+
+    def server_info(self, version=None):
+        info = {"name": "ferrus", "version": __version__}
+        if version is None or version >= "2025-06-18":
+            info["title"] = "ferrus (%s)" % (self.role or "all tools")
+        return info
 
     def capabilities(self):
         return {"tools": {"listChanged": False},
@@ -4890,16 +5225,47 @@ class FerrusMcpServer:
         return "ferrus: every orchestration tool (no role restriction)."
 
     def _initialize(self, request):
+        if META_VERSION in request.meta:
+            raise RpcError(METHOD_NOT_FOUND, "Method not found: initialize does not exist in "
+                           "protocol version 2026-07-28 (use server/discover)")
+        if request.batched:
+            raise RpcError(INVALID_REQUEST, "initialize must not be part of a JSON-RPC batch")
         requested = request.params.get("protocolVersion")
+        if not isinstance(requested, str):
+            raise RpcError(INVALID_PARAMS, "initialize needs protocolVersion as a string, e.g. "
+                                           "\"%s\"" % MCP_LEGACY_VERSIONS[0])
         version = requested if requested in MCP_LEGACY_VERSIONS else MCP_LEGACY_VERSIONS[0]
-        self.protocol_version = version
+        self.protocol_version = self.rpc.protocol_version = version
         self.initialized = True
         return {"protocolVersion": version, "capabilities": self.capabilities(),
-                "serverInfo": self.server_info(), "instructions": self.instructions()}
+                "serverInfo": self.server_info(version), "instructions": self.instructions()}
+
+    def _check_modern_meta(self, request):
+        """Validate a 2026-07-28 request's _meta: -32022 for a version ferrus does
+        not speak (listing every one it does), -32602 for a missing field."""
+        meta = request.meta
+        if META_VERSION not in meta:
+            raise RpcError(INVALID_PARAMS, "%s needs _meta[\"%s\"] (one of %s)" % (
+                request.method, META_VERSION, ", ".join(MCP_MODERN_VERSIONS)))
+        version = meta[META_VERSION]
+        if version not in MCP_MODERN_VERSIONS:
+            raise RpcError(UNSUPPORTED_PROTOCOL_VERSION,
+                           "Unsupported protocol version: %s" % (version,),
+                           {"supported": list(MCP_ALL_VERSIONS),
+                            "requested": version if isinstance(version, str) else
+                            json.dumps(version)})
+        if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
+            raise RpcError(INVALID_PARAMS, "_meta must carry %s (an object)"
+                           % META_CLIENT_CAPABILITIES)
+        level = meta.get(META_LOG_LEVEL)
+        if level is not None and level not in LOG_LEVELS:
+            raise RpcError(INVALID_PARAMS, "Invalid %s %r; expected one of %s"
+                           % (META_LOG_LEVEL, level, ", ".join(LOG_LEVELS)))
+        request.modern = True
 
     def _discover(self, request):
-        return {"resultType": "complete",
-                "supportedVersions": list(MCP_MODERN_VERSIONS) + list(MCP_LEGACY_VERSIONS),
+        self._check_modern_meta(request)
+        return {"resultType": "complete", "supportedVersions": list(MCP_ALL_VERSIONS),
                 "capabilities": self.capabilities(), "instructions": self.instructions(),
                 "ttlMs": 0, "cacheScope": "private",
                 "_meta": {META_SERVER_INFO: self.server_info()}}
@@ -4907,16 +5273,11 @@ class FerrusMcpServer:
     def _guard(self, handler):
         """Legacy requests need initialize first; modern ones carry their version in _meta."""
         def guarded(request):
-            meta = request.meta
-            if META_VERSION in meta:
-                version = meta[META_VERSION]
-                if version not in MCP_MODERN_VERSIONS:
-                    raise RpcError(UNSUPPORTED_PROTOCOL_VERSION,
-                                   "Unsupported protocol version: %s" % (version,),
-                                   {"supported": list(MCP_MODERN_VERSIONS), "requested": version})
-                if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
-                    raise RpcError(INVALID_PARAMS, "_meta must carry %s" % META_CLIENT_CAPABILITIES)
-                request.modern = True
+            if META_VERSION in request.meta:
+                if request.method in REMOVED_IN_MODERN:
+                    raise RpcError(METHOD_NOT_FOUND, "Method not found: %s does not exist in "
+                                   "protocol version 2026-07-28" % request.method)
+                self._check_modern_meta(request)
                 result = handler(request)
                 result.setdefault("resultType", "complete")
                 result.setdefault("_meta", {})[META_SERVER_INFO] = self.server_info()
@@ -4926,8 +5287,24 @@ class FerrusMcpServer:
             return handler(request)
         return guarded
 
+    def _lane_of(self, request):
+        if request.method != "tools/call":
+            return None
+        name = request.params.get("name")
+        return "blocking" if isinstance(name, str) and name in BLOCKING_TOOLS else "quick"
+
+    def _busy(self, request, lane):
+        """The answer to a call no worker can take: a tool error the caller can read."""
+        if request.method != "tools/call":
+            return self.rpc._default_busy(request, lane)
+        text = ("ferrus: too many calls in flight: %d %s tool calls are already running on "
+                "this server, the most it runs at once.\nhint: wait for one of them to "
+                "finish (or cancel it) and call %s again"
+                % (lane.active, lane.name, request.params.get("name")))
+        return self._error_result(text)
+
     def _structured(self, request):
-        return request.modern or (self.protocol_version or "") >= "2025-06-18"
+        return self.era(request) >= "2025-06-18"
 
     def _page(self, request, items, key):
         cursor = request.params.get("cursor")
@@ -4961,27 +5338,47 @@ class FerrusMcpServer:
         self.log_level = level
         return {}
 
-    def send_log(self, level, message):
-        if LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.log_level) and self.initialized:
+    def send_log(self, level, message, request=None):
+        """notifications/message at or above the client's level.
+
+        A 2026-07-28 request chooses its own level in _meta (no level: no log
+        messages for it); otherwise the level set by logging/setLevel applies,
+        once the client has initialized."""
+        if request is not None and request.modern:
+            threshold = request.meta.get(META_LOG_LEVEL)
+            if threshold not in LOG_LEVELS:
+                return
+        elif self.initialized:
+            threshold = self.log_level
+        else:
+            return
+        if LOG_LEVELS.index(level) >= LOG_LEVELS.index(threshold):
             self.rpc.notify("notifications/message",
                             {"level": level, "logger": "ferrus", "data": message})
 
     # -- tools -------------------------------------------------------------------------
 
     def _tools_list(self, request):
-        structured = self._structured(request)
+        version = self.era(request)
         items = []
         for tool in self.tools:
-            entry = {"name": tool.name, "title": tool.title, "description": tool.description,
-                     "inputSchema": tool.input_schema(),
-                     "annotations": {"title": tool.title, "readOnlyHint": tool.read_only,
-                                     "destructiveHint": tool.destructive,
-                                     "idempotentHint": tool.idempotent,
-                                     "openWorldHint": False}}
-            if structured:
+            entry = {"name": tool.name}
+            if version >= "2025-06-18":
+                entry["title"] = tool.title
+            entry.update(description=tool.description, inputSchema=tool.input_schema())
+            if version >= "2025-03-26":
+                entry["annotations"] = {"title": tool.title, "readOnlyHint": tool.read_only,
+                                        "destructiveHint": tool.destructive,
+                                        "idempotentHint": tool.idempotent,
+                                        "openWorldHint": False}
+            if version >= "2025-06-18":
                 entry["outputSchema"] = tool.output_schema()
             items.append(entry)
         return self._page(request, items, "tools")
+
+    @staticmethod
+    def _error_result(text):
+        return {"content": [{"type": "text", "text": text}], "isError": True}
 
     def _tools_call(self, request):
         name = request.params.get("name")
@@ -4993,7 +5390,14 @@ class FerrusMcpServer:
         arguments = {} if arguments is None else arguments
         if not isinstance(arguments, dict):
             raise RpcError(INVALID_PARAMS, "arguments of %s must be an object" % name)
-        _validate_arguments(tool, arguments)
+        problem = _argument_problem(tool, arguments)
+        if problem is not None:
+            # 2025-11-25 (SEP-1303): input validation errors are tool execution
+            # errors the model can read and correct; earlier versions list
+            # invalid arguments among the protocol errors.
+            if self.era(request) >= "2025-11-25":
+                return self._error_result("ferrus: %s\nhint: %s" % problem)
+            raise RpcError(INVALID_PARAMS, problem[0])
         caller = Caller(self.role or "agent", self.agent_id, request.cancel,
                         self._progress_reporter(request))
         self.tool_calls += 1
@@ -5002,10 +5406,21 @@ class FerrusMcpServer:
         try:
             outcome = tool.run(self.store, caller, **arguments)
         except FerrusError as err:
-            return {"content": [{"type": "text", "text": err.full_text()}], "isError": True}
-        result = {"content": [{"type": "text", "text": outcome.text}], "isError": False}
+            return self._error_result(err.full_text())
+        except OSError as err:
+            # A full disk, a read-only file system, a name too long...: the tool
+            # failed, the state on disk did not change (transactions are atomic).
+            return self._error_result(os_error_text(tool.name, err))
+        failed = outcome.data.get("status") == "error" or outcome.data.get("passed") is False
+        content = [{"type": "text", "text": outcome.text}]
+        result = {"content": content, "isError": failed}
         if self._structured(request):
             result["structuredContent"] = outcome.data
+            # The text blocks must carry the structured JSON too (the tools page's
+            # SHOULD); prose, when there is any, stays first for human readers.
+            mirror = compact_json(outcome.data)
+            if outcome.text != mirror:
+                content.append({"type": "text", "text": mirror})
         return result
 
     def _progress_reporter(self, request):
@@ -5013,13 +5428,16 @@ class FerrusMcpServer:
         if not (_valid_id(token)):
             return None
         count = [0]
+        with_message = self.era(request) >= "2025-03-26"
 
         def report(message):
             if request.cancel.is_set():
                 return
             count[0] += 1
-            self.rpc.notify("notifications/progress",
-                            {"progressToken": token, "progress": count[0], "message": message})
+            params = {"progressToken": token, "progress": count[0]}
+            if with_message:
+                params["message"] = message
+            self.rpc.notify("notifications/progress", params)
         return report
 
     # -- resources and prompts ---------------------------------------------------------
@@ -5033,7 +5451,14 @@ class FerrusMcpServer:
         items = [{"uriTemplate": "ferrus://{file}", "name": "ferrus-file",
                   "description": "A file of .ferrus/ by resource name (task, review, state, ...)"},
                  {"uriTemplate": "ferrus://logs/{name}", "name": "ferrus-log",
-                  "description": "A check log from .ferrus/logs/", "mimeType": "text/plain"}]
+                  "description": "A check log from .ferrus/logs/: whole up to %d KiB, else its "
+                                 "first %d KiB and last %d KiB with a note of what was left out"
+                                 % ((LOG_WINDOW_HEAD + LOG_WINDOW_TAIL) // 1024,
+                                    LOG_WINDOW_HEAD // 1024, LOG_WINDOW_TAIL // 1024),
+                  "mimeType": "text/plain"},
+                 {"uriTemplate": "ferrus://logs/{name}{?offset,length}", "name": "ferrus-log-range",
+                  "description": "length bytes (at most %d KiB) of a check log from byte offset"
+                                 % (LOG_READ_MAX // 1024)}]
         return self._page(request, items, "resourceTemplates")
 
     def _resources_read(self, request):
@@ -5041,13 +5466,20 @@ class FerrusMcpServer:
         if not isinstance(uri, str):
             raise RpcError(INVALID_PARAMS, "resources/read needs a string uri")
         try:
-            mime, text = read_resource(self.store, uri)
-        except FerrusError as err:
-            if err.message.startswith("Failed to read"):
-                raise RpcError(INTERNAL_ERROR, err.message)
+            if uri.startswith("ferrus://logs/"):
+                contents = read_log_window(self.store, uri)
+            else:
+                mime, text = read_resource(self.store, uri)
+                contents = [{"uri": uri, "mimeType": mime, "text": text}]
+        except ResourceNotFound as err:
+            # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.message, {"uri": uri})
-        result = {"contents": [{"uri": uri, "mimeType": mime, "text": text}]}
+            raise RpcError(code, err.full_text(), {"uri": uri})
+        except (OSError, FerrusError) as err:
+            text = err.full_text() if isinstance(err, FerrusError) else \
+                os_error_text("resources/read", err)
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+        result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
         return result
@@ -5065,35 +5497,102 @@ class FerrusMcpServer:
             text = render_prompt(self.store, name)
         except FerrusError as err:
             raise RpcError(INTERNAL_ERROR, err.full_text())
+        except OSError as err:
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
+
+
+# Tools that may block for long (waits, check commands): they run in their own
+# bounded lane so they never hold up quick calls.
+BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
+                            "wait_for_answer", "check", "submit"))
+
+_OS_ERROR_HINTS = {
+    errno.ENOSPC: "the disk is full; free some space and call it again",
+    errno.EROFS: "the project is on a read-only file system; ferrus needs to write .ferrus/",
+    errno.ENAMETOOLONG: "a file name is too long for this file system; use a shorter name "
+                        "(for a spec, a shorter title)",
+    errno.EACCES: "ferrus may not write there; check the permissions of .ferrus/",
+    errno.EPERM: "ferrus may not write there; check the permissions of .ferrus/",
+}
+if hasattr(errno, "EDQUOT"):
+    _OS_ERROR_HINTS[errno.EDQUOT] = "the disk quota is used up; free some space and retry"
+
+
+def os_error_text(what, err):
+    """A tool-error text for an OSError: what failed, the cause, how to fix it."""
+    cause = err.strerror or str(err)
+    if err.filename:
+        cause += ": %s" % err.filename
+    hint = _OS_ERROR_HINTS.get(err.errno, "fix the cause and call it again; the task state "
+                                          "was not changed")
+    return "ferrus: %s failed: %s\nhint: %s" % (what, cause, hint)
+
+
+class _McpLogHandler(logging.Handler):
+    """Sends ferrus's own warnings and errors to the MCP client too."""
+
+    LEVELS = ((logging.CRITICAL, "critical"), (logging.ERROR, "error"),
+              (logging.WARNING, "warning"), (logging.INFO, "info"), (0, "debug"))
+
+    def __init__(self, server):
+        super().__init__(logging.WARNING)
+        self.server = server
+        self._busy = threading.local()
+
+    def emit(self, record):
+        if getattr(self._busy, "value", False):
+            return  # logging while sending a log message must not loop
+        self._busy.value = True
+        try:
+            level = next(name for number, name in self.LEVELS if record.levelno >= number)
+            request = getattr(_current_request, "value", None)
+            self.server.send_log(level, record.getMessage(), request)
+        except Exception:  # a log line must never break the server
+            pass
+        finally:
+            self._busy.value = False
 
 
 _JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
 
 
-def _validate_arguments(tool, arguments):
+def _argument_problem(tool, arguments):
+    """(problem, hint) when ``arguments`` do not fit the tool's inputSchema, else None."""
     expected = {p.name: p for p in tool.params}
+    takes = ", ".join("%s (%s)" % (p.name, p.type) for p in tool.params) or "no arguments"
     for name, value in arguments.items():
         if name not in expected:
-            raise RpcError(INVALID_PARAMS, "Unknown argument %r for tool %s; it takes %s" % (
-                name, tool.name, ", ".join(expected) or "no arguments"))
+            return ("unknown argument %r for tool %s" % (name, tool.name),
+                    "%s takes %s" % (tool.name, takes))
         kind = expected[name].type
         if not isinstance(value, _JSON_TYPES[kind]) or (
                 kind != "boolean" and isinstance(value, bool)):
-            raise RpcError(INVALID_PARAMS, "Argument %r of tool %s must be a %s, got %s" % (
-                name, tool.name, kind, type(value).__name__))
+            return ("argument %r of tool %s must be a %s, got %s" % (
+                name, tool.name, kind, _json_type_name(value)),
+                "pass %s as a JSON %s" % (name, kind))
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise RpcError(INVALID_PARAMS, "Argument %r of tool %s is not valid Unicode "
-                                               "(it holds a lone surrogate \\u escape)"
-                               % (name, tool.name))
+                return ("argument %r of tool %s is not valid Unicode (it holds a lone "
+                        "surrogate \\u escape)" % (name, tool.name),
+                        "send the text as valid UTF-8")
     for param in tool.params:
         if param.required and param.name not in arguments:
-            raise RpcError(INVALID_PARAMS, "Missing required argument %r for tool %s" % (
-                param.name, tool.name))
+            return ("missing required argument %r for tool %s" % (param.name, tool.name),
+                    "%s takes %s" % (tool.name, takes))
+    return None
+
+
+def _json_type_name(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "integer", float: "number", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
 
 
 class ToolCallCounter:
@@ -7581,7 +8080,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task, origin=origin)
+        # A task given as text implements no milestone, whatever an interrupted HQ /task
+        # may have staged.
+        op_create_task(store, HUMAN, task, origin=origin or (None, None))
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -7958,7 +8459,7 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest)
+            op_create_task(self.store, HUMAN, rest, origin=(None, None))
             self.controller.paused = False
             return
         milestone = spec = None
@@ -9894,33 +10395,30 @@ def _journal_findings(store, data):
                         "create it (history before now is gone)",
                         lambda: atomic_write(path, ""))]
     # One pass in constant memory: a rotated journal is bounded, a hand-made one may not be.
-    bad_lines, gaps, previous = [], [], None
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            entry = journal_entry(line)
-            if entry is None:
-                if len(bad_lines) < 5:
-                    bad_lines.append(number)
-                else:
-                    bad_lines.append(None)
-                continue
-            seq = entry["seq"]
-            # A journal_gap entry stands for the seqs from detail.from up to its own.
-            first = seq
-            if entry.get("event") == JOURNAL_GAP_EVENT:
-                gap_from = (entry.get("detail") or {}).get("from")
-                if isinstance(gap_from, int) and not isinstance(gap_from, bool):
-                    first = gap_from
-            if previous is not None and first != previous + 1 and len(gaps) < 5:
-                gaps.append(seq)
-            previous = seq
-    if bad_lines:
+    bad_count, bad_lines, gaps, previous = 0, [], [], None
+    for number, line in enumerate(_lines_forward(path), 1):
+        if line is not None and not line.strip():
+            continue
+        entry = journal_entry(line.decode("utf-8", "replace")) if line is not None else None
+        if entry is None:           # torn, hand-edited, or longer than any real line
+            bad_count += 1
+            if len(bad_lines) < 5:
+                bad_lines.append(number)
+            continue
+        seq = entry["seq"]
+        # A journal_gap entry stands for the seqs from detail.from up to its own.
+        first = seq
+        if entry.get("event") == JOURNAL_GAP_EVENT:
+            gap_from = (entry.get("detail") or {}).get("from")
+            if isinstance(gap_from, int) and not isinstance(gap_from, bool):
+                first = gap_from
+        if previous is not None and first != previous + 1 and len(gaps) < 5:
+            gaps.append(seq)
+        previous = seq
+    if bad_count:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
-            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines),
-               ", ".join(str(n) for n in bad_lines if n is not None)),
+            % (FERRUS_DIR, JOURNAL_FILE, bad_count, ", ".join(map(str, bad_lines))),
             "drop those lines", lambda: _rewrite_journal(store)))
     if gaps:
         findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
@@ -9974,13 +10472,27 @@ def _rebuild_state(store):
 
 
 def _rewrite_journal(store):
+    """Keep the readable lines, streamed through a temporary file (never all in memory)."""
+    path = store.journal_path()
     with store.lock():
-        kept = []
-        with open(store.journal_path(), "r", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if journal_entry(line) is not None:
-                    kept.append(line.rstrip("\n") + "\n")
-        atomic_write(store.journal_path(), "".join(kept))
+        fd, temp = tempfile.mkstemp(prefix="." + JOURNAL_FILE + ".", suffix=TEMP_SUFFIX,
+                                    dir=store.dir)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for line in _lines_forward(path):
+                    if line is not None and journal_entry(
+                            line.decode("utf-8", "replace")) is not None:
+                        out.write(line.rstrip(b"\r") + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            with contextlib.suppress(OSError):
+                os.chmod(temp, os.stat(path).st_mode & 0o7777)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        fsync_directory(store.dir)
 
 
 def _fill_journal(store):
@@ -9996,7 +10508,137 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 17. CLI
+# 17. Packaging
+# ============================================================================
+#
+# pyproject.toml names ``ferrus:BuildBackend`` as its PEP 517 / PEP 660 backend
+# (``backend-path = ["."]``), so ``pip install .`` needs nothing but the standard
+# library: no setuptools download (a Python 3.12+ venv has none, and the one a 3.9
+# venv ships predates ``[project]`` tables), which is what an air-gapped machine has.
+
+class BuildBackend:
+    """The PEP 517 / 660 hooks: a wheel holding ferrus.py, an sdist, an editable wheel.
+
+    Metadata comes from pyproject.toml's [project] table, the version from
+    ``__version__``.  Archive members get one fixed time, so two builds are identical."""
+
+    EPOCH = 315532800                                   # 1980-01-01, the zip format's floor
+    SDIST_FILES = ("pyproject.toml", "ferrus.py", "ferrus", "README.md", "LICENSE")
+
+    @staticmethod
+    def _source():
+        return os.path.dirname(os.path.abspath(__file__))
+
+    @classmethod
+    def _read(cls, name):
+        with open(os.path.join(cls._source(), name), "r", encoding="utf-8") as handle:
+            return handle.read()
+
+    @classmethod
+    def project(cls):
+        project = dict(parse_toml(cls._read("pyproject.toml"))["project"])
+        project["version"] = __version__
+        return project
+
+    @staticmethod
+    def _dist_name(project):
+        return "%s-%s" % (re.sub(r"[-_.]+", "_", project["name"]).lower(), project["version"])
+
+    @classmethod
+    def metadata_text(cls, project):
+        """Core metadata (METADATA in a wheel, PKG-INFO in an sdist)."""
+        lines = ["Metadata-Version: 2.1", "Name: %s" % project["name"],
+                 "Version: %s" % project["version"]]
+        for key, field in (("description", "Summary"), ("license", "License"),
+                           ("requires-python", "Requires-Python")):
+            if project.get(key):
+                lines.append("%s: %s" % (field, project[key]))
+        lines += ["Classifier: %s" % c for c in project.get("classifiers", ())]
+        lines += ["Requires-Dist: %s" % d for d in project.get("dependencies", ())]
+        for extra, requirements in sorted(project.get("optional-dependencies", {}).items()):
+            lines.append("Provides-Extra: %s" % extra)
+            lines += ['Requires-Dist: %s; extra == "%s"' % (r, extra) for r in requirements]
+        if not project.get("readme"):
+            return "\n".join(lines) + "\n"
+        lines.append("Description-Content-Type: text/markdown")
+        return "\n".join(lines) + "\n\n" + cls._read(project["readme"])
+
+    @staticmethod
+    def _record_line(path, data):
+        import hashlib          # build-time only: kept off every command's start-up
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return "%s,sha256=%s,%d\n" % (path, digest, len(data))
+
+    @classmethod
+    def _write_wheel(cls, directory, files):
+        import zipfile
+        project = cls.project()
+        dist = cls._dist_name(project)
+        info = dist + ".dist-info"
+        scripts = sorted(project.get("scripts", {}).items())
+        files = list(files) + [
+            (info + "/METADATA", cls.metadata_text(project).encode("utf-8")),
+            (info + "/WHEEL", b"Wheel-Version: 1.0\nGenerator: ferrus\n"
+                              b"Root-Is-Purelib: true\nTag: py3-none-any\n"),
+            (info + "/entry_points.txt",
+             ("[console_scripts]\n" + "".join("%s = %s\n" % s for s in scripts)).encode()),
+        ] + [(info + "/licenses/" + name, cls._read(name).encode("utf-8"))
+             for name in project.get("license-files", ())]
+        record = "".join(cls._record_line(path, data) for path, data in files)
+        files.append((info + "/RECORD", (record + info + "/RECORD,,\n").encode("utf-8")))
+        name = dist + "-py3-none-any.whl"
+        with zipfile.ZipFile(os.path.join(directory, name), "w", zipfile.ZIP_DEFLATED) as wheel:
+            for path, data in files:
+                entry = zipfile.ZipInfo(path, time.gmtime(cls._epoch())[:6])
+                entry.external_attr = 0o644 << 16
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                wheel.writestr(entry, data)
+        return name
+
+    @classmethod
+    def _epoch(cls):
+        return max(cls.EPOCH, int(os.environ.get("SOURCE_DATE_EPOCH", cls.EPOCH)))
+
+    # -- the hooks pip calls ---------------------------------------------------------
+
+    @staticmethod
+    def get_requires_for_build_wheel(config_settings=None):
+        return []
+
+    get_requires_for_build_sdist = get_requires_for_build_editable = get_requires_for_build_wheel
+
+    @classmethod
+    def build_wheel(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        return cls._write_wheel(wheel_directory,
+                                [("ferrus.py", cls._read("ferrus.py").encode("utf-8"))])
+
+    @classmethod
+    def build_editable(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        # A .pth line puts the source folder on sys.path, so edits take effect at once.
+        return cls._write_wheel(wheel_directory, [("ferrus_editable.pth",
+                                                   (cls._source() + "\n").encode("utf-8"))])
+
+    @classmethod
+    def build_sdist(cls, sdist_directory, config_settings=None):
+        import io
+        import tarfile
+        project = cls.project()
+        base = cls._dist_name(project)
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
+        name = base + ".tar.gz"
+        with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
+                          format=tarfile.PAX_FORMAT) as archive:
+            for path, data in members:
+                member = tarfile.TarInfo("%s/%s" % (base, path))
+                member.size, member.mtime = len(data), cls._epoch()
+                member.mode = 0o755 if path == "ferrus" else 0o644
+                archive.addfile(member, io.BytesIO(data))
+        return name
+
+
+# ============================================================================
+# 18. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -10078,6 +10720,9 @@ def cmd_status(args, root):
         rows.append(("lease", "expired (last holder %s)" % data.claimed_by))
     else:
         rows.append(("lease", "none"))
+    if data.task_milestone:
+        rows.append(("task from", "milestone %s of %s (approving ticks it)"
+                     % (data.task_milestone, data.task_spec)))
     if data.selected_spec:
         rows.append(("spec", data.selected_spec))
         rows.append(("milestone", data.selected_milestone or "(none left)"))
@@ -10292,12 +10937,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
-            print("           permissions: %s (%s)%s" % (
+            say("           permissions: %s (%s)%s" % (
                 row["permissions"], row["permissions_from"],
                 ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
         for warning in row.get("warnings", ()):
-            print("           warning: %s" % warning["warning"])
-            print("           fix: %s" % warning["hint"])
+            say("           warning: %s" % warning["warning"])
+            say("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
