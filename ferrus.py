@@ -6983,6 +6983,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
+            and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
+        # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
+        # root/sudo privileges for security reasons", and the session ends at once.
+        warnings.append(("Claude Code refuses permissions = \"full\" (bypassPermissions) "
+                         "when run as root, so the %s would exit at once" % role,
+                         "in a sandbox, add `env = { IS_SANDBOX = \"1\" }` under "
+                         "[agents.claude-code]; otherwise use \"edit\""))
     flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
              if arg.startswith("-")}
     options = adapter.options.extra_args + adapter.options.headless_args
@@ -8363,8 +8371,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)
