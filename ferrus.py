@@ -6983,6 +6983,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
+            and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
+        # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
+        # root/sudo privileges for security reasons", and the session ends at once.
+        warnings.append(("Claude Code refuses permissions = \"full\" (bypassPermissions) "
+                         "when run as root, so the %s would exit at once" % role,
+                         "in a sandbox, add `env = { IS_SANDBOX = \"1\" }` under "
+                         "[agents.claude-code]; otherwise use \"edit\""))
     flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
              if arg.startswith("-")}
     options = adapter.options.extra_args + adapter.options.headless_args
@@ -7357,6 +7365,19 @@ def read_orchestrator_record(store):
     except (ValueError, OSError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def running_orchestrator(store):
+    """Who holds the orchestrator lock, read without touching the lock (None: nobody).
+
+    A record whose process is gone on this host was left by a holder that died."""
+    record = read_orchestrator_record(store)
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if record.get("host") == _host_name() and not (isinstance(pid, int) and pid_alive(pid)):
+        return None
+    return record
 
 
 class OrchestratorLock:
@@ -8356,8 +8377,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)
@@ -10672,7 +10697,9 @@ def cmd_status(args, root):
             notes.append(NO_CHECKS_WARNING)
         if config.hq_problem:
             notes.append(config.hq_problem.message)
+    orchestrator = running_orchestrator(store)
     if args.json:
+        info["orchestrator"] = orchestrator
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -10726,6 +10753,8 @@ def cmd_status(args, root):
             ", %s" % capacity["signal"] if capacity["signal"] else "",
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
+    rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
+                 "none running"))
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
