@@ -7391,6 +7391,7 @@ class OrchestratorLock:
         self.notes = []
         self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
                               "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+        self._signals = {}
 
     def acquire(self):
         try:
@@ -7403,6 +7404,7 @@ class OrchestratorLock:
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
                 "along safely)")
+        self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
             if previous is not None and previous.get("pid") != os.getpid():
@@ -7413,11 +7415,25 @@ class OrchestratorLock:
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
         except BaseException:
-            self._lock.release()
+            self.release()
             raise
         return self
 
+    def _stop_on_termination(self):
+        """SIGTERM and SIGHUP (a closed terminal, `kill`) end the orchestrator the way
+        Ctrl+C does, so its agents are stopped and their leases freed; by default they
+        would kill ferrus alone and leave its agents working unsupervised."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in ("SIGTERM", "SIGHUP"):
+            number = getattr(signal, name, None)
+            if number is not None:
+                self._signals[number] = signal.signal(number, _raise_terminated)
+
     def release(self):
+        for number, previous in self._signals.items():
+            signal.signal(number, previous)
+        self._signals.clear()
         with contextlib.suppress(OSError):
             record = read_orchestrator_record(self.store)
             if record is not None and record.get("pid") == os.getpid():
@@ -7429,6 +7445,18 @@ class OrchestratorLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while orchestrating: unwinds like Ctrl+C; exit 128 + signal."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.exit_code = 128 + signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def _host_name():
@@ -8078,6 +8106,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             CHECKPOINT, EMERGENCY_STOP):
         return RUN_CHECKPOINT
     if task is not None:
+        if not task.strip():        # refused before anything is reset below
+            raise UsageError("the task description is empty",
+                             "pass the task as --task TEXT or --task-file FILE")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -11475,8 +11506,8 @@ def main(argv=None):
         if err.hint:
             say("hint: %s" % err.hint, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
     except BrokenPipeError:
         return 1
     except OSError as err:
