@@ -30,7 +30,8 @@ Contents (each section uses only the sections above it):
     14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
     15. Pipelines ......... seed 003: workflows.json, status.json, the reconcile loop
     16. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    17. CLI ............... argparse front end, ``main(argv) -> int``
+    17. Packaging ......... ferrus as its own PEP 517 build backend (``pip install .``)
+    18. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -6982,6 +6983,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
+            and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
+        # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
+        # root/sudo privileges for security reasons", and the session ends at once.
+        warnings.append(("Claude Code refuses permissions = \"full\" (bypassPermissions) "
+                         "when run as root, so the %s would exit at once" % role,
+                         "in a sandbox, add `env = { IS_SANDBOX = \"1\" }` under "
+                         "[agents.claude-code]; otherwise use \"edit\""))
     flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
              if arg.startswith("-")}
     options = adapter.options.extra_args + adapter.options.headless_args
@@ -7356,6 +7365,19 @@ def read_orchestrator_record(store):
     except (ValueError, OSError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def running_orchestrator(store):
+    """Who holds the orchestrator lock, read without touching the lock (None: nobody).
+
+    A record whose process is gone on this host was left by a holder that died."""
+    record = read_orchestrator_record(store)
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if record.get("host") == _host_name() and not (isinstance(pid, int) and pid_alive(pid)):
+        return None
+    return record
 
 
 class OrchestratorLock:
@@ -8349,8 +8371,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)
@@ -10494,7 +10520,137 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 17. CLI
+# 17. Packaging
+# ============================================================================
+#
+# pyproject.toml names ``ferrus:BuildBackend`` as its PEP 517 / PEP 660 backend
+# (``backend-path = ["."]``), so ``pip install .`` needs nothing but the standard
+# library: no setuptools download (a Python 3.12+ venv has none, and the one a 3.9
+# venv ships predates ``[project]`` tables), which is what an air-gapped machine has.
+
+class BuildBackend:
+    """The PEP 517 / 660 hooks: a wheel holding ferrus.py, an sdist, an editable wheel.
+
+    Metadata comes from pyproject.toml's [project] table, the version from
+    ``__version__``.  Archive members get one fixed time, so two builds are identical."""
+
+    EPOCH = 315532800                                   # 1980-01-01, the zip format's floor
+    SDIST_FILES = ("pyproject.toml", "ferrus.py", "ferrus", "README.md", "LICENSE")
+
+    @staticmethod
+    def _source():
+        return os.path.dirname(os.path.abspath(__file__))
+
+    @classmethod
+    def _read(cls, name):
+        with open(os.path.join(cls._source(), name), "r", encoding="utf-8") as handle:
+            return handle.read()
+
+    @classmethod
+    def project(cls):
+        project = dict(parse_toml(cls._read("pyproject.toml"))["project"])
+        project["version"] = __version__
+        return project
+
+    @staticmethod
+    def _dist_name(project):
+        return "%s-%s" % (re.sub(r"[-_.]+", "_", project["name"]).lower(), project["version"])
+
+    @classmethod
+    def metadata_text(cls, project):
+        """Core metadata (METADATA in a wheel, PKG-INFO in an sdist)."""
+        lines = ["Metadata-Version: 2.1", "Name: %s" % project["name"],
+                 "Version: %s" % project["version"]]
+        for key, field in (("description", "Summary"), ("license", "License"),
+                           ("requires-python", "Requires-Python")):
+            if project.get(key):
+                lines.append("%s: %s" % (field, project[key]))
+        lines += ["Classifier: %s" % c for c in project.get("classifiers", ())]
+        lines += ["Requires-Dist: %s" % d for d in project.get("dependencies", ())]
+        for extra, requirements in sorted(project.get("optional-dependencies", {}).items()):
+            lines.append("Provides-Extra: %s" % extra)
+            lines += ['Requires-Dist: %s; extra == "%s"' % (r, extra) for r in requirements]
+        if not project.get("readme"):
+            return "\n".join(lines) + "\n"
+        lines.append("Description-Content-Type: text/markdown")
+        return "\n".join(lines) + "\n\n" + cls._read(project["readme"])
+
+    @staticmethod
+    def _record_line(path, data):
+        import hashlib          # build-time only: kept off every command's start-up
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return "%s,sha256=%s,%d\n" % (path, digest, len(data))
+
+    @classmethod
+    def _write_wheel(cls, directory, files):
+        import zipfile
+        project = cls.project()
+        dist = cls._dist_name(project)
+        info = dist + ".dist-info"
+        scripts = sorted(project.get("scripts", {}).items())
+        files = list(files) + [
+            (info + "/METADATA", cls.metadata_text(project).encode("utf-8")),
+            (info + "/WHEEL", b"Wheel-Version: 1.0\nGenerator: ferrus\n"
+                              b"Root-Is-Purelib: true\nTag: py3-none-any\n"),
+            (info + "/entry_points.txt",
+             ("[console_scripts]\n" + "".join("%s = %s\n" % s for s in scripts)).encode()),
+        ] + [(info + "/licenses/" + name, cls._read(name).encode("utf-8"))
+             for name in project.get("license-files", ())]
+        record = "".join(cls._record_line(path, data) for path, data in files)
+        files.append((info + "/RECORD", (record + info + "/RECORD,,\n").encode("utf-8")))
+        name = dist + "-py3-none-any.whl"
+        with zipfile.ZipFile(os.path.join(directory, name), "w", zipfile.ZIP_DEFLATED) as wheel:
+            for path, data in files:
+                entry = zipfile.ZipInfo(path, time.gmtime(cls._epoch())[:6])
+                entry.external_attr = 0o644 << 16
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                wheel.writestr(entry, data)
+        return name
+
+    @classmethod
+    def _epoch(cls):
+        return max(cls.EPOCH, int(os.environ.get("SOURCE_DATE_EPOCH", cls.EPOCH)))
+
+    # -- the hooks pip calls ---------------------------------------------------------
+
+    @staticmethod
+    def get_requires_for_build_wheel(config_settings=None):
+        return []
+
+    get_requires_for_build_sdist = get_requires_for_build_editable = get_requires_for_build_wheel
+
+    @classmethod
+    def build_wheel(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        return cls._write_wheel(wheel_directory,
+                                [("ferrus.py", cls._read("ferrus.py").encode("utf-8"))])
+
+    @classmethod
+    def build_editable(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        # A .pth line puts the source folder on sys.path, so edits take effect at once.
+        return cls._write_wheel(wheel_directory, [("ferrus_editable.pth",
+                                                   (cls._source() + "\n").encode("utf-8"))])
+
+    @classmethod
+    def build_sdist(cls, sdist_directory, config_settings=None):
+        import io
+        import tarfile
+        project = cls.project()
+        base = cls._dist_name(project)
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
+        name = base + ".tar.gz"
+        with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
+                          format=tarfile.PAX_FORMAT) as archive:
+            for path, data in members:
+                member = tarfile.TarInfo("%s/%s" % (base, path))
+                member.size, member.mtime = len(data), cls._epoch()
+                member.mode = 0o755 if path == "ferrus" else 0o644
+                archive.addfile(member, io.BytesIO(data))
+        return name
+
+
+# ============================================================================
+# 18. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -10535,7 +10691,9 @@ def cmd_status(args, root):
             notes.append(NO_CHECKS_WARNING)
         if config.hq_problem:
             notes.append(config.hq_problem.message)
+    orchestrator = running_orchestrator(store)
     if args.json:
+        info["orchestrator"] = orchestrator
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -10589,6 +10747,8 @@ def cmd_status(args, root):
             ", %s" % capacity["signal"] if capacity["signal"] else "",
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
+    rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
+                 "none running"))
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
