@@ -8165,6 +8165,12 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                                     if finished else "every milestone of the spec is complete"))
             return RUN_COMPLETE
         path, text, milestone = found
+        state = store.read_state().state
+        if state in ACTIVE_STATES:
+            # Checked before the selection moves: retargeting a running task is upstream
+            # bug §11.17.
+            raise FerrusError("a task is already in flight (state %s)" % state,
+                              "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if (path, milestone.id) == previous:
             raise FerrusError("milestone %s of %s was approved but its box is still open"
                               % (milestone.id, path),
