@@ -7003,6 +7003,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
+            and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
+        # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
+        # root/sudo privileges for security reasons", and the session ends at once.
+        warnings.append(("Claude Code refuses permissions = \"full\" (bypassPermissions) "
+                         "when run as root, so the %s would exit at once" % role,
+                         "in a sandbox, add `env = { IS_SANDBOX = \"1\" }` under "
+                         "[agents.claude-code]; otherwise use \"edit\""))
     flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
              if arg.startswith("-")}
     options = adapter.options.extra_args + adapter.options.headless_args
@@ -7379,6 +7387,19 @@ def read_orchestrator_record(store):
     return record if isinstance(record, dict) else None
 
 
+def running_orchestrator(store):
+    """Who holds the orchestrator lock, read without touching the lock (None: nobody).
+
+    A record whose process is gone on this host was left by a holder that died."""
+    record = read_orchestrator_record(store)
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if record.get("host") == _host_name() and not (isinstance(pid, int) and pid_alive(pid)):
+        return None
+    return record
+
+
 class OrchestratorLock:
     """The project's orchestrator lock, held from acquire() to release().
 
@@ -7390,6 +7411,7 @@ class OrchestratorLock:
         self.notes = []
         self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
                               "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+        self._signals = {}
 
     def acquire(self):
         try:
@@ -7402,6 +7424,7 @@ class OrchestratorLock:
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
                 "along safely)")
+        self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
             if previous is not None and previous.get("pid") != os.getpid():
@@ -7412,11 +7435,25 @@ class OrchestratorLock:
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
         except BaseException:
-            self._lock.release()
+            self.release()
             raise
         return self
 
+    def _stop_on_termination(self):
+        """SIGTERM and SIGHUP (a closed terminal, `kill`) end the orchestrator the way
+        Ctrl+C does, so its agents are stopped and their leases freed; by default they
+        would kill ferrus alone and leave its agents working unsupervised."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in ("SIGTERM", "SIGHUP"):
+            number = getattr(signal, name, None)
+            if number is not None:
+                self._signals[number] = signal.signal(number, _raise_terminated)
+
     def release(self):
+        for number, previous in self._signals.items():
+            signal.signal(number, previous)
+        self._signals.clear()
         with contextlib.suppress(OSError):
             record = read_orchestrator_record(self.store)
             if record is not None and record.get("pid") == os.getpid():
@@ -7428,6 +7465,18 @@ class OrchestratorLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while orchestrating: unwinds like Ctrl+C; exit 128 + signal."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.exit_code = 128 + signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def _host_name():
@@ -8077,6 +8126,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             CHECKPOINT, EMERGENCY_STOP):
         return RUN_CHECKPOINT
     if task is not None:
+        if not task.strip():        # refused before anything is reset below
+            raise UsageError("the task description is empty",
+                             "pass the task as --task TEXT or --task-file FILE")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -8164,6 +8216,12 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                                     if finished else "every milestone of the spec is complete"))
             return RUN_COMPLETE
         path, text, milestone = found
+        state = store.read_state().state
+        if state in ACTIVE_STATES:
+            # Checked before the selection moves: retargeting a running task is upstream
+            # bug §11.17.
+            raise FerrusError("a task is already in flight (state %s)" % state,
+                              "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if (path, milestone.id) == previous:
             raise FerrusError("milestone %s of %s was approved but its box is still open"
                               % (milestone.id, path),
@@ -8370,8 +8428,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)
@@ -10686,7 +10748,9 @@ def cmd_status(args, root):
             notes.append(NO_CHECKS_WARNING)
         if config.hq_problem:
             notes.append(config.hq_problem.message)
+    orchestrator = running_orchestrator(store)
     if args.json:
+        info["orchestrator"] = orchestrator
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -10740,6 +10804,8 @@ def cmd_status(args, root):
             ", %s" % capacity["signal"] if capacity["signal"] else "",
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
+    rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
+                 "none running"))
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
@@ -11460,8 +11526,8 @@ def main(argv=None):
         if err.hint:
             say("hint: %s" % err.hint, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
     except BrokenPipeError:
         return 1
     except OSError as err:
