@@ -1620,7 +1620,8 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
         raw = parse_toml(text)
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
-                          "fix the syntax at that line; `ferrus init` shows a valid example")
+                          "fix the syntax at that line (`ferrus init` in an empty folder writes a "
+                          "commented example; the README's ferrus.toml section lists every key)")
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
@@ -6775,6 +6776,15 @@ def probe_version(argv, timeout=10.0):
 
 # -- register -------------------------------------------------------------------------
 
+def configured_registration(root):
+    """What a bare `register` registers: the agents [hq.supervisor] and [hq.executor]
+    of ferrus.toml name, with their models."""
+    config = Store(root).config().require_hq()
+    return {role: (choice.agent, choice.model or None)
+            for role, choice in ((role, getattr(config, role, None)) for role in ROLES)
+            if choice is not None and choice.agent}
+
+
 def register_agents(root, choices, trust=False, report=print):
     """`ferrus register`: write each role's agent configuration and update [hq].
 
@@ -8590,10 +8600,11 @@ class HqShell:
         except SystemExit:
             raise UsageError("usage: /register [--supervisor A] [--executor A] "
                              "[--supervisor-model M] [--executor-model M] [--trust]")
-        if not args.supervisor and not args.executor:
-            raise UsageError("At least one of --supervisor or --executor must be specified")
         choices = {role: (getattr(args, role), getattr(args, role + "_model"))
                    for role in ROLES if getattr(args, role)}
+        choices = choices or configured_registration(self.store.root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified")
         # Through write(), so the output lands in HQ's transcript, not over the screen.
         register_agents(self.store.root, choices, trust=args.trust, report=self.write)
 
@@ -9259,7 +9270,8 @@ def parse_workflows(text, path, known_agents=None):
         raw = json.loads(text)
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
-                          "fix the syntax (`ferrus pipeline init` shows a valid example)")
+                          "fix the syntax (`ferrus pipeline init` in a project without a workflows "
+                          "file writes a valid example)")
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -10722,11 +10734,24 @@ def _paint(text, code, enabled):
     return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
 
 
+def invoked_as():
+    """How the user started ferrus, for hints they can paste: ``ferrus`` from the
+    launcher or an installed command, else the interpreter and this file."""
+    program = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "")
+    if program in ("ferrus", "ferrus.exe"):
+        return "ferrus"
+    if program == "__main__.py" or program == "-m":
+        return "python3 -m ferrus"
+    return "python3 %s" % os.path.abspath(__file__)
+
+
 def cmd_init(args, root):
     init_project(root, args.agents_path)
     print()
+    me = invoked_as()
     print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
-          "ferrus.toml, then run `ferrus status`.")
+          "ferrus.toml, then `%s register` (the agents [hq.*] names; or --supervisor A "
+          "--executor A) and `%s run --task \"...\"`." % (me, me))
     return 0
 
 
@@ -10964,7 +10989,22 @@ def cmd_check(args, root):
 
 
 def cmd_register(args, root):
-    # Upstream's checks, in upstream's order (reference §1).
+    bare = not (args.supervisor or args.executor or args.supervisor_model is not None
+                or args.executor_model is not None)
+    if bare:
+        choices = configured_registration(root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified",
+                             "e.g. ferrus register --supervisor claude-code --executor codex "
+                             "(a bare `ferrus register` uses [hq.supervisor] and [hq.executor] "
+                             "of ferrus.toml, and this project names neither)")
+        say("Registering the agents ferrus.toml names: %s" % ", ".join(
+            "%s %s" % (role, agent) for role, (agent, _model) in choices.items()))
+        register_agents(root, choices, trust=args.trust)
+        print()
+        print("Done. `ferrus agents` shows whether each agent is installed and connected.")
+        return 0
+    # Upstream's checks, in upstream's order.
     if not args.supervisor and not args.executor:
         raise UsageError("At least one of --supervisor or --executor must be specified",
                          "e.g. ferrus register --supervisor claude-code --executor codex")
@@ -11029,13 +11069,16 @@ def cmd_run(args, root):
         try:
             task = read_text(args.task_file)
         except OSError as err:
-            raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror))
+            raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
+                              "give the path of a text file holding the task, relative to "
+                              "the current folder, or pass the task as --task TEXT")
     interactive = sys.stdin.isatty()
 
     def ask(question):
         if not interactive:
             return None
-        say("\nQuestion for you:\n%s" % question, flush=True)
+        # The question itself is already on the screen (the run's own event line).
+        say("Your answer to the question above:", flush=True)
         return input("answer> ")
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",

@@ -62,3 +62,26 @@ def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, sign
             proc.kill()
     assert proc.returncode == 128 + signum, proc.communicate()
     assert not record.exists(), "the orchestrator record was left behind"
+
+
+def test_bare_register_registers_the_agents_ferrus_toml_names(tmp_path, capsys):
+    root = _project(tmp_path)
+    config = ferrus.load_config(str(root))
+    expected = {"supervisor": config.supervisor.agent, "executor": config.executor.agent}
+    capsys.readouterr()
+    assert ferrus.main(["-C", str(root), "register"]) == 0
+    out = capsys.readouterr().out
+    assert "Registering the agents ferrus.toml names" in out
+    for role, agent in expected.items():
+        assert "%s %s" % (role, agent) in out
+    rows = {row["role"]: row for row in ferrus.agents_report(str(root),
+                                                            probe=lambda argv: None)}
+    assert rows["executor"]["agent"] == expected["executor"]
+
+
+def test_bare_register_without_configured_agents_says_how(tmp_path, capsys):
+    root = _project(tmp_path)
+    (root / "ferrus.toml").write_text('[checks]\ncommands = ["true"]\n')
+    assert ferrus.main(["-C", str(root), "register"]) == 2
+    err = capsys.readouterr().err
+    assert "At least one of --supervisor or --executor" in err and "[hq.supervisor]" in err
