@@ -2800,6 +2800,7 @@ class CommandResult:
     log_path_abs: "str | None" = None
     log_cut_bytes: int = 0             # output left out of the middle of the log file
     log_error: "str | None" = None     # why the log file is incomplete (a full disk)
+    timeout: "float | None" = None     # the limit it ran into, when it timed out
 
     @property
     def passed(self):
@@ -2856,7 +2857,8 @@ def _log_description(result):
 
 def _status_note(result):
     if result.status == "timed out":
-        return " (timed out after %.0f s)" % result.duration
+        # The configured limit, not the measured time, which includes the kill.
+        return " (timed out after %g s)" % (result.timeout or round(result.duration))
     if result.status == "cancelled":
         return " (stopped: %s)" % "another command failed and fail_fast is on"
     if result.exit_code is not None and result.exit_code < 0:
@@ -3050,6 +3052,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                     outcome = "cancelled"
                 elif time.monotonic() - started >= timeout:
                     outcome = "timed out"
+                    result.timeout = timeout
         if outcome != "exited":
             record.end()
             proc.wait()
