@@ -447,8 +447,8 @@ def _proc_stat(pid):
 HAS_PROC = not IS_WINDOWS and os.path.isdir("/proc/self") and _proc_stat(os.getpid()) is not None
 
 
-def process_table():
-    """Every visible process as {pid: ProcessInfo}.
+def process_table(candidate=None):
+    """Every visible process as {pid: ProcessInfo} (only pids ``candidate`` accepts).
 
     Linux reads /proc (start = boot-relative start time, sid known); other POSIX
     systems ask ``ps`` (no session, start time only through process_start);
@@ -458,7 +458,7 @@ def process_table():
     table = {}
     if HAS_PROC:
         for name in os.listdir("/proc"):
-            if name.isdigit():
+            if name.isdigit() and (candidate is None or candidate(int(name))):
                 info = _proc_stat(int(name))
                 if info is not None:
                     table[info.pid] = info
@@ -2719,6 +2719,8 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                 proc.wait(timeout=0.05)
                 outcome = "exited"
             except subprocess.TimeoutExpired:
+                if record.window is not None:
+                    record.window.update()
                 if stop.is_set():
                     outcome = "cancelled"
                 elif time.monotonic() - started >= timeout:
@@ -2807,6 +2809,98 @@ def _check_members(table, marker, leader_pid=None, leader_start=None):
     return {pid for pid in members - skip if not table[pid].zombie}
 
 
+def _read_int(path):
+    try:
+        with open(path, "rb") as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class PidWindow:
+    """The pids Linux handed out since this object was made: a cheap sweep's candidates.
+
+    Linux allocates pids cyclically, so every process a check started has a pid
+    in the cyclic range after ``/proc/sys/kernel/ns_last_pid`` as it was just
+    before the check's shell started.  Reading only those /proc entries costs a
+    few instead of all (there can be thousands).  The counter is sampled while
+    the check runs; once the allocations come near a whole cycle the window
+    stops filtering and a sweep reads every process again."""
+
+    LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+    def __init__(self):
+        self.first = _read_int(self.LAST_PID) if HAS_PROC else None
+        self.pid_max = _read_int("/proc/sys/kernel/pid_max") if self.first is not None else None
+        self.valid = bool(self.first is not None and self.pid_max)
+        self.last = self.first
+        self.travelled = 0
+
+    def update(self):
+        if not self.valid:
+            return
+        now = _read_int(self.LAST_PID)
+        if now is None:
+            self.valid = False
+            return
+        self.travelled += (now - self.last) % self.pid_max
+        self.last = now
+        if self.travelled >= self.pid_max // 2:
+            self.valid = False
+
+    def confirm(self, pid):
+        """Stop filtering if ``pid`` (just started) is not in the window: another pid namespace."""
+        self.update()
+        if self.valid and not self.contains(pid):
+            self.valid = False
+
+    def contains(self, pid):
+        if not self.valid:
+            return True
+        return 0 < (pid - self.first) % self.pid_max <= (self.last - self.first) % self.pid_max
+
+
+class _SharedProcessTable:
+    """process_table() for concurrent sweeps: callers share one read of /proc.
+
+    A read costs one /proc file per process (tenths of a second on a loaded
+    machine with a thousand processes), and parallel checks tend to end
+    together.  A caller gets a table whose read *started* after its call, so
+    sharing never hides a process that existed when it asked."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._reading = False
+        self._generation = 0
+        self._table = {}
+
+    def read(self):
+        with self._cond:
+            # A read already under way may have started before this call: wait for the next.
+            wanted = self._generation + (2 if self._reading else 1)
+            while self._generation < wanted:
+                if self._reading:
+                    self._cond.wait()
+                    continue
+                self._reading = True
+                table = {}
+                try:
+                    self._cond.release()
+                    try:
+                        table = process_table()
+                    finally:
+                        self._cond.acquire()
+                finally:
+                    self._reading = False
+                    self._generation += 1
+                    self._table = table
+                    self._cond.notify_all()
+            return self._table
+
+
+_PROCESS_TABLE = _SharedProcessTable()
+
+
 def _signal_each(pids, sig):
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -2821,24 +2915,32 @@ def _gone(pid):
 
 
 def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, grace=0.25,
-                        leader_done=None):
+                        leader_done=None, window=None):
     """End every process of one check: TERM, up to ``grace`` seconds, then KILL.
 
     Before the KILL the processes are stopped (SIGSTOP) and the table is read
     again until no new member shows up, so a process that forks as fast as it
     can cannot outrun the sweep.  ``pgid`` is signalled as a group as well (the
-    only handle on the group where there is no /proc).  Returns the pids found."""
+    only handle on the group where there is no /proc).  ``window`` (a PidWindow
+    opened before the check started) limits the search to newer processes.
+    Returns the pids found."""
     if IS_WINDOWS:  # pragma: no cover - Windows uses kill_process_tree
         return set()
 
     def find():
-        return _check_members(process_table(), marker, leader_pid, leader_start)
+        if window is not None:
+            window.update()
+            if window.valid:
+                return _check_members(process_table(window.contains), marker, leader_pid,
+                                      leader_start)
+        return _check_members(_PROCESS_TABLE.read(), marker, leader_pid, leader_start)
 
     def signal_group(sig):
         if pgid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, sig)
     found = find()
+    fresh = set(found)
     if grace > 0 and (found or pgid):
         _signal_each(found, signal.SIGTERM)
         signal_group(signal.SIGTERM)
@@ -2847,13 +2949,17 @@ def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, g
             if (leader_done is None or leader_done()) and all(_gone(pid) for pid in found):
                 break
             time.sleep(0.01)
+        fresh = find()
+    # Reading the process table is the expensive part (a /proc read per process),
+    # so the first look doubles as the first round.
     stopped = set()
     for _ in range(100):
-        fresh = find() - stopped
+        fresh -= stopped
         if not fresh:
             break
         _signal_each(fresh, signal.SIGSTOP)
         stopped |= fresh
+        fresh = find()
     signal_group(signal.SIGKILL)
     _signal_each(stopped, signal.SIGKILL)
     return found | stopped
@@ -2866,6 +2972,7 @@ class CheckProcessRecord:
         self.path = os.path.join(directory, check_id + ".json")
         self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
         self.proc = None
+        self.window = None
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
                      "owner_pid": os.getpid(), "owner_start": _own_start(),
                      "started_at": format_timestamp(utc_now())}
@@ -2884,12 +2991,16 @@ class CheckProcessRecord:
             log.warning("cannot record check processes in %s: %s", self.path, err)
 
     def environment(self):
+        """The command's environment; also opens the pid window, just before the spawn."""
         env = dict(os.environ)
         env[CHECK_MARKER_ENV] = self.marker
+        self.window = PidWindow()
         return env
 
     def started(self, proc):
         self.proc = proc
+        if self.window is not None:
+            self.window.confirm(proc.pid)
         self.data.update(leader_pid=proc.pid, leader_start=process_start(proc.pid))
         self._save()
 
@@ -2903,7 +3014,8 @@ class CheckProcessRecord:
         leader = proc.pid if proc is not None else None
         end_check_processes(self.marker, leader, self.data.get("leader_start"), pgid=leader,
                             grace=grace,
-                            leader_done=(lambda: proc.poll() is not None) if proc else None)
+                            leader_done=(lambda: proc.poll() is not None) if proc else None,
+                            window=self.window)
 
     def close(self):
         with _ACTIVE_CHECKS_LOCK:
