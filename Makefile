@@ -31,10 +31,20 @@ N ?= 2000
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: test test-matrix bench fuzz e2e clean
+.PHONY: test test-matrix bench fuzz e2e clean require-pytest
+
+# pytest is the only test dependency; without it, say how to get it instead of
+# pytest's bare "No module named pytest".
+require-pytest:
+	@$(PYTHON) -c "import pytest" 2>/dev/null || { \
+	  echo "make: pytest is not installed for $(PYTHON) (it is the only test dependency)" >&2; \
+	  echo "hint: $(PYTHON) -m pip install pytest" >&2; \
+	  echo "      or, in a virtual environment make finds by itself:" >&2; \
+	  echo "      python3 -m venv .venv && .venv/bin/python -m pip install pytest && make test" >&2; \
+	  exit 1; }
 
 # pytest's exit status is make's: 1 = failures, 5 = no tests collected, ...
-test:
+test: require-pytest
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
 test-matrix:
@@ -45,10 +55,10 @@ test-matrix:
 bench:
 	env -u PYTHONDONTWRITEBYTECODE $(PYTHON) bench/run.py $(BENCH_ARGS)
 
-fuzz:
+fuzz: require-pytest
 	FERRUS_FUZZ_N=$(N) $(PYTHON) -m pytest -q tests/test_fuzz.py $(PYTEST_ARGS)
 
-e2e:
+e2e: require-pytest
 	$(PYTHON) -m pytest -q -m e2e tests $(PYTEST_ARGS)
 
 clean:

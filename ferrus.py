@@ -54,6 +54,7 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import itertools
 import json
 import logging
 import os
@@ -177,6 +178,40 @@ def compact_json(value):
 def pretty_json(value):
     """Indented JSON with keys in insertion order and no trailing newline."""
     return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+# Every C0 control except tab and newline, DEL, and every C1 control (U+0080–U+009F;
+# some terminals act on UTF-8-encoded C1 such as U+009B CSI).  ESC is among them, so
+# no escape sequence (OSC 52 clipboard, window title, clear screen) survives.
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible_control(match):
+    code = ord(match.group())
+    if code < 0x20 or code == 0x7f:
+        return "^" + chr(code ^ 0x40)       # caret notation: ESC → ^[, CR → ^M, DEL → ^?
+    return "\\x%02x" % code
+
+
+def terminal_safe(text):
+    """``text`` with every terminal control made visible, for printing to a terminal.
+
+    Agents, checks and files are untrusted: what they wrote is shown, never obeyed.
+    Newline and tab are kept; every other character (CJK, emoji, accents) is
+    untouched.  Applied where text is printed, never to what is stored."""
+    text = text if isinstance(text, str) else str(text)
+    return _TERMINAL_CONTROLS.sub(_visible_control, text)
+
+
+def say(text="", file=None, flush=False):
+    """print() for every line that may carry agent, check or file text."""
+    print(terminal_safe(text), file=file if file is not None else sys.stdout, flush=flush)
+
+
+def json_for_terminal(text):
+    """JSON text with DEL and C1 controls written as \\u escapes: the same value when
+    parsed (json already escapes C0), and nothing a terminal would act on."""
+    return _TERMINAL_CONTROLS.sub(lambda match: "\\u%04x" % ord(match.group()), text)
 
 
 def new_id(prefix):
@@ -2120,6 +2155,58 @@ FERRUS_DIR = ".ferrus"
 STATE_FILE = "STATE.json"
 LOCK_FILE = "STATE.lock"
 JOURNAL_FILE = "events.jsonl"
+JOURNAL_ARCHIVE_FILE = "events.jsonl.1"    # what the last rotation moved aside
+JOURNAL_GAP_EVENT = "journal_gap"          # one entry for seqs whose lines are lost
+# events.jsonl is rotated when a line would take it past this size (FERRUS_JOURNAL_MAX_BYTES).
+JOURNAL_MAX_BYTES = 16 * 1024 * 1024
+
+
+def journal_max_bytes():
+    value = os.environ.get("FERRUS_JOURNAL_MAX_BYTES", "")
+    try:
+        return max(1024, int(value)) if value.strip() else JOURNAL_MAX_BYTES
+    except ValueError:
+        log.warning("FERRUS_JOURNAL_MAX_BYTES=%r is not a number of bytes; using %d",
+                    value, JOURNAL_MAX_BYTES)
+        return JOURNAL_MAX_BYTES
+
+
+def _lines_backwards(path, chunk=4096):
+    """The lines of a file (bytes, without their newline) from the last to the first,
+    read in chunks from the end that grow up to 1 MiB (most callers want only the
+    last few lines).  A missing file has none."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with handle:
+        position = handle.seek(0, os.SEEK_END)
+        rest = b""
+        while position > 0:
+            start = max(0, position - chunk)
+            handle.seek(start)
+            data = handle.read(position - start) + rest
+            position = start
+            chunk = min(chunk * 4, 1 << 20)
+            lines = data.split(b"\n")
+            rest = lines[0]              # may continue in the chunk before this one
+            for line in reversed(lines[1:]):
+                yield line
+        yield rest
+
+
+def _end_of_complete_lines(handle, size, chunk=65536):
+    """The offset just past the last newline in an open binary file (0 for none)."""
+    position = size
+    while position > 0:
+        start = max(0, position - chunk)
+        handle.seek(start)
+        data = handle.read(position - start)
+        newline = data.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        position = start
+    return 0
 CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER.md",
                  "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md", "LAST_SPEC_PATH")
 # Files that a new task, a reset or HQ's force-reset empty.
@@ -2183,6 +2270,8 @@ class Transaction:
         self.event = None
         self.detail = {}
         self.committed = None   # the Commit, once the block has ended
+        self.rotate_journal = False     # start a new events.jsonl with this commit's line
+        self.rotated_journal = False    # whether the commit did
 
     def read(self, name):
         """A content file as this transaction will leave it."""
@@ -2261,14 +2350,16 @@ class Store:
         """A cheap fingerprint that changes on every commit.
 
         STATE.json's inode, mtime and size alone could repeat on a filesystem with
-        coarse timestamps (inodes are reused, sizes often equal); the journal only
-        ever grows, one line per commit, so its size makes the stamp strictly new."""
+        coarse timestamps (inodes are reused, sizes often equal); the journal grows
+        one line per commit, and a rotation gives it a new inode, so its inode and
+        size make the stamp strictly new."""
         try:
             st = os.stat(self.path(STATE_FILE))
         except FileNotFoundError:
             return None
         try:
-            journal = os.stat(self.journal_path()).st_size
+            journal = os.stat(self.journal_path())
+            journal = (journal.st_ino, journal.st_size)
         except FileNotFoundError:
             journal = -1
         return (st.st_ino, st.st_mtime_ns, st.st_size, journal)
@@ -2308,7 +2399,8 @@ class Store:
                         from_state=tx.before.state.value, to_state=state.state.value,
                         task_id=state.task_id, detail=tx.detail)
         try:
-            self._append_journal(commit, state.rev)
+            tx.rotated_journal = self._append_journal(commit, state.rev,
+                                                      rotate=tx.rotate_journal)
         except OSError as err:
             raise JournalWriteError(
                 "%s was committed to STATE.json (rev %d), but its journal line could not be "
@@ -2322,50 +2414,75 @@ class Store:
     def journal_path(self):
         return self.path(JOURNAL_FILE)
 
+    def journal_archive_path(self):
+        return self.path(JOURNAL_ARCHIVE_FILE)
+
+    def journal_entries_backwards(self):
+        """Journal entries from the newest back, reading the files from their ends.
+
+        events.jsonl first, then the archive a rotation left; only strictly falling
+        seqs are yielded, so an entry that both files hold is not seen twice.  The
+        cost is what the caller consumes, never the length of the journal."""
+        below = None
+        for path in (self.journal_path(), self.journal_archive_path()):
+            for raw in _lines_backwards(path):
+                if not raw.strip():
+                    continue
+                entry = journal_entry(raw.decode("utf-8", "replace"))
+                if entry is None or (below is not None and entry["seq"] >= below):
+                    continue
+                below = entry["seq"]
+                yield entry
+
+    def journal_entries(self):
+        """Every journal entry, oldest first (the archive, then events.jsonl), streamed
+        so that printing a long journal needs no memory for it."""
+        above = None
+        for path in (self.journal_archive_path(), self.journal_path()):
+            try:
+                handle = open(path, "r", encoding="utf-8", errors="replace")
+            except FileNotFoundError:
+                continue
+            with handle:
+                for line in handle:
+                    entry = journal_entry(line) if line.strip() else None
+                    if entry is None or (above is not None and entry["seq"] <= above):
+                        continue
+                    above = entry["seq"]
+                    yield entry
+
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
-        path = self.journal_path()
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                chunk = 4096
-                while True:
-                    start = max(0, size - chunk)
-                    handle.seek(start)
-                    data = handle.read(size - start)
-                    lines = data.split(b"\n")
-                    complete = lines[:-1] if not data.endswith(b"\n") else lines
-                    for line in reversed(complete if start == 0 else complete[1:]):
-                        line = line.strip()
-                        if not line:
-                            continue
-                        entry = journal_entry(line.decode("utf-8", "replace"))
-                        if entry is not None:
-                            return entry["seq"]
-                    if start == 0:
-                        return 0
-                    chunk *= 4
-        except FileNotFoundError:
-            return 0
+        entry = next(self.journal_entries_backwards(), None)
+        return entry["seq"] if entry is not None else 0
 
-    def _append_journal(self, commit, rev):
-        """Append one fsynced line; fill any gap a crash left first, so seq stays gapless."""
+    def _append_journal(self, commit, rev, rotate=False):
+        """Append one fsynced line.  A gap a crash left (STATE.json committed, its line
+        never written) is first recorded as ONE journal_gap entry, however many seqs
+        it spans, so seq stays continuous and the cost stays constant.  Returns whether
+        events.jsonl was rotated first."""
         path = self.journal_path()
         last = self.last_journal_seq()
         lines = []
-        for missing in range(last + 1, rev):
+        if last + 1 < rev:
             lines.append(compact_json(Commit(
-                seq=missing, time=commit.time, actor="ferrus", event="lost",
+                seq=rev - 1, time=commit.time, actor="ferrus", event=JOURNAL_GAP_EVENT,
                 from_state="?", to_state="?", task_id=None,
-                detail={"note": "this transition was committed to STATE.json but the "
-                                "process stopped before journaling it"}).to_json()))
+                detail={"from": last + 1, "to": rev - 1,
+                        "note": "these transitions were committed to STATE.json, but their "
+                                "journal lines are lost (a crash before the write, or an "
+                                "emptied or damaged events.jsonl)"}).to_json()))
         if last >= rev:
             # The journal is ahead of STATE.json (e.g. a restored backup): keep both
             # readable and let doctor explain it rather than writing duplicate seqs.
             log.warning("journal seq %d is ahead of STATE.json rev %d", last, rev)
         lines.append(compact_json(commit.to_json()))
         payload = ("\n".join(lines) + "\n").encode("utf-8")
+        rotated = False
+        with contextlib.suppress(FileNotFoundError):
+            size = os.stat(path).st_size
+            if size and (rotate or size + len(payload) > journal_max_bytes()):
+                rotated = self._rotate_journal()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             # A torn last line (killed mid-write) must not glue onto ours.
@@ -2380,47 +2497,80 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+        return rotated
+
+    def _rotate_journal(self):
+        """events.jsonl becomes the archive (replacing the previous one), so the journal
+        on disk stays under about twice the limit.  The caller's line then starts the
+        new file, which keeps its last seq equal to rev.  Called under the lock."""
+        try:
+            os.replace(self.journal_path(), self.journal_archive_path())
+        except OSError as err:
+            # Windows refuses to rename a file another process has open: keep
+            # appending and rotate on a later commit.
+            log.warning("could not rotate %s: %s", JOURNAL_FILE, err)
+            return False
+        with contextlib.suppress(OSError):
+            fsync_directory(self.dir)
+        return True
 
     def read_journal(self, after_seq=0, limit=None):
-        """Journal entries with seq > after_seq (the last ``limit`` when given).
+        """Journal entries with seq > after_seq (the last ``limit`` when given), oldest
+        first, read from the end, so a short tail is cheap however long the journal.
 
         Lines that do not parse (a torn write) are skipped here; doctor reports them."""
+        if limit is not None and limit <= 0:
+            return []
         entries = []
-        try:
-            handle = open(self.journal_path(), "r", encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return entries
-        with handle:
-            for line in handle:
-                line = line.strip()
-                if not line:
-                    continue
-                entry = journal_entry(line)
-                if entry is not None and entry["seq"] > after_seq:
-                    entries.append(entry)
-        if limit is not None:
-            entries = entries[-limit:] if limit > 0 else []
+        for entry in self.journal_entries_backwards():
+            if entry["seq"] <= after_seq or (limit is not None and len(entries) >= limit):
+                break
+            entries.append(entry)
+        entries.reverse()
         return entries
 
-    def journal_since(self, offset):
-        """(entries, new offset): the complete lines appended after byte ``offset``.
-
-        HQ polls with this, so each poll reads only what is new."""
+    def journal_position(self):
+        """Where the journal ends now, for journal_since: (file identity, byte offset)."""
         try:
             with open(self.journal_path(), "rb") as handle:
-                handle.seek(offset)
-                data = handle.read()
+                stat = os.fstat(handle.fileno())
+                return ((stat.st_dev, stat.st_ino), _end_of_complete_lines(handle, stat.st_size))
         except FileNotFoundError:
-            return [], 0
+            return None
+
+    def journal_since(self, position, after_seq=0):
+        """(entries with seq > after_seq appended after ``position``, the new position).
+
+        HQ polls with this, so each poll reads only what is new.  When events.jsonl
+        was rotated (or replaced by doctor) since ``position``, what the archive holds
+        after ``after_seq`` comes first and the new file is read from its start."""
+        try:
+            handle = open(self.journal_path(), "rb")
+        except FileNotFoundError:
+            return [], position            # between a rotation's rename and its write
+        with handle:
+            stat = os.fstat(handle.fileno())
+            identity = (stat.st_dev, stat.st_ino)
+            entries = []
+            if position is None or position[0] != identity or stat.st_size < position[1]:
+                start = 0
+                for entry in self.journal_entries_backwards():
+                    if entry["seq"] <= after_seq:
+                        break
+                    entries.append(entry)
+                entries.reverse()
+                return entries, (identity, _end_of_complete_lines(handle, stat.st_size))
+            start = position[1]
+            handle.seek(start)
+            data = handle.read()
         end = data.rfind(b"\n") + 1        # a line still being written waits for the next poll
-        entries = []
         for line in data[:end].split(b"\n"):
             if not line.strip():
                 continue
             entry = journal_entry(line.decode("utf-8", "replace"))
-            if entry is not None:
+            if entry is not None and entry["seq"] > after_seq:
                 entries.append(entry)
-        return entries, offset + end
+        return entries, (identity, start + end)
 
     def append_event(self, actor, event, detail):
         """Journal an event that is not a task transition (sessions, gates, notes).
@@ -4062,7 +4212,8 @@ def capacity_status(store, data):
     if checkpoint:
         return {"tier": checkpoint.get("tier"), "action": checkpoint.get("action"),
                 "signal": checkpoint.get("signal"), "checkpoint": True}
-    for entry in reversed(store.read_journal(limit=500)):
+    # The newest gate decision among the last 500 entries, read from the journal's end.
+    for entry in itertools.islice(store.journal_entries_backwards(), 500):
         if entry.get("event") == "gate":
             detail = entry.get("detail") or {}
             return {"tier": detail.get("tier"), "action": detail.get("action"),
@@ -4102,11 +4253,30 @@ def op_force_reset(store, caller):
                     % previous, S.IDLE, previous_state=previous.value)
 
 
+def op_rotate_journal(store, caller):
+    """Move events.jsonl aside now (it also happens by itself at the size limit)."""
+    with store.transaction(caller.agent_id) as tx:
+        tx.set(tx.state, "journal_rotated", archive=JOURNAL_ARCHIVE_FILE)
+        tx.rotate_journal = True
+    seq = tx.committed.seq
+    if not tx.rotated_journal:
+        return _outcome("%s/%s was empty, or could not be renamed (Windows: another process has "
+                        "it open); entry #%d "
+                        "records the attempt." % (FERRUS_DIR, JOURNAL_FILE, seq),
+                        tx.state.state, seq=seq, rotated=False)
+    return _outcome("%s/%s moved to %s/%s (replacing the older archive); the new %s starts "
+                    "with entry #%d." % (FERRUS_DIR, JOURNAL_FILE, FERRUS_DIR,
+                                         JOURNAL_ARCHIVE_FILE, JOURNAL_FILE, seq),
+                    tx.state.state, seq=seq, rotated=True)
+
+
 def op_heartbeat(store, caller, agent_id=None):
     """Renew the caller's own lease.  The identity is the server's, not an argument."""
     def error(code, message):
         return _json_outcome({"status": "error", "code": code, "message": message})
-    if agent_id and agent_id != caller.agent_id:
+    # The agent may name itself without its session; the lease is still renewed only
+    # for this server's own identity, session included.
+    if agent_id and agent_id not in (caller.agent_id, caller.agent_id.partition("/")[0]):
         # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
         return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
                      % (caller.agent_id, agent_id))
@@ -4125,6 +4295,24 @@ def op_heartbeat(store, caller, agent_id=None):
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
+
+
+def lease_session(agent_id):
+    """The agent session a lease holder id names (``<role>:<agent>:<index>/<session>``)."""
+    return agent_id.rpartition("/")[2] if agent_id and "/" in agent_id else None
+
+
+def op_release_sessions(store, sessions):
+    """Free the lease when one of ``sessions`` (stopped agent sessions) holds it.
+
+    Returns the holder whose lease was freed, or None."""
+    with store.transaction("hq") as tx:
+        data = tx.state
+        if data.claimed_by and lease_session(data.claimed_by) in sessions:
+            tx.set(clear_lease(data), "lease_released", holder=data.claimed_by,
+                   reason="its agent session was stopped")
+            return data.claimed_by
+    return None
 
 
 def op_run_checks_only(store, cancel=None):
@@ -4636,8 +4824,29 @@ def render_prompt(store, name):
 
 # -- the ferrus MCP server ------------------------------------------------------------------
 
-def agent_identity(role, agent_name, index):
-    return "%s:%s:%s" % (role or "agent", agent_name, index)
+# Names the agent session a `ferrus serve` works for.  HQ sets it for every agent it
+# starts; the agent's MCP server inherits it and leases carry it, so two copies of one
+# <role>:<agent>:<index> can never both hold or renew a lease.
+SESSION_ENV = "FERRUS_SESSION"
+_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def agent_identity(role, agent_name, index, session=None):
+    """``<role>:<agent>:<index>`` (upstream's agent id), plus ``/<session>`` when the
+    server works for one known agent session."""
+    identity = "%s:%s:%s" % (role or "agent", agent_name, index)
+    return identity + "/" + session if session else identity
+
+
+def session_from_environment(value=None):
+    """The agent session named by --session or $FERRUS_SESSION (None when unset)."""
+    value = os.environ.get(SESSION_ENV, "") if value is None else value
+    if not value:
+        return None
+    if not _SESSION_RE.match(value):
+        raise UsageError("the agent session %r is not a valid id" % value[:80],
+                         "use letters, digits, '.', '_' and '-' (at most 64), as HQ does")
+    return value
 
 
 class FerrusMcpServer:
@@ -4646,10 +4855,10 @@ class FerrusMcpServer:
     PAGE_SIZE = 100
 
     def __init__(self, store, role=None, agent_name="unknown", agent_index=0,
-                 reader=None, writer=None):
+                 reader=None, writer=None, session=None):
         self.store = store
         self.role = role
-        self.agent_id = agent_identity(role, agent_name, agent_index)
+        self.agent_id = agent_identity(role, agent_name, agent_index, session)
         self.rpc = JsonRpcServer(reader, writer)
         self.tools = tools_for_role(role)
         self.tool_names = {tool.name for tool in self.tools}
@@ -4982,15 +5191,17 @@ def watch_parent(on_orphaned, interval=1.0):
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()
 
 
-def serve_stdio(root, role, agent_name, agent_index):
+def serve_stdio(root, role, agent_name, agent_index, session=None):
     """`ferrus serve`: the MCP server on this process's stdin/stdout."""
+    session = session_from_environment(session)
     store = Store(root)
     store.require()
     report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
     sys.stdout = sys.stderr
-    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer)
+    server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer,
+                             session=session)
 
     def orphaned():
         log.info("parent process exited; stopping the MCP server")
@@ -5566,7 +5777,9 @@ class Codex(AgentAdapter):
         settings = [("command", entry["command"]), ("args", entry["args"]),
                     ("startup_timeout_sec", 30),
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
-                    ("default_tools_approval_mode", "approve"), ("enabled", True)]
+                    ("default_tools_approval_mode", "approve"), ("enabled", True),
+                    # Codex passes only listed variables to servers: the session id must reach it.
+                    ("env_vars", [SESSION_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
@@ -6393,6 +6606,7 @@ class SessionSlot:
         self.session = Session(max_consecutive_errors=limits.max_consecutive_errors,
                                max_total_errors=limits.max_total_errors)
         self.process = None
+        self.session_id = None     # names the running agent session (its leases carry it)
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
@@ -6409,12 +6623,174 @@ class SessionSlot:
         return text
 
 
+# -- one orchestrator per project ------------------------------------------------------------
+#
+# HQ, `ferrus run` and the pipeline orchestrator each hold .ferrus/orchestrator.lock
+# (the platform FileLock) for their whole life; .ferrus/orchestrator.json says who
+# holds it.  The OS drops the lock when its holder dies however it dies, so a free
+# lock with a record left behind means a dead holder: the agents it started are
+# stopped (and their leases freed) before the new holder starts anything.
+
+ORCHESTRATOR_LOCK = "orchestrator.lock"
+ORCHESTRATOR_RECORD = "orchestrator.json"
+
+
+def describe_orchestrator(record):
+    """'ferrus run (pid 123 on host, since 2026-…Z)' from an orchestrator.json record."""
+    if not isinstance(record, dict):
+        return "another ferrus process (it has not said which yet)"
+    return "%s (pid %s on %s, since %s)" % (record.get("kind", "?"), record.get("pid", "?"),
+                                            record.get("host", "?"), record.get("started", "?"))
+
+
+def read_orchestrator_record(store):
+    try:
+        record = json.loads(read_text(store.path(ORCHESTRATOR_RECORD), default="") or "null")
+    except (ValueError, OSError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class OrchestratorLock:
+    """The project's orchestrator lock, held from acquire() to release().
+
+    ``notes`` lists what taking over from a dead holder did, for the caller to show."""
+
+    def __init__(self, store, kind):
+        self.store = store
+        self.kind = kind
+        self.notes = []
+        self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
+                              "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+
+    def acquire(self):
+        try:
+            self._lock.acquire()
+        except LockTimeout:
+            holder = read_orchestrator_record(self.store)
+            raise FerrusError(
+                "another orchestrator is running on this project: %s"
+                % describe_orchestrator(holder),
+                "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
+                "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
+                "along safely)")
+        try:
+            previous = read_orchestrator_record(self.store)
+            if previous is not None and previous.get("pid") != os.getpid():
+                self.notes.append("took over from %s, which ended without releasing the "
+                                  "project" % describe_orchestrator(previous))
+            atomic_write(self.store.path(ORCHESTRATOR_RECORD), pretty_json({
+                "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
+                "started": format_timestamp(utc_now())}) + "\n")
+            self.notes.extend(stop_orphaned_agents(self.store))
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def release(self):
+        with contextlib.suppress(OSError):
+            record = read_orchestrator_record(self.store)
+            if record is not None and record.get("pid") == os.getpid():
+                os.unlink(self.store.path(ORCHESTRATOR_RECORD))
+        self._lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _host_name():
+    import platform
+    return platform.node() or "this machine"
+
+
+def _is_agent_group(pid):
+    """Is ``pid`` alive and the leader of its own process group, as every agent HQ starts
+    is?  A pid reused by an unrelated process is almost never a group leader."""
+    if not pid_alive(pid):
+        return False
+    if IS_WINDOWS:  # pragma: no cover
+        return True
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _stop_process_group(pid, grace=2.0):
+    if IS_WINDOWS:  # pragma: no cover
+        subprocess.run(["taskkill", "/T", "/F", "/PID", str(pid)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and pid_alive(pid):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.02)
+        if not pid_alive(pid):
+            return
+
+
+def stop_orphaned_agents(store):
+    """Stop the agents a dead orchestrator left running and free the leases of their
+    sessions; returns what was done, one line each.
+
+    HQ's agents cannot be adopted — their output pipes died with their orchestrator, so
+    nobody could read what they report — so they are stopped; the task state in
+    STATE.json is kept and the next session starts from it.  Pipeline workers write
+    files, not pipes, and are adopted by the pipeline orchestrator instead."""
+    path = store.path("agents.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        registry = json.loads(read_text(path) or "{}")
+        entries = [e for e in registry.get("agents") or []
+                   if isinstance(e, dict) and e.get("status") == "running"]
+    except (ValueError, OSError, AttributeError) as err:
+        return ["could not read %s/agents.json (%s): agents a previous orchestrator started "
+                "may still be running" % (FERRUS_DIR, err)]
+    notes, sessions = [], []
+    for entry in entries:
+        pid = entry.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool) and _is_agent_group(pid):
+            _stop_process_group(pid)
+            notes.append("stopped the %s (pid %d) that the previous orchestrator left running"
+                         % (entry.get("name", "agent"), pid))
+        if entry.get("session"):
+            sessions.append(entry["session"])
+    if entries:
+        def mark(data):
+            for entry in data.get("agents") or []:
+                if isinstance(entry, dict) and entry.get("status") == "running":
+                    entry.update(status="suspended", pid=None)
+        with contextlib.suppress(FerrusError):
+            with store.lock():
+                edit_json_file(path, mark)
+    if sessions:
+        released = op_release_sessions(store, sessions)
+        if released:
+            notes.append("freed the task's lease, held by the stopped %s" % released)
+    return notes
+
+
 def clear_capacity_checkpoint(store):
     with store.transaction("hq") as tx:
         if "capacity_checkpoint" in tx.state.extra:
             data = tx.state.copy()
             del data.extra["capacity_checkpoint"]
             tx.set(data, "capacity_continue")
+
+
+# STATE.json's count of the sessions HQ started for the current task.
+TASK_SESSIONS_KEY = "task_sessions"
 
 
 class HqController:
@@ -6431,21 +6807,21 @@ class HqController:
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
+        # Entries from before this HQ started are not shown again, and none is read:
+        # start-up costs the same whatever the journal's length.
+        self.journal_offset = store.journal_position()
         self.cursor = store.last_journal_seq()
         self.start_seq = self.cursor
-        self.journal_offset = 0
         self._missing_rev = None
         # Capacity signals HQ counts itself (tool calls come from the MCP servers).
-        self.sessions_by_task = {}
+        # Sessions per task live in STATE.json, so limits hold across restarts.
+        self.sessions_seed = self._sessions_before_counter()
         self.tokens_by_task = {}
         self.tasks_completed = 0
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
         self.last_gate = None
-        # Count the sessions the journal already holds, so limits hold across restarts;
-        # entries from before this HQ started are not shown again.
-        self.drain_journal()
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
         self.last_state = None
@@ -6483,12 +6859,9 @@ class HqController:
             self.reconcile()
 
     def drain_journal(self):
-        entries, self.journal_offset = self.store.journal_since(self.journal_offset)
+        entries, self.journal_offset = self.store.journal_since(self.journal_offset,
+                                                                after_seq=self.cursor)
         for entry in entries:
-            detail = entry.get("detail") or {}
-            if entry.get("event") == "session" and detail.get("to") == "Running":
-                task = entry.get("task_id")
-                self.sessions_by_task[task] = self.sessions_by_task.get(task, 0) + 1
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
                 if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
@@ -6575,7 +6948,7 @@ class HqController:
         data = self.store.read_state()
         task = data.task_id
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_by_task.get(task, 0),
+                          sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
                           tokens_used=self.tokens_by_task.get(task, 0),
                           parallel_agents=len(self.running()) + extra_parallel)
@@ -6683,6 +7056,11 @@ class HqController:
         stamp = utc_now().strftime("%Y%m%dT%H%M%S")
         log_path = self.store.path("logs", "%s_%s_%d.log" % (slot.name, stamp,
                                                               slot.session.session_seq))
+        # The agent's `ferrus serve` inherits this id and puts it in its lease holder id,
+        # so a lease names this one session, not just <role>:<agent>:<index>.
+        slot.session_id = new_id("s")
+        launch = dataclasses.replace(launch, env=dict(launch.env,
+                                                      **{SESSION_ENV: slot.session_id}))
         try:
             slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
         except OSError as err:
@@ -6816,10 +7194,49 @@ class HqController:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
             with contextlib.suppress(FerrusError, OSError):
-                self.store.append_event("hq", "session", {
-                    "slot": slot.name, "from": before.value, "to": slot.session.state.value,
-                    "seq": slot.session.session_seq, "trigger": event.kind,
-                    "pid": slot.process.pid if slot.process else None})
+                self._journal_session(slot, before, event)
+
+    def _journal_session(self, slot, before, event):
+        """Journal a session's move; a start also counts in STATE.json, so the sessions
+        a task had are known after a restart without reading the journal."""
+        with self.store.transaction("hq") as tx:
+            tx.set(tx.state, "session")
+            tx.detail.update({
+                "slot": slot.name, "from": before.value, "to": slot.session.state.value,
+                "seq": slot.session.session_seq, "trigger": event.kind,
+                "pid": slot.process.pid if slot.process else None})
+            if slot.session.state == SS.RUNNING:
+                tx.state.extra[TASK_SESSIONS_KEY] = {"task_id": tx.state.task_id,
+                                                     "sessions": self.sessions_of(tx.state) + 1}
+
+    # How far back a project from before STATE.json counted sessions is searched.
+    SESSION_SCAN_LIMIT = 10000
+
+    def _sessions_before_counter(self):
+        """The current task's session starts, for a STATE.json written before it counted
+        them: the task's own entries at the journal's end, read backwards (bounded)."""
+        data = self.store.read_state()
+        counter = data.extra.get(TASK_SESSIONS_KEY)
+        if data.task_id is None or (isinstance(counter, dict) and
+                                    counter.get("task_id") == data.task_id):
+            return {}
+        count = 0
+        entries = self.store.journal_entries_backwards()
+        for entry in itertools.islice(entries, self.SESSION_SCAN_LIMIT):
+            if entry.get("task_id") != data.task_id or entry.get("event") == "create_task":
+                break
+            if entry.get("event") == "session" and (entry.get("detail") or {}).get(
+                    "to") == SS.RUNNING.value:
+                count += 1
+        return {data.task_id: count}
+
+    def sessions_of(self, data):
+        """Sessions started for ``data``'s task so far (all HQs, across restarts)."""
+        counter = data.extra.get(TASK_SESSIONS_KEY)
+        if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
+                isinstance(counter.get("sessions"), int):
+            return counter["sessions"]
+        return self.sessions_seed.get(data.task_id, 0)
 
     def _interrupt(self, slot):
         """TERM the process group now; KILL after the grace period (GraceExceeded)."""
@@ -6849,7 +7266,9 @@ class HqController:
                          agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
                          pid=process.pid if process is not None and status == "running" else None,
                          started_at=format_timestamp(utc_now()) if status == "running"
-                         else entry.get("started_at"))
+                         else entry.get("started_at"),
+                         session=slot.session_id if status == "running" else
+                         entry.get("session"))
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
@@ -6913,7 +7332,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
     so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
     implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
-    out = out or (lambda text: print(text, flush=True))
+    out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
     controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
                               launcher=launcher)
@@ -6991,7 +7410,7 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     the box and advances the selection.  With ``until_done`` the next ready milestone
     follows until none is left; any other ending (Failed, a question nobody can answer,
     a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
-    out = out or (lambda text: print(text, flush=True))
+    out = out or (lambda text: say(text, flush=True))
     started = clock()
 
     def time_left():
@@ -7098,7 +7517,7 @@ class HqShell:
             self.write(prefix + message.text)
 
     def write(self, text):
-        print(text, file=self.stdout, flush=True)
+        say(text, file=self.stdout, flush=True)
 
     def _reader(self):
         for line in self.stdin:
@@ -7490,7 +7909,7 @@ class CursesHq(HqShell):
         self.add("error" if text.startswith("error:") else "output", text)
 
     def add(self, kind, text):
-        for line in str(text).expandtabs().split("\n"):
+        for line in terminal_safe(text).expandtabs().split("\n"):
             self.transcript.append((kind, line))
             if self.scroll:                  # a scrolled-back view stays where it is
                 self.scroll += 1
@@ -7757,7 +8176,8 @@ class CursesHq(HqShell):
 
     def put(self, row, col, text, attr=0):
         with contextlib.suppress(self.curses.error):    # writing the last cell "fails"
-            self.scr.addnstr(row, col, text, max(0, self.scr.getmaxyx()[1] - col), attr)
+            self.scr.addnstr(row, col, terminal_safe(text), max(0, self.scr.getmaxyx()[1] - col),
+                             attr)
 
     def draw(self):
         curses = self.curses
@@ -8229,6 +8649,34 @@ class PipelineRun:
         return self.status["phases"][self.status["current_phase"]]
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
+    """Lines telling a human what one worker's output holds without opening it: its
+    size and its first non-empty lines (seed 003: summarise, then wait).  Reads at
+    most ``chunk`` bytes, so a huge output costs nothing."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "r", encoding="utf-8", errors="replace") as handle:
+            head = handle.read(chunk)
+    except OSError as err:
+        return ["  - %s (unreadable: %s)" % (label, err.strerror or err)]
+    lines = [line.strip() for line in head.splitlines() if line.strip()]
+    words = len(head.split())
+    if size <= chunk:
+        about = "%d non-empty line%s, %d words" % (len(lines), "s"[len(lines) == 1:], words)
+    else:
+        about = "%d bytes" % size
+    summary = ["  - %s (%s)" % (label, about)]
+    for line in lines[:max_lines]:
+        line = _UNPRINTABLE.sub("?", line)
+        summary.append("      " + (line if len(line) <= width else line[:width - 1] + "…"))
+    if len(lines) > max_lines or size > chunk:
+        summary.append("      …")
+    return summary
+
+
 @dataclasses.dataclass
 class PipelineOutcome:
     """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
@@ -8464,11 +8912,13 @@ class PipelineOrchestrator:
                     return self._deliver(run)
                 status["current_phase"] += 1
                 if definition.pause_after:
-                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; outputs: "
-                                "%s. `ferrus pipeline continue %s` starts phase %s" % (
-                                    phase["id"], ", ".join(run.file(w.output)
-                                                           for w in definition.workers),
-                                    run.name, run.phase()["id"]))
+                    summary = [line for w in definition.workers
+                               for line in summarize_output(run.file(w.output),
+                                                            self.store.relpath(run.file(w.output)))]
+                    self._pause(run, "pause_after %s" % phase["id"], "phase %s is done; its "
+                                "outputs:\n%s\nRead them, then `ferrus pipeline continue %s` "
+                                "starts phase %s" % (phase["id"], "\n".join(summary), run.name,
+                                                     run.phase()["id"]))
                 else:
                     continue           # seed step 6: the next phase starts at once
             if not problems and not status["paused"]:
@@ -8693,7 +9143,11 @@ class PipelineOrchestrator:
     def _deliver(self, run):
         final = run.definition.final_worker()
         run.status.update(result_delivered=True, result=final.output, delivered_at=self._now())
-        self._note(run, "delivered", "delivered %s" % run.file(final.output), output=final.output)
+        # The folder moves to the archive right after this, so name the output where it
+        # will be (the run's current path would no longer exist).
+        archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
+        self._note(run, "delivered", "delivered %s" % self.store.relpath(
+            run.file(final.output) if run.archived else archived), output=final.output)
         self._save(run)            # delivered on disk before the folder moves
         return self._archive(run)
 
@@ -9212,35 +9666,48 @@ def _journal_findings(store, data):
         return [Finding("%s/%s is missing" % (FERRUS_DIR, JOURNAL_FILE),
                         "create it (history before now is gone)",
                         lambda: atomic_write(path, ""))]
-    bad_lines, seqs = [], []
+    # One pass in constant memory: a rotated journal is bounded, a hand-made one may not be.
+    bad_lines, gaps, previous = [], [], None
     with open(path, "r", encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             entry = journal_entry(line)
             if entry is None:
-                bad_lines.append(number)
-            else:
-                seqs.append(entry["seq"])
+                if len(bad_lines) < 5:
+                    bad_lines.append(number)
+                else:
+                    bad_lines.append(None)
+                continue
+            seq = entry["seq"]
+            # A journal_gap entry stands for the seqs from detail.from up to its own.
+            first = seq
+            if entry.get("event") == JOURNAL_GAP_EVENT:
+                gap_from = (entry.get("detail") or {}).get("from")
+                if isinstance(gap_from, int) and not isinstance(gap_from, bool):
+                    first = gap_from
+            if previous is not None and first != previous + 1 and len(gaps) < 5:
+                gaps.append(seq)
+            previous = seq
     if bad_lines:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
-            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines), ", ".join(map(str, bad_lines[:5]))),
+            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines),
+               ", ".join(str(n) for n in bad_lines if n is not None)),
             "drop those lines", lambda: _rewrite_journal(store)))
-    gaps = [b for a, b in zip(seqs, seqs[1:]) if b != a + 1]
     if gaps:
         findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
                                 % ", ".join(map(str, gaps[:5])),
                                 "renumbering would break history; nothing to fix automatically",
                                 severity="warning"))
     if data is not None:
-        last = seqs[-1] if seqs else 0
+        last = store.last_journal_seq()      # the archive's, right after a rotation
         if last < data.rev:
             findings.append(Finding(
                 "STATE.json is at rev %d but the journal ends at seq %d: %d transition(s) were "
-                "committed without a journal line (a crash between the two writes)"
-                % (data.rev, last, data.rev - last),
-                "append placeholder entries so seq matches rev again",
+                "committed without a journal line (a crash between the two writes, or an "
+                "emptied events.jsonl)" % (data.rev, last, data.rev - last),
+                "record them as one journal_gap entry so seq matches rev again",
                 lambda: _fill_journal(store)))
         elif last > data.rev:
             findings.append(Finding(
@@ -9396,13 +9863,15 @@ def cmd_status(args, root):
             if capacity["checkpoint"] else "")))
     rows.append(("rev", str(data.rev)))
     if config_error:
-        rows.append(("config", _paint("error: " + config_error.message, "1;31", color)))
+        rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
+                                      color)))
         rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
     for note in notes:
-        rows.append(("config", _paint("warning: " + note, "33", color)))
+        rows.append(("config", _paint("warning: " + terminal_safe(note), "33", color)))
     width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print("%s  %s" % (label.rjust(width), value))
+    for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
+        print("%s  %s" % (label.rjust(width),
+                          value if label in ("state", "config") else terminal_safe(value)))
     return 0
 
 
@@ -9411,25 +9880,31 @@ def format_event(entry, color=False):
     when = entry.get("time", "")
     with contextlib.suppress(ValueError, TypeError):
         when = parse_timestamp(when).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    # Every field came from a file an agent may have shaped: shown, never obeyed.
     moved = entry.get("from") != entry.get("to")
-    change = ("%s → %s" % (entry.get("from"), _paint(entry.get("to"), _STATE_COLORS.get(
-        entry.get("to")), color))) if moved else str(entry.get("to"))
+    change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
+        terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
+        if moved else terminal_safe(entry.get("to"))
     detail = entry.get("detail") or {}
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
-    return "%s  #%-5s %-22s %-16s %s%s" % (when, entry.get("seq"), entry.get("actor"),
-                                          entry.get("event"), change, "  " + extra if extra else "")
+    return "%s  #%-5s %-22s %-16s %s%s" % (
+        terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
+        terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
 
 
 def cmd_log(args, root):
     store = Store(root).require()
-    entries = store.read_journal(limit=args.n)
+    entries = store.journal_entries() if args.n is None else store.read_journal(limit=args.n)
     color = _color_enabled(sys.stdout)
+
+    def line(entry):
+        return json_for_terminal(compact_json(entry)) if args.json else format_event(entry, color)
     last = 0
     for entry in entries:
-        print(compact_json(entry) if args.json else format_event(entry, color))
+        print(line(entry))
         last = entry["seq"]
-    if not entries and not args.follow and not args.json:
+    if not last and not args.follow and not args.json:
         print("(the journal is empty: nothing has happened yet)")
     if not args.follow:
         return 0
@@ -9440,11 +9915,17 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                print(compact_json(entry) if args.json else format_event(entry, color))
+                print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_journal(args, root):
+    store = Store(root).require()
+    say(op_rotate_journal(store, HUMAN).text)
+    return 0
 
 
 def confirm(question):
@@ -9461,33 +9942,33 @@ def cmd_reset(args, root):
     data = store.read_state()
     if not args.yes and data.state != S.IDLE:
         if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
-            print("Nothing changed.")
+            say("Nothing changed.")
             return 1
-    print(op_force_reset(store, HUMAN).text)
+    say(op_force_reset(store, HUMAN).text)
     return 0
 
 
 def cmd_doctor(args, root):
     findings = doctor_findings(root)
     if not findings:
-        print("ferrus doctor: everything is consistent.")
+        say("ferrus doctor: everything is consistent.")
         return 0
     remaining = repaired = 0
     for finding in findings:
         mark = "error" if finding.severity == "error" else "warning"
-        print("%s: %s" % (mark, finding.problem))
+        say("%s: %s" % (mark, finding.problem))
         if args.fix and finding.fix is not None:
             try:
                 finding.fix()
-                print("  fixed: %s" % finding.repair)
+                say("  fixed: %s" % finding.repair)
                 repaired += 1
                 continue
             except (OSError, FerrusError) as err:
-                print("  could not fix: %s" % err)
+                say("  could not fix: %s" % err)
         elif finding.fix is not None:
-            print("  repair: %s (run `ferrus doctor --fix`)" % finding.repair)
+            say("  repair: %s (run `ferrus doctor --fix`)" % finding.repair)
         else:
-            print("  what to do: %s" % finding.repair)
+            say("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
     warnings = sum(1 for finding in findings if finding.severity != "error")
@@ -9496,15 +9977,15 @@ def cmd_doctor(args, root):
         left = [f for f in doctor_findings(root) if f.severity == "error"]
         done = "repaired %d problem(s)" % repaired if repaired else "repaired nothing"
         if left:
-            print("ferrus doctor: %s; %d error(s) remain (see above for what to do)."
-                  % (done, len(left)))
+            say("ferrus doctor: %s; %d error(s) remain (see above for what to do)."
+                % (done, len(left)))
         elif repaired:
-            print("ferrus doctor: %s; no errors remain." % done)
+            say("ferrus doctor: %s; no errors remain." % done)
         else:
-            print("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
+            say("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
     if not remaining:
-        print("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
+        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
     return 1 if remaining else 0
 
 
@@ -9514,16 +9995,16 @@ def cmd_check(args, root):
     if args.force:
         run, config = op_run_checks_only(store)
         if run is None:
-            print("No check commands are configured in ferrus.toml ([checks] commands).")
+            say("No check commands are configured in ferrus.toml ([checks] commands).")
             return 0
         for result in run.results:
-            print("%-9s %s%s" % (result.status, result.command, _status_note(result)
+            say("%-9s %s%s" % (result.status, result.command, _status_note(result)
                                  if not result.passed else ""))
         if not run.passed:
-            print()
-            print(run.report(config.limits.max_feedback_lines))
+            say()
+            say(run.report(config.limits.max_feedback_lines))
         else:
-            print("All checks passed. Full log: %s" % run.log_path)
+            say("All checks passed. Full log: %s" % run.log_path)
         return 0 if run.passed else 1
     try:
         outcome = op_check(store, Caller("human", "human:cli:0"))
@@ -9533,7 +10014,7 @@ def cmd_check(args, root):
         # The agents' message cannot mention a CLI flag; the human at the shell can use it.
         raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
                                        "and changes nothing")
-    print(outcome.text)
+    say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
 
@@ -9566,23 +10047,23 @@ def cmd_unregister(args, root):
 def cmd_agents(args, root):
     rows = agents_report(root)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        say(json.dumps(rows, indent=2))
         return 0 if not any("problem" in row for row in rows) else 1
     for row in rows:
         if row["agent"] is None:
-            print("%-10s (none)  %s" % (row["role"], row["problem"]))
+            say("%-10s (none)  %s" % (row["role"], row["problem"]))
         else:
-            print("%-10s %s%s" % (row["role"], row["agent"],
+            say("%-10s %s%s" % (row["role"], row["agent"],
                                   " (model %s)" % row["model"] if row["model"] else ""))
-            print("           binary: %s" % (row["path"] or "not installed"))
+            say("           binary: %s" % (row["path"] or "not installed"))
             if row["path"]:
-                print("           version: %s" % (row["version"] or "unknown (--version failed)"))
-            print("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
+                say("           version: %s" % (row["version"] or "unknown (--version failed)"))
+            say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
         if "problem" in row:
-            print("           problem: %s" % row["problem"])
-            print("           fix: %s" % row["hint"])
+            say("           problem: %s" % row["problem"])
+            say("           fix: %s" % row["hint"])
     return 0 if not any("problem" in row for row in rows) else 1
 
 
@@ -9603,22 +10084,29 @@ def cmd_run(args, root):
     def ask(question):
         if not interactive:
             return None
-        print("\nQuestion for you:\n%s" % question, flush=True)
+        say("\nQuestion for you:\n%s" % question, flush=True)
         return input("answer> ")
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
-    if args.milestone or args.until_done:
-        return run_milestones(store, args.milestone or "next", args.until_done, args.timeout,
-                              args.resume, args.reset, ask=ask)
-    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+    with OrchestratorLock(store, "ferrus run") as held:
+        for note in held.notes:
+            say("ferrus run: %s" % note, flush=True)
+        if args.milestone or args.until_done:
+            return run_milestones(store, args.milestone or "next", args.until_done,
+                                  args.timeout, args.resume, args.reset, ask=ask)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
 
 
 def cmd_hq(args, root):
     store = Store(root).require()
     report_orphaned_checks(store)
     resume = True if getattr(args, "resume", False) else None
-    return hq_front_end(store, resume, getattr(args, "no_tui", False)).run()
+    with OrchestratorLock(store, "ferrus hq") as held:
+        front = hq_front_end(store, resume, getattr(args, "no_tui", False))
+        for note in held.notes:
+            front.write(note)
+        return front.run()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -9749,7 +10237,7 @@ def _pipeline_status(store, args, out):
         name, path, _ = find_run(store, args.ref)
         run = read_run(store, name)
         if args.json:
-            out(pretty_json(run.status))
+            out(json_for_terminal(pretty_json(run.status)))
         else:
             for line in describe_run(store, run.status, path):
                 out(line)
@@ -9766,7 +10254,7 @@ def _pipeline_status(store, args, out):
                            status["phases"][status["current_phase"]]["id"]))
         rows.append(row)
     if args.json:
-        out(pretty_json(rows))
+        out(json_for_terminal(pretty_json(rows)))
         return 0
     if not rows:
         out("no pipeline runs yet (`ferrus pipeline run NAME TOPIC` starts one)")
@@ -9795,20 +10283,29 @@ def _pipeline_result(outcome, out):
 
 
 def _follow_in_foreground(orchestrator, name):
-    print("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
+    say("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
     try:
         outcome = orchestrator.drive(name)
     except KeyboardInterrupt:
-        print("\ninterrupted: the workers keep running and status.json is intact; "
+        say("\ninterrupted: the workers keep running and status.json is intact; "
               "`ferrus pipeline resume %s` continues" % name, flush=True)
         return 130
-    return _pipeline_result(outcome, lambda text: print(text, flush=True))
+    return _pipeline_result(outcome, lambda text: say(text, flush=True))
+
+
+# The pipeline subcommands that drive runs, and so need the orchestrator lock.
+PIPELINE_DRIVING = ("run", "resume", "continue", "retry")
 
 
 def cmd_pipeline(args, root):
     store = Store(root).require()
-    return pipeline_command(store, args, lambda text: print(text, flush=True),
-                            _follow_in_foreground)
+    out = lambda text: say(text, flush=True)     # noqa: E731
+    if args.pipeline_command not in PIPELINE_DRIVING:
+        return pipeline_command(store, args, out, _follow_in_foreground)
+    with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
+        for note in held.notes:
+            out(note)
+        return pipeline_command(store, args, out, _follow_in_foreground)
 
 
 def add_pipeline_parser(sub):
@@ -9880,7 +10377,7 @@ def hq_cmd_pipeline(shell, rest):
 
 
 def cmd_serve(args, root):
-    return serve_stdio(root, args.role, args.agent_name, args.agent_index)
+    return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
 
 
 def did_you_mean(word, candidates):
@@ -9952,6 +10449,12 @@ def build_parser():
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
     p.set_defaults(run=cmd_log)
 
+    p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
+    commands = p.add_subparsers(dest="journal_command", metavar="COMMAND")
+    commands.required = True
+    commands.add_parser("rotate", help="move events.jsonl to events.jsonl.1 and start anew")
+    p.set_defaults(run=cmd_journal)
+
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(run=cmd_reset)
@@ -10011,6 +10514,9 @@ def build_parser():
     p.add_argument("--role", choices=ROLES, help="expose only this role's tools")
     p.add_argument("--agent-name", default="unknown", help="agent name in the agent id")
     p.add_argument("--agent-index", type=int, default=0, help="index in the agent id")
+    p.add_argument("--session", metavar="ID",
+                   help="the agent session this server works for (default: $%s, set by HQ); "
+                        "leases name it" % SESSION_ENV)
     p.set_defaults(run=cmd_serve)
     return parser
 
@@ -10047,10 +10553,10 @@ def main(argv=None):
     setup_logging(debug)
     start = os.path.abspath(args.directory or os.getcwd())
     if args.directory is not None and not os.path.isdir(start):
-        print("ferrus: -C %s: %s" % (args.directory, "not a directory" if os.path.exists(start)
-                                     else "no such directory"), file=sys.stderr)
-        print("hint: pass the project's folder, e.g. `ferrus -C path/to/project status`",
-              file=sys.stderr)
+        say("ferrus: -C %s: %s" % (args.directory, "not a directory" if os.path.exists(start)
+                                   else "no such directory"), file=sys.stderr)
+        say("hint: pass the project's folder, e.g. `ferrus -C path/to/project status`",
+            file=sys.stderr)
         return 2
     # `init` creates a project right here; every other command finds the enclosing one.
     root = start if args.command == "init" else find_project_root(start)
@@ -10065,9 +10571,9 @@ def main(argv=None):
     except FerrusError as err:
         if debug:
             raise
-        print("ferrus: %s" % err.message, file=sys.stderr)
+        say("ferrus: %s" % err.message, file=sys.stderr)
         if err.hint:
-            print("hint: %s" % err.hint, file=sys.stderr)
+            say("hint: %s" % err.hint, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130
@@ -10078,11 +10584,11 @@ def main(argv=None):
             raise
         # A full disk or a read-only file: the atomic writes left the old state intact.
         where = " (%s)" % err.filename if err.filename else ""
-        print("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
+        say("ferrus: %s%s" % (err.strerror or err, where), file=sys.stderr)
         # Never "nothing was changed": a command may fail after an earlier write landed.
-        print("hint: each file in .ferrus/ is replaced whole, so it holds its old or its new "
-              "content; free space or fix permissions, check with `ferrus status` and "
-              "`ferrus doctor`, and try again", file=sys.stderr)
+        say("hint: each file in .ferrus/ is replaced whole, so it holds its old or its new "
+            "content; free space or fix permissions, check with `ferrus status` and "
+            "`ferrus doctor`, and try again", file=sys.stderr)
         return 1
 
 

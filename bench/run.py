@@ -14,6 +14,7 @@ available" when that fails.  See bench/README.md.
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -625,6 +626,103 @@ def fig_hq_reaction(bench, fig):
         history, ms(median(long_lat)), ms(long_idle)))
 
 
+def _write_history(root, count, per_task=10000):
+    """A project's journal of ``count`` entries, written directly in the journal's format
+    (seq == rev): tasks of ``per_task`` entries each, every task's steps a mix of
+    heartbeats, HQ session moves and capacity gate decisions, as a busy HQ leaves them.
+    STATE.json's rev, task and session count match the last entry, as ferrus leaves them."""
+    ferrus_dir = os.path.join(root, ".ferrus")
+    state_path = os.path.join(ferrus_dir, "STATE.json")
+    with open(state_path, encoding="utf-8") as handle:
+        state = json.load(handle)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    head = '{"actor":"%s","detail":%s,"event":"%s","from":"Executing","seq":%d,'
+    tail = '"task_id":"t-bench-%d","time":"' + stamp + '","to":"Executing"}\n'
+    kinds = (("executor:bench:0", "{}", "heartbeat"),
+             ("hq", '{"from":"Spawning","slot":"executor","to":"Running"}', "session"),
+             ("hq", '{"action":"Continue","signal":null,"target":"spawn:executor",'
+                    '"tier":"Green"}', "gate"))
+    sessions = 0
+    with open(os.path.join(ferrus_dir, "events.jsonl"), "w", encoding="utf-8") as handle:
+        batch = []
+        for seq in range(1, count + 1):
+            task = (seq - 1) // per_task
+            back = count - seq               # both sizes end with the same entries
+            kind = kinds[0] if back % 20 != 10 else kinds[1 + (back // 20) % 2]
+            if seq == task * per_task + 1:
+                sessions = 0
+            if kind[2] == "session":
+                sessions += 1
+            batch.append(head % (kind[0], kind[1], kind[2], seq) + tail % task)
+            if len(batch) >= 10000:
+                handle.write("".join(batch))
+                batch = []
+        handle.write("".join(batch))
+    state.update(rev=count, state="Executing", task_id="t-bench-%d" % ((count - 1) // per_task),
+                 task_sessions={"task_id": "t-bench-%d" % ((count - 1) // per_task),
+                                "sessions": sessions})
+    with open(state_path, "w", encoding="utf-8") as handle:
+        json.dump(state, handle, indent=2)
+
+
+def _journal_ops(bench, root):
+    """The three operations under test, in-process: the `status` tool (its capacity
+    part on), `ferrus log -n 20`, and HQ's start-up (its controller made and shut)."""
+    ferrus = bench.ferrus
+    store = bench.store(root)
+    log_args = argparse.Namespace(n=20, json=False, follow=False)
+
+    def status():
+        data = ferrus.op_status(store).data
+        if not data.get("capacity"):
+            raise BenchError("the status tool reported no capacity tier")
+
+    def log_tail():
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink):
+            ferrus.cmd_log(log_args, root)
+        if sink.getvalue().count("\n") != 20:
+            raise BenchError("`ferrus log -n 20` printed %d lines" % sink.getvalue().count("\n"))
+
+    def hq_start():
+        controller = ferrus.HqController(ferrus.Store(root), emit=lambda message: None,
+                                         launcher=lambda slot: None)
+        controller.shutdown()
+    return (("status", status), ("log -n 20", log_tail), ("HQ start", hq_start))
+
+
+def fig_journal_scale(bench, fig):
+    """status, `log -n 20` and HQ start with 10^6 journal entries vs 100."""
+    small_n, large_n = 100, 1000000
+    roots = {}
+    for count in (small_n, large_n):
+        root = bench.project("journal-%d" % count)
+        with open(os.path.join(root, "ferrus.toml"), "a", encoding="utf-8") as handle:
+            handle.write("\n[capacity]\nmax_sessions = 1000000\n")
+        started = time.perf_counter()
+        _write_history(root, count)
+        if count == large_n:
+            size = os.path.getsize(os.path.join(root, ".ferrus", "events.jsonl"))
+            fig.info("(%d entries, %.0f MB, written in %.1f s)" % (
+                count, size / 1e6, time.perf_counter() - started))
+        roots[count] = root
+    reps = bench.reps(200, 40)
+    ops = {count: _journal_ops(bench, roots[count]) for count in roots}
+    for index, (name, _) in enumerate(ops[small_n]):
+        samples = {small_n: [], large_n: []}
+        for rep in range(reps + 5):                  # interleaved; the first 5 warm up
+            for count in (small_n, large_n):
+                started = time.perf_counter()
+                ops[count][index][1]()
+                if rep >= 5:
+                    samples[count].append(time.perf_counter() - started)
+        small, large = median(samples[small_n]), median(samples[large_n])
+        fig.values[name] = {"small_s": small, "large_s": large, "reps": reps}
+        fig.check("%s: %s with %d entries, %s with 100 → %.2f×" % (
+            name, ms(large), large_n, ms(small), ratio(large, small)),
+            "≤ 2× the 100-entry figure", ratio(large, small) <= 2.0)
+
+
 def _checks_child(bench, root, commands, parallel, timeout, **extra):
     spec = dict(root=root, commands=commands, parallel=parallel, **extra)
     return bench.run_child([bench.python, os.path.join(HERE, "checks_child.py"),
@@ -918,6 +1016,7 @@ FIGURES = (
     ("check_memory_1gb", fig_check_memory_1gb),
     ("transition_race", fig_transition_race),
     ("full_loop", fig_full_loop),
+    ("journal_scale", fig_journal_scale),
 )
 
 

@@ -8,6 +8,7 @@ tools its prompt asks for.  What it decides is steered by the environment:
   SCRIPTED_BEHAVIOR  comma-separated: reject-once, consult, ask, crash-executor,
                      crash-reviewer, silent-executor, slow-executor
   SCRIPTED_DIR       a directory for its memory between sessions (flag files)
+  SCRIPTED_QUESTION  the question `ask` sends (default: a question about a colour)
 
 Usage: scripted_agent.py ROLE MCP_CONFIG
 """
@@ -110,7 +111,8 @@ def main():
                                              "## Options (if any)\nA or B\n## Question\nWhich?")
                 mcp.wait("wait_for_consult", lambda d: d.get("status") == "responded")
             if "ask" in behavior and once("asked"):
-                mcp.call("ask_human", question="Which colour should the button be?")
+                mcp.call("ask_human", question=os.environ.get(
+                    "SCRIPTED_QUESTION", "Which colour should the button be?"))
                 answer = mcp.wait("wait_for_answer", lambda d: d.get("status") == "answered")
                 with open("answer.txt", "w") as handle:
                     handle.write(answer["answer"])

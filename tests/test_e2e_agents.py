@@ -246,9 +246,12 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     assert "Reviewing → Complete" in result.stdout
     store = ferrus.Store(str(project))
     assert store.read_state().state == ferrus.S.COMPLETE
-    actors = {(e["event"], e["actor"]) for e in store.read_journal()}
+    actors = {(e["event"], e["actor"].partition("/")[0]) for e in store.read_journal()}
     assert ("submit", "executor:claude-code:1") in actors
     assert ("approve", "supervisor:claude-code:1") in actors
+    # Claude passed HQ's FERRUS_SESSION to its ferrus server: the lease named the session.
+    assert all(e["actor"].startswith("executor:claude-code:1/s-")
+               for e in store.read_journal() if e["event"] == "submit")
 
 
 def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tmp_path):

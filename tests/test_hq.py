@@ -59,7 +59,8 @@ def run(store, task="Make work.txt", **kw):
 
 
 def moves(store):
-    return [(e["event"], e["actor"]) for e in store.read_journal()
+    """(event, actor) with the actor's agent session left out (HQ gives every agent one)."""
+    return [(e["event"], e["actor"].partition("/")[0]) for e in store.read_journal()
             if e["actor"] != "hq" and e["event"] not in ("claim", "heartbeat")]
 
 

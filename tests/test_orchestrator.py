@@ -217,3 +217,170 @@ def test_an_agent_failing_for_other_reasons_is_still_retried(project, tmp_path):
         time.sleep(0.01)
     assert slot.state == SS.COOLING_DOWN
     controller.shutdown()
+
+
+# -- one orchestrator per project ----------------------------------------------------------------
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
+SCRIPTED_CONFIG = """
+[checks]
+commands = ["test -f work.txt"]
+
+[limits]
+wait_timeout_secs = 5
+
+[agents.custom.scripted]
+interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+prompt = "stdin"
+
+[hq.supervisor]
+agent = "scripted"
+
+[hq.executor]
+agent = "scripted"
+""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPT)}
+
+
+@pytest.fixture
+def scripted(project, tmp_path):
+    set_config(project, SCRIPTED_CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
+                                          "executor": ("scripted", None)},
+                           report=lambda m: None)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    return ferrus.Store(str(project))
+
+
+def cli(root, tmp_path, *args, behavior="", **kw):
+    env = dict(os.environ, SCRIPTED_DIR=str(tmp_path / "memory"), SCRIPTED_BEHAVIOR=behavior,
+               NO_COLOR="1")
+    env.pop(ferrus.SESSION_ENV, None)
+    return subprocess.Popen([sys.executable, FERRUS_PY] + list(args), cwd=str(root), env=env,
+                            stdin=kw.pop("stdin", subprocess.DEVNULL), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_until(condition, what, limit=60.0):
+    import time
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for " + what
+        time.sleep(0.05)
+
+
+def executor_claimed(store):
+    data = store.read_state()
+    return data.claimed_by is not None and data.claimed_by.startswith("executor:scripted:1/s-")
+
+
+def test_a_second_orchestrator_refuses_at_once_naming_the_holder(scripted, tmp_path):
+    first = cli(scripted.root, tmp_path, "run", "--task", "Make work.txt", "--timeout", "120",
+                behavior="slow-executor")
+    try:
+        wait_until(lambda: executor_claimed(scripted), "the first run's executor")
+        second = cli(scripted.root, tmp_path, "run", "--resume")
+        out, err = second.communicate(timeout=30)
+        assert second.returncode == 1, out + err
+        assert "another orchestrator is running on this project: ferrus run (pid %d" \
+            % first.pid in err
+        assert "hint:" in err and "--resume" not in err
+        hq = cli(scripted.root, tmp_path, "hq", "--no-tui", stdin=subprocess.PIPE)
+        out, err = hq.communicate("/task other\n/quit\n", timeout=30)
+        assert hq.returncode == 1 and "ferrus run (pid %d" % first.pid in err, out + err
+        pipeline = cli(scripted.root, tmp_path, "pipeline", "resume", "nothing")
+        out, err = pipeline.communicate(timeout=30)
+        assert pipeline.returncode == 1 and "another orchestrator" in err
+        # Reading along needs no lock.
+        status = cli(scripted.root, tmp_path, "status")
+        out, err = status.communicate(timeout=30)
+        assert status.returncode == 0, err
+    finally:
+        first.kill()
+        first.communicate()
+    sessions = [e for e in scripted.read_journal()
+                if e["event"] == "session" and e["detail"]["to"] == "Running"]
+    assert len(sessions) == 1, "only the first orchestrator started an agent"
+
+
+def test_after_a_sigkilled_run_resume_stops_the_orphan_and_starts_one_executor(
+        scripted, tmp_path):
+    first = cli(scripted.root, tmp_path, "run", "--task", "Make work.txt",
+                behavior="slow-executor")
+    wait_until(lambda: executor_claimed(scripted), "the first run's executor")
+    orphan_lease = scripted.read_state().claimed_by
+    agents = json.loads(open(scripted.path("agents.json")).read())["agents"]
+    orphan = next(a for a in agents if a["name"] == "executor")
+    assert orphan["status"] == "running" and orphan["session"] in orphan_lease
+    first.kill()                                  # SIGKILL: no cleanup at all
+    first.communicate()
+    assert ferrus.pid_alive(orphan["pid"]), "the orphaned executor outlives its orchestrator"
+
+    resumed = cli(scripted.root, tmp_path, "run", "--resume", "--timeout", "120")
+    out, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, out + err
+    assert "took over from ferrus run (pid %d" % first.pid in out
+    assert "stopped the executor (pid %d)" % orphan["pid"] in out
+    assert "freed the task's lease, held by the stopped %s" % orphan_lease in out
+    assert not ferrus.pid_alive(orphan["pid"])
+    journal = scripted.read_journal()
+    released = [i for i, e in enumerate(journal) if e["event"] == "lease_released"]
+    assert len(released) == 1
+    later = journal[released[0]:]
+    # Exactly one executor session after the takeover, and it did the work.
+    executors = [e for e in later if e["event"] == "session" and e["detail"]["slot"] == "executor"
+                 and e["detail"]["to"] == "Running"]
+    assert len(executors) == 1
+    submits = [e for e in journal if e["event"] == "submit"]
+    assert len(submits) == 1 and submits[0]["actor"] != orphan_lease
+    assert scripted.read_state().state == S.COMPLETE
+    assert not os.path.exists(scripted.path(ferrus.ORCHESTRATOR_RECORD))
+
+
+def test_the_lock_is_released_and_a_clean_exit_leaves_no_record(project):
+    store = ferrus.Store(str(project))
+    with ferrus.OrchestratorLock(store, "test") as held:
+        assert held.notes == []
+        record = ferrus.read_orchestrator_record(store)
+        assert record["pid"] == os.getpid() and record["kind"] == "test"
+        with pytest.raises(ferrus.FerrusError) as refused:
+            ferrus.OrchestratorLock(store, "other").acquire()
+        assert "test (pid %d" % os.getpid() in refused.value.message
+    assert ferrus.read_orchestrator_record(store) is None
+    with ferrus.OrchestratorLock(store, "again") as held:
+        assert held.notes == []
+
+
+# -- a lease names one agent session --------------------------------------------------------------
+
+def test_two_copies_of_one_agent_id_cannot_share_a_lease(project, clock):
+    store = ferrus.Store(str(project), clock=clock)
+    first = ferrus.Caller("executor", ferrus.agent_identity("executor", "claude-code", 1, "s-a"))
+    copy = ferrus.Caller("executor", ferrus.agent_identity("executor", "claude-code", 1, "s-b"))
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    set_config(project, "[limits]\nwait_timeout_secs = 0\n")
+    claimed = ferrus.op_wait_for_task(store, first).data
+    assert claimed["claimed_by"] == "executor:claude-code:1/s-a"
+    assert ferrus.op_wait_for_task(store, copy).data["status"] == "timeout"
+    beat = ferrus.op_heartbeat(store, copy).data
+    assert beat["code"] == "claimed_by_other"
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.op_submit(store, copy, "not mine")
+    # The holder may still name itself without its session.
+    assert ferrus.op_heartbeat(store, first, "executor:claude-code:1").data["status"] == "renewed"
+    assert store.read_state().claimed_by == "executor:claude-code:1/s-a"
+
+
+def test_serve_takes_its_session_from_the_environment_or_the_option():
+    assert ferrus.session_from_environment("s-20260101T000000-abcdef") == \
+        "s-20260101T000000-abcdef"
+    with pytest.raises(ferrus.UsageError):
+        ferrus.session_from_environment("../../etc")
+    assert ferrus.agent_identity("executor", "codex", 1) == "executor:codex:1"
+
+
+def test_codex_passes_the_session_variable_to_its_server(project):
+    config = ferrus.load_config(str(project))
+    argv = ferrus.Codex(config).headless(str(project), "executor", "p").argv
+    assert 'mcp_servers.ferrus-executor-1.env_vars=["%s"]' % ferrus.SESSION_ENV in argv

@@ -56,3 +56,19 @@ def test_unregister_keeps_a_file_with_other_content(project, cli):
     cli("register", "--executor", "qwen-code", cwd=project)
     cli("unregister", cwd=project)
     assert '"theme": "dark"' in (project / ".qwen" / "settings.json").read_text()
+
+
+def test_make_test_without_pytest_says_how_to_install_it():
+    import shutil
+    import subprocess
+    import sys
+    import pytest
+    from conftest import REPO
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # -S hides site-packages, so this interpreter has no pytest.
+    result = subprocess.run(["make", "-s", "-C", REPO, "test", "PYTHON=%s -S" % sys.executable],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "pytest is not installed" in result.stderr
+    assert "-m pip install pytest" in result.stderr
