@@ -2940,8 +2940,8 @@ def _check_members(table, marker, leader_pid=None, leader_start=None):
             leader.start if leader.start is not None else process_start(leader_pid)) \
             == leader_start:
         verified.add(leader_pid)
-    own = table.get(os.getpid())
-    own_ids = {own.pgid, own.sid} if own is not None else set()
+    # Never this ferrus's own group or session, whatever a check process claims.
+    own_ids = {os.getpgrp(), os.getsid(0)}
     groups = {table[pid].pgid for pid in verified} - own_ids
     sessions = {table[pid].sid for pid in verified} - own_ids - {None}
     members = set(verified)
@@ -6188,6 +6188,8 @@ def unregister_agents(root, roles, report=print):
         _unregister_roles(root, config, roles, messages.append)
     for message in messages:
         report(message)
+    # Only once the edits are on disk can it tell which files they emptied.
+    remove_emptied_registration_files(root, report)
 
 
 def _unregister_roles(root, config, roles, report):
@@ -6202,7 +6204,6 @@ def _unregister_roles(root, config, roles, report):
                 if adapter.instructions_file:
                     remove_instruction_section(os.path.join(root, adapter.instructions_file),
                                                role, report)
-    remove_emptied_registration_files(root, report)
 
 
 # Every file `register` may create or extend, relative to the project root.
@@ -6248,11 +6249,11 @@ def remove_emptied_registration_files(root, report):
 def remove_gitignore_entry(root, entry, report):
     """Drop the exact line ``ensure_gitignore_entry`` added for ``entry``."""
     path = os.path.join(root, ".gitignore")
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     lines = text.split("\n")
     kept = [line for line in lines if line.rstrip("\r").strip() != entry]
     if len(kept) != len(lines):
-        atomic_write(path, "\n".join(kept))
+        planned_write(path, "\n".join(kept))
         report("Removed %s from .gitignore" % entry)
 
 
