@@ -58,7 +58,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -250,10 +249,14 @@ class FileLock:
         self.what = what or path
         self._fd = None
 
+    SLOW_WAIT = 2.0   # a wait this long is logged once (and reaches MCP clients)
+
     def acquire(self):
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         pause = 0.0005
+        slow_logged = False
         while True:
             try:
                 if IS_WINDOWS:  # pragma: no cover
@@ -275,6 +278,10 @@ class FileLock:
                     "another ferrus process (or upstream ferrus) is holding it; if none is "
                     "running, the lock is stale only in theory — flock locks die with their "
                     "process — so check for a hung `ferrus` process")
+            if not slow_logged and time.monotonic() - started >= self.SLOW_WAIT:
+                slow_logged = True
+                log.warning("waited %.1f s so far for the lock on %s; another ferrus process "
+                            "holds it", time.monotonic() - started, self.what)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -1259,6 +1266,10 @@ def toml_remove_table(text, table):
 
 CONFIG_FILE = "ferrus.toml"
 BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+# The binary names people type for the built-in agents.
+AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
+# What a headless agent may do besides calling ferrus's tools (see section 13).
+PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 
@@ -1294,6 +1305,13 @@ class SpecConfig:
 class AgentChoice:
     agent: str
     model: str = ""
+    permissions: str = ""     # "" = the role's default profile
+
+
+def canonical_agent(name):
+    """A built-in agent's name for what the user typed (`claude` means claude-code)."""
+    name = (name or "").strip()
+    return AGENT_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass
@@ -1468,24 +1486,29 @@ def _fill_section(path, raw, name, target, unknown):
 
 
 def _parse_agent_choice(path, role, value, known_agents):
+    permissions = ""
     if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
         agent, model = value, ""
     elif isinstance(value, dict):
         agent = value.get("agent")
         model = value.get("model", "")
+        permissions = value.get("permissions", "")
         if not isinstance(agent, str):
             raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
         if not isinstance(model, str):
             raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+        if permissions not in PERMISSION_PROFILES + ("",):
+            raise _config_error(path, "hq.%s.permissions" % role, "must be one of %s" % ", ".join(
+                json.dumps(p) for p in PERMISSION_PROFILES), permissions)
     else:
         raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
-    agent = agent.strip()
+    agent = canonical_agent(agent) if agent.strip() not in known_agents else agent.strip()
     if agent not in known_agents:
         return None, FerrusError(
             "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
             "use one of: %s (or describe it under [agents.custom.<name>])"
             % ", ".join(known_agents))
-    return AgentChoice(agent=agent, model=model.strip()), None
+    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), None
 
 
 def _string_list(path, key, value):
@@ -1854,6 +1877,56 @@ def claim(data, agent_id, now, ttl_secs):
     data.lease_until = format_timestamp(now + _dt.timedelta(seconds=ttl_secs))
     data.last_heartbeat = format_timestamp(now)
     return data
+
+
+class LeaseSightings:
+    """How long this process honours a lease — never on a wall clock alone.
+
+    Wall clocks jump, and another process's clock may run hours ahead or behind.  So a
+    lease, known by (project, holder, lease_until), is honoured for at most its holder's
+    own length (lease_until − last_heartbeat, capped at ttl_secs) from the moment this
+    process first saw it, counted on this process's monotonic clock; and while our wall
+    clock agreed at first sight that it was live, also no longer than our wall clock says.
+    A lease our wall clock calls expired at first sight (abandoned long ago, or our clock
+    runs ahead) is honoured for what is left of its length since STATE.json was last
+    written, as the file system's clock saw it: a dead holder's lease frees at once, a
+    live holder's lease is not taken from it by a process whose clock is ahead."""
+
+    KEEP = 256
+
+    def __init__(self):
+        self._seen = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def seconds_left(self, where, data, now, monotonic, ttl, written_age):
+        deadline = lease_deadline(data)
+        if deadline is None:
+            return 0.0
+        length = float(ttl)
+        if data.last_heartbeat:
+            with contextlib.suppress(ValueError):
+                length = min(length, (deadline - parse_timestamp(data.last_heartbeat))
+                             .total_seconds())
+        wall_left = (deadline - now).total_seconds()
+        key = (where, data.claimed_by, data.lease_until)
+        mono = monotonic()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is None:
+                looked_live = wall_left > 0
+                budget = min(length, wall_left) if looked_live else length - written_age()
+                seen = self._seen[key] = (mono, looked_live, max(0.0, budget))
+                while len(self._seen) > self.KEEP:
+                    self._seen.popitem(last=False)
+        first_seen, looked_live, budget = seen
+        left = budget - (mono - first_seen)
+        if looked_live:
+            left = min(left, wall_left)
+        return max(0.0, left)
+
+
+# One table per process: every Store of a project shares what this process has seen.
+LEASE_SIGHTINGS = LeaseSightings()
 
 
 def clear_lease(data):
@@ -2297,10 +2370,11 @@ class JournalWriteError(FerrusError, OSError):
 class Store:
     """The project's ``.ferrus/`` directory: state, content files, journal, lock."""
 
-    def __init__(self, root, clock=utc_now, lock_timeout=None):
+    def __init__(self, root, clock=utc_now, lock_timeout=None, monotonic=time.monotonic):
         self.root = os.path.abspath(root)
         self.dir = os.path.join(self.root, FERRUS_DIR)
-        self.clock = clock
+        self.clock = clock              # wall clock: timestamps written to files
+        self.monotonic = monotonic      # for durations: leases honoured, waits
         self.lock_timeout = lock_timeout if lock_timeout is not None else float(
             os.environ.get("FERRUS_LOCK_TIMEOUT", "10"))
         self.config_cache = ConfigCache(self.root)
@@ -2328,6 +2402,27 @@ class Store:
 
     def config(self):
         return self.config_cache.get()
+
+    # -- leases, judged by this process's own monotonic clock -------------------
+
+    def lease_seconds_left(self, data):
+        """How much longer this process honours ``data``'s lease (0.0: free)."""
+        try:
+            ttl = self.config().lease.ttl_secs
+        except FerrusError:
+            ttl = LeaseConfig().ttl_secs
+        return LEASE_SIGHTINGS.seconds_left(self.dir, data, self.clock(), self.monotonic, ttl,
+                                            self._state_written_age)
+
+    def lease_live(self, data):
+        return self.lease_seconds_left(data) > 0
+
+    def _state_written_age(self):
+        """Real seconds since STATE.json was last written, by the file system's clock."""
+        try:
+            return max(0.0, time.time() - os.stat(self.path(STATE_FILE)).st_mtime)
+        except OSError:
+            return 0.0
 
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
@@ -2856,6 +2951,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                                     stderr=subprocess.STDOUT, env=record.environment(),
                                     **process_group_kwargs())
         except OSError as err:
+            log.error("check command %r could not start: %s", result.command, err)
             result.status = "failed"
             result.tail = ["could not start the shell: %s" % err]
             result.line_count = 1
@@ -3577,9 +3673,9 @@ def _nonblank(value, message):
     return value
 
 
-def _guard_lease(data, caller, now, action):
+def _guard_lease(store, data, caller, action):
     """An agent may not act on a task whose live lease another agent holds."""
-    if not caller.is_agent or not is_claimed(data, now) or data.claimed_by == caller.agent_id:
+    if not caller.is_agent or data.claimed_by == caller.agent_id or not store.lease_live(data):
         return
     raise FerrusError(
         "Cannot %s: the task is leased to %s until %s." % (action, data.claimed_by, data.lease_until),
@@ -3646,7 +3742,7 @@ def op_approve(store, caller):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "approve")
+        _guard_lease(store, data, caller, "approve")
         new = t_approve(data, store.clock())
         detail = {}
         # The milestone tick is a content file written before STATE.json, and it
@@ -3678,7 +3774,7 @@ def op_reject(store, caller, notes):
         data = tx.state
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
-        _guard_lease(data, caller, store.clock(), "reject")
+        _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "reject", review_cycles=new.review_cycles)
@@ -3905,17 +4001,19 @@ def _wait_and_claim(store, caller, claimable, build, what):
         with store.transaction(caller.agent_id) as tx:
             data = tx.state
             now = store.clock()
-            if data.state in claimable and (not is_claimed(data, now)
-                                            or data.claimed_by == caller.agent_id):
-                renewing = data.claimed_by == caller.agent_id and is_claimed(data, now)
+            live = store.lease_seconds_left(data) > 0
+            if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
+                renewing = data.claimed_by == caller.agent_id and live
                 # Re-entry renews the lease too (upstream did not: bug §11.7).
                 tx.set(claim(data, caller.agent_id, now, ttl), "claim",
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
+            store.lease_seconds_left(tx.state)      # the new lease is seen from now on
             return _json_outcome(build(tx.state))
         lease_left = None
-        if data.state in claimable and is_claimed(data, now):
-            lease_left = (lease_deadline(data) - now).total_seconds() + 0.001
+        if data.state in claimable and live:
+            # Wake when the foreign lease runs out by our monotonic count.
+            lease_left = store.lease_seconds_left(data) + 0.001
         if not waiter.pause(stamp, what, lease_left):
             return waiter.timeout(data.state)
 
@@ -4022,7 +4120,7 @@ def _run_gate(store, caller, action):
                               "or Addressing state." % data.state)
         raise FerrusError("Cannot submit from state %s. Submit is only valid from Executing or "
                           "Addressing after the implementation is ready." % data.state)
-    _guard_lease(data, caller, store.clock(), action)
+    _guard_lease(store, data, caller, action)
     config = store.config()
     if not config.checks.commands:
         return data, None, config
@@ -4033,7 +4131,7 @@ def _run_gate(store, caller, action):
     return data, run, config
 
 
-def _same_task(tx, snapshot, caller, now, action):
+def _same_task(store, tx, snapshot, caller, action):
     """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
@@ -4041,7 +4139,7 @@ def _same_task(tx, snapshot, caller, now, action):
             "The state moved from %s to %s while the checks ran, so their result was discarded "
             "and nothing was written." % (snapshot.state, current.state),
             "call /status, then /wait_for_task if there is still work to do")
-    _guard_lease(current, caller, now, action)
+    _guard_lease(store, current, caller, action)
 
 
 # The agents' messages for the check gate (upstream's wording), by action and result.
@@ -4078,7 +4176,7 @@ def _gate_operation(store, caller, action, content=None):
     passed = run is None or run.passed
     with store.transaction(caller.agent_id) as tx:
         now = store.clock()
-        _same_task(tx, snapshot, caller, now, action)
+        _same_task(store, tx, snapshot, caller, action)
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
@@ -4119,7 +4217,7 @@ def op_consult(store, caller, question):
         if data.state not in WORK_STATES:
             raise FerrusError("Cannot consult from state %s. Consultation is only available while "
                               "executing work." % data.state)
-        _guard_lease(data, caller, store.clock(), "consult")
+        _guard_lease(store, data, caller, "consult")
         missing = [h for h in CONSULT_HEADINGS if h not in (question or "")]
         if missing:
             raise FerrusError("The consultation request must follow the template; it lacks %s."
@@ -4179,7 +4277,7 @@ def op_status(store, caller=None):
         lines.append("**Failure reason:** %s" % data.failure_reason)
     if data.task_id:
         lines.append("**Task:** %s" % data.task_id)
-    if is_claimed(data, now):
+    if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
     return Outcome("\n".join(lines), status_data(store, data, now))
 
@@ -4195,8 +4293,8 @@ def status_data(store, data, now):
             "check_retries": data.check_retries, "review_cycles": data.review_cycles,
             "failure_reason": data.failure_reason, "paused_state":
                 data.paused_state.value if data.paused_state else None,
-            "claimed_by": data.claimed_by if is_claimed(data, now) else None,
-            "lease_until": data.lease_until if is_claimed(data, now) else None,
+            "claimed_by": data.claimed_by if store.lease_live(data) else None,
+            "lease_until": data.lease_until if store.lease_live(data) else None,
             "state_entered_at": entered, "seconds_in_state": seconds_in_state,
             "task_started_at": data.task_started_at,
             "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
@@ -4288,11 +4386,12 @@ def op_heartbeat(store, caller, agent_id=None):
             if data.claimed_by is None:
                 return error("not_claimed", "No active lease exists")
             return error("claimed_by_other", "Lease is held by %s" % data.claimed_by)
-        if not is_claimed(data, now):
+        if not store.lease_live(data):
             return error("expired", "Your lease expired before renewal")
         if data.state not in ALLOWED_FROM["heartbeat"]:
             return error("invalid_state", "State %s cannot hold a lease" % data.state)
         tx.set(claim(data, caller.agent_id, now, ttl), "heartbeat")
+    store.lease_seconds_left(tx.state)              # the renewed lease is seen from now on
     return _json_outcome({"status": "renewed", "claimed_by": tx.state.claimed_by,
                           "lease_until": tx.state.lease_until})
 
@@ -4343,6 +4442,15 @@ PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR =
     -32700, -32600, -32601, -32602, -32603)
 RESOURCE_NOT_FOUND = -32002
 UNSUPPORTED_PROTOCOL_VERSION = -32022
+MCP_ALL_VERSIONS = MCP_MODERN_VERSIONS + MCP_LEGACY_VERSIONS
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+# Versions whose base protocol requires servers to accept JSON-RPC batches.
+BATCH_VERSIONS = ("2025-03-26",)
+# Versions whose error schema requires an id, so an unreadable id is sent as null
+# (JSON-RPC 2.0); from 2025-11-25 on the id is optional and left out instead.
+NULL_ERROR_ID_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18")
+# Legacy methods the 2026-07-28 revision removed: -32601 when a request is modern.
+REMOVED_IN_MODERN = ("initialize", "ping", "logging/setLevel")
 
 
 class RpcError(Exception):
@@ -4371,6 +4479,8 @@ class Request:
     # Set by notifications/cancelled: the client no longer wants any answer.  An
     # EOF shutdown also sets ``cancel`` (to end waits) but still answers.
     abandoned: bool = False
+    batched: bool = False     # an element of a JSON-RPC batch (2025-03-26)
+    reply: object = None      # callable(response or None): where the answer goes
 
     @property
     def meta(self):
@@ -4378,27 +4488,63 @@ class Request:
         return meta if isinstance(meta, dict) else {}
 
 
+class _Lane:
+    """A bounded group of worker threads for one kind of request.
+
+    At most ``max_workers`` requests of the lane run at once and at most
+    ``max_queued`` more wait for a worker; a request beyond that is refused at
+    once (never left unanswered).  Workers stay for the next request, so a
+    quick call does not pay for starting a thread."""
+
+    def __init__(self, name, max_workers, max_queued, lock):
+        self.name = name
+        self.max_workers = max_workers
+        self.max_queued = max_queued
+        self.pending = collections.deque()
+        self.active = 0       # admitted and not finished (running or queued)
+        self.threads = 0      # worker threads alive
+        self.waiting = 0      # workers parked on ``ready`` and not yet handed a request
+        self.ready = threading.Condition(lock)
+
+
+_current_request = threading.local()   # the request a thread is handling (for logging)
+
+
 class JsonRpcServer:
     """Newline-delimited JSON-RPC 2.0 over a pair of binary streams.
 
-    The reader thread parses messages and answers cheap methods inline; methods
-    named in ``threaded`` run on a worker thread so a long call never delays
-    ``ping`` or a cancellation.  Workers stay for the next request (a new one is
-    started only when every worker is busy), so a quick call does not pay for
-    creating and starting a thread.  One lock serialises writes."""
+    The reader thread parses messages and answers cheap methods inline.  What
+    ``lane_of(request)`` puts in a lane runs on that lane's bounded worker
+    threads: long blocking calls ("blocking") have their own lane, so they can
+    never starve quick calls ("quick") and neither can delay ``ping`` or a
+    cancellation, which the reader answers itself.  A request its lane cannot
+    take gets ``busy(request, lane)`` as its answer at once.  One lock
+    serialises writes.
+
+    ``protocol_version`` is the legacy version negotiated by initialize (None
+    before); it decides whether JSON-RPC batches are accepted (2025-03-26 only)
+    and how an error answers a message whose id is unknown."""
+
+    MAX_BLOCKING = 16        # blocking calls running at once (each holds a thread)
+    MAX_QUICK_WORKERS = 4    # threads for quick calls
+    MAX_QUICK_QUEUED = 256   # quick calls waiting for one of those threads
 
     def __init__(self, reader, writer):
         self.reader = reader
         self.writer = writer
         self.handlers = {}
         self.notification_handlers = {}
-        self.threaded = set()
+        self.lane_of = lambda request: None
+        self.busy = self._default_busy
+        self.protocol_version = None
         self._write_lock = threading.Lock()
         self._inflight = {}
         self._inflight_lock = threading.Lock()
+        self._lanes = {
+            "blocking": _Lane("blocking", self.MAX_BLOCKING, 0, self._inflight_lock),
+            "quick": _Lane("quick", self.MAX_QUICK_WORKERS, self.MAX_QUICK_QUEUED,
+                           self._inflight_lock)}
         self._workers = set()
-        self._queue = queue.SimpleQueue()   # requests for the workers; None stops one
-        self._idle = 0                      # workers waiting on the queue
         self.closed = threading.Event()
 
     # -- plumbing ------------------------------------------------------------------
@@ -4408,7 +4554,7 @@ class JsonRpcServer:
             text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
         except (RecursionError, ValueError):
             # A value echoed from the request is nested too deeply to serialise.
-            if "id" not in message:
+            if isinstance(message, list) or "id" not in message:
                 return
             message = {"jsonrpc": "2.0", "id": message["id"], "error": {
                 "code": INTERNAL_ERROR, "message": "the response is nested too deeply to send"}}
@@ -4429,13 +4575,25 @@ class JsonRpcServer:
     def notify(self, method, params):
         self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
-    def _respond(self, request_id, result=None, error=None):
-        message = {"jsonrpc": "2.0", "id": request_id}
+    def _send_reply(self, message):
+        if message is not None:
+            self.send(message)
+
+    def _response(self, request_id, result=None, error=None):
+        """A response message.  An error to a message whose id could not be read
+        has no id in 2025-11-25 and later (JSONRPCErrorResponse makes it
+        optional there) and ``"id": null`` before, as JSON-RPC 2.0 says."""
+        message = {"jsonrpc": "2.0"}
+        if request_id is not None or self.protocol_version in NULL_ERROR_ID_VERSIONS:
+            message["id"] = request_id
         if error is not None:
             message["error"] = error.to_json()
         else:
             message["result"] = result
-        self.send(message)
+        return message
+
+    def _respond(self, request_id, result=None, error=None, reply=None):
+        (reply or self._send_reply)(self._response(request_id, result, error))
 
     def _read_line(self):
         """The next line, or None at EOF; an over-long line becomes an error marker."""
@@ -4471,9 +4629,10 @@ class JsonRpcServer:
         with self._inflight_lock:
             for request in self._inflight.values():
                 request.cancel.set()
+            for lane in self._lanes.values():
+                lane.waiting = 0
+                lane.ready.notify_all()
             workers = list(self._workers)
-            for _ in workers:
-                self._queue.put(None)
         deadline = time.monotonic() + wait
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -4485,17 +4644,49 @@ class JsonRpcServer:
             self._respond(None, error=RpcError(PARSE_ERROR, "Parse error: %s" % err))
             return
         if isinstance(message, list):
-            self._respond(None, error=RpcError(
-                INVALID_REQUEST, "JSON-RPC batches are not supported; send one message per line"))
+            if self.protocol_version not in BATCH_VERSIONS:
+                self._respond(None, error=RpcError(
+                    INVALID_REQUEST, "JSON-RPC batches are not supported in protocol version %s; "
+                    "send one message per line" % (self.protocol_version or "negotiation")))
+            elif not message:
+                self._respond(None, error=RpcError(
+                    INVALID_REQUEST, "Invalid Request: an empty batch"))
+            else:
+                self._handle_batch(message)
             return
+        self._handle_message(message, self._send_reply)
+
+    def _handle_batch(self, messages):
+        """2025-03-26 batches: one array of responses once every request is answered
+        (notifications and cancelled requests add nothing; no array when empty)."""
+        lock = threading.Lock()
+        responses = []
+        remaining = [len(messages)]
+
+        def reply(message):
+            with lock:
+                if message is not None:
+                    responses.append(message)
+                remaining[0] -= 1
+                finished = remaining[0] == 0
+            if finished and responses:
+                self.send(responses)
+        for message in messages:
+            self._handle_message(message, reply, batched=True)
+
+    def _handle_message(self, message, reply, batched=False):
+        """Handle one parsed message; ``reply`` is called exactly once, with the
+        response or None when none is due."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             request_id = message.get("id") if isinstance(message, dict) else None
             self._respond(request_id if _valid_id(request_id) else None, error=RpcError(
-                INVALID_REQUEST, "Invalid Request: expected an object with \"jsonrpc\": \"2.0\""))
+                INVALID_REQUEST, "Invalid Request: expected an object with \"jsonrpc\": \"2.0\""),
+                reply=reply)
             return
         method = message.get("method")
         if method is None and ("result" in message or "error" in message):
-            return  # a response to a request we never send; ignore it
+            reply(None)  # a response to a request we never send; ignore it
+            return
         params = message.get("params", {})
         if "id" not in message:
             if isinstance(method, str) and isinstance(params, dict):
@@ -4505,45 +4696,63 @@ class JsonRpcServer:
                         handler(params)
                     except Exception:  # a notification never gets an answer, even on failure
                         log.exception("notification %s failed", method)
+            reply(None)
             return
         request_id = message["id"]
         if not _valid_id(request_id):
-            self._respond(None, error=RpcError(INVALID_REQUEST,
-                                               "Invalid Request: id must be a string or integer"))
+            self._respond(None, error=RpcError(
+                INVALID_REQUEST, "Invalid Request: id must be a string or integer"), reply=reply)
             return
         if not isinstance(method, str):
-            self._respond(request_id, error=RpcError(INVALID_REQUEST,
-                                                     "Invalid Request: method must be a string"))
+            self._respond(request_id, error=RpcError(
+                INVALID_REQUEST, "Invalid Request: method must be a string"), reply=reply)
             return
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            self._respond(request_id, error=RpcError(INVALID_PARAMS, "params must be an object"))
+            self._respond(request_id, error=RpcError(INVALID_PARAMS, "params must be an object"),
+                          reply=reply)
             return
-        request = Request(request_id, method, params, threading.Event())
-        if method in self.threaded:
-            with self._inflight_lock:
-                if request_id in self._inflight:
-                    self._respond(request_id, error=RpcError(
-                        INVALID_REQUEST, "request id %r is already in use" % (request_id,)))
-                    return
-                self._inflight[request_id] = request
-                worker = None
-                if self._idle:
-                    self._idle -= 1
-                else:
-                    worker = threading.Thread(target=self._work, daemon=True, name="mcp-worker")
-                    self._workers.add(worker)
-                self._queue.put(request)
-            if worker is not None:
-                worker.start()
-        else:
+        request = Request(request_id, method, params, threading.Event(), batched=batched,
+                          reply=reply)
+        lane = self._lanes.get(self.lane_of(request))
+        if lane is None:
             self._run(request)
+            return
+        with self._inflight_lock:
+            if request_id in self._inflight:
+                self._respond(request_id, error=RpcError(
+                    INVALID_REQUEST, "request id %r is already in use" % (request_id,)),
+                    reply=reply)
+                return
+            admitted = lane.active < lane.max_workers + lane.max_queued
+            if admitted:
+                self._inflight[request_id] = request
+                lane.active += 1
+                lane.pending.append(request)
+                worker = None
+                if lane.waiting:
+                    lane.waiting -= 1
+                    lane.ready.notify()
+                elif lane.threads < lane.max_workers:
+                    lane.threads += 1
+                    worker = threading.Thread(target=self._work, args=(lane,), daemon=True,
+                                              name="mcp-%s" % lane.name)
+                    self._workers.add(worker)
+        if not admitted:
+            self._run(request, lambda request: self.busy(request, lane))
+        elif worker is not None:
+            worker.start()
 
-    def _run(self, request):
+    def _default_busy(self, request, lane):
+        raise RpcError(INTERNAL_ERROR, "server busy: %d %s requests are already running; "
+                                       "retry when one has finished" % (lane.active, lane.name))
+
+    def _run(self, request, handler=None):
         result = error = None
+        _current_request.value = request
         try:
-            handler = self.handlers.get(request.method)
+            handler = handler or self.handlers.get(request.method)
             if handler is None:
                 raise RpcError(METHOD_NOT_FOUND, "Method not found: %s" % request.method)
             result = handler(request)
@@ -4553,26 +4762,33 @@ class JsonRpcServer:
             log.exception("internal error in %s", request.method)
             error = RpcError(INTERNAL_ERROR, "Internal error: %s: %s" % (type(err).__name__, err))
         finally:
+            _current_request.value = None
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
         if request.abandoned:
-            return  # cancelled by the client: the spec says send nothing more
-        self._respond(request.id, result=result, error=error)
+            request.reply(None)  # cancelled by the client: the spec says send nothing more
+            return
+        self._respond(request.id, result=result, error=error, reply=request.reply)
 
-    def _work(self):
-        """A worker thread: run queued requests until shutdown."""
+    def _work(self, lane):
+        """A worker thread of ``lane``: run its queued requests until shutdown."""
         try:
             while True:
-                request = self._queue.get()
-                if request is None:
-                    return
-                self._run(request)
                 with self._inflight_lock:
-                    if self.closed.is_set():
-                        return
-                    self._idle += 1
+                    while not lane.pending:
+                        if self.closed.is_set():
+                            return
+                        lane.waiting += 1
+                        lane.ready.wait()
+                    request = lane.pending.popleft()
+                try:
+                    self._run(request)
+                finally:
+                    with self._inflight_lock:
+                        lane.active -= 1
         finally:
             with self._inflight_lock:
+                lane.threads -= 1
                 self._workers.discard(threading.current_thread())
 
     def cancel(self, request_id):
@@ -4764,6 +4980,15 @@ RESOURCES = (
 )
 RESOURCES_BY_NAME = {entry[0]: entry for entry in RESOURCES}
 EVENTS_RESOURCE_LIMIT = 200
+# A .ferrus/ file served whole up to this size; past it the tail is left out (and said so).
+RESOURCE_MAX_BYTES = 4 * 1024 * 1024
+# ferrus://logs/{name}: a log up to HEAD + TAIL bytes is served whole, a longer one as
+# its first HEAD and last TAIL bytes; ?offset=&length= reads any range up to READ_MAX.
+LOG_WINDOW_HEAD = 16 * 1024
+LOG_WINDOW_TAIL = 240 * 1024
+LOG_READ_MAX = 1024 * 1024
+LOG_URI_RE = re.compile(r"^ferrus://logs/([A-Za-z0-9_][A-Za-z0-9_.-]*)"
+                        r"(?:\?(offset=\d{1,18}(?:&length=\d{1,18})?|length=\d{1,18}))?$")
 
 PROMPTS = (
     ("executor-context", "Executor task context: state, task, and review notes",
@@ -4773,50 +4998,198 @@ PROMPTS = (
 )
 
 
+class ResourceNotFound(FerrusError):
+    """A ferrus:// URI that names nothing ferrus will serve."""
+
+
+def open_in_ferrus_dir(store, *parts):
+    """An open binary file object for .ferrus/<parts>, refusing to leave .ferrus/.
+
+    A symbolic link as the file itself is never followed (an agent could point
+    TASK.md or a check log at any file of the machine), a directory on the way
+    must resolve inside .ferrus/, and only regular files are opened (a FIFO
+    would block the reader).  Raises ResourceNotFound or OSError."""
+    base = os.path.realpath(store.path())
+    path = store.path(*parts)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != base and not parent.startswith(base + os.sep):
+        raise ResourceNotFound("%s/%s is outside %s (a symbolic link on the way)"
+                               % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
+                               "ferrus reads only files inside .ferrus/; remove the link")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_BINARY", 0)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
+        raise _symlink_refused(parts)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _symlink_refused(parts)
+        raise
+    try:
+        if not stat_is_regular(os.fstat(fd)):
+            raise ResourceNotFound("%s/%s is not a regular file" % (FERRUS_DIR, "/".join(parts)))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _symlink_refused(parts):
+    return ResourceNotFound("%s/%s is a symbolic link; ferrus does not follow links in %s"
+                            % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
+                            "replace the link with the file itself")
+
+
+def stat_is_regular(st):
+    return (st.st_mode & 0o170000) == 0o100000   # stat.S_ISREG without another import
+
+
+def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
+    """The text of .ferrus/<name> (symlink-safe), at most ``limit`` bytes of it."""
+    with open_in_ferrus_dir(store, name) as handle:
+        data = handle.read(limit + 1)
+    text = data[:limit].decode("utf-8", errors="replace")
+    if len(data) > limit:
+        text += ("\n\n[ferrus: %s/%s is larger than %d bytes; the rest is left out]\n"
+                 % (FERRUS_DIR, name, limit))
+    return text
+
+
+def _utf8_start(data, index):
+    """``index`` moved forward past UTF-8 continuation bytes (at most 3)."""
+    for _ in range(3):
+        if index < len(data) and 0x80 <= data[index] < 0xC0:
+            index += 1
+    return index
+
+
+def _utf8_text(data):
+    """``data`` as text when it is UTF-8 without NUL bytes (a cut last character
+    is dropped), else None: such content is sent as a blob."""
+    if b"\0" in data:
+        return None
+    for cut in range(4):
+        try:
+            return data[:len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError as err:
+            if err.start < len(data) - 4:
+                return None
+    return None
+
+
+def read_log_window(store, uri):
+    """(contents list) of ferrus://logs/<name>[?offset=N&length=M], never the whole
+    of a huge log: see LOG_WINDOW_HEAD/TAIL and LOG_READ_MAX."""
+    match = LOG_URI_RE.match(uri)
+    if not match:
+        raise ResourceNotFound("Resource not found: %s" % uri,
+                               "log URIs are ferrus://logs/<file name in .ferrus/logs>, "
+                               "optionally with ?offset=<byte>&length=<bytes>")
+    name, query = match.group(1), match.group(2)
+    base_uri = "ferrus://logs/" + name
+    try:
+        handle = open_in_ferrus_dir(store, "logs", name)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ResourceNotFound("Resource not found: %s" % uri,
+                               "the log may have been removed; a check run writes new ones")
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if query:
+            fields = dict(part.split("=") for part in query.split("&"))
+            offset = min(int(fields.get("offset", 0)), size)
+            length = min(int(fields.get("length", LOG_READ_MAX)), LOG_READ_MAX)
+            handle.seek(offset)
+            pieces = [(offset, handle.read(length))]
+        elif size <= LOG_WINDOW_HEAD + LOG_WINDOW_TAIL:
+            pieces = [(0, handle.read(size))]
+        else:
+            head = handle.read(LOG_WINDOW_HEAD)
+            handle.seek(size - LOG_WINDOW_TAIL)
+            tail = handle.read(LOG_WINDOW_TAIL)
+            skip = _utf8_start(tail, 0)
+            pieces = [(0, head), (size - LOG_WINDOW_TAIL + skip, tail[skip:])]
+    end = pieces[-1][0] + len(pieces[-1][1])
+    texts = [_utf8_text(data) for _, data in pieces]
+    if len(pieces) == 2:
+        gap_start = len(pieces[0][1])
+        note = ("[ferrus: this log has %d bytes; bytes %d to %d (%d bytes) are left out. "
+                "Read them with %s?offset=%d&length=%d (at most %d bytes per read).]"
+                % (size, gap_start, pieces[1][0], pieces[1][0] - gap_start, base_uri,
+                   gap_start, min(pieces[1][0] - gap_start, LOG_READ_MAX), LOG_READ_MAX))
+    elif query and (pieces[0][0] > 0 or end < size):
+        note = ("[ferrus: bytes %d to %d of %d]" % (pieces[0][0], end, size))
+    else:
+        note = None
+    if all(text is not None for text in texts):
+        if len(texts) == 2:
+            text = "%s\n\n%s\n\n%s" % (texts[0], note, texts[1])
+        else:
+            text = texts[0] if note is None else "%s\n%s" % (note, texts[0])
+        return [{"uri": uri, "mimeType": "text/plain", "text": text}]
+    # Binary (NUL bytes or not UTF-8): the bytes as they are, base64 in blobs.
+    contents = []
+    if note:
+        contents.append({"uri": uri, "mimeType": "text/plain", "text": note})
+    for offset, data in pieces:
+        contents.append({"uri": "%s?offset=%d&length=%d" % (base_uri, offset, len(data)),
+                         "mimeType": "application/octet-stream",
+                         "blob": base64.b64encode(data).decode("ascii")})
+    return contents
+
+
 def read_resource(store, uri):
-    """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable."""
+    """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable.
+
+    Raises ResourceNotFound for a URI that names nothing (or a file that is
+    missing or refused), OSError when reading fails."""
     if not isinstance(uri, str) or not uri.startswith("ferrus://"):
-        raise FerrusError("Resource not found: %s" % uri)
+        raise ResourceNotFound("Resource not found: %s" % uri)
     name = uri[len("ferrus://"):]
     if name.startswith("logs/"):
-        log_name = name[len("logs/"):]
-        # One plain file name inside .ferrus/logs: no separators, no dot-dot.
-        if not re.match(r"^[A-Za-z0-9_.-]+$", log_name) or log_name.startswith("."):
-            raise FerrusError("Resource not found: %s" % uri)
-        path = store.path("logs", log_name)
-        if not os.path.isfile(path):
-            raise FerrusError("Resource not found: %s" % uri)
-        return "text/plain", read_text(path)
+        contents = read_log_window(store, uri)
+        return contents[0]["mimeType"], "".join(c.get("text", "") for c in contents)
     entry = RESOURCES_BY_NAME.get(name)
     if entry is None:
-        raise FerrusError("Unknown ferrus resource: %s" % name)
+        raise ResourceNotFound("Unknown ferrus resource: %s" % name,
+                               "resources/list names every resource ferrus serves")
     _, _, filename, mime, missing = entry
-    if name == "events":
-        return mime, pretty_json(store.read_journal(limit=EVENTS_RESOURCE_LIMIT))
     try:
-        text = read_text(store.path(filename))
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        if name in ("events", "state"):
+            # Parsed by the store; opening first refuses a symlink in their place.
+            open_in_ferrus_dir(store, filename).close()
+            if name == "events":
+                return mime, pretty_json(store.read_journal(limit=EVENTS_RESOURCE_LIMIT))
+            return mime, store.read_state().to_json()
+        return mime, read_ferrus_text(store, filename)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
-            raise FerrusError("Failed to read .ferrus/%s" % filename)
+            raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
+                                   % (uri, filename))
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
-    if name == "state":
-        text = store.read_state().to_json()
-    return mime, text
 
 
 def render_prompt(store, name):
     data = store.read_state()
-    task = store.read_file("TASK.md")
+
+    def read(filename):
+        try:
+            return read_ferrus_text(store, filename)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return ""
+        except ResourceNotFound as err:   # a symlink out of .ferrus/: say so, show nothing
+            return "[ferrus: %s]" % err.message
+    task = read("TASK.md")
     if name == "executor-context":
         sections = ["## State\n\nCurrent state: **%s** | Check retries: %d | Review cycles: %d"
                     % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
-        review = store.read_file("REVIEW.md")
+        review = read("REVIEW.md")
         if review.strip():
             sections.append("## Review Notes (Re-address)\n\n" + review)
     else:
         sections = ["## State\n\nCurrent state: **%s** | Check retries used: %d | Review cycles: %d"
                     % (data.state, data.check_retries, data.review_cycles), "## Task\n\n" + task]
-        submission = store.read_file("SUBMISSION.md")
+        submission = read("SUBMISSION.md")
         if submission.strip():
             sections.append("## Submission Notes\n\n" + submission)
     return "\n\n---\n\n".join(sections)
@@ -4850,7 +5223,12 @@ def session_from_environment(value=None):
 
 
 class FerrusMcpServer:
-    """The ferrus tools, resources and prompts for one role, on a JsonRpcServer."""
+    """The ferrus tools, resources and prompts for one role, on a JsonRpcServer.
+
+    Every answer is shaped for the protocol version in force for its request
+    (``era``): the one negotiated by initialize, or 2026-07-28 for a request
+    whose ``_meta`` carries a protocol version.  Fields a version does not
+    define are left out for it."""
 
     PAGE_SIZE = 100
 
@@ -4881,20 +5259,35 @@ class FerrusMcpServer:
             "prompts/get": self._guard(self._prompts_get),
             "logging/setLevel": self._guard(self._set_level),
         })
-        rpc.threaded.add("tools/call")
+        rpc.lane_of = self._lane_of
+        rpc.busy = self._busy
         rpc.notification_handlers.update({
             "notifications/initialized": lambda params: None,
             "notifications/cancelled": self._cancelled,
         })
+        self._log_handler = _McpLogHandler(self)
 
     def serve(self):
-        self.rpc.serve_forever()
+        # The server's own warnings and errors also go to the client (notifications/message).
+        log.addHandler(self._log_handler)
+        try:
+            self.rpc.serve_forever()
+        finally:
+            log.removeHandler(self._log_handler)
 
     # -- protocol ----------------------------------------------------------------------
 
-    def server_info(self):
-        return {"name": "ferrus", "title": "ferrus (%s)" % (self.role or "all tools"),
-                "version": __version__}
+    def era(self, request):
+        """The protocol version a request is answered under."""
+        if request is not None and request.modern:
+            return MCP_MODERN_VERSIONS[0]
+        return self.protocol_version or MCP_LEGACY_VERSIONS[0]
+
+    def server_info(self, version=None):
+        info = {"name": "ferrus", "version": __version__}
+        if version is None or version >= "2025-06-18":
+            info["title"] = "ferrus (%s)" % (self.role or "all tools")
+        return info
 
     def capabilities(self):
         return {"tools": {"listChanged": False},
@@ -4911,16 +5304,47 @@ class FerrusMcpServer:
         return "ferrus: every orchestration tool (no role restriction)."
 
     def _initialize(self, request):
+        if META_VERSION in request.meta:
+            raise RpcError(METHOD_NOT_FOUND, "Method not found: initialize does not exist in "
+                           "protocol version 2026-07-28 (use server/discover)")
+        if request.batched:
+            raise RpcError(INVALID_REQUEST, "initialize must not be part of a JSON-RPC batch")
         requested = request.params.get("protocolVersion")
+        if not isinstance(requested, str):
+            raise RpcError(INVALID_PARAMS, "initialize needs protocolVersion as a string, e.g. "
+                                           "\"%s\"" % MCP_LEGACY_VERSIONS[0])
         version = requested if requested in MCP_LEGACY_VERSIONS else MCP_LEGACY_VERSIONS[0]
-        self.protocol_version = version
+        self.protocol_version = self.rpc.protocol_version = version
         self.initialized = True
         return {"protocolVersion": version, "capabilities": self.capabilities(),
-                "serverInfo": self.server_info(), "instructions": self.instructions()}
+                "serverInfo": self.server_info(version), "instructions": self.instructions()}
+
+    def _check_modern_meta(self, request):
+        """Validate a 2026-07-28 request's _meta: -32022 for a version ferrus does
+        not speak (listing every one it does), -32602 for a missing field."""
+        meta = request.meta
+        if META_VERSION not in meta:
+            raise RpcError(INVALID_PARAMS, "%s needs _meta[\"%s\"] (one of %s)" % (
+                request.method, META_VERSION, ", ".join(MCP_MODERN_VERSIONS)))
+        version = meta[META_VERSION]
+        if version not in MCP_MODERN_VERSIONS:
+            raise RpcError(UNSUPPORTED_PROTOCOL_VERSION,
+                           "Unsupported protocol version: %s" % (version,),
+                           {"supported": list(MCP_ALL_VERSIONS),
+                            "requested": version if isinstance(version, str) else
+                            json.dumps(version)})
+        if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
+            raise RpcError(INVALID_PARAMS, "_meta must carry %s (an object)"
+                           % META_CLIENT_CAPABILITIES)
+        level = meta.get(META_LOG_LEVEL)
+        if level is not None and level not in LOG_LEVELS:
+            raise RpcError(INVALID_PARAMS, "Invalid %s %r; expected one of %s"
+                           % (META_LOG_LEVEL, level, ", ".join(LOG_LEVELS)))
+        request.modern = True
 
     def _discover(self, request):
-        return {"resultType": "complete",
-                "supportedVersions": list(MCP_MODERN_VERSIONS) + list(MCP_LEGACY_VERSIONS),
+        self._check_modern_meta(request)
+        return {"resultType": "complete", "supportedVersions": list(MCP_ALL_VERSIONS),
                 "capabilities": self.capabilities(), "instructions": self.instructions(),
                 "ttlMs": 0, "cacheScope": "private",
                 "_meta": {META_SERVER_INFO: self.server_info()}}
@@ -4928,16 +5352,11 @@ class FerrusMcpServer:
     def _guard(self, handler):
         """Legacy requests need initialize first; modern ones carry their version in _meta."""
         def guarded(request):
-            meta = request.meta
-            if META_VERSION in meta:
-                version = meta[META_VERSION]
-                if version not in MCP_MODERN_VERSIONS:
-                    raise RpcError(UNSUPPORTED_PROTOCOL_VERSION,
-                                   "Unsupported protocol version: %s" % (version,),
-                                   {"supported": list(MCP_MODERN_VERSIONS), "requested": version})
-                if not isinstance(meta.get(META_CLIENT_CAPABILITIES), dict):
-                    raise RpcError(INVALID_PARAMS, "_meta must carry %s" % META_CLIENT_CAPABILITIES)
-                request.modern = True
+            if META_VERSION in request.meta:
+                if request.method in REMOVED_IN_MODERN:
+                    raise RpcError(METHOD_NOT_FOUND, "Method not found: %s does not exist in "
+                                   "protocol version 2026-07-28" % request.method)
+                self._check_modern_meta(request)
                 result = handler(request)
                 result.setdefault("resultType", "complete")
                 result.setdefault("_meta", {})[META_SERVER_INFO] = self.server_info()
@@ -4947,8 +5366,24 @@ class FerrusMcpServer:
             return handler(request)
         return guarded
 
+    def _lane_of(self, request):
+        if request.method != "tools/call":
+            return None
+        name = request.params.get("name")
+        return "blocking" if isinstance(name, str) and name in BLOCKING_TOOLS else "quick"
+
+    def _busy(self, request, lane):
+        """The answer to a call no worker can take: a tool error the caller can read."""
+        if request.method != "tools/call":
+            return self.rpc._default_busy(request, lane)
+        text = ("ferrus: too many calls in flight: %d %s tool calls are already running on "
+                "this server, the most it runs at once.\nhint: wait for one of them to "
+                "finish (or cancel it) and call %s again"
+                % (lane.active, lane.name, request.params.get("name")))
+        return self._error_result(text)
+
     def _structured(self, request):
-        return request.modern or (self.protocol_version or "") >= "2025-06-18"
+        return self.era(request) >= "2025-06-18"
 
     def _page(self, request, items, key):
         cursor = request.params.get("cursor")
@@ -4982,27 +5417,47 @@ class FerrusMcpServer:
         self.log_level = level
         return {}
 
-    def send_log(self, level, message):
-        if LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.log_level) and self.initialized:
+    def send_log(self, level, message, request=None):
+        """notifications/message at or above the client's level.
+
+        A 2026-07-28 request chooses its own level in _meta (no level: no log
+        messages for it); otherwise the level set by logging/setLevel applies,
+        once the client has initialized."""
+        if request is not None and request.modern:
+            threshold = request.meta.get(META_LOG_LEVEL)
+            if threshold not in LOG_LEVELS:
+                return
+        elif self.initialized:
+            threshold = self.log_level
+        else:
+            return
+        if LOG_LEVELS.index(level) >= LOG_LEVELS.index(threshold):
             self.rpc.notify("notifications/message",
                             {"level": level, "logger": "ferrus", "data": message})
 
     # -- tools -------------------------------------------------------------------------
 
     def _tools_list(self, request):
-        structured = self._structured(request)
+        version = self.era(request)
         items = []
         for tool in self.tools:
-            entry = {"name": tool.name, "title": tool.title, "description": tool.description,
-                     "inputSchema": tool.input_schema(),
-                     "annotations": {"title": tool.title, "readOnlyHint": tool.read_only,
-                                     "destructiveHint": tool.destructive,
-                                     "idempotentHint": tool.idempotent,
-                                     "openWorldHint": False}}
-            if structured:
+            entry = {"name": tool.name}
+            if version >= "2025-06-18":
+                entry["title"] = tool.title
+            entry.update(description=tool.description, inputSchema=tool.input_schema())
+            if version >= "2025-03-26":
+                entry["annotations"] = {"title": tool.title, "readOnlyHint": tool.read_only,
+                                        "destructiveHint": tool.destructive,
+                                        "idempotentHint": tool.idempotent,
+                                        "openWorldHint": False}
+            if version >= "2025-06-18":
                 entry["outputSchema"] = tool.output_schema()
             items.append(entry)
         return self._page(request, items, "tools")
+
+    @staticmethod
+    def _error_result(text):
+        return {"content": [{"type": "text", "text": text}], "isError": True}
 
     def _tools_call(self, request):
         name = request.params.get("name")
@@ -5014,7 +5469,14 @@ class FerrusMcpServer:
         arguments = {} if arguments is None else arguments
         if not isinstance(arguments, dict):
             raise RpcError(INVALID_PARAMS, "arguments of %s must be an object" % name)
-        _validate_arguments(tool, arguments)
+        problem = _argument_problem(tool, arguments)
+        if problem is not None:
+            # 2025-11-25 (SEP-1303): input validation errors are tool execution
+            # errors the model can read and correct; earlier versions list
+            # invalid arguments among the protocol errors.
+            if self.era(request) >= "2025-11-25":
+                return self._error_result("ferrus: %s\nhint: %s" % problem)
+            raise RpcError(INVALID_PARAMS, problem[0])
         caller = Caller(self.role or "agent", self.agent_id, request.cancel,
                         self._progress_reporter(request))
         self.tool_calls += 1
@@ -5023,10 +5485,21 @@ class FerrusMcpServer:
         try:
             outcome = tool.run(self.store, caller, **arguments)
         except FerrusError as err:
-            return {"content": [{"type": "text", "text": err.full_text()}], "isError": True}
-        result = {"content": [{"type": "text", "text": outcome.text}], "isError": False}
+            return self._error_result(err.full_text())
+        except OSError as err:
+            # A full disk, a read-only file system, a name too long...: the tool
+            # failed, the state on disk did not change (transactions are atomic).
+            return self._error_result(os_error_text(tool.name, err))
+        failed = outcome.data.get("status") == "error" or outcome.data.get("passed") is False
+        content = [{"type": "text", "text": outcome.text}]
+        result = {"content": content, "isError": failed}
         if self._structured(request):
             result["structuredContent"] = outcome.data
+            # The text blocks must carry the structured JSON too (the tools page's
+            # SHOULD); prose, when there is any, stays first for human readers.
+            mirror = compact_json(outcome.data)
+            if outcome.text != mirror:
+                content.append({"type": "text", "text": mirror})
         return result
 
     def _progress_reporter(self, request):
@@ -5034,13 +5507,16 @@ class FerrusMcpServer:
         if not (_valid_id(token)):
             return None
         count = [0]
+        with_message = self.era(request) >= "2025-03-26"
 
         def report(message):
             if request.cancel.is_set():
                 return
             count[0] += 1
-            self.rpc.notify("notifications/progress",
-                            {"progressToken": token, "progress": count[0], "message": message})
+            params = {"progressToken": token, "progress": count[0]}
+            if with_message:
+                params["message"] = message
+            self.rpc.notify("notifications/progress", params)
         return report
 
     # -- resources and prompts ---------------------------------------------------------
@@ -5054,7 +5530,14 @@ class FerrusMcpServer:
         items = [{"uriTemplate": "ferrus://{file}", "name": "ferrus-file",
                   "description": "A file of .ferrus/ by resource name (task, review, state, ...)"},
                  {"uriTemplate": "ferrus://logs/{name}", "name": "ferrus-log",
-                  "description": "A check log from .ferrus/logs/", "mimeType": "text/plain"}]
+                  "description": "A check log from .ferrus/logs/: whole up to %d KiB, else its "
+                                 "first %d KiB and last %d KiB with a note of what was left out"
+                                 % ((LOG_WINDOW_HEAD + LOG_WINDOW_TAIL) // 1024,
+                                    LOG_WINDOW_HEAD // 1024, LOG_WINDOW_TAIL // 1024),
+                  "mimeType": "text/plain"},
+                 {"uriTemplate": "ferrus://logs/{name}{?offset,length}", "name": "ferrus-log-range",
+                  "description": "length bytes (at most %d KiB) of a check log from byte offset"
+                                 % (LOG_READ_MAX // 1024)}]
         return self._page(request, items, "resourceTemplates")
 
     def _resources_read(self, request):
@@ -5062,13 +5545,20 @@ class FerrusMcpServer:
         if not isinstance(uri, str):
             raise RpcError(INVALID_PARAMS, "resources/read needs a string uri")
         try:
-            mime, text = read_resource(self.store, uri)
-        except FerrusError as err:
-            if err.message.startswith("Failed to read"):
-                raise RpcError(INTERNAL_ERROR, err.message)
+            if uri.startswith("ferrus://logs/"):
+                contents = read_log_window(self.store, uri)
+            else:
+                mime, text = read_resource(self.store, uri)
+                contents = [{"uri": uri, "mimeType": mime, "text": text}]
+        except ResourceNotFound as err:
+            # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.message, {"uri": uri})
-        result = {"contents": [{"uri": uri, "mimeType": mime, "text": text}]}
+            raise RpcError(code, err.full_text(), {"uri": uri})
+        except (OSError, FerrusError) as err:
+            text = err.full_text() if isinstance(err, FerrusError) else \
+                os_error_text("resources/read", err)
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+        result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
         return result
@@ -5086,35 +5576,102 @@ class FerrusMcpServer:
             text = render_prompt(self.store, name)
         except FerrusError as err:
             raise RpcError(INTERNAL_ERROR, err.full_text())
+        except OSError as err:
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
+
+
+# Tools that may block for long (waits, check commands): they run in their own
+# bounded lane so they never hold up quick calls.
+BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
+                            "wait_for_answer", "check", "submit"))
+
+_OS_ERROR_HINTS = {
+    errno.ENOSPC: "the disk is full; free some space and call it again",
+    errno.EROFS: "the project is on a read-only file system; ferrus needs to write .ferrus/",
+    errno.ENAMETOOLONG: "a file name is too long for this file system; use a shorter name "
+                        "(for a spec, a shorter title)",
+    errno.EACCES: "ferrus may not write there; check the permissions of .ferrus/",
+    errno.EPERM: "ferrus may not write there; check the permissions of .ferrus/",
+}
+if hasattr(errno, "EDQUOT"):
+    _OS_ERROR_HINTS[errno.EDQUOT] = "the disk quota is used up; free some space and retry"
+
+
+def os_error_text(what, err):
+    """A tool-error text for an OSError: what failed, the cause, how to fix it."""
+    cause = err.strerror or str(err)
+    if err.filename:
+        cause += ": %s" % err.filename
+    hint = _OS_ERROR_HINTS.get(err.errno, "fix the cause and call it again; the task state "
+                                          "was not changed")
+    return "ferrus: %s failed: %s\nhint: %s" % (what, cause, hint)
+
+
+class _McpLogHandler(logging.Handler):
+    """Sends ferrus's own warnings and errors to the MCP client too."""
+
+    LEVELS = ((logging.CRITICAL, "critical"), (logging.ERROR, "error"),
+              (logging.WARNING, "warning"), (logging.INFO, "info"), (0, "debug"))
+
+    def __init__(self, server):
+        super().__init__(logging.WARNING)
+        self.server = server
+        self._busy = threading.local()
+
+    def emit(self, record):
+        if getattr(self._busy, "value", False):
+            return  # logging while sending a log message must not loop
+        self._busy.value = True
+        try:
+            level = next(name for number, name in self.LEVELS if record.levelno >= number)
+            request = getattr(_current_request, "value", None)
+            self.server.send_log(level, record.getMessage(), request)
+        except Exception:  # a log line must never break the server
+            pass
+        finally:
+            self._busy.value = False
 
 
 _JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
 
 
-def _validate_arguments(tool, arguments):
+def _argument_problem(tool, arguments):
+    """(problem, hint) when ``arguments`` do not fit the tool's inputSchema, else None."""
     expected = {p.name: p for p in tool.params}
+    takes = ", ".join("%s (%s)" % (p.name, p.type) for p in tool.params) or "no arguments"
     for name, value in arguments.items():
         if name not in expected:
-            raise RpcError(INVALID_PARAMS, "Unknown argument %r for tool %s; it takes %s" % (
-                name, tool.name, ", ".join(expected) or "no arguments"))
+            return ("unknown argument %r for tool %s" % (name, tool.name),
+                    "%s takes %s" % (tool.name, takes))
         kind = expected[name].type
         if not isinstance(value, _JSON_TYPES[kind]) or (
                 kind != "boolean" and isinstance(value, bool)):
-            raise RpcError(INVALID_PARAMS, "Argument %r of tool %s must be a %s, got %s" % (
-                name, tool.name, kind, type(value).__name__))
+            return ("argument %r of tool %s must be a %s, got %s" % (
+                name, tool.name, kind, _json_type_name(value)),
+                "pass %s as a JSON %s" % (name, kind))
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise RpcError(INVALID_PARAMS, "Argument %r of tool %s is not valid Unicode "
-                                               "(it holds a lone surrogate \\u escape)"
-                               % (name, tool.name))
+                return ("argument %r of tool %s is not valid Unicode (it holds a lone "
+                        "surrogate \\u escape)" % (name, tool.name),
+                        "send the text as valid UTF-8")
     for param in tool.params:
         if param.required and param.name not in arguments:
-            raise RpcError(INVALID_PARAMS, "Missing required argument %r for tool %s" % (
-                param.name, tool.name))
+            return ("missing required argument %r for tool %s" % (param.name, tool.name),
+                    "%s takes %s" % (tool.name, takes))
+    return None
+
+
+def _json_type_name(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "integer", float: "number", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
 
 
 class ToolCallCounter:
@@ -5273,6 +5830,30 @@ def entry_points_here(entry, root):
     args = entry.get("args") or []
     return (entry.get("command") == os.path.abspath(sys.executable)
             and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
+
+
+def entry_mismatch(entry, root):
+    """Why an MCP entry does not start this ferrus for this project: (severity, text),
+    or None when it does.  Another Python still works while it exists, so it is only
+    a warning."""
+    if not isinstance(entry, dict):
+        return "error", "its MCP entry is not a JSON object / TOML table"
+    args = [str(arg) for arg in entry.get("args") or []]
+    project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
+    if project is None or os.path.abspath(project) != os.path.abspath(root):
+        return "error", "its MCP entry serves another project (%s)" % (project or "none named")
+    if args[:2] != ["-c", ferrus_boot_code()]:
+        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+        named = re.search(r"'([^']+)'", code)
+        return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
+            named.group(1) if named else code[:80])
+    command = str(entry.get("command") or "")
+    if command != os.path.abspath(sys.executable):
+        if not shutil.which(command):
+            return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
+        return "warning", ("registered with another Python (%s); this ferrus runs on %s"
+                           % (command, os.path.abspath(sys.executable)))
+    return None
 
 
 def client_tool_timeout_secs(config):
@@ -5528,6 +6109,32 @@ def remove_instruction_section(path, role, report):
     report("Removed the %s instructions from %s" % (role, os.path.basename(path)))
 
 
+# -- permission profiles ----------------------------------------------------------------
+#
+# A headless agent has nobody to answer a permission prompt: whatever its CLI
+# would ask about is refused, so each launch says up front what the role may do
+# besides calling ferrus's tools (which register already allows).
+#   read-only  read the project; the reviewer and consultant (supervisor role)
+#   edit       also create and edit files inside the project; the executor.  Its
+#              builds and tests run through ferrus's /check, so no shell is granted
+#   full       anything the CLI can do, without asking
+#   output     pipeline workers: write their one output file (Claude Code can say
+#              exactly that; the other CLIs get their nearest, "edit")
+# `[hq.<role>] permissions` overrides the role's default.  Interactive sessions
+# keep each CLI's own prompts: a person is there to answer them.
+
+DEFAULT_PERMISSIONS = {"supervisor": "read-only", "executor": "edit"}
+WORKER_PERMISSIONS = "output"
+
+
+def effective_permissions(config, role):
+    """(profile, where it comes from) for a role's headless launches."""
+    choice = getattr(config, role, None)
+    if choice is not None and choice.permissions:
+        return choice.permissions, "[hq.%s] permissions in %s" % (role, CONFIG_FILE)
+    return DEFAULT_PERMISSIONS[role], "the %s's default" % role
+
+
 # -- adapters -------------------------------------------------------------------------
 
 class AgentAdapter:
@@ -5564,6 +6171,17 @@ class AgentAdapter:
     def parse_line(self, line):
         return []
 
+    def permission_args(self, profile, output=None, reads=()):
+        """The CLI's own flags for a permission profile (see above); [] when it has none."""
+        return []
+
+    def can_edit(self, profile):
+        """Can a headless launch with this profile change files?  None: ferrus cannot tell."""
+        return profile in ("edit", "full")
+
+    def _profile(self, role, profile):
+        return profile or effective_permissions(self.config, role)[0]
+
 
 def _model_args(flag, model):
     """The model flag, or nothing: a blank model means the agent's own default."""
@@ -5596,10 +6214,12 @@ class ClaudeCode(AgentAdapter):
             argv.append("--strict-mcp-config")
         return argv + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = self._common(root, role, model) + [
-            "--allowedTools=mcp__%s__*" % server_key(role), "--output-format", "stream-json",
-            "--verbose"] + self.options.extra_args + self.options.headless_args + ["-p"]
+            "--allowedTools=mcp__%s__*" % server_key(role)] + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
         # Claude Code 2.1 connects MCP servers in the background in -p mode, so a
         # first turn can find ferrus's tools "still connecting" on a busy machine;
         # every prompt starts with a ferrus tool, so wait for the server.
@@ -5607,6 +6227,34 @@ class ClaudeCode(AgentAdapter):
                "MCP_CONNECTION_NONBLOCKING": "false"}
         env.update(self.options.env)
         return Launch(argv, prompt, env)
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: no ferrus server at all, allowed to write ``output`` only."""
+        argv = [self.binary]
+        if self.config.agents.claude_mcp_isolation == "ferrus-only":
+            argv.append("--strict-mcp-config")
+        argv += _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json", "--verbose"] + \
+            self.options.extra_args + self.options.headless_args + ["-p"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def permission_args(self, profile, output=None, reads=()):
+        if profile == "full":
+            return ["--permission-mode", "bypassPermissions"]
+        if profile == "edit":
+            return ["--permission-mode", "acceptEdits"]
+        # "default" mode: anything not allowed up front is refused headless.  The
+        # edit tools are denied outright, so a user-level allow rule cannot
+        # widen a read-only role.
+        args = ["--permission-mode", "default"]
+        if profile == "output":
+            # Edit(...) rules cover Write too; "//" starts an absolute path (a Windows
+            # drive is written /c/...).  Tried with Claude Code 2.1.197: the worker
+            # writes that file and is refused any other.
+            rule = "Edit(/%s)" % _claude_rule_path(output) if output else "Write"
+            return args + ["--allowedTools=" + rule + (",Read" if reads else "")]
+        return args + ["--disallowedTools=Edit,Write,NotebookEdit"]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -5660,6 +6308,12 @@ class ClaudeCode(AgentAdapter):
 
     def parse_line(self, line):
         return _parse_claude_style(line)
+
+
+def _claude_rule_path(path):
+    path = os.path.abspath(path).replace(os.sep, "/")
+    drive = re.match(r"([A-Za-z]):/", path)
+    return "/%s/%s" % (drive.group(1).lower(), path[3:]) if drive else path
 
 
 def _parse_claude_style(line):
@@ -5784,14 +6438,18 @@ class Codex(AgentAdapter):
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
         other_role = "executor" if role == "supervisor" else "supervisor"
-        other = server_key(other_role)
-        if self._project_defines(root, other):
-            # In an untrusted project Codex never loaded that server, and a table with
-            # only `enabled` is invalid config: give it a command too.
-            other_command = ferrus_server_entry(root, other_role, self.name)["command"]
-            argv += ["-c", "mcp_servers.%s.command=%s" % (other, format_toml_value(other_command)),
-                     "-c", "mcp_servers.%s.enabled=false" % other]
-        return argv
+        return argv + self._disable(root, other_role)
+
+    def _disable(self, root, role):
+        """-c settings that switch off the project's server for ``role``, if it has one."""
+        key = server_key(role)
+        if not self._project_defines(root, key):
+            return []
+        # In an untrusted project Codex never loaded that server, and a table with
+        # only `enabled` is invalid config: give it a command too.
+        command = ferrus_server_entry(root, role, self.name)["command"]
+        return ["-c", "mcp_servers.%s.command=%s" % (key, format_toml_value(command)),
+                "-c", "mcp_servers.%s.enabled=false" % key]
 
     def _project_defines(self, root, key):
         try:
@@ -5800,11 +6458,30 @@ class Codex(AgentAdapter):
             return False
         return key in (data.get("mcp_servers") or {})
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
             _model_args("--model", model) + self.overrides(root, role) + \
+            self.permission_args(self._profile(role, profile)) + \
             self.options.extra_args + self.options.headless_args + ["-"]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: ferrus's servers disabled, the sandbox lets it write."""
+        argv = [self.binary, "exec", "--json", "--skip-git-repo-check"] + \
+            _model_args("--model", model)
+        for role in ROLES:
+            argv += self._disable(root, role)
+        argv += self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            self.options.extra_args + self.options.headless_args + ["-"]
+        return Launch(argv, prompt, dict(self.options.env))
+
+    # `codex exec` never asks for approval; the sandbox alone bounds what the
+    # model's commands and patches may touch (read-only is its default).
+    _SANDBOX = {"read-only": "read-only", "edit": "workspace-write",
+                "output": "workspace-write", "full": "danger-full-access"}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--sandbox", self._SANDBOX[profile]]
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = [self.binary] + _model_args("--model", model) + self.overrides(root, role) + \
@@ -5919,6 +6596,31 @@ class _SettingsJsonAgent(AgentAdapter):
         return _load_json_quiet(self.settings_path(root)).get("mcpServers", {}).get(
             server_key(role))
 
+    # --approval-mode values; headless, a tool that would need approval is refused.
+    _APPROVAL = {}
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--approval-mode", self._APPROVAL[profile]]
+
+    def _servers_except_ferrus(self, root):
+        """The other MCP servers a worker keeps (project and user settings), or a name
+        no server has: an allow-list that is never empty excludes ferrus's servers."""
+        names = []
+        for path in (self.settings_path(root),
+                     os.path.join(os.path.expanduser("~"), self.settings_dir, "settings.json")):
+            servers = _load_json_quiet(path).get("mcpServers")
+            for name in (servers if isinstance(servers, dict) else {}):
+                if not name.startswith("ferrus-") and name not in names:
+                    names.append(name)
+        return names or ["ferrus-no-server"]
+
+    def _worker_argv(self, root, model, output, reads):
+        return [self.binary, "--allowed-mcp-server-names"] + \
+            self._servers_except_ferrus(root) + _model_args("--model", model) + \
+            self.permission_args(WORKER_PERMISSIONS, output, reads) + \
+            ["--output-format", "stream-json"] + self.options.extra_args + \
+            self.options.headless_args
+
 
 class QwenCode(_SettingsJsonAgent):
     name = "qwen-code"
@@ -5935,10 +6637,19 @@ class QwenCode(_SettingsJsonAgent):
         return [self.binary, "--mcp-config", json.dumps(config),
                 "--allowed-mcp-server-names", server_key(role)] + _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(root, role, model) + ["--output-format", "stream-json"] + \
+    _APPROVAL = {"read-only": "default", "edit": "auto-edit", "output": "auto-edit",
+                 "full": "yolo"}
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(root, role, model) + \
+            self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + [STDIN_PROMPT_POINTER]
         return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        return Launch(self._worker_argv(root, model, output, reads) + [STDIN_PROMPT_POINTER],
+                      prompt, dict(self.options.env))
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(root, role, model) + self.options.extra_args + \
@@ -5958,23 +6669,38 @@ class GeminiCli(_SettingsJsonAgent):
     instructions_file = "GEMINI.md"
     settings_dir = ".gemini"
 
+    _APPROVAL = {"read-only": "default", "edit": "auto_edit", "output": "auto_edit",
+                 "full": "yolo"}
+
     def _common(self, model, role):
-        # --skip-trust: Gemini ignores project settings (our server included) in a
-        # folder the user never trusted; this trusts it for the one session.
         return [self.binary, "--skip-trust", "--allowed-mcp-server-names", server_key(role)] + \
             _model_args("--model", model)
 
-    def headless(self, root, role, prompt, model=""):
-        argv = self._common(model, role) + ["--output-format", "stream-json"] + \
+    def _env(self):
+        # Gemini ignores project settings (our server included) in a folder the user
+        # never trusted.  --skip-trust alone comes too late for that in Gemini CLI
+        # 0.61 (the settings are read before the flag), the variable it sets works.
+        env = {"GEMINI_CLI_TRUST_WORKSPACE": "true"}
+        env.update(self.options.env)
+        return env
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._common(model, role) + self.permission_args(self._profile(role, profile)) + \
+            ["--output-format", "stream-json"] + \
             self.options.extra_args + self.options.headless_args + \
             ["--prompt=" + STDIN_PROMPT_POINTER]
-        return Launch(argv, prompt, dict(self.options.env))
+        return Launch(argv, prompt, self._env())
+
+    def worker(self, root, prompt, model, output, reads=()):
+        argv = self._worker_argv(root, model, output, reads)
+        argv.insert(1, "--skip-trust")
+        return Launch(argv + ["--prompt=" + STDIN_PROMPT_POINTER], prompt, self._env())
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._common(model, role) + self.options.extra_args + self.options.interactive_args
         if prompt:
             argv.append("--prompt-interactive=" + prompt)
-        return Launch(argv, None, dict(self.options.env))
+        return Launch(argv, None, self._env())
 
     def parse_line(self, line):
         try:
@@ -5993,6 +6719,9 @@ class GeminiCli(_SettingsJsonAgent):
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
                                output_tokens=int(stats.get("output_tokens") or 0))]
         return []
+
+
+WORKER_MCP_CONFIG = '{"mcpServers": {}}\n'
 
 
 class CustomAgent(AgentAdapter):
@@ -6033,12 +6762,23 @@ class CustomAgent(AgentAdapter):
             argv.append(arg)
         return argv
 
-    def headless(self, root, role, prompt, model=""):
+    def headless(self, root, role, prompt, model="", profile=None):
         stdin = prompt if self.spec.prompt == "stdin" else None
         argv = self._render(self.spec.headless, root, role,
                             None if stdin is not None else prompt, model)
         argv[1:1] = self.options.extra_args + self.options.headless_args
         return Launch(argv, stdin, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: {mcp_config} names a file without any ferrus server."""
+        path = self.mcp_config_path(root, "worker")
+        if read_text(path, default="") != WORKER_MCP_CONFIG:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, WORKER_MCP_CONFIG)
+        return self.headless(root, "worker", prompt, model)
+
+    def can_edit(self, profile):
+        return None           # its argv templates decide; ferrus adds no flags
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -6070,6 +6810,8 @@ ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
 
 
 def adapter_for(config, agent):
+    if agent not in config.agents.custom:
+        agent = canonical_agent(agent)
     if agent in ADAPTERS:
         return ADAPTERS[agent](config)
     if agent in config.agents.custom:
@@ -6100,6 +6842,8 @@ def register_agents(root, choices, trust=False, report=print):
     if not os.path.exists(os.path.join(root, CONFIG_FILE)):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
+    choices = {role: (agent if agent in config.agents.custom else canonical_agent(agent), model)
+               for role, (agent, model) in choices.items()}
     adapters = {role: adapter_for(config, agent) for role, (agent, _) in choices.items()}
     # One change set: every file's new content is computed (and every input read
     # and validated) before any is written; the messages follow the commit.
@@ -6188,7 +6932,7 @@ def unregister_agents(root, roles, report=print):
         _unregister_roles(root, config, roles, messages.append)
     for message in messages:
         report(message)
-    # Only once the edits are on disk can it tell which files they emptied.
+    # After the changes are on disk: only then can a file be seen to be empty.
     remove_emptied_registration_files(root, report)
 
 
@@ -6270,22 +7014,64 @@ def agents_report(root, probe=probe_version):
         adapter = adapter_for(config, choice.agent)
         path = adapter.executable()
         entry = adapter.registration(root, role)
+        profile, source = effective_permissions(config, role)
         row = {"role": role, "agent": choice.agent, "model": choice.model or None,
                "binary": adapter.binary, "path": path,
                "version": probe(adapter.version_argv()) if path else "",
                "registered": entry is not None,
-               "points_here": entry_points_here(entry, root)}
+               "points_here": entry_points_here(entry, root),
+               "permissions": profile, "permissions_from": source,
+               "permission_args": adapter.permission_args(profile)}
+        mismatch = entry_mismatch(entry, root) if entry is not None else None
+        warnings = permission_warnings(config, role)
         if not path:
             row["problem"] = "%s is not installed" % adapter.binary
             row["hint"] = adapter.install_hint()
         elif entry is None:
             row["problem"] = "no %s entry in its MCP configuration" % server_key(role)
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
-        elif not row["points_here"]:
-            row["problem"] = "its MCP entry starts another ferrus or project"
+        elif mismatch and mismatch[0] == "error":
+            row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
+        elif mismatch:
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
+                                "this Python" % (role, choice.agent)))
+        if warnings:
+            row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)
     return rows
+
+
+def permission_warnings(config, role):
+    """[(warning, hint)] about what a role's headless agent may do: an executor that
+    cannot edit fails every task at the check gate."""
+    choice = getattr(config, role, None)
+    if choice is None:
+        return []
+    adapter = adapter_for(config, choice.agent)
+    profile, source = effective_permissions(config, role)
+    warnings = []
+    fix = 'set `permissions = "edit"` under [hq.executor] in %s' % CONFIG_FILE
+    if role == "executor":
+        can_edit = adapter.can_edit(profile)
+        if can_edit is False:
+            warnings.append(("the executor (%s) cannot edit files: permissions are %s (%s)"
+                             % (choice.agent, json.dumps(profile), source), fix))
+        elif can_edit is None:
+            warnings.append(("ferrus cannot tell whether the executor (%s) may edit files: its "
+                             "[agents.custom.%s] argv templates decide" % (choice.agent,
+                                                                           choice.agent),
+                             "make its headless template grant file edits"))
+    flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
+             if arg.startswith("-")}
+    options = adapter.options.extra_args + adapter.options.headless_args
+    overridden = sorted({arg.split("=", 1)[0] for arg in options} & flags)
+    if overridden:
+        warnings.append(("[agents.%s] sets %s itself; it follows ferrus's %s flags and may "
+                         "change what the %s may do" % (choice.agent, ", ".join(overridden),
+                                                        json.dumps(profile), role),
+                         "use [hq.%s] permissions instead" % role))
+    return warnings
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -7273,6 +8059,11 @@ class HqController:
         with contextlib.suppress(FerrusError, OSError):
             with self.store.lock():
                 edit_json_file(path, update)
+        if status != "running" and slot.session_id:
+            # The session is over: a lease it still holds protects nothing, and the next
+            # session (a new id) should not wait ttl_secs for it.
+            with contextlib.suppress(FerrusError, OSError):
+                op_release_sessions(self.store, [slot.session_id])
 
     # -- operator actions ------------------------------------------------------------
 
@@ -7816,6 +8607,7 @@ class HqShell:
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:
             proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
@@ -8554,18 +9346,13 @@ def read_workflows(root, config):
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
-def pipeline_worker_launch(config, agent, root, prompt, model, reads=()):
-    """One worker's Launch: its agent's headless executor launch.
-
-    Claude Code asks before it writes a file, and in a headless run nobody can
-    answer, so the worker is allowed Write, and Read when it has inputs."""
+def pipeline_worker_launch(config, agent, root, prompt, model, reads=(), output=None):
+    """One worker's Launch: headless, without ferrus's tools (a worker must not claim
+    or submit the main task), allowed to write its output file (section 13)."""
     adapter = adapter_for(config, agent)
     if not adapter.executable():
         raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
-    launch = adapter.headless(root, "executor", prompt, model)
-    if isinstance(adapter, ClaudeCode):
-        launch.argv.append("--allowedTools=" + ("Write,Read" if reads else "Write"))
-    return launch
+    return adapter.worker(root, prompt, model, output, reads)
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -9100,7 +9887,7 @@ class PipelineOrchestrator:
         self._save(run)
         try:
             launch = pipeline_worker_launch(self.config, worker.agent, self.store.root, prompt,
-                                            worker.model, reads)
+                                            worker.model, reads, run.file(worker.output))
             process = self.spawner(launch, self.store.root, self._base(run, worker.role, entry))
         except FerrusError as err:
             self._step(run, worker.role, SessionEvent("FatalError", err.full_text()))
@@ -9651,6 +10438,10 @@ def config_findings(root):
     findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
     if config.hq_problem:
         findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
+    else:
+        for role in ROLES:
+            for text, hint in permission_warnings(config, role):
+                findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
                                 "check its spelling against the README", severity="warning"))
@@ -9842,8 +10633,8 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
-    if is_claimed(data, now):
-        left = (parse_timestamp(data.lease_until) - now).total_seconds()
+    left = store.lease_seconds_left(data)
+    if left > 0:
         rows.append(("lease", "%s, expires in %s (%s)" % (data.claimed_by, format_duration(left),
                                                         data.lease_until)))
     elif data.claimed_by:
@@ -10062,6 +10853,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
+            print("           permissions: %s (%s)%s" % (
+                row["permissions"], row["permissions_from"],
+                ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
+        for warning in row.get("warnings", ()):
+            print("           warning: %s" % warning["warning"])
+            print("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
@@ -10070,8 +10867,8 @@ def cmd_agents(args, root):
 
 def cmd_run(args, root):
     if args.timeout is not None and not args.timeout > 0:     # also refuses NaN
-        raise UsageError("--timeout must be a positive number of seconds, got %s" % args.timeout,
-                         "leave --timeout out to run until the task ends")
+        raise UsageError("--timeout must be a positive number of seconds, got %g"
+                         % args.timeout, "leave --timeout out to run until the task ends")
     store = Store(root).require()
     report_orphaned_checks(store)
     task = args.task

@@ -1007,6 +1007,54 @@ def fig_full_loop(bench, fig):
     fig.info("       " + ", ".join(parts[3:]))
 
 
+def fig_ping_under_waits(bench, fig):
+    """One executor server with 1,000 wait_for_task calls pending: how fast ping answers."""
+    root = bench.project("pending")
+    path = os.path.join(root, "ferrus.toml")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    text, count = re.subn(r"(?m)^wait_timeout_secs\s*=.*$", "wait_timeout_secs = 600", text,
+                          count=1)
+    if not count:
+        raise BenchError("no `wait_timeout_secs =` line in the ferrus.toml that init wrote")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    pending = 1000
+    pings = bench.reps(50, 10)
+    conn = bench.serve(root, "executor")
+    latencies = []
+    try:
+        conn.initialize(timeout=60)
+        waits = [conn.start_tool("wait_for_task")[0] for _ in range(pending)]
+        refused = 0
+        # Each wait is either running (no answer yet) or refused at once as
+        # excess; the refusals all arrive before the answer to this ping.
+        _, first = conn.request("ping", timeout=60)
+        with conn._cond:
+            answered = [i for i in waits if i in conn._responses]
+        for request_id in answered:
+            result, _ = conn.wait(request_id)
+            refused += bool(result.get("isError"))
+        for _ in range(pings):
+            _, elapsed = conn.request("ping", timeout=60)
+            latencies.append(elapsed)
+        for request_id in waits:
+            if request_id not in answered:
+                conn.notify("notifications/cancelled", {"requestId": request_id})
+        _, _ = conn.request("ping", timeout=60)
+    finally:
+        conn.close()
+    worst = max(latencies)
+    fig.values.update({"pending": pending, "refused": refused, "first_ping_s": first,
+                       "ping_median_s": median(latencies), "ping_max_s": worst})
+    fig.check("%d pings while %d waits run: median %s, max %s" % (
+        pings, pending - refused, ms(median(latencies)), ms(worst)), "answered ≤ 100 ms",
+        worst <= 0.1)
+    fig.info("%d wait_for_task sent at once: %d running, %d refused at once as excess; the "
+             "first ping, queued behind all of them, %s" % (pending, pending - refused, refused,
+                                                             ms(first)))
+
+
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
     ("status_round_trip", fig_status_round_trip),
@@ -1016,6 +1064,7 @@ FIGURES = (
     ("check_memory_1gb", fig_check_memory_1gb),
     ("transition_race", fig_transition_race),
     ("full_loop", fig_full_loop),
+    ("ping_under_waits", fig_ping_under_waits),
     ("journal_scale", fig_journal_scale),
 )
 

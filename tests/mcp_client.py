@@ -24,6 +24,7 @@ import threading
 import time
 
 from conftest import FERRUS_PY
+import mcp_schema
 
 MODERN_VERSION = "2026-07-28"
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
@@ -62,6 +63,14 @@ class _Client:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self.eof = False
+        # Schema validation of everything the server sends (issue #12 item 8).
+        self.version = None          # negotiated by initialize (legacy era)
+        self.sent = {}               # request key -> (method, version, tool name)
+        self.output_schemas = {}     # tool name -> outputSchema seen in tools/list
+        self.schema_violations = []  # (problem list, message) for every invalid message
+        self.validated = 0           # messages checked
+        self.batches = []            # batch responses, as received
+        self.allow_invalid = False   # a test that checks a violation itself sets this
 
     # -- the reading side -------------------------------------------------------------
 
@@ -75,17 +84,75 @@ class _Client:
                 self.bad_lines.append(raw)
                 self._cond.notify_all()
                 return
-            if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            self._validate(message)
+            if isinstance(message, list) and message and all(
+                    isinstance(item, dict) and "id" in item for item in message):
+                # A 2025-03-26 batch response: file each response by its id.
+                self.batches.append(message)
+                for item in message:
+                    self.all_responses.append(item)
+                    self.pending.discard(_key(item["id"]))
+                    self.responses.setdefault(_key(item["id"]), []).append(item)
+            elif not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
                 self.bad_lines.append(raw)
             elif "method" in message and "id" not in message:
                 self.notifications.append(message)
-            elif "id" in message and ("result" in message or "error" in message):
+            elif "id" in message and ("result" in message or "error" in message) or (
+                    "error" in message and "method" not in message):
+                # From 2025-11-25 on an error to a message whose id could not be read
+                # has no id at all; it is filed under None, like "id": null.
+                request_id = message.get("id")
                 self.all_responses.append(message)
-                self.pending.discard(_key(message["id"]))
-                self.responses.setdefault(_key(message["id"]), []).append(message)
+                self.pending.discard(_key(request_id))
+                self.responses.setdefault(_key(request_id), []).append(message)
             else:
                 self.bad_lines.append(raw)
             self._cond.notify_all()
+
+    def _version_for(self, meta):
+        """The schema version a request is answered under."""
+        if isinstance(meta, dict) and mcp_schema_meta_version(meta) is not None:
+            version = mcp_schema_meta_version(meta)
+            return version if version in mcp_schema.VERSIONS else mcp_schema.MODERN
+        return self.version or "2025-11-25"
+
+    def _validate(self, message):
+        """Check one received message against the schema of the version in force."""
+        record = None
+        if isinstance(message, dict) and message.get("id") is not None and "method" not in message:
+            record = self.sent.get(_key(message["id"])) if _valid_key(message["id"]) else None
+        elif isinstance(message, list):
+            records = [self.sent.get(_key(item["id"])) if isinstance(item, dict) and
+                       _valid_key(item.get("id")) else None for item in message]
+            record = next((r for r in records if r), None)
+        method, version, tool = record if record else (None, self._version_for(None), None)
+        if isinstance(message, list):
+            problems = mcp_schema.message_errors(version, message, {
+                i: (r[0] if r else None) for i, r in enumerate(records)})
+        else:
+            problems = mcp_schema.message_errors(version, message, method)
+        result = message.get("result") if isinstance(message, dict) else None
+        if method == "initialize" and isinstance(result, dict):
+            self.version = result.get("protocolVersion")
+        if method == "tools/list" and isinstance(result, dict):
+            for entry in result.get("tools", ()):
+                if "outputSchema" in entry:
+                    self.output_schemas[entry["name"]] = entry["outputSchema"]
+        if method == "tools/call" and isinstance(result, dict):
+            problems += tool_result_errors(tool, result, self.output_schemas.get(tool))
+        self.validated += 1
+        if problems:
+            self.schema_violations.append((problems, message))
+            if isinstance(message, dict):
+                message["__schema_problems__"] = problems
+
+    def assert_schema_valid(self):
+        """Fail when any message received so far broke its version's schema."""
+        if self.schema_violations:
+            problems, message = self.schema_violations[0]
+            raise AssertionError("%d message(s) broke the MCP schema; first: %s\nmessage: %s"
+                                 % (len(self.schema_violations), "; ".join(problems[:6]),
+                                    json.dumps(message)[:1500]))
 
     def _mark_eof(self):
         with self._cond:
@@ -116,6 +183,11 @@ class _Client:
             message["params"] = params
         with self._cond:
             self.pending.add(_key(request_id))
+            meta = params.get("_meta") if isinstance(params, dict) else None
+            tool = params.get("name") if method == "tools/call" and isinstance(
+                params, dict) else None
+            if _valid_key(request_id):
+                self.sent[_key(request_id)] = (method, self._version_for(meta), tool)
         self.send(message)
         return request_id
 
@@ -141,7 +213,12 @@ class _Client:
             while True:
                 queue = self.responses.get(key)
                 if queue:
-                    return queue.pop(0)
+                    response = queue.pop(0)
+                    problems = response.pop("__schema_problems__", None)
+                    if problems and not self.allow_invalid:
+                        raise AssertionError("response breaks the MCP schema: %s\n%s" % (
+                            "; ".join(problems[:6]), json.dumps(response)[:1500]))
+                    return response
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self.eof and not queue):
                     raise TimeoutError("no response for id %r within %.1f s%s (stderr: %s)" % (
@@ -151,7 +228,7 @@ class _Client:
 
     def has_response(self, request_id):
         with self._cond:
-            return any(_key(r["id"]) == _key(request_id) for r in self.all_responses)
+            return any(_key(r.get("id")) == _key(request_id) for r in self.all_responses)
 
     def request(self, method, params=None, id=None, timeout=10):
         """Send a request and return the whole response message (result or error)."""
@@ -208,6 +285,42 @@ class _Client:
 
     def stderr_text(self):
         return ""
+
+
+def mcp_schema_meta_version(meta):
+    version = meta.get(META_VERSION)
+    return version if isinstance(version, str) else (None if version is None else str(version))
+
+
+def _valid_key(request_id):
+    return isinstance(request_id, (str, int)) and not isinstance(request_id, bool)
+
+
+def tool_result_errors(tool, result, output_schema=None):
+    """Rules the schema cannot express for a tools/call result.
+
+    structuredContent must conform to the tool's outputSchema, and a text block
+    must carry the same JSON (2025-06-18 tools page)."""
+    if "structuredContent" not in result:
+        return []
+    structured = result["structuredContent"]
+    problems = []
+    if output_schema is None and tool is not None:
+        import ferrus
+        if tool in ferrus.TOOLS_BY_NAME:
+            output_schema = ferrus.TOOLS_BY_NAME[tool].output_schema()
+    if output_schema is not None and not result.get("isError"):
+        problems += mcp_schema.structured_errors(structured, output_schema)
+    mirrored = False
+    for block in result.get("content", ()):
+        if isinstance(block, dict) and block.get("type") == "text":
+            try:
+                mirrored = mirrored or json.loads(block["text"]) == structured
+            except (ValueError, TypeError):
+                pass
+    if not mirrored:
+        problems.append("$.result.content: no text block carries the structuredContent JSON")
+    return problems
 
 
 def _key(request_id):
@@ -306,6 +419,8 @@ class McpProcess(_Client):
             self.kill()
         finally:
             self.stderr_file.close()
+        if exc[0] is None:
+            self.assert_schema_valid()
 
 
 class InProcessMcp(_Client):
@@ -355,3 +470,5 @@ class InProcessMcp(_Client):
 
     def __exit__(self, *exc):
         self.close()
+        if exc[0] is None:
+            self.assert_schema_valid()

@@ -54,7 +54,7 @@ def test_claude_argv(project, config):
     assert launch.argv == [
         "claude", "--mcp-config=" + os.path.join(root, ".claude", "mcp-executor.json"),
         "--model", "opus", "--allowedTools=mcp__ferrus-executor-1__*",
-        "--output-format", "stream-json", "--verbose", "-p"]
+        "--permission-mode", "acceptEdits", "--output-format", "stream-json", "--verbose", "-p"]
     assert int(launch.env["MCP_TOOL_TIMEOUT"]) > config.limits.wait_timeout_secs * 1000
     # -p must not start its first turn before ferrus's server is connected
     assert launch.env["MCP_CONNECTION_NONBLOCKING"] == "false"

@@ -19,13 +19,10 @@ pytestmark = pytest.mark.e2e
 
 CONFIG = """
 [checks]
-commands = ["test -f hello.txt"]
+commands = ["python3 -c \\"import pathlib, sys; sys.exit(pathlib.Path('hello.txt').read_text().strip() != 'hi')\\""]
 
 [limits]
 wait_timeout_secs = 20
-
-[agents.claude-code]
-headless_args = ["--permission-mode", "acceptEdits"]
 
 [hq.supervisor]
 agent = "claude-code"

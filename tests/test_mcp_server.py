@@ -140,6 +140,10 @@ def close_and_check(started):
             problems.append("%s did not exit: %r" % (server.argv, err))
         if server.bad_lines:
             problems.append("non-JSON-RPC stdout lines: %r" % server.bad_lines[:3])
+        if server.schema_violations and not server.allow_invalid:
+            problems.append("messages that break the MCP schema (%d), first: %s in %s" % (
+                len(server.schema_violations), "; ".join(server.schema_violations[0][0][:5]),
+                json.dumps(server.schema_violations[0][1])[:800]))
         if "Traceback" in server.stderr_text():
             problems.append("traceback on stderr:\n%s" % server.stderr_text())
         server.stderr_file.close()
@@ -219,6 +223,12 @@ def refused(result, *fragments):
     return text
 
 
+def failed(result):
+    """Assert a tool result reports a failure (isError) and return it."""
+    assert result["isError"] is True, result
+    return result
+
+
 def ok(result):
     assert result["isError"] is False, tool_text(result)
     return result
@@ -257,7 +267,10 @@ def test_initialize_echoes_each_supported_version(servers, version):
         "prompts": {"listChanged": False}, "logging": {}}
     assert result["serverInfo"]["name"] == "ferrus"
     assert result["serverInfo"]["version"] == ferrus.__version__
-    assert "executor" in result["serverInfo"]["title"]
+    if version >= "2025-06-18":   # Implementation.title is new in 2025-06-18
+        assert "executor" in result["serverInfo"]["title"]
+    else:
+        assert "title" not in result["serverInfo"]
     assert isinstance(result["instructions"], str) and result["instructions"]
 
     structured = version in STRUCTURED_VERSIONS
@@ -277,13 +290,15 @@ def test_initialize_with_unknown_version_answers_latest(servers):
     server = servers(init=False)
     result = server.initialize("1999-01-01")
     assert result["protocolVersion"] == "2025-11-25"
-    result = server.result("initialize", {"protocolVersion": 12, "capabilities": {}})
-    assert result["protocolVersion"] == "2025-11-25"
+    # A missing or non-string protocolVersion is malformed params (issue #12.5).
+    for params in ({"protocolVersion": 12, "capabilities": {}}, {"capabilities": {}},
+                   {"protocolVersion": None}):
+        assert error_of(server.request("initialize", params))["code"] == -32602
 
 
 def test_server_discover_shape(bench):
     server = bench.sup
-    result = server.result("server/discover", {})
+    result = server.result("server/discover", {"_meta": modern_meta()})
     assert result["resultType"] == "complete"
     assert "2026-07-28" in result["supportedVersions"]
     for version in LEGACY_VERSIONS:
@@ -326,7 +341,7 @@ def test_modern_era_unsupported_version_is_32022(bench):
         error = error_of(server.request("tools/list", {"_meta": modern_meta(version)}))
         assert error["code"] == -32022
         assert error["data"]["requested"] == version
-        assert error["data"]["supported"] == ["2026-07-28"]
+        assert error["data"]["supported"] == list(ferrus.MCP_ALL_VERSIONS)
     error = error_of(server.request("tools/call", {"name": "status",
                                                   "_meta": modern_meta("1.0")}))
     assert error["code"] == -32022
@@ -363,7 +378,8 @@ def test_requests_before_initialize_are_refused_except_ping(servers, root):
     assert server.result("ping") == {}
     # An unknown method is unknown, not "not initialized"; discover needs no handshake.
     assert error_of(server.request("no/such"))["code"] == -32601
-    assert server.result("server/discover")["resultType"] == "complete"
+    assert server.result("server/discover",
+                         {"_meta": modern_meta()})["resultType"] == "complete"
     server.initialize()
     assert [t["name"] for t in server.result("tools/list")["tools"]] == SUPERVISOR_TOOLS
 
@@ -556,8 +572,8 @@ def test_refusals_in_wrong_state(bench):
         refused(server.call_tool(name, arguments), fragment)
     assert state_of(bench.root).state == ferrus.S.IDLE
     assert bench.journal() == []
-    # heartbeat's refusals are structured results, not tool errors (upstream's shape).
-    beat = tool_json(ok(exe.call_tool("heartbeat")))
+    # heartbeat's refusals keep upstream's structured shape and are tool errors (isError).
+    beat = tool_json(failed(exe.call_tool("heartbeat")))
     assert beat["status"] == "error" and beat["code"] == "not_claimed"
 
     ok(sup.call_tool("create_task", {"description": "one"}))
@@ -650,7 +666,7 @@ def test_status_and_heartbeat_happy_path(bench):
     assert ferrus.parse_timestamp(beat["lease_until"]) >= ferrus.parse_timestamp(before)
     same = tool_json(ok(exe.call_tool("heartbeat", {"agent_id": "executor:test:1"})))
     assert same["status"] == "renewed"
-    other = tool_json(ok(sup.call_tool("heartbeat")))
+    other = tool_json(failed(sup.call_tool("heartbeat")))
     assert other["code"] == "claimed_by_other"
 
 
@@ -664,7 +680,8 @@ def test_malformed_json_is_parse_error_with_null_id(bench):
                  b'{"jsonrpc":"2.0","id":"m2","method":"ping",}\n'):
         server.send(line)
         response = server.wait_response(None)
-        assert response["id"] is None
+        # 2025-11-25's JSONRPCErrorResponse: no id when it could not be read.
+        assert "id" not in response
         assert error_of(response)["code"] == -32700
     assert not server.has_response("m1") and not server.has_response("m2")
     assert server.result("ping") == {}
@@ -701,7 +718,7 @@ def test_invalid_id_type(bench):
     for bad_id in (1.5, True, False, [1], {"a": 1}, None):
         server.send({"jsonrpc": "2.0", "id": bad_id, "method": "ping"})
         response = server.wait_response(None)
-        assert response["id"] is None, bad_id
+        assert "id" not in response, bad_id
         assert error_of(response)["code"] == -32600, bad_id
         assert server.result("ping") == {}
 
@@ -716,23 +733,27 @@ def test_unknown_method(bench):
 
 def test_tool_argument_validation(bench):
     server, root = bench.sup, bench.root
+    # 2025-11-25 (SEP-1303): arguments that break the inputSchema are tool
+    # errors the model can read; see test_mcp_conformance.py for older versions.
     cases = [
-        ({"name": "create_task"}, "Missing required argument 'description'"),
-        ({"name": "create_task", "arguments": {}}, "Missing required argument"),
+        ({"name": "create_task"}, "missing required argument 'description'"),
+        ({"name": "create_task", "arguments": {}}, "missing required argument"),
         ({"name": "create_task", "arguments": {"description": 5}}, "must be a string"),
         ({"name": "create_task", "arguments": {"description": None}}, "must be a string"),
         ({"name": "create_task", "arguments": {"description": ["a"]}}, "must be a string"),
         ({"name": "create_task", "arguments": {"description": "x", "priority": 1}},
-         "Unknown argument 'priority'"),
-        ({"name": "status", "arguments": {"verbose": True}}, "Unknown argument 'verbose'"),
+         "unknown argument 'priority'"),
+        ({"name": "status", "arguments": {"verbose": True}}, "unknown argument 'verbose'"),
         ({"name": "heartbeat", "arguments": {"agent_id": 3}}, "must be a string"),
-        ({"name": "create_task", "arguments": "description"}, "must be an object"),
-        ({"name": "create_task", "arguments": [1]}, "must be an object"),
     ]
     for params, fragment in cases:
+        refused(server.result("tools/call", params), fragment, "hint:")
+    # A call that breaks CallToolRequest itself is still malformed params.
+    for params in ({"name": "create_task", "arguments": "description"},
+                   {"name": "create_task", "arguments": [1]}):
         error = error_of(server.request("tools/call", params))
         assert error["code"] == -32602, params
-        assert fragment in error["message"], (fragment, error)
+        assert "must be an object" in error["message"], error
     assert state_of(root).state == ferrus.S.IDLE
     # `arguments: null` is the same as no arguments.
     assert ok(server.call_tool("status", None))["structuredContent"]["state"] == "Idle"
@@ -997,18 +1018,18 @@ def test_lease_expiry_and_takeover(project):
         refused(b.call_tool("check"), "leased to executor:test:1")
         refused(b.call_tool("submit", {"content": "mine"}), "leased to executor:test:1")
         refused(b.call_tool("consult", {"question": CONSULT_QUESTION}), "leased to")
-        assert tool_json(ok(b.call_tool("heartbeat")))["code"] == "claimed_by_other"
+        assert tool_json(failed(b.call_tool("heartbeat")))["code"] == "claimed_by_other"
 
         clock.advance(60)
         assert tool_json(ok(a.call_tool("heartbeat")))["status"] == "renewed"
         clock.advance(89)
         assert tool_json(ok(b.call_tool("wait_for_task")))["status"] == "timeout"
         clock.advance(2)         # 91 s after A's last renewal: the lease has expired
-        assert tool_json(ok(a.call_tool("heartbeat")))["code"] == "expired"
+        assert tool_json(failed(a.call_tool("heartbeat")))["code"] == "expired"
         taken = tool_json(ok(b.call_tool("wait_for_task")))
         assert taken["status"] == "claimed" and taken["claimed_by"] == "executor:test:2"
 
-        assert tool_json(ok(a.call_tool("heartbeat")))["code"] == "claimed_by_other"
+        assert tool_json(failed(a.call_tool("heartbeat")))["code"] == "claimed_by_other"
         refused(a.call_tool("check"), "leased to executor:test:2")
         refused(a.call_tool("submit", {"content": "late"}), "leased to executor:test:2")
         assert ok(b.call_tool("check"))["structuredContent"]["passed"] is True
@@ -1021,7 +1042,7 @@ def test_lease_expiry_and_takeover(project):
 def test_heartbeat_foreign_id(bench):
     sup, exe = executor_with_task(bench)
     before = state_of(bench.root)
-    result = ok(exe.call_tool("heartbeat", {"agent_id": "executor:someone-else:9"}))
+    result = failed(exe.call_tool("heartbeat", {"agent_id": "executor:someone-else:9"}))
     beat = tool_json(result)
     assert beat["status"] == "error" and beat["code"] == "foreign_id"
     assert "executor:test:1" in beat["message"]
@@ -1159,8 +1180,8 @@ def test_upstream_bug_6_executor_has_no_reset(bench):
     write_config(bench.root, wait=1, max_check_retries=1, commands=["false"])
     sup, exe = executor_with_task(bench)
     assert "reset" not in [t["name"] for t in exe.result("tools/list")["tools"]]
-    failed = ok(exe.call_tool("check"))
-    assert failed["structuredContent"]["state"] == "Failed"
+    result = failed(exe.call_tool("check"))
+    assert result["structuredContent"]["state"] == "Failed"
     error = error_of(exe.request("tools/call", {"name": "reset"}))
     assert error == {"code": -32602, "message": "Unknown tool: reset"}
     assert state_of(bench.root).state == ferrus.S.FAILED
@@ -1195,7 +1216,7 @@ def test_upstream_bug_8_heartbeat_refuses_a_foreign_id(bench):
     sup, exe = executor_with_task(bench)
     two = bench.exe2
     # Executor 2 cannot keep executor 1's lease alive by naming it.
-    beat = tool_json(ok(two.call_tool("heartbeat", {"agent_id": "executor:test:1"})))
+    beat = tool_json(failed(two.call_tool("heartbeat", {"agent_id": "executor:test:1"})))
     assert beat["code"] == "foreign_id"
     # Nor act on the task while that lease is live.
     refused(two.call_tool("check"), "leased to executor:test:1")
@@ -1207,13 +1228,11 @@ def test_upstream_bug_8_heartbeat_refuses_a_foreign_id(bench):
 
 
 def test_upstream_bug_9_wrong_argument_type_is_invalid_params_not_parse_error(bench):
+    # Not a parse error: from 2025-11-25 on a tool error the model can correct
+    # (SEP-1303); before, -32602 (test_mcp_conformance.py).
     sup, root = bench.sup, bench.root
-    error = error_of(sup.request("tools/call", {"name": "create_task",
-                                                "arguments": {"description": 12345}}))
-    assert error["code"] == -32602
-    error = error_of(sup.request("tools/call", {"name": "reject",
-                                                "arguments": {"notes": {"text": "x"}}}))
-    assert error["code"] == -32602
+    refused(sup.call_tool("create_task", {"description": 12345}), "must be a string")
+    refused(sup.call_tool("reject", {"notes": {"text": "x"}}), "must be a string")
     assert state_of(root).state == ferrus.S.IDLE
 
 
@@ -1302,7 +1321,7 @@ def test_events_resource_returns_recent_journal(bench):
 def test_log_resource_reads_a_check_log(bench):
     write_config(bench.root, wait=1, commands=["echo resource-log-marker; false"])
     sup, exe = executor_with_task(bench)
-    result = ok(exe.call_tool("check"))
+    result = failed(exe.call_tool("check"))
     assert result["structuredContent"]["passed"] is False
     logs = sorted(glob.glob(os.path.join(str(bench.root), ".ferrus", "logs", "check_1_*.1.log")))
     assert len(logs) == 1
@@ -1339,7 +1358,8 @@ def test_escaping_resource_uris_are_refused(bench):
 def test_resource_templates_list(bench):
     server = bench.any
     templates = server.result("resources/templates/list")["resourceTemplates"]
-    assert {t["uriTemplate"] for t in templates} == {"ferrus://{file}", "ferrus://logs/{name}"}
+    assert {t["uriTemplate"] for t in templates} == {
+        "ferrus://{file}", "ferrus://logs/{name}", "ferrus://logs/{name}{?offset,length}"}
     assert all(t["name"] for t in templates)
 
 
@@ -1378,7 +1398,9 @@ def test_eof_exits_zero_and_stdout_is_only_json_rpc(root):
         for raw in server.lines:
             message = json.loads(raw.decode("utf-8"))
             assert message["jsonrpc"] == "2.0"
-            is_response = "id" in message and ("result" in message or "error" in message)
+            # An error to an unreadable message has no id from 2025-11-25 on.
+            is_response = ("id" in message or "error" in message) and (
+                "result" in message or "error" in message)
             is_notification = "id" not in message and isinstance(message.get("method"), str)
             assert is_response or is_notification, message
         assert len(server.all_responses) == 7

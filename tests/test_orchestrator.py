@@ -384,3 +384,91 @@ def test_codex_passes_the_session_variable_to_its_server(project):
     config = ferrus.load_config(str(project))
     argv = ferrus.Codex(config).headless(str(project), "executor", "p").argv
     assert 'mcp_servers.ferrus-executor-1.env_vars=["%s"]' % ferrus.SESSION_ENV in argv
+
+
+# -- lease clocks (issue #11 item 5) ---------------------------------------------------------------
+
+class Monotonic:
+    def __init__(self):
+        self.now = 5000.0
+
+    def __call__(self):
+        return self.now
+
+
+def lease_project(project, ttl=90):
+    set_config(project, "[limits]\nwait_timeout_secs = 0\n\n[lease]\nttl_secs = %d\n" % ttl)
+
+
+def test_a_lease_stamped_a_day_ahead_is_honoured_only_ttl_from_first_sight(
+        project, clock, monkeypatch):
+    lease_project(project)
+    import datetime as dt
+    ahead = type(clock)(clock.now + dt.timedelta(days=1))
+    dead = ferrus.Caller("executor", "executor:x:1/s-dead")
+    ferrus.op_create_task(ferrus.Store(str(project), clock=clock), ferrus.HUMAN, "t")
+    ferrus.op_wait_for_task(ferrus.Store(str(project), clock=ahead), dead)
+    assert ferrus.Store(str(project)).read_state().lease_until.startswith("2026-05-14")
+    monkeypatch.setattr(ferrus, "LEASE_SIGHTINGS", ferrus.LeaseSightings())   # another process
+    mono = Monotonic()
+    store = ferrus.Store(str(project), clock=clock, monotonic=mono)
+    other = ferrus.Caller("executor", "executor:x:1/s-new")
+    assert ferrus.op_wait_for_task(store, other).data["status"] == "timeout"
+    assert 89 < store.lease_seconds_left(store.read_state()) <= 90
+    mono.now += 60
+    clock.advance(60)
+    assert ferrus.op_wait_for_task(store, other).data["status"] == "timeout"
+    mono.now += 31                      # 91 s since this process first saw the lease
+    clock.advance(31)
+    taken = ferrus.op_wait_for_task(store, other).data
+    assert taken["status"] == "claimed" and taken["claimed_by"] == "executor:x:1/s-new"
+
+
+def test_a_process_two_hours_ahead_cannot_act_over_a_live_lease(project, clock, monkeypatch):
+    lease_project(project)
+    import datetime as dt
+    holder = ferrus.Caller("executor", "executor:x:1/s-holder")
+    store = ferrus.Store(str(project), clock=clock)
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    assert ferrus.op_wait_for_task(store, holder).data["status"] == "claimed"
+    monkeypatch.setattr(ferrus, "LEASE_SIGHTINGS", ferrus.LeaseSightings())   # another process
+    ahead = ferrus.Store(str(project), clock=type(clock)(clock.now + dt.timedelta(hours=2)),
+                         monotonic=Monotonic())
+    intruder = ferrus.Caller("executor", "executor:x:1/s-ahead")
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.op_submit(ahead, intruder, "my work over theirs")
+    assert "leased to executor:x:1/s-holder" in refused.value.message
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.op_check(ahead, intruder)
+    assert ferrus.op_wait_for_task(ahead, intruder).data["status"] == "timeout"
+    data = store.read_state()
+    assert data.state == S.EXECUTING and data.claimed_by == "executor:x:1/s-holder"
+
+
+def test_a_lease_abandoned_long_ago_is_free_at_first_sight(project, clock, monkeypatch):
+    lease_project(project)
+    store = ferrus.Store(str(project), clock=clock)
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    ferrus.op_wait_for_task(store, ferrus.Caller("executor", "executor:x:1/s-gone"))
+    state = store.path("STATE.json")
+    old = os.stat(state).st_mtime - 600          # written ten minutes ago, never renewed
+    os.utime(state, (old, old))
+    clock.advance(600)
+    monkeypatch.setattr(ferrus, "LEASE_SIGHTINGS", ferrus.LeaseSightings())   # a new process
+    fresh = ferrus.Store(str(project), clock=clock, monotonic=Monotonic())
+    taken = ferrus.op_wait_for_task(fresh, ferrus.Caller("executor", "executor:x:1/s-next"))
+    assert taken.data["status"] == "claimed"
+
+
+def test_an_interactive_agent_gets_its_own_session(project, tmp_path, monkeypatch):
+    seen = tmp_path / "session.txt"
+    argv = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write("
+            "os.environ.get('FERRUS_SESSION', ''))", str(seen)]
+    set_config(project, custom_agent_config(argv))
+    monkeypatch.setenv(ferrus.SESSION_ENV, "s-inherited-from-outside")
+    store = ferrus.Store(str(project))
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=io.StringIO())
+    shell.interactive("executor", None)
+    session = seen.read_text()
+    assert session.startswith("s-") and session != "s-inherited-from-outside"
+    shell.controller.shutdown()

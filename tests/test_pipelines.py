@@ -416,15 +416,18 @@ def test_a_worker_without_an_agent_needs_an_executor(project, store, spawn_log):
         ferrus.PipelineOrchestrator(store).create("research", "x")
 
 
-def test_claude_workers_may_write_their_output(project, monkeypatch):
+def test_claude_workers_may_write_their_output_only(project, monkeypatch):
     monkeypatch.setattr(ferrus.ClaudeCode, "executable", lambda self: "/usr/bin/claude")
     config = ferrus.parse_config("")
+    output = os.path.join(str(project), "out", "researcher-a.md")
     launch = ferrus.pipeline_worker_launch(config, "claude-code", str(project), "PROMPT", "opus",
-                                           ["/x/researcher-a.md"])
-    assert launch.stdin == "PROMPT"
-    assert launch.argv[-1] == "--allowedTools=Write,Read" and "opus" in launch.argv
-    launch = ferrus.pipeline_worker_launch(config, "claude-code", str(project), "P", "")
-    assert launch.argv[-1] == "--allowedTools=Write"
+                                           ["/x/in.md"], output)
+    assert launch.stdin == "PROMPT" and "opus" in launch.argv
+    assert "--allowedTools=Edit(/%s),Read" % output in launch.argv
+    assert launch.argv[launch.argv.index("--permission-mode") + 1] == "default"
+    launch = ferrus.pipeline_worker_launch(config, "claude-code", str(project), "P", "",
+                                           output=output)
+    assert "--allowedTools=Edit(/%s)" % output in launch.argv
     monkeypatch.setattr(ferrus.ClaudeCode, "executable", lambda self: None)
     with pytest.raises(ferrus.FerrusError, match="claude is not installed"):
         ferrus.pipeline_worker_launch(config, "claude-code", str(project), "P", "")
