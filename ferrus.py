@@ -3188,8 +3188,12 @@ def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, g
     found = find()
     fresh = set(found)
     if grace > 0 and (found or pgid):
-        _signal_each(found, signal.SIGTERM)
-        signal_group(signal.SIGTERM)
+        # Frozen while they are signalled, so none of them sees another die and
+        # carries on (a shell running its next command when its child dies) before
+        # its own TERM arrives; the TERM is delivered as they continue.
+        for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):
+            signal_group(sig)
+            _signal_each(found, sig)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if (leader_done is None or leader_done()) and all(_gone(pid) for pid in found):
@@ -5732,6 +5736,28 @@ def tool_calls_for_task(store, task_id):
     return total
 
 
+def call_on_signal(signum, action):
+    """Run ``action`` on a thread as soon as ``signum`` arrives (POSIX, main thread only).
+
+    Complements a Python handler, which waits for the main thread to run."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            try:
+                data = os.read(read_fd, 512)
+            except OSError:
+                return
+            if not data:
+                return
+            if signum in data:
+                action()
+                return
+    threading.Thread(target=watch, daemon=True, name="signal-%d" % signum).start()
+
+
 def watch_parent(on_orphaned, interval=1.0):
     """Call ``on_orphaned`` once the process that started us is gone."""
     if IS_WINDOWS:  # pragma: no cover - Windows closes our stdin when the parent dies
@@ -5772,6 +5798,11 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
         # Clients stop servers with SIGTERM: end running checks (their process
         # groups) as EOF does, instead of dying and leaving them behind.
         signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
+        # A Python handler runs only when the main thread runs bytecode, and it
+        # sits in a blocking read of stdin: a SIGTERM the kernel hands to a worker
+        # thread would wait for the next request.  The wakeup fd is written by
+        # whichever thread takes the signal, and a thread of ours acts on it.
+        call_on_signal(signal.SIGTERM, orphaned)
     server.serve()
     with contextlib.suppress(FerrusError, OSError):
         server.usage.flush(store)
