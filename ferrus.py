@@ -30,7 +30,8 @@ Contents (each section uses only the sections above it):
     14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
     15. Pipelines ......... seed 003: workflows.json, status.json, the reconcile loop
     16. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    17. CLI ............... argparse front end, ``main(argv) -> int``
+    17. Packaging ......... ferrus as its own PEP 517 build backend (``pip install .``)
+    18. CLI ............... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -2244,10 +2245,16 @@ def journal_max_bytes():
         return JOURNAL_MAX_BYTES
 
 
-def _lines_backwards(path, chunk=4096):
+# A journal line longer than this is damage (ferrus writes lines of a few hundred bytes):
+# readers skip it without ever holding it in memory.
+JOURNAL_LINE_LIMIT = 16 * 1024 * 1024
+
+
+def _lines_backwards(path, chunk=4096, limit=None):
     """The lines of a file (bytes, without their newline) from the last to the first,
     read in chunks from the end that grow up to 1 MiB (most callers want only the
-    last few lines).  A missing file has none."""
+    last few lines).  Lines longer than ``limit`` are skipped.  A missing file has none."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -2255,6 +2262,7 @@ def _lines_backwards(path, chunk=4096):
     with handle:
         position = handle.seek(0, os.SEEK_END)
         rest = b""
+        skipping = False                 # inside a line already known to be too long
         while position > 0:
             start = max(0, position - chunk)
             handle.seek(start)
@@ -2262,10 +2270,37 @@ def _lines_backwards(path, chunk=4096):
             position = start
             chunk = min(chunk * 4, 1 << 20)
             lines = data.split(b"\n")
+            if skipping:
+                if len(lines) == 1:
+                    continue             # still inside the long line
+                lines.pop()              # its first part; what precedes it is whole again
+                skipping = False
             rest = lines[0]              # may continue in the chunk before this one
             for line in reversed(lines[1:]):
                 yield line
-        yield rest
+            if len(rest) > limit:
+                rest, skipping = b"", True
+        if not skipping:
+            yield rest
+
+
+def _lines_forward(path, limit=None):
+    """The lines of a file (bytes, without their newline) from the first; a line longer
+    than ``limit`` comes as None, read past in bounded pieces."""
+    limit = JOURNAL_LINE_LIMIT if limit is None else limit
+    with open(path, "rb") as handle:
+        while True:
+            line = handle.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                while True:
+                    more = handle.readline(1 << 20)
+                    if not more or more.endswith(b"\n"):
+                        break
+                yield None
+                continue
+            yield line[:-1] if line.endswith(b"\n") else line
 
 
 def _end_of_complete_lines(handle, size, chunk=65536):
@@ -2534,17 +2569,15 @@ class Store:
         so that printing a long journal needs no memory for it."""
         above = None
         for path in (self.journal_archive_path(), self.journal_path()):
-            try:
-                handle = open(path, "r", encoding="utf-8", errors="replace")
-            except FileNotFoundError:
+            if not os.path.exists(path):
                 continue
-            with handle:
-                for line in handle:
-                    entry = journal_entry(line) if line.strip() else None
-                    if entry is None or (above is not None and entry["seq"] <= above):
-                        continue
-                    above = entry["seq"]
-                    yield entry
+            for line in _lines_forward(path):
+                entry = journal_entry(line.decode("utf-8", "replace")) \
+                    if line is not None and line.strip() else None
+                if entry is None or (above is not None and entry["seq"] <= above):
+                    continue
+                above = entry["seq"]
+                yield entry
 
     def last_journal_seq(self):
         """The seq of the last complete journal line (0 for none), reading only the tail."""
@@ -7093,6 +7126,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
+            and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
+        # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
+        # root/sudo privileges for security reasons", and the session ends at once.
+        warnings.append(("Claude Code refuses permissions = \"full\" (bypassPermissions) "
+                         "when run as root, so the %s would exit at once" % role,
+                         "in a sandbox, add `env = { IS_SANDBOX = \"1\" }` under "
+                         "[agents.claude-code]; otherwise use \"edit\""))
     flags = {arg.split("=", 1)[0] for arg in adapter.permission_args(profile)
              if arg.startswith("-")}
     options = adapter.options.extra_args + adapter.options.headless_args
@@ -8177,7 +8218,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
-        op_create_task(store, HUMAN, task, origin=origin)
+        # A task given as text implements no milestone, whatever an interrupted HQ /task
+        # may have staged.
+        op_create_task(store, HUMAN, task, origin=origin or (None, None))
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -8458,8 +8501,12 @@ class HqShell:
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
-            self.write("%s: %s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                     if "problem" in row else " — ok"))
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
         slot = self.controller.slots.get(rest)
@@ -8554,7 +8601,7 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest)
+            op_create_task(self.store, HUMAN, rest, origin=(None, None))
             self.controller.paused = False
             return
         milestone = spec = None
@@ -10490,33 +10537,30 @@ def _journal_findings(store, data):
                         "create it (history before now is gone)",
                         lambda: atomic_write(path, ""))]
     # One pass in constant memory: a rotated journal is bounded, a hand-made one may not be.
-    bad_lines, gaps, previous = [], [], None
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            entry = journal_entry(line)
-            if entry is None:
-                if len(bad_lines) < 5:
-                    bad_lines.append(number)
-                else:
-                    bad_lines.append(None)
-                continue
-            seq = entry["seq"]
-            # A journal_gap entry stands for the seqs from detail.from up to its own.
-            first = seq
-            if entry.get("event") == JOURNAL_GAP_EVENT:
-                gap_from = (entry.get("detail") or {}).get("from")
-                if isinstance(gap_from, int) and not isinstance(gap_from, bool):
-                    first = gap_from
-            if previous is not None and first != previous + 1 and len(gaps) < 5:
-                gaps.append(seq)
-            previous = seq
-    if bad_lines:
+    bad_count, bad_lines, gaps, previous = 0, [], [], None
+    for number, line in enumerate(_lines_forward(path), 1):
+        if line is not None and not line.strip():
+            continue
+        entry = journal_entry(line.decode("utf-8", "replace")) if line is not None else None
+        if entry is None:           # torn, hand-edited, or longer than any real line
+            bad_count += 1
+            if len(bad_lines) < 5:
+                bad_lines.append(number)
+            continue
+        seq = entry["seq"]
+        # A journal_gap entry stands for the seqs from detail.from up to its own.
+        first = seq
+        if entry.get("event") == JOURNAL_GAP_EVENT:
+            gap_from = (entry.get("detail") or {}).get("from")
+            if isinstance(gap_from, int) and not isinstance(gap_from, bool):
+                first = gap_from
+        if previous is not None and first != previous + 1 and len(gaps) < 5:
+            gaps.append(seq)
+        previous = seq
+    if bad_count:
         findings.append(Finding(
             "%s/%s has %d unreadable line(s) (line %s) — usually a write cut short by a crash"
-            % (FERRUS_DIR, JOURNAL_FILE, len(bad_lines),
-               ", ".join(str(n) for n in bad_lines if n is not None)),
+            % (FERRUS_DIR, JOURNAL_FILE, bad_count, ", ".join(map(str, bad_lines))),
             "drop those lines", lambda: _rewrite_journal(store)))
     if gaps:
         findings.append(Finding("journal sequence is not gapless (next after a gap: %s)"
@@ -10570,13 +10614,27 @@ def _rebuild_state(store):
 
 
 def _rewrite_journal(store):
+    """Keep the readable lines, streamed through a temporary file (never all in memory)."""
+    path = store.journal_path()
     with store.lock():
-        kept = []
-        with open(store.journal_path(), "r", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if journal_entry(line) is not None:
-                    kept.append(line.rstrip("\n") + "\n")
-        atomic_write(store.journal_path(), "".join(kept))
+        fd, temp = tempfile.mkstemp(prefix="." + JOURNAL_FILE + ".", suffix=TEMP_SUFFIX,
+                                    dir=store.dir)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for line in _lines_forward(path):
+                    if line is not None and journal_entry(
+                            line.decode("utf-8", "replace")) is not None:
+                        out.write(line.rstrip(b"\r") + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            with contextlib.suppress(OSError):
+                os.chmod(temp, os.stat(path).st_mode & 0o7777)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        fsync_directory(store.dir)
 
 
 def _fill_journal(store):
@@ -10592,7 +10650,137 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 17. CLI
+# 17. Packaging
+# ============================================================================
+#
+# pyproject.toml names ``ferrus:BuildBackend`` as its PEP 517 / PEP 660 backend
+# (``backend-path = ["."]``), so ``pip install .`` needs nothing but the standard
+# library: no setuptools download (a Python 3.12+ venv has none, and the one a 3.9
+# venv ships predates ``[project]`` tables), which is what an air-gapped machine has.
+
+class BuildBackend:
+    """The PEP 517 / 660 hooks: a wheel holding ferrus.py, an sdist, an editable wheel.
+
+    Metadata comes from pyproject.toml's [project] table, the version from
+    ``__version__``.  Archive members get one fixed time, so two builds are identical."""
+
+    EPOCH = 315532800                                   # 1980-01-01, the zip format's floor
+    SDIST_FILES = ("pyproject.toml", "ferrus.py", "ferrus", "README.md", "LICENSE")
+
+    @staticmethod
+    def _source():
+        return os.path.dirname(os.path.abspath(__file__))
+
+    @classmethod
+    def _read(cls, name):
+        with open(os.path.join(cls._source(), name), "r", encoding="utf-8") as handle:
+            return handle.read()
+
+    @classmethod
+    def project(cls):
+        project = dict(parse_toml(cls._read("pyproject.toml"))["project"])
+        project["version"] = __version__
+        return project
+
+    @staticmethod
+    def _dist_name(project):
+        return "%s-%s" % (re.sub(r"[-_.]+", "_", project["name"]).lower(), project["version"])
+
+    @classmethod
+    def metadata_text(cls, project):
+        """Core metadata (METADATA in a wheel, PKG-INFO in an sdist)."""
+        lines = ["Metadata-Version: 2.1", "Name: %s" % project["name"],
+                 "Version: %s" % project["version"]]
+        for key, field in (("description", "Summary"), ("license", "License"),
+                           ("requires-python", "Requires-Python")):
+            if project.get(key):
+                lines.append("%s: %s" % (field, project[key]))
+        lines += ["Classifier: %s" % c for c in project.get("classifiers", ())]
+        lines += ["Requires-Dist: %s" % d for d in project.get("dependencies", ())]
+        for extra, requirements in sorted(project.get("optional-dependencies", {}).items()):
+            lines.append("Provides-Extra: %s" % extra)
+            lines += ['Requires-Dist: %s; extra == "%s"' % (r, extra) for r in requirements]
+        if not project.get("readme"):
+            return "\n".join(lines) + "\n"
+        lines.append("Description-Content-Type: text/markdown")
+        return "\n".join(lines) + "\n\n" + cls._read(project["readme"])
+
+    @staticmethod
+    def _record_line(path, data):
+        import hashlib          # build-time only: kept off every command's start-up
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return "%s,sha256=%s,%d\n" % (path, digest, len(data))
+
+    @classmethod
+    def _write_wheel(cls, directory, files):
+        import zipfile
+        project = cls.project()
+        dist = cls._dist_name(project)
+        info = dist + ".dist-info"
+        scripts = sorted(project.get("scripts", {}).items())
+        files = list(files) + [
+            (info + "/METADATA", cls.metadata_text(project).encode("utf-8")),
+            (info + "/WHEEL", b"Wheel-Version: 1.0\nGenerator: ferrus\n"
+                              b"Root-Is-Purelib: true\nTag: py3-none-any\n"),
+            (info + "/entry_points.txt",
+             ("[console_scripts]\n" + "".join("%s = %s\n" % s for s in scripts)).encode()),
+        ] + [(info + "/licenses/" + name, cls._read(name).encode("utf-8"))
+             for name in project.get("license-files", ())]
+        record = "".join(cls._record_line(path, data) for path, data in files)
+        files.append((info + "/RECORD", (record + info + "/RECORD,,\n").encode("utf-8")))
+        name = dist + "-py3-none-any.whl"
+        with zipfile.ZipFile(os.path.join(directory, name), "w", zipfile.ZIP_DEFLATED) as wheel:
+            for path, data in files:
+                entry = zipfile.ZipInfo(path, time.gmtime(cls._epoch())[:6])
+                entry.external_attr = 0o644 << 16
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                wheel.writestr(entry, data)
+        return name
+
+    @classmethod
+    def _epoch(cls):
+        return max(cls.EPOCH, int(os.environ.get("SOURCE_DATE_EPOCH", cls.EPOCH)))
+
+    # -- the hooks pip calls ---------------------------------------------------------
+
+    @staticmethod
+    def get_requires_for_build_wheel(config_settings=None):
+        return []
+
+    get_requires_for_build_sdist = get_requires_for_build_editable = get_requires_for_build_wheel
+
+    @classmethod
+    def build_wheel(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        return cls._write_wheel(wheel_directory,
+                                [("ferrus.py", cls._read("ferrus.py").encode("utf-8"))])
+
+    @classmethod
+    def build_editable(cls, wheel_directory, config_settings=None, metadata_directory=None):
+        # A .pth line puts the source folder on sys.path, so edits take effect at once.
+        return cls._write_wheel(wheel_directory, [("ferrus_editable.pth",
+                                                   (cls._source() + "\n").encode("utf-8"))])
+
+    @classmethod
+    def build_sdist(cls, sdist_directory, config_settings=None):
+        import io
+        import tarfile
+        project = cls.project()
+        base = cls._dist_name(project)
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
+        name = base + ".tar.gz"
+        with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
+                          format=tarfile.PAX_FORMAT) as archive:
+            for path, data in members:
+                member = tarfile.TarInfo("%s/%s" % (base, path))
+                member.size, member.mtime = len(data), cls._epoch()
+                member.mode = 0o755 if path == "ferrus" else 0o644
+                archive.addfile(member, io.BytesIO(data))
+        return name
+
+
+# ============================================================================
+# 18. CLI
 # ============================================================================
 
 def _color_enabled(stream):
@@ -10672,6 +10860,9 @@ def cmd_status(args, root):
         rows.append(("lease", "expired (last holder %s)" % data.claimed_by))
     else:
         rows.append(("lease", "none"))
+    if data.task_milestone:
+        rows.append(("task from", "milestone %s of %s (approving ticks it)"
+                     % (data.task_milestone, data.task_spec)))
     if data.selected_spec:
         rows.append(("spec", data.selected_spec))
         rows.append(("milestone", data.selected_milestone or "(none left)"))
@@ -10884,12 +11075,12 @@ def cmd_agents(args, root):
             say("           MCP: %s" % ("points at this ferrus" if row["points_here"] else
                                           "registered elsewhere" if row["registered"] else
                                           "not registered"))
-            print("           permissions: %s (%s)%s" % (
+            say("           permissions: %s (%s)%s" % (
                 row["permissions"], row["permissions_from"],
                 ": " + " ".join(row["permission_args"]) if row["permission_args"] else ""))
         for warning in row.get("warnings", ()):
-            print("           warning: %s" % warning["warning"])
-            print("           fix: %s" % warning["hint"])
+            say("           warning: %s" % warning["warning"])
+            say("           fix: %s" % warning["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])

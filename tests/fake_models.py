@@ -350,7 +350,7 @@ class Gemini:
         config = body.get("generationConfig") or {}
         schema = config.get("responseJsonSchema") or config.get("responseSchema")
         if schema:
-            return [say(json.dumps(_lower_types(_schema_instance(_lower_schema(schema)))))]
+            return [say(json.dumps(_positive(_schema_instance(_lower_schema(schema)))))]
         return [say("OK")]
 
 
@@ -366,7 +366,14 @@ def _lower_schema(schema):
     return schema
 
 
-def _lower_types(value):
+def _positive(value):
+    """Gemini CLI's routing classifier wants scores from 1 up; 0 is never needed."""
+    if isinstance(value, dict):
+        return {k: _positive(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_positive(v) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+        return 1
     return value
 
 
@@ -399,8 +406,7 @@ class FakeModels:
 
     def start(self):
         handler = type("Handler", (_Handler,), {"fake": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), handler)
         self.url = "http://127.0.0.1:%d" % self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, name="fake-models",
                          daemon=True).start()
@@ -439,6 +445,15 @@ class FakeModels:
             lines.append("main %s: calls %s" % (conversation.protocol,
                                                 [c[0] for c in conversation.calls]))
         return "\n".join(lines + self.errors)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A CLI that exits closes its keep-alive connections; that is not an error.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

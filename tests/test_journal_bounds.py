@@ -43,6 +43,12 @@ def write_history(store, count, event="heartbeat", task_id=None):
     set_rev(store, store.last_journal_seq())
 
 
+def journal_findings(store):
+    """What doctor says about the journal (not about ferrus.toml's defaults)."""
+    return [f for f in ferrus.doctor_findings(store.root)
+            if "journal" in f.problem or ferrus.JOURNAL_FILE in f.problem]
+
+
 def limited_memory():
     """A child that would need more than 1 GiB fails fast instead of swapping."""
     import resource
@@ -62,7 +68,7 @@ def test_a_wide_gap_is_recorded_as_one_journal_gap_entry(store):
     assert reset["seq"] == 300001 == store.read_state().rev
     assert [e["seq"] for e in store.read_journal()] == [300000, 300001]
     # Readers understand it: doctor sees a continuous journal, log shows the range.
-    assert [f for f in ferrus.doctor_findings(store.root) if "journal" in f.problem] == []
+    assert journal_findings(store) == []
     shown = ferrus.format_event(gap)
     assert "journal_gap" in shown and "from=1" in shown and "to=300000" in shown
 
@@ -118,7 +124,7 @@ def test_the_journal_rotates_at_its_size_limit_and_rev_stays_last_seq(store, mon
     assert [e["seq"] for e in tail] == list(range(120 - len(current) - 2, 121))
     assert [e["seq"] for e in store.read_journal(after_seq=current[0]["seq"] - 2)] == \
         list(range(current[0]["seq"] - 1, 121))
-    assert [f for f in ferrus.doctor_findings(store.root) if "journal" in f.problem] == []
+    assert journal_findings(store) == []
 
 
 def test_journal_rotate_command(project):
@@ -257,3 +263,26 @@ def test_sessions_of_a_project_from_before_the_counter_come_from_the_task_tail(s
         assert store.read_state().task_id == task
     finally:
         controller.shutdown()
+
+
+# -- a damaged journal never has to fit in memory ----------------------------------------
+
+@pytest.mark.parametrize("where", ["middle", "end", "start"])
+def test_an_overlong_line_is_skipped_not_held(store, monkeypatch, where):
+    monkeypatch.setattr(ferrus, "JOURNAL_LINE_LIMIT", 1000)
+    write_history(store, 3)
+    lines = open(store.journal_path()).read().splitlines(True)
+    junk = "x" * 50000 + ("\n" if where != "end" else "")
+    at = {"start": 0, "middle": 2, "end": 3}[where]
+    with open(store.journal_path(), "w") as handle:
+        handle.write("".join(lines[:at]) + junk + "".join(lines[at:]))
+    assert [e["seq"] for e in store.read_journal()] == [1, 2, 3]
+    assert [e["seq"] for e in store.journal_entries()] == [1, 2, 3]
+    assert store.last_journal_seq() == 3
+    [finding] = journal_findings(store)
+    assert "1 unreadable line(s)" in finding.problem
+    finding.fix()
+    assert journal_findings(store) == []
+    assert [e["seq"] for e in journal_lines(store)] == [1, 2, 3]
+    store.append_event("tester", "note", {})
+    assert [e["seq"] for e in store.read_journal()] == [1, 2, 3, 4]

@@ -223,3 +223,19 @@ def test_run_milestone_stops_on_failure(scripted, monkeypatch):
     assert ticked(scripted.root, rel) == []
     assert [e["detail"].get("milestone") for e in scripted.read_journal()
             if e["event"] == "create_task"] == ["m1"]
+
+
+def test_a_task_given_as_text_never_takes_a_stale_staged_origin(store, project, cli):
+    rel = write_spec(project)
+    # An HQ /task interrupted before the supervisor created anything left this behind.
+    ferrus.op_stage_task_origin(store, ferrus.HUMAN, rel, "m1")
+    _Shell(store, []).cmd_task("Unrelated work")
+    data = store.read_state()
+    assert data.task_milestone is None and data.pending_task_milestone is None
+
+
+def test_status_shows_the_milestone_a_task_implements(store, project, cli):
+    rel = write_spec(project)
+    ferrus.op_create_task(store, ferrus.HUMAN, "first", origin=(rel, "m1"))
+    result = cli("status", cwd=project)
+    assert "task from  milestone m1 of %s" % rel in result.stdout

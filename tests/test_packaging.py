@@ -2,7 +2,6 @@
 
 import base64
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,11 +16,7 @@ from conftest import REPO
 
 
 def backend():
-    spec = importlib.util.spec_from_file_location(
-        "ferrus_build", os.path.join(REPO, "pep517", "ferrus_build.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return ferrus.BuildBackend
 
 
 def test_the_wheel_holds_ferrus_its_metadata_and_its_command(tmp_path):
@@ -52,8 +47,7 @@ def test_the_sdist_can_be_built_again(tmp_path):
     with tarfile.open(str(tmp_path / name)) as archive:
         members = archive.getnames()
     base = name[:-len(".tar.gz")]
-    for path in ("pyproject.toml", "ferrus.py", "README.md", "LICENSE",
-                 "pep517/ferrus_build.py", "PKG-INFO"):
+    for path in ("pyproject.toml", "ferrus.py", "ferrus", "README.md", "LICENSE", "PKG-INFO"):
         assert "%s/%s" % (base, path) in members
 
 
@@ -62,7 +56,6 @@ def test_pip_install_works_offline_in_a_fresh_venv(tmp_path):
     source.mkdir()
     for name in ("ferrus.py", "ferrus", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(os.path.join(REPO, name), str(source / name))
-    shutil.copytree(os.path.join(REPO, "pep517"), str(source / "pep517"))
     venv = tmp_path / "venv"
     made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True,
                           text=True, timeout=300)

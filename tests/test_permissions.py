@@ -207,3 +207,26 @@ def test_agents_name_another_python_for_what_it_is(project, monkeypatch, tmp_pat
     executor = ferrus.agents_report(root, probe=lambda argv: "1.0")[1]
     assert executor["problem"] == "its MCP entry serves another project (%s)" % (
         tmp_path / "elsewhere")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root")
+def test_claude_full_as_root_is_a_warning_until_the_sandbox_says_so(project):
+    set_config(project, '[hq.executor]\nagent = "claude-code"\npermissions = "full"\n')
+    warnings = ferrus.permission_warnings(ferrus.load_config(str(project)), "executor")
+    assert "refuses" in warnings[0][0] and "IS_SANDBOX" in warnings[0][1]
+    set_config(project, '[hq.executor]\nagent = "claude-code"\npermissions = "full"\n\n'
+                        '[agents.claude-code]\nenv = { IS_SANDBOX = "1" }\n')
+    assert ferrus.permission_warnings(ferrus.load_config(str(project)), "executor") == []
+
+
+def test_hq_agents_command_shows_profile_and_warnings(project, monkeypatch):
+    import io
+    set_config(project, '[hq.supervisor]\nagent = "codex"\n\n'
+                        '[hq.executor]\nagent = "codex"\npermissions = "read-only"\n')
+    monkeypatch.setattr(ferrus.AgentAdapter, "executable", lambda self: None)
+    out = io.StringIO()
+    shell = ferrus.HqShell(ferrus.Store(str(project)), stdin=io.StringIO(""), stdout=out)
+    shell.handle("/agents")
+    text = out.getvalue()
+    assert "executor: codex — codex is not installed, permissions read-only" in text
+    assert "warning: the executor (codex) cannot edit files" in text
