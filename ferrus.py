@@ -410,6 +410,48 @@ def read_text(path, default=None):
         return default
 
 
+class UnsafePath(FerrusError):
+    """A file ferrus will not read: a symbolic link, a folder on the way that leads
+    outside the base folder, or something other than a regular file."""
+
+
+def open_inside(base, *parts):
+    """``base/parts`` opened for binary reading without leaving ``base``.
+
+    A symbolic link as the file itself is never followed (an agent could point
+    TASK.md or a check log at any file of the machine), a folder on the way must
+    resolve inside ``base``, and only regular files are opened (a FIFO would block
+    the reader).  Raises UnsafePath, or OSError (FileNotFoundError, ...)."""
+    shown = "/".join((os.path.basename(base),) + parts)
+    real_base = os.path.realpath(base)
+    path = os.path.join(base, *parts)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != real_base and not parent.startswith(real_base + os.sep):
+        raise UnsafePath("%s is outside %s/ (a symbolic link on the way)"
+                         % (shown, os.path.basename(base)),
+                         "ferrus reads only files inside %s/; remove the link"
+                         % os.path.basename(base))
+    link_refused = UnsafePath("%s is a symbolic link; ferrus does not follow links there"
+                              % shown, "replace the link with the file itself")
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
+        raise link_refused
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise link_refused
+        raise
+    try:
+        if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
+            raise UnsafePath("%s is not a regular file" % shown)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def shell_argv(command):
     """The argv that runs one check command through the platform shell."""
     if IS_WINDOWS:  # pragma: no cover
@@ -1578,7 +1620,8 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
         raw = parse_toml(text)
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
-                          "fix the syntax at that line; `ferrus init` shows a valid example")
+                          "fix the syntax at that line (`ferrus init` in an empty folder writes a "
+                          "commented example; the README's ferrus.toml section lists every key)")
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
@@ -2474,7 +2517,12 @@ class Store:
         return data
 
     def read_file(self, name):
-        return read_text(self.path(name), default="")
+        """A content file's text ("" when missing); never through a symbolic link."""
+        try:
+            with open_inside(self.dir, name) as handle:
+                return handle.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def state_stamp(self):
         """A cheap fingerprint that changes on every commit.
@@ -4518,6 +4566,7 @@ class Request:
     abandoned: bool = False
     batched: bool = False     # an element of a JSON-RPC batch (2025-03-26)
     reply: object = None      # callable(response or None): where the answer goes
+    lane: object = None       # the _Lane it was admitted to (None: run inline)
 
     @property
     def meta(self):
@@ -4562,7 +4611,8 @@ class JsonRpcServer:
     before); it decides whether JSON-RPC batches are accepted (2025-03-26 only)
     and how an error answers a message whose id is unknown."""
 
-    MAX_BLOCKING = 16        # blocking calls running at once (each holds a thread)
+    MAX_BLOCKING = 8         # blocking calls running at once (each holds a thread; an agent
+                             # needs one or two, and every one polls while it waits)
     MAX_QUICK_WORKERS = 4    # threads for quick calls
     MAX_QUICK_QUEUED = 256   # quick calls waiting for one of those threads
 
@@ -4765,6 +4815,7 @@ class JsonRpcServer:
             admitted = lane.active < lane.max_workers + lane.max_queued
             if admitted:
                 self._inflight[request_id] = request
+                request.lane = lane
                 lane.active += 1
                 lane.pending.append(request)
                 worker = None
@@ -4787,7 +4838,7 @@ class JsonRpcServer:
 
     def _run(self, request, handler=None):
         result = error = None
-        _current_request.value = request
+        _current_request.value, _current_request.server = request, self
         try:
             handler = handler or self.handlers.get(request.method)
             if handler is None:
@@ -4799,9 +4850,14 @@ class JsonRpcServer:
             log.exception("internal error in %s", request.method)
             error = RpcError(INTERNAL_ERROR, "Internal error: %s: %s" % (type(err).__name__, err))
         finally:
-            _current_request.value = None
+            _current_request.value = _current_request.server = None
             with self._inflight_lock:
                 self._inflight.pop(request.id, None)
+                if request.lane is not None:
+                    # Free the slot before answering: a client may send its next
+                    # call the moment it reads this answer.
+                    request.lane.active -= 1
+                    request.lane = None
         if request.abandoned:
             request.reply(None)  # cancelled by the client: the spec says send nothing more
             return
@@ -4818,11 +4874,7 @@ class JsonRpcServer:
                         lane.waiting += 1
                         lane.ready.wait()
                     request = lane.pending.popleft()
-                try:
-                    self._run(request)
-                finally:
-                    with self._inflight_lock:
-                        lane.active -= 1
+                self._run(request)
         finally:
             with self._inflight_lock:
                 lane.threads -= 1
@@ -5040,46 +5092,12 @@ class ResourceNotFound(FerrusError):
 
 
 def open_in_ferrus_dir(store, *parts):
-    """An open binary file object for .ferrus/<parts>, refusing to leave .ferrus/.
-
-    A symbolic link as the file itself is never followed (an agent could point
-    TASK.md or a check log at any file of the machine), a directory on the way
-    must resolve inside .ferrus/, and only regular files are opened (a FIFO
-    would block the reader).  Raises ResourceNotFound or OSError."""
-    base = os.path.realpath(store.path())
-    path = store.path(*parts)
-    parent = os.path.realpath(os.path.dirname(path))
-    if parent != base and not parent.startswith(base + os.sep):
-        raise ResourceNotFound("%s/%s is outside %s (a symbolic link on the way)"
-                               % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
-                               "ferrus reads only files inside .ferrus/; remove the link")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
-        getattr(os, "O_BINARY", 0)
-    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # pragma: no cover - Windows
-        raise _symlink_refused(parts)
+    """An open binary file object for .ferrus/<parts> (see open_inside): raises
+    ResourceNotFound for what ferrus refuses to read, or OSError."""
     try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise _symlink_refused(parts)
-        raise
-    try:
-        if not stat_is_regular(os.fstat(fd)):
-            raise ResourceNotFound("%s/%s is not a regular file" % (FERRUS_DIR, "/".join(parts)))
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _symlink_refused(parts):
-    return ResourceNotFound("%s/%s is a symbolic link; ferrus does not follow links in %s"
-                            % (FERRUS_DIR, "/".join(parts), FERRUS_DIR),
-                            "replace the link with the file itself")
-
-
-def stat_is_regular(st):
-    return (st.st_mode & 0o170000) == 0o100000   # stat.S_ISREG without another import
+        return open_inside(store.path(), *parts)
+    except UnsafePath as err:
+        raise ResourceNotFound(err.message, err.hint)
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
@@ -5662,6 +5680,9 @@ class _McpLogHandler(logging.Handler):
             return  # logging while sending a log message must not loop
         self._busy.value = True
         try:
+            owner = getattr(_current_request, "server", None)
+            if owner is not None and owner is not self.server.rpc:
+                return  # another server in this process is handling that request
             level = next(name for number, name in self.LEVELS if record.levelno >= number)
             request = getattr(_current_request, "value", None)
             self.server.send_log(level, record.getMessage(), request)
@@ -6898,6 +6919,15 @@ def probe_version(argv, timeout=10.0):
 
 # -- register -------------------------------------------------------------------------
 
+def configured_registration(root):
+    """What a bare `register` registers: the agents [hq.supervisor] and [hq.executor]
+    of ferrus.toml name, with their models."""
+    config = Store(root).config().require_hq()
+    return {role: (choice.agent, choice.model or None)
+            for role, choice in ((role, getattr(config, role, None)) for role in ROLES)
+            if choice is not None and choice.agent}
+
+
 def register_agents(root, choices, trust=False, report=print):
     """`ferrus register`: write each role's agent configuration and update [hq].
 
@@ -7510,6 +7540,19 @@ def read_orchestrator_record(store):
     return record if isinstance(record, dict) else None
 
 
+def running_orchestrator(store):
+    """Who holds the orchestrator lock, read without touching the lock (None: nobody).
+
+    A record whose process is gone on this host was left by a holder that died."""
+    record = read_orchestrator_record(store)
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if record.get("host") == _host_name() and not (isinstance(pid, int) and pid_alive(pid)):
+        return None
+    return record
+
+
 class OrchestratorLock:
     """The project's orchestrator lock, held from acquire() to release().
 
@@ -7521,6 +7564,7 @@ class OrchestratorLock:
         self.notes = []
         self._lock = FileLock(store.path(ORCHESTRATOR_LOCK), 0,
                               "%s/%s" % (FERRUS_DIR, ORCHESTRATOR_LOCK))
+        self._signals = {}
 
     def acquire(self):
         try:
@@ -7533,6 +7577,7 @@ class OrchestratorLock:
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
                 "along safely)")
+        self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
             if previous is not None and previous.get("pid") != os.getpid():
@@ -7543,11 +7588,25 @@ class OrchestratorLock:
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
         except BaseException:
-            self._lock.release()
+            self.release()
             raise
         return self
 
+    def _stop_on_termination(self):
+        """SIGTERM and SIGHUP (a closed terminal, `kill`) end the orchestrator the way
+        Ctrl+C does, so its agents are stopped and their leases freed; by default they
+        would kill ferrus alone and leave its agents working unsupervised."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in ("SIGTERM", "SIGHUP"):
+            number = getattr(signal, name, None)
+            if number is not None:
+                self._signals[number] = signal.signal(number, _raise_terminated)
+
     def release(self):
+        for number, previous in self._signals.items():
+            signal.signal(number, previous)
+        self._signals.clear()
         with contextlib.suppress(OSError):
             record = read_orchestrator_record(self.store)
             if record is not None and record.get("pid") == os.getpid():
@@ -7559,6 +7618,18 @@ class OrchestratorLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while orchestrating: unwinds like Ctrl+C; exit 128 + signal."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.exit_code = 128 + signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def _host_name():
@@ -8208,6 +8279,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             CHECKPOINT, EMERGENCY_STOP):
         return RUN_CHECKPOINT
     if task is not None:
+        if not task.strip():        # refused before anything is reset below
+            raise UsageError("the task description is empty",
+                             "pass the task as --task TEXT or --task-file FILE")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -8295,6 +8369,12 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                                     if finished else "every milestone of the spec is complete"))
             return RUN_COMPLETE
         path, text, milestone = found
+        state = store.read_state().state
+        if state in ACTIVE_STATES:
+            # Checked before the selection moves: retargeting a running task is upstream
+            # bug §11.17.
+            raise FerrusError("a task is already in flight (state %s)" % state,
+                              "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if (path, milestone.id) == previous:
             raise FerrusError("milestone %s of %s was approved but its box is still open"
                               % (milestone.id, path),
@@ -8663,10 +8743,11 @@ class HqShell:
         except SystemExit:
             raise UsageError("usage: /register [--supervisor A] [--executor A] "
                              "[--supervisor-model M] [--executor-model M] [--trust]")
-        if not args.supervisor and not args.executor:
-            raise UsageError("At least one of --supervisor or --executor must be specified")
         choices = {role: (getattr(args, role), getattr(args, role + "_model"))
                    for role in ROLES if getattr(args, role)}
+        choices = choices or configured_registration(self.store.root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified")
         # Through write(), so the output lands in HQ's transcript, not over the screen.
         register_agents(self.store.root, choices, trust=args.trust, report=self.write)
 
@@ -9332,7 +9413,8 @@ def parse_workflows(text, path, known_agents=None):
         raw = json.loads(text)
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
-                          "fix the syntax (`ferrus pipeline init` shows a valid example)")
+                          "fix the syntax (`ferrus pipeline init` in a project without a workflows "
+                          "file writes a valid example)")
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -10795,11 +10877,24 @@ def _paint(text, code, enabled):
     return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
 
 
+def invoked_as():
+    """How the user started ferrus, for hints they can paste: ``ferrus`` from the
+    launcher or an installed command, else the interpreter and this file."""
+    program = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "")
+    if program in ("ferrus", "ferrus.exe"):
+        return "ferrus"
+    if program == "__main__.py" or program == "-m":
+        return "python3 -m ferrus"
+    return "python3 %s" % os.path.abspath(__file__)
+
+
 def cmd_init(args, root):
     init_project(root, args.agents_path)
     print()
+    me = invoked_as()
     print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
-          "ferrus.toml, then run `ferrus status`.")
+          "ferrus.toml, then `%s register` (the agents [hq.*] names; or --supervisor A "
+          "--executor A) and `%s run --task \"...\"`." % (me, me))
     return 0
 
 
@@ -10821,7 +10916,9 @@ def cmd_status(args, root):
             notes.append(NO_CHECKS_WARNING)
         if config.hq_problem:
             notes.append(config.hq_problem.message)
+    orchestrator = running_orchestrator(store)
     if args.json:
+        info["orchestrator"] = orchestrator
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -10875,6 +10972,8 @@ def cmd_status(args, root):
             ", %s" % capacity["signal"] if capacity["signal"] else "",
             " — checkpoint: raise [capacity] limits or /continue in HQ"
             if capacity["checkpoint"] else "")))
+    rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
+                 "none running"))
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
@@ -11033,7 +11132,22 @@ def cmd_check(args, root):
 
 
 def cmd_register(args, root):
-    # Upstream's checks, in upstream's order (reference §1).
+    bare = not (args.supervisor or args.executor or args.supervisor_model is not None
+                or args.executor_model is not None)
+    if bare:
+        choices = configured_registration(root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified",
+                             "e.g. ferrus register --supervisor claude-code --executor codex "
+                             "(a bare `ferrus register` uses [hq.supervisor] and [hq.executor] "
+                             "of ferrus.toml, and this project names neither)")
+        say("Registering the agents ferrus.toml names: %s" % ", ".join(
+            "%s %s" % (role, agent) for role, (agent, _model) in choices.items()))
+        register_agents(root, choices, trust=args.trust)
+        print()
+        print("Done. `ferrus agents` shows whether each agent is installed and connected.")
+        return 0
+    # Upstream's checks, in upstream's order.
     if not args.supervisor and not args.executor:
         raise UsageError("At least one of --supervisor or --executor must be specified",
                          "e.g. ferrus register --supervisor claude-code --executor codex")
@@ -11098,13 +11212,16 @@ def cmd_run(args, root):
         try:
             task = read_text(args.task_file)
         except OSError as err:
-            raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror))
+            raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
+                              "give the path of a text file holding the task, relative to "
+                              "the current folder, or pass the task as --task TEXT")
     interactive = sys.stdin.isatty()
 
     def ask(question):
         if not interactive:
             return None
-        say("\nQuestion for you:\n%s" % question, flush=True)
+        # The question itself is already on the screen (the run's own event line).
+        say("Your answer to the question above:", flush=True)
         return input("answer> ")
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
@@ -11595,8 +11712,8 @@ def main(argv=None):
         if err.hint:
             say("hint: %s" % err.hint, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
     except BrokenPipeError:
         return 1
     except OSError as err:

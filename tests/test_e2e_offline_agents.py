@@ -120,9 +120,9 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     with FakeModels(loop) as fake:
         env.update(offline_setup(agent, fake, home))
         result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "run", "--task",
-                                 "Create hello.txt containing hi.", "--timeout", "120"],
+                                 "Create hello.txt containing hi.", "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
-                                timeout=180, stdin=subprocess.DEVNULL)
+                                timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-2000:] +
                                     fake.describe())
     assert "Reviewing → Complete" in result.stdout
@@ -131,7 +131,8 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     assert not loop.reviewer_offered_writes, "a read-only reviewer is offered no write tool"
     store = ferrus.Store(str(project))
     assert store.read_state().state == ferrus.S.COMPLETE
-    # Actors are "<role>:<agent>:1", possibly followed by "/<session>".
+    # Actors carry the agent session HQ gave each agent (FERRUS_SESSION reached the server).
+    assert all("/s-" in e["actor"] for e in store.read_journal() if e["event"] == "submit")
     moves = {(e["event"], e["actor"].split("/")[0]) for e in store.read_journal()}
     assert ("check_passed", "executor:%s:1" % agent) in moves
     assert ("submit", "executor:%s:1" % agent) in moves

@@ -86,7 +86,14 @@ def doctor_fix(root):
 
 
 def journal_seqs(root):
-    return [entry["seq"] for entry in ferrus.Store(str(root)).read_journal()]
+    """The seqs the journal accounts for: a journal_gap entry stands for every lost seq
+    from its detail's "from" up to its own (one line however many were lost)."""
+    seqs = []
+    for entry in ferrus.Store(str(root)).read_journal():
+        if entry["event"] == ferrus.JOURNAL_GAP_EVENT:
+            seqs.extend(range(entry["detail"]["from"], entry["seq"]))
+        seqs.append(entry["seq"])
+    return seqs
 
 
 # ============================================================================

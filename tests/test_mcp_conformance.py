@@ -532,7 +532,8 @@ def test_a_thousand_pending_waits_leave_ping_and_quick_calls_answered(serve, roo
         assert response["result"]["isError"] is True
         assert "too many calls in flight" in tool_text(response["result"])
     running = ids[:limit]
-    assert not any(exe.has_response(i) for i in running)
+    early = [r for r in exe.all_responses if r.get("id") in running]
+    assert not early, "an admitted wait ended early: %s" % json.dumps(early)[:2000]
     threads = _threads(exe.pid)
     assert threads is not None and threads <= limit + ferrus.JsonRpcServer.MAX_QUICK_WORKERS + 4
     # The admitted waits are real: a task wakes them and exactly one claims it.
@@ -573,3 +574,30 @@ def test_blocking_lane_full_keeps_quick_lane_free(project, monkeypatch):
         assert not server.has_response(second)
         server.cancel_pending()
         assert server.result("ping") == {}
+
+
+def test_a_call_sent_right_after_an_answer_finds_its_slot_free(project, monkeypatch):
+    """The lane slot is freed before the answer is written, so a client at the
+    limit that sends its next call the moment it reads an answer is never refused."""
+    config(project, wait=0)
+    monkeypatch.setattr(ferrus.JsonRpcServer, "MAX_BLOCKING", 1)
+    store = ferrus.Store(str(project))
+    with InProcessMcp(store, "executor") as server:
+        server.initialize()
+        for _ in range(100):
+            result = server.call_tool("wait_for_task")
+            assert tool_json(result)["status"] == "timeout", tool_text(result)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="POSIX symlinks")
+def test_tool_results_never_carry_a_symlinked_files_target(serve, root, secret):
+    sup, exe = serve("supervisor"), serve("executor")
+    assert sup.call_tool("create_task", {"description": "real task"})["isError"] is False
+    task = os.path.join(str(root), ".ferrus", "TASK.md")
+    os.unlink(task)
+    os.symlink(secret, task)
+    results = [exe.call_tool("wait_for_task"), sup.call_tool("status"),
+               exe.call_tool("status")]
+    assert "TOP-SECRET" not in json.dumps(results)
+    assert results[0]["isError"] is True
+    assert "symbolic link" in tool_text(results[0]) and "hint:" in tool_text(results[0])

@@ -239,3 +239,15 @@ def test_status_shows_the_milestone_a_task_implements(store, project, cli):
     ferrus.op_create_task(store, ferrus.HUMAN, "first", origin=(rel, "m1"))
     result = cli("status", cwd=project)
     assert "task from  milestone m1 of %s" % rel in result.stdout
+
+
+def test_run_milestone_over_a_task_in_flight_keeps_the_selection(store, project):
+    rel = write_spec(project)
+    ferrus.op_select_milestone(store, ferrus.HUMAN, rel, "m1")
+    ferrus.op_create_task(store, ferrus.HUMAN, "something else")
+    with pytest.raises(ferrus.FerrusError, match="already in flight"):
+        ferrus.run_milestones(store, "m1", out=lambda text: None)
+    write_spec(project, SPEC.replace("- [ ] #1.0", "- [x] #1.0"))
+    with pytest.raises(ferrus.FerrusError, match="already in flight"):
+        ferrus.run_milestones(store, "next", out=lambda text: None)
+    assert store.read_state().selected_milestone == "m1"

@@ -296,6 +296,7 @@ def test_a_second_orchestrator_refuses_at_once_naming_the_holder(scripted, tmp_p
         status = cli(scripted.root, tmp_path, "status")
         out, err = status.communicate(timeout=30)
         assert status.returncode == 0, err
+        assert "orchestrator  ferrus run (pid %d" % first.pid in out
     finally:
         first.kill()
         first.communicate()

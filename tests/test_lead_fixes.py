@@ -1,0 +1,87 @@
+"""Fixes found by trying ferrus as a new user: a terminated orchestrator stops its
+agents; an empty --task is refused before the finished task is cleared."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ferrus
+from conftest import FERRUS_PY
+
+S = ferrus.S
+
+
+def _project(tmp_path):
+    root = tmp_path / "proj"
+    root.mkdir()
+    assert ferrus.main(["-C", str(root), "init"]) == 0
+    return root
+
+
+def test_empty_task_is_refused_before_the_complete_task_is_cleared(tmp_path, capsys):
+    root = _project(tmp_path)
+    store = ferrus.Store(str(root))
+    ferrus.op_create_task(store, ferrus.HUMAN, "first")
+    with store.transaction("test") as tx:           # pretend it was approved
+        done = tx.state.copy()
+        done.state = S.COMPLETE
+        tx.set(done, "approve")
+    before = store.read_state()
+    assert ferrus.main(["-C", str(root), "run", "--task", "   "]) == 2
+    err = capsys.readouterr().err
+    assert "the task description is empty" in err and "hint:" in err
+    after = store.read_state()
+    assert (after.state, after.rev) == (S.COMPLETE, before.rev), "nothing was reset"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, signum):
+    """SIGTERM/SIGHUP unwind `ferrus hq` like Ctrl+C: the orchestrator record is removed
+    and the exit status is 128 + the signal; by default the signal killed ferrus alone."""
+    root = _project(tmp_path)
+    env = dict(os.environ, FERRUS_LOG="warning")
+    proc = subprocess.Popen([sys.executable, FERRUS_PY, "-C", str(root), "hq", "--no-tui"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    record = root / ".ferrus" / ferrus.ORCHESTRATOR_RECORD
+    deadline = time.monotonic() + 60
+    while not record.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "HQ never took the orchestrator lock"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, proc.communicate()
+    assert not record.exists(), "the orchestrator record was left behind"
+
+
+def test_bare_register_registers_the_agents_ferrus_toml_names(tmp_path, capsys):
+    root = _project(tmp_path)
+    config = ferrus.load_config(str(root))
+    expected = {"supervisor": config.supervisor.agent, "executor": config.executor.agent}
+    capsys.readouterr()
+    assert ferrus.main(["-C", str(root), "register"]) == 0
+    out = capsys.readouterr().out
+    assert "Registering the agents ferrus.toml names" in out
+    for role, agent in expected.items():
+        assert "%s %s" % (role, agent) in out
+    rows = {row["role"]: row for row in ferrus.agents_report(str(root),
+                                                            probe=lambda argv: None)}
+    assert rows["executor"]["agent"] == expected["executor"]
+
+
+def test_bare_register_without_configured_agents_says_how(tmp_path, capsys):
+    root = _project(tmp_path)
+    (root / "ferrus.toml").write_text('[checks]\ncommands = ["true"]\n')
+    assert ferrus.main(["-C", str(root), "register"]) == 2
+    err = capsys.readouterr().err
+    assert "At least one of --supervisor or --executor" in err and "[hq.supervisor]" in err
