@@ -532,8 +532,8 @@ def _proc_stat(pid):
 HAS_PROC = not IS_WINDOWS and os.path.isdir("/proc/self") and _proc_stat(os.getpid()) is not None
 
 
-def process_table():
-    """Every visible process as {pid: ProcessInfo}.
+def process_table(candidate=None):
+    """Every visible process as {pid: ProcessInfo} (only pids ``candidate`` accepts).
 
     Linux reads /proc (start = boot-relative start time, sid known); other POSIX
     systems ask ``ps`` (no session, start time only through process_start);
@@ -543,7 +543,7 @@ def process_table():
     table = {}
     if HAS_PROC:
         for name in os.listdir("/proc"):
-            if name.isdigit():
+            if name.isdigit() and (candidate is None or candidate(int(name))):
                 info = _proc_stat(int(name))
                 if info is not None:
                     table[info.pid] = info
@@ -3048,6 +3048,8 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
                 proc.wait(timeout=0.05)
                 outcome = "exited"
             except subprocess.TimeoutExpired:
+                if record.window is not None:
+                    record.window.update()
                 if stop.is_set():
                     outcome = "cancelled"
                 elif time.monotonic() - started >= timeout:
@@ -3118,8 +3120,8 @@ def _check_members(table, marker, leader_pid=None, leader_start=None):
             leader.start if leader.start is not None else process_start(leader_pid)) \
             == leader_start:
         verified.add(leader_pid)
-    own = table.get(os.getpid())
-    own_ids = {own.pgid, own.sid} if own is not None else set()
+    # Never this ferrus's own group or session, whatever a check process claims.
+    own_ids = {os.getpgrp(), os.getsid(0)}
     groups = {table[pid].pgid for pid in verified} - own_ids
     sessions = {table[pid].sid for pid in verified} - own_ids - {None}
     members = set(verified)
@@ -3137,6 +3139,98 @@ def _check_members(table, marker, leader_pid=None, leader_start=None):
     return {pid for pid in members - skip if not table[pid].zombie}
 
 
+def _read_int(path):
+    try:
+        with open(path, "rb") as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class PidWindow:
+    """The pids Linux handed out since this object was made: a cheap sweep's candidates.
+
+    Linux allocates pids cyclically, so every process a check started has a pid
+    in the cyclic range after ``/proc/sys/kernel/ns_last_pid`` as it was just
+    before the check's shell started.  Reading only those /proc entries costs a
+    few instead of all (there can be thousands).  The counter is sampled while
+    the check runs; once the allocations come near a whole cycle the window
+    stops filtering and a sweep reads every process again."""
+
+    LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+    def __init__(self):
+        self.first = _read_int(self.LAST_PID) if HAS_PROC else None
+        self.pid_max = _read_int("/proc/sys/kernel/pid_max") if self.first is not None else None
+        self.valid = bool(self.first is not None and self.pid_max)
+        self.last = self.first
+        self.travelled = 0
+
+    def update(self):
+        if not self.valid:
+            return
+        now = _read_int(self.LAST_PID)
+        if now is None:
+            self.valid = False
+            return
+        self.travelled += (now - self.last) % self.pid_max
+        self.last = now
+        if self.travelled >= self.pid_max // 2:
+            self.valid = False
+
+    def confirm(self, pid):
+        """Stop filtering if ``pid`` (just started) is not in the window: another pid namespace."""
+        self.update()
+        if self.valid and not self.contains(pid):
+            self.valid = False
+
+    def contains(self, pid):
+        if not self.valid:
+            return True
+        return 0 < (pid - self.first) % self.pid_max <= (self.last - self.first) % self.pid_max
+
+
+class _SharedProcessTable:
+    """process_table() for concurrent sweeps: callers share one read of /proc.
+
+    A read costs one /proc file per process (tenths of a second on a loaded
+    machine with a thousand processes), and parallel checks tend to end
+    together.  A caller gets a table whose read *started* after its call, so
+    sharing never hides a process that existed when it asked."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._reading = False
+        self._generation = 0
+        self._table = {}
+
+    def read(self):
+        with self._cond:
+            # A read already under way may have started before this call: wait for the next.
+            wanted = self._generation + (2 if self._reading else 1)
+            while self._generation < wanted:
+                if self._reading:
+                    self._cond.wait()
+                    continue
+                self._reading = True
+                table = {}
+                try:
+                    self._cond.release()
+                    try:
+                        table = process_table()
+                    finally:
+                        self._cond.acquire()
+                finally:
+                    self._reading = False
+                    self._generation += 1
+                    self._table = table
+                    self._cond.notify_all()
+            return self._table
+
+
+_PROCESS_TABLE = _SharedProcessTable()
+
+
 def _signal_each(pids, sig):
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -3151,39 +3245,55 @@ def _gone(pid):
 
 
 def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, grace=0.25,
-                        leader_done=None):
+                        leader_done=None, window=None):
     """End every process of one check: TERM, up to ``grace`` seconds, then KILL.
 
     Before the KILL the processes are stopped (SIGSTOP) and the table is read
     again until no new member shows up, so a process that forks as fast as it
     can cannot outrun the sweep.  ``pgid`` is signalled as a group as well (the
-    only handle on the group where there is no /proc).  Returns the pids found."""
+    only handle on the group where there is no /proc).  ``window`` (a PidWindow
+    opened before the check started) limits the search to newer processes.
+    Returns the pids found."""
     if IS_WINDOWS:  # pragma: no cover - Windows uses kill_process_tree
         return set()
 
     def find():
-        return _check_members(process_table(), marker, leader_pid, leader_start)
+        if window is not None:
+            window.update()
+            if window.valid:
+                return _check_members(process_table(window.contains), marker, leader_pid,
+                                      leader_start)
+        return _check_members(_PROCESS_TABLE.read(), marker, leader_pid, leader_start)
 
     def signal_group(sig):
         if pgid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, sig)
     found = find()
+    fresh = set(found)
     if grace > 0 and (found or pgid):
-        _signal_each(found, signal.SIGTERM)
-        signal_group(signal.SIGTERM)
+        # Frozen while they are signalled, so none of them sees another die and
+        # carries on (a shell running its next command when its child dies) before
+        # its own TERM arrives; the TERM is delivered as they continue.
+        for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):
+            signal_group(sig)
+            _signal_each(found, sig)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if (leader_done is None or leader_done()) and all(_gone(pid) for pid in found):
                 break
             time.sleep(0.01)
+        fresh = find()
+    # Reading the process table is the expensive part (a /proc read per process),
+    # so the first look doubles as the first round.
     stopped = set()
     for _ in range(100):
-        fresh = find() - stopped
+        fresh -= stopped
         if not fresh:
             break
         _signal_each(fresh, signal.SIGSTOP)
         stopped |= fresh
+        fresh = find()
     signal_group(signal.SIGKILL)
     _signal_each(stopped, signal.SIGKILL)
     return found | stopped
@@ -3196,6 +3306,7 @@ class CheckProcessRecord:
         self.path = os.path.join(directory, check_id + ".json")
         self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
         self.proc = None
+        self.window = None
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
                      "owner_pid": os.getpid(), "owner_start": _own_start(),
                      "started_at": format_timestamp(utc_now())}
@@ -3214,12 +3325,16 @@ class CheckProcessRecord:
             log.warning("cannot record check processes in %s: %s", self.path, err)
 
     def environment(self):
+        """The command's environment; also opens the pid window, just before the spawn."""
         env = dict(os.environ)
         env[CHECK_MARKER_ENV] = self.marker
+        self.window = PidWindow()
         return env
 
     def started(self, proc):
         self.proc = proc
+        if self.window is not None:
+            self.window.confirm(proc.pid)
         self.data.update(leader_pid=proc.pid, leader_start=process_start(proc.pid))
         self._save()
 
@@ -3233,7 +3348,8 @@ class CheckProcessRecord:
         leader = proc.pid if proc is not None else None
         end_check_processes(self.marker, leader, self.data.get("leader_start"), pgid=leader,
                             grace=grace,
-                            leader_done=(lambda: proc.poll() is not None) if proc else None)
+                            leader_done=(lambda: proc.poll() is not None) if proc else None,
+                            window=self.window)
 
     def close(self):
         with _ACTIVE_CHECKS_LOCK:
@@ -5677,6 +5793,28 @@ def tool_calls_for_task(store, task_id):
     return total
 
 
+def call_on_signal(signum, action):
+    """Run ``action`` on a thread as soon as ``signum`` arrives (POSIX, main thread only).
+
+    Complements a Python handler, which waits for the main thread to run."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            try:
+                data = os.read(read_fd, 512)
+            except OSError:
+                return
+            if not data:
+                return
+            if signum in data:
+                action()
+                return
+    threading.Thread(target=watch, daemon=True, name="signal-%d" % signum).start()
+
+
 def watch_parent(on_orphaned, interval=1.0):
     """Call ``on_orphaned`` once the process that started us is gone."""
     if IS_WINDOWS:  # pragma: no cover - Windows closes our stdin when the parent dies
@@ -5717,6 +5855,11 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
         # Clients stop servers with SIGTERM: end running checks (their process
         # groups) as EOF does, instead of dying and leaving them behind.
         signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
+        # A Python handler runs only when the main thread runs bytecode, and it
+        # sits in a blocking read of stdin: a SIGTERM the kernel hands to a worker
+        # thread would wait for the next request.  The wakeup fd is written by
+        # whichever thread takes the signal, and a thread of ours acts on it.
+        call_on_signal(signal.SIGTERM, orphaned)
     server.serve()
     with contextlib.suppress(FerrusError, OSError):
         server.usage.flush(store)
@@ -6947,11 +7090,11 @@ def remove_emptied_registration_files(root, report):
 def remove_gitignore_entry(root, entry, report):
     """Drop the exact line ``ensure_gitignore_entry`` added for ``entry``."""
     path = os.path.join(root, ".gitignore")
-    text = read_text(path, default="")
+    text = planned_read(path) or ""
     lines = text.split("\n")
     kept = [line for line in lines if line.rstrip("\r").strip() != entry]
     if len(kept) != len(lines):
-        atomic_write(path, "\n".join(kept))
+        planned_write(path, "\n".join(kept))
         report("Removed %s from .gitignore" % entry)
 
 

@@ -303,3 +303,25 @@ def test_a_stale_pid_file_never_signals_a_stranger(project):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_pid_window_follows_allocation_round_the_cycle(monkeypatch):
+    counter = {"value": 32000}
+    monkeypatch.setattr(ferrus, "_read_int", lambda path: 32768 if path.endswith("pid_max")
+                        else counter["value"])
+    window = ferrus.PidWindow()
+    assert window.valid and not window.contains(32000) and not window.contains(32001)
+    counter["value"] = 32100
+    window.update()
+    assert window.contains(32001) and window.contains(32100) and not window.contains(32101)
+    counter["value"] = 400                       # wrapped past pid_max back to the low pids
+    window.update()
+    assert window.contains(32767) and window.contains(300) and window.contains(400)
+    assert not window.contains(401) and not window.contains(31999)
+    window.confirm(401)                          # a pid outside: another namespace
+    assert not window.valid and window.contains(12345)
+    other = ferrus.PidWindow()
+    for step in range(1, 5):                     # half a cycle of allocations: stop filtering
+        counter["value"] = (400 + step * 5000) % 32768
+        other.update()
+    assert not other.valid
