@@ -841,7 +841,9 @@ def test_wait_for_task_wakes_promptly_on_create_task(bench):
     response = exe.wait_response(request_id, timeout=10)
     elapsed = time.monotonic() - started
     assert tool_json(response["result"])["status"] == "claimed"
-    assert elapsed < 1.0, "wait_for_task took %.2f s to notice the task" % elapsed
+    # Woken by the task, not by its 30 s budget; how fast is a bench figure
+    # (bench/run.py create_to_wait), not a test on a possibly loaded machine.
+    assert elapsed < 15, "wait_for_task took %.2f s to notice the task" % elapsed
 
 
 def test_wait_timeouts_are_normal_results(bench):
@@ -925,7 +927,7 @@ def test_cancelled_wait_ends_without_a_response(bench):
 
 
 def test_cancelled_check_kills_its_commands_and_changes_nothing(bench):
-    write_config(bench.root, wait=1, commands=["sleep 30 & echo $! > check.pid; wait"])
+    write_config(bench.root, wait=1, commands=["sleep 600 & echo $! > check.pid; wait"])
     sup, exe = executor_with_task(bench)
     before = bench.store.read_state()
     pid_file = os.path.join(str(bench.root), "check.pid")
@@ -935,9 +937,9 @@ def test_cancelled_check_kills_its_commands_and_changes_nothing(bench):
         pid = int(handle.read())
     started = time.monotonic()
     exe.notify("notifications/cancelled", {"requestId": request_id})
-    wait_for(lambda: not ferrus.pid_alive(pid) or _zombie(pid), timeout=5,
+    wait_for(lambda: not ferrus.pid_alive(pid) or _zombie(pid), timeout=60,
              what="the cancelled check's process to die")
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 60      # killed, far below its own 600 s
     assert exe.result("ping") == {}
     after = bench.store.read_state()
     assert (after.rev, after.check_retries, after.state) == (before.rev, 0, ferrus.S.EXECUTING)
