@@ -1,6 +1,7 @@
 """Shared fixtures: a fresh ferrus project in a temporary directory, the CLI as a subprocess."""
 
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +79,37 @@ def run_cli(*args, cwd, input=None, env=None, timeout=60):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+# -- the scripted agent (tests/scripted_agent.py) as both roles ------------------------
+
+SCRIPTED_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
+SCRIPTED_CONFIG = """
+[checks]
+commands = ["test -f work.txt"]
+
+[limits]
+wait_timeout_secs = 5
+
+[agents.custom.scripted]
+interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
+prompt = "stdin"
+
+[hq.supervisor]
+agent = "scripted"
+
+[hq.executor]
+agent = "scripted"
+""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPTED_AGENT)}
+
+
+def scripted_project(project, memory):
+    """Configure ``project`` to run the scripted agent in both roles, with its memory
+    folder ``memory`` created; returns the project's Store."""
+    set_config(project, SCRIPTED_CONFIG)
+    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
+                                          "executor": ("scripted", None)},
+                           report=lambda m: None)
+    os.makedirs(str(memory), exist_ok=True)
+    return ferrus.Store(str(project))

@@ -4,7 +4,6 @@ The agents are tests/scripted_agent.py: real processes that read their prompt on
 stdin and speak MCP to `ferrus serve`, registered as a custom agent.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -13,42 +12,18 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_PY, SCRIPTED_CONFIG, scripted_project
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
 S, SS = ferrus.S, ferrus.SS
-
-CONFIG = """
-[checks]
-commands = ["test -f work.txt"]
-
-[limits]
-wait_timeout_secs = 5
-
-[agents.custom.scripted]
-interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-prompt = "stdin"
-
-[hq.supervisor]
-agent = "scripted"
-
-[hq.executor]
-agent = "scripted"
-""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPT)}
+CONFIG = SCRIPTED_CONFIG
 
 
 @pytest.fixture
 def scripted(project, tmp_path, monkeypatch):
-    set_config(project, CONFIG)
-    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
-                                          "executor": ("scripted", None)},
-                           report=lambda m: None)
-    memory = tmp_path / "memory"
-    memory.mkdir()
-    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    store = scripted_project(project, tmp_path / "memory")
+    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    return ferrus.Store(str(project))
+    return store
 
 
 def run(store, task="Make work.txt", **kw):

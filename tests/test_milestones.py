@@ -10,7 +10,7 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_PY, set_config
-from test_hq import CONFIG, cli_env, moves  # noqa: F401  (the scripted fixture's config)
+from test_hq import CONFIG, cli_env, moves, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
 
@@ -181,17 +181,6 @@ def test_milestone_task_text_carries_the_milestone_lines(project):
     assert "#1.2" not in task and rel in task
 
 
-@pytest.fixture
-def scripted(project, tmp_path, monkeypatch):
-    set_config(project, CONFIG)
-    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
-                                          "executor": ("scripted", None)},
-                           report=lambda m: None)
-    memory = tmp_path / "memory"
-    memory.mkdir()
-    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
-    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    return ferrus.Store(str(project))
 
 
 def test_run_until_done_works_through_a_spec_of_three_milestones(scripted, tmp_path):

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import conftest
 import ferrus
 from conftest import FERRUS_PY, set_config
 
@@ -221,36 +222,12 @@ def test_an_agent_failing_for_other_reasons_is_still_retried(project, tmp_path):
 
 # -- one orchestrator per project ----------------------------------------------------------------
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
-SCRIPTED_CONFIG = """
-[checks]
-commands = ["test -f work.txt"]
-
-[limits]
-wait_timeout_secs = 5
-
-[agents.custom.scripted]
-interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-prompt = "stdin"
-
-[hq.supervisor]
-agent = "scripted"
-
-[hq.executor]
-agent = "scripted"
-""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPT)}
+SCRIPTED_CONFIG = conftest.SCRIPTED_CONFIG
 
 
 @pytest.fixture
 def scripted(project, tmp_path):
-    set_config(project, SCRIPTED_CONFIG)
-    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
-                                          "executor": ("scripted", None)},
-                           report=lambda m: None)
-    memory = tmp_path / "memory"
-    memory.mkdir()
-    return ferrus.Store(str(project))
+    return conftest.scripted_project(project, tmp_path / "memory")
 
 
 def cli(root, tmp_path, *args, behavior="", **kw):
