@@ -8720,7 +8720,11 @@ class HqShell:
                                            parts[1] if len(parts) > 1 else None).text)
             return
         config = self.store.config()
-        for path in list_spec_paths(self.store.root, config):
+        paths = list_spec_paths(self.store.root, config)
+        if not paths:
+            self.write("no specs in %s/ yet: /spec drafts one with the supervisor"
+                       % config.spec.directory.strip().rstrip("/"))
+        for path in paths:
             self.write(path)
             for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
                 self.write("   [%s] %s (%s)" % ("x" if milestone.completed else " ",
@@ -9216,7 +9220,10 @@ class CursesHq(HqShell):
         if rest:
             return super().cmd_milestones(rest)
         choices = []
-        for path in list_spec_paths(self.store.root, self.store.config()):
+        paths = list_spec_paths(self.store.root, self.store.config())
+        if not paths:
+            return super().cmd_milestones(rest)     # says there is none, and how to write one
+        for path in paths:
             choices.append(((path, None), "%s  (the first ready milestone)" % path))
             for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
                 choices.append(((path, milestone.id), "   [%s] %s (%s)" % (

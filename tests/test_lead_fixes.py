@@ -85,3 +85,11 @@ def test_bare_register_without_configured_agents_says_how(tmp_path, capsys):
     assert ferrus.main(["-C", str(root), "register"]) == 2
     err = capsys.readouterr().err
     assert "At least one of --supervisor or --executor" in err and "[hq.supervisor]" in err
+
+
+def test_hq_milestones_without_specs_says_how_to_write_one(store):
+    import io
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.cmd_milestones("")
+    assert "no specs in docs/specs/ yet: /spec drafts one" in out.getvalue()
