@@ -4090,6 +4090,10 @@ def _wait_and_claim(store, caller, claimable, build, what):
             data = tx.state
             now = store.clock()
             live = store.lease_seconds_left(data) > 0
+            # A cancelled call never claims: its caller will never hear that it holds
+            # the task (checked under the lock, as the cancel may land mid-pause).
+            if waiter.cancelled():
+                return waiter.timeout(data.state)
             if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
                 renewing = data.claimed_by == caller.agent_id and live
                 # Re-entry renews the lease too (upstream did not: bug §11.7).
