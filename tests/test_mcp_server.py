@@ -833,8 +833,7 @@ def test_wait_for_task_wakes_promptly_on_create_task(bench):
     write_config(bench.root, wait=30)
     exe, sup = bench.exe, bench.sup
     request_id = exe.start_tool("wait_for_task")
-    exe.result("ping")
-    time.sleep(0.2)              # let the wait settle into blocking
+    exe.result("ping")           # the wait was read first and is under way
     assert not exe.has_response(request_id)
     started = time.monotonic()
     ok(sup.call_tool("create_task", {"description": "wake up"}))
