@@ -48,15 +48,15 @@ def test_every_way_of_starting_ferrus_gets_the_standard_library(shadowed_project
     python = sys.executable
     init = run([python, "ferrus.py", "init"], root)
     assert init.returncode == 0, init.stderr
-    ways = [[python, "ferrus.py", "status"], [python, "-m", "ferrus", "status"],
-            [python, str(root / "ferrus"), "status"], [python, "ferrus.py", "doctor"]]
-    if sys.version_info < (3, 11):
-        # Before 3.11 Python imports runpy (and with it enum, types, ...) from the
-        # current folder before any `-m` module runs: nothing ferrus can change, and
-        # the README says to use ./ferrus or `python ferrus.py` there.
-        ways.remove([python, "-m", "ferrus", "status"])
-    for argv in ways:
+    for argv in ([python, "ferrus.py", "status"], [python, "-m", "ferrus", "status"],
+                 [python, str(root / "ferrus"), "status"], [python, "ferrus.py", "doctor"]):
         result = run(argv, root)
+        if "-m" in argv and "Could not import runpy module" in result.stderr:
+            # This Python imports runpy's own modules (types, enum, ...) from the
+            # current folder before any `-m` module runs (3.9, 3.10, and 3.11+ without
+            # frozen modules, as in some venvs): nothing ferrus can change, and the
+            # README says to use ./ferrus or `python ferrus.py` there.
+            continue
         assert "was imported" not in result.stderr + result.stdout, argv
         assert result.returncode == 0, (argv, result.stderr)
 
