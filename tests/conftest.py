@@ -84,24 +84,29 @@ def cli():
 # -- the scripted agent (tests/scripted_agent.py) as both roles ------------------------
 
 SCRIPTED_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_agent.py")
+def custom_agent_config(name, argv, prompt="stdin"):
+    """ferrus.toml text making the custom agent ``name`` (``argv``) both roles' agent."""
+    return """
+[agents.custom.%(name)s]
+interactive = %(argv)s
+headless = %(argv)s
+prompt = "%(prompt)s"
+
+[hq.supervisor]
+agent = "%(name)s"
+
+[hq.executor]
+agent = "%(name)s"
+""" % {"name": name, "argv": json.dumps(argv), "prompt": prompt}
+
+
 SCRIPTED_CONFIG = """
 [checks]
 commands = ["test -f work.txt"]
 
 [limits]
 wait_timeout_secs = 5
-
-[agents.custom.scripted]
-interactive = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-headless = [%(py)s, %(script)s, "{role}", "{mcp_config}"]
-prompt = "stdin"
-
-[hq.supervisor]
-agent = "scripted"
-
-[hq.executor]
-agent = "scripted"
-""" % {"py": json.dumps(sys.executable), "script": json.dumps(SCRIPTED_AGENT)}
+""" + custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
 
 
 def scripted_project(project, memory):

@@ -29,18 +29,7 @@ class FakeMonotonic:
 
 
 def custom_agent_config(argv, prompt="stdin"):
-    return """
-[agents.custom.broken]
-interactive = %(argv)s
-headless = %(argv)s
-prompt = "%(prompt)s"
-
-[hq.supervisor]
-agent = "broken"
-
-[hq.executor]
-agent = "broken"
-""" % {"argv": json.dumps(argv), "prompt": prompt}
+    return conftest.custom_agent_config("broken", argv, prompt)
 
 
 def write_program(path, text):
