@@ -14,24 +14,25 @@ on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
 
 Contents (each section uses only the sections above it):
 
-     1. Basics ............ version, errors, time, JSON helpers
-     2. Platform .......... file locks, atomic writes, process groups
-     3. TOML .............. reading (tomllib or built-in) and line-preserving edits
-     4. Config ............ ferrus.toml as validated dataclasses
-     5. Task state machine  states, the transition table, pure transitions, leases
-     6. Session state machine  seed 001: supervising one agent slot, pure
-     7. Capacity gates .... seed 004: usage signals to tier and action, pure
-     8. Store ............. paths, transactions, the journal, waiting
-     9. Checks ............ the check runner
-    10. Specs ............. spec and milestone parsing, selection, completion
-    11. Operations ........ one function per behaviour, shared by MCP, HQ and the CLI
-    12. MCP ............... JSON-RPC 2.0 stdio server, tools, resources, prompts
-    13. Agents ............ one adapter per agent CLI, register, prompts for every mode
-    14. Sessions and HQ ... supervised agent processes, the HQ controller, `ferrus run`
-    15. Pipelines ......... seed 003: workflows.json, status.json, the reconcile loop
-    16. Init and doctor ... scaffolding a project, checking and repairing .ferrus/
-    17. Packaging ......... ferrus as its own PEP 517 build backend (``pip install .``)
-    18. CLI ............... argparse front end, ``main(argv) -> int``
+     1. Basics .................. version, errors, time, JSON helpers
+     2. Platform ................ file locks, atomic writes, process groups
+     3. TOML .................... reading (tomllib or built-in) and line-preserving edits
+     4. Config .................. ferrus.toml as validated dataclasses
+     5. Task state machine ...... states, the transition table, pure transitions, leases
+     6. Session state machine ... supervising one agent slot, pure
+     7. Capacity gates .......... seed 004: usage signals to tier and action, pure
+     8. Store ................... paths, transactions, the journal, waiting
+     9. Checks .................. the check runner
+    10. Specs ................... spec and milestone parsing, selection, completion
+    11. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
+    12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
+    13. Agents .................. one adapter per agent CLI, register, prompts for every mode
+    14. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
+    15. Pipelines ............... seed 003: workflows.json, status.json, the reconcile loop
+    16. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
+    17. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
+    18. HQ front ends ........... the plain-line shell and the curses screen over the controller
+    19. CLI ..................... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -218,6 +219,13 @@ def new_id(prefix):
     """A short unique id such as ``t-20261123T085200-3fa2c1``."""
     stamp = utc_now().strftime("%Y%m%dT%H%M%S")
     return "%s-%s-%s" % (prefix, stamp, secrets.token_hex(3))
+
+
+def did_you_mean(word, candidates):
+    """The known name closest to a mistyped one, or None (difflib; argparse suggests
+    only from Python 3.14 on)."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 # ============================================================================
@@ -3711,6 +3719,47 @@ def mark_milestone_complete(text, milestone):
     return "\n".join(lines)
 
 
+SPEC_TEMPLATE = """# <Feature Name> Specification
+
+## Summary
+One paragraph: what this feature is and who it is for.
+
+## Goals
+- What must be true when this is done.
+
+## Non-Goals
+- What is deliberately left out.
+
+## Context
+Where this fits in the codebase, and anything a newcomer must know first.
+
+## Requirements
+- Behaviour, interfaces, error handling, performance.
+
+## Milestones
+Order milestones so that each one can be built, checked and reviewed on its own.
+Each milestone is a checkbox line with a marker such as `#1.0`, followed by an
+`ID:` line and a `Depends on:` line (`none`, or markers like `#1.0, #1.1`).
+ferrus picks the first unchecked milestone whose dependencies are checked.
+
+- [ ] #1.0 ...
+  - ID: m1.0
+  - Depends on: none
+- [ ] #1.1 ...
+  - ID: m1.1
+  - Depends on: #1.0
+- [ ] #1.2 ...
+  - ID: m1.2
+  - Depends on: #1.0
+
+## Acceptance Criteria
+- How a reviewer decides that the feature is done.
+
+## Risks and Open Questions
+- What could go wrong, and what is still undecided.
+"""
+
+
 # ============================================================================
 # 11. Operations
 # ============================================================================
@@ -6084,6 +6133,36 @@ def planned_write(path, data):
     atomic_write(real, data)
 
 
+def add_registration_options(parser):
+    """The options of `ferrus register` (and HQ's /register): one list for both."""
+    parser.add_argument("--supervisor", metavar="AGENT", help="agent for the supervisor role")
+    parser.add_argument("--supervisor-model", metavar="M", help="model for the supervisor")
+    parser.add_argument("--executor", metavar="AGENT", help="agent for the executor role")
+    parser.add_argument("--executor-model", metavar="M", help="model for the executor")
+    parser.add_argument("--trust", action="store_true",
+                        help="also mark this project trusted in the agents' user settings "
+                             "(Codex, Gemini, Qwen), so their `mcp list` shows it")
+    return parser
+
+
+def ensure_gitignore_entry(root, entry, report):
+    """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
+    path = os.path.join(root, ".gitignore")
+    text = planned_read(path)
+    existing = {line.rstrip("\r").strip() for line in (text or "").split("\n")}
+    if entry in existing or entry.rstrip("/") in existing or "/" + entry in existing:
+        return False
+    if text is None:
+        planned_write(path, entry + "\n")
+        report("Created .gitignore")
+        return True
+    if text and not text.endswith("\n"):
+        text += "\n"
+    planned_write(path, text + entry + "\n")
+    report("Added %s to .gitignore" % entry)
+    return True
+
+
 def _strip_json_comments(text):
     """``text`` without // and /* */ comments outside strings (to recognise JSONC)."""
     out = []
@@ -7364,13 +7443,15 @@ def supervisor_prompt_for(data, resuming=False):
 
 
 # ============================================================================
-# 14. Sessions and HQ
+# 14. Sessions
 # ============================================================================
 #
-# HQ runs the loop: it reads the journal in order (so no transition is ever
-# missed), keeps one supervised session slot per headless role, and reacts.
-# The controller knows nothing about terminals: front ends (plain lines here,
-# `ferrus run`) feed it input and print what it emits.
+# The engine that runs the loop: agent processes supervised one slot per
+# headless role (the session state machine of section 6 decides), the
+# one-orchestrator lock, and HqController, which reads the journal in order (so
+# no transition is ever missed) and reacts.  The controller knows nothing about
+# terminals: `ferrus run` (at the end of this section) and the HQ front ends
+# (section 18) feed it input and print what it emits.
 
 def sessions_config(root):
     """[sessions] from ferrus.toml (validated with the whole file by load_config).
@@ -8409,893 +8490,11 @@ def _run_line(message):
 
 # -- HQ front end: plain lines ------------------------------------------------------------
 
-HQ_COMMANDS = (
-    ("/task", "[TEXT | --manual]", "define a task with the supervisor (or create TEXT directly) "
-                                   "and run the loop"),
-    ("/plan", "", "a free planning session with the supervisor"),
-    ("/spec", "", "draft and save a specification with the supervisor"),
-    ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
-    ("/reset-spec", "", "clear the spec selection"),
-    ("/status", "", "state, counters, lease, and each agent session"),
-    ("/log", "[N]", "the last N journal entries (default 20)"),
-    ("/agents", "", "installed agents and their registration"),
-    ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
-    ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
-    ("/check", "[--force]", "run the check gate"),
-    ("/resume", "", "resume the task in flight (restarts stopped agents)"),
-    ("/review", "", "start the reviewer again"),
-    ("/stop", "", "stop every agent session"),
-    ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
-    ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
-     "file-driven pipelines (workflows.json), followed in the background"),
-    ("/reset", "", "return to Idle (asks first)"),
-    ("/supervisor", "", "an interactive supervisor session"),
-    ("/executor", "", "an interactive executor session"),
-    ("/model", "ROLE MODEL|--clear", "set or clear a role's model"),
-    ("/register", "--supervisor A --executor A", "register agents (as `ferrus register`)"),
-    ("/init", "[--agents-path P]", "initialise ferrus here"),
-    ("/help", "", "this list"),
-    ("/quit", "", "leave HQ (agents are stopped)"),
-)
-
-
-class HqShell:
-    """HQ's commands on top of the controller, with a plain-line front end.
-
-    This class is the plain front end (it works without curses, on Windows and
-    with piped stdin).  Another front end subclasses it and overrides only the
-    terminal parts: ``show``/``write`` (output), ``run`` (the input loop that
-    calls ``handle`` per line and ``controller.poll`` between keys), ``confirm``,
-    ``interactive`` (handing the terminal to an agent) and ``cmd_attach``."""
-
-    def __init__(self, store, stdin=None, stdout=None, resume=None, clock=time.monotonic):
-        self.store = store
-        self.stdin = stdin or sys.stdin
-        self.stdout = stdout or sys.stdout
-        self.resume = resume
-        self.lines = collections.deque()
-        self.held = None            # messages queued while an interactive agent has the terminal
-        self.done = False
-        self.controller = HqController(store, self.show, clock=clock)
-
-    def show(self, message):
-        if self.held is not None:
-            self.held.append(message)
-            return
-        prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}.get(message.kind, "")
-        if message.kind == "question":
-            self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
-                       message.text)
-        else:
-            self.write(prefix + message.text)
-
-    def write(self, text):
-        say(text, file=self.stdout, flush=True)
-
-    def _reader(self):
-        for line in self.stdin:
-            self.lines.append(line.rstrip("\n"))
-        self.lines.append(None)   # EOF
-
-    def run(self):
-        self.write("ferrus HQ %s — /help lists the commands, /quit leaves." % __version__)
-        self.write(self.controller.describe_state())
-        data = self.controller.task_in_flight()
-        if data is not None:
-            if self.resume is None:
-                self.write("A task is in flight. Resume it? [y/N]")
-                self.controller.paused = True
-                self.awaiting_resume = True
-            else:
-                self.controller.paused = not self.resume
-                self.write("Resuming it." if self.resume else "Not resuming (use /resume).")
-        threading.Thread(target=self._reader, daemon=True).start()
-        try:
-            while not self.done:
-                self.controller.poll()
-                while self.lines and not self.done:
-                    line = self.lines.popleft()
-                    if line is None:
-                        self.done = True
-                        break
-                    self.handle(line)
-                time.sleep(0.02)
-        finally:
-            self.controller.shutdown()
-        return 0
-
-    # -- input -------------------------------------------------------------------------
-
-    def handle(self, line):
-        text = line.strip()
-        if getattr(self, "awaiting_resume", False):
-            self.awaiting_resume = False
-            if text.lower() in ("y", "yes"):
-                self.controller.paused = False
-                self.write("Resuming.")
-                return
-            self.write("Not resuming; /resume continues the task later.")
-            if not text or text.lower() in ("n", "no"):
-                return
-        if not text:
-            return
-        if not text.startswith("/"):
-            self.answer(text)
-            return
-        name, _, rest = text.partition(" ")
-        handler = getattr(self, "cmd_" + name[1:].replace("-", "_"), None)
-        if handler is None or name not in [c[0] for c in HQ_COMMANDS]:
-            known = did_you_mean(name, [c[0] for c in HQ_COMMANDS])
-            self.write("error: unknown command %s — %s/help lists them" % (
-                name, "did you mean %s? " % known if known else ""))
-            return
-        try:
-            handler(rest.strip())
-        except FerrusError as err:
-            self.write("error: %s" % err.message + ("\nhint: %s" % err.hint if err.hint else ""))
-
-    def answer(self, text):
-        data = self.store.read_state()
-        if data.state != S.AWAITING_HUMAN:
-            self.write("error: commands start with '/' (try /help); nobody is waiting for an "
-                       "answer (state %s)" % data.state)
-            return
-        op_answer(self.store, HUMAN, text)
-        self.write("Answer recorded; the agent continues.")
-
-    def confirm(self, question):
-        self.write(question + " [y/N]")
-        while not self.lines:
-            self.controller.poll()
-            time.sleep(0.02)
-        reply = self.lines.popleft()
-        if reply is None:
-            self.done = True
-            return False
-        return reply.strip().lower() in ("y", "yes")
-
-    # -- commands ----------------------------------------------------------------------
-
-    def cmd_help(self, rest):
-        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
-        for name, args, what in HQ_COMMANDS:
-            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
-        self.write("  Anything not starting with / answers the pending question.")
-
-    def cmd_quit(self, rest):
-        if self.controller.running() and not self.confirm(
-                "Agents are running; stop them and quit?"):
-            return
-        self.done = True
-
-    def cmd_status(self, rest):
-        self.write(self.controller.describe_state())
-        capacity = capacity_status(self.store, self.store.read_state())
-        if capacity:
-            self.write("capacity %s (%s)%s" % (capacity["tier"], capacity["action"],
-                                               " — checkpoint" if capacity["checkpoint"] else ""))
-        data = self.store.read_state()
-        if data.selected_spec:
-            self.write("spec %s, milestone %s" % (data.selected_spec,
-                                                  data.selected_milestone or "(none left)"))
-        for slot in self.controller.slots.values():
-            self.write("  " + slot.describe())
-
-    def cmd_log(self, rest):
-        count = int(rest) if rest.isdigit() else 20
-        for entry in self.store.read_journal(limit=count):
-            self.write(format_event(entry))
-
-    def cmd_agents(self, rest):
-        for row in agents_report(self.store.root):
-            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
-                                       if "problem" in row else " — ok",
-                                       ", permissions %s" % row["permissions"]
-                                       if "permissions" in row else ""))
-            for warning in row.get("warnings", ()):
-                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
-
-    def cmd_attach(self, rest):
-        slot = self.controller.slots.get(rest)
-        if slot is None or slot.process is None:
-            raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
-                s.name for s in self.controller.running()) or "none"))
-        self.write("--- %s (Enter returns) ---" % self.store.relpath(slot.process.log_path))
-        with open(slot.process.log_path, "r", encoding="utf-8", errors="replace") as handle:
-            self.write(handle.read()[-4000:].rstrip())
-            while not self.lines and slot.process is not None:
-                chunk = handle.read()
-                if chunk:
-                    self.write(chunk.rstrip())
-                self.controller.poll()
-                time.sleep(0.1)
-        if self.lines and self.lines[0] is not None:
-            self.lines.popleft()
-        self.write("--- detached ---")
-
-    def cmd_tell(self, rest):
-        role, _, message = rest.partition(" ")
-        if not message.strip():
-            raise UsageError("usage: /tell ROLE MESSAGE (roles: executor, reviewer, consultant)")
-        self.controller.tell(role, message.strip())
-
-    def cmd_check(self, rest):
-        if rest == "--force":
-            run, config = op_run_checks_only(self.store)
-            self.write("no check commands configured" if run is None else
-                       "checks passed" if run.passed else run.report(
-                           config.limits.max_feedback_lines))
-        else:
-            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
-
-    def cmd_resume(self, rest):
-        data = self.store.read_state()
-        if data.state not in ACTIVE_STATES:
-            raise FerrusError("nothing to resume: the state is %s" % data.state,
-                              "start a task with /task")
-        self.controller.restart_slots()
-        self.write("Resuming the task (%s)." % data.state)
-
-    def cmd_review(self, rest):
-        if self.store.read_state().state != S.REVIEWING:
-            raise FerrusError("there is no submission to review")
-        self.controller.restart_slots()
-
-    def cmd_stop(self, rest):
-        if self.controller.running() and self.confirm("Stop every agent session?"):
-            self.controller.stop_all()
-            self.controller.paused = True
-            self.write("Stopped. /resume starts them again.")
-
-    def cmd_pipeline(self, rest):
-        hq_cmd_pipeline(self, rest)
-
-    def cmd_continue(self, rest):
-        if not self.controller.checkpoint:
-            raise FerrusError("there is no capacity checkpoint to continue from")
-        self.controller.continue_after_checkpoint()
-        self.controller.paused = False
-        self.write("Continuing; the capacity budget counts again from now.")
-
-    def cmd_reset(self, rest):
-        data = self.store.read_state()
-        if data.state in ACTIVE_STATES and not self.confirm(
-                "The task is %s. Reset it to Idle and clear its files?" % data.state):
-            return
-        self.controller.stop_all()
-        self.write(op_force_reset(self.store, HUMAN).text)
-
-    def cmd_task(self, rest):
-        data = self.store.read_state()
-        if data.state in ACTIVE_STATES:
-            raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
-        if data.state == S.FAILED and not self.confirm(
-                "The last task failed (%s). Reset it and start a new task?"
-                % (data.failure_reason or "no reason recorded").splitlines()[0]):
-            self.write("Nothing changed; the failed task is kept (/reset clears it).")
-            return
-        # Creating a task is a transition HQ drives: it passes the capacity gate the way
-        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
-        if self.controller.checkpoint and not self.controller.recheck_checkpoint():
-            raise FerrusError("no new task: the capacity checkpoint holds (%s)"
-                              % self.controller.checkpoint.get("signal"),
-                              "/continue counts the budget again from now, or raise the limit "
-                              "in [capacity]")
-        if self.controller.gate("transition:create_task") in (CHECKPOINT, EMERGENCY_STOP):
-            raise FerrusError("no new task: the capacity gate stopped it",
-                              "/continue counts the budget again from now, or raise the limit "
-                              "in [capacity]")
-        if data.state in (S.COMPLETE, S.FAILED):
-            op_force_reset(self.store, HUMAN)
-        if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest, origin=(None, None))
-            self.controller.paused = False
-            return
-        milestone = spec = None
-        if rest != "--manual" and data.selected_milestone:
-            with contextlib.suppress(FerrusError):
-                spec, milestone = resolve_selected(self.store.root, data)
-        # The supervisor's create_task takes this origin, so approving the task ticks the
-        # milestone and advances the selection.
-        op_stage_task_origin(self.store, HUMAN, spec, milestone.id if milestone else None)
-        try:
-            self.interactive("supervisor", prompt_task_definition(milestone, spec))
-        finally:
-            if self.store.read_state().state == S.IDLE:
-                op_stage_task_origin(self.store, HUMAN)
-        self.controller.paused = False
-
-    def cmd_plan(self, rest):
-        self.interactive("supervisor", prompt_plan())
-
-    def cmd_spec(self, rest):
-        self.interactive("supervisor", prompt_spec())
-
-    def cmd_supervisor(self, rest):
-        self.interactive("supervisor", None)
-
-    def cmd_executor(self, rest):
-        self.interactive("executor", None)
-
-    def cmd_milestones(self, rest):
-        parts = rest.split()
-        if parts:
-            self.write(op_select_milestone(self.store, HUMAN, parts[0],
-                                           parts[1] if len(parts) > 1 else None).text)
-            return
-        config = self.store.config()
-        paths = list_spec_paths(self.store.root, config)
-        if not paths:
-            self.write("no specs in %s/ yet: /spec drafts one with the supervisor"
-                       % config.spec.directory.strip().rstrip("/"))
-        for path in paths:
-            self.write(path)
-            for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
-                self.write("   [%s] %s (%s)" % ("x" if milestone.completed else " ",
-                                                milestone.display(), milestone.id))
-
-    def cmd_reset_spec(self, rest):
-        self.write(op_clear_selection(self.store, HUMAN).text)
-
-    def cmd_model(self, rest):
-        parts = rest.split(None, 1)
-        if len(parts) != 2 or parts[0] not in ROLES:
-            raise UsageError("usage: /model supervisor|executor MODEL (or --clear)")
-        config = self.store.config().require_hq()
-        choice = getattr(config, parts[0])
-        if choice is None:
-            raise FerrusError("no [hq.%s] agent yet" % parts[0], "/register first")
-        model = "" if parts[1] == "--clear" else parts[1]
-        update_hq_config(self.store.root, parts[0], choice.agent, model, self.write)
-
-    def cmd_register(self, rest):
-        try:
-            args = build_parser().parse_args(["register"] + rest.split())
-        except SystemExit:
-            raise UsageError("usage: /register [--supervisor A] [--executor A] "
-                             "[--supervisor-model M] [--executor-model M] [--trust]")
-        choices = {role: (getattr(args, role), getattr(args, role + "_model"))
-                   for role in ROLES if getattr(args, role)}
-        choices = choices or configured_registration(self.store.root)
-        if not choices:
-            raise UsageError("At least one of --supervisor or --executor must be specified")
-        # Through write(), so the output lands in HQ's transcript, not over the screen.
-        register_agents(self.store.root, choices, trust=args.trust, report=self.write)
-
-    def cmd_init(self, rest):
-        args = rest.split()
-        init_project(self.store.root, args[1] if len(args) == 2 else None, self.write)
-
-    def interactive(self, role, prompt):
-        """Hand the terminal to an agent; reactions keep running meanwhile."""
-        config = self.store.config().require_hq()
-        choice = getattr(config, role)
-        if choice is None:
-            raise FerrusError("no [hq.%s] agent in ferrus.toml" % role,
-                              "/register --%s <agent>" % role)
-        adapter = adapter_for(config, choice.agent)
-        launch = adapter.interactive(self.store.root, role, prompt, choice.model)
-        env = dict(os.environ)
-        env.update(launch.env)
-        env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
-        self.held = []
-        try:
-            proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
-        except OSError as err:
-            self.held = None
-            raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
-                              adapter.install_hint())
-        # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
-        # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
-        try:
-            while proc.poll() is None:
-                self.controller.poll()
-                time.sleep(0.05)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-            held, self.held = self.held, None
-            for message in held:
-                self.show(message)
-
-
 # -- HQ front end: curses ---------------------------------------------------------------
 #
 # HqShell's commands in a full-screen terminal: two status lines on top, the transcript
 # in the middle, a hint line and the input at the bottom.  curses is imported inside
 # functions because Windows Python has no curses module.
-
-HISTORY_FILE = "~/.ferrus_history"
-HISTORY_KEEP = 1000
-_CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
-                  "question": "MAGENTA", "agent": "GREEN",
-                  "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
-                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
-                  "Failed": "RED"}
-_CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
-                     "PgUp/PgDn scroll · Ctrl+C twice quits")
-
-
-def _line_edits(curses):
-    """Keys that only edit the input: key -> (buffer, cursor) -> (buffer, cursor)."""
-    back = lambda b, c: (b[:max(0, c - 1)] + b[c:], c - 1)           # noqa: E731
-    delete = lambda b, c: (b[:c] + b[c + 1:], c)                        # noqa: E731
-    home, end = (lambda b, c: (b, 0)), (lambda b, c: (b, len(b)))
-    return {curses.KEY_BACKSPACE: back, "\x7f": back, "\x08": back,
-            curses.KEY_DC: delete, "\x04": delete, curses.KEY_HOME: home, "\x01": home,
-            curses.KEY_END: end, "\x05": end,
-            curses.KEY_LEFT: lambda b, c: (b, c - 1), curses.KEY_RIGHT: lambda b, c: (b, c + 1),
-            "\x15": lambda b, c: (b[c:], 0),                      # Ctrl+U: cut before
-            "\x0b": lambda b, c: (b[:c], c),                      # Ctrl+K: cut after
-            "\n": lambda b, c: (b[:c] + "\n" + b[c:], c + 1)}     # Ctrl+J: a newline
-
-
-class CursesHq(HqShell):
-    """HQ in curses.  Only HqShell's terminal parts are replaced; ``handle`` and the
-    ``cmd_*`` methods are shared, so both front ends behave the same."""
-
-    def __init__(self, store, resume=None, clock=time.monotonic, history_path=None):
-        super().__init__(store, resume=resume, clock=clock)
-        self.scr = self.curses = None
-        self.transcript = collections.deque(maxlen=10000)   # (kind, one line)
-        self.scroll = 0              # screen rows scrolled back from the newest
-        self.buffer, self.cursor = "", 0
-        self.history_path = os.path.expanduser(history_path or HISTORY_FILE)
-        self.history = self._load_history()
-        self.history_pos, self.draft = len(self.history), ""
-        self.completion = None       # (candidates, index, text before the word, text after)
-        self.banner = None           # a y/n question, dialog title or attach notice
-        self.view = self.selected = None     # lines shown instead of the transcript
-        self.notice, self.notice_until, self.last_ctrl_c = None, 0.0, 0.0
-        self.status, self.status_due = ("", "", ""), 0.0
-        self.attrs = collections.defaultdict(int)
-
-    # -- output --------------------------------------------------------------------------
-
-    def show(self, message):
-        if self.held is not None:            # an interactive agent has the terminal
-            self.held.append(message)
-            return
-        stamp = time.strftime("%H:%M:%S ")
-        if message.kind == "question":
-            self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
-                                 "Enter." % (stamp, message.text))
-        else:
-            prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
-            self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
-        self.status_due = 0                  # a message usually means the state moved
-
-    def write(self, text):
-        self.add("error" if text.startswith("error:") else "output", text)
-
-    def add(self, kind, text):
-        for line in terminal_safe(text).expandtabs().split("\n"):
-            self.transcript.append((kind, line))
-            if self.scroll:                  # a scrolled-back view stays where it is
-                self.scroll += 1
-
-    # -- the loop ------------------------------------------------------------------------
-
-    def run(self):
-        import curses
-        self.curses = curses
-        os.environ.setdefault("ESCDELAY", "25")          # a lone Esc should not lag
-        # SIGTERM/SIGHUP only set a flag: the loop ends and the terminal is restored.
-        previous = {sig: signal.signal(sig, lambda *_: setattr(self, "done", True))
-                    for sig in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHUP")) if sig}
-        try:
-            return curses.wrapper(self._main)    # endwin() whatever happens, then re-raise
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.controller.shutdown()
-
-    def _main(self, scr):
-        curses = self.curses
-        self.scr, self.edits = scr, _line_edits(curses)
-        curses.raw()        # Ctrl+C arrives as a key, never as KeyboardInterrupt mid-poll
-        curses.nonl()       # so that Enter (\r) and Ctrl+J (\n) differ
-        with contextlib.suppress(curses.error):
-            curses.curs_set(1)
-        self._setup_colors()
-        self.write("ferrus HQ %s — /help lists the commands, Ctrl+C twice quits." % __version__)
-        self.write(self.controller.describe_state())
-        data = self.controller.task_in_flight()
-        if data is not None:
-            self.controller.paused = True    # no agent starts while the question is open
-            self.controller.paused = not (self.resume if self.resume is not None else
-                                          self.confirm("A task is in flight (%s). Resume it?"
-                                                       % data.state))
-            self.write("Not resuming; /resume continues the task later."
-                       if self.controller.paused else "Resuming it.")
-        while not self.done:
-            self.controller.poll()           # reactions go on while the user types
-            self.draw()
-            key = self.getkey(50)
-            while key is not None and not self.done:     # pasted text: take it all at once
-                self.on_key(key)
-                key = self.getkey(0)
-        return 0
-
-    def getkey(self, timeout_ms):
-        """One key (str or curses key code), or None if none came within the timeout."""
-        self.scr.timeout(timeout_ms)
-        try:
-            return self.scr.get_wch()
-        except self.curses.error:
-            return None
-
-    def on_key(self, key):
-        curses = self.curses
-        if self.completion and key not in ("\t", curses.KEY_BTAB, "\r", curses.KEY_ENTER,
-                                           "\x1b"):
-            self.completion = None           # typing goes on from the completed text
-        if key == "\x1b":
-            after = self.getkey(30)
-            if after in ("\r", "\n"):        # Alt+Enter
-                self.on_key("\n")
-            elif after is None and self.completion:      # Esc: back to what was typed
-                head, tail = self.completion[2:]
-                self.buffer, self.cursor, self.completion = head + tail, len(head), None
-            elif after is not None:
-                self.on_key(after)           # Alt+key: as the key alone
-        elif key in ("\r", curses.KEY_ENTER):
-            if self.completion:
-                self.completion = None       # Enter accepts the completion
-            else:
-                self.submit()
-        elif key in self.edits:
-            self.buffer, cursor = self.edits[key](self.buffer, self.cursor)
-            self.cursor = max(0, min(len(self.buffer), cursor))
-        elif key in ("\t", curses.KEY_BTAB):
-            self.complete(-1 if key == curses.KEY_BTAB else 1)
-        elif key == "\x03":
-            self.ctrl_c()
-        elif key in (curses.KEY_UP, curses.KEY_DOWN):
-            self.browse(-1 if key == curses.KEY_UP else 1)
-        elif key in (curses.KEY_PPAGE, curses.KEY_NPAGE):
-            page = max(1, self.scr.getmaxyx()[0] // 2)
-            self.scroll = max(0, self.scroll + (page if key == curses.KEY_PPAGE else -page))
-        elif key == "\x0c":                  # Ctrl+L: repaint a garbled screen
-            self.scr.clearok(True)
-        elif isinstance(key, str) and key.isprintable():
-            self.buffer = self.buffer[:self.cursor] + key + self.buffer[self.cursor:]
-            self.cursor += 1
-
-    def submit(self):
-        text, self.buffer, self.cursor = self.buffer.strip(), "", 0
-        self.history_pos, self.draft, self.scroll = len(self.history), "", 0
-        if not text:
-            return
-        self.add("input", "> " + text.replace("\n", "\n  "))
-        if text.startswith("/"):             # answers to agents stay out of the history
-            self.remember(text)
-        self.handle(text)
-        self.status_due = 0
-
-    def ctrl_c(self):
-        now = time.monotonic()
-        if now - self.last_ctrl_c > 2.0:
-            self.buffer, self.cursor, self.last_ctrl_c = "", 0, now
-            self.notice, self.notice_until = "Press Ctrl+C again to quit.", now + 2.0
-            return
-        self.last_ctrl_c = 0.0
-        running = ", ".join(slot.name for slot in self.controller.running())
-        if not running or self.confirm("Agents are running (%s); stop them and quit?" % running):
-            self.done = True
-
-    # -- completion and history ----------------------------------------------------------
-
-    def candidates(self, head, word):
-        """Command names for the first word; slot or role names after some commands."""
-        if not head:
-            return [name for name, _, _ in HQ_COMMANDS if name.startswith(word)]
-        words = {"/attach": tuple(self.controller.slots), "/tell": tuple(self.controller.slots),
-                 "/model": ROLES}.get(head.split()[0], ()) if head.count(" ") == 1 else ()
-        return [w for w in words if w.startswith(word)]
-
-    def complete(self, step):
-        if self.completion:
-            options, index, head, tail = self.completion
-            index = (index + step) % len(options)
-        else:
-            before, tail = self.buffer[:self.cursor], self.buffer[self.cursor:]
-            if not before.startswith("/") or "\n" in before:
-                return
-            head, _, word = before.rpartition(" ")
-            head = head + " " if head else ""
-            options = self.candidates(head, word)
-            if not options:
-                return
-            index = 0 if step > 0 else len(options) - 1
-        self.buffer, self.cursor = head + options[index] + tail, len(head + options[index])
-        # One candidate completes at once; several cycle until Enter accepts one.
-        self.completion = (options, index, head, tail) if len(options) > 1 else None
-
-    def _load_history(self):
-        try:
-            with open(self.history_path, encoding="utf-8", errors="replace") as handle:
-                lines = handle.read().splitlines()[-HISTORY_KEEP:]
-        except OSError:
-            return []
-        # One entry a line; a multi-line command has its newlines escaped.
-        return [re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), line)
-                for line in lines if line.strip()]
-
-    def remember(self, text):
-        """Append a command to ~/.ferrus_history at once, so a crash loses nothing."""
-        if self.history and self.history[-1] == text:
-            return
-        self.history.append(text)
-        self.history_pos = len(self.history)
-        with contextlib.suppress(OSError):
-            fd = os.open(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            with open(fd, "a", encoding="utf-8") as handle:
-                handle.write(text.replace("\\", "\\\\").replace("\n", "\\n") + "\n")
-
-    def browse(self, step):
-        if self.history_pos == len(self.history):
-            self.draft = self.buffer         # what was being typed comes back at the end
-        self.history_pos = min(len(self.history), max(0, self.history_pos + step))
-        self.buffer = (self.history[self.history_pos] if self.history_pos < len(self.history)
-                       else self.draft)
-        self.cursor = len(self.buffer)
-
-    # -- drawing -------------------------------------------------------------------------
-
-    def _setup_colors(self):
-        curses = self.curses
-        for kind in ("question", "error", "input"):
-            self.attrs[kind] = curses.A_BOLD
-        if not curses.has_colors():
-            return
-        background, pairs = -1, {}
-        try:
-            curses.use_default_colors()      # keep the terminal's own colours
-        except curses.error:
-            background = curses.COLOR_BLACK
-        if os.environ.get("NO_COLOR"):
-            return
-        for key, name in _CURSES_COLORS.items():
-            if name not in pairs:
-                pairs[name] = len(pairs) + 1
-                curses.init_pair(pairs[name], getattr(curses, "COLOR_" + name), background)
-            self.attrs[key] |= curses.color_pair(pairs[name])
-
-    def status_lines(self):
-        """(state, the state line, the agents line): times, counters against their limits,
-        spec and milestone; then each slot's session state."""
-        try:
-            data, now = self.store.read_state(), self.store.clock()
-        except FerrusError as err:
-            return "", "ferrus HQ │ state unreadable: %s" % err, ""
-        retries = cycles = "?"
-        with contextlib.suppress(FerrusError):
-            limits = self.store.config().limits
-            retries, cycles = limits.max_check_retries, limits.max_review_cycles
-
-        def since(stamp):
-            with contextlib.suppress(ValueError, TypeError):
-                return format_duration((now - parse_timestamp(stamp)).total_seconds())
-            return "-"
-        parts = ["ferrus HQ", "%s %s" % (data.state, since(data.state_entered_at))]
-        if data.state in ACTIVE_STATES and data.task_started_at:
-            parts.append("task %s" % since(data.task_started_at))
-        parts += ["retries %d/%s" % (data.check_retries, retries),
-                  "reviews %d/%s" % (data.review_cycles, cycles)]
-        if data.selected_spec:
-            parts.append("spec %s · %s" % (spec_display_name(data.selected_spec),
-                                           data.selected_milestone or "none left"))
-        if self.controller.paused and data.state in ACTIVE_STATES:
-            parts.append("PAUSED (/resume)")
-        if self.controller.checkpoint:
-            parts.append("CAPACITY CHECKPOINT (/continue)")
-        slots = ["%s %s%s" % (slot.name, slot.session.state,
-                              " (%d tool calls)" % slot.tool_calls
-                              if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
-                 for slot in self.controller.slots.values()]
-        return data.state.value, " │ ".join(parts), " · ".join(slots)
-
-    def _tail(self, entries, height, width):
-        """The screen rows of the newest entries, ``self.scroll`` rows back from the end."""
-        import textwrap
-        rows = []
-        for kind, line in reversed(entries):
-            wrapped = (textwrap.wrap(line, width, subsequent_indent="  ", drop_whitespace=False)
-                       if width > 8 else [line[:max(1, width)]]) or [""]
-            rows.extend((kind, row) for row in reversed(wrapped))
-            if len(rows) >= height + self.scroll:
-                break
-        self.scroll = max(0, min(self.scroll, len(rows) - height))
-        return list(reversed(rows[self.scroll:self.scroll + height]))
-
-    def _input_rows(self, width):
-        """The input as screen rows ("> " first, then indented) and the cursor's row/col."""
-        rows, where, offset, span = [], (0, 2), 0, max(1, width - 2)
-        for number, line in enumerate(self.buffer.split("\n")):
-            for start in range(0, max(len(line), 1), span):
-                chunk = line[start:start + span]
-                if offset + start <= self.cursor <= offset + start + len(chunk):
-                    where = (len(rows), 2 + self.cursor - offset - start)
-                rows.append(("> " if number == 0 and start == 0 else "  ") + chunk)
-            offset += len(line) + 1
-        return rows, where
-
-    def hint(self):
-        if self.notice and time.monotonic() < self.notice_until:
-            return self.notice
-        if self.completion:
-            options, index = self.completion[:2]
-            return "  ".join("[%s]" % o if i == index else o for i, o in enumerate(options))
-        if self.scroll:
-            return "scrolled back %d lines — PgDn returns" % self.scroll
-        name = self.buffer.split(" ", 1)[0]
-        return next(("%s — %s" % (("%s %s" % (command, args)).strip(), what)
-                     for command, args, what in HQ_COMMANDS if command == name),
-                    _CURSES_KEYS_HELP)
-
-    def put(self, row, col, text, attr=0):
-        with contextlib.suppress(self.curses.error):    # writing the last cell "fails"
-            self.scr.addnstr(row, col, terminal_safe(text), max(0, self.scr.getmaxyx()[1] - col),
-                             attr)
-
-    def draw(self):
-        curses = self.curses
-        height, width = self.scr.getmaxyx()
-        if time.monotonic() >= self.status_due:      # about once a second
-            self.status, self.status_due = self.status_lines(), time.monotonic() + 1.0
-        state, line, agents = self.status
-        rows, (cursor_row, cursor_col) = self._input_rows(width)
-        keep = max(1, min(len(rows), height // 3))
-        first = max(0, min(cursor_row - keep + 1, len(rows) - keep))
-        top, bottom = 2, height - keep - 1           # the transcript's rows; then the hint
-        self.scr.erase()
-        self.put(0, 0, line.ljust(width), curses.A_REVERSE)
-        self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
-        if self.banner:                              # dialogs ask in the status area
-            self.put(1, 0, self.banner.ljust(width), curses.A_BOLD | self.attrs["question"])
-        else:
-            self.put(1, 0, agents)
-        if self.selected is not None:                # a selection dialog
-            size = max(1, bottom - top)
-            first_option = max(0, min(self.selected - size // 2, len(self.view) - size))
-            for i, option in enumerate(self.view[first_option:first_option + size]):
-                self.put(top + i, 0, option.ljust(width),
-                         curses.A_REVERSE if first_option + i == self.selected else 0)
-        else:
-            entries = self.transcript if self.view is None else [("agent", l) for l in self.view]
-            for i, (kind, text) in enumerate(self._tail(entries, bottom - top, width)):
-                self.put(top + i, 0, text, self.attrs[kind])
-        self.put(bottom, 0, self.hint(), curses.A_DIM)
-        for i, row in enumerate(rows[first:first + keep]):
-            self.put(bottom + 1 + i, 0, row)
-        with contextlib.suppress(curses.error):
-            self.scr.move(bottom + 1 + cursor_row - first, min(cursor_col, width - 1))
-        self.scr.refresh()
-
-    # -- dialogs -------------------------------------------------------------------------
-
-    def _modal(self, banner, react):
-        """Poll and draw until ``react(key)`` returns something other than ``...``; None
-        if HQ is told to quit meanwhile."""
-        self.banner = banner
-        try:
-            while not self.done:
-                self.controller.poll()
-                self.draw()
-                key = self.getkey(50)
-                result = ... if key is None else react(key)
-                if result is not ...:
-                    return result
-            return None
-        finally:
-            self.banner = None
-
-    def confirm(self, question):
-        answer = self._modal(question + "  [y/N]", lambda key: True if key in ("y", "Y") else
-                             False if key in ("n", "N", "\r", "\n", "\x1b", "\x03") else ...)
-        self.write("%s %s" % (question, "yes" if answer else "no"))
-        return bool(answer)
-
-    def select(self, title, options):
-        """A list dialog: ↑/↓ move, Enter picks (the index), Esc cancels (None)."""
-        curses = self.curses
-        moves = {curses.KEY_UP: -1, curses.KEY_DOWN: 1, curses.KEY_PPAGE: -10,
-                 curses.KEY_NPAGE: 10, curses.KEY_HOME: -len(options), curses.KEY_END: len(options)}
-
-        def react(key):
-            if key in moves:
-                self.selected = max(0, min(len(options) - 1, self.selected + moves[key]))
-                return ...
-            return (self.selected if key in ("\r", "\n", curses.KEY_ENTER) else
-                    None if key in ("\x1b", "\x03", "q") else ...)
-        self.view, self.selected = list(options), 0
-        try:
-            return self._modal(title + "  (↑↓ move, Enter selects, Esc cancels)", react)
-        finally:
-            self.view = self.selected = None
-
-    # -- commands that need the screen ---------------------------------------------------
-
-    def cmd_milestones(self, rest):
-        if rest:
-            return super().cmd_milestones(rest)
-        choices = []
-        paths = list_spec_paths(self.store.root, self.store.config())
-        if not paths:
-            return super().cmd_milestones(rest)     # says there is none, and how to write one
-        for path in paths:
-            choices.append(((path, None), "%s  (the first ready milestone)" % path))
-            for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
-                choices.append(((path, milestone.id), "   [%s] %s (%s)" % (
-                    "x" if milestone.completed else " ", milestone.display(), milestone.id)))
-        if not choices:
-            self.write("No specs yet; /spec drafts one.")
-            return
-        index = self.select("Select a spec or milestone", [label for _, label in choices])
-        if index is not None:
-            self.write(op_select_milestone(self.store, HUMAN, *choices[index][0]).text)
-
-    def cmd_attach(self, rest):
-        """The agent's live log in the transcript area until a key is pressed."""
-        slot = self.controller.slots.get(rest)
-        if slot is None or slot.process is None:
-            raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
-                s.name for s in self.controller.running()) or "none"))
-        process, lines, pending = slot.process, collections.deque(maxlen=5000), ""
-        self.view, self.banner = lines, "attached to the %s — %s — any key returns" % (
-            rest, self.store.relpath(process.log_path))
-        try:
-            with open(process.log_path, encoding="utf-8", errors="replace") as handle:
-                while process is not None and self.getkey(100) is None and not self.done:
-                    exited = slot.process is not process     # then read its last words
-                    pending += handle.read()
-                    *complete, pending = pending.split("\n")
-                    lines.extend(complete)
-                    if exited:
-                        lines.extend(([pending] if pending else []) + ["[the agent exited]"])
-                        process = None
-                    self.controller.poll()
-                    self.draw()
-            if process is None:
-                self._modal(self.banner, lambda key: True)   # still until a key
-        finally:
-            self.view = self.banner = None
-        self.write("--- detached from the %s ---" % rest)
-
-    def interactive(self, role, prompt):
-        """Leave curses while the agent CLI owns the terminal; HqShell keeps polling and
-        holds the messages; curses comes back afterwards."""
-        curses = self.curses
-        curses.def_prog_mode()
-        curses.endwin()
-        print("--- the %s agent has the terminal; HQ continues when it exits ---" % role,
-              flush=True)
-        try:
-            super().interactive(role, prompt)      # which leaves Ctrl+C to the agent
-        finally:
-            curses.reset_prog_mode()
-            self.scr.clearok(True)
-            self.status_due = 0
-
-
-def hq_front_end(store, resume, no_tui):
-    """CursesHq in a capable terminal, else the plain-line HqShell."""
-    term = os.environ.get("TERM", "dumb")
-    if not no_tui and term != "dumb" and sys.stdin.isatty() and sys.stdout.isatty():
-        try:
-            import curses
-        except ImportError:              # Windows Python has no curses
-            curses = None
-        if curses is not None:
-            with contextlib.suppress(curses.error):     # no terminfo entry for TERM
-                curses.setupterm(term, sys.stdout.fileno())
-                return CursesHq(store, resume=resume)
-    return HqShell(store, resume=resume)
-
 
 # ============================================================================
 # 15. Pipelines
@@ -10215,6 +9414,173 @@ class PipelineOrchestrator:
             time.sleep(poll_interval)
 
 
+WORKFLOWS_EXAMPLE = {
+    "_comment": [
+        "ferrus pipelines (seed 003). Each top-level key but this one defines a pipeline:",
+        "  description  what it is for",
+        "  phases       run in order; a phase starts when every output of the previous exists",
+        "    id         the phase's name;  mode: \"parallel\" or \"sequential\"",
+        "    pause_after  true: stop after this phase until `ferrus pipeline continue RUN`",
+        "    workers    each writes <role>.md in the run folder and exits",
+        "      role, timeout (seconds), task     required",
+        "      agent    an agent name; default: [hq.executor] in ferrus.toml",
+        "      model    that agent's model name (e.g. sonnet); default: the agent's own",
+        "      reads    outputs of earlier phases, e.g. [\"researcher-a.md\"]",
+        "      final    exactly one worker, in the last phase: its output is the result",
+        "Run: ferrus pipeline run research \"your topic\"",
+    ],
+    "research": {
+        "description": "Pure research + analysis",
+        "phases": [
+            {"id": "collect", "mode": "parallel", "workers": [
+                {"role": "researcher-a", "timeout": 600,
+                 "task": "Research perspective A: main sources, facts, current state"},
+                {"role": "researcher-b", "timeout": 600,
+                 "task": "Research perspective B: alternative views, criticism, edge cases"}]},
+            {"id": "synthesis", "mode": "sequential", "workers": [
+                {"role": "synthesizer", "timeout": 420, "final": True,
+                 "reads": ["researcher-a.md", "researcher-b.md"],
+                 "task": "Synthesize research from both researchers"}]}]},
+}
+
+
+def init_workflows(root, report=print):
+    """Write the example workflows.json; never over an existing file."""
+    name = pipelines_config(root).file
+    path = os.path.join(root, name)
+    if os.path.exists(path):
+        raise FerrusError("%s already exists" % name, "edit it, or move it away first")
+    atomic_write(path, pretty_json(WORKFLOWS_EXAMPLE) + "\n")
+    report("Wrote %s with an example pipeline (research). `ferrus pipeline list` shows it."
+           % name)
+
+
+def describe_workflows(definitions, config):
+    """Lines listing every pipeline with its phases and workers."""
+    default = config.executor.agent if config.executor else "[hq.executor] (not set)"
+    lines = []
+    for name, definition in definitions.items():
+        lines.append("%s%s" % (name, " — " + definition.description
+                               if definition.description else ""))
+        for number, phase in enumerate(definition.phases, 1):
+            lines.append("  %d. %s (%s%s, timeout %ds)" % (
+                number, phase.id, phase.mode, ", pause after" if phase.pause_after else "",
+                phase.timeout))
+            for w in phase.workers:
+                notes = [w.agent or default, "%ds" % w.timeout] + (["model " + w.model]
+                                                                  if w.model else [])
+                notes += ["reads " + ", ".join(w.reads)] if w.reads else []
+                lines.append("     - %s%s (%s): %s" % (w.role, " [final]" if w.final else "",
+                                                      ", ".join(notes), w.task))
+    return lines or ["no pipelines defined"]
+
+
+def describe_run(store, status, path, now=None):
+    """Lines showing one run's phases and workers."""
+    now = now or store.clock()
+    lines = ["run       %s (%s%s)" % (status["dir"], run_state(status),
+                                      ": " + status["paused_reason"] if status.get("paused")
+                                      else ""),
+             "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
+             "folder    %s" % store.relpath(path),
+             "retries   %d" % status.get("retry_count", 0)]
+    for number, phase in enumerate(status["phases"], 1):
+        current = "  <- current" if number - 1 == status["current_phase"] and \
+            run_state(status) not in ("delivered", "cancelled") else ""
+        lines.append("phase %d  %s: %s%s" % (number, phase["id"], phase["status"], current))
+        if phase.get("message"):
+            lines.append("          %s" % phase["message"])
+        for role, w in phase["workers"].items():
+            detail = "attempt %d" % w.get("attempts", 0) if w.get("attempts") else ""
+            if w.get("status") in WORKER_RUNNING and w.get("pid"):
+                detail += ", pid %s" % w["pid"]
+                with contextlib.suppress(ValueError, TypeError):
+                    detail += ", for %s" % format_duration(
+                        (now - parse_timestamp(w["started_at"])).total_seconds())
+            if w.get("message") and w.get("status") != "completed":
+                detail += (", " if detail else "") + w["message"]
+            lines.append("    %-16s %-10s %s" % (role, w.get("status"), detail))
+    if status.get("result"):
+        lines.append("result    %s" % store.relpath(os.path.join(path, status["result"])))
+    return lines
+
+
+def pipeline_command(store, args, out, follow):
+    """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
+    command = args.pipeline_command
+    if command == "init":
+        init_workflows(store.root, out)
+        return 0
+    if command == "list":
+        config = store.config()
+        for line in describe_workflows(read_workflows(store.root, config)[2], config):
+            out(line)
+        return 0
+    if command == "status":
+        return _pipeline_status(store, args, out)
+    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
+    if command == "run":
+        return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
+    if command == "resume":
+        return follow(orchestrator, find_run(store, args.ref)[0])
+    if command == "continue":
+        return follow(orchestrator, orchestrator.continue_run(args.ref))
+    if command == "retry":
+        return follow(orchestrator, orchestrator.retry(args.ref, args.worker))
+    orchestrator.cancel(args.ref)          # the parser allows nothing else
+    return 0
+
+
+def _pipeline_status(store, args, out):
+    if args.ref:
+        name, path, _ = find_run(store, args.ref)
+        run = read_run(store, name)
+        if args.json:
+            out(json_for_terminal(pretty_json(run.status)))
+        else:
+            for line in describe_run(store, run.status, path):
+                out(line)
+        return 0
+    rows = []
+    for name, path, archived in list_runs(store):
+        row = {"run": name, "state": "damaged", "archived": archived, "pipeline": "?",
+               "topic": "", "phase": "?"}
+        with contextlib.suppress(FerrusError):     # `status RUN` explains the damage
+            status = read_run(store, name).status
+            row.update(state=run_state(status), pipeline=status["pipeline"],
+                       topic=status["topic"], phase="%d/%d %s" % (
+                           status["current_phase"] + 1, len(status["phases"]),
+                           status["phases"][status["current_phase"]]["id"]))
+        rows.append(row)
+    if args.json:
+        out(json_for_terminal(pretty_json(rows)))
+        return 0
+    if not rows:
+        out("no pipeline runs yet (`ferrus pipeline run NAME TOPIC` starts one)")
+    for row in rows:
+        out("%-32s %-10s phase %-16s %s%s" % (row["run"], row["state"], row["phase"],
+                                             json.dumps(row["topic"]),
+                                             "  (archived)" if row["archived"] else ""))
+    return 0
+
+
+def _pipeline_result(outcome, out):
+    """Report how a followed run ended; the exit code says whether a human is needed."""
+    if outcome.state == "delivered":
+        out("result: %s" % outcome.output)
+        out(outcome.text.rstrip())
+        return 0
+    if outcome.state == "failed":
+        out("run %s failed: %s" % (outcome.run, outcome.message))
+        out("hint: `ferrus pipeline retry %s WORKER` runs a worker again" % outcome.run)
+        return RUN_FAILED
+    if outcome.state in ("paused", "blocked"):
+        out("run %s is %s: %s" % (outcome.run, outcome.state, outcome.message))
+        return RUN_NEEDS_HUMAN
+    out("run %s is %s" % (outcome.run, outcome.state))
+    return RUN_FAILED if outcome.state == "cancelled" else RUN_COMPLETE
+
+
 # ============================================================================
 # 16. Init and doctor
 # ============================================================================
@@ -10231,47 +9597,6 @@ CONSULT_TEMPLATE = """## Problem
 ## Question
 ...
 """
-
-SPEC_TEMPLATE = """# <Feature Name> Specification
-
-## Summary
-One paragraph: what this feature is and who it is for.
-
-## Goals
-- What must be true when this is done.
-
-## Non-Goals
-- What is deliberately left out.
-
-## Context
-Where this fits in the codebase, and anything a newcomer must know first.
-
-## Requirements
-- Behaviour, interfaces, error handling, performance.
-
-## Milestones
-Order milestones so that each one can be built, checked and reviewed on its own.
-Each milestone is a checkbox line with a marker such as `#1.0`, followed by an
-`ID:` line and a `Depends on:` line (`none`, or markers like `#1.0, #1.1`).
-ferrus picks the first unchecked milestone whose dependencies are checked.
-
-- [ ] #1.0 ...
-  - ID: m1.0
-  - Depends on: none
-- [ ] #1.1 ...
-  - ID: m1.1
-  - Depends on: #1.0
-- [ ] #1.2 ...
-  - ID: m1.2
-  - Depends on: #1.0
-
-## Acceptance Criteria
-- How a reviewer decides that the feature is done.
-
-## Risks and Open Questions
-- What could go wrong, and what is still undecided.
-"""
-
 
 def default_config_text(agents_path=".agents"):
     return """\
@@ -10460,24 +9785,6 @@ SKILL_FILES = (
     ("skills/ferrus-executor/SKILL.md", SKILL_EXECUTOR),
     ("skills/ferrus-executor/ROLE.md", ROLE_EXECUTOR),
 )
-
-
-def ensure_gitignore_entry(root, entry, report):
-    """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
-    path = os.path.join(root, ".gitignore")
-    text = planned_read(path)
-    existing = {line.rstrip("\r").strip() for line in (text or "").split("\n")}
-    if entry in existing or entry.rstrip("/") in existing or "/" + entry in existing:
-        return False
-    if text is None:
-        planned_write(path, entry + "\n")
-        report("Created .gitignore")
-        return True
-    if text and not text.endswith("\n"):
-        text += "\n"
-    planned_write(path, text + entry + "\n")
-    report("Added %s to .gitignore" % entry)
-    return True
 
 
 def init_project(root, agents_path=None, report=print):
@@ -10876,8 +10183,14 @@ class BuildBackend:
 
 
 # ============================================================================
-# 18. CLI
+# 18. HQ front ends
 # ============================================================================
+#
+# What a human looks at.  Both front ends drive the UI-independent HqController
+# (section 14): HqShell reads plain lines from any stream, CursesHq draws the
+# same transcript in a terminal with a status bar and line editing.  A new front
+# end (a web page, a task board) plugs in here, beside them, and calls nothing
+# the controller and the operations do not already offer.
 
 def _color_enabled(stream):
     return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
@@ -10890,6 +10203,956 @@ _STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultati
 def _paint(text, code, enabled):
     return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
 
+
+def format_event(entry, color=False):
+    """One journal entry as a readable line."""
+    when = entry.get("time", "")
+    with contextlib.suppress(ValueError, TypeError):
+        when = parse_timestamp(when).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    # Every field came from a file an agent may have shaped: shown, never obeyed.
+    moved = entry.get("from") != entry.get("to")
+    change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
+        terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
+        if moved else terminal_safe(entry.get("to"))
+    detail = entry.get("detail") or {}
+    extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
+                     for k, v in detail.items() if v is not None)
+    return "%s  #%-5s %-22s %-16s %s%s" % (
+        terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
+        terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
+
+
+# HQ follows runs in background threads; one per run, however often it is asked.
+_HQ_FOLLOWED = {}
+
+
+def hq_cmd_pipeline(shell, rest):
+    """/pipeline list|init|run NAME TOPIC|status [RUN]|resume|continue|cancel RUN|retry RUN W"""
+    usage = UsageError("usage: /pipeline list | init | run NAME TOPIC | status [RUN] | "
+                       "resume RUN | continue RUN | retry RUN WORKER | cancel RUN")
+    words = rest.split()
+    if not words:
+        raise usage
+    args = argparse.Namespace(pipeline_command=words[0], json=False, ref=None)
+    arities = {"list": (0,), "init": (0,), "status": (0, 1), "resume": (1,), "continue": (1,),
+               "cancel": (1,), "retry": (2,)}
+    if words[0] == "run" and len(words) >= 3:
+        args.name, args.topic = words[1], rest.split(None, 2)[2:]
+    elif len(words) - 1 in arities.get(words[0], ()):
+        args.ref = words[1] if len(words) > 1 else None
+        args.worker = words[2] if len(words) > 2 else None
+    else:
+        raise usage
+
+    def follow(orchestrator, name):
+        thread = _HQ_FOLLOWED.get(name)
+        if thread is not None and thread.is_alive():
+            shell.write("run %s is already being followed" % name)
+            return 0
+
+        def loop():
+            orchestrator.emit = shell.show
+            try:
+                outcome = orchestrator.drive(name, poll_interval=0.25,
+                                             should_stop=lambda: shell.done)
+            except FerrusError as err:
+                shell.show(HqMessage("error", "pipeline %s: %s" % (name, err.full_text())))
+                return
+            _pipeline_result(outcome, lambda text: shell.show(HqMessage("info", text)))
+        _HQ_FOLLOWED[name] = threading.Thread(target=loop, daemon=True)
+        _HQ_FOLLOWED[name].start()
+        shell.write("following run %s; /pipeline status %s shows it" % (name, name))
+        return 0
+    pipeline_command(shell.store, args, shell.write, follow)
+
+
+HQ_COMMANDS = (
+    ("/task", "[TEXT | --manual]", "define a task with the supervisor (or create TEXT directly) "
+                                   "and run the loop"),
+    ("/plan", "", "a free planning session with the supervisor"),
+    ("/spec", "", "draft and save a specification with the supervisor"),
+    ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
+    ("/reset-spec", "", "clear the spec selection"),
+    ("/status", "", "state, counters, lease, and each agent session"),
+    ("/log", "[N]", "the last N journal entries (default 20)"),
+    ("/agents", "", "installed agents and their registration"),
+    ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
+    ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
+    ("/check", "[--force]", "run the check gate"),
+    ("/resume", "", "resume the task in flight (restarts stopped agents)"),
+    ("/review", "", "start the reviewer again"),
+    ("/stop", "", "stop every agent session"),
+    ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
+    ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
+     "file-driven pipelines (workflows.json), followed in the background"),
+    ("/reset", "", "return to Idle (asks first)"),
+    ("/supervisor", "", "an interactive supervisor session"),
+    ("/executor", "", "an interactive executor session"),
+    ("/model", "ROLE MODEL|--clear", "set or clear a role's model"),
+    ("/register", "--supervisor A --executor A", "register agents (as `ferrus register`)"),
+    ("/init", "[--agents-path P]", "initialise ferrus here"),
+    ("/help", "", "this list"),
+    ("/quit", "", "leave HQ (agents are stopped)"),
+)
+
+
+class HqShell:
+    """HQ's commands on top of the controller, with a plain-line front end.
+
+    This class is the plain front end (it works without curses, on Windows and
+    with piped stdin).  Another front end subclasses it and overrides only the
+    terminal parts: ``show``/``write`` (output), ``run`` (the input loop that
+    calls ``handle`` per line and ``controller.poll`` between keys), ``confirm``,
+    ``interactive`` (handing the terminal to an agent) and ``cmd_attach``."""
+
+    def __init__(self, store, stdin=None, stdout=None, resume=None, clock=time.monotonic):
+        self.store = store
+        self.stdin = stdin or sys.stdin
+        self.stdout = stdout or sys.stdout
+        self.resume = resume
+        self.lines = collections.deque()
+        self.held = None            # messages queued while an interactive agent has the terminal
+        self.done = False
+        self.controller = HqController(store, self.show, clock=clock)
+
+    def show(self, message):
+        if self.held is not None:
+            self.held.append(message)
+            return
+        prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}.get(message.kind, "")
+        if message.kind == "question":
+            self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
+                       message.text)
+        else:
+            self.write(prefix + message.text)
+
+    def write(self, text):
+        say(text, file=self.stdout, flush=True)
+
+    def _reader(self):
+        for line in self.stdin:
+            self.lines.append(line.rstrip("\n"))
+        self.lines.append(None)   # EOF
+
+    def run(self):
+        self.write("ferrus HQ %s — /help lists the commands, /quit leaves." % __version__)
+        self.write(self.controller.describe_state())
+        data = self.controller.task_in_flight()
+        if data is not None:
+            if self.resume is None:
+                self.write("A task is in flight. Resume it? [y/N]")
+                self.controller.paused = True
+                self.awaiting_resume = True
+            else:
+                self.controller.paused = not self.resume
+                self.write("Resuming it." if self.resume else "Not resuming (use /resume).")
+        threading.Thread(target=self._reader, daemon=True).start()
+        try:
+            while not self.done:
+                self.controller.poll()
+                while self.lines and not self.done:
+                    line = self.lines.popleft()
+                    if line is None:
+                        self.done = True
+                        break
+                    self.handle(line)
+                time.sleep(0.02)
+        finally:
+            self.controller.shutdown()
+        return 0
+
+    # -- input -------------------------------------------------------------------------
+
+    def handle(self, line):
+        text = line.strip()
+        if getattr(self, "awaiting_resume", False):
+            self.awaiting_resume = False
+            if text.lower() in ("y", "yes"):
+                self.controller.paused = False
+                self.write("Resuming.")
+                return
+            self.write("Not resuming; /resume continues the task later.")
+            if not text or text.lower() in ("n", "no"):
+                return
+        if not text:
+            return
+        if not text.startswith("/"):
+            self.answer(text)
+            return
+        name, _, rest = text.partition(" ")
+        handler = getattr(self, "cmd_" + name[1:].replace("-", "_"), None)
+        if handler is None or name not in [c[0] for c in HQ_COMMANDS]:
+            known = did_you_mean(name, [c[0] for c in HQ_COMMANDS])
+            self.write("error: unknown command %s — %s/help lists them" % (
+                name, "did you mean %s? " % known if known else ""))
+            return
+        try:
+            handler(rest.strip())
+        except FerrusError as err:
+            self.write("error: %s" % err.message + ("\nhint: %s" % err.hint if err.hint else ""))
+
+    def answer(self, text):
+        data = self.store.read_state()
+        if data.state != S.AWAITING_HUMAN:
+            self.write("error: commands start with '/' (try /help); nobody is waiting for an "
+                       "answer (state %s)" % data.state)
+            return
+        op_answer(self.store, HUMAN, text)
+        self.write("Answer recorded; the agent continues.")
+
+    def confirm(self, question):
+        self.write(question + " [y/N]")
+        while not self.lines:
+            self.controller.poll()
+            time.sleep(0.02)
+        reply = self.lines.popleft()
+        if reply is None:
+            self.done = True
+            return False
+        return reply.strip().lower() in ("y", "yes")
+
+    # -- commands ----------------------------------------------------------------------
+
+    def cmd_help(self, rest):
+        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
+        for name, args, what in HQ_COMMANDS:
+            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
+        self.write("  Anything not starting with / answers the pending question.")
+
+    def cmd_quit(self, rest):
+        if self.controller.running() and not self.confirm(
+                "Agents are running; stop them and quit?"):
+            return
+        self.done = True
+
+    def cmd_status(self, rest):
+        self.write(self.controller.describe_state())
+        capacity = capacity_status(self.store, self.store.read_state())
+        if capacity:
+            self.write("capacity %s (%s)%s" % (capacity["tier"], capacity["action"],
+                                               " — checkpoint" if capacity["checkpoint"] else ""))
+        data = self.store.read_state()
+        if data.selected_spec:
+            self.write("spec %s, milestone %s" % (data.selected_spec,
+                                                  data.selected_milestone or "(none left)"))
+        for slot in self.controller.slots.values():
+            self.write("  " + slot.describe())
+
+    def cmd_log(self, rest):
+        count = int(rest) if rest.isdigit() else 20
+        for entry in self.store.read_journal(limit=count):
+            self.write(format_event(entry))
+
+    def cmd_agents(self, rest):
+        for row in agents_report(self.store.root):
+            self.write("%s: %s%s%s" % (row["role"], row["agent"], " — " + row["problem"]
+                                       if "problem" in row else " — ok",
+                                       ", permissions %s" % row["permissions"]
+                                       if "permissions" in row else ""))
+            for warning in row.get("warnings", ()):
+                self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
+
+    def cmd_attach(self, rest):
+        slot = self.controller.slots.get(rest)
+        if slot is None or slot.process is None:
+            raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
+                s.name for s in self.controller.running()) or "none"))
+        self.write("--- %s (Enter returns) ---" % self.store.relpath(slot.process.log_path))
+        with open(slot.process.log_path, "r", encoding="utf-8", errors="replace") as handle:
+            self.write(handle.read()[-4000:].rstrip())
+            while not self.lines and slot.process is not None:
+                chunk = handle.read()
+                if chunk:
+                    self.write(chunk.rstrip())
+                self.controller.poll()
+                time.sleep(0.1)
+        if self.lines and self.lines[0] is not None:
+            self.lines.popleft()
+        self.write("--- detached ---")
+
+    def cmd_tell(self, rest):
+        role, _, message = rest.partition(" ")
+        if not message.strip():
+            raise UsageError("usage: /tell ROLE MESSAGE (roles: executor, reviewer, consultant)")
+        self.controller.tell(role, message.strip())
+
+    def cmd_check(self, rest):
+        if rest == "--force":
+            run, config = op_run_checks_only(self.store)
+            self.write("no check commands configured" if run is None else
+                       "checks passed" if run.passed else run.report(
+                           config.limits.max_feedback_lines))
+        else:
+            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+
+    def cmd_resume(self, rest):
+        data = self.store.read_state()
+        if data.state not in ACTIVE_STATES:
+            raise FerrusError("nothing to resume: the state is %s" % data.state,
+                              "start a task with /task")
+        self.controller.restart_slots()
+        self.write("Resuming the task (%s)." % data.state)
+
+    def cmd_review(self, rest):
+        if self.store.read_state().state != S.REVIEWING:
+            raise FerrusError("there is no submission to review")
+        self.controller.restart_slots()
+
+    def cmd_stop(self, rest):
+        if self.controller.running() and self.confirm("Stop every agent session?"):
+            self.controller.stop_all()
+            self.controller.paused = True
+            self.write("Stopped. /resume starts them again.")
+
+    def cmd_pipeline(self, rest):
+        hq_cmd_pipeline(self, rest)
+
+    def cmd_continue(self, rest):
+        if not self.controller.checkpoint:
+            raise FerrusError("there is no capacity checkpoint to continue from")
+        self.controller.continue_after_checkpoint()
+        self.controller.paused = False
+        self.write("Continuing; the capacity budget counts again from now.")
+
+    def cmd_reset(self, rest):
+        data = self.store.read_state()
+        if data.state in ACTIVE_STATES and not self.confirm(
+                "The task is %s. Reset it to Idle and clear its files?" % data.state):
+            return
+        self.controller.stop_all()
+        self.write(op_force_reset(self.store, HUMAN).text)
+
+    def cmd_task(self, rest):
+        data = self.store.read_state()
+        if data.state in ACTIVE_STATES:
+            raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
+        if data.state == S.FAILED and not self.confirm(
+                "The last task failed (%s). Reset it and start a new task?"
+                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+            self.write("Nothing changed; the failed task is kept (/reset clears it).")
+            return
+        # Creating a task is a transition HQ drives: it passes the capacity gate the way
+        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        if self.controller.checkpoint and not self.controller.recheck_checkpoint():
+            raise FerrusError("no new task: the capacity checkpoint holds (%s)"
+                              % self.controller.checkpoint.get("signal"),
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
+        if self.controller.gate("transition:create_task") in (CHECKPOINT, EMERGENCY_STOP):
+            raise FerrusError("no new task: the capacity gate stopped it",
+                              "/continue counts the budget again from now, or raise the limit "
+                              "in [capacity]")
+        if data.state in (S.COMPLETE, S.FAILED):
+            op_force_reset(self.store, HUMAN)
+        if rest and rest != "--manual":
+            op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            self.controller.paused = False
+            return
+        milestone = spec = None
+        if rest != "--manual" and data.selected_milestone:
+            with contextlib.suppress(FerrusError):
+                spec, milestone = resolve_selected(self.store.root, data)
+        # The supervisor's create_task takes this origin, so approving the task ticks the
+        # milestone and advances the selection.
+        op_stage_task_origin(self.store, HUMAN, spec, milestone.id if milestone else None)
+        try:
+            self.interactive("supervisor", prompt_task_definition(milestone, spec))
+        finally:
+            if self.store.read_state().state == S.IDLE:
+                op_stage_task_origin(self.store, HUMAN)
+        self.controller.paused = False
+
+    def cmd_plan(self, rest):
+        self.interactive("supervisor", prompt_plan())
+
+    def cmd_spec(self, rest):
+        self.interactive("supervisor", prompt_spec())
+
+    def cmd_supervisor(self, rest):
+        self.interactive("supervisor", None)
+
+    def cmd_executor(self, rest):
+        self.interactive("executor", None)
+
+    def cmd_milestones(self, rest):
+        parts = rest.split()
+        if parts:
+            self.write(op_select_milestone(self.store, HUMAN, parts[0],
+                                           parts[1] if len(parts) > 1 else None).text)
+            return
+        config = self.store.config()
+        paths = list_spec_paths(self.store.root, config)
+        if not paths:
+            self.write("no specs in %s/ yet: /spec drafts one with the supervisor"
+                       % config.spec.directory.strip().rstrip("/"))
+        for path in paths:
+            self.write(path)
+            for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
+                self.write("   [%s] %s (%s)" % ("x" if milestone.completed else " ",
+                                                milestone.display(), milestone.id))
+
+    def cmd_reset_spec(self, rest):
+        self.write(op_clear_selection(self.store, HUMAN).text)
+
+    def cmd_model(self, rest):
+        parts = rest.split(None, 1)
+        if len(parts) != 2 or parts[0] not in ROLES:
+            raise UsageError("usage: /model supervisor|executor MODEL (or --clear)")
+        config = self.store.config().require_hq()
+        choice = getattr(config, parts[0])
+        if choice is None:
+            raise FerrusError("no [hq.%s] agent yet" % parts[0], "/register first")
+        model = "" if parts[1] == "--clear" else parts[1]
+        update_hq_config(self.store.root, parts[0], choice.agent, model, self.write)
+
+    def cmd_register(self, rest):
+        usage = UsageError("usage: /register [--supervisor A] [--executor A] "
+                           "[--supervisor-model M] [--executor-model M] [--trust]")
+
+        class Parser(argparse.ArgumentParser):
+            def error(self, message):       # never print over the screen, never exit
+                raise usage
+        args = add_registration_options(Parser(add_help=False)).parse_args(rest.split())
+        choices = {role: (getattr(args, role), getattr(args, role + "_model"))
+                   for role in ROLES if getattr(args, role)}
+        choices = choices or configured_registration(self.store.root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified")
+        # Through write(), so the output lands in HQ's transcript, not over the screen.
+        register_agents(self.store.root, choices, trust=args.trust, report=self.write)
+
+    def cmd_init(self, rest):
+        args = rest.split()
+        init_project(self.store.root, args[1] if len(args) == 2 else None, self.write)
+
+    def interactive(self, role, prompt):
+        """Hand the terminal to an agent; reactions keep running meanwhile."""
+        config = self.store.config().require_hq()
+        choice = getattr(config, role)
+        if choice is None:
+            raise FerrusError("no [hq.%s] agent in ferrus.toml" % role,
+                              "/register --%s <agent>" % role)
+        adapter = adapter_for(config, choice.agent)
+        launch = adapter.interactive(self.store.root, role, prompt, choice.model)
+        env = dict(os.environ)
+        env.update(launch.env)
+        env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
+        self.held = []
+        try:
+            proc = subprocess.Popen(launch.argv, cwd=self.store.root, env=env)
+        except OSError as err:
+            self.held = None
+            raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
+                              adapter.install_hint())
+        # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
+        # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        try:
+            while proc.poll() is None:
+                self.controller.poll()
+                time.sleep(0.05)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            held, self.held = self.held, None
+            for message in held:
+                self.show(message)
+
+
+HISTORY_FILE = "~/.ferrus_history"
+HISTORY_KEEP = 1000
+_CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
+                  "question": "MAGENTA", "agent": "GREEN",
+                  "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
+                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
+                  "Failed": "RED"}
+_CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
+                     "PgUp/PgDn scroll · Ctrl+C twice quits")
+
+
+def _line_edits(curses):
+    """Keys that only edit the input: key -> (buffer, cursor) -> (buffer, cursor)."""
+    back = lambda b, c: (b[:max(0, c - 1)] + b[c:], c - 1)           # noqa: E731
+    delete = lambda b, c: (b[:c] + b[c + 1:], c)                        # noqa: E731
+    home, end = (lambda b, c: (b, 0)), (lambda b, c: (b, len(b)))
+    return {curses.KEY_BACKSPACE: back, "\x7f": back, "\x08": back,
+            curses.KEY_DC: delete, "\x04": delete, curses.KEY_HOME: home, "\x01": home,
+            curses.KEY_END: end, "\x05": end,
+            curses.KEY_LEFT: lambda b, c: (b, c - 1), curses.KEY_RIGHT: lambda b, c: (b, c + 1),
+            "\x15": lambda b, c: (b[c:], 0),                      # Ctrl+U: cut before
+            "\x0b": lambda b, c: (b[:c], c),                      # Ctrl+K: cut after
+            "\n": lambda b, c: (b[:c] + "\n" + b[c:], c + 1)}     # Ctrl+J: a newline
+
+
+class CursesHq(HqShell):
+    """HQ in curses.  Only HqShell's terminal parts are replaced; ``handle`` and the
+    ``cmd_*`` methods are shared, so both front ends behave the same."""
+
+    def __init__(self, store, resume=None, clock=time.monotonic, history_path=None):
+        super().__init__(store, resume=resume, clock=clock)
+        self.scr = self.curses = None
+        self.transcript = collections.deque(maxlen=10000)   # (kind, one line)
+        self.scroll = 0              # screen rows scrolled back from the newest
+        self.buffer, self.cursor = "", 0
+        self.history_path = os.path.expanduser(history_path or HISTORY_FILE)
+        self.history = self._load_history()
+        self.history_pos, self.draft = len(self.history), ""
+        self.completion = None       # (candidates, index, text before the word, text after)
+        self.banner = None           # a y/n question, dialog title or attach notice
+        self.view = self.selected = None     # lines shown instead of the transcript
+        self.notice, self.notice_until, self.last_ctrl_c = None, 0.0, 0.0
+        self.status, self.status_due = ("", "", ""), 0.0
+        self.attrs = collections.defaultdict(int)
+
+    # -- output --------------------------------------------------------------------------
+
+    def show(self, message):
+        if self.held is not None:            # an interactive agent has the terminal
+            self.held.append(message)
+            return
+        stamp = time.strftime("%H:%M:%S ")
+        if message.kind == "question":
+            self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
+                                 "Enter." % (stamp, message.text))
+        else:
+            prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
+            self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
+        self.status_due = 0                  # a message usually means the state moved
+
+    def write(self, text):
+        self.add("error" if text.startswith("error:") else "output", text)
+
+    def add(self, kind, text):
+        for line in terminal_safe(text).expandtabs().split("\n"):
+            self.transcript.append((kind, line))
+            if self.scroll:                  # a scrolled-back view stays where it is
+                self.scroll += 1
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self):
+        import curses
+        self.curses = curses
+        os.environ.setdefault("ESCDELAY", "25")          # a lone Esc should not lag
+        # SIGTERM/SIGHUP only set a flag: the loop ends and the terminal is restored.
+        previous = {sig: signal.signal(sig, lambda *_: setattr(self, "done", True))
+                    for sig in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHUP")) if sig}
+        try:
+            return curses.wrapper(self._main)    # endwin() whatever happens, then re-raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.controller.shutdown()
+
+    def _main(self, scr):
+        curses = self.curses
+        self.scr, self.edits = scr, _line_edits(curses)
+        curses.raw()        # Ctrl+C arrives as a key, never as KeyboardInterrupt mid-poll
+        curses.nonl()       # so that Enter (\r) and Ctrl+J (\n) differ
+        with contextlib.suppress(curses.error):
+            curses.curs_set(1)
+        self._setup_colors()
+        self.write("ferrus HQ %s — /help lists the commands, Ctrl+C twice quits." % __version__)
+        self.write(self.controller.describe_state())
+        data = self.controller.task_in_flight()
+        if data is not None:
+            self.controller.paused = True    # no agent starts while the question is open
+            self.controller.paused = not (self.resume if self.resume is not None else
+                                          self.confirm("A task is in flight (%s). Resume it?"
+                                                       % data.state))
+            self.write("Not resuming; /resume continues the task later."
+                       if self.controller.paused else "Resuming it.")
+        while not self.done:
+            self.controller.poll()           # reactions go on while the user types
+            self.draw()
+            key = self.getkey(50)
+            while key is not None and not self.done:     # pasted text: take it all at once
+                self.on_key(key)
+                key = self.getkey(0)
+        return 0
+
+    def getkey(self, timeout_ms):
+        """One key (str or curses key code), or None if none came within the timeout."""
+        self.scr.timeout(timeout_ms)
+        try:
+            return self.scr.get_wch()
+        except self.curses.error:
+            return None
+
+    def on_key(self, key):
+        curses = self.curses
+        if self.completion and key not in ("\t", curses.KEY_BTAB, "\r", curses.KEY_ENTER,
+                                           "\x1b"):
+            self.completion = None           # typing goes on from the completed text
+        if key == "\x1b":
+            after = self.getkey(30)
+            if after in ("\r", "\n"):        # Alt+Enter
+                self.on_key("\n")
+            elif after is None and self.completion:      # Esc: back to what was typed
+                head, tail = self.completion[2:]
+                self.buffer, self.cursor, self.completion = head + tail, len(head), None
+            elif after is not None:
+                self.on_key(after)           # Alt+key: as the key alone
+        elif key in ("\r", curses.KEY_ENTER):
+            if self.completion:
+                self.completion = None       # Enter accepts the completion
+            else:
+                self.submit()
+        elif key in self.edits:
+            self.buffer, cursor = self.edits[key](self.buffer, self.cursor)
+            self.cursor = max(0, min(len(self.buffer), cursor))
+        elif key in ("\t", curses.KEY_BTAB):
+            self.complete(-1 if key == curses.KEY_BTAB else 1)
+        elif key == "\x03":
+            self.ctrl_c()
+        elif key in (curses.KEY_UP, curses.KEY_DOWN):
+            self.browse(-1 if key == curses.KEY_UP else 1)
+        elif key in (curses.KEY_PPAGE, curses.KEY_NPAGE):
+            page = max(1, self.scr.getmaxyx()[0] // 2)
+            self.scroll = max(0, self.scroll + (page if key == curses.KEY_PPAGE else -page))
+        elif key == "\x0c":                  # Ctrl+L: repaint a garbled screen
+            self.scr.clearok(True)
+        elif isinstance(key, str) and key.isprintable():
+            self.buffer = self.buffer[:self.cursor] + key + self.buffer[self.cursor:]
+            self.cursor += 1
+
+    def submit(self):
+        text, self.buffer, self.cursor = self.buffer.strip(), "", 0
+        self.history_pos, self.draft, self.scroll = len(self.history), "", 0
+        if not text:
+            return
+        self.add("input", "> " + text.replace("\n", "\n  "))
+        if text.startswith("/"):             # answers to agents stay out of the history
+            self.remember(text)
+        self.handle(text)
+        self.status_due = 0
+
+    def ctrl_c(self):
+        now = time.monotonic()
+        if now - self.last_ctrl_c > 2.0:
+            self.buffer, self.cursor, self.last_ctrl_c = "", 0, now
+            self.notice, self.notice_until = "Press Ctrl+C again to quit.", now + 2.0
+            return
+        self.last_ctrl_c = 0.0
+        running = ", ".join(slot.name for slot in self.controller.running())
+        if not running or self.confirm("Agents are running (%s); stop them and quit?" % running):
+            self.done = True
+
+    # -- completion and history ----------------------------------------------------------
+
+    def candidates(self, head, word):
+        """Command names for the first word; slot or role names after some commands."""
+        if not head:
+            return [name for name, _, _ in HQ_COMMANDS if name.startswith(word)]
+        words = {"/attach": tuple(self.controller.slots), "/tell": tuple(self.controller.slots),
+                 "/model": ROLES}.get(head.split()[0], ()) if head.count(" ") == 1 else ()
+        return [w for w in words if w.startswith(word)]
+
+    def complete(self, step):
+        if self.completion:
+            options, index, head, tail = self.completion
+            index = (index + step) % len(options)
+        else:
+            before, tail = self.buffer[:self.cursor], self.buffer[self.cursor:]
+            if not before.startswith("/") or "\n" in before:
+                return
+            head, _, word = before.rpartition(" ")
+            head = head + " " if head else ""
+            options = self.candidates(head, word)
+            if not options:
+                return
+            index = 0 if step > 0 else len(options) - 1
+        self.buffer, self.cursor = head + options[index] + tail, len(head + options[index])
+        # One candidate completes at once; several cycle until Enter accepts one.
+        self.completion = (options, index, head, tail) if len(options) > 1 else None
+
+    def _load_history(self):
+        try:
+            with open(self.history_path, encoding="utf-8", errors="replace") as handle:
+                lines = handle.read().splitlines()[-HISTORY_KEEP:]
+        except OSError:
+            return []
+        # One entry a line; a multi-line command has its newlines escaped.
+        return [re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), line)
+                for line in lines if line.strip()]
+
+    def remember(self, text):
+        """Append a command to ~/.ferrus_history at once, so a crash loses nothing."""
+        if self.history and self.history[-1] == text:
+            return
+        self.history.append(text)
+        self.history_pos = len(self.history)
+        with contextlib.suppress(OSError):
+            fd = os.open(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with open(fd, "a", encoding="utf-8") as handle:
+                handle.write(text.replace("\\", "\\\\").replace("\n", "\\n") + "\n")
+
+    def browse(self, step):
+        if self.history_pos == len(self.history):
+            self.draft = self.buffer         # what was being typed comes back at the end
+        self.history_pos = min(len(self.history), max(0, self.history_pos + step))
+        self.buffer = (self.history[self.history_pos] if self.history_pos < len(self.history)
+                       else self.draft)
+        self.cursor = len(self.buffer)
+
+    # -- drawing -------------------------------------------------------------------------
+
+    def _setup_colors(self):
+        curses = self.curses
+        for kind in ("question", "error", "input"):
+            self.attrs[kind] = curses.A_BOLD
+        if not curses.has_colors():
+            return
+        background, pairs = -1, {}
+        try:
+            curses.use_default_colors()      # keep the terminal's own colours
+        except curses.error:
+            background = curses.COLOR_BLACK
+        if os.environ.get("NO_COLOR"):
+            return
+        for key, name in _CURSES_COLORS.items():
+            if name not in pairs:
+                pairs[name] = len(pairs) + 1
+                curses.init_pair(pairs[name], getattr(curses, "COLOR_" + name), background)
+            self.attrs[key] |= curses.color_pair(pairs[name])
+
+    def status_lines(self):
+        """(state, the state line, the agents line): times, counters against their limits,
+        spec and milestone; then each slot's session state."""
+        try:
+            data, now = self.store.read_state(), self.store.clock()
+        except FerrusError as err:
+            return "", "ferrus HQ │ state unreadable: %s" % err, ""
+        retries = cycles = "?"
+        with contextlib.suppress(FerrusError):
+            limits = self.store.config().limits
+            retries, cycles = limits.max_check_retries, limits.max_review_cycles
+
+        def since(stamp):
+            with contextlib.suppress(ValueError, TypeError):
+                return format_duration((now - parse_timestamp(stamp)).total_seconds())
+            return "-"
+        parts = ["ferrus HQ", "%s %s" % (data.state, since(data.state_entered_at))]
+        if data.state in ACTIVE_STATES and data.task_started_at:
+            parts.append("task %s" % since(data.task_started_at))
+        parts += ["retries %d/%s" % (data.check_retries, retries),
+                  "reviews %d/%s" % (data.review_cycles, cycles)]
+        if data.selected_spec:
+            parts.append("spec %s · %s" % (spec_display_name(data.selected_spec),
+                                           data.selected_milestone or "none left"))
+        if self.controller.paused and data.state in ACTIVE_STATES:
+            parts.append("PAUSED (/resume)")
+        if self.controller.checkpoint:
+            parts.append("CAPACITY CHECKPOINT (/continue)")
+        slots = ["%s %s%s" % (slot.name, slot.session.state,
+                              " (%d tool calls)" % slot.tool_calls
+                              if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
+                 for slot in self.controller.slots.values()]
+        return data.state.value, " │ ".join(parts), " · ".join(slots)
+
+    def _tail(self, entries, height, width):
+        """The screen rows of the newest entries, ``self.scroll`` rows back from the end."""
+        import textwrap
+        rows = []
+        for kind, line in reversed(entries):
+            wrapped = (textwrap.wrap(line, width, subsequent_indent="  ", drop_whitespace=False)
+                       if width > 8 else [line[:max(1, width)]]) or [""]
+            rows.extend((kind, row) for row in reversed(wrapped))
+            if len(rows) >= height + self.scroll:
+                break
+        self.scroll = max(0, min(self.scroll, len(rows) - height))
+        return list(reversed(rows[self.scroll:self.scroll + height]))
+
+    def _input_rows(self, width):
+        """The input as screen rows ("> " first, then indented) and the cursor's row/col."""
+        rows, where, offset, span = [], (0, 2), 0, max(1, width - 2)
+        for number, line in enumerate(self.buffer.split("\n")):
+            for start in range(0, max(len(line), 1), span):
+                chunk = line[start:start + span]
+                if offset + start <= self.cursor <= offset + start + len(chunk):
+                    where = (len(rows), 2 + self.cursor - offset - start)
+                rows.append(("> " if number == 0 and start == 0 else "  ") + chunk)
+            offset += len(line) + 1
+        return rows, where
+
+    def hint(self):
+        if self.notice and time.monotonic() < self.notice_until:
+            return self.notice
+        if self.completion:
+            options, index = self.completion[:2]
+            return "  ".join("[%s]" % o if i == index else o for i, o in enumerate(options))
+        if self.scroll:
+            return "scrolled back %d lines — PgDn returns" % self.scroll
+        name = self.buffer.split(" ", 1)[0]
+        return next(("%s — %s" % (("%s %s" % (command, args)).strip(), what)
+                     for command, args, what in HQ_COMMANDS if command == name),
+                    _CURSES_KEYS_HELP)
+
+    def put(self, row, col, text, attr=0):
+        with contextlib.suppress(self.curses.error):    # writing the last cell "fails"
+            self.scr.addnstr(row, col, terminal_safe(text), max(0, self.scr.getmaxyx()[1] - col),
+                             attr)
+
+    def draw(self):
+        curses = self.curses
+        height, width = self.scr.getmaxyx()
+        if time.monotonic() >= self.status_due:      # about once a second
+            self.status, self.status_due = self.status_lines(), time.monotonic() + 1.0
+        state, line, agents = self.status
+        rows, (cursor_row, cursor_col) = self._input_rows(width)
+        keep = max(1, min(len(rows), height // 3))
+        first = max(0, min(cursor_row - keep + 1, len(rows) - keep))
+        top, bottom = 2, height - keep - 1           # the transcript's rows; then the hint
+        self.scr.erase()
+        self.put(0, 0, line.ljust(width), curses.A_REVERSE)
+        self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
+        if self.banner:                              # dialogs ask in the status area
+            self.put(1, 0, self.banner.ljust(width), curses.A_BOLD | self.attrs["question"])
+        else:
+            self.put(1, 0, agents)
+        if self.selected is not None:                # a selection dialog
+            size = max(1, bottom - top)
+            first_option = max(0, min(self.selected - size // 2, len(self.view) - size))
+            for i, option in enumerate(self.view[first_option:first_option + size]):
+                self.put(top + i, 0, option.ljust(width),
+                         curses.A_REVERSE if first_option + i == self.selected else 0)
+        else:
+            entries = self.transcript if self.view is None else [("agent", l) for l in self.view]
+            for i, (kind, text) in enumerate(self._tail(entries, bottom - top, width)):
+                self.put(top + i, 0, text, self.attrs[kind])
+        self.put(bottom, 0, self.hint(), curses.A_DIM)
+        for i, row in enumerate(rows[first:first + keep]):
+            self.put(bottom + 1 + i, 0, row)
+        with contextlib.suppress(curses.error):
+            self.scr.move(bottom + 1 + cursor_row - first, min(cursor_col, width - 1))
+        self.scr.refresh()
+
+    # -- dialogs -------------------------------------------------------------------------
+
+    def _modal(self, banner, react):
+        """Poll and draw until ``react(key)`` returns something other than ``...``; None
+        if HQ is told to quit meanwhile."""
+        self.banner = banner
+        try:
+            while not self.done:
+                self.controller.poll()
+                self.draw()
+                key = self.getkey(50)
+                result = ... if key is None else react(key)
+                if result is not ...:
+                    return result
+            return None
+        finally:
+            self.banner = None
+
+    def confirm(self, question):
+        answer = self._modal(question + "  [y/N]", lambda key: True if key in ("y", "Y") else
+                             False if key in ("n", "N", "\r", "\n", "\x1b", "\x03") else ...)
+        self.write("%s %s" % (question, "yes" if answer else "no"))
+        return bool(answer)
+
+    def select(self, title, options):
+        """A list dialog: ↑/↓ move, Enter picks (the index), Esc cancels (None)."""
+        curses = self.curses
+        moves = {curses.KEY_UP: -1, curses.KEY_DOWN: 1, curses.KEY_PPAGE: -10,
+                 curses.KEY_NPAGE: 10, curses.KEY_HOME: -len(options), curses.KEY_END: len(options)}
+
+        def react(key):
+            if key in moves:
+                self.selected = max(0, min(len(options) - 1, self.selected + moves[key]))
+                return ...
+            return (self.selected if key in ("\r", "\n", curses.KEY_ENTER) else
+                    None if key in ("\x1b", "\x03", "q") else ...)
+        self.view, self.selected = list(options), 0
+        try:
+            return self._modal(title + "  (↑↓ move, Enter selects, Esc cancels)", react)
+        finally:
+            self.view = self.selected = None
+
+    # -- commands that need the screen ---------------------------------------------------
+
+    def cmd_milestones(self, rest):
+        if rest:
+            return super().cmd_milestones(rest)
+        choices = []
+        paths = list_spec_paths(self.store.root, self.store.config())
+        if not paths:
+            return super().cmd_milestones(rest)     # says there is none, and how to write one
+        for path in paths:
+            choices.append(((path, None), "%s  (the first ready milestone)" % path))
+            for milestone in parse_spec(read_text(os.path.join(self.store.root, path))):
+                choices.append(((path, milestone.id), "   [%s] %s (%s)" % (
+                    "x" if milestone.completed else " ", milestone.display(), milestone.id)))
+        if not choices:
+            self.write("No specs yet; /spec drafts one.")
+            return
+        index = self.select("Select a spec or milestone", [label for _, label in choices])
+        if index is not None:
+            self.write(op_select_milestone(self.store, HUMAN, *choices[index][0]).text)
+
+    def cmd_attach(self, rest):
+        """The agent's live log in the transcript area until a key is pressed."""
+        slot = self.controller.slots.get(rest)
+        if slot is None or slot.process is None:
+            raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
+                s.name for s in self.controller.running()) or "none"))
+        process, lines, pending = slot.process, collections.deque(maxlen=5000), ""
+        self.view, self.banner = lines, "attached to the %s — %s — any key returns" % (
+            rest, self.store.relpath(process.log_path))
+        try:
+            with open(process.log_path, encoding="utf-8", errors="replace") as handle:
+                while process is not None and self.getkey(100) is None and not self.done:
+                    exited = slot.process is not process     # then read its last words
+                    pending += handle.read()
+                    *complete, pending = pending.split("\n")
+                    lines.extend(complete)
+                    if exited:
+                        lines.extend(([pending] if pending else []) + ["[the agent exited]"])
+                        process = None
+                    self.controller.poll()
+                    self.draw()
+            if process is None:
+                self._modal(self.banner, lambda key: True)   # still until a key
+        finally:
+            self.view = self.banner = None
+        self.write("--- detached from the %s ---" % rest)
+
+    def interactive(self, role, prompt):
+        """Leave curses while the agent CLI owns the terminal; HqShell keeps polling and
+        holds the messages; curses comes back afterwards."""
+        curses = self.curses
+        curses.def_prog_mode()
+        curses.endwin()
+        print("--- the %s agent has the terminal; HQ continues when it exits ---" % role,
+              flush=True)
+        try:
+            super().interactive(role, prompt)      # which leaves Ctrl+C to the agent
+        finally:
+            curses.reset_prog_mode()
+            self.scr.clearok(True)
+            self.status_due = 0
+
+
+def hq_front_end(store, resume, no_tui):
+    """CursesHq in a capable terminal, else the plain-line HqShell."""
+    term = os.environ.get("TERM", "dumb")
+    if not no_tui and term != "dumb" and sys.stdin.isatty() and sys.stdout.isatty():
+        try:
+            import curses
+        except ImportError:              # Windows Python has no curses
+            curses = None
+        if curses is not None:
+            with contextlib.suppress(curses.error):     # no terminfo entry for TERM
+                curses.setupterm(term, sys.stdout.fileno())
+                return CursesHq(store, resume=resume)
+    return HqShell(store, resume=resume)
+
+
+# ============================================================================
+# 19. CLI
+# ============================================================================
 
 def invoked_as():
     """How the user started ferrus, for hints they can paste: ``ferrus`` from the
@@ -11000,24 +11263,6 @@ def cmd_status(args, root):
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
     return 0
-
-
-def format_event(entry, color=False):
-    """One journal entry as a readable line."""
-    when = entry.get("time", "")
-    with contextlib.suppress(ValueError, TypeError):
-        when = parse_timestamp(when).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-    # Every field came from a file an agent may have shaped: shown, never obeyed.
-    moved = entry.get("from") != entry.get("to")
-    change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
-        terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
-        if moved else terminal_safe(entry.get("to"))
-    detail = entry.get("detail") or {}
-    extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
-                     for k, v in detail.items() if v is not None)
-    return "%s  #%-5s %-22s %-16s %s%s" % (
-        terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
-        terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
 
 
 def cmd_log(args, root):
@@ -11266,173 +11511,6 @@ def cmd_hq(args, root):
 # reports through ``out``; only following a run differs (the CLI drives it in
 # the foreground, HQ in a background thread so HQ keeps reacting).
 
-WORKFLOWS_EXAMPLE = {
-    "_comment": [
-        "ferrus pipelines (seed 003). Each top-level key but this one defines a pipeline:",
-        "  description  what it is for",
-        "  phases       run in order; a phase starts when every output of the previous exists",
-        "    id         the phase's name;  mode: \"parallel\" or \"sequential\"",
-        "    pause_after  true: stop after this phase until `ferrus pipeline continue RUN`",
-        "    workers    each writes <role>.md in the run folder and exits",
-        "      role, timeout (seconds), task     required",
-        "      agent    an agent name; default: [hq.executor] in ferrus.toml",
-        "      model    that agent's model name (e.g. sonnet); default: the agent's own",
-        "      reads    outputs of earlier phases, e.g. [\"researcher-a.md\"]",
-        "      final    exactly one worker, in the last phase: its output is the result",
-        "Run: ferrus pipeline run research \"your topic\"",
-    ],
-    "research": {
-        "description": "Pure research + analysis",
-        "phases": [
-            {"id": "collect", "mode": "parallel", "workers": [
-                {"role": "researcher-a", "timeout": 600,
-                 "task": "Research perspective A: main sources, facts, current state"},
-                {"role": "researcher-b", "timeout": 600,
-                 "task": "Research perspective B: alternative views, criticism, edge cases"}]},
-            {"id": "synthesis", "mode": "sequential", "workers": [
-                {"role": "synthesizer", "timeout": 420, "final": True,
-                 "reads": ["researcher-a.md", "researcher-b.md"],
-                 "task": "Synthesize research from both researchers"}]}]},
-}
-
-
-def init_workflows(root, report=print):
-    """Write the example workflows.json; never over an existing file."""
-    name = pipelines_config(root).file
-    path = os.path.join(root, name)
-    if os.path.exists(path):
-        raise FerrusError("%s already exists" % name, "edit it, or move it away first")
-    atomic_write(path, pretty_json(WORKFLOWS_EXAMPLE) + "\n")
-    report("Wrote %s with an example pipeline (research). `ferrus pipeline list` shows it."
-           % name)
-
-
-def describe_workflows(definitions, config):
-    """Lines listing every pipeline with its phases and workers."""
-    default = config.executor.agent if config.executor else "[hq.executor] (not set)"
-    lines = []
-    for name, definition in definitions.items():
-        lines.append("%s%s" % (name, " — " + definition.description
-                               if definition.description else ""))
-        for number, phase in enumerate(definition.phases, 1):
-            lines.append("  %d. %s (%s%s, timeout %ds)" % (
-                number, phase.id, phase.mode, ", pause after" if phase.pause_after else "",
-                phase.timeout))
-            for w in phase.workers:
-                notes = [w.agent or default, "%ds" % w.timeout] + (["model " + w.model]
-                                                                  if w.model else [])
-                notes += ["reads " + ", ".join(w.reads)] if w.reads else []
-                lines.append("     - %s%s (%s): %s" % (w.role, " [final]" if w.final else "",
-                                                      ", ".join(notes), w.task))
-    return lines or ["no pipelines defined"]
-
-
-def describe_run(store, status, path, now=None):
-    """Lines showing one run's phases and workers."""
-    now = now or store.clock()
-    lines = ["run       %s (%s%s)" % (status["dir"], run_state(status),
-                                      ": " + status["paused_reason"] if status.get("paused")
-                                      else ""),
-             "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
-             "folder    %s" % store.relpath(path),
-             "retries   %d" % status.get("retry_count", 0)]
-    for number, phase in enumerate(status["phases"], 1):
-        current = "  <- current" if number - 1 == status["current_phase"] and \
-            run_state(status) not in ("delivered", "cancelled") else ""
-        lines.append("phase %d  %s: %s%s" % (number, phase["id"], phase["status"], current))
-        if phase.get("message"):
-            lines.append("          %s" % phase["message"])
-        for role, w in phase["workers"].items():
-            detail = "attempt %d" % w.get("attempts", 0) if w.get("attempts") else ""
-            if w.get("status") in WORKER_RUNNING and w.get("pid"):
-                detail += ", pid %s" % w["pid"]
-                with contextlib.suppress(ValueError, TypeError):
-                    detail += ", for %s" % format_duration(
-                        (now - parse_timestamp(w["started_at"])).total_seconds())
-            if w.get("message") and w.get("status") != "completed":
-                detail += (", " if detail else "") + w["message"]
-            lines.append("    %-16s %-10s %s" % (role, w.get("status"), detail))
-    if status.get("result"):
-        lines.append("result    %s" % store.relpath(os.path.join(path, status["result"])))
-    return lines
-
-
-def pipeline_command(store, args, out, follow):
-    """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
-    command = args.pipeline_command
-    if command == "init":
-        init_workflows(store.root, out)
-        return 0
-    if command == "list":
-        config = store.config()
-        for line in describe_workflows(read_workflows(store.root, config)[2], config):
-            out(line)
-        return 0
-    if command == "status":
-        return _pipeline_status(store, args, out)
-    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
-    if command == "run":
-        return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
-    if command == "resume":
-        return follow(orchestrator, find_run(store, args.ref)[0])
-    if command == "continue":
-        return follow(orchestrator, orchestrator.continue_run(args.ref))
-    if command == "retry":
-        return follow(orchestrator, orchestrator.retry(args.ref, args.worker))
-    orchestrator.cancel(args.ref)          # the parser allows nothing else
-    return 0
-
-
-def _pipeline_status(store, args, out):
-    if args.ref:
-        name, path, _ = find_run(store, args.ref)
-        run = read_run(store, name)
-        if args.json:
-            out(json_for_terminal(pretty_json(run.status)))
-        else:
-            for line in describe_run(store, run.status, path):
-                out(line)
-        return 0
-    rows = []
-    for name, path, archived in list_runs(store):
-        row = {"run": name, "state": "damaged", "archived": archived, "pipeline": "?",
-               "topic": "", "phase": "?"}
-        with contextlib.suppress(FerrusError):     # `status RUN` explains the damage
-            status = read_run(store, name).status
-            row.update(state=run_state(status), pipeline=status["pipeline"],
-                       topic=status["topic"], phase="%d/%d %s" % (
-                           status["current_phase"] + 1, len(status["phases"]),
-                           status["phases"][status["current_phase"]]["id"]))
-        rows.append(row)
-    if args.json:
-        out(json_for_terminal(pretty_json(rows)))
-        return 0
-    if not rows:
-        out("no pipeline runs yet (`ferrus pipeline run NAME TOPIC` starts one)")
-    for row in rows:
-        out("%-32s %-10s phase %-16s %s%s" % (row["run"], row["state"], row["phase"],
-                                             json.dumps(row["topic"]),
-                                             "  (archived)" if row["archived"] else ""))
-    return 0
-
-
-def _pipeline_result(outcome, out):
-    """Report how a followed run ended; the exit code says whether a human is needed."""
-    if outcome.state == "delivered":
-        out("result: %s" % outcome.output)
-        out(outcome.text.rstrip())
-        return 0
-    if outcome.state == "failed":
-        out("run %s failed: %s" % (outcome.run, outcome.message))
-        out("hint: `ferrus pipeline retry %s WORKER` runs a worker again" % outcome.run)
-        return RUN_FAILED
-    if outcome.state in ("paused", "blocked"):
-        out("run %s is %s: %s" % (outcome.run, outcome.state, outcome.message))
-        return RUN_NEEDS_HUMAN
-    out("run %s is %s" % (outcome.run, outcome.state))
-    return RUN_FAILED if outcome.state == "cancelled" else RUN_COMPLETE
-
-
 def _follow_in_foreground(orchestrator, name):
     say("following run %s — Ctrl+C leaves its workers running" % name, flush=True)
     try:
@@ -11483,59 +11561,8 @@ def add_pipeline_parser(sub):
     p.set_defaults(run=cmd_pipeline)
 
 
-# HQ follows runs in background threads; one per run, however often it is asked.
-_HQ_FOLLOWED = {}
-
-
-def hq_cmd_pipeline(shell, rest):
-    """/pipeline list|init|run NAME TOPIC|status [RUN]|resume|continue|cancel RUN|retry RUN W"""
-    usage = UsageError("usage: /pipeline list | init | run NAME TOPIC | status [RUN] | "
-                       "resume RUN | continue RUN | retry RUN WORKER | cancel RUN")
-    words = rest.split()
-    if not words:
-        raise usage
-    args = argparse.Namespace(pipeline_command=words[0], json=False, ref=None)
-    arities = {"list": (0,), "init": (0,), "status": (0, 1), "resume": (1,), "continue": (1,),
-               "cancel": (1,), "retry": (2,)}
-    if words[0] == "run" and len(words) >= 3:
-        args.name, args.topic = words[1], rest.split(None, 2)[2:]
-    elif len(words) - 1 in arities.get(words[0], ()):
-        args.ref = words[1] if len(words) > 1 else None
-        args.worker = words[2] if len(words) > 2 else None
-    else:
-        raise usage
-
-    def follow(orchestrator, name):
-        thread = _HQ_FOLLOWED.get(name)
-        if thread is not None and thread.is_alive():
-            shell.write("run %s is already being followed" % name)
-            return 0
-
-        def loop():
-            orchestrator.emit = shell.show
-            try:
-                outcome = orchestrator.drive(name, poll_interval=0.25,
-                                             should_stop=lambda: shell.done)
-            except FerrusError as err:
-                shell.show(HqMessage("error", "pipeline %s: %s" % (name, err.full_text())))
-                return
-            _pipeline_result(outcome, lambda text: shell.show(HqMessage("info", text)))
-        _HQ_FOLLOWED[name] = threading.Thread(target=loop, daemon=True)
-        _HQ_FOLLOWED[name].start()
-        shell.write("following run %s; /pipeline status %s shows it" % (name, name))
-        return 0
-    pipeline_command(shell.store, args, shell.write, follow)
-
-
 def cmd_serve(args, root):
     return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
-
-
-def did_you_mean(word, candidates):
-    """The known name closest to a mistyped one, or None (difflib; argparse suggests
-    only from Python 3.14 on)."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return close[0] if close else None
 
 
 class CliParser(argparse.ArgumentParser):
@@ -11620,13 +11647,7 @@ def build_parser():
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("register", help="configure agent CLIs to reach this ferrus")
-    p.add_argument("--supervisor", metavar="AGENT", help="agent for the supervisor role")
-    p.add_argument("--supervisor-model", metavar="M", help="model for the supervisor")
-    p.add_argument("--executor", metavar="AGENT", help="agent for the executor role")
-    p.add_argument("--executor-model", metavar="M", help="model for the executor")
-    p.add_argument("--trust", action="store_true",
-                   help="also mark this project trusted in the agents' user settings "
-                        "(Codex, Gemini, Qwen), so their `mcp list` shows it")
+    add_registration_options(p)
     p.set_defaults(run=cmd_register)
 
     p = sub.add_parser("unregister", help="remove what register wrote")
