@@ -10744,7 +10744,11 @@ def format_event(entry, color=False):
     change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
-    detail = entry.get("detail") or {}
+    detail = dict(entry.get("detail") or {})
+    if isinstance(detail.get("checks"), list):
+        # Each command's result in brief; its log path is in `ferrus log --json`.
+        detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
+                                    for c in detail["checks"] if isinstance(c, dict))
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
