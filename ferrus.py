@@ -1436,6 +1436,12 @@ class PipelinesConfig:
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+# [hq.<role>] tables: which agent (and model, permissions) plays each role.
+HQ_ROLES = ("supervisor", "executor")
+AGENT_CHOICE_KEYS = ("agent", "model", "permissions")
+# [agents.<name>] keys, and the argv templates of [agents.custom.<name>].
+AGENT_OPTION_LISTS = ("extra_args", "headless_args", "interactive_args")
+CUSTOM_AGENT_KEYS = ("interactive", "headless", "prompt", "version_args")
 
 
 @dataclasses.dataclass
@@ -1450,14 +1456,19 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
-    # A problem in [hq] only matters to commands that launch agents, so it is kept
+    # Problems in [hq] only matter to commands that launch agents, so they are kept
     # here instead of breaking check, submit and the waits (upstream bug §11.15).
-    hq_problem: "FerrusError | None" = None
+    hq_problems: list = dataclasses.field(default_factory=list)
     unknown_keys: list = dataclasses.field(default_factory=list)
     path: str = CONFIG_FILE
 
+    @property
+    def hq_problem(self):
+        """The first problem in [hq], or None."""
+        return self.hq_problems[0] if self.hq_problems else None
+
     def require_hq(self):
-        if self.hq_problem:
+        if self.hq_problems:
             raise self.hq_problem
         return self
 
@@ -1502,192 +1513,232 @@ def _describe_value(value):
         return "an array"
     if isinstance(value, dict):
         return "a table"
+    if isinstance(value, float):
+        return "%r (a number)" % value
+    if isinstance(value, (_dt.date, _dt.time)):
+        return "%s (a date or time)" % value.isoformat()
     return type(value).__name__
 
 
-def _fill_section(path, raw, name, target, unknown):
-    """Copy ``raw[name]`` into the dataclass instance ``target``, type-checked."""
+def _value_problem(current, value, limits):
+    """What ``value`` should have been, given the default it replaces; None if it fits."""
+    if isinstance(current, bool):
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(current, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "must be an integer"
+        low, high = limits
+        return None if low <= value <= high else "must be between %d and %d" % (low, high)
+    if isinstance(current, str):
+        return None if isinstance(value, str) else "must be a string"
+    if isinstance(current, list):
+        return None if _is_string_list(value) else "must be an array of strings"
+    return None
+
+
+def _is_string_list(value):
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _fill_section(path, raw, name, target, unknown, found):
+    """Copy ``raw[name]`` into the dataclass instance ``target``, type-checked.
+
+    Each bad value is appended to ``found`` (the default stays), each unknown key
+    to ``unknown``."""
     table = raw.get(name, {})
     if not isinstance(table, dict):
-        raise _config_error(path, name, "must be a table", table)
-    fields = {f.name: f for f in dataclasses.fields(target)}
-    # Unknown keys first, so a bad value earlier in the table does not hide them.
-    unknown.extend("%s.%s" % (name, key) for key in table if key not in fields)
+        found.append(_config_error(path, name, "must be a table", table))
+        return
+    fields = {f.name for f in dataclasses.fields(target)}
     for key, value in table.items():
-        if key not in fields:
-            continue
-        current = getattr(target, key)
         dotted = "%s.%s" % (name, key)
-        if isinstance(current, bool):
-            if not isinstance(value, bool):
-                raise _config_error(path, dotted, "must be true or false", value)
-        elif isinstance(current, int):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _config_error(path, dotted, "must be an integer", value)
-            low, high = _INT_LIMITS.get((name, key), (0, 2 ** 31))
-            if not low <= value <= high:
-                raise _config_error(path, dotted, "must be between %d and %d" % (low, high), value)
-        elif isinstance(current, str):
-            if not isinstance(value, str):
-                raise _config_error(path, dotted, "must be a string", value)
-        elif isinstance(current, list):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise _config_error(path, dotted, "must be an array of strings", value)
-        setattr(target, key, value)
+        if key not in fields:
+            unknown.append(dotted)
+            continue
+        problem = _value_problem(getattr(target, key), value,
+                                 _INT_LIMITS.get((name, key), (0, 2 ** 31)))
+        if problem:
+            found.append(_config_error(path, dotted, problem, value))
+        else:
+            setattr(target, key, value)
 
 
-def _parse_agent_choice(path, role, value, known_agents):
-    permissions = ""
-    if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
-        agent, model = value, ""
+def _parse_hq_table(path, hq, config, unknown):
+    """[hq]: the agent of each role.  Its problems go to ``config.hq_problems``."""
+    if not isinstance(hq, dict):
+        config.hq_problems.append(_config_error(path, "hq", "must be a table", hq))
+        return
+    known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
+    for key, value in hq.items():
+        if key not in HQ_ROLES:
+            unknown.append("hq.%s" % key)
+            continue
+        choice, problems = _parse_agent_choice(path, key, value, known_agents, unknown)
+        setattr(config, key, choice)
+        config.hq_problems.extend(problems)
+
+
+def _parse_agent_choice(path, role, value, known_agents, unknown):
+    """``[hq.<role>]`` (or the legacy ``[hq] <role> = "agent"``): (choice, problems)."""
+    where = "hq.%s" % role
+    if isinstance(value, str):
+        agent, model, permissions = value, "", ""
     elif isinstance(value, dict):
+        unknown.extend("%s.%s" % (where, key) for key in value if key not in AGENT_CHOICE_KEYS)
         agent = value.get("agent")
         model = value.get("model", "")
         permissions = value.get("permissions", "")
-        if not isinstance(agent, str):
-            raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
+        problems = []
+        if agent is None:
+            problems.append(_config_error(path, where, "needs `agent = \"<agent name>\"`"))
+        elif not isinstance(agent, str):
+            problems.append(_config_error(path, where + ".agent", "must be an agent name string",
+                                          agent))
         if not isinstance(model, str):
-            raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+            problems.append(_config_error(path, where + ".model", "must be a string", model))
         if permissions not in PERMISSION_PROFILES + ("",):
-            raise _config_error(path, "hq.%s.permissions" % role, "must be one of %s" % ", ".join(
-                json.dumps(p) for p in PERMISSION_PROFILES), permissions)
+            problems.append(_config_error(
+                path, where + ".permissions", "must be one of %s" % ", ".join(
+                    json.dumps(p) for p in PERMISSION_PROFILES), permissions))
+        if problems:
+            return None, problems
     else:
-        raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
+        return None, [_config_error(path, where, "must be a table with `agent` (or a string)",
+                                    value)]
     agent = canonical_agent(agent) if agent.strip() not in known_agents else agent.strip()
     if agent not in known_agents:
-        return None, FerrusError(
-            "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
+        return None, [FerrusError(
+            "%s: [%s] agent %s is unknown" % (path, where, json.dumps(agent)),
             "use one of: %s (or describe it under [agents.custom.<name>])"
-            % ", ".join(known_agents))
-    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), None
+            % ", ".join(known_agents))]
+    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), []
 
 
-def _string_list(path, key, value):
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _config_error(path, key, "must be an array of strings", value)
-    return list(value)
-
-
-def _parse_agent_sections(path, agents, target):
-    """``[agents.<name>]`` options and ``[agents.custom.<name>]`` descriptions."""
-    for name, table in agents.items():
-        if name in ("path", "custom") or not isinstance(table, dict):
-            continue
-        agent = "claude-code" if name == "claude" else name
-        options = AgentOptions()
-        for key, value in table.items():
-            dotted = "agents.%s.%s" % (name, key)
-            if key in ("extra_args", "headless_args", "interactive_args"):
-                setattr(options, key, _string_list(path, dotted, value))
-            elif key == "env":
-                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                    raise _config_error(path, dotted, "must be a table of strings", value)
-                options.env = dict(value)
-            elif not (key == "mcp_isolation" and agent == "claude-code"):
-                raise _config_error(path, dotted, "is not a known agent option (extra_args, "
-                                    "headless_args, interactive_args, env)")
-        target.options[agent] = options
+def _parse_agents_table(path, agents, target, unknown, found):
+    """``[agents]``: ``path``, ``[agents.<name>]`` options, ``[agents.custom.<name>]``."""
+    if not isinstance(agents, dict):
+        found.append(_config_error(path, "agents", "must be a table", agents))
+        return
+    if "path" in agents:
+        if isinstance(agents["path"], str):
+            target.path = agents["path"]
+        else:
+            found.append(_config_error(path, "agents.path", "must be a string", agents["path"]))
     custom = agents.get("custom", {})
-    if not isinstance(custom, dict):
-        raise _config_error(path, "agents.custom", "must be a table of agent tables", custom)
+    if isinstance(custom, dict):
+        _parse_custom_agents(path, custom, target, unknown, found)
+    else:
+        found.append(_config_error(path, "agents.custom", "must be a table of agent tables",
+                                   custom))
+        custom = {}
+    # Options may name a custom agent whose own table is broken: that error is enough.
+    known_agents = BUILTIN_AGENTS + tuple(custom)
+    for name, table in agents.items():
+        if name in ("path", "custom"):
+            continue
+        agent = name if name in custom else canonical_agent(name)
+        if agent not in known_agents:
+            unknown.append("agents.%s" % name)
+        elif not isinstance(table, dict):
+            found.append(_config_error(path, "agents.%s" % name, "must be a table", table))
+        else:
+            target.options[agent] = _parse_agent_options(path, name, agent, table, target,
+                                                         unknown, found)
+
+
+def _parse_agent_options(path, name, agent, table, target, unknown, found):
+    """``[agents.<name>]``: flags and environment added to an agent's launches."""
+    options = AgentOptions()
+    for key, value in table.items():
+        dotted = "agents.%s.%s" % (name, key)
+        if key in AGENT_OPTION_LISTS:
+            if _is_string_list(value):
+                setattr(options, key, list(value))
+            else:
+                found.append(_config_error(path, dotted, "must be an array of strings", value))
+        elif key == "env":
+            if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+                options.env = dict(value)
+            else:
+                found.append(_config_error(path, dotted, "must be a table of strings", value))
+        elif key == "mcp_isolation" and agent == "claude-code":
+            if value in CLAUDE_MCP_ISOLATION:
+                target.claude_mcp_isolation = value
+            else:
+                # Upstream silently treated typos as merge-user (bug §11.15).
+                found.append(_config_error(path, dotted, "must be \"merge-user\" or "
+                                           "\"ferrus-only\"", value))
+        else:
+            unknown.append(dotted)
+    return options
+
+
+def _parse_custom_agents(path, custom, target, unknown, found):
+    """``[agents.custom.<name>]``: agent CLIs described by argv templates."""
     for name, table in custom.items():
         where = "agents.custom.%s" % name
         if not isinstance(table, dict):
-            raise _config_error(path, where, "must be a table", table)
+            found.append(_config_error(path, where, "must be a table", table))
+            continue
+        problems = []
         if name in BUILTIN_AGENTS:
-            raise _config_error(path, where, "must not reuse a built-in agent name")
+            problems.append(_config_error(path, where, "must not reuse a built-in agent name"))
         missing = [k for k in ("interactive", "headless") if k not in table]
         if missing:
-            raise _config_error(path, where, "needs %s (argv templates)" % " and ".join(missing))
-        spec = CustomAgentSpec(name=name,
-                               interactive=_string_list(path, where + ".interactive",
-                                                        table["interactive"]),
-                               headless=_string_list(path, where + ".headless", table["headless"]))
-        if not spec.interactive or not spec.headless:
-            raise _config_error(path, where, "argv templates must not be empty")
-        if "prompt" in table:
-            if table["prompt"] not in ("argv", "stdin"):
-                raise _config_error(path, where + ".prompt", "must be \"argv\" or \"stdin\"",
-                                    table["prompt"])
-            spec.prompt = table["prompt"]
-        if "version_args" in table:
-            spec.version_args = _string_list(path, where + ".version_args", table["version_args"])
-        unknown = set(table) - {"interactive", "headless", "prompt", "version_args"}
-        if unknown:
-            raise _config_error(path, where, "has unknown keys: %s" % ", ".join(sorted(unknown)))
-        target.custom[name] = spec
+            problems.append(_config_error(path, where, "needs %s (argv templates)"
+                                          % " and ".join(missing)))
+        for key in ("interactive", "headless", "version_args"):
+            value = table.get(key, ["-"])
+            if not _is_string_list(value):
+                problems.append(_config_error(path, "%s.%s" % (where, key),
+                                              "must be an array of strings", value))
+            elif not value and key != "version_args":
+                problems.append(_config_error(path, "%s.%s" % (where, key),
+                                              "must not be empty (an argv template)"))
+        if table.get("prompt", "argv") not in ("argv", "stdin"):
+            problems.append(_config_error(path, where + ".prompt", "must be \"argv\" or \"stdin\"",
+                                          table["prompt"]))
+        unknown.extend("%s.%s" % (where, key) for key in table if key not in CUSTOM_AGENT_KEYS)
+        found.extend(problems)
+        if not problems:
+            spec = CustomAgentSpec(name=name, interactive=list(table["interactive"]),
+                                   headless=list(table["headless"]),
+                                   prompt=table.get("prompt", "argv"))
+            if "version_args" in table:
+                spec.version_args = list(table["version_args"])
+            target.custom[name] = spec
 
 
 def parse_config(text, path=CONFIG_FILE, problems=None):
     """Build a validated :class:`Config` from ferrus.toml text.
 
-    Every table is checked.  The first error is raised, unless ``problems`` is a
-    list: then each table's error is appended to it and parsing goes on, so
-    `ferrus doctor` can list them all at once."""
+    Every table is checked and every bad value found.  The first error is raised,
+    unless ``problems`` is a list: then each error is appended to it and the bad
+    values keep their defaults, so `ferrus doctor` can list them all at once.
+    Problems in [hq] are kept in ``config.hq_problems`` either way (only commands
+    that launch agents need [hq]); unknown keys in ``config.unknown_keys``."""
     try:
         raw = parse_toml(text)
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
                           "fix the syntax at that line (`ferrus init` in an empty folder writes a "
-                          "commented example; the README's ferrus.toml section lists every key)")
+                          "commented example; the README's ferrus.toml section lists every key)"
+                          ) from None
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
-
-    def checked(parse, *args):
-        try:
-            parse(*args)
-        except FerrusError as err:
-            found.append(err)
     for name in PLAIN_TABLES:
-        checked(_fill_section, path, raw, name, getattr(config, name), unknown)
-    agents = raw.get("agents", {})
-    if not isinstance(agents, dict):
-        found.append(_config_error(path, "agents", "must be a table", agents))
-        agents = {}
-    checked(_parse_agents_table, path, agents, config)
-    known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
-    hq = raw.get("hq")
-    if hq is not None:
-        if not isinstance(hq, dict):
-            config.hq_problem = _config_error(path, "hq", "must be a table", hq)
-        else:
-            for role in ("supervisor", "executor"):
-                if role not in hq:
-                    continue
-                try:
-                    choice, problem = _parse_agent_choice(path, role, hq[role], known_agents)
-                except FerrusError as err:
-                    choice, problem = None, err
-                setattr(config, role, choice)
-                config.hq_problem = config.hq_problem or problem
-    for name in raw:
-        if name not in KNOWN_TABLES:
-            unknown.append(name)
+        _fill_section(path, raw, name, getattr(config, name), unknown, found)
+    _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
+    _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
-        first = found[0]
-        if len(found) > 1:
+        first, count = found[0], len(found) + len(config.hq_problems)
+        if count > 1:
             raise FerrusError(first.message, "%s; `ferrus doctor` lists all %d problems in %s"
-                              % (first.hint, len(found), path))
+                              % (first.hint, count, path))
         raise first
     return config
-
-
-def _parse_agents_table(path, agents, config):
-    if "path" in agents:
-        if not isinstance(agents["path"], str):
-            raise _config_error(path, "agents.path", "must be a string", agents["path"])
-        config.agents.path = agents["path"]
-    claude = agents.get("claude", {})
-    if not isinstance(claude, dict):
-        raise _config_error(path, "agents.claude", "must be a table", claude)
-    isolation = claude.get("mcp_isolation", "merge-user")
-    if isolation not in CLAUDE_MCP_ISOLATION:
-        # Upstream silently treated typos as merge-user (bug §11.15).
-        raise _config_error(path, "agents.claude.mcp_isolation",
-                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
-    config.agents.claude_mcp_isolation = isolation
-    _parse_agent_sections(path, agents, config.agents)
 
 
 def load_config(root):
@@ -1697,7 +1748,7 @@ def load_config(root):
         text = read_text(path)
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (CONFIG_FILE, root),
-                          "run `ferrus init` in the project root first")
+                          "run `ferrus init` in the project root first") from None
     return parse_config(text, CONFIG_FILE)
 
 
@@ -9917,9 +9968,9 @@ def config_findings(root):
     except FerrusError as err:          # not valid TOML: nothing else can be checked
         return [Finding(err.message, err.hint or "fix ferrus.toml")]
     findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
-    if config.hq_problem:
-        findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
-    else:
+    findings.extend(Finding(err.message, err.hint or "fix [hq] in ferrus.toml")
+                    for err in config.hq_problems)
+    if not config.hq_problems:
         for role in ROLES:
             for text, hint in permission_warnings(config, role):
                 findings.append(Finding(text, hint, severity="warning"))
@@ -11255,7 +11306,10 @@ def cmd_status(args, root):
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
                                       color)))
-        rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
+        hint = config_error.hint or ""
+        if "ferrus doctor" not in hint:
+            hint += " (`ferrus doctor` lists every problem)"
+        rows.append(("", "fix: %s" % hint))
     for note in notes:
         rows.append(("config", _paint("warning: " + terminal_safe(note), "33", color)))
     width = max(len(label) for label, _ in rows)
