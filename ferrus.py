@@ -1488,7 +1488,8 @@ def _config_error(path, key, expected, got=None, line=None):
     message = "%s %s" % (where, expected)
     if got is not None:
         message += ", got %s" % _describe_value(got)
-    return FerrusError(message, "edit %s and fix that value (see README: ferrus.toml reference)" % path)
+    return FerrusError(message, "edit %s and fix that value (docs/REFERENCE.md, section "
+                                "ferrus.toml, lists every key)" % path)
 
 
 def _describe_value(value):
@@ -1629,7 +1630,7 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
                           "fix the syntax at that line (`ferrus init` in an empty folder writes a "
-                          "commented example; the README's ferrus.toml section lists every key)")
+                          "commented example; docs/REFERENCE.md, section ferrus.toml, lists every key)")
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
@@ -9601,7 +9602,7 @@ CONSULT_TEMPLATE = """## Problem
 def default_config_text(agents_path=".agents"):
     return """\
 # ferrus configuration.  Every key is optional unless noted; the values shown
-# are the defaults.  Reference: README.md, section "ferrus.toml".
+# are the defaults.  Reference: docs/REFERENCE.md, section "ferrus.toml".
 
 [checks]
 # The check gate: commands that must all exit 0 before work can be submitted,
@@ -9925,7 +9926,8 @@ def config_findings(root):
                 findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                "check its spelling against the README", severity="warning"))
+                                "check its spelling against docs/REFERENCE.md, section "
+                                "ferrus.toml", severity="warning"))
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
