@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -215,10 +214,16 @@ def json_for_terminal(text):
     return _TERMINAL_CONTROLS.sub(lambda match: "\\u%04x" % ord(match.group()), text)
 
 
+def random_hex(nbytes):
+    """``nbytes`` random bytes from the OS as hex: what ``secrets.token_hex`` does,
+    without importing secrets (hmac, hashlib) into every start-up."""
+    return os.urandom(nbytes).hex()
+
+
 def new_id(prefix):
     """A short unique id such as ``t-20261123T085200-3fa2c1``."""
     stamp = utc_now().strftime("%Y%m%dT%H%M%S")
-    return "%s-%s-%s" % (prefix, stamp, secrets.token_hex(3))
+    return "%s-%s-%s" % (prefix, stamp, random_hex(3))
 
 
 def did_you_mean(word, candidates):
@@ -3313,7 +3318,7 @@ class CheckProcessRecord:
 
     def __init__(self, directory, check_id, command):
         self.path = os.path.join(directory, check_id + ".json")
-        self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
+        self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
         self.window = None
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
@@ -3475,7 +3480,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     file names them all.  ``cancel`` (a threading.Event) stops the run and kills
     the process groups."""
     os.makedirs(log_dir, exist_ok=True)
-    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), secrets.token_hex(3))
+    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
     root = os.path.abspath(root)
     results = []
@@ -9254,7 +9259,7 @@ class PipelineOrchestrator:
                                         run.file(worker.output))
         self._step(run, worker.role, SessionEvent("PromptReady", prompt))
         run.status["retry_count"] += bool(entry["attempts"])
-        token = secrets.token_hex(4)
+        token = random_hex(4)
         entry.update(status="spawning", token=token, attempts=entry["attempts"] + 1, pid=None,
                      session="pipeline:%s:%s:%s" % (run.name, worker.role, token),
                      started_at=self._now(), retry_at=None)
