@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -215,10 +214,16 @@ def json_for_terminal(text):
     return _TERMINAL_CONTROLS.sub(lambda match: "\\u%04x" % ord(match.group()), text)
 
 
+def random_hex(nbytes):
+    """``nbytes`` random bytes from the OS as hex: what ``secrets.token_hex`` does,
+    without importing secrets (hmac, hashlib) into every start-up."""
+    return os.urandom(nbytes).hex()
+
+
 def new_id(prefix):
     """A short unique id such as ``t-20261123T085200-3fa2c1``."""
     stamp = utc_now().strftime("%Y%m%dT%H%M%S")
-    return "%s-%s-%s" % (prefix, stamp, secrets.token_hex(3))
+    return "%s-%s-%s" % (prefix, stamp, random_hex(3))
 
 
 def did_you_mean(word, candidates):
@@ -1499,7 +1504,8 @@ def _config_error(path, key, expected, got=None, line=None):
     message = "%s %s" % (where, expected)
     if got is not None:
         message += ", got %s" % _describe_value(got)
-    return FerrusError(message, "edit %s and fix that value (see README: ferrus.toml reference)" % path)
+    return FerrusError(message, "edit %s and fix that value (docs/REFERENCE.md, section "
+                                "ferrus.toml, lists every key)" % path)
 
 
 def _describe_value(value):
@@ -1722,8 +1728,8 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
                           "fix the syntax at that line (`ferrus init` in an empty folder writes a "
-                          "commented example; the README's ferrus.toml section lists every key)"
-                          ) from None
+                          "commented example; docs/REFERENCE.md, section ferrus.toml, lists every "
+                          "key)") from None
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
@@ -3363,7 +3369,7 @@ class CheckProcessRecord:
 
     def __init__(self, directory, check_id, command):
         self.path = os.path.join(directory, check_id + ".json")
-        self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
+        self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
         self.window = None
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
@@ -3525,7 +3531,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     file names them all.  ``cancel`` (a threading.Event) stops the run and kills
     the process groups."""
     os.makedirs(log_dir, exist_ok=True)
-    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), secrets.token_hex(3))
+    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
     root = os.path.abspath(root)
     results = []
@@ -9304,7 +9310,7 @@ class PipelineOrchestrator:
                                         run.file(worker.output))
         self._step(run, worker.role, SessionEvent("PromptReady", prompt))
         run.status["retry_count"] += bool(entry["attempts"])
-        token = secrets.token_hex(4)
+        token = random_hex(4)
         entry.update(status="spawning", token=token, attempts=entry["attempts"] + 1, pid=None,
                      session="pipeline:%s:%s:%s" % (run.name, worker.role, token),
                      started_at=self._now(), retry_at=None)
@@ -9652,7 +9658,7 @@ CONSULT_TEMPLATE = """## Problem
 def default_config_text(agents_path=".agents"):
     return """\
 # ferrus configuration.  Every key is optional unless noted; the values shown
-# are the defaults.  Reference: README.md, section "ferrus.toml".
+# are the defaults.  Reference: docs/REFERENCE.md, section "ferrus.toml".
 
 [checks]
 # The check gate: commands that must all exit 0 before work can be submitted,
@@ -9976,7 +9982,8 @@ def config_findings(root):
                 findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                "check its spelling against the README", severity="warning"))
+                                "check its spelling against docs/REFERENCE.md, section "
+                                "ferrus.toml", severity="warning"))
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
