@@ -2797,10 +2797,9 @@ class Store:
             fsync_directory(self.dir)
         return True
 
-    def read_journal(self, after_seq=0, limit=None, where=None):
+    def read_journal(self, after_seq=0, limit=None):
         """Journal entries with seq > after_seq (the last ``limit`` when given), oldest
         first, read from the end, so a short tail is cheap however long the journal.
-        ``where(entry)``, when given, picks the entries that count.
 
         Lines that do not parse (a torn write) are skipped here; doctor reports them."""
         if limit is not None and limit <= 0:
@@ -2809,8 +2808,7 @@ class Store:
         for entry in self.journal_entries_backwards():
             if entry["seq"] <= after_seq or (limit is not None and len(entries) >= limit):
                 break
-            if where is None or where(entry):
-                entries.append(entry)
+            entries.append(entry)
         entries.reverse()
         return entries
 
@@ -2903,6 +2901,22 @@ def is_bookkeeping(entry):
 def is_story(entry):
     """The journal entries a person reading what happened wants (not bookkeeping)."""
     return not is_bookkeeping(entry)
+
+
+def journal_story(store, count, everything=False):
+    """The last ``count`` journal entries, oldest first, bookkeeping left out unless
+    ``everything``.  At most 20 entries per wanted one (and 500) are looked at, so a
+    journal of a million heartbeats costs what a short one does; fewer may come back."""
+    if everything:
+        return store.read_journal(limit=count)
+    entries = []
+    for entry in itertools.islice(store.journal_entries_backwards(), 20 * count + 500):
+        if len(entries) >= count:
+            break
+        if is_story(entry):
+            entries.append(entry)
+    entries.reverse()
+    return entries
 
 
 # ============================================================================
@@ -11082,7 +11096,7 @@ class HqShell:
         if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
             raise UsageError("usage: /log [N] [--all]")
         count = int(numbers[0]) if numbers else 20
-        entries = self.store.read_journal(limit=count, where=None if everything else is_story)
+        entries = journal_story(self.store, count, everything)
         for entry in entries:
             self.write(format_event(entry))
         if not entries:
@@ -11927,11 +11941,11 @@ def cmd_status(args, root):
 
 def cmd_log(args, root):
     store = Store(root).require()
-    wanted = None if args.all else is_story
+    wanted = None if getattr(args, "all", False) else is_story
     if args.n is None:
         entries = (e for e in store.journal_entries() if wanted is None or wanted(e))
     else:
-        entries = store.read_journal(limit=args.n, where=wanted)
+        entries = journal_story(store, args.n, everything=wanted is None)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -11942,7 +11956,7 @@ def cmd_log(args, root):
         last = entry["seq"]
     if not last and not args.follow and not args.json:
         print("(the journal is empty: nothing has happened yet)" if not store.last_journal_seq()
-              else "(only bookkeeping entries so far; `ferrus log --all` shows them)")
+              else "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
     if not args.follow:
         return 0
     last = max(last, store.last_journal_seq())
