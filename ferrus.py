@@ -22,7 +22,7 @@ Contents (each section uses only the sections above it):
      6. Session state machine ... supervising one agent slot, pure
      7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
-     9. Checks .................. the check runner
+     9. Checks .................. the check runner; git: a task's base and diff
     10. Specs ................... spec and milestone parsing, selection, completion
     11. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
     12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
