@@ -11888,16 +11888,22 @@ class CursesHq(HqShell):
         def react(key):
             page = max(1, self.scr.getmaxyx()[0] - 4)
             moves = {curses.KEY_UP: 1, "k": 1, curses.KEY_DOWN: -1, "j": -1,
-                     curses.KEY_PPAGE: page, curses.KEY_NPAGE: -page, " ": -page,
-                     curses.KEY_HOME: len(lines) * 8, curses.KEY_END: -len(lines) * 8}
+                     curses.KEY_PPAGE: page, "b": page, curses.KEY_NPAGE: -page, " ": -page,
+                     curses.KEY_HOME: len(lines) * 8, "g": len(lines) * 8,
+                     curses.KEY_END: -len(lines) * 8, "G": -len(lines) * 8}
             if key in moves:
                 self.scroll = max(0, self.scroll + moves[key])
                 return ...
-            return None if key in ("q", "Q", "\x1b", "\x03", "\r", "\n", curses.KEY_ENTER) \
-                else ...
+            if key == "\x1b":
+                if self.getkey(30) is None:
+                    return None                  # a lone Esc closes
+                while self.getkey(0) is not None:
+                    pass                         # a key curses did not decode: ignored
+                return ...
+            return None if key in ("q", "Q", "\x03", "\r", "\n", curses.KEY_ENTER) else ...
         self.view = lines
         try:
-            self._modal("%s — ↑↓ PgUp/PgDn Home/End move · q closes" % title, react)
+            self._modal("%s — ↑↓ PgUp/PgDn Home/End (g/G) move · q closes" % title, react)
         finally:
             self.view, self.scroll = None, saved_scroll
         self.write("(%s: %d lines shown in the pager)" % (title, len(lines)))

@@ -377,3 +377,35 @@ def test_the_fast_stat_counts_new_files_as_git_does(repo, store):
     assert fast == full
     assert {f["path"]: f["added"] for f in fast}["no_newline.txt"] == 2
     assert {f["path"]: f["binary"] for f in fast}["blob.bin"] is True
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_curses_hq_diff_is_a_coloured_pager(repo, store, tmp_path):
+    import re
+    from test_hq_curses import Pane
+    create(store)
+    write(repo, "app.py", "".join("print(%d)\n" % i for i in range(300)))
+    pane = Pane(repo, tmp_path)
+    try:
+        pane.wait_for("Resume it?")
+        pane.keys("n")
+        pane.wait_for("Not resuming")
+        pane.type("/diff", "Enter")
+        screen = pane.wait_for("q closes")
+        assert any(line.startswith("Task t-") and "diff:" in line for line in screen)
+        assert re.search(r"\x1b\[(\d+;)*32m\+print\(0\)", "\n".join(pane.lines(escapes=True)))
+        pane.keys("NPage")
+        pane.wait(lambda lines: not any(line.startswith("Task t-") for line in lines),
+                  what="the next page")
+        pane.keys("G")
+        pane.wait_for("+print(299)")
+        pane.keys("Escape", "[", "4", "~")       # an undecoded key sequence is ignored
+        pane.wait_for("q closes")
+        pane.keys("q")
+        screen = pane.wait_for("lines shown in the pager")
+        assert not any("q closes" in line for line in screen)
+        pane.keys("C-c")
+        pane.keys("C-c")
+        assert pane.exited() == 0
+    finally:
+        pane.close()
