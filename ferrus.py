@@ -155,7 +155,7 @@ def parse_timestamp(text):
                               tzinfo=_dt.timezone(offset))
         return moment.astimezone(_dt.timezone.utc)
     except OverflowError:
-        raise ValueError("timestamp out of range: %r" % (text,))
+        raise ValueError("timestamp out of range: %r" % (text,)) from None
 
 
 def format_duration(seconds):
@@ -454,7 +454,7 @@ def open_inside(base, *parts):
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise link_refused
+            raise link_refused from err
         raise
     try:
         if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
@@ -626,14 +626,11 @@ except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
 class TomlError(ValueError):
     """A TOML document that cannot be read, or an edit this section cannot make.
 
-    ``line`` is the 1-based line of the problem (None when unknown) and
-    ``detail`` says what is wrong, so callers can phrase their own message.
-    """
+    The message is ``line <n>: <what is wrong>`` (n 1-based), or only what is
+    wrong when the line is unknown."""
 
     def __init__(self, detail, line=None):
         super().__init__("line %s: %s" % (line, detail) if line else detail)
-        self.line = line
-        self.detail = detail
 
 
 _TOML_TOMLLIB_WHERE = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
@@ -1138,11 +1135,6 @@ def _toml_clash(pair, full, target, what):
     if len(full) > len(target) or (full == target and len(pair.key) > 1):
         return _toml_cannot(pair, what, "it is made by dotted keys on this line")
     return _toml_cannot(pair, what, "the value set on this line is in the way")
-
-
-def toml_table_names(text):
-    """The key parts of every ``[table]`` header, in document order."""
-    return [head.header for head, _ in _toml_sections(text)[1:] if not head.array]
 
 
 def _toml_locate(text, table, key):
@@ -1910,9 +1902,9 @@ class StateData:
             json.dumps(raw, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise StateCorrupt("%s holds a \\u escape that is no character (a lone surrogate)"
-                               % where)
+                               % where) from None
         except (ValueError, RecursionError) as err:
-            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
+            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err)) from err
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
@@ -1927,7 +1919,7 @@ class StateData:
             try:
                 setattr(data, key, _coerce_state_field(key, value))
             except (TypeError, ValueError) as err:
-                raise StateCorrupt("%s field %r: %s" % (where, key, err))
+                raise StateCorrupt("%s field %r: %s" % (where, key, err)) from err
         return data
 
 
@@ -1953,7 +1945,7 @@ def _coerce_state_field(key, value):
             return TaskState(value)
         except ValueError:
             raise ValueError("unknown state %r (expected one of %s)"
-                             % (value, ", ".join(s.value for s in TaskState)))
+                             % (value, ", ".join(s.value for s in TaskState))) from None
     if key in _STATE_INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("must be a non-negative integer, got %r" % (value,))
@@ -1969,15 +1961,6 @@ def _coerce_state_field(key, value):
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
-
-
-def is_claimed(data, now):
-    deadline = lease_deadline(data)
-    return deadline is not None and now < deadline
-
-
-def is_claimed_by(data, agent_id, now):
-    return data.claimed_by == agent_id and is_claimed(data, now)
 
 
 def claim(data, agent_id, now, ttl_secs):
@@ -4000,7 +3983,7 @@ def op_create_spec(store, caller, markdown):
     try:
         directory = spec_directory(store.root, config)
     except FerrusError as err:
-        raise FerrusError("Cannot create spec: " + err.message, err.hint)
+        raise FerrusError("Cannot create spec: " + err.message, err.hint) from err
     os.makedirs(directory, exist_ok=True)
     stem = "%s-%s" % (store.clock().strftime("%Y-%m-%d"), slugify(spec_title(markdown)))
     text = markdown if markdown.endswith("\n") else markdown + "\n"
@@ -5210,7 +5193,7 @@ def open_in_ferrus_dir(store, *parts):
     try:
         return open_inside(store.path(), *parts)
     except UnsafePath as err:
-        raise ResourceNotFound(err.message, err.hint)
+        raise ResourceNotFound(err.message, err.hint) from err
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
@@ -5260,7 +5243,8 @@ def read_log_window(store, uri):
         handle = open_in_ferrus_dir(store, "logs", name)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ResourceNotFound("Resource not found: %s" % uri,
-                               "the log may have been removed; a check run writes new ones")
+                               "the log may have been removed; a check run writes new ones"
+                               ) from None
     with handle:
         size = os.fstat(handle.fileno()).st_size
         if query:
@@ -5333,7 +5317,7 @@ def read_resource(store, uri):
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
             raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
-                                   % (uri, filename))
+                                   % (uri, filename)) from None
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
 
 
@@ -5562,7 +5546,7 @@ class FerrusMcpServer:
                 if start < 0 or start > len(items):
                     raise ValueError
             except (ValueError, TypeError, UnicodeError):
-                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,))
+                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,)) from None
         page = items[start:start + self.PAGE_SIZE]
         result = {key: page}
         if start + self.PAGE_SIZE < len(items):
@@ -5721,11 +5705,11 @@ class FerrusMcpServer:
         except ResourceNotFound as err:
             # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.full_text(), {"uri": uri})
+            raise RpcError(code, err.full_text(), {"uri": uri}) from err
         except (OSError, FerrusError) as err:
             text = err.full_text() if isinstance(err, FerrusError) else \
                 os_error_text("resources/read", err)
-            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri}) from err
         result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
@@ -5743,9 +5727,9 @@ class FerrusMcpServer:
         try:
             text = render_prompt(self.store, name)
         except FerrusError as err:
-            raise RpcError(INTERNAL_ERROR, err.full_text())
+            raise RpcError(INTERNAL_ERROR, err.full_text()) from err
         except OSError as err:
-            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err)) from err
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
@@ -6270,10 +6254,10 @@ def edit_json_file(path, mutate, what=None):
                 "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
                 "the file" % label,
                 "remove the comments from %s and run the command again; nothing was written"
-                % path)
+                % path) from err
         raise FerrusError("Failed to parse %s: %s" % (label, err),
                           "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
-                          "nothing was written")
+                          "nothing was written") from err
     if not isinstance(data, dict):
         raise FerrusError("%s root is not a JSON object" % label,
                           "fix or remove the file; nothing was written")
@@ -6736,7 +6720,7 @@ class Codex(AgentAdapter):
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
             raise FerrusError(".codex/config.toml: %s" % err,
-                              "fix the file by hand first; nothing was written")
+                              "fix the file by hand first; nothing was written") from err
         if new != text:
             planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
@@ -6751,7 +6735,7 @@ class Codex(AgentAdapter):
                 new = toml_remove_table(text, ("mcp_servers", server_key(role)))
             except TomlError as err:
                 raise FerrusError(".codex/config.toml: %s" % err,
-                                  "fix the file by hand first; nothing was written")
+                                  "fix the file by hand first; nothing was written") from err
             if new != text:
                 planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
@@ -7130,7 +7114,7 @@ def update_hq_config(root, role, agent, model, report):
             text = toml_set_key(text, ("hq", role), "model", "")
     except TomlError as err:
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
-                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
@@ -7149,7 +7133,7 @@ def trust_project(adapter, root, report):
         except TomlError as err:
             raise FerrusError("%s: %s" % (path, err),
                               "fix the file by hand first, or register without --trust; "
-                              "nothing was written")
+                              "nothing was written") from err
         if new != text:
             planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
@@ -7490,15 +7474,6 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     return None
 
 
-def supervisor_prompt_for(data, resuming=False):
-    """The headless supervisor's prompt: reviewer or consultant, or None."""
-    if data.state == S.REVIEWING:
-        return prompt_reviewer()
-    if data.state == S.CONSULTATION:
-        return prompt_consultant(resuming)
-    return None
-
-
 # ============================================================================
 # 14. Sessions
 # ============================================================================
@@ -7721,7 +7696,7 @@ class OrchestratorLock:
                 % describe_orchestrator(holder),
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
-                "along safely)")
+                "along safely)") from None
         self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
@@ -7896,7 +7871,6 @@ class HqController:
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
-        self.last_gate = None
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
         self.last_state = None
@@ -8042,7 +8016,6 @@ class HqController:
         signals = self.signals(extra_parallel)
         tier, action, worst = classify(signals, limits)
         record = gate_record(target, tier, action, signals, limits, worst)
-        self.last_gate = record
         with contextlib.suppress(FerrusError, OSError):
             self.store.append_event("hq", "gate", record)
         if action in (CHECKPOINT, EMERGENCY_STOP):
@@ -8684,7 +8657,7 @@ def parse_workflows(text, path, known_agents=None):
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
                           "fix the syntax (`ferrus pipeline init` in a project without a workflows "
-                          "file writes a valid example)")
+                          "file writes a valid example)") from err
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -8772,7 +8745,7 @@ def read_workflows(root, config):
         text = read_text(os.path.join(root, name))
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (name, root),
-                          "`ferrus pipeline init` writes an example to edit")
+                          "`ferrus pipeline init` writes an example to edit") from None
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
@@ -8962,7 +8935,8 @@ def read_run(store, ref, with_definition=False):
         if not 0 <= status["current_phase"] < len(status["phases"]):
             raise IndexError("current_phase %r is not a phase" % status["current_phase"])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err), hint)
+        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err),
+                          hint) from err
     run = PipelineRun(name, path, archived, status)
     if with_definition:
         snapshot = os.path.join(path, "workflow.json")
@@ -10701,7 +10675,7 @@ class HqShell:
         except OSError as err:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
-                              adapter.install_hint())
+                              adapter.install_hint()) from err
         # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
         # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
         previous = None
@@ -11446,7 +11420,7 @@ def cmd_check(args, root):
             raise
         # The agents' message cannot mention a CLI flag; the human at the shell can use it.
         raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
-                                       "and changes nothing")
+                                       "and changes nothing") from err
     say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -11534,7 +11508,7 @@ def cmd_run(args, root):
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT")
+                              "the current folder, or pass the task as --task TEXT") from err
     interactive = sys.stdin.isatty()
 
     def ask(question):
