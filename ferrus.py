@@ -20,7 +20,7 @@ Contents (each section uses only the sections above it):
      4. Config .................. ferrus.toml as validated dataclasses
      5. Task state machine ...... states, the transition table, pure transitions, leases
      6. Session state machine ... supervising one agent slot, pure
-     7. Capacity gates .......... seed 004: usage signals to tier and action, pure
+     7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
      9. Checks .................. the check runner
     10. Specs ................... spec and milestone parsing, selection, completion
@@ -28,7 +28,7 @@ Contents (each section uses only the sections above it):
     12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
     13. Agents .................. one adapter per agent CLI, register, prompts for every mode
     14. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
-    15. Pipelines ............... seed 003: workflows.json, status.json, the reconcile loop
+    15. Pipelines ............... workflows.json, status.json, the reconcile loop
     16. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
     17. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
     18. HQ front ends ........... the plain-line shell and the curses screen over the controller
@@ -1414,7 +1414,7 @@ class CapacityConfig:
 
 @dataclasses.dataclass
 class SessionsConfig:
-    """[sessions]: how HQ supervises each agent slot (seed 001)."""
+    """[sessions]: how HQ supervises each agent slot (ARCHITECTURE.md, 'Session state machine')."""
 
     max_consecutive_errors: int = 5
     max_total_errors: int = 20
@@ -1454,7 +1454,8 @@ class Config:
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # Problems in [hq] only matter to commands that launch agents, so they are kept
-    # here instead of breaking check, submit and the waits (upstream bug §11.15).
+    # here instead of breaking check, submit and the waits (see
+    # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
     hq_problems: list = dataclasses.field(default_factory=list)
     unknown_keys: list = dataclasses.field(default_factory=list)
     path: str = CONFIG_FILE
@@ -1470,7 +1471,8 @@ class Config:
         return self
 
 
-# Upper bounds keep arithmetic sane (upstream bug §11.20: a huge ttl overflowed).
+# Upper bounds keep arithmetic sane: upstream overflowed on a huge ttl (see
+# ARCHITECTURE.md, 'Differences from upstream ferrus', item 19).
 _INT_LIMITS = {
     ("limits", "max_check_retries"): (1, 1_000_000),
     ("limits", "max_review_cycles"): (1, 1_000_000),
@@ -1663,7 +1665,8 @@ def _parse_agent_options(path, name, agent, table, target, unknown, found):
             if value in CLAUDE_MCP_ISOLATION:
                 target.claude_mcp_isolation = value
             else:
-                # Upstream silently treated typos as merge-user (bug §11.15).
+                # Upstream silently treated typos as merge-user (see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
                 found.append(_config_error(path, dotted, "must be \"merge-user\" or "
                                            "\"ferrus-only\"", value))
         else:
@@ -1867,7 +1870,8 @@ class StateData:
     state_entered_at: "str | None" = None
     task_started_at: "str | None" = None
     # The state a consultation paused, kept apart from paused_state so that
-    # ask_human during Consultation cannot lose it (upstream bug §11.4).
+    # ask_human during Consultation cannot lose it (see
+    # ARCHITECTURE.md, 'Differences from upstream ferrus', item 4).
     consult_paused_state: "TaskState | None" = None
     # Which agent asked the pending question, so HQ can tell who waits.
     question_from: "str | None" = None
@@ -1957,7 +1961,7 @@ def _coerce_state_field(key, value):
     return value
 
 
-# -- leases (upstream §9.2) ---------------------------------------------------
+# -- leases (see ARCHITECTURE.md, 'Leases') -----------------------------------
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
@@ -2156,8 +2160,9 @@ def t_reset(data, now):
 # ============================================================================
 #
 # Every headless agent slot (executor, reviewer, consultant, pipeline worker)
-# is supervised by this machine (seed 001).  It is pure: step(session, event)
-# returns the next session and one side effect for the supervisor to carry out.
+# is supervised by this machine (see ARCHITECTURE.md, 'Session state machine').
+# It is pure: step(session, event) returns the next session and one side effect
+# for the supervisor to carry out.
 
 class SessionState(str, enum.Enum):
     INITIALIZING = "Initializing"
@@ -2210,7 +2215,8 @@ def backoff_ms(consecutive_errors):
 
 
 def session_step(session, event):
-    """One transition of seed 001's table: (new session, effect or None).
+    """One transition of the session table (ARCHITECTURE.md, 'Session state machine'):
+    (new session, effect or None).
 
     An event the current state does not accept leaves the session unchanged
     (effect None); OperatorStop and FatalError are accepted from every state."""
@@ -2227,7 +2233,7 @@ def session_step(session, event):
         return replace(session, state=SS.SPAWNING, prompt=event.value, urgent=None), \
             (STORE_PROMPT, event.value)
     if state == SS.SPAWNING and kind == "SessionStarted":
-        # Seed 001 also resets consecutive_errors here.  We reset it only on a
+        # The original design also reset consecutive_errors here.  We reset it only on a
         # successful exit: an agent that starts and then crashes every time would
         # otherwise never back off beyond 2 s nor reach max_consecutive_errors.
         return replace(session, state=SS.RUNNING, session_seq=event.value), None
@@ -2262,9 +2268,10 @@ def session_step(session, event):
 # 7. Capacity gates
 # ============================================================================
 #
-# Seed 004: before every agent spawn and every transition HQ drives, the usage
-# signals are classified Green / Orange / Red and mapped to an action.  This
-# section is pure; HQ and `ferrus run` call it and journal every decision.
+# Before every agent spawn and every transition HQ drives, the usage signals are
+# classified Green / Orange / Red and mapped to an action (see ARCHITECTURE.md,
+# 'Capacity gates').  This section is pure; HQ and `ferrus run` call it and journal
+# every decision.
 
 GREEN, ORANGE, RED = "Green", "Orange", "Red"
 CONTINUE, THROTTLE, CHECKPOINT, EMERGENCY_STOP = "Continue", "Throttle", "Checkpoint", "EmergencyStop"
@@ -2304,7 +2311,7 @@ def classify(signals, limits):
 
 
 def gate_record(target, tier, action, signals, limits, worst=None):
-    """The journal detail of one gate decision (seed 004's GateRecord, plus limits)."""
+    """The journal detail of one gate decision (a GateRecord, plus the limits)."""
     record = {"target": target, "tier": tier, "action": action, "signal": worst}
     record.update(dataclasses.asdict(signals))
     record["limits"] = {name: getattr(limits, name) for _, name in SIGNAL_LIMITS
@@ -2874,7 +2881,7 @@ class CheckRun:
         return "Commands failed: " + ", ".join(names)
 
     def report(self, max_lines):
-        """The failure report agents read (upstream §10 layout, plus log paths)."""
+        """The failure report agents read (upstream's layout, plus log paths)."""
         out = ["Checks failed.\n\nFailed commands:\n"]
         for result in self.failed:
             out.append("- `%s`%s\n" % (result.command, _status_note(result)))
@@ -3597,7 +3604,8 @@ def _milestone_header(line):
 
 
 def parse_spec(text):
-    """The milestones of a spec (upstream §7.2, with its edge cases fixed).
+    """The milestones of a spec: upstream's rules, with their edge cases fixed (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 15).
 
     A milestone's own lines end at the next milestone, at a Markdown heading or
     at the end of its list; fenced code blocks are never read; the first ``ID:``
@@ -3884,7 +3892,7 @@ def op_create_task(store, caller, description, origin=None):
         tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
-        # (upstream bug §11.18).
+        # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
         for name in TASK_SCRATCH_FILES:
             tx.write(name, "")
     return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
@@ -4011,8 +4019,9 @@ def op_create_spec(store, caller, markdown):
     with store.transaction(caller.agent_id) as tx:
         data = tx.state.copy()
         tx.write("LAST_SPEC_PATH", rel)
-        # Changing the selection under a running task would retarget it (upstream
-        # bug §11.17), so mid-task the spec is saved but not selected.
+        # Changing the selection under a running task would retarget it (see
+        # ARCHITECTURE.md, 'Differences from upstream ferrus', item 16), so mid-task
+        # the spec is saved but not selected.
         selectable = data.state in (S.IDLE, S.COMPLETE, S.FAILED)
         if selectable:
             data.selected_spec = rel
@@ -4185,7 +4194,8 @@ def _wait_and_claim(store, caller, claimable, build, what):
                 return waiter.timeout(data.state)
             if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
                 renewing = data.claimed_by == caller.agent_id and live
-                # Re-entry renews the lease too (upstream did not: bug §11.7).
+                # Re-entry renews the lease too (upstream did not: see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 7).
                 tx.set(claim(data, caller.agent_id, now, ttl), "claim",
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
@@ -4270,7 +4280,8 @@ def op_wait_for_answer(store, caller):
                 data = t_answer(data, now)
             if data.state != S.AWAITING_HUMAN and pending.strip():
                 # The single consumer of an answer: it is cleared in this transaction,
-                # so no second caller can read it (upstream bug §11.5).
+                # so no second caller can read it (see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 5).
                 answer = pending.strip()
                 if data.claimed_by == caller.agent_id:
                     data = claim(data, caller.agent_id, now, ttl)
@@ -4313,7 +4324,8 @@ def _run_gate(store, caller, action):
 
 
 def _same_task(store, tx, snapshot, caller, action):
-    """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
+    """Apply a gate result only to the task, state and lease it was run for (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
         raise FerrusError(
@@ -4556,7 +4568,8 @@ def op_heartbeat(store, caller, agent_id=None):
     # The agent may name itself without its session; the lease is still renewed only
     # for this server's own identity, session included.
     if agent_id and agent_id not in (caller.agent_id, caller.agent_id.partition("/")[0]):
-        # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
+        # Upstream trusted the argument, so any client could renew any lease (see
+        # ARCHITECTURE.md, 'Differences from upstream ferrus', item 7).
         return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
                      % (caller.agent_id, agent_id))
     ttl = store.config().lease.ttl_secs
@@ -7059,7 +7072,8 @@ def register_agents(root, choices, trust=False, report=print):
     """`ferrus register`: write each role's agent configuration and update [hq].
 
     ``choices`` maps role -> (agent, model-or-None).  Everything is validated
-    before the first file is written (upstream bug §11.11)."""
+    before the first file is written (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 11)."""
     if not os.path.exists(os.path.join(root, CONFIG_FILE)):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
@@ -7092,7 +7106,8 @@ def update_hq_config(root, role, agent, model, report):
     """Set [hq.<role>] agent (and model) in ferrus.toml, keeping every comment.
 
     Switching to another agent without naming a model clears the old vendor's
-    model instead of keeping it (upstream bug §11.10); models are trimmed."""
+    model instead of keeping it (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 10); models are trimmed."""
     path = os.path.join(root, CONFIG_FILE)
     text = planned_read(path)
     if text is None:
@@ -7457,7 +7472,8 @@ def prompt_pipeline_worker(topic, task, reads, output):
 
 
 def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
-    """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
+    """The executor's prompt for the state it resumes in (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
     None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
     if data.state == S.AWAITING_HUMAN:
@@ -7606,7 +7622,8 @@ class HqMessage:
 
 
 class SessionSlot:
-    """A headless role slot: the seed-001 session and the process it supervises."""
+    """A headless role slot: its session (see ARCHITECTURE.md, 'Session state machine')
+    and the process it supervises."""
 
     def __init__(self, name, limits):
         self.name = name
@@ -7991,7 +8008,7 @@ class HqController:
         if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
             self._spawn(slot)
 
-    # -- capacity gates (seed 004) ---------------------------------------------------
+    # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
     def signals(self, extra_parallel=0):
         data = self.store.read_state()
@@ -8115,7 +8132,7 @@ class HqController:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
             # A start that fails counts as a failed session: back off, retry, and stop
-            # at the thresholds (seed 001) instead of waiting for a timer never armed.
+            # at the thresholds instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
             self._arm_backoff(slot)
             return
@@ -8489,8 +8506,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
         path, text, milestone = found
         state = store.read_state().state
         if state in ACTIVE_STATES:
-            # Checked before the selection moves: retargeting a running task is upstream
-            # bug §11.17.
+            # Checked before the selection moves: retargeting a running task was an
+            # upstream bug (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 16).
             raise FerrusError("a task is already in flight (state %s)" % state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if (path, milestone.id) == previous:
@@ -8530,7 +8547,8 @@ def _run_line(message):
 # 15. Pipelines
 # ============================================================================
 #
-# Seed 003: a file-driven pipeline automaton in three parts.
+# A file-driven pipeline automaton in three parts (see ARCHITECTURE.md, 'Pipeline
+# automaton').
 #
 #   workflows.json  static definitions: phases (parallel or sequential), their
 #                   workers (agent, model, timeout, task, reads, final), pause_after.
@@ -8541,8 +8559,8 @@ def _run_line(message):
 #                   status.json and never decide what comes next.
 #
 # reconcile() reads the files, brings status.json up to date and applies the
-# seed's decision table.  It is idempotent, so it can run on every tick, after
-# every restart, from any process.
+# decision table (ARCHITECTURE.md, 'Reconcile table').  It is idempotent, so it
+# can run on every tick, after every restart, from any process.
 #
 # Restart protocol.  A dispatch is recorded before its process exists: the worker
 # entry becomes "spawning" with a new spawn token and attempt number (the dispatch
@@ -8553,19 +8571,20 @@ def _run_line(message):
 # "spawning" and "running".  A restarted orchestrator adopts what it finds: it
 # leaves a live pid alone and notices its exit by polling the pid (it cannot
 # Popen.wait it).  A dead pid without output counts as one failed session, which
-# the seed-001 machine retries or stops.  A "spawning" entry that still has no pid
+# session state machine retries or stops.  A "spawning" entry that still has no pid
 # file after SPAWN_GRACE_SECS never started, and counts the same way.  Nothing
 # starts twice without being counted.  (If the system reuses a pid after a long
 # outage, the worker looks alive; the phase timeout catches that.)
 
 PIPELINES_DIR, PIPELINE_ARCHIVE = "pipelines", "archive"
-PIPELINE_GRACE_SECS = 120          # the seed's grace beyond a phase's timeout
+PIPELINE_GRACE_SECS = 120          # the grace beyond a phase's timeout
 SPAWN_GRACE_SECS = 10              # how long a recorded spawn may take to show its pid
 WORKER_RUNNING = ("spawning", "running")
 _PIPELINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _ROLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-# A worker entry in status.json *is* its seed-001 session, persisted.
+# A worker entry in status.json *is* its session (see ARCHITECTURE.md, 'Session state
+# machine'), persisted.
 _SESSION_OF = {"pending": SS.INITIALIZING, "spawning": SS.SPAWNING, "running": SS.RUNNING,
                "cooling": SS.COOLING_DOWN, "completed": SS.SESSION_COMPLETE,
                "failed": SS.STOPPED, "cancelled": SS.STOPPED}
@@ -8845,7 +8864,7 @@ _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
     """Lines telling a human what one worker's output holds without opening it: its
-    size and its first non-empty lines (seed 003: summarise, then wait).  Reads at
+    size and its first non-empty lines (summarise, then wait).  Reads at
     most ``chunk`` bytes, so a huge output costs nothing."""
     try:
         size = os.path.getsize(path)
@@ -9072,7 +9091,7 @@ class PipelineOrchestrator:
     def _decide(self, run):
         status = run.status
         if status.get("cancelled") or status["result_delivered"]:
-            return self._archive(run)            # seed: result_delivered → archive
+            return self._archive(run)            # result_delivered → archive
         while True:
             index, phase = status["current_phase"], run.phase()
             definition = run.definition.phases[index]
@@ -9112,7 +9131,7 @@ class PipelineOrchestrator:
                                 "starts phase %s" % (phase["id"], "\n".join(summary), run.name,
                                                      run.phase()["id"]))
                 else:
-                    continue           # seed step 6: the next phase starts at once
+                    continue           # the next phase starts at once
             if not problems and not status["paused"]:
                 self._dispatch(run, definition)
             if status["paused"]:
@@ -9164,7 +9183,8 @@ class PipelineOrchestrator:
                              worker.output))
 
     def _exited(self, run, worker, entry, why):
-        """A session ended without output: seed 001 decides between a retry and a stop."""
+        """A session ended without output: the session machine decides between a retry
+        and a stop."""
         _, effect = self._step(run, worker.role, SessionEvent("SessionExited", outcome="error"))
         entry.update(pid=None, message=why)
         if entry["status"] == "cooling":
@@ -9179,7 +9199,7 @@ class PipelineOrchestrator:
                        "error", role=worker.role, attempt=entry["attempts"])
 
     def _step(self, run, role, event):
-        """One seed-001 transition of the session that a worker entry persists."""
+        """One transition of the session that a worker entry persists."""
         entry = next(p["workers"][role] for p in run.status["phases"] if role in p["workers"])
         session = Session(state=_SESSION_OF[entry["status"]], session_seq=entry["attempts"],
                           consecutive_errors=entry["errors"], total_errors=entry["total_errors"],
@@ -9214,7 +9234,7 @@ class PipelineOrchestrator:
             if key[0] == run.name and key[1] not in watched and process.poll() is not None:
                 del self._processes[key]
 
-    # -- dispatch gates (seed 004) ------------------------------------------------------------
+    # -- dispatch gates (ARCHITECTURE.md, 'Dispatch gates') ------------------------------------
 
     def _dispatch_gates(self, run, definition):
         """Coverage, batch size and input coverage for the current phase.  While one of
@@ -9312,7 +9332,8 @@ class PipelineOrchestrator:
         self._save(run)
 
     def _capacity_gate(self, target):
-        """The default hook: seed 004 on this run's own signals, each decision journaled.
+        """The default hook: the capacity gate on this run's own signals, each decision
+        journaled.
         A Throttle is only recorded here; waiting is the business of the gate's owner."""
         limits = self.config.capacity
         if not limits.enabled() or self._run is None:
@@ -9447,7 +9468,8 @@ class PipelineOrchestrator:
 
 WORKFLOWS_EXAMPLE = {
     "_comment": [
-        "ferrus pipelines (seed 003). Each top-level key but this one defines a pipeline:",
+        "ferrus pipelines (see docs/PIPELINES.md). Each top-level key but this one defines "
+        "a pipeline:",
         "  description  what it is for",
         "  phases       run in order; a phase starts when every output of the previous exists",
         "    id         the phase's name;  mode: \"parallel\" or \"sequential\"",
@@ -10564,7 +10586,7 @@ class HqShell:
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
         # Creating a task is a transition HQ drives: it passes the capacity gate the way
-        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        # `ferrus run --task` does, whether HQ or the supervisor creates it.
         if self.controller.checkpoint and not self.controller.recheck_checkpoint():
             raise FerrusError("no new task: the capacity checkpoint holds (%s)"
                               % self.controller.checkpoint.get("signal"),

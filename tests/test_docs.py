@@ -192,3 +192,131 @@ def test_the_heading_anchor_follows_github():
 
 def test_the_readme_names_make_test():
     assert "make test" in read(os.path.join(ROOT, "README.md"))
+
+
+# -- docs/ARCHITECTURE.md and the comments that point to it ------------------------------------
+
+ARCHITECTURE = os.path.join(DOCS_DIR, "ARCHITECTURE.md")
+FERRUS_PY = os.path.join(ROOT, "ferrus.py")
+# Documents a future maintainer will not have: the design notes and reference material
+# ferrus was first written from.  Comments point to ARCHITECTURE.md's headings instead.
+OUTSIDE_DOCUMENTS = re.compile(r"seed 0\d|seed-00\d|\bseed(?:'s\b|:| step)|upstream §|DESIGN §|"
+                               r"§\s*\d|reference/\w", re.IGNORECASE)
+
+
+def architecture_headings():
+    return {match.group(1).strip() for match in
+            re.finditer(r"^#{2,6}\s+(.+?)\s*$", FENCE.sub("", read(ARCHITECTURE)), re.MULTILINE)}
+
+
+def test_ferrus_py_cites_no_document_outside_the_repository():
+    found = ["ferrus.py:%d: %s" % (number, line.strip())
+             for number, line in enumerate(read(FERRUS_PY).splitlines(), 1)
+             if OUTSIDE_DOCUMENTS.search(line)]
+    assert not found, "cite a heading of docs/ARCHITECTURE.md instead:\n" + "\n".join(found)
+
+
+def test_the_docs_cite_no_document_outside_the_repository():
+    found = ["%s: %s" % (os.path.relpath(path, ROOT), line.strip())
+             for path in doc_paths() for line in read(path).splitlines()
+             if OUTSIDE_DOCUMENTS.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_outside_document_pattern_catches_what_it_should():
+    for text in ("(seed 001)", "Seed 004:", "upstream §11.4", "DESIGN §3", "bug §11.17",
+                 "see reference/upstream-core.md", "the seed's grace", "# seed step 6"):
+        assert OUTSIDE_DOCUMENTS.search(text), text
+    assert not OUTSIDE_DOCUMENTS.search("see ARCHITECTURE.md, 'Session state machine'")
+
+
+ARCHITECTURE_REFERENCE = re.compile(r"ARCHITECTURE\.md,\s+(?:#\s*)?'([^']+)'(?:,\s+item (\d+))?")
+
+
+def architecture_references():
+    """(line, heading, item or None) for every "ARCHITECTURE.md, '<heading>'" in ferrus.py;
+    a comment may wrap between the file name and the heading."""
+    text = read(FERRUS_PY)
+    joined = re.sub(r"\n\s*#\s*", " ", text)
+    return [(match.group(1), match.group(2)) for match in ARCHITECTURE_REFERENCE.finditer(joined)]
+
+
+def test_ferrus_py_points_to_architecture_headings_that_exist():
+    references = architecture_references()
+    assert references, "ferrus.py has no reference to docs/ARCHITECTURE.md"
+    headings = architecture_headings()
+    missing = sorted({heading for heading, _ in references if heading not in headings})
+    assert not missing, "ferrus.py cites headings docs/ARCHITECTURE.md does not have: %s" % (
+        ", ".join(repr(heading) for heading in missing))
+
+
+def numbered_differences():
+    text = read(ARCHITECTURE)
+    section = text[text.index("## Differences from upstream ferrus"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    return [int(number) for number in re.findall(r"^(\d+)\. ", section, re.MULTILINE)]
+
+
+def test_the_differences_from_upstream_are_numbered_one_by_one():
+    numbers = numbered_differences()
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_cited_differences_exist():
+    count = len(numbered_differences())
+    for heading, item in architecture_references():
+        if item is not None:
+            assert heading == "Differences from upstream ferrus", heading
+            assert 1 <= int(item) <= count, "item %s of %d" % (item, count)
+
+
+def section_uses():
+    """({section number: the sections it uses}, {number: title}), from the code."""
+    import ast
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_architecture import _defined_names, _is_main_guard, section_at, sections_of
+    source = read(FERRUS_PY)
+    sections = sections_of(source.splitlines())
+    tree = ast.parse(source)
+    home = {}
+    for node in tree.body:
+        for name in _defined_names(node):
+            home.setdefault(name, section_at(sections, node.lineno))
+    uses = {number: set() for _, number, _ in sections}
+    for node in tree.body:
+        here = section_at(sections, node.lineno)
+        if here is None or _is_main_guard(node):
+            continue
+        for child in ast.walk(node):
+            if isinstance(child, ast.Name) and home.get(child.id) not in (None, here):
+                uses[here].add(home[child.id])
+    return uses, {number: title for _, number, title in sections}
+
+
+def test_the_section_table_tells_the_truth():
+    """The table in 'The sections of ferrus.py' lists every section with exactly the
+    sections it uses (Basics and Platform left out, as nearly everything uses them;
+    Platform's own use of Basics is listed)."""
+    uses, titles = section_uses()
+    text = read(ARCHITECTURE)
+    rows = {}
+    for match in re.finditer(r"^\s*(\d+) (\S.*?)\s{2,}.*──►\s*(.*)$", text, re.MULTILINE):
+        listed = match.group(3).strip()
+        rows[int(match.group(1))] = (match.group(2).strip(),
+                                     set() if listed == "(none)" else
+                                     {int(number) for number in listed.split()})
+    problems = []
+    for number, title in titles.items():
+        actual = {used for used in uses[number] if used > 2 or number == 2}
+        if number not in rows:
+            problems.append("section %d (%s) is missing" % (number, title))
+            continue
+        if rows[number][0] != title:
+            problems.append("section %d is called %r in ferrus.py, %r in the table" % (
+                number, title, rows[number][0]))
+        if rows[number][1] != actual:
+            problems.append("section %d uses %s" % (
+                number, " ".join(str(n) for n in sorted(actual, reverse=True)) or "(none)"))
+    assert not problems, "update the table in docs/ARCHITECTURE.md, 'The sections of " \
+                         "ferrus.py':\n" + "\n".join(problems)
