@@ -46,6 +46,7 @@ def events(store):
 def test_the_key_is_off_by_default_and_validated():
     assert ferrus.parse_config("").human_review is False
     assert ferrus.parse_config(HUMAN_REVIEW).human_review is True
+    assert ferrus.parse_config(HUMAN_REVIEW).unknown_keys == []
     with pytest.raises(ferrus.FerrusError) as err:
         ferrus.parse_config('[hq]\nhuman_review = "yes"\n')
     assert "[hq.human_review] must be true or false" in err.value.message
@@ -54,6 +55,13 @@ def test_the_key_is_off_by_default_and_validated():
     ferrus.parse_config("[hq]\nhuman_review = 1\n", problems=problems)
     assert [p.message for p in problems] == [
         "ferrus.toml: [hq.human_review] must be true or false, got 1 (an integer)"]
+
+
+def test_doctor_names_a_bad_human_review(project):
+    set_config(project, '[hq]\nhuman_review = "yes"\n')
+    report = run_cli("doctor", cwd=project)
+    assert report.returncode == 1
+    assert '[hq.human_review] must be true or false, got "yes" (a string)' in report.stdout
 
 
 def test_the_transition_table_names_the_human_steps():
