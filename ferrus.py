@@ -56,6 +56,7 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import getpass
 import itertools
 import json
 import logging
@@ -1453,6 +1454,8 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
+    # [hq] human_review: the reviewer's approval waits for a human's confirmation.
+    human_review: bool = False
     # Problems in [hq] only matter to commands that launch agents, so they are kept
     # here instead of breaking check, submit and the waits (see
     # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
@@ -1570,6 +1573,8 @@ def _parse_hq_table(path, hq, config, unknown):
         return
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     for key, value in hq.items():
+        if key == "human_review":         # a setting, not a role: _parse_human_review
+            continue
         if key not in HQ_ROLES:
             unknown.append("hq.%s" % key)
             continue
@@ -1732,6 +1737,9 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    # Not one of hq_problems, which only agent launches notice: a mistyped value must
+    # not let the reviewer's approval complete a task the human meant to confirm.
+    _parse_human_review(path, raw.get("hq", {}), config, found)
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -1740,6 +1748,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
                               % (first.hint, count, path))
         raise first
     return config
+
+
+def _parse_human_review(path, hq, config, found):
+    value = hq.get("human_review", False) if isinstance(hq, dict) else False
+    if not isinstance(value, bool):
+        found.append(_config_error(path, "hq.human_review", "must be true or false", value))
+        return
+    config.human_review = value
 
 
 def load_config(root):
@@ -1801,6 +1817,13 @@ class TaskState(str, enum.Enum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     AWAITING_HUMAN = "AwaitingHuman"
+    # With [hq] human_review on, the reviewer's approval leads here instead of to Complete,
+    # and only a human moves the task on.  It is a state of its own, not a flag on
+    # Reviewing: every tool and every HQ reaction keyed on Reviewing (the reviewer's
+    # wait_for_review claim, HQ starting a reviewer, approve and reject) must then not
+    # apply, and a state makes the transition table refuse them all in one place.  With
+    # the feature off no STATE.json ever holds it, so upstream reads the files as before.
+    AWAITING_CONFIRMATION = "AwaitingConfirmation"
 
     def __str__(self):
         return self.value
@@ -1809,7 +1832,8 @@ class TaskState(str, enum.Enum):
 S = TaskState
 WORK_STATES = (S.EXECUTING, S.ADDRESSING)
 LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
-ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN,
+                 S.AWAITING_CONFIRMATION)
 
 # The one table the code and the docs follow: action, states it is allowed
 # from, and where it leads.  "same" keeps the state; "paused" restores the
@@ -1823,8 +1847,11 @@ TRANSITIONS = (
     ("consult", WORK_STATES, "Consultation"),
     ("respond_consult", (S.CONSULTATION,), "same"),
     ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
-    ("approve", (S.REVIEWING,), "Complete"),
+    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review"),
     ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
+    # The human's word on the reviewer's approval; no agent may take these.
+    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete"),
+    ("human_reject", (S.AWAITING_CONFIRMATION,), "Addressing, or Failed at max_review_cycles"),
     ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
     ("answer", (S.AWAITING_HUMAN,), "paused"),
     ("heartbeat", LEASE_STATES, "same (renews the lease)"),
@@ -2105,14 +2132,30 @@ def t_finish_consult(data, now):
     return _enter(data, resume, now)
 
 
-def t_approve(data, now):
+def t_approve(data, now, human_review=False):
     _require("approve", data)
+    data = clear_lease(data)
+    return _enter(data, S.AWAITING_CONFIRMATION if human_review else S.COMPLETE, now)
+
+
+def t_human_approve(data, now):
+    _require("human_approve", data)
     data = clear_lease(data)
     return _enter(data, S.COMPLETE, now)
 
 
 def t_reject(data, now, max_cycles):
     _require("reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def t_human_reject(data, now, max_cycles):
+    """The human's rejection counts as a review cycle, exactly like the reviewer's."""
+    _require("human_reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def _send_back(data, now, max_cycles):
     data = clear_lease(data)
     data.review_cycles += 1
     if data.review_cycles >= max_cycles:
@@ -2418,6 +2461,10 @@ CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER
 # Files that a new task, a reset or HQ's force-reset empty.
 TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md",
                       "REVIEW.md", "QUESTION.md", "ANSWER.md")
+# The reviewer's notes on an approval, for the human who confirms it ([hq] human_review).
+# Not one of CONTENT_FILES: a .ferrus/ from before it existed, or upstream's, lacks it and
+# is still complete; it is emptied with the task's other files only where it exists.
+APPROVAL_FILE = "APPROVAL.md"
 
 
 @dataclasses.dataclass
@@ -3893,7 +3940,7 @@ def op_create_task(store, caller, description, origin=None):
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
-        for name in TASK_SCRATCH_FILES:
+        for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
     return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
                     S.EXECUTING, task_id=task_id)
@@ -3921,34 +3968,73 @@ def _review_text(store, data):
     return text
 
 
-def op_approve(store, caller):
-    root = store.root
+def _approval_file_if_any(store):
+    return (APPROVAL_FILE,) if os.path.exists(store.path(APPROVAL_FILE)) else ()
+
+
+def _refuse_agent_on_confirmation(data, action):
+    """The reviewer's approve or reject once its approval waits for the human."""
+    if data.state == S.AWAITING_CONFIRMATION:
+        raise FerrusError(
+            "Cannot %s: the submission is already approved and waits for a human's "
+            "confirmation (state AwaitingConfirmation). Only the human can approve or reject "
+            "it now; stop here." % action,
+            "the human runs `ferrus approve` or `ferrus reject NOTES` (or /approve, /reject in "
+            "HQ)")
+
+
+def _complete_task(store, tx, data, new):
+    """What reaching Complete does besides the state: tick the task's spec milestone and
+    move the selection on.  Returns the journal detail."""
+    detail = {}
+    # The milestone tick is a content file written before STATE.json, and it
+    # is idempotent, so a failed commit can simply be approved again.
+    if data.task_spec and data.task_milestone:
+        path = os.path.join(store.root, data.task_spec)
+        if os.path.isfile(path):
+            text = read_text(path)
+            milestones = parse_spec(text)
+            match = next((m for m in milestones if m.id == data.task_milestone), None)
+            if match is not None:
+                if not match.completed:
+                    tx.write(path, mark_milestone_complete(text, match))
+                    match.completed = True
+                    detail["milestone_completed"] = match.id
+                if (data.selected_spec == data.task_spec
+                        and data.selected_milestone == data.task_milestone):
+                    following = next_ready_milestone(milestones, match.id)
+                    new.selected_milestone = following.id if following else None
+                    detail["selected_milestone"] = new.selected_milestone
+    return detail
+
+
+def op_approve(store, caller, notes=None):
+    """Reviewing → Complete, or → AwaitingConfirmation when [hq] human_review is on (then
+    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human)."""
+    if notes is not None and not isinstance(notes, str):
+        raise FerrusError("Cannot approve: notes must be text.")
+    human_review = store.config().human_review
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "approve")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "approve")
-        new = t_approve(data, store.clock())
-        detail = {}
-        # The milestone tick is a content file written before STATE.json, and it
-        # is idempotent, so a failed commit can simply be approved again.
-        if data.task_spec and data.task_milestone:
-            path = os.path.join(root, data.task_spec)
-            if os.path.isfile(path):
-                text = read_text(path)
-                milestones = parse_spec(text)
-                match = next((m for m in milestones if m.id == data.task_milestone), None)
-                if match is not None:
-                    if not match.completed:
-                        tx.write(path, mark_milestone_complete(text, match))
-                        match.completed = True
-                        detail["milestone_completed"] = match.id
-                    if (data.selected_spec == data.task_spec
-                            and data.selected_milestone == data.task_milestone):
-                        following = next_ready_milestone(milestones, match.id)
-                        new.selected_milestone = following.id if following else None
-                        detail["selected_milestone"] = new.selected_milestone
-        tx.set(new, "approve", **detail)
+        new = t_approve(data, store.clock(), human_review)
+        if notes and notes.strip():
+            tx.write(APPROVAL_FILE, notes)
+        elif human_review:
+            # No notes this time: the human must not read an earlier cycle's.
+            for name in _approval_file_if_any(store):
+                tx.write(name, "")
+        if new.state == S.COMPLETE:
+            tx.set(new, "approve", **_complete_task(store, tx, data, new))
+        else:
+            tx.set(new, "approve", awaiting="human")
+    if new.state == S.AWAITING_CONFIRMATION:
+        return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
+                        "rejects it now ([hq] human_review is on). Your review is done; stop "
+                        "here.", new.state)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
 
@@ -3957,6 +4043,7 @@ def op_reject(store, caller, notes):
     limits = store.config().limits
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "reject")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "reject")
@@ -3971,6 +4058,116 @@ def op_reject(store, caller, notes):
                 "Addressing. The Executor should call /wait_for_task to see the notes and /check "
                 "after addressing them." % (new.review_cycles, limits.max_review_cycles))
     return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+# -- the human's confirmation ([hq] human_review) -----------------------------------------
+
+def human_name():
+    """Who the human at this terminal is, as the journal records a confirmation."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError, ImportError):     # no login name anywhere (containers)
+        return "unknown"
+
+
+def _require_human(caller, action):
+    if caller.is_agent:
+        raise FerrusError(
+            "Cannot %s on a human's behalf: only the human confirms or rejects a task the "
+            "reviewer approved (this caller is %s)." % (action, caller.agent_id),
+            "a human runs `ferrus %s` in a shell of their own, or /%s in HQ"
+            % (action, action))
+
+
+def _nothing_to_confirm(data, action):
+    hint = {S.REVIEWING: "the reviewer has not decided yet ([hq] human_review = true makes "
+                         "its approval wait for you)",
+            S.COMPLETE: "the task is already Complete",
+            S.IDLE: "there is no task"}.get(data.state, "`ferrus status` shows where it stands")
+    return FerrusError("Cannot %s: no approval waits for your confirmation (state %s)."
+                       % (action, data.state), hint)
+
+
+def op_human_approve(store, caller, via="cli"):
+    """AwaitingConfirmation → Complete, by the human only."""
+    _require_human(caller, "approve")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "approve")
+        new = t_human_approve(data, store.clock())
+        detail = _complete_task(store, tx, data, new)
+        tx.set(new, "human_approve", by=human_name(), via=via, **detail)
+    text = "Approved. State: Complete."
+    if detail.get("milestone_completed"):
+        text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
+    return _outcome(text, S.COMPLETE, **detail)
+
+
+def op_human_reject(store, caller, notes, via="cli"):
+    """AwaitingConfirmation → Addressing (or Failed at max_review_cycles), by the human
+    only: the notes become the review notes the executor reads, and the cycle counts."""
+    _require_human(caller, "reject")
+    _nonblank(notes, "Cannot reject: the notes are empty. Say what must change.")
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "reject")
+        new = t_human_reject(data, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+    if new.state == S.FAILED:
+        text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
+                "Failed. `ferrus reset` clears it." % (new.review_cycles,
+                                                      limits.max_review_cycles))
+    else:
+        text = ("Rejected (cycle %d/%d). State: Addressing; the executor gets your notes as "
+                "review notes." % (new.review_cycles, limits.max_review_cycles))
+    return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+def _excerpt(text, max_lines):
+    lines = text.strip().splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join(lines[:max_lines] + ["… (%d more lines)" % (len(lines) - max_lines)])
+
+
+# How far back the reviewer's approve entry is looked for (a waiting task writes little).
+_APPROVER_SCAN = 2000
+
+
+def confirmation_summary(store, data=None):
+    """What the human sees before confirming: the task, the submission, the reviewer's
+    verdict and notes, and how to answer.  Every part is data an agent wrote."""
+    data = data or store.read_state()
+    approver = None
+    for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
+        if entry.get("event") == "approve" and entry.get("task_id") == data.task_id:
+            approver = entry.get("actor")
+            break
+    limits = None
+    with contextlib.suppress(FerrusError):
+        limits = store.config().limits
+    notes = store.read_file(APPROVAL_FILE).strip()
+    parts = [
+        "The reviewer approved task %s; it waits for your confirmation." % (data.task_id or "-"),
+        "## Task\n" + (_excerpt(store.read_file("TASK.md"), 12) or "(TASK.md is empty)"),
+        "## Submission\n" + (_excerpt(store.read_file("SUBMISSION.md"), 30)
+                             or "(no submission notes)"),
+        "## Reviewer's verdict\napproved by %s\n%s" % (
+            approver.partition("/")[0] if approver else "the reviewer",
+            _excerpt(notes, 30) if notes else "(no notes given)"),
+    ]
+    cycles = "review cycles used %d" % data.review_cycles
+    if limits:
+        cycles += "/%d" % limits.max_review_cycles
+        if data.review_cycles + 1 >= limits.max_review_cycles:
+            cycles += " — a rejection now fails the task"
+    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
+                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    return "\n\n".join(parts)
 
 
 def op_respond_consult(store, caller, response):
@@ -4472,6 +4669,9 @@ def op_status(store, caller=None):
         lines.append("**Task:** %s" % data.task_id)
     if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
+    if data.state == S.AWAITING_CONFIRMATION:
+        lines.append("**Waiting for:** a human to confirm or reject the reviewer's approval "
+                     "(no agent can); nothing for agents to do until then.")
     return Outcome("\n".join(lines), status_data(store, data, now))
 
 
@@ -4519,7 +4719,8 @@ def op_reset(store, caller):
             raise FerrusError("Cannot reset from state %s. Reset is only available in the Failed "
                               "state." % tx.state.state)
         tx.set(t_reset(tx.state, store.clock()), "reset")
-        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md"):
+        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md",
+                     "CONSULT_RESPONSE.md") + _approval_file_if_any(store):
             tx.write(name, "")
     return _outcome("State reset to Idle. REVIEW.md, SUBMISSION.md, and consultation files "
                     "cleared. Ready for a new task.", S.IDLE)
@@ -4530,7 +4731,7 @@ def op_force_reset(store, caller):
     with store.transaction(caller.agent_id) as tx:
         previous = tx.state.state
         tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
-        for name in ("TASK.md",) + TASK_SCRATCH_FILES:
+        for name in ("TASK.md",) + TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
         agents_path = store.path("agents.json")
         if os.path.isfile(agents_path):
@@ -5074,7 +5275,12 @@ TOOLS = (
          read_only=True, idempotent=True),
     Tool("approve", "Approve submission",
          "Accept the submission under review: the state becomes Complete and the task's spec "
-         "milestone is ticked.", SUP, lambda st, c: op_approve(st, c), (), _TEXT_OUT),
+         "milestone is ticked (with [hq] human_review on, it becomes AwaitingConfirmation "
+         "until the human confirms).", SUP,
+         lambda st, c, notes=None: op_approve(st, c, notes),
+         (Param("notes", "string", "Optional: what you verified and why it is acceptable "
+                                   "(shown to the human who confirms).", required=False),),
+         _TEXT_OUT),
     Tool("reject", "Reject submission",
          "Send the submission back with notes saying exactly what must change. The state "
          "becomes Addressing (or Failed once max_review_cycles is reached).", SUP,
@@ -7439,7 +7645,8 @@ def prompt_reviewer():
             "2. Call /review_pending and read the task, the submission notes and the actual "
             "changes in the repository.\n"
             "3. Judge correctness, fit to the task and the verification evidence.\n"
-            "4. Call /approve, or /reject with concrete, actionable notes. Then stop.\n\n"
+            "4. Call /approve (with notes on what you verified), or /reject with concrete, "
+            "actionable notes. Then stop.\n\n"
             "Do not fix the code yourself and do not ask the executor to re-run checks by hand "
             "(the gate already ran). Never edit .ferrus/.\n\n" + PROMPT_PRECEDENCE)
 
@@ -7475,7 +7682,8 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     """The executor's prompt for the state it resumes in (see
     ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
-    None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
+    None when no executor is needed (Idle, Complete, Failed, Reviewing,
+    AwaitingConfirmation)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
             return prompt_executor_in_consultation(heartbeat_secs)
@@ -7890,6 +8098,7 @@ class HqController:
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
+        self.shown_confirmation = None    # (task, entered) whose summary was emitted
         self.last_state = None
 
     # -- start-up ------------------------------------------------------------------
@@ -7930,7 +8139,10 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
-                if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
+                # Complete is reached by the reviewer's approve, or by the human's
+                # confirmation when [hq] human_review is on.
+                if entry.get("to") == S.COMPLETE.value and entry.get("from") != S.COMPLETE.value \
+                        and entry["seq"] > self.start_seq:
                     self.tasks_completed += 1
                 self._show_entry(entry)
 
@@ -7982,12 +8194,20 @@ class HqController:
                 self.emit(HqMessage("question", question))
         else:
             self.shown_question = None
+        if data.state == S.AWAITING_CONFIRMATION:
+            waiting = (data.task_id, data.state_entered_at)
+            if waiting != self.shown_confirmation:
+                self.shown_confirmation = waiting
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data)))
+        else:
+            self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
                 self.emit(HqMessage("info", "Task complete."))
             elif data.state == S.FAILED:
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
-            if data.state in (S.IDLE, S.COMPLETE, S.FAILED):
+            # While the human decides no agent has anything to do.
+            if data.state in (S.IDLE, S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION):
                 self.stop_all(quiet=True)
             self.last_state = data.state
         needed = self.needed_slots(data)
@@ -8396,11 +8616,14 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
+             review=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
+    ("reject", notes) or None`` is the human's word on a reviewer's approval when
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is the (spec, milestone id) the task
     implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
@@ -8462,6 +8685,21 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
+            if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+                decision = review(confirmation_summary(store, data)) if review else None
+                if decision is None:
+                    out("ferrus run: the task waits for a human's confirmation of the "
+                        "reviewer's approval; run `ferrus approve`, or `ferrus reject NOTES` "
+                        "and then `ferrus run --resume`")
+                    return RUN_NEEDS_HUMAN
+                verdict, notes = decision
+                try:
+                    if verdict == "approve":
+                        op_human_approve(store, HUMAN, via="run")
+                    else:
+                        op_human_reject(store, HUMAN, notes, via="run")
+                except FerrusError as err:      # e.g. someone else decided meanwhile
+                    out("ferrus run: %s" % err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
@@ -8531,6 +8769,8 @@ def _run_line(message):
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
+    if message.kind == "confirm":
+        return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
 
@@ -9716,6 +9956,8 @@ Idle → Executing → Reviewing → Complete, with these detours:
 - Executing/Addressing/Consultation/Reviewing → AwaitingHuman (`ask_human`) →
   back (`answer` by a human, read with `wait_for_answer`)
 - Reviewing → Addressing (`reject`); check failures stay in place
+- when the project sets `[hq] human_review`, `approve` leads to AwaitingConfirmation:
+  only the human then approves (Complete) or rejects (Addressing); agents wait
 - too many check failures or rejections → Failed (a human resets it)
 
 ## Tools by role
@@ -10043,7 +10285,8 @@ def _journal_findings(store, data):
 
 def _content_findings(store, data):
     findings = []
-    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_HUMAN: "QUESTION.md",
+    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_CONFIRMATION: "SUBMISSION.md",
+              S.AWAITING_HUMAN: "QUESTION.md",
               S.CONSULTATION: "CONSULT_REQUEST.md", S.EXECUTING: "TASK.md",
               S.ADDRESSING: "REVIEW.md"}
     name = expect.get(data.state)
@@ -10251,7 +10494,8 @@ def _color_enabled(stream):
 
 
 _STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultation": "35",
-                 "AwaitingHuman": "1;33", "Reviewing": "34", "Complete": "32", "Failed": "1;31"}
+                 "AwaitingHuman": "1;33", "AwaitingConfirmation": "1;33", "Reviewing": "34",
+                 "Complete": "32", "Failed": "1;31"}
 
 
 def _paint(text, code, enabled):
@@ -10335,6 +10579,8 @@ HQ_COMMANDS = (
     ("/check", "[--force]", "run the check gate"),
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
     ("/review", "", "start the reviewer again"),
+    ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
+    ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
     ("/stop", "", "stop every agent session"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
@@ -10377,6 +10623,8 @@ class HqShell:
         if message.kind == "question":
             self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
                        message.text)
+        elif message.kind == "confirm":
+            self.write("\n[AWAITING YOUR CONFIRMATION]\n%s" % message.text)
         else:
             self.write(prefix + message.text)
 
@@ -10447,6 +10695,10 @@ class HqShell:
 
     def answer(self, text):
         data = self.store.read_state()
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write("error: the reviewer's approval waits for you: /approve, or /reject "
+                       "NOTES (a plain line answers only an agent's question)")
+            return
         if data.state != S.AWAITING_HUMAN:
             self.write("error: commands start with '/' (try /help); nobody is waiting for an "
                        "answer (state %s)" % data.state)
@@ -10491,6 +10743,8 @@ class HqShell:
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
             self.write("  " + slot.describe())
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
         count = int(rest) if rest.isdigit() else 20
@@ -10546,6 +10800,18 @@ class HqShell:
                               "start a task with /task")
         self.controller.restart_slots()
         self.write("Resuming the task (%s)." % data.state)
+
+    def cmd_approve(self, rest):
+        if rest:
+            raise UsageError("usage: /approve (it takes no arguments; /reject NOTES sends the "
+                             "task back)")
+        self.write(op_human_approve(self.store, HUMAN, via="hq").text)
+
+    def cmd_reject(self, rest):
+        if not rest:
+            raise UsageError("usage: /reject NOTES — say what must change; the executor gets "
+                             "them as review notes")
+        self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
 
     def cmd_review(self, rest):
         if self.store.read_state().state != S.REVIEWING:
@@ -10720,7 +10986,8 @@ HISTORY_KEEP = 1000
 _CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
                   "question": "MAGENTA", "agent": "GREEN",
                   "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
-                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
+                  "AwaitingHuman": "YELLOW", "AwaitingConfirmation": "YELLOW",
+                  "Reviewing": "BLUE", "Complete": "GREEN",
                   "Failed": "RED"}
 _CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
                      "PgUp/PgDn scroll · Ctrl+C twice quits")
@@ -10770,6 +11037,8 @@ class CursesHq(HqShell):
         if message.kind == "question":
             self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
                                  "Enter." % (stamp, message.text))
+        elif message.kind == "confirm":
+            self.add("question", "%s[AWAITING YOUR CONFIRMATION]\n%s" % (stamp, message.text))
         else:
             prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
             self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
@@ -11319,6 +11588,8 @@ def cmd_status(args, root):
     for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
+    if data.state == S.AWAITING_CONFIRMATION:
+        print("\n" + terminal_safe(confirmation_summary(store, data)))
     return 0
 
 
@@ -11374,6 +11645,48 @@ def cmd_reset(args, root):
             say("Nothing changed.")
             return 1
     say(op_force_reset(store, HUMAN).text)
+    return 0
+
+
+def human_caller():
+    """The human, unless this shell belongs to an agent session HQ started (its
+    environment names the session): then an agent, whom the operations refuse."""
+    session = os.environ.get(SESSION_ENV)
+    return Caller("agent", "agent/%s" % session) if session else HUMAN
+
+
+def cmd_approve(args, root):
+    store = Store(root).require()
+    caller = human_caller()
+    data = store.read_state()
+    if data.state != S.AWAITING_CONFIRMATION or caller.is_agent:
+        say(op_human_approve(store, caller).text)     # refuses, saying why
+        return 0
+    if not args.yes:
+        say(terminal_safe(confirmation_summary(store, data)))
+        say()
+        if not confirm("Approve task %s?" % (data.task_id or "")):
+            say("Nothing changed.")
+            return 1
+    say(op_human_approve(store, caller).text)
+    return 0
+
+
+def cmd_reject(args, root):
+    store = Store(root).require()
+    notes = " ".join(args.notes)
+    if args.file:
+        if notes:
+            raise UsageError("give the notes as words or with --file, not both")
+        try:
+            notes = sys.stdin.read() if args.file == "-" else read_text(args.file)
+        except OSError as err:
+            raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
+                              "give the path of a text file holding your notes, or - for stdin")
+    if not notes.strip():
+        raise UsageError("the rejection needs notes: what must change",
+                         "ferrus reject \"Handle the empty input too\" (or --file NOTES.md)")
+    say(op_human_reject(store, human_caller(), notes).text)
     return 0
 
 
@@ -11539,6 +11852,26 @@ def cmd_run(args, root):
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
         return input("answer> ")
+
+    def review(summary):
+        """The human's word on the reviewer's approval shown above ([hq] human_review)."""
+        if not interactive:
+            return None
+        try:
+            while True:
+                reply = input("approve? y approves, r rejects with notes, Enter decides "
+                              "later> ").strip().lower()
+                if reply in ("y", "yes"):
+                    return "approve", None
+                if reply in ("r", "reject", "n", "no"):
+                    notes = input("notes for the executor> ")
+                    if notes.strip():
+                        return "reject", notes
+                    say("a rejection needs notes saying what must change", flush=True)
+                elif not reply:
+                    return None
+        except EOFError:
+            return None
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
@@ -11547,8 +11880,9 @@ def cmd_run(args, root):
             say("ferrus run: %s" % note, flush=True)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                        review=review)
 
 
 def cmd_hq(args, root):
@@ -11693,6 +12027,17 @@ def build_parser():
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(run=cmd_reset)
+
+    p = sub.add_parser("approve", help="confirm the reviewer's approval ([hq] human_review)")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="approve without showing the summary and asking first")
+    p.set_defaults(run=cmd_approve)
+
+    p = sub.add_parser("reject", help="send a task the reviewer approved back to the executor "
+                                      "([hq] human_review)")
+    p.add_argument("notes", nargs="*", metavar="NOTES", help="what must change (review notes)")
+    p.add_argument("--file", "-F", metavar="F", help="read the notes from file F (- for stdin)")
+    p.set_defaults(run=cmd_reject)
 
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")

@@ -24,6 +24,8 @@ def apply(action, data):
         "finish_consult": lambda d: ferrus.t_finish_consult(d, NOW),
         "approve": lambda d: ferrus.t_approve(d, NOW),
         "reject": lambda d: ferrus.t_reject(d, NOW, 3),
+        "human_approve": lambda d: ferrus.t_human_approve(d, NOW),
+        "human_reject": lambda d: ferrus.t_human_reject(d, NOW, 3),
         "ask_human": lambda d: ferrus.t_ask_human(d, NOW, "executor:x:1"),
         "answer": lambda d: ferrus.t_answer(d, NOW),
         "heartbeat": lambda d: _require(d, "heartbeat"),
