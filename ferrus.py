@@ -56,6 +56,7 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import getpass
 import itertools
 import json
 import logging
@@ -156,7 +157,7 @@ def parse_timestamp(text):
                               tzinfo=_dt.timezone(offset))
         return moment.astimezone(_dt.timezone.utc)
     except OverflowError:
-        raise ValueError("timestamp out of range: %r" % (text,))
+        raise ValueError("timestamp out of range: %r" % (text,)) from None
 
 
 def format_duration(seconds):
@@ -455,7 +456,7 @@ def open_inside(base, *parts):
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise link_refused
+            raise link_refused from err
         raise
     try:
         if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
@@ -627,14 +628,11 @@ except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
 class TomlError(ValueError):
     """A TOML document that cannot be read, or an edit this section cannot make.
 
-    ``line`` is the 1-based line of the problem (None when unknown) and
-    ``detail`` says what is wrong, so callers can phrase their own message.
-    """
+    The message is ``line <n>: <what is wrong>`` (n 1-based), or only what is
+    wrong when the line is unknown."""
 
     def __init__(self, detail, line=None):
         super().__init__("line %s: %s" % (line, detail) if line else detail)
-        self.line = line
-        self.detail = detail
 
 
 _TOML_TOMLLIB_WHERE = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
@@ -1141,11 +1139,6 @@ def _toml_clash(pair, full, target, what):
     return _toml_cannot(pair, what, "the value set on this line is in the way")
 
 
-def toml_table_names(text):
-    """The key parts of every ``[table]`` header, in document order."""
-    return [head.header for head, _ in _toml_sections(text)[1:] if not head.array]
-
-
 def _toml_locate(text, table, key):
     """Find `key` directly under `[table]`: (section or None, statement or None)."""
     want = table + (key,)
@@ -1462,6 +1455,8 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
+    # [hq] human_review: the reviewer's approval waits for a human's confirmation.
+    human_review: bool = False
     # Problems in [hq] only matter to commands that launch agents, so they are kept
     # here instead of breaking check, submit and the waits (see
     # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
@@ -1579,6 +1574,8 @@ def _parse_hq_table(path, hq, config, unknown):
         return
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     for key, value in hq.items():
+        if key == "human_review":         # a setting, not a role: _parse_human_review
+            continue
         if key not in HQ_ROLES:
             unknown.append("hq.%s" % key)
             continue
@@ -1741,6 +1738,9 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    # Not one of hq_problems, which only agent launches notice: a mistyped value must
+    # not let the reviewer's approval complete a task the human meant to confirm.
+    _parse_human_review(path, raw.get("hq", {}), config, found)
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -1749,6 +1749,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
                               % (first.hint, count, path))
         raise first
     return config
+
+
+def _parse_human_review(path, hq, config, found):
+    value = hq.get("human_review", False) if isinstance(hq, dict) else False
+    if not isinstance(value, bool):
+        found.append(_config_error(path, "hq.human_review", "must be true or false", value))
+        return
+    config.human_review = value
 
 
 def load_config(root):
@@ -1810,6 +1818,13 @@ class TaskState(str, enum.Enum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     AWAITING_HUMAN = "AwaitingHuman"
+    # With [hq] human_review on, the reviewer's approval leads here instead of to Complete,
+    # and only a human moves the task on.  It is a state of its own, not a flag on
+    # Reviewing: every tool and every HQ reaction keyed on Reviewing (the reviewer's
+    # wait_for_review claim, HQ starting a reviewer, approve and reject) must then not
+    # apply, and a state makes the transition table refuse them all in one place.  With
+    # the feature off no STATE.json ever holds it, so upstream reads the files as before.
+    AWAITING_CONFIRMATION = "AwaitingConfirmation"
 
     def __str__(self):
         return self.value
@@ -1818,7 +1833,8 @@ class TaskState(str, enum.Enum):
 S = TaskState
 WORK_STATES = (S.EXECUTING, S.ADDRESSING)
 LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
-ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN,
+                 S.AWAITING_CONFIRMATION)
 
 # The one table the code and the docs follow: action, states it is allowed
 # from, and where it leads.  "same" keeps the state; "paused" restores the
@@ -1832,8 +1848,11 @@ TRANSITIONS = (
     ("consult", WORK_STATES, "Consultation"),
     ("respond_consult", (S.CONSULTATION,), "same"),
     ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
-    ("approve", (S.REVIEWING,), "Complete"),
+    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review"),
     ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
+    # The human's word on the reviewer's approval; no agent may take these.
+    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete"),
+    ("human_reject", (S.AWAITING_CONFIRMATION,), "Addressing, or Failed at max_review_cycles"),
     ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
     ("answer", (S.AWAITING_HUMAN,), "paused"),
     ("heartbeat", LEASE_STATES, "same (renews the lease)"),
@@ -1917,9 +1936,9 @@ class StateData:
             json.dumps(raw, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise StateCorrupt("%s holds a \\u escape that is no character (a lone surrogate)"
-                               % where)
+                               % where) from None
         except (ValueError, RecursionError) as err:
-            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
+            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err)) from err
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
@@ -1934,7 +1953,7 @@ class StateData:
             try:
                 setattr(data, key, _coerce_state_field(key, value))
             except (TypeError, ValueError) as err:
-                raise StateCorrupt("%s field %r: %s" % (where, key, err))
+                raise StateCorrupt("%s field %r: %s" % (where, key, err)) from err
         return data
 
 
@@ -1964,7 +1983,7 @@ def _coerce_state_field(key, value):
             return TaskState(value)
         except ValueError:
             raise ValueError("unknown state %r (expected one of %s)"
-                             % (value, ", ".join(s.value for s in TaskState)))
+                             % (value, ", ".join(s.value for s in TaskState))) from None
     if key in _STATE_INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("must be a non-negative integer, got %r" % (value,))
@@ -1980,15 +1999,6 @@ def _coerce_state_field(key, value):
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
-
-
-def is_claimed(data, now):
-    deadline = lease_deadline(data)
-    return deadline is not None and now < deadline
-
-
-def is_claimed_by(data, agent_id, now):
-    return data.claimed_by == agent_id and is_claimed(data, now)
 
 
 def claim(data, agent_id, now, ttl_secs):
@@ -2130,14 +2140,30 @@ def t_finish_consult(data, now):
     return _enter(data, resume, now)
 
 
-def t_approve(data, now):
+def t_approve(data, now, human_review=False):
     _require("approve", data)
+    data = clear_lease(data)
+    return _enter(data, S.AWAITING_CONFIRMATION if human_review else S.COMPLETE, now)
+
+
+def t_human_approve(data, now):
+    _require("human_approve", data)
     data = clear_lease(data)
     return _enter(data, S.COMPLETE, now)
 
 
 def t_reject(data, now, max_cycles):
     _require("reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def t_human_reject(data, now, max_cycles):
+    """The human's rejection counts as a review cycle, exactly like the reviewer's."""
+    _require("human_reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def _send_back(data, now, max_cycles):
     data = clear_lease(data)
     data.review_cycles += 1
     if data.review_cycles >= max_cycles:
@@ -2443,6 +2469,10 @@ CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER
 # Files that a new task, a reset or HQ's force-reset empty.
 TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md",
                       "REVIEW.md", "QUESTION.md", "ANSWER.md")
+# The reviewer's notes on an approval, for the human who confirms it ([hq] human_review).
+# Not one of CONTENT_FILES: a .ferrus/ from before it existed, or upstream's, lacks it and
+# is still complete; it is emptied with the task's other files only where it exists.
+APPROVAL_FILE = "APPROVAL.md"
 
 
 @dataclasses.dataclass
@@ -4446,7 +4476,7 @@ def op_create_task(store, caller, description, origin=None):
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
-        for name in TASK_SCRATCH_FILES:
+        for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
     text = "Task created. State: Executing. The Executor can now call /wait_for_task."
     if warnings:
@@ -4562,34 +4592,73 @@ def _review_text(store, data):
     return text
 
 
-def op_approve(store, caller):
-    root = store.root
+def _approval_file_if_any(store):
+    return (APPROVAL_FILE,) if os.path.exists(store.path(APPROVAL_FILE)) else ()
+
+
+def _refuse_agent_on_confirmation(data, action):
+    """The reviewer's approve or reject once its approval waits for the human."""
+    if data.state == S.AWAITING_CONFIRMATION:
+        raise FerrusError(
+            "Cannot %s: the submission is already approved and waits for a human's "
+            "confirmation (state AwaitingConfirmation). Only the human can approve or reject "
+            "it now; stop here." % action,
+            "the human runs `ferrus approve` or `ferrus reject NOTES` (or /approve, /reject in "
+            "HQ)")
+
+
+def _complete_task(store, tx, data, new):
+    """What reaching Complete does besides the state: tick the task's spec milestone and
+    move the selection on.  Returns the journal detail."""
+    detail = {}
+    # The milestone tick is a content file written before STATE.json, and it
+    # is idempotent, so a failed commit can simply be approved again.
+    if data.task_spec and data.task_milestone:
+        path = os.path.join(store.root, data.task_spec)
+        if os.path.isfile(path):
+            text = read_text(path)
+            milestones = parse_spec(text)
+            match = next((m for m in milestones if m.id == data.task_milestone), None)
+            if match is not None:
+                if not match.completed:
+                    tx.write(path, mark_milestone_complete(text, match))
+                    match.completed = True
+                    detail["milestone_completed"] = match.id
+                if (data.selected_spec == data.task_spec
+                        and data.selected_milestone == data.task_milestone):
+                    following = next_ready_milestone(milestones, match.id)
+                    new.selected_milestone = following.id if following else None
+                    detail["selected_milestone"] = new.selected_milestone
+    return detail
+
+
+def op_approve(store, caller, notes=None):
+    """Reviewing → Complete, or → AwaitingConfirmation when [hq] human_review is on (then
+    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human)."""
+    if notes is not None and not isinstance(notes, str):
+        raise FerrusError("Cannot approve: notes must be text.")
+    human_review = store.config().human_review
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "approve")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "approve")
-        new = t_approve(data, store.clock())
-        detail = {}
-        # The milestone tick is a content file written before STATE.json, and it
-        # is idempotent, so a failed commit can simply be approved again.
-        if data.task_spec and data.task_milestone:
-            path = os.path.join(root, data.task_spec)
-            if os.path.isfile(path):
-                text = read_text(path)
-                milestones = parse_spec(text)
-                match = next((m for m in milestones if m.id == data.task_milestone), None)
-                if match is not None:
-                    if not match.completed:
-                        tx.write(path, mark_milestone_complete(text, match))
-                        match.completed = True
-                        detail["milestone_completed"] = match.id
-                    if (data.selected_spec == data.task_spec
-                            and data.selected_milestone == data.task_milestone):
-                        following = next_ready_milestone(milestones, match.id)
-                        new.selected_milestone = following.id if following else None
-                        detail["selected_milestone"] = new.selected_milestone
-        tx.set(new, "approve", **detail)
+        new = t_approve(data, store.clock(), human_review)
+        if notes and notes.strip():
+            tx.write(APPROVAL_FILE, notes)
+        elif human_review:
+            # No notes this time: the human must not read an earlier cycle's.
+            for name in _approval_file_if_any(store):
+                tx.write(name, "")
+        if new.state == S.COMPLETE:
+            tx.set(new, "approve", **_complete_task(store, tx, data, new))
+        else:
+            tx.set(new, "approve", awaiting="human")
+    if new.state == S.AWAITING_CONFIRMATION:
+        return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
+                        "rejects it now ([hq] human_review is on). Your review is done; stop "
+                        "here.", new.state)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
 
@@ -4598,6 +4667,7 @@ def op_reject(store, caller, notes):
     limits = store.config().limits
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "reject")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "reject")
@@ -4612,6 +4682,116 @@ def op_reject(store, caller, notes):
                 "Addressing. The Executor should call /wait_for_task to see the notes and /check "
                 "after addressing them." % (new.review_cycles, limits.max_review_cycles))
     return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+# -- the human's confirmation ([hq] human_review) -----------------------------------------
+
+def human_name():
+    """Who the human at this terminal is, as the journal records a confirmation."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError, ImportError):     # no login name anywhere (containers)
+        return "unknown"
+
+
+def _require_human(caller, action):
+    if caller.is_agent:
+        raise FerrusError(
+            "Cannot %s on a human's behalf: only the human confirms or rejects a task the "
+            "reviewer approved (this caller is %s)." % (action, caller.agent_id),
+            "a human runs `ferrus %s` in a shell of their own, or /%s in HQ"
+            % (action, action))
+
+
+def _nothing_to_confirm(data, action):
+    hint = {S.REVIEWING: "the reviewer has not decided yet ([hq] human_review = true makes "
+                         "its approval wait for you)",
+            S.COMPLETE: "the task is already Complete",
+            S.IDLE: "there is no task"}.get(data.state, "`ferrus status` shows where it stands")
+    return FerrusError("Cannot %s: no approval waits for your confirmation (state %s)."
+                       % (action, data.state), hint)
+
+
+def op_human_approve(store, caller, via="cli"):
+    """AwaitingConfirmation → Complete, by the human only."""
+    _require_human(caller, "approve")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "approve")
+        new = t_human_approve(data, store.clock())
+        detail = _complete_task(store, tx, data, new)
+        tx.set(new, "human_approve", by=human_name(), via=via, **detail)
+    text = "Approved. State: Complete."
+    if detail.get("milestone_completed"):
+        text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
+    return _outcome(text, S.COMPLETE, **detail)
+
+
+def op_human_reject(store, caller, notes, via="cli"):
+    """AwaitingConfirmation → Addressing (or Failed at max_review_cycles), by the human
+    only: the notes become the review notes the executor reads, and the cycle counts."""
+    _require_human(caller, "reject")
+    _nonblank(notes, "Cannot reject: the notes are empty. Say what must change.")
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "reject")
+        new = t_human_reject(data, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+    if new.state == S.FAILED:
+        text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
+                "Failed. `ferrus reset` clears it." % (new.review_cycles,
+                                                      limits.max_review_cycles))
+    else:
+        text = ("Rejected (cycle %d/%d). State: Addressing; the executor gets your notes as "
+                "review notes." % (new.review_cycles, limits.max_review_cycles))
+    return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+def _excerpt(text, max_lines):
+    lines = text.strip().splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join(lines[:max_lines] + ["… (%d more lines)" % (len(lines) - max_lines)])
+
+
+# How far back the reviewer's approve entry is looked for (a waiting task writes little).
+_APPROVER_SCAN = 2000
+
+
+def confirmation_summary(store, data=None):
+    """What the human sees before confirming: the task, the submission, the reviewer's
+    verdict and notes, and how to answer.  Every part is data an agent wrote."""
+    data = data or store.read_state()
+    approver = None
+    for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
+        if entry.get("event") == "approve" and entry.get("task_id") == data.task_id:
+            approver = entry.get("actor")
+            break
+    limits = None
+    with contextlib.suppress(FerrusError):
+        limits = store.config().limits
+    notes = store.read_file(APPROVAL_FILE).strip()
+    parts = [
+        "The reviewer approved task %s; it waits for your confirmation." % (data.task_id or "-"),
+        "## Task\n" + (_excerpt(store.read_file("TASK.md"), 12) or "(TASK.md is empty)"),
+        "## Submission\n" + (_excerpt(store.read_file("SUBMISSION.md"), 30)
+                             or "(no submission notes)"),
+        "## Reviewer's verdict\napproved by %s\n%s" % (
+            approver.partition("/")[0] if approver else "the reviewer",
+            _excerpt(notes, 30) if notes else "(no notes given)"),
+    ]
+    cycles = "review cycles used %d" % data.review_cycles
+    if limits:
+        cycles += "/%d" % limits.max_review_cycles
+        if data.review_cycles + 1 >= limits.max_review_cycles:
+            cycles += " — a rejection now fails the task"
+    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
+                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    return "\n\n".join(parts)
 
 
 def op_respond_consult(store, caller, response):
@@ -4632,7 +4812,7 @@ def op_create_spec(store, caller, markdown):
     try:
         directory = spec_directory(store.root, config)
     except FerrusError as err:
-        raise FerrusError("Cannot create spec: " + err.message, err.hint)
+        raise FerrusError("Cannot create spec: " + err.message, err.hint) from err
     os.makedirs(directory, exist_ok=True)
     stem = "%s-%s" % (store.clock().strftime("%Y-%m-%d"), slugify(spec_title(markdown)))
     text = markdown if markdown.endswith("\n") else markdown + "\n"
@@ -5116,6 +5296,9 @@ def op_status(store, caller=None):
         lines.append("**Task:** %s" % data.task_id)
     if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
+    if data.state == S.AWAITING_CONFIRMATION:
+        lines.append("**Waiting for:** a human to confirm or reject the reviewer's approval "
+                     "(no agent can); nothing for agents to do until then.")
     return Outcome("\n".join(lines), status_data(store, data, now))
 
 
@@ -5163,7 +5346,8 @@ def op_reset(store, caller):
             raise FerrusError("Cannot reset from state %s. Reset is only available in the Failed "
                               "state." % tx.state.state)
         tx.set(t_reset(tx.state, store.clock()), "reset")
-        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md"):
+        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md",
+                     "CONSULT_RESPONSE.md") + _approval_file_if_any(store):
             tx.write(name, "")
     return _outcome("State reset to Idle. REVIEW.md, SUBMISSION.md, and consultation files "
                     "cleared. Ready for a new task.", S.IDLE)
@@ -5174,7 +5358,7 @@ def op_force_reset(store, caller):
     with store.transaction(caller.agent_id) as tx:
         previous = tx.state.state
         tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
-        for name in ("TASK.md",) + TASK_SCRATCH_FILES:
+        for name in ("TASK.md",) + TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
         agents_path = store.path("agents.json")
         if os.path.isfile(agents_path):
@@ -5718,7 +5902,12 @@ TOOLS = (
          read_only=True, idempotent=True),
     Tool("approve", "Approve submission",
          "Accept the submission under review: the state becomes Complete and the task's spec "
-         "milestone is ticked.", SUP, lambda st, c: op_approve(st, c), (), _TEXT_OUT),
+         "milestone is ticked (with [hq] human_review on, it becomes AwaitingConfirmation "
+         "until the human confirms).", SUP,
+         lambda st, c, notes=None: op_approve(st, c, notes),
+         (Param("notes", "string", "Optional: what you verified and why it is acceptable "
+                                   "(shown to the human who confirms).", required=False),),
+         _TEXT_OUT),
     Tool("reject", "Reject submission",
          "Send the submission back with notes saying exactly what must change. The state "
          "becomes Addressing (or Failed once max_review_cycles is reached).", SUP,
@@ -5850,7 +6039,7 @@ def open_in_ferrus_dir(store, *parts):
     try:
         return open_inside(store.path(), *parts)
     except UnsafePath as err:
-        raise ResourceNotFound(err.message, err.hint)
+        raise ResourceNotFound(err.message, err.hint) from err
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
@@ -5900,7 +6089,8 @@ def read_log_window(store, uri):
         handle = open_in_ferrus_dir(store, "logs", name)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ResourceNotFound("Resource not found: %s" % uri,
-                               "the log may have been removed; a check run writes new ones")
+                               "the log may have been removed; a check run writes new ones"
+                               ) from None
     with handle:
         size = os.fstat(handle.fileno()).st_size
         if query:
@@ -5992,7 +6182,7 @@ def read_resource(store, uri):
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
             raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
-                                   % (uri, filename))
+                                   % (uri, filename)) from None
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
 
 
@@ -6226,7 +6416,7 @@ class FerrusMcpServer:
                 if start < 0 or start > len(items):
                     raise ValueError
             except (ValueError, TypeError, UnicodeError):
-                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,))
+                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,)) from None
         page = items[start:start + self.PAGE_SIZE]
         result = {key: page}
         if start + self.PAGE_SIZE < len(items):
@@ -6392,11 +6582,11 @@ class FerrusMcpServer:
         except ResourceNotFound as err:
             # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.full_text(), {"uri": uri})
+            raise RpcError(code, err.full_text(), {"uri": uri}) from err
         except (OSError, FerrusError) as err:
             text = err.full_text() if isinstance(err, FerrusError) else \
                 os_error_text("resources/read", err)
-            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri}) from err
         result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
@@ -6414,9 +6604,9 @@ class FerrusMcpServer:
         try:
             text = render_prompt(self.store, name)
         except FerrusError as err:
-            raise RpcError(INTERNAL_ERROR, err.full_text())
+            raise RpcError(INTERNAL_ERROR, err.full_text()) from err
         except OSError as err:
-            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err)) from err
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
@@ -6941,10 +7131,10 @@ def edit_json_file(path, mutate, what=None):
                 "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
                 "the file" % label,
                 "remove the comments from %s and run the command again; nothing was written"
-                % path)
+                % path) from err
         raise FerrusError("Failed to parse %s: %s" % (label, err),
                           "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
-                          "nothing was written")
+                          "nothing was written") from err
     if not isinstance(data, dict):
         raise FerrusError("%s root is not a JSON object" % label,
                           "fix or remove the file; nothing was written")
@@ -7407,7 +7597,7 @@ class Codex(AgentAdapter):
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
             raise FerrusError(".codex/config.toml: %s" % err,
-                              "fix the file by hand first; nothing was written")
+                              "fix the file by hand first; nothing was written") from err
         if new != text:
             planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
@@ -7422,7 +7612,7 @@ class Codex(AgentAdapter):
                 new = toml_remove_table(text, ("mcp_servers", server_key(role)))
             except TomlError as err:
                 raise FerrusError(".codex/config.toml: %s" % err,
-                                  "fix the file by hand first; nothing was written")
+                                  "fix the file by hand first; nothing was written") from err
             if new != text:
                 planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
@@ -7803,7 +7993,7 @@ def update_hq_config(root, role, agent, model, report):
             text = toml_set_key(text, ("hq", role), "model", "")
     except TomlError as err:
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
-                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
@@ -7822,7 +8012,7 @@ def trust_project(adapter, root, report):
         except TomlError as err:
             raise FerrusError("%s: %s" % (path, err),
                               "fix the file by hand first, or register without --trust; "
-                              "nothing was written")
+                              "nothing was written") from err
         if new != text:
             planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
@@ -8115,7 +8305,8 @@ def prompt_reviewer():
             "started from; read the resource ferrus://diff for all of it, or "
             "ferrus://diff/<path> for one file.\n"
             "3. Judge correctness, fit to the task and the verification evidence.\n"
-            "4. Call /approve, or /reject with concrete, actionable notes. Then stop.\n\n"
+            "4. Call /approve (with notes on what you verified), or /reject with concrete, "
+            "actionable notes. Then stop.\n\n"
             "Do not fix the code yourself and do not ask the executor to re-run checks by hand "
             "(the gate already ran). Never edit .ferrus/.\n\n" + PROMPT_PRECEDENCE)
 
@@ -8151,7 +8342,8 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     """The executor's prompt for the state it resumes in (see
     ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
-    None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
+    None when no executor is needed (Idle, Complete, Failed, Reviewing,
+    AwaitingConfirmation)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
             return prompt_executor_in_consultation(heartbeat_secs)
@@ -8163,15 +8355,6 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     if data.state in WORK_STATES:
         return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
                 else prompt_executor(heartbeat_secs))
-    return None
-
-
-def supervisor_prompt_for(data, resuming=False):
-    """The headless supervisor's prompt: reviewer or consultant, or None."""
-    if data.state == S.REVIEWING:
-        return prompt_reviewer()
-    if data.state == S.CONSULTATION:
-        return prompt_consultant(resuming)
     return None
 
 
@@ -8398,7 +8581,7 @@ class OrchestratorLock:
                 % describe_orchestrator(holder),
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
-                "along safely)")
+                "along safely)") from None
         self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
@@ -8573,9 +8756,9 @@ class HqController:
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
-        self.last_gate = None
         self.paused = False           # True until the user agrees to resume a task in flight
         self.shown_question = None
+        self.shown_confirmation = None    # (task, entered) whose summary was emitted
         self.last_state = None
 
     # -- start-up ------------------------------------------------------------------
@@ -8616,7 +8799,10 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
-                if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
+                # Complete is reached by the reviewer's approve, or by the human's
+                # confirmation when [hq] human_review is on.
+                if entry.get("to") == S.COMPLETE.value and entry.get("from") != S.COMPLETE.value \
+                        and entry["seq"] > self.start_seq:
                     self.tasks_completed += 1
                 self._show_entry(entry)
 
@@ -8668,12 +8854,20 @@ class HqController:
                 self.emit(HqMessage("question", question))
         else:
             self.shown_question = None
+        if data.state == S.AWAITING_CONFIRMATION:
+            waiting = (data.task_id, data.state_entered_at)
+            if waiting != self.shown_confirmation:
+                self.shown_confirmation = waiting
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data)))
+        else:
+            self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
                 self.emit(HqMessage("info", "Task complete."))
             elif data.state == S.FAILED:
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
-            if data.state in (S.IDLE, S.COMPLETE, S.FAILED):
+            # While the human decides no agent has anything to do.
+            if data.state in (S.IDLE, S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION):
                 self.stop_all(quiet=True)
             self.last_state = data.state
         needed = self.needed_slots(data)
@@ -8719,7 +8913,6 @@ class HqController:
         signals = self.signals(extra_parallel)
         tier, action, worst = classify(signals, limits)
         record = gate_record(target, tier, action, signals, limits, worst)
-        self.last_gate = record
         with contextlib.suppress(FerrusError, OSError):
             self.store.append_event("hq", "gate", record)
         if action in (CHECKPOINT, EMERGENCY_STOP):
@@ -9083,11 +9276,14 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
+             review=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
+    ("reject", notes) or None`` is the human's word on a reviewer's approval when
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is the (spec, milestone id) the task
     implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
@@ -9149,6 +9345,21 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
+            if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+                decision = review(confirmation_summary(store, data)) if review else None
+                if decision is None:
+                    out("ferrus run: the task waits for a human's confirmation of the "
+                        "reviewer's approval; run `ferrus approve`, or `ferrus reject NOTES` "
+                        "and then `ferrus run --resume`")
+                    return RUN_NEEDS_HUMAN
+                verdict, notes = decision
+                try:
+                    if verdict == "approve":
+                        op_human_approve(store, HUMAN, via="run")
+                    else:
+                        op_human_reject(store, HUMAN, notes, via="run")
+                except FerrusError as err:      # e.g. someone else decided meanwhile
+                    out("ferrus run: %s" % err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
@@ -9218,6 +9429,8 @@ def _run_line(message):
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
+    if message.kind == "confirm":
+        return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
 
@@ -9363,7 +9576,7 @@ def parse_workflows(text, path, known_agents=None):
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
                           "fix the syntax (`ferrus pipeline init` in a project without a workflows "
-                          "file writes a valid example)")
+                          "file writes a valid example)") from err
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -9451,7 +9664,7 @@ def read_workflows(root, config):
         text = read_text(os.path.join(root, name))
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (name, root),
-                          "`ferrus pipeline init` writes an example to edit")
+                          "`ferrus pipeline init` writes an example to edit") from None
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
@@ -9641,7 +9854,8 @@ def read_run(store, ref, with_definition=False):
         if not 0 <= status["current_phase"] < len(status["phases"]):
             raise IndexError("current_phase %r is not a phase" % status["current_phase"])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err), hint)
+        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err),
+                          hint) from err
     run = PipelineRun(name, path, archived, status)
     if with_definition:
         snapshot = os.path.join(path, "workflow.json")
@@ -10402,6 +10616,8 @@ Idle → Executing → Reviewing → Complete, with these detours:
 - Executing/Addressing/Consultation/Reviewing → AwaitingHuman (`ask_human`) →
   back (`answer` by a human, read with `wait_for_answer`)
 - Reviewing → Addressing (`reject`); check failures stay in place
+- when the project sets `[hq] human_review`, `approve` leads to AwaitingConfirmation:
+  only the human then approves (Complete) or rejects (Addressing); agents wait
 - too many check failures or rejections → Failed (a human resets it)
 
 ## Tools by role
@@ -10730,7 +10946,8 @@ def _journal_findings(store, data):
 
 def _content_findings(store, data):
     findings = []
-    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_HUMAN: "QUESTION.md",
+    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_CONFIRMATION: "SUBMISSION.md",
+              S.AWAITING_HUMAN: "QUESTION.md",
               S.CONSULTATION: "CONSULT_REQUEST.md", S.EXECUTING: "TASK.md",
               S.ADDRESSING: "REVIEW.md"}
     name = expect.get(data.state)
@@ -10938,7 +11155,8 @@ def _color_enabled(stream):
 
 
 _STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultation": "35",
-                 "AwaitingHuman": "1;33", "Reviewing": "34", "Complete": "32", "Failed": "1;31"}
+                 "AwaitingHuman": "1;33", "AwaitingConfirmation": "1;33", "Reviewing": "34",
+                 "Complete": "32", "Failed": "1;31"}
 
 
 def _paint(text, code, enabled):
@@ -11046,6 +11264,8 @@ HQ_COMMANDS = (
     ("/check", "[--force]", "run the check gate"),
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
     ("/review", "", "start the reviewer again"),
+    ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
+    ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
     ("/stop", "", "stop every agent session"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
@@ -11089,6 +11309,8 @@ class HqShell:
         if message.kind == "question":
             self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
                        message.text)
+        elif message.kind == "confirm":
+            self.write("\n[AWAITING YOUR CONFIRMATION]\n%s" % message.text)
         else:
             self.write(prefix + message.text)
 
@@ -11159,6 +11381,10 @@ class HqShell:
 
     def answer(self, text):
         data = self.store.read_state()
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write("error: the reviewer's approval waits for you: /approve, or /reject "
+                       "NOTES (a plain line answers only an agent's question)")
+            return
         if data.state != S.AWAITING_HUMAN:
             self.write("error: commands start with '/' (try /help); nobody is waiting for an "
                        "answer (state %s)" % data.state)
@@ -11203,6 +11429,8 @@ class HqShell:
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
             self.write("  " + slot.describe())
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
         count = int(rest) if rest.isdigit() else 20
@@ -11276,6 +11504,18 @@ class HqShell:
                               "start a task with /task")
         self.controller.restart_slots()
         self.write("Resuming the task (%s)." % data.state)
+
+    def cmd_approve(self, rest):
+        if rest:
+            raise UsageError("usage: /approve (it takes no arguments; /reject NOTES sends the "
+                             "task back)")
+        self.write(op_human_approve(self.store, HUMAN, via="hq").text)
+
+    def cmd_reject(self, rest):
+        if not rest:
+            raise UsageError("usage: /reject NOTES — say what must change; the executor gets "
+                             "them as review notes")
+        self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
 
     def cmd_review(self, rest):
         if self.store.read_state().state != S.REVIEWING:
@@ -11427,7 +11667,7 @@ class HqShell:
         except OSError as err:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
-                              adapter.install_hint())
+                              adapter.install_hint()) from err
         # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
         # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
         previous = None
@@ -11451,7 +11691,8 @@ _CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
                   "question": "MAGENTA", "agent": "GREEN",
                   "diff+": "GREEN", "diff-": "RED", "diff@": "CYAN",
                   "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
-                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
+                  "AwaitingHuman": "YELLOW", "AwaitingConfirmation": "YELLOW",
+                  "Reviewing": "BLUE", "Complete": "GREEN",
                   "Failed": "RED"}
 _CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
                      "PgUp/PgDn scroll · Ctrl+C twice quits")
@@ -11501,6 +11742,8 @@ class CursesHq(HqShell):
         if message.kind == "question":
             self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
                                  "Enter." % (stamp, message.text))
+        elif message.kind == "confirm":
+            self.add("question", "%s[AWAITING YOUR CONFIRMATION]\n%s" % (stamp, message.text))
         else:
             prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
             self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
@@ -12081,6 +12324,8 @@ def cmd_status(args, root):
     for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
+    if data.state == S.AWAITING_CONFIRMATION:
+        print("\n" + terminal_safe(confirmation_summary(store, data)))
     return 0
 
 
@@ -12151,6 +12396,48 @@ def cmd_reset(args, root):
     return 0
 
 
+def human_caller():
+    """The human, unless this shell belongs to an agent session HQ started (its
+    environment names the session): then an agent, whom the operations refuse."""
+    session = os.environ.get(SESSION_ENV)
+    return Caller("agent", "agent/%s" % session) if session else HUMAN
+
+
+def cmd_approve(args, root):
+    store = Store(root).require()
+    caller = human_caller()
+    data = store.read_state()
+    if data.state != S.AWAITING_CONFIRMATION or caller.is_agent:
+        say(op_human_approve(store, caller).text)     # refuses, saying why
+        return 0
+    if not args.yes:
+        say(terminal_safe(confirmation_summary(store, data)))
+        say()
+        if not confirm("Approve task %s?" % (data.task_id or "")):
+            say("Nothing changed.")
+            return 1
+    say(op_human_approve(store, caller).text)
+    return 0
+
+
+def cmd_reject(args, root):
+    store = Store(root).require()
+    notes = " ".join(args.notes)
+    if args.file:
+        if notes:
+            raise UsageError("give the notes as words or with --file, not both")
+        try:
+            notes = sys.stdin.read() if args.file == "-" else read_text(args.file)
+        except OSError as err:
+            raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
+                              "give the path of a text file holding your notes, or - for stdin")
+    if not notes.strip():
+        raise UsageError("the rejection needs notes: what must change",
+                         "ferrus reject \"Handle the empty input too\" (or --file NOTES.md)")
+    say(op_human_reject(store, human_caller(), notes).text)
+    return 0
+
+
 def cmd_doctor(args, root):
     findings = doctor_findings(root)
     if not findings:
@@ -12216,7 +12503,7 @@ def cmd_check(args, root):
             raise
         # The agents' message cannot mention a CLI flag; the human at the shell can use it.
         raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
-                                       "and changes nothing")
+                                       "and changes nothing") from err
     say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -12304,7 +12591,7 @@ def cmd_run(args, root):
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT")
+                              "the current folder, or pass the task as --task TEXT") from err
     interactive = sys.stdin.isatty()
 
     def ask(question):
@@ -12313,6 +12600,26 @@ def cmd_run(args, root):
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
         return input("answer> ")
+
+    def review(summary):
+        """The human's word on the reviewer's approval shown above ([hq] human_review)."""
+        if not interactive:
+            return None
+        try:
+            while True:
+                reply = input("approve? y approves, r rejects with notes, Enter decides "
+                              "later> ").strip().lower()
+                if reply in ("y", "yes"):
+                    return "approve", None
+                if reply in ("r", "reject", "n", "no"):
+                    notes = input("notes for the executor> ")
+                    if notes.strip():
+                        return "reject", notes
+                    say("a rejection needs notes saying what must change", flush=True)
+                elif not reply:
+                    return None
+        except EOFError:
+            return None
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
@@ -12321,8 +12628,9 @@ def cmd_run(args, root):
             say("ferrus run: %s" % note, flush=True)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                        review=review)
 
 
 def cmd_hq(args, root):
@@ -12473,6 +12781,17 @@ def build_parser():
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(run=cmd_reset)
+
+    p = sub.add_parser("approve", help="confirm the reviewer's approval ([hq] human_review)")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="approve without showing the summary and asking first")
+    p.set_defaults(run=cmd_approve)
+
+    p = sub.add_parser("reject", help="send a task the reviewer approved back to the executor "
+                                      "([hq] human_review)")
+    p.add_argument("notes", nargs="*", metavar="NOTES", help="what must change (review notes)")
+    p.add_argument("--file", "-F", metavar="F", help="read the notes from file F (- for stdin)")
+    p.set_defaults(run=cmd_reject)
 
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")
