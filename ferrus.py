@@ -12430,7 +12430,7 @@ def cmd_reject(args, root):
             notes = sys.stdin.read() if args.file == "-" else read_text(args.file)
         except OSError as err:
             raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
-                              "give the path of a text file holding your notes, or - for stdin")
+                              "give the path of a text file holding your notes, or - for stdin") from err
     if not notes.strip():
         raise UsageError("the rejection needs notes: what must change",
                          "ferrus reject \"Handle the empty input too\" (or --file NOTES.md)")
