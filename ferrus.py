@@ -12,6 +12,12 @@ on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
 ``python -m ferrus``, through the ``ferrus`` launcher, or as an installed
 ``ferrus`` command — all four behave the same.
 
+Other programs may import ferrus.  What they may rely on is listed in ``__all__``:
+the store and its state types, the operations (``op_*``, the one implementation of
+every behaviour), the config loader and its dataclasses, the MCP server entry
+``serve_stdio``, ``main`` and ``FerrusError``.  Everything else may change between
+versions without notice.
+
 Contents (each section uses only the sections above it):
 
      1. Basics .................. version, errors, time, JSON helpers
@@ -70,6 +76,27 @@ import threading
 import time
 
 __version__ = "0.1.0"
+
+# The public interface (see the module docstring); everything else may change.
+__all__ = [
+    "__version__", "main", "FerrusError", "TransitionError",
+    # the config loader and its dataclasses (section 4)
+    "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
+    "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
+    "SessionsConfig", "PipelinesConfig",
+    # the store and its state types (sections 5 and 8)
+    "Store", "TaskState", "StateData",
+    # the operations and what they take and give (section 11)
+    "Caller", "HUMAN", "Outcome",
+    "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
+    "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
+    "op_stage_task_origin", "op_clear_selection", "op_wait_for_task", "op_wait_for_review",
+    "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
+    "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
+    "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
+    # the MCP server over stdio (section 12)
+    "serve_stdio",
+]
 
 log = logging.getLogger("ferrus")
 
