@@ -95,6 +95,7 @@ __all__ = [
     "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
+    "op_diff",
     # the MCP server over stdio (section 12)
     "serve_stdio",
 ]
@@ -3715,10 +3716,11 @@ def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, o
                               timeout=timeout)
     except FileNotFoundError:
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     except subprocess.TimeoutExpired:
         raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
-                       "the repository may be very large or on a slow disk; try again")
+                       "the repository may be very large or on a slow disk; try again") from None
     if proc.returncode not in ok:
         raise _git_failure(args, proc.returncode, proc.stderr)
     return proc.stdout
@@ -3735,7 +3737,8 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     except FileNotFoundError:
         errors.close()
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     timed_out = threading.Event()
 
     def stop():
@@ -3828,7 +3831,7 @@ def git_repository(root):
     except GitError as err:
         raise GitUnavailable("%s is not in a git repository (%s)" % (root, err.message),
                              "run `git init` and commit your files to get task diffs; "
-                             "everything else works without git")
+                             "everything else works without git") from err
     lines = os.fsdecode(out).splitlines()
     if len(lines) < 2 or not lines[0]:
         raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
