@@ -4177,6 +4177,10 @@ def confirmation_summary(store, data=None):
             approver.partition("/")[0] if approver else "the reviewer",
             _excerpt(notes, 30) if notes else "(no notes given)"),
     ]
+    earlier = store.read_file("REVIEW.md").strip()
+    if earlier and data.review_cycles:
+        parts.append("## The last rejection's notes (what this round had to address)\n"
+                     + _excerpt(earlier, 20))
     cycles = "review cycles used %d" % data.review_cycles
     if limits:
         cycles += "/%d" % limits.max_review_cycles
