@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import threading
 
 import pytest
@@ -150,6 +151,32 @@ def test_a_human_approval_counts_as_a_completed_task_for_the_capacity_gate(store
     ferrus.op_human_approve(store, ferrus.HUMAN)
     controller.drain_journal()
     assert controller.tasks_completed == 1
+
+
+def test_the_confirmation_shows_the_diff_stat(store, project):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com"] +
+                       list(args), cwd=str(project), check=True, capture_output=True)
+    set_config(project, HUMAN_REVIEW)
+    git("init", "-q")
+    with open(os.path.join(str(project), "widget.py"), "w") as handle:
+        handle.write("one\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "start")
+    ferrus.op_create_task(store, ferrus.HUMAN, "Grow the widget.")
+    with open(os.path.join(str(project), "widget.py"), "a") as handle:
+        handle.write("two\nthree\n")
+    ferrus.op_submit(store, EXECUTOR, "Two lines more.")
+    ferrus.op_approve(store, REVIEWER)
+    summary = ferrus.confirmation_summary(store)
+    assert "## Changes" in summary
+    assert "widget.py |" in summary and "1 file changed, 2 insertions(+)" in summary
+
+
+def test_without_git_the_confirmation_says_why_there_is_no_diff(store, project):
+    set_config(project, HUMAN_REVIEW)
+    awaiting(store)
+    assert "## Changes\nNo diff: " in ferrus.confirmation_summary(store)
 
 
 def test_the_last_allowed_rejection_is_announced_and_fails_the_task(store, project):
