@@ -4784,7 +4784,8 @@ _APPROVER_SCAN = 2000
 
 def confirmation_summary(store, data=None):
     """What the human sees before confirming: the task, the submission, the reviewer's
-    verdict and notes, and how to answer.  Every part is data an agent wrote."""
+    verdict and notes, the diff stat, and how to answer.  Every part but the stat is
+    data an agent wrote."""
     data = data or store.read_state()
     approver = None
     for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
@@ -4804,6 +4805,15 @@ def confirmation_summary(store, data=None):
             approver.partition("/")[0] if approver else "the reviewer",
             _excerpt(notes, 30) if notes else "(no notes given)"),
     ]
+    try:
+        changes = op_diff(store, stat_only=True).text
+    except FerrusError as err:          # a git failure must not hide the rest
+        changes = "No diff: %s" % err.message
+    parts.append("## Changes\n" + _excerpt(changes, 40))
+    earlier = store.read_file("REVIEW.md").strip()
+    if earlier and data.review_cycles:
+        parts.append("## The last rejection's notes (what this round had to address)\n"
+                     + _excerpt(earlier, 20))
     cycles = "review cycles used %d" % data.review_cycles
     if limits:
         cycles += "/%d" % limits.max_review_cycles
