@@ -3794,8 +3794,26 @@ class GitRepository:
                        stdin=b"").decode("ascii").strip()
 
 
+def _inside_dot_git_tree(root):
+    """True when ``root`` or a folder above it holds a .git (folder or file, as in a
+    worktree or submodule): only then can git find a repository, so a project outside
+    any repository never pays for starting git (create_task is on a fast path)."""
+    path = os.path.abspath(root)
+    while True:
+        if os.path.exists(os.path.join(path, ".git")):
+            return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+
+
 def git_repository(root):
     """The GitRepository ``root`` is in.  Raises GitUnavailable when there is none."""
+    if not _inside_dot_git_tree(root):
+        raise GitUnavailable("%s is not in a git repository" % root,
+                             "run `git init` and commit your files to get task diffs; "
+                             "everything else works without git")
     try:
         out = run_git(root, ["rev-parse", "--show-toplevel", "--absolute-git-dir"])
     except GitError as err:
@@ -4076,14 +4094,16 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
     compares with HEAD), untracked files included and ``exclude`` left out; ``paths``
     narrows it to those project-relative paths.  Raises GitUnavailable (no diff can be
     made here) or GitError."""
-    if base and not base.get("git", True):
-        # The task began without git: a repository made since has no task base.
-        raise GitUnavailable("the task was created without git (%s)" % base.get("reason"),
-                             "tasks created in a git repository have a diff")
     repo = git_repository(root)
     notes = []
     head = repo.head()
-    if base:
+    if base and not base.get("git", True):
+        # No base could be taken then (no repository yet, git missing or failing).
+        notes.append("no base was recorded when the task was created (%s): the diff is "
+                      "against HEAD" % base.get("reason"))
+        base = None
+        start = head
+    elif base:
         start = base.get("commit")
         if start and start != head and not repo.has_commit(start):
             raise GitError("the task's base commit %s is no longer in the repository"
@@ -9322,7 +9342,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
         # may have staged.
-        op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        for warning in created.data.get("warnings", ()):
+            out("ferrus run: warning: %s" % warning)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -11583,7 +11605,9 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            created = op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            for warning in created.data.get("warnings", ()):
+                self.write("warning: %s" % warning)
             self.controller.paused = False
             return
         milestone = spec = None
