@@ -11580,7 +11580,11 @@ class HqShell:
         self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
 
     def cmd_review(self, rest):
-        if self.store.read_state().state != S.REVIEWING:
+        state = self.store.read_state().state
+        if state == S.AWAITING_CONFIRMATION:
+            raise FerrusError("the reviewer already approved; the task waits for you",
+                              "/approve, or /reject NOTES")
+        if state != S.REVIEWING:
             raise FerrusError("there is no submission to review")
         self.controller.restart_slots()
 
