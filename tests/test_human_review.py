@@ -314,6 +314,8 @@ def test_hq_shows_the_summary_and_takes_approve_and_reject(project):
     assert "/approve, or /reject NOTES" in out.getvalue()
     shell.handle("/reject")
     assert "usage: /reject NOTES" in out.getvalue()
+    shell.handle("/review")
+    assert "the reviewer already approved" in out.getvalue()
     shell.handle("/reject Add a changelog entry.")
     assert store.read_state().state == S.ADDRESSING
     assert store.read_file("REVIEW.md") == "Add a changelog entry."
@@ -448,3 +450,30 @@ def test_curses_hq_shows_the_confirmation_and_takes_reject_then_approve(scripted
         assert pane.exited() == 0
     finally:
         pane.close()
+
+
+def test_run_resume_without_a_terminal_exits_4_and_starts_no_agent(project):
+    store = ferrus.Store(str(project))
+    set_config(project, HUMAN_REVIEW)
+    awaiting(store)
+    result = run_cli("run", "--resume", cwd=project)
+    assert result.returncode == ferrus.RUN_NEEDS_HUMAN, result.stdout + result.stderr
+    assert "your confirmation is needed" in result.stdout
+    assert "Checked the tests and the edge cases." in result.stdout
+    assert "`ferrus approve`, or `ferrus reject NOTES`" in result.stdout.splitlines()[-1]
+    assert "started the" not in result.stdout
+    assert store.read_state().state == S.AWAITING_CONFIRMATION
+    refused = run_cli("run", "--task", "Another one", cwd=project)
+    assert refused.returncode == 1 and "already in flight (state AwaitingConfirmation)" in \
+        refused.stderr
+
+
+def test_doctor_accepts_a_waiting_task_and_warns_when_its_submission_is_gone(project):
+    store = ferrus.Store(str(project))
+    set_config(project, HUMAN_REVIEW + '\n[checks]\ncommands = ["true"]\n')
+    awaiting(store)
+    assert run_cli("doctor", cwd=project).returncode == 0
+    with open(store.path("SUBMISSION.md"), "w"):
+        pass
+    report = run_cli("doctor", cwd=project)
+    assert "state is AwaitingConfirmation but .ferrus/SUBMISSION.md is empty" in report.stdout
