@@ -113,9 +113,11 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     task = scripted.read_state().task_id
     found = records(scripted)
-    assert [r["slot"] for r in found] == ["executor", "reviewer", "executor", "reviewer"]
+    shown = "\n".join(lines) + "\n" + json.dumps([ferrus.session_brief(r) for r in found],
+                                                  indent=1)
+    assert [r["slot"] for r in found] == ["executor", "reviewer", "executor", "reviewer"], shown
     for record in found:
-        assert record["status"] == "ended" and record["outcome"] == "success", record
+        assert record["status"] == "ended" and record["outcome"] == "success", shown
         assert record["exit_code"] == 0 and record["task_id"] == task
         assert record["agent"] == "scripted" and record["model"] == "scripted-model"
         assert record["argv"][0] == sys.executable and record["argv"][1].endswith(
@@ -127,9 +129,9 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
     assert "You are the ferrus executor" in found[0]["prompt"]
     assert "REVIEW mode" in found[1]["prompt"]
     # The executor called wait_for_task, check and submit; the reviewer two tools.
-    assert [r["tool_calls"] for r in found] == [3, 2, 3, 2]
-    assert [r["input_tokens"] for r in found] == [300, 200, 300, 200]
-    assert [r["cost_usd"] for r in found] == [0.003, 0.002, 0.003, 0.002]
+    assert [r["tool_calls"] for r in found] == [3, 2, 3, 2], shown
+    assert [r["input_tokens"] for r in found] == [300, 200, 300, 200], shown
+    assert [r["cost_usd"] for r in found] == [0.003, 0.002, 0.003, 0.002], shown
     # The last reviewer ended the task, and still got to report its cost.
     summary = ferrus.task_usage(scripted, task)
     assert summary == {"sessions": 4, "tool_calls": 10, "input_tokens": 1000,
