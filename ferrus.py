@@ -22,7 +22,7 @@ Contents (each section uses only the sections above it):
      6. Session state machine ... supervising one agent slot, pure
      7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
-     9. Checks .................. the check runner
+     9. Checks .................. the check runner; git: a task's base and diff
     10. Specs ................... spec and milestone parsing, selection, completion
     11. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
     12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
@@ -56,6 +56,7 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import getpass
 import itertools
 import json
 import logging
@@ -67,6 +68,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 
 __version__ = "0.1.0"
 
@@ -155,7 +157,7 @@ def parse_timestamp(text):
                               tzinfo=_dt.timezone(offset))
         return moment.astimezone(_dt.timezone.utc)
     except OverflowError:
-        raise ValueError("timestamp out of range: %r" % (text,))
+        raise ValueError("timestamp out of range: %r" % (text,)) from None
 
 
 def format_duration(seconds):
@@ -454,7 +456,7 @@ def open_inside(base, *parts):
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise link_refused
+            raise link_refused from err
         raise
     try:
         if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
@@ -626,14 +628,11 @@ except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
 class TomlError(ValueError):
     """A TOML document that cannot be read, or an edit this section cannot make.
 
-    ``line`` is the 1-based line of the problem (None when unknown) and
-    ``detail`` says what is wrong, so callers can phrase their own message.
-    """
+    The message is ``line <n>: <what is wrong>`` (n 1-based), or only what is
+    wrong when the line is unknown."""
 
     def __init__(self, detail, line=None):
         super().__init__("line %s: %s" % (line, detail) if line else detail)
-        self.line = line
-        self.detail = detail
 
 
 _TOML_TOMLLIB_WHERE = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
@@ -1140,11 +1139,6 @@ def _toml_clash(pair, full, target, what):
     return _toml_cannot(pair, what, "the value set on this line is in the way")
 
 
-def toml_table_names(text):
-    """The key parts of every ``[table]`` header, in document order."""
-    return [head.header for head, _ in _toml_sections(text)[1:] if not head.array]
-
-
 def _toml_locate(text, table, key):
     """Find `key` directly under `[table]`: (section or None, statement or None)."""
     want = table + (key,)
@@ -1461,6 +1455,8 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
+    # [hq] human_review: the reviewer's approval waits for a human's confirmation.
+    human_review: bool = False
     # Problems in [hq] only matter to commands that launch agents, so they are kept
     # here instead of breaking check, submit and the waits (see
     # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
@@ -1578,6 +1574,8 @@ def _parse_hq_table(path, hq, config, unknown):
         return
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     for key, value in hq.items():
+        if key == "human_review":         # a setting, not a role: _parse_human_review
+            continue
         if key not in HQ_ROLES:
             unknown.append("hq.%s" % key)
             continue
@@ -1740,6 +1738,9 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    # Not one of hq_problems, which only agent launches notice: a mistyped value must
+    # not let the reviewer's approval complete a task the human meant to confirm.
+    _parse_human_review(path, raw.get("hq", {}), config, found)
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -1748,6 +1749,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
                               % (first.hint, count, path))
         raise first
     return config
+
+
+def _parse_human_review(path, hq, config, found):
+    value = hq.get("human_review", False) if isinstance(hq, dict) else False
+    if not isinstance(value, bool):
+        found.append(_config_error(path, "hq.human_review", "must be true or false", value))
+        return
+    config.human_review = value
 
 
 def load_config(root):
@@ -1809,6 +1818,13 @@ class TaskState(str, enum.Enum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     AWAITING_HUMAN = "AwaitingHuman"
+    # With [hq] human_review on, the reviewer's approval leads here instead of to Complete,
+    # and only a human moves the task on.  It is a state of its own, not a flag on
+    # Reviewing: every tool and every HQ reaction keyed on Reviewing (the reviewer's
+    # wait_for_review claim, HQ starting a reviewer, approve and reject) must then not
+    # apply, and a state makes the transition table refuse them all in one place.  With
+    # the feature off no STATE.json ever holds it, so upstream reads the files as before.
+    AWAITING_CONFIRMATION = "AwaitingConfirmation"
 
     def __str__(self):
         return self.value
@@ -1817,7 +1833,8 @@ class TaskState(str, enum.Enum):
 S = TaskState
 WORK_STATES = (S.EXECUTING, S.ADDRESSING)
 LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
-ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN,
+                 S.AWAITING_CONFIRMATION)
 
 # The one table the code and the docs follow: action, states it is allowed
 # from, and where it leads.  "same" keeps the state; "paused" restores the
@@ -1831,8 +1848,11 @@ TRANSITIONS = (
     ("consult", WORK_STATES, "Consultation"),
     ("respond_consult", (S.CONSULTATION,), "same"),
     ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
-    ("approve", (S.REVIEWING,), "Complete"),
+    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review"),
     ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
+    # The human's word on the reviewer's approval; no agent may take these.
+    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete"),
+    ("human_reject", (S.AWAITING_CONFIRMATION,), "Addressing, or Failed at max_review_cycles"),
     ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
     ("answer", (S.AWAITING_HUMAN,), "paused"),
     ("heartbeat", LEASE_STATES, "same (renews the lease)"),
@@ -1883,6 +1903,8 @@ class StateData:
     consult_paused_state: "TaskState | None" = None
     # Which agent asked the pending question, so HQ can tell who waits.
     question_from: "str | None" = None
+    # Where the task started in git (see task_base): its diff is measured from there.
+    task_base: "dict | None" = None
     extra: dict = dataclasses.field(default_factory=dict)
 
     def copy(self):
@@ -1898,7 +1920,7 @@ class StateData:
                 continue
             out[name] = value.value if isinstance(value, TaskState) else value
         for name in ("rev", "task_id", "state_entered_at", "task_started_at",
-                     "consult_paused_state", "question_from"):
+                     "consult_paused_state", "question_from", "task_base"):
             value = getattr(self, name)
             # rev 0 means "never written by this ferrus": an upstream file stays as it was.
             if value is not None and not (name == "rev" and value == 0):
@@ -1914,9 +1936,9 @@ class StateData:
             json.dumps(raw, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise StateCorrupt("%s holds a \\u escape that is no character (a lone surrogate)"
-                               % where)
+                               % where) from None
         except (ValueError, RecursionError) as err:
-            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
+            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err)) from err
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
@@ -1931,7 +1953,7 @@ class StateData:
             try:
                 setattr(data, key, _coerce_state_field(key, value))
             except (TypeError, ValueError) as err:
-                raise StateCorrupt("%s field %r: %s" % (where, key, err))
+                raise StateCorrupt("%s field %r: %s" % (where, key, err)) from err
         return data
 
 
@@ -1952,12 +1974,16 @@ def _coerce_state_field(key, value):
         if key in ("state",) or key in _STATE_INT_FIELDS:
             raise ValueError("must not be null")
         return None
+    if key == "task_base":
+        if not isinstance(value, dict):
+            raise ValueError("must be an object, got %r" % (value,))
+        return value
     if key in _STATE_ENUM_FIELDS:
         try:
             return TaskState(value)
         except ValueError:
             raise ValueError("unknown state %r (expected one of %s)"
-                             % (value, ", ".join(s.value for s in TaskState)))
+                             % (value, ", ".join(s.value for s in TaskState))) from None
     if key in _STATE_INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("must be a non-negative integer, got %r" % (value,))
@@ -1973,15 +1999,6 @@ def _coerce_state_field(key, value):
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
-
-
-def is_claimed(data, now):
-    deadline = lease_deadline(data)
-    return deadline is not None and now < deadline
-
-
-def is_claimed_by(data, agent_id, now):
-    return data.claimed_by == agent_id and is_claimed(data, now)
 
 
 def claim(data, agent_id, now, ttl_secs):
@@ -2063,7 +2080,7 @@ def _enter(data, state, now):
     return data
 
 
-def t_create_task(data, now, task_id):
+def t_create_task(data, now, task_id, base=None):
     _require("create_task", data)
     data = clear_lease(data)
     data.task_spec, data.pending_task_spec = data.pending_task_spec, None
@@ -2072,6 +2089,7 @@ def t_create_task(data, now, task_id):
     data.failure_reason = None
     data.paused_state = data.consult_paused_state = data.question_from = None
     data.task_id = task_id
+    data.task_base = base
     data.task_started_at = format_timestamp(now)
     return _enter(data, S.EXECUTING, now)
 
@@ -2122,14 +2140,30 @@ def t_finish_consult(data, now):
     return _enter(data, resume, now)
 
 
-def t_approve(data, now):
+def t_approve(data, now, human_review=False):
     _require("approve", data)
+    data = clear_lease(data)
+    return _enter(data, S.AWAITING_CONFIRMATION if human_review else S.COMPLETE, now)
+
+
+def t_human_approve(data, now):
+    _require("human_approve", data)
     data = clear_lease(data)
     return _enter(data, S.COMPLETE, now)
 
 
 def t_reject(data, now, max_cycles):
     _require("reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def t_human_reject(data, now, max_cycles):
+    """The human's rejection counts as a review cycle, exactly like the reviewer's."""
+    _require("human_reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def _send_back(data, now, max_cycles):
     data = clear_lease(data)
     data.review_cycles += 1
     if data.review_cycles >= max_cycles:
@@ -2435,6 +2469,10 @@ CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER
 # Files that a new task, a reset or HQ's force-reset empty.
 TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md",
                       "REVIEW.md", "QUESTION.md", "ANSWER.md")
+# The reviewer's notes on an approval, for the human who confirms it ([hq] human_review).
+# Not one of CONTENT_FILES: a .ferrus/ from before it existed, or upstream's, lacks it and
+# is still complete; it is emptied with the task's other files only where it exists.
+APPROVAL_FILE = "APPROVAL.md"
 
 
 @dataclasses.dataclass
@@ -3585,6 +3623,530 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
                     log_path=os.path.relpath(summary, root).replace(os.sep, "/"))
 
 
+# -- git: a task's base and its diff --------------------------------------------------
+#
+# A task remembers where it started (record_task_base) and its diff is measured from
+# there to the working tree, untracked files included (task_diff).  ferrus only reads
+# the repository: git runs from argv lists (no shell) with a timeout, the user's index
+# is never written (a private copy of it does the diffing, and GIT_OPTIONAL_LOCKS=0
+# keeps `git status` from refreshing it), and where git is missing or the project is
+# not in a repository there is simply no diff.  Item for item the functions below are
+# what operations, the MCP server and the HQ use; nothing else calls git.
+
+GIT_TIMEOUT_SECS = 60.0
+# Files ferrus (or `ferrus register`) writes into a project: never part of a task's
+# diff, whatever the agent did.  Paths relative to the project root.
+DIFF_EXCLUDED_PATHS = (FERRUS_DIR, ".mcp.json", ".claude/mcp-supervisor.json",
+                       ".claude/mcp-executor.json", ".claude/settings.local.json",
+                       ".codex", ".qwen", ".gemini")
+# The skill folders `ferrus init` writes under [agents] path.
+DIFF_EXCLUDED_SKILLS = ("skills/ferrus", "skills/ferrus-supervisor", "skills/ferrus-executor")
+# What create_task names of a dirty tree (the count is always exact).
+BASE_DIRTY_NAMES = 50
+# Variables that would point git at another repository or index than the project's.
+_GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_PREFIX",
+                      "GIT_COMMON_DIR", "GIT_NAMESPACE", "GIT_OBJECT_DIRECTORY",
+                      "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CEILING_DIRECTORIES")
+
+
+class GitUnavailable(FerrusError):
+    """There can be no diff here (git is missing, or the project is in no repository);
+    everything else in ferrus works as without git."""
+
+
+class GitError(FerrusError):
+    """A git command failed or gave an answer ferrus cannot use."""
+
+
+def _git_env(index_file=None):
+    # A hook or a wrapper may have exported GIT_DIR & co. for another repository:
+    # the project's repository is the one its root is in, nothing else.
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARS}
+    env.update(GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0", GIT_PAGER="cat")
+    if index_file:
+        env["GIT_INDEX_FILE"] = index_file
+    return env
+
+
+def _git_argv(args):
+    return ["git", "-c", "core.quotePath=false", "-c", "core.fsmonitor=false"] + list(args)
+
+
+def _git_failure(args, code, stderr):
+    said = stderr.decode("utf-8", "replace").strip()
+    return GitError("git %s failed (exit %s)%s" % (args[0], code, ": " + said if said else ""),
+                    "run the same git command in the project to see what git needs")
+
+
+def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, ok=(0,)):
+    """stdout (bytes) of ``git <args>`` run in ``root``.  Raises GitUnavailable when git
+    is not installed, GitError when it fails, times out or exits outside ``ok``."""
+    try:
+        proc = subprocess.run(_git_argv(args), cwd=root, env=_git_env(index_file),
+                              input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=None if stdin is not None else subprocess.DEVNULL,
+                              timeout=timeout)
+    except FileNotFoundError:
+        raise GitUnavailable("git is not installed (no `git` command on PATH)",
+                             "install git to see task diffs; everything else works without it")
+    except subprocess.TimeoutExpired:
+        raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
+                       "the repository may be very large or on a slow disk; try again")
+    if proc.returncode not in ok:
+        raise _git_failure(args, proc.returncode, proc.stderr)
+    return proc.stdout
+
+
+def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, index_file=None):
+    """(head, tail, total) of the stdout of ``git <args>``: at most the first
+    ``head_bytes`` and the last ``tail_bytes`` are kept, however much git prints
+    (``tail`` is empty when the whole output fits in ``head``)."""
+    errors = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(_git_argv(args), cwd=root, env=_git_env(index_file),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
+    except FileNotFoundError:
+        errors.close()
+        raise GitUnavailable("git is not installed (no `git` command on PATH)",
+                             "install git to see task diffs; everything else works without it")
+    timed_out = threading.Event()
+
+    def stop():
+        timed_out.set()
+        proc.kill()
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
+    head, tail, total = bytearray(), bytearray(), 0
+    try:
+        while True:
+            chunk = proc.stdout.read(65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            room = head_bytes - len(head)
+            if room > 0:
+                head += chunk[:room]
+                chunk = chunk[room:]
+            if chunk:
+                tail += chunk
+                if len(tail) > 2 * tail_bytes + 65536:
+                    del tail[:len(tail) - tail_bytes]
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = b""
+    with errors, contextlib.suppress(OSError):
+        errors.seek(0)
+        stderr = errors.read(64 * 1024)
+    if timed_out.is_set():
+        raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
+                       "the repository may be very large or on a slow disk; try again")
+    if code != 0:
+        raise _git_failure(args, code, stderr)
+    return bytes(head), bytes(tail[-tail_bytes:] if tail_bytes else b""), total
+
+
+@dataclasses.dataclass
+class GitRepository:
+    """The repository a project root is in, as git reports it."""
+
+    root: str          # the project root (git runs there; paths are relative to it)
+    toplevel: str
+    git_dir: str
+
+    def operation_in_progress(self):
+        """The git operation left unfinished in this checkout (rebase, merge, ...), or None."""
+        for name, what in (("rebase-merge", "rebase"), ("rebase-apply", "rebase"),
+                           ("MERGE_HEAD", "merge"), ("CHERRY_PICK_HEAD", "cherry-pick"),
+                           ("REVERT_HEAD", "revert"), ("BISECT_LOG", "bisect")):
+            if os.path.exists(os.path.join(self.git_dir, name)):
+                return what
+        return None
+
+    def submodules(self):
+        """The submodule paths .gitmodules declares (empty without submodules)."""
+        if not os.path.isfile(os.path.join(self.toplevel, ".gitmodules")):
+            return []
+        with contextlib.suppress(GitError):
+            out = run_git(self.toplevel, ["config", "--file", ".gitmodules", "-z",
+                                          "--get-regexp", r"^submodule\..*\.path$"], ok=(0, 1))
+            return [entry.split("\n", 1)[1] for entry in
+                    os.fsdecode(out).split("\0") if "\n" in entry]
+        return []
+
+    def head(self):
+        """The commit HEAD names, or None in a repository without commits."""
+        out = run_git(self.root, ["rev-parse", "-q", "--verify", "HEAD^{commit}"], ok=(0, 1))
+        return out.decode("ascii").strip() or None
+
+    def has_commit(self, commit):
+        return bool(run_git(self.root, ["rev-parse", "-q", "--verify", commit + "^{commit}"],
+                            ok=(0, 1)).strip())
+
+    def empty_tree(self):
+        """The id of the empty tree (sha1 or sha256, as the repository uses)."""
+        return run_git(self.root, ["hash-object", "-t", "tree", "--stdin"],
+                       stdin=b"").decode("ascii").strip()
+
+
+def git_repository(root):
+    """The GitRepository ``root`` is in.  Raises GitUnavailable when there is none."""
+    try:
+        out = run_git(root, ["rev-parse", "--show-toplevel", "--absolute-git-dir"])
+    except GitError as err:
+        raise GitUnavailable("%s is not in a git repository (%s)" % (root, err.message),
+                             "run `git init` and commit your files to get task diffs; "
+                             "everything else works without git")
+    lines = os.fsdecode(out).splitlines()
+    if len(lines) < 2 or not lines[0]:
+        raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
+                             "run ferrus in a checkout with a work tree")
+    return GitRepository(root=root, toplevel=os.path.normpath(lines[0]),
+                         git_dir=os.path.normpath(lines[1]))
+
+
+def diff_exclusions(agents_path=".agents"):
+    """Project-relative paths never part of a task's diff (see DIFF_EXCLUDED_PATHS)."""
+    paths = list(DIFF_EXCLUDED_PATHS)
+    skills = os.path.normpath(agents_path or ".")
+    if not os.path.isabs(skills) and not skills.startswith(".."):
+        paths += [os.path.join(skills, rel).replace(os.sep, "/") if skills != "." else rel
+                  for rel in DIFF_EXCLUDED_SKILLS]
+    return paths
+
+
+def _pathspecs(exclude, paths=None):
+    specs = [":(literal)" + p for p in paths] if paths else ["."]
+    return ["--"] + specs + [":(exclude,literal)" + p for p in exclude]
+
+
+def _parse_status_v2(out):
+    """(oid, branch, dirty paths) from ``git status --porcelain=v2 --branch -z``."""
+    fields = os.fsdecode(out).split("\0")
+    oid = branch = None
+    dirty = []
+    index = 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        if entry.startswith("# branch.oid "):
+            value = entry[len("# branch.oid "):]
+            oid = None if value == "(initial)" else value
+        elif entry.startswith("# branch.head "):
+            value = entry[len("# branch.head "):]
+            branch = None if value == "(detached)" else value
+        elif entry.startswith(("1 ", "u ")):
+            dirty.append(entry.split(" ", 8 if entry[0] == "1" else 10)[-1])
+        elif entry.startswith("2 "):
+            dirty.append(entry.split(" ", 9)[-1])
+            index += 1                      # the original path of a rename
+        elif entry.startswith("? "):
+            dirty.append(entry[2:])
+    return oid, branch, dirty
+
+
+def record_task_base(root, exclude):
+    """(base, warnings): where a new task starts in git — the HEAD commit (None in a
+    repository without commits), the branch (None on a detached HEAD) and the files
+    already changed — and what the human should know about it.  Without git the base
+    says why there is none; this never fails."""
+    try:
+        repo = git_repository(root)
+        out = run_git(root, ["status", "--porcelain=v2", "--branch", "-z",
+                             "--ignore-submodules=dirty"] + _pathspecs(exclude))
+    except FerrusError as err:
+        return {"git": False, "reason": err.message}, []
+    commit, branch, dirty = _parse_status_v2(out)
+    base = {"git": True, "commit": commit, "branch": branch,
+            "dirty": dirty[:BASE_DIRTY_NAMES], "dirty_count": len(dirty)}
+    warnings = []
+    if dirty:
+        more = len(dirty) - BASE_DIRTY_NAMES
+        warnings.append("the working tree had uncommitted changes when the task was created "
+                        "(%s%s); they will show in the task's diff"
+                        % (", ".join(dirty[:BASE_DIRTY_NAMES]),
+                           " and %d more" % more if more > 0 else ""))
+    if commit is None:
+        warnings.append("the repository has no commits yet: the task's diff shows every "
+                        "file as new")
+    elif branch is None:
+        warnings.append("HEAD is detached (at %s): the task's base is that commit, on no "
+                        "branch" % commit[:12])
+    operation = repo.operation_in_progress()
+    if operation:
+        base["operation"] = operation
+        warnings.append("a git %s is in progress: the task's diff will include what it "
+                        "changes; finish it (or abort it) before the task, if you can"
+                        % operation)
+    submodules = repo.submodules()
+    if submodules:
+        base["submodules"] = submodules
+        warnings.append("the repository has submodules (%s): the task's diff shows a changed "
+                        "submodule as its new commit, not the changes inside it"
+                        % ", ".join(submodules))
+    return base, warnings
+
+
+def describe_base(base):
+    """One line naming a task base."""
+    if not base:
+        return "no base recorded"
+    if not base.get("git"):
+        return "no git base (%s)" % base.get("reason", "unknown")
+    if base.get("commit") is None:
+        where = "no commit yet"
+    else:
+        where = base["commit"][:12]
+    return "%s%s" % (where, " on branch %s" % base["branch"] if base.get("branch")
+                     else " (detached HEAD)" if base.get("commit") else "")
+
+
+@dataclasses.dataclass
+class ChangedFile:
+    path: str
+    added: "int | None"          # None for a binary file
+    deleted: "int | None"
+    old_path: "str | None" = None  # where a renamed file came from
+
+    def to_json(self):
+        out = {"path": self.path, "added": self.added, "deleted": self.deleted,
+               "binary": self.added is None}
+        if self.old_path:
+            out["old_path"] = self.old_path
+        return out
+
+
+@dataclasses.dataclass
+class TaskDiff:
+    """A task's changes: base → working tree, with a bounded part of the patch."""
+
+    base: dict
+    files: list
+    notes: list
+    patch_head: str = ""     # the patch's first bytes (the whole patch when it fits)
+    patch_tail: str = ""     # its last bytes when the middle was left out
+    patch_bytes: int = 0     # the patch's whole size
+    patch_cut: "tuple | None" = None     # (first byte, end byte) left out, or None
+
+    def totals(self):
+        return (sum(f.added or 0 for f in self.files), sum(f.deleted or 0 for f in self.files))
+
+    def stat_text(self, max_files=500, width=40):
+        """git's --stat, roughly: a line per file, then the totals."""
+        if not self.files:
+            return " no changes"
+        lines = []
+        name_width = min(60, max(len(self._label(f)) for f in self.files[:max_files]))
+        biggest = max((f.added or 0) + (f.deleted or 0) for f in self.files) or 1
+        for changed in self.files[:max_files]:
+            label = self._label(changed)
+            if changed.added is None:
+                lines.append(" %s | Bin" % label.ljust(name_width))
+                continue
+            count = changed.added + changed.deleted
+            scale = min(1.0, width / biggest)
+            plus = int(round(changed.added * scale)) or (1 if changed.added else 0)
+            minus = int(round(changed.deleted * scale)) or (1 if changed.deleted else 0)
+            lines.append(" %s | %5d %s%s" % (label.ljust(name_width), count, "+" * plus,
+                                             "-" * minus))
+        if len(self.files) > max_files:
+            lines.append(" ... and %d more files" % (len(self.files) - max_files))
+        added, deleted = self.totals()
+        lines.append(" %d file%s changed, %d insertion%s(+), %d deletion%s(-)" % (
+            len(self.files), "" if len(self.files) == 1 else "s", added,
+            "" if added == 1 else "s", deleted, "" if deleted == 1 else "s"))
+        return "\n".join(lines)
+
+    @staticmethod
+    def _label(changed):
+        return ("%s => %s" % (changed.old_path, changed.path) if changed.old_path
+                else changed.path)
+
+    def patch_text(self, more_hint=""):
+        """The patch as far as it was kept, with a note where its middle was left out."""
+        if self.patch_cut is None:
+            return self.patch_head
+        first, end = self.patch_cut
+        return "%s\n[ferrus: the diff has %d bytes; bytes %d to %d (%d bytes) are left out.%s]\n\n%s" % (
+            self.patch_head, self.patch_bytes, first, end, end - first,
+            " " + more_hint if more_hint else "", self.patch_tail)
+
+
+def _parse_numstat(out):
+    """[ChangedFile] from ``git diff --numstat -z``."""
+    fields = os.fsdecode(out).split("\0")
+    files, index = [], 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        if not entry:
+            continue
+        added, deleted, path = entry.split("\t", 2)
+        old = None
+        if not path:                          # a rename: the two paths follow
+            old, path = fields[index], fields[index + 1]
+            index += 2
+        binary = added == "-"
+        files.append(ChangedFile(path=path, added=None if binary else int(added),
+                                 deleted=None if binary else int(deleted), old_path=old))
+    return files
+
+
+def _cut_lines(head, tail, total):
+    """(head text, tail text, cut) with the head ending and the tail starting at a line
+    boundary; cut is the (first, end) byte range left out, or None."""
+    if total <= len(head):
+        return head.decode("utf-8", "replace"), "", None
+    newline = head.rfind(b"\n")
+    if newline >= 0:
+        head = head[:newline + 1]
+    newline = tail.find(b"\n")
+    if 0 <= newline < len(tail) - 1:
+        tail = tail[newline + 1:]
+    return (head.decode("utf-8", "replace"), tail.decode("utf-8", "replace"),
+            (len(head), total - len(tail)))
+
+
+def _without_nested(untracked, notes):
+    """``untracked`` without the nested repositories git lists as "dir/" (noted)."""
+    nested = [p for p in untracked if p.endswith("/")]
+    if nested:
+        notes.append("untracked nested repositories are not diffed: %s" % ", ".join(nested))
+    return [p for p in untracked if not p.endswith("/")]
+
+
+def _new_file_numstat(root, rel):
+    """ChangedFile for an untracked file, counted as git counts a new file: binary when
+    its first 8,000 bytes hold a NUL, else its lines (a last line without a newline too)."""
+    path = os.path.join(root, *rel.split("/"))
+    if os.path.islink(path):
+        return ChangedFile(rel, 1, 0)                 # git diffs a link as its target's name
+    lines, last, first = 0, b"\n", True
+    try:
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(1 << 20)
+                if not chunk:
+                    break
+                if first and b"\0" in chunk[:8000]:
+                    return ChangedFile(rel, None, None)
+                first = False
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except OSError:
+        return ChangedFile(rel, 0, 0)                 # gone or unreadable since it was listed
+    return ChangedFile(rel, lines + (last != b"\n"), 0)
+
+
+def _stat_files(root, compare, specs, options, notes):
+    """[ChangedFile] of the diff without its patch: the tracked files' numstat from the
+    user's index (read, never written) and the untracked files counted here, the two git
+    commands run side by side.  A stat asks for nothing else, and this is its fast path."""
+    listed = {}
+
+    def list_untracked():
+        try:
+            listed["out"] = run_git(root, ["ls-files", "-z", "--others", "--exclude-standard"]
+                                    + specs)
+        except FerrusError as err:
+            listed["error"] = err
+    lister = threading.Thread(target=list_untracked, daemon=True)
+    lister.start()
+    try:
+        files = _parse_numstat(run_git(root, ["diff", "-z", "--numstat"] + options + [compare]
+                                       + specs))
+    finally:
+        lister.join()
+    if "error" in listed:
+        raise listed["error"]
+    untracked = _without_nested([p for p in os.fsdecode(listed["out"]).split("\0") if p], notes)
+    files += [_new_file_numstat(root, rel) for rel in untracked]
+    files.sort(key=lambda changed: changed.path.encode("utf-8", "surrogateescape"))
+    return files
+
+
+def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024,
+              tail_bytes=32 * 1024):
+    """The TaskDiff of the working tree against ``base`` (from record_task_base; None
+    compares with HEAD), untracked files included and ``exclude`` left out; ``paths``
+    narrows it to those project-relative paths.  Raises GitUnavailable (no diff can be
+    made here) or GitError."""
+    if base and not base.get("git", True):
+        # The task began without git: a repository made since has no task base.
+        raise GitUnavailable("the task was created without git (%s)" % base.get("reason"),
+                             "tasks created in a git repository have a diff")
+    repo = git_repository(root)
+    notes = []
+    head = repo.head()
+    if base:
+        start = base.get("commit")
+        if start and start != head and not repo.has_commit(start):
+            raise GitError("the task's base commit %s is no longer in the repository"
+                           % start[:12], "its history was rewritten; `git diff` against "
+                           "another commit shows the changes by hand")
+        if start and head and head != start:
+            notes.append("HEAD has moved since the task was created (base %s, HEAD %s): "
+                         "commits made since are part of the diff" % (start[:12], head[:12]))
+        if base.get("dirty_count"):
+            names = base.get("dirty") or []
+            more = base["dirty_count"] - len(names)
+            notes.append("already changed before the task began (the diff includes those "
+                         "changes): %s%s" % (", ".join(names), " and %d more" % more
+                                             if more > 0 else ""))
+    else:
+        start = head
+        notes.append("no task base is recorded: the diff is against HEAD")
+    operation = repo.operation_in_progress()
+    if operation:
+        notes.append("a git %s is in progress in this checkout" % operation)
+    submodules = repo.submodules()
+    if submodules:
+        notes.append("submodules (%s) show as their commit, not the changes inside them"
+                     % ", ".join(submodules))
+    compare = start or repo.empty_tree()
+    specs = _pathspecs(exclude, paths)
+    options = ["--no-ext-diff", "--no-color", "--relative", "--ignore-submodules=dirty"]
+    if not patch:
+        return TaskDiff(base=base or {}, notes=notes,
+                        files=_stat_files(root, compare, specs, options, notes))
+    # A private copy of the index: untracked files are added to it as intent-to-add,
+    # so that one `git diff` shows them as new files; the user's index is untouched.
+    fd, index_file = tempfile.mkstemp(prefix="ferrus-diff-", suffix=".index", dir=repo.git_dir)
+    try:
+        with os.fdopen(fd, "wb") as copy:
+            with contextlib.suppress(FileNotFoundError):
+                with open(os.path.join(repo.git_dir, "index"), "rb") as original:
+                    shutil.copyfileobj(original, copy, 1 << 20)
+        if os.path.getsize(index_file) == 0:
+            os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
+        untracked = [p for p in os.fsdecode(run_git(
+            root, ["ls-files", "-z", "--others", "--exclude-standard"] + specs,
+            index_file=index_file)).split("\0") if p]
+        untracked = _without_nested(untracked, notes)
+        for start_at in range(0, len(untracked), 500):
+            run_git(root, ["--literal-pathspecs", "add", "--intent-to-add", "--"]
+                    + untracked[start_at:start_at + 500], index_file=index_file)
+        files = _parse_numstat(run_git(root, ["diff", "-z", "--numstat"] + options + [compare]
+                                       + specs, index_file=index_file))
+        diff = TaskDiff(base=base or {}, files=files, notes=notes)
+        if files:
+            raw_head, raw_tail, total = stream_git(
+                root, ["diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/"]
+                + options + [compare] + specs, head_bytes, tail_bytes, index_file=index_file)
+            diff.patch_head, diff.patch_tail, diff.patch_cut = _cut_lines(raw_head, raw_tail,
+                                                                         total)
+            diff.patch_bytes = total
+        return diff
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(index_file)
+
+
 # ============================================================================
 # 10. Specs
 # ============================================================================
@@ -3891,6 +4453,8 @@ def op_create_task(store, caller, description, origin=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
     _nonblank(description, "Cannot create task: the description is empty.")
+    # git runs before the lock is taken (it can take a moment in a big repository).
+    base, warnings = record_task_base(store.root, task_diff_exclusions(store))
     with store.transaction(caller.agent_id) as tx:
         if tx.state.state != S.IDLE:
             raise FerrusError(
@@ -3902,18 +4466,107 @@ def op_create_task(store, caller, description, origin=None):
         if origin is not None:
             data = data.copy()
             data.pending_task_spec, data.pending_task_milestone = origin
-        new = t_create_task(data, store.clock(), task_id)
+        new = t_create_task(data, store.clock(), task_id, base)
         detail = {"task_id": task_id}
+        if base.get("git"):
+            detail["base"] = (base["commit"] or "")[:12]
         if new.task_milestone:
             detail.update(spec=new.task_spec, milestone=new.task_milestone)
         tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
-        for name in TASK_SCRATCH_FILES:
+        for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
-    return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
-                    S.EXECUTING, task_id=task_id)
+    text = "Task created. State: Executing. The Executor can now call /wait_for_task."
+    if warnings:
+        text += "".join("\nwarning: %s" % warning for warning in warnings)
+    return _outcome(text, S.EXECUTING, task_id=task_id, base=base, warnings=warnings)
+
+
+# -- the task's diff ------------------------------------------------------------------
+
+# How much of the patch the review tools carry inline (ferrus://diff serves more).
+REVIEW_DIFF_BYTES = 16 * 1024
+
+
+def task_diff_exclusions(store):
+    try:
+        agents_path = store.config().agents.path
+    except FerrusError:
+        agents_path = AgentsConfig.path
+    return diff_exclusions(agents_path)
+
+
+def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 1024,
+            tail_bytes=32 * 1024):
+    """The task's changes (base → working tree) as text and data.  Without git, or
+    outside a repository, the outcome says why there is no diff (it is not an error)."""
+    data = store.read_state()
+    base = data.task_base
+    try:
+        diff = task_diff(store.root, base, task_diff_exclusions(store), patch=not stat_only,
+                         paths=paths, head_bytes=head_bytes, tail_bytes=tail_bytes)
+    except GitUnavailable as err:
+        return _outcome("No diff: %s." % err.message.rstrip("."), data.state, available=False,
+                        reason=err.message, hint=err.hint)
+    title = "Task %s diff: %s → working tree" % (data.task_id or "(none)", describe_base(
+        diff.base) if diff.base else "HEAD")
+    parts = [title]
+    parts += ["note: %s" % note for note in diff.notes]
+    parts += ["", diff.stat_text()]
+    if not stat_only and diff.files:
+        parts += ["", diff.patch_text("Read one file's diff with ferrus://diff/<path> "
+                                      "(or `ferrus diff <path>`).").rstrip("\n")]
+    added, deleted = diff.totals()
+    return _outcome("\n".join(parts), data.state, available=True, task_id=data.task_id,
+                    base=diff.base, notes=diff.notes,
+                    files=[changed.to_json() for changed in diff.files],
+                    insertions=added, deletions=deleted,
+                    patch_bytes=diff.patch_bytes, patch_cut=list(diff.patch_cut or ()) or None)
+
+
+# A word of the submission notes that names a file: dir/name.ext or name.ext.
+_MENTIONED_FILE_RE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-][\w.-]*\.[A-Za-z0-9]{1,10})"
+                                r"(?![\w/-])")
+
+
+def unchanged_mentions(root, notes, changed_paths):
+    """The project files the notes mention that the diff does not touch (only names of
+    files that exist, so a URL or a version number is never taken for one)."""
+    changed = set(changed_paths)
+    found = []
+    for name in _MENTIONED_FILE_RE.findall(notes or ""):
+        name = name.rstrip(".")
+        if name in changed or name in found or any(p.endswith("/" + name) for p in changed):
+            continue
+        if os.path.isfile(os.path.join(root, name)) and not os.path.isabs(name):
+            found.append(name)
+    return found
+
+
+def review_diff(store, submission=""):
+    """(text, changed files) for a review: the stat, the patch's first
+    REVIEW_DIFF_BYTES and where to read the rest, plus a warning for files the
+    submission names that the diff does not change.  Never fails: a git problem is
+    reported in the text."""
+    try:
+        outcome = op_diff(store, head_bytes=REVIEW_DIFF_BYTES, tail_bytes=0)
+    except FerrusError as err:
+        return "No diff: %s" % err.full_text(), []
+    text = outcome.text
+    files = outcome.data.get("files") or []
+    if outcome.data.get("patch_cut"):
+        text += ("\n\n[ferrus: the rest of the diff is left out here; read ferrus://diff "
+                 "(or ferrus://diff/<path> for one file)]")
+    if outcome.data.get("available"):
+        unchanged = unchanged_mentions(store.root, submission,
+                                       [f["path"] for f in files] +
+                                       [f["old_path"] for f in files if f.get("old_path")])
+        if unchanged:
+            text = ("warning: the submission notes name %s, which the diff does not change\n\n"
+                    % ", ".join(unchanged)) + text
+    return text, files
 
 
 def op_review_pending(store, caller):
@@ -3930,6 +4583,7 @@ def _review_text(store, data):
     submission = store.read_file("SUBMISSION.md")
     if submission.strip():
         text += "\n## Submission Notes\n\n%s" % submission
+    text += "\n## Changes\n\n%s\n" % review_diff(store, submission)[0]
     review = store.read_file("REVIEW.md")
     if review.strip():
         text += "\n## Previous Review Notes\n\n%s" % review
@@ -3938,34 +4592,73 @@ def _review_text(store, data):
     return text
 
 
-def op_approve(store, caller):
-    root = store.root
+def _approval_file_if_any(store):
+    return (APPROVAL_FILE,) if os.path.exists(store.path(APPROVAL_FILE)) else ()
+
+
+def _refuse_agent_on_confirmation(data, action):
+    """The reviewer's approve or reject once its approval waits for the human."""
+    if data.state == S.AWAITING_CONFIRMATION:
+        raise FerrusError(
+            "Cannot %s: the submission is already approved and waits for a human's "
+            "confirmation (state AwaitingConfirmation). Only the human can approve or reject "
+            "it now; stop here." % action,
+            "the human runs `ferrus approve` or `ferrus reject NOTES` (or /approve, /reject in "
+            "HQ)")
+
+
+def _complete_task(store, tx, data, new):
+    """What reaching Complete does besides the state: tick the task's spec milestone and
+    move the selection on.  Returns the journal detail."""
+    detail = {}
+    # The milestone tick is a content file written before STATE.json, and it
+    # is idempotent, so a failed commit can simply be approved again.
+    if data.task_spec and data.task_milestone:
+        path = os.path.join(store.root, data.task_spec)
+        if os.path.isfile(path):
+            text = read_text(path)
+            milestones = parse_spec(text)
+            match = next((m for m in milestones if m.id == data.task_milestone), None)
+            if match is not None:
+                if not match.completed:
+                    tx.write(path, mark_milestone_complete(text, match))
+                    match.completed = True
+                    detail["milestone_completed"] = match.id
+                if (data.selected_spec == data.task_spec
+                        and data.selected_milestone == data.task_milestone):
+                    following = next_ready_milestone(milestones, match.id)
+                    new.selected_milestone = following.id if following else None
+                    detail["selected_milestone"] = new.selected_milestone
+    return detail
+
+
+def op_approve(store, caller, notes=None):
+    """Reviewing → Complete, or → AwaitingConfirmation when [hq] human_review is on (then
+    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human)."""
+    if notes is not None and not isinstance(notes, str):
+        raise FerrusError("Cannot approve: notes must be text.")
+    human_review = store.config().human_review
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "approve")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "approve")
-        new = t_approve(data, store.clock())
-        detail = {}
-        # The milestone tick is a content file written before STATE.json, and it
-        # is idempotent, so a failed commit can simply be approved again.
-        if data.task_spec and data.task_milestone:
-            path = os.path.join(root, data.task_spec)
-            if os.path.isfile(path):
-                text = read_text(path)
-                milestones = parse_spec(text)
-                match = next((m for m in milestones if m.id == data.task_milestone), None)
-                if match is not None:
-                    if not match.completed:
-                        tx.write(path, mark_milestone_complete(text, match))
-                        match.completed = True
-                        detail["milestone_completed"] = match.id
-                    if (data.selected_spec == data.task_spec
-                            and data.selected_milestone == data.task_milestone):
-                        following = next_ready_milestone(milestones, match.id)
-                        new.selected_milestone = following.id if following else None
-                        detail["selected_milestone"] = new.selected_milestone
-        tx.set(new, "approve", **detail)
+        new = t_approve(data, store.clock(), human_review)
+        if notes and notes.strip():
+            tx.write(APPROVAL_FILE, notes)
+        elif human_review:
+            # No notes this time: the human must not read an earlier cycle's.
+            for name in _approval_file_if_any(store):
+                tx.write(name, "")
+        if new.state == S.COMPLETE:
+            tx.set(new, "approve", **_complete_task(store, tx, data, new))
+        else:
+            tx.set(new, "approve", awaiting="human")
+    if new.state == S.AWAITING_CONFIRMATION:
+        return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
+                        "rejects it now ([hq] human_review is on). Your review is done; stop "
+                        "here.", new.state)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
 
@@ -3974,6 +4667,7 @@ def op_reject(store, caller, notes):
     limits = store.config().limits
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "reject")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "reject")
@@ -3988,6 +4682,116 @@ def op_reject(store, caller, notes):
                 "Addressing. The Executor should call /wait_for_task to see the notes and /check "
                 "after addressing them." % (new.review_cycles, limits.max_review_cycles))
     return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+# -- the human's confirmation ([hq] human_review) -----------------------------------------
+
+def human_name():
+    """Who the human at this terminal is, as the journal records a confirmation."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError, ImportError):     # no login name anywhere (containers)
+        return "unknown"
+
+
+def _require_human(caller, action):
+    if caller.is_agent:
+        raise FerrusError(
+            "Cannot %s on a human's behalf: only the human confirms or rejects a task the "
+            "reviewer approved (this caller is %s)." % (action, caller.agent_id),
+            "a human runs `ferrus %s` in a shell of their own, or /%s in HQ"
+            % (action, action))
+
+
+def _nothing_to_confirm(data, action):
+    hint = {S.REVIEWING: "the reviewer has not decided yet ([hq] human_review = true makes "
+                         "its approval wait for you)",
+            S.COMPLETE: "the task is already Complete",
+            S.IDLE: "there is no task"}.get(data.state, "`ferrus status` shows where it stands")
+    return FerrusError("Cannot %s: no approval waits for your confirmation (state %s)."
+                       % (action, data.state), hint)
+
+
+def op_human_approve(store, caller, via="cli"):
+    """AwaitingConfirmation → Complete, by the human only."""
+    _require_human(caller, "approve")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "approve")
+        new = t_human_approve(data, store.clock())
+        detail = _complete_task(store, tx, data, new)
+        tx.set(new, "human_approve", by=human_name(), via=via, **detail)
+    text = "Approved. State: Complete."
+    if detail.get("milestone_completed"):
+        text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
+    return _outcome(text, S.COMPLETE, **detail)
+
+
+def op_human_reject(store, caller, notes, via="cli"):
+    """AwaitingConfirmation → Addressing (or Failed at max_review_cycles), by the human
+    only: the notes become the review notes the executor reads, and the cycle counts."""
+    _require_human(caller, "reject")
+    _nonblank(notes, "Cannot reject: the notes are empty. Say what must change.")
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "reject")
+        new = t_human_reject(data, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+    if new.state == S.FAILED:
+        text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
+                "Failed. `ferrus reset` clears it." % (new.review_cycles,
+                                                      limits.max_review_cycles))
+    else:
+        text = ("Rejected (cycle %d/%d). State: Addressing; the executor gets your notes as "
+                "review notes." % (new.review_cycles, limits.max_review_cycles))
+    return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+def _excerpt(text, max_lines):
+    lines = text.strip().splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join(lines[:max_lines] + ["… (%d more lines)" % (len(lines) - max_lines)])
+
+
+# How far back the reviewer's approve entry is looked for (a waiting task writes little).
+_APPROVER_SCAN = 2000
+
+
+def confirmation_summary(store, data=None):
+    """What the human sees before confirming: the task, the submission, the reviewer's
+    verdict and notes, and how to answer.  Every part is data an agent wrote."""
+    data = data or store.read_state()
+    approver = None
+    for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
+        if entry.get("event") == "approve" and entry.get("task_id") == data.task_id:
+            approver = entry.get("actor")
+            break
+    limits = None
+    with contextlib.suppress(FerrusError):
+        limits = store.config().limits
+    notes = store.read_file(APPROVAL_FILE).strip()
+    parts = [
+        "The reviewer approved task %s; it waits for your confirmation." % (data.task_id or "-"),
+        "## Task\n" + (_excerpt(store.read_file("TASK.md"), 12) or "(TASK.md is empty)"),
+        "## Submission\n" + (_excerpt(store.read_file("SUBMISSION.md"), 30)
+                             or "(no submission notes)"),
+        "## Reviewer's verdict\napproved by %s\n%s" % (
+            approver.partition("/")[0] if approver else "the reviewer",
+            _excerpt(notes, 30) if notes else "(no notes given)"),
+    ]
+    cycles = "review cycles used %d" % data.review_cycles
+    if limits:
+        cycles += "/%d" % limits.max_review_cycles
+        if data.review_cycles + 1 >= limits.max_review_cycles:
+            cycles += " — a rejection now fails the task"
+    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
+                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    return "\n\n".join(parts)
 
 
 def op_respond_consult(store, caller, response):
@@ -4008,7 +4812,7 @@ def op_create_spec(store, caller, markdown):
     try:
         directory = spec_directory(store.root, config)
     except FerrusError as err:
-        raise FerrusError("Cannot create spec: " + err.message, err.hint)
+        raise FerrusError("Cannot create spec: " + err.message, err.hint) from err
     os.makedirs(directory, exist_ok=True)
     stem = "%s-%s" % (store.clock().strftime("%Y-%m-%d"), slugify(spec_title(markdown)))
     text = markdown if markdown.endswith("\n") else markdown + "\n"
@@ -4237,10 +5041,13 @@ def op_wait_for_task(store, caller):
 
 def op_wait_for_review(store, caller):
     def build(data):
+        # After the claim, outside the lock: git may take a moment.
+        diff_text, changed_files = review_diff(store, store.read_file("SUBMISSION.md"))
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
+                "diff": diff_text, "changed_files": changed_files,
                 "review_cycles_used": data.review_cycles,
                 "check_retries_used": data.check_retries, "task_id": data.task_id,
                 "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
@@ -4489,6 +5296,9 @@ def op_status(store, caller=None):
         lines.append("**Task:** %s" % data.task_id)
     if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
+    if data.state == S.AWAITING_CONFIRMATION:
+        lines.append("**Waiting for:** a human to confirm or reject the reviewer's approval "
+                     "(no agent can); nothing for agents to do until then.")
     return Outcome("\n".join(lines), status_data(store, data, now))
 
 
@@ -4536,7 +5346,8 @@ def op_reset(store, caller):
             raise FerrusError("Cannot reset from state %s. Reset is only available in the Failed "
                               "state." % tx.state.state)
         tx.set(t_reset(tx.state, store.clock()), "reset")
-        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md"):
+        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md",
+                     "CONSULT_RESPONSE.md") + _approval_file_if_any(store):
             tx.write(name, "")
     return _outcome("State reset to Idle. REVIEW.md, SUBMISSION.md, and consultation files "
                     "cleared. Ready for a new task.", S.IDLE)
@@ -4547,7 +5358,7 @@ def op_force_reset(store, caller):
     with store.transaction(caller.agent_id) as tx:
         previous = tx.state.state
         tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
-        for name in ("TASK.md",) + TASK_SCRATCH_FILES:
+        for name in ("TASK.md",) + TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
         agents_path = store.path("agents.json")
         if os.path.isfile(agents_path):
@@ -5091,7 +5902,12 @@ TOOLS = (
          read_only=True, idempotent=True),
     Tool("approve", "Approve submission",
          "Accept the submission under review: the state becomes Complete and the task's spec "
-         "milestone is ticked.", SUP, lambda st, c: op_approve(st, c), (), _TEXT_OUT),
+         "milestone is ticked (with [hq] human_review on, it becomes AwaitingConfirmation "
+         "until the human confirms).", SUP,
+         lambda st, c, notes=None: op_approve(st, c, notes),
+         (Param("notes", "string", "Optional: what you verified and why it is acceptable "
+                                   "(shown to the human who confirms).", required=False),),
+         _TEXT_OUT),
     Tool("reject", "Reject submission",
          "Send the submission back with notes saying exactly what must change. The state "
          "becomes Addressing (or Failed once max_review_cycles is reached).", SUP,
@@ -5223,7 +6039,7 @@ def open_in_ferrus_dir(store, *parts):
     try:
         return open_inside(store.path(), *parts)
     except UnsafePath as err:
-        raise ResourceNotFound(err.message, err.hint)
+        raise ResourceNotFound(err.message, err.hint) from err
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
@@ -5273,7 +6089,8 @@ def read_log_window(store, uri):
         handle = open_in_ferrus_dir(store, "logs", name)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ResourceNotFound("Resource not found: %s" % uri,
-                               "the log may have been removed; a check run writes new ones")
+                               "the log may have been removed; a check run writes new ones"
+                               ) from None
     with handle:
         size = os.fstat(handle.fileno()).st_size
         if query:
@@ -5319,6 +6136,23 @@ def read_log_window(store, uri):
     return contents
 
 
+def read_diff_resource(store, uri):
+    """The text of ferrus://diff (the task's whole diff, bounded) or ferrus://diff/<path>
+    (one file or folder of it).  Without git it says why there is no diff."""
+    rest = uri[len("ferrus://diff"):]
+    paths = None
+    if rest:
+        path = urllib.parse.unquote(rest[1:]) if rest.startswith("/") else ""
+        parts = path.replace("\\", "/").split("/")
+        if (not path or "\0" in path or path.startswith("/") or re.match(r"^[A-Za-z]:", path)
+                or ".." in parts):
+            raise ResourceNotFound("Resource not found: %s" % uri,
+                                   "diff URIs are ferrus://diff or ferrus://diff/<path relative "
+                                   "to the project root>")
+        paths = [path.rstrip("/")]
+    return op_diff(store, paths=paths).text
+
+
 def read_resource(store, uri):
     """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable.
 
@@ -5327,6 +6161,8 @@ def read_resource(store, uri):
     if not isinstance(uri, str) or not uri.startswith("ferrus://"):
         raise ResourceNotFound("Resource not found: %s" % uri)
     name = uri[len("ferrus://"):]
+    if name == "diff" or name.startswith("diff/"):
+        return "text/x-diff", read_diff_resource(store, uri)
     if name.startswith("logs/"):
         contents = read_log_window(store, uri)
         return contents[0]["mimeType"], "".join(c.get("text", "") for c in contents)
@@ -5346,7 +6182,7 @@ def read_resource(store, uri):
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
             raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
-                                   % (uri, filename))
+                                   % (uri, filename)) from None
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
 
 
@@ -5548,6 +6384,11 @@ class FerrusMcpServer:
         return guarded
 
     def _lane_of(self, request):
+        if request.method == "resources/read":
+            # The task's diff runs git, which can take a while in a big repository.
+            uri = request.params.get("uri")
+            return "blocking" if isinstance(uri, str) and uri.startswith("ferrus://diff") \
+                else None
         if request.method != "tools/call":
             return None
         name = request.params.get("name")
@@ -5575,7 +6416,7 @@ class FerrusMcpServer:
                 if start < 0 or start > len(items):
                     raise ValueError
             except (ValueError, TypeError, UnicodeError):
-                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,))
+                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,)) from None
         page = items[start:start + self.PAGE_SIZE]
         result = {key: page}
         if start + self.PAGE_SIZE < len(items):
@@ -5705,6 +6546,10 @@ class FerrusMcpServer:
     def _resources_list(self, request):
         items = [{"uri": "ferrus://" + name, "name": title, "mimeType": mime}
                  for name, title, _, mime, _ in RESOURCES]
+        items.append({"uri": "ferrus://diff", "name": "Task Diff", "mimeType": "text/x-diff",
+                      "description": "The task's changes from its base commit to the working "
+                                     "tree (untracked files included): a stat, then the "
+                                     "unified diff, its middle left out when it is long"})
         return self._page(request, items, "resources")
 
     def _templates_list(self, request):
@@ -5718,7 +6563,10 @@ class FerrusMcpServer:
                   "mimeType": "text/plain"},
                  {"uriTemplate": "ferrus://logs/{name}{?offset,length}", "name": "ferrus-log-range",
                   "description": "length bytes (at most %d KiB) of a check log from byte offset"
-                                 % (LOG_READ_MAX // 1024)}]
+                                 % (LOG_READ_MAX // 1024)},
+                 {"uriTemplate": "ferrus://diff/{+path}", "name": "ferrus-diff-path",
+                  "description": "The task's diff of one file or folder (path relative to the "
+                                 "project root)", "mimeType": "text/x-diff"}]
         return self._page(request, items, "resourceTemplates")
 
     def _resources_read(self, request):
@@ -5734,11 +6582,11 @@ class FerrusMcpServer:
         except ResourceNotFound as err:
             # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.full_text(), {"uri": uri})
+            raise RpcError(code, err.full_text(), {"uri": uri}) from err
         except (OSError, FerrusError) as err:
             text = err.full_text() if isinstance(err, FerrusError) else \
                 os_error_text("resources/read", err)
-            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri}) from err
         result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
@@ -5756,9 +6604,9 @@ class FerrusMcpServer:
         try:
             text = render_prompt(self.store, name)
         except FerrusError as err:
-            raise RpcError(INTERNAL_ERROR, err.full_text())
+            raise RpcError(INTERNAL_ERROR, err.full_text()) from err
         except OSError as err:
-            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err)) from err
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
@@ -5766,7 +6614,7 @@ class FerrusMcpServer:
 # Tools that may block for long (waits, check commands): they run in their own
 # bounded lane so they never hold up quick calls.
 BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
-                            "wait_for_answer", "check", "submit"))
+                            "wait_for_answer", "check", "submit", "review_pending"))
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "the disk is full; free some space and call it again",
@@ -6332,10 +7180,10 @@ def edit_json_file(path, mutate, what=None):
                 "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
                 "the file" % label,
                 "remove the comments from %s and run the command again; nothing was written"
-                % path)
+                % path) from err
         raise FerrusError("Failed to parse %s: %s" % (label, err),
                           "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
-                          "nothing was written")
+                          "nothing was written") from err
     if not isinstance(data, dict):
         raise FerrusError("%s root is not a JSON object" % label,
                           "fix or remove the file; nothing was written")
@@ -6817,7 +7665,7 @@ class Codex(AgentAdapter):
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
             raise FerrusError(".codex/config.toml: %s" % err,
-                              "fix the file by hand first; nothing was written")
+                              "fix the file by hand first; nothing was written") from err
         if new != text:
             planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
@@ -6832,7 +7680,7 @@ class Codex(AgentAdapter):
                 new = toml_remove_table(text, ("mcp_servers", server_key(role)))
             except TomlError as err:
                 raise FerrusError(".codex/config.toml: %s" % err,
-                                  "fix the file by hand first; nothing was written")
+                                  "fix the file by hand first; nothing was written") from err
             if new != text:
                 planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
@@ -7220,7 +8068,7 @@ def update_hq_config(root, role, agent, model, report):
             text = toml_set_key(text, ("hq", role), "model", "")
     except TomlError as err:
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
-                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
@@ -7239,7 +8087,7 @@ def trust_project(adapter, root, report):
         except TomlError as err:
             raise FerrusError("%s: %s" % (path, err),
                               "fix the file by hand first, or register without --trust; "
-                              "nothing was written")
+                              "nothing was written") from err
         if new != text:
             planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
@@ -7527,10 +8375,13 @@ def prompt_executor_in_consultation(heartbeat_secs=LeaseConfig.heartbeat_interva
 def prompt_reviewer():
     return ("You are the ferrus supervisor in REVIEW mode, running headless.\n\n"
             "1. Call /wait_for_review; on {\"status\":\"timeout\"} call it again.\n"
-            "2. Call /review_pending and read the task, the submission notes and the actual "
-            "changes in the repository.\n"
+            "2. Call /review_pending and read the task, the submission notes and the task's "
+            "diff: it shows the stat and the first part of the diff against the commit the task "
+            "started from; read the resource ferrus://diff for all of it, or "
+            "ferrus://diff/<path> for one file.\n"
             "3. Judge correctness, fit to the task and the verification evidence.\n"
-            "4. Call /approve, or /reject with concrete, actionable notes. Then stop.\n\n"
+            "4. Call /approve (with notes on what you verified), or /reject with concrete, "
+            "actionable notes. Then stop.\n\n"
             "Do not fix the code yourself and do not ask the executor to re-run checks by hand "
             "(the gate already ran). Never edit .ferrus/.\n\n" + PROMPT_PRECEDENCE)
 
@@ -7566,7 +8417,8 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     """The executor's prompt for the state it resumes in (see
     ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
-    None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
+    None when no executor is needed (Idle, Complete, Failed, Reviewing,
+    AwaitingConfirmation)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
             return prompt_executor_in_consultation(heartbeat_secs)
@@ -7578,15 +8430,6 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     if data.state in WORK_STATES:
         return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
                 else prompt_executor(heartbeat_secs))
-    return None
-
-
-def supervisor_prompt_for(data, resuming=False):
-    """The headless supervisor's prompt: reviewer or consultant, or None."""
-    if data.state == S.REVIEWING:
-        return prompt_reviewer()
-    if data.state == S.CONSULTATION:
-        return prompt_consultant(resuming)
     return None
 
 
@@ -8071,7 +8914,7 @@ class OrchestratorLock:
                 % describe_orchestrator(holder),
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
-                "along safely)")
+                "along safely)") from None
         self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
@@ -8246,10 +9089,10 @@ class HqController:
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
-        self.last_gate = None
         self.paused = False           # True until the user agrees to resume a task in flight
         self.finishing_since = None   # when the task ended while agents still ran
         self.shown_question = None
+        self.shown_confirmation = None    # (task, entered) whose summary was emitted
         self.last_state = None
 
     # -- start-up ------------------------------------------------------------------
@@ -8291,7 +9134,10 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
-                if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
+                # Complete is reached by the reviewer's approve, or by the human's
+                # confirmation when [hq] human_review is on.
+                if entry.get("to") == S.COMPLETE.value and entry.get("from") != S.COMPLETE.value \
+                        and entry["seq"] > self.start_seq:
                     self.tasks_completed += 1
                 self._show_entry(entry)
 
@@ -8343,6 +9189,13 @@ class HqController:
                 self.emit(HqMessage("question", question))
         else:
             self.shown_question = None
+        if data.state == S.AWAITING_CONFIRMATION:
+            waiting = (data.task_id, data.state_entered_at)
+            if waiting != self.shown_confirmation:
+                self.shown_confirmation = waiting
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data)))
+        else:
+            self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
                 self.emit(HqMessage("info", "Task complete."))
@@ -8352,8 +9205,9 @@ class HqController:
                 self.stop_all(quiet=True)
             # An agent that ended the task (the reviewer's approve) is still saying its
             # last words; they carry its usage and cost, so it gets a moment to exit.
-            self.finishing_since = time.monotonic() if data.state in (S.COMPLETE, S.FAILED) \
-                else None
+            # While the human decides, too, no agent has anything more to do.
+            self.finishing_since = time.monotonic() if data.state in (
+                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION) else None
             self.last_state = data.state
         if self.finishing_since is not None and (
                 not self.running() or
@@ -8405,7 +9259,6 @@ class HqController:
         signals = self.signals(extra_parallel)
         tier, action, worst = classify(signals, limits)
         record = gate_record(target, tier, action, signals, limits, worst)
-        self.last_gate = record
         with contextlib.suppress(FerrusError, OSError):
             self.store.append_event("hq", "gate", record)
         if action in (CHECKPOINT, EMERGENCY_STOP):
@@ -8824,11 +9677,14 @@ RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the r
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
+             review=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
+    so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
+    ("reject", notes) or None`` is the human's word on a reviewer's approval when
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is the (spec, milestone id) the task
     implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
     data = store.read_state()
@@ -8889,6 +9745,21 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
+            if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+                decision = review(confirmation_summary(store, data)) if review else None
+                if decision is None:
+                    out("ferrus run: the task waits for a human's confirmation of the "
+                        "reviewer's approval; run `ferrus approve`, or `ferrus reject NOTES` "
+                        "and then `ferrus run --resume`")
+                    return RUN_NEEDS_HUMAN
+                verdict, notes = decision
+                try:
+                    if verdict == "approve":
+                        op_human_approve(store, HUMAN, via="run")
+                    else:
+                        op_human_reject(store, HUMAN, notes, via="run")
+                except FerrusError as err:      # e.g. someone else decided meanwhile
+                    out("ferrus run: %s" % err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
@@ -8958,6 +9829,8 @@ def _run_line(message):
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
+    if message.kind == "confirm":
+        return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
 
@@ -9103,7 +9976,7 @@ def parse_workflows(text, path, known_agents=None):
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
                           "fix the syntax (`ferrus pipeline init` in a project without a workflows "
-                          "file writes a valid example)")
+                          "file writes a valid example)") from err
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -9191,7 +10064,7 @@ def read_workflows(root, config):
         text = read_text(os.path.join(root, name))
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (name, root),
-                          "`ferrus pipeline init` writes an example to edit")
+                          "`ferrus pipeline init` writes an example to edit") from None
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
@@ -9381,7 +10254,8 @@ def read_run(store, ref, with_definition=False):
         if not 0 <= status["current_phase"] < len(status["phases"]):
             raise IndexError("current_phase %r is not a phase" % status["current_phase"])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err), hint)
+        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err),
+                          hint) from err
     run = PipelineRun(name, path, archived, status)
     if with_definition:
         snapshot = os.path.join(path, "workflow.json")
@@ -10224,6 +11098,8 @@ Idle → Executing → Reviewing → Complete, with these detours:
 - Executing/Addressing/Consultation/Reviewing → AwaitingHuman (`ask_human`) →
   back (`answer` by a human, read with `wait_for_answer`)
 - Reviewing → Addressing (`reject`); check failures stay in place
+- when the project sets `[hq] human_review`, `approve` leads to AwaitingConfirmation:
+  only the human then approves (Complete) or rejects (Addressing); agents wait
 - too many check failures or rejections → Failed (a human resets it)
 
 ## Tools by role
@@ -10263,7 +11139,8 @@ description: Playbook for the ferrus supervisor — defining tasks, reviewing su
 
 ## Reviewing
 - Start with `wait_for_review`; read the task, the submission notes and the
-  diff itself, not only the notes.
+  diff itself, not only the notes: `review_pending` shows its stat and first
+  part, `ferrus://diff` all of it, `ferrus://diff/<path>` one file.
 - Approve when every acceptance criterion holds.  Otherwise `reject` with
   notes that name the file, the problem and the expected result.
 - Do not fix the code yourself.
@@ -10551,7 +11428,8 @@ def _journal_findings(store, data):
 
 def _content_findings(store, data):
     findings = []
-    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_HUMAN: "QUESTION.md",
+    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_CONFIRMATION: "SUBMISSION.md",
+              S.AWAITING_HUMAN: "QUESTION.md",
               S.CONSULTATION: "CONSULT_REQUEST.md", S.EXECUTING: "TASK.md",
               S.ADDRESSING: "REVIEW.md"}
     name = expect.get(data.state)
@@ -10759,11 +11637,36 @@ def _color_enabled(stream):
 
 
 _STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultation": "35",
-                 "AwaitingHuman": "1;33", "Reviewing": "34", "Complete": "32", "Failed": "1;31"}
+                 "AwaitingHuman": "1;33", "AwaitingConfirmation": "1;33", "Reviewing": "34",
+                 "Complete": "32", "Failed": "1;31"}
 
 
 def _paint(text, code, enabled):
     return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
+
+
+def _diff_line_kind(line):
+    """How a line of ``ferrus diff`` output is coloured: diff+, diff-, diff@, diffmeta or None."""
+    if line.startswith(("+++ ", "--- ", "diff --git ")):
+        return "diffmeta"
+    if line.startswith("+"):
+        return "diff+"
+    if line.startswith("-"):
+        return "diff-"
+    if line.startswith("@@"):
+        return "diff@"
+    if line.startswith(("warning:", "note:", "[ferrus:")):
+        return "warning"
+    return None
+
+
+_DIFF_COLORS = {"diff+": "32", "diff-": "31", "diff@": "36", "diffmeta": "1", "warning": "33"}
+
+
+def paint_diff(text, color):
+    """``ferrus diff`` output made safe for a terminal, coloured when ``color``."""
+    return "\n".join(_paint(line, _DIFF_COLORS.get(_diff_line_kind(line)), color)
+                     for line in terminal_safe(text).split("\n"))
 
 
 def format_event(entry, color=False):
@@ -10843,10 +11746,13 @@ HQ_COMMANDS = (
     ("/check", "[--force]", "run the check gate"),
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
     ("/review", "", "start the reviewer again"),
+    ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
+    ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
     ("/stop", "", "stop every agent session"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
      "file-driven pipelines (workflows.json), followed in the background"),
+    ("/diff", "[--stat] [PATH]", "the task's changes since its base (git)"),
     ("/reset", "", "return to Idle (asks first)"),
     ("/supervisor", "", "an interactive supervisor session"),
     ("/executor", "", "an interactive executor session"),
@@ -10885,6 +11791,8 @@ class HqShell:
         if message.kind == "question":
             self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
                        message.text)
+        elif message.kind == "confirm":
+            self.write("\n[AWAITING YOUR CONFIRMATION]\n%s" % message.text)
         else:
             self.write(prefix + message.text)
 
@@ -10955,6 +11863,10 @@ class HqShell:
 
     def answer(self, text):
         data = self.store.read_state()
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write("error: the reviewer's approval waits for you: /approve, or /reject "
+                       "NOTES (a plain line answers only an agent's question)")
+            return
         if data.state != S.AWAITING_HUMAN:
             self.write("error: commands start with '/' (try /help); nobody is waiting for an "
                        "answer (state %s)" % data.state)
@@ -11005,11 +11917,31 @@ class HqShell:
             self.write("task %s: %s" % (data.task_id, format_usage(usage_summary(records))))
             for record in records[-STATUS_SESSIONS_SHOWN:]:
                 self.write("  " + terminal_safe(describe_session(record)))
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
         count = int(rest) if rest.isdigit() else 20
         for entry in self.store.read_journal(limit=count):
             self.write(format_event(entry))
+
+    def cmd_diff(self, rest):
+        words = rest.split()
+        stat_only = "--stat" in words
+        paths = [w for w in words if w != "--stat"] or None
+        outcome = op_diff(self.store, HUMAN, stat_only=stat_only, paths=paths)
+        if not outcome.data.get("available"):
+            self.write(outcome.text + ("\nhint: %s" % outcome.data["hint"]
+                                       if outcome.data.get("hint") else ""))
+            return
+        self.page("diff", outcome.text)
+
+    def page(self, title, text):
+        """Long output (a diff): all of it here, coloured where the terminal allows."""
+        if _color_enabled(self.stdout):
+            print(paint_diff(text, True), file=self.stdout, flush=True)
+        else:
+            self.write(text)
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
@@ -11060,6 +11992,18 @@ class HqShell:
                               "start a task with /task")
         self.controller.restart_slots()
         self.write("Resuming the task (%s)." % data.state)
+
+    def cmd_approve(self, rest):
+        if rest:
+            raise UsageError("usage: /approve (it takes no arguments; /reject NOTES sends the "
+                             "task back)")
+        self.write(op_human_approve(self.store, HUMAN, via="hq").text)
+
+    def cmd_reject(self, rest):
+        if not rest:
+            raise UsageError("usage: /reject NOTES — say what must change; the executor gets "
+                             "them as review notes")
+        self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
 
     def cmd_review(self, rest):
         if self.store.read_state().state != S.REVIEWING:
@@ -11211,7 +12155,7 @@ class HqShell:
         except OSError as err:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
-                              adapter.install_hint())
+                              adapter.install_hint()) from err
         # The terminal is the agent's, so ferrus reads none of its output: the record
         # has the when and the exit, and says that its usage is unknown.
         record = open_session_record(
@@ -11243,8 +12187,10 @@ HISTORY_FILE = "~/.ferrus_history"
 HISTORY_KEEP = 1000
 _CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
                   "question": "MAGENTA", "agent": "GREEN",
+                  "diff+": "GREEN", "diff-": "RED", "diff@": "CYAN",
                   "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
-                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
+                  "AwaitingHuman": "YELLOW", "AwaitingConfirmation": "YELLOW",
+                  "Reviewing": "BLUE", "Complete": "GREEN",
                   "Failed": "RED"}
 _CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
                      "PgUp/PgDn scroll · Ctrl+C twice quits")
@@ -11294,6 +12240,8 @@ class CursesHq(HqShell):
         if message.kind == "question":
             self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
                                  "Enter." % (stamp, message.text))
+        elif message.kind == "confirm":
+            self.add("question", "%s[AWAITING YOUR CONFIRMATION]\n%s" % (stamp, message.text))
         else:
             prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
             self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
@@ -11604,7 +12552,8 @@ class CursesHq(HqShell):
                 self.put(top + i, 0, option.ljust(width),
                          curses.A_REVERSE if first_option + i == self.selected else 0)
         else:
-            entries = self.transcript if self.view is None else [("agent", l) for l in self.view]
+            entries = self.transcript if self.view is None else [
+                line if isinstance(line, tuple) else ("agent", line) for line in self.view]
             for i, (kind, text) in enumerate(self._tail(entries, bottom - top, width)):
                 self.put(top + i, 0, text, self.attrs[kind])
         self.put(bottom, 0, self.hint(), curses.A_DIM)
@@ -11676,6 +12625,36 @@ class CursesHq(HqShell):
         index = self.select("Select a spec or milestone", [label for _, label in choices])
         if index is not None:
             self.write(op_select_milestone(self.store, HUMAN, *choices[index][0]).text)
+
+    def page(self, title, text):
+        """A pager over the transcript area: ↑↓ PgUp PgDn Home End move, q or Esc closes."""
+        curses = self.curses
+        lines = [(_diff_line_kind(line) or "output", line)
+                 for line in terminal_safe(text).expandtabs().split("\n")]
+        saved_scroll, self.scroll = self.scroll, len(lines) * 8     # _tail clamps: the top
+
+        def react(key):
+            page = max(1, self.scr.getmaxyx()[0] - 4)
+            moves = {curses.KEY_UP: 1, "k": 1, curses.KEY_DOWN: -1, "j": -1,
+                     curses.KEY_PPAGE: page, "b": page, curses.KEY_NPAGE: -page, " ": -page,
+                     curses.KEY_HOME: len(lines) * 8, "g": len(lines) * 8,
+                     curses.KEY_END: -len(lines) * 8, "G": -len(lines) * 8}
+            if key in moves:
+                self.scroll = max(0, self.scroll + moves[key])
+                return ...
+            if key == "\x1b":
+                if self.getkey(30) is None:
+                    return None                  # a lone Esc closes
+                while self.getkey(0) is not None:
+                    pass                         # a key curses did not decode: ignored
+                return ...
+            return None if key in ("q", "Q", "\x03", "\r", "\n", curses.KEY_ENTER) else ...
+        self.view = lines
+        try:
+            self._modal("%s — ↑↓ PgUp/PgDn Home/End (g/G) move · q closes" % title, react)
+        finally:
+            self.view, self.scroll = None, saved_scroll
+        self.write("(%s: %d lines shown in the pager)" % (title, len(lines)))
 
     def cmd_attach(self, rest):
         """The agent's live log in the transcript area until a key is pressed."""
@@ -11861,6 +12840,8 @@ def cmd_status(args, root):
     for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
+    if data.state == S.AWAITING_CONFIRMATION:
+        print("\n" + terminal_safe(confirmation_summary(store, data)))
     return 0
 
 
@@ -12021,6 +13002,18 @@ def cmd_usage(args, root):
     return 0
 
 
+def cmd_diff(args, root):
+    store = Store(root).require()
+    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=args.paths or None)
+    if args.json:
+        print(json_for_terminal(compact_json(outcome.data)))
+        return 0 if outcome.data.get("available") else 1
+    if not outcome.data.get("available"):
+        raise FerrusError("no diff: %s" % outcome.data["reason"], outcome.data.get("hint"))
+    print(paint_diff(outcome.text, _color_enabled(sys.stdout)))
+    return 0
+
+
 def cmd_journal(args, root):
     store = Store(root).require()
     say(op_rotate_journal(store, HUMAN).text)
@@ -12044,6 +13037,48 @@ def cmd_reset(args, root):
             say("Nothing changed.")
             return 1
     say(op_force_reset(store, HUMAN).text)
+    return 0
+
+
+def human_caller():
+    """The human, unless this shell belongs to an agent session HQ started (its
+    environment names the session): then an agent, whom the operations refuse."""
+    session = os.environ.get(SESSION_ENV)
+    return Caller("agent", "agent/%s" % session) if session else HUMAN
+
+
+def cmd_approve(args, root):
+    store = Store(root).require()
+    caller = human_caller()
+    data = store.read_state()
+    if data.state != S.AWAITING_CONFIRMATION or caller.is_agent:
+        say(op_human_approve(store, caller).text)     # refuses, saying why
+        return 0
+    if not args.yes:
+        say(terminal_safe(confirmation_summary(store, data)))
+        say()
+        if not confirm("Approve task %s?" % (data.task_id or "")):
+            say("Nothing changed.")
+            return 1
+    say(op_human_approve(store, caller).text)
+    return 0
+
+
+def cmd_reject(args, root):
+    store = Store(root).require()
+    notes = " ".join(args.notes)
+    if args.file:
+        if notes:
+            raise UsageError("give the notes as words or with --file, not both")
+        try:
+            notes = sys.stdin.read() if args.file == "-" else read_text(args.file)
+        except OSError as err:
+            raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
+                              "give the path of a text file holding your notes, or - for stdin") from err
+    if not notes.strip():
+        raise UsageError("the rejection needs notes: what must change",
+                         "ferrus reject \"Handle the empty input too\" (or --file NOTES.md)")
+    say(op_human_reject(store, human_caller(), notes).text)
     return 0
 
 
@@ -12112,7 +13147,7 @@ def cmd_check(args, root):
             raise
         # The agents' message cannot mention a CLI flag; the human at the shell can use it.
         raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
-                                       "and changes nothing")
+                                       "and changes nothing") from err
     say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -12200,7 +13235,7 @@ def cmd_run(args, root):
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT")
+                              "the current folder, or pass the task as --task TEXT") from err
     interactive = sys.stdin.isatty()
 
     def ask(question):
@@ -12209,6 +13244,26 @@ def cmd_run(args, root):
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
         return input("answer> ")
+
+    def review(summary):
+        """The human's word on the reviewer's approval shown above ([hq] human_review)."""
+        if not interactive:
+            return None
+        try:
+            while True:
+                reply = input("approve? y approves, r rejects with notes, Enter decides "
+                              "later> ").strip().lower()
+                if reply in ("y", "yes"):
+                    return "approve", None
+                if reply in ("r", "reject", "n", "no"):
+                    notes = input("notes for the executor> ")
+                    if notes.strip():
+                        return "reject", notes
+                    say("a rejection needs notes saying what must change", flush=True)
+                elif not reply:
+                    return None
+        except EOFError:
+            return None
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
@@ -12217,8 +13272,9 @@ def cmd_run(args, root):
             say("ferrus run: %s" % note, flush=True)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                        review=review)
 
 
 def cmd_hq(args, root):
@@ -12369,6 +13425,12 @@ def build_parser():
                                                    "duration (24h, 7d) or a date (2026-05-01)")
     p.set_defaults(run=cmd_usage)
 
+    p = sub.add_parser("diff", help="the task's changes since its base commit (git)")
+    p.add_argument("--stat", action="store_true", help="only the files changed and their counts")
+    p.add_argument("--json", action="store_true", help="the diff's data as one JSON object")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="only these files or folders")
+    p.set_defaults(run=cmd_diff)
+
     p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
     commands = p.add_subparsers(dest="journal_command", metavar="COMMAND")
     commands.required = True
@@ -12378,6 +13440,17 @@ def build_parser():
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(run=cmd_reset)
+
+    p = sub.add_parser("approve", help="confirm the reviewer's approval ([hq] human_review)")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="approve without showing the summary and asking first")
+    p.set_defaults(run=cmd_approve)
+
+    p = sub.add_parser("reject", help="send a task the reviewer approved back to the executor "
+                                      "([hq] human_review)")
+    p.add_argument("notes", nargs="*", metavar="NOTES", help="what must change (review notes)")
+    p.add_argument("--file", "-F", metavar="F", help="read the notes from file F (- for stdin)")
+    p.set_defaults(run=cmd_reject)
 
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")

@@ -128,7 +128,10 @@ def main():
                 mcp.wait("wait_for_consult", lambda d: d.get("status") == "responded")
             elif "/wait_for_answer" in prompt.split("\n\n")[1] if "\n\n" in prompt else False:
                 mcp.wait("wait_for_answer", lambda d: d.get("status") == "answered")
-            mcp.wait("wait_for_task", lambda d: d.get("status") == "claimed")
+            claimed = mcp.wait("wait_for_task", lambda d: d.get("status") == "claimed")
+            if claimed.get("review"):       # the review notes this session was given
+                with open(flag("reviews-seen"), "a") as handle:
+                    handle.write(claimed["review"] + "\n")
             if "consult" in behavior and once("consulted"):
                 mcp.call("consult", question="## Problem\nx\n## What I tried\ny\n"
                                              "## Options (if any)\nA or B\n## Question\nWhich?")

@@ -52,8 +52,14 @@ def test_claude_executor_then_reviewer_reach_complete(project, tmp_path):
     ferrus.register_agents(str(project), {"supervisor": ("claude-code", None),
                                           "executor": ("claude-code", None)},
                            report=lambda message: None)
+    # A git repository with everything committed: the task's base is a clean HEAD.
+    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
+                   GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "before the task"]):
+        subprocess.run(["git"] + args, cwd=str(project), env=git_env, check=True)
     store = ferrus.Store(str(project))
     ferrus.op_create_task(store, ferrus.HUMAN, "Create hello.txt containing hi.")
+    assert store.read_state().task_base["dirty_count"] == 0
 
     prompt = ferrus.prompt_executor()
     assert prompt.startswith("You are the ferrus executor")
@@ -74,13 +80,25 @@ def test_claude_executor_then_reviewer_reach_complete(project, tmp_path):
     assert (project / "hello.txt").read_text() == "hi\n"
     assert store.read_state().state == ferrus.S.REVIEWING
 
+    seen = []
+
+    def review_the_diff(request, results):
+        # The scripted reviewer approves only when wait_for_review showed it the
+        # executor's change as a diff (the new file and its one line).
+        seen.append(results[0]["content"] if results else "")
+        if "+++ b/hello.txt" in seen[-1] and "@@ -0,0 +1 @@" in seen[-1]:
+            return tool_use("mcp__ferrus-supervisor-1__approve", {})
+        return tool_use("mcp__ferrus-supervisor-1__reject", {"notes": "no diff to review"})
+
+    assert "ferrus://diff" in ferrus.prompt_reviewer()
     reviewer = ScriptedAgent([
         tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
-        tool_use("mcp__ferrus-supervisor-1__approve", {}),
+        review_the_diff,
         text("Approved."),
     ])
     result, fake = run_headless(project, "supervisor", ferrus.prompt_reviewer(), reviewer, home)
     assert result.returncode == 0, result.stderr[-2000:] + fake.describe()
+    assert seen and "+++ b/hello.txt" in seen[0], seen
     assert store.read_state().state == ferrus.S.COMPLETE
 
     moves = [(e["event"], e["actor"], e["from"], e["to"]) for e in store.read_journal()]
