@@ -12,6 +12,12 @@ on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
 ``python -m ferrus``, through the ``ferrus`` launcher, or as an installed
 ``ferrus`` command — all four behave the same.
 
+Other programs may import ferrus.  What they may rely on is listed in ``__all__``:
+the store and its state types, the operations (``op_*``, the one implementation of
+every behaviour), the config loader and its dataclasses, the MCP server entry
+``serve_stdio``, ``main`` and ``FerrusError``.  Everything else may change between
+versions without notice.
+
 Contents (each section uses only the sections above it):
 
      1. Basics .................. version, errors, time, JSON helpers
@@ -71,6 +77,28 @@ import time
 import urllib.parse
 
 __version__ = "0.1.0"
+
+# The public interface (see the module docstring); everything else may change.
+__all__ = [
+    "__version__", "main", "FerrusError", "TransitionError",
+    # the config loader and its dataclasses (section 4)
+    "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
+    "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
+    "SessionsConfig", "PipelinesConfig",
+    # the store and its state types (sections 5 and 8)
+    "Store", "TaskState", "StateData",
+    # the operations and what they take and give (section 11)
+    "Caller", "HUMAN", "Outcome",
+    "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
+    "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
+    "op_stage_task_origin", "op_clear_selection", "op_wait_for_task", "op_wait_for_review",
+    "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
+    "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
+    "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
+    "op_diff",
+    # the MCP server over stdio (section 12)
+    "serve_stdio",
+]
 
 log = logging.getLogger("ferrus")
 
@@ -3688,10 +3716,11 @@ def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, o
                               timeout=timeout)
     except FileNotFoundError:
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     except subprocess.TimeoutExpired:
         raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
-                       "the repository may be very large or on a slow disk; try again")
+                       "the repository may be very large or on a slow disk; try again") from None
     if proc.returncode not in ok:
         raise _git_failure(args, proc.returncode, proc.stderr)
     return proc.stdout
@@ -3708,7 +3737,8 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     except FileNotFoundError:
         errors.close()
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     timed_out = threading.Event()
 
     def stop():
@@ -3794,14 +3824,32 @@ class GitRepository:
                        stdin=b"").decode("ascii").strip()
 
 
+def _inside_dot_git_tree(root):
+    """True when ``root`` or a folder above it holds a .git (folder or file, as in a
+    worktree or submodule): only then can git find a repository, so a project outside
+    any repository never pays for starting git (create_task is on a fast path)."""
+    path = os.path.abspath(root)
+    while True:
+        if os.path.exists(os.path.join(path, ".git")):
+            return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+
+
 def git_repository(root):
     """The GitRepository ``root`` is in.  Raises GitUnavailable when there is none."""
+    if not _inside_dot_git_tree(root):
+        raise GitUnavailable("%s is not in a git repository" % root,
+                             "run `git init` and commit your files to get task diffs; "
+                             "everything else works without git")
     try:
         out = run_git(root, ["rev-parse", "--show-toplevel", "--absolute-git-dir"])
     except GitError as err:
         raise GitUnavailable("%s is not in a git repository (%s)" % (root, err.message),
                              "run `git init` and commit your files to get task diffs; "
-                             "everything else works without git")
+                             "everything else works without git") from err
     lines = os.fsdecode(out).splitlines()
     if len(lines) < 2 or not lines[0]:
         raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
@@ -4076,14 +4124,16 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
     compares with HEAD), untracked files included and ``exclude`` left out; ``paths``
     narrows it to those project-relative paths.  Raises GitUnavailable (no diff can be
     made here) or GitError."""
-    if base and not base.get("git", True):
-        # The task began without git: a repository made since has no task base.
-        raise GitUnavailable("the task was created without git (%s)" % base.get("reason"),
-                             "tasks created in a git repository have a diff")
     repo = git_repository(root)
     notes = []
     head = repo.head()
-    if base:
+    if base and not base.get("git", True):
+        # No base could be taken then (no repository yet, git missing or failing).
+        notes.append("no base was recorded when the task was created (%s): the diff is "
+                      "against HEAD" % base.get("reason"))
+        base = None
+        start = head
+    elif base:
         start = base.get("commit")
         if start and start != head and not repo.has_commit(start):
             raise GitError("the task's base commit %s is no longer in the repository"
@@ -4764,7 +4814,8 @@ _APPROVER_SCAN = 2000
 
 def confirmation_summary(store, data=None):
     """What the human sees before confirming: the task, the submission, the reviewer's
-    verdict and notes, and how to answer.  Every part is data an agent wrote."""
+    verdict and notes, the diff stat, and how to answer.  Every part but the stat is
+    data an agent wrote."""
     data = data or store.read_state()
     approver = None
     for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
@@ -4784,6 +4835,15 @@ def confirmation_summary(store, data=None):
             approver.partition("/")[0] if approver else "the reviewer",
             _excerpt(notes, 30) if notes else "(no notes given)"),
     ]
+    try:
+        changes = op_diff(store, stat_only=True).text
+    except FerrusError as err:          # a git failure must not hide the rest
+        changes = "No diff: %s" % err.message
+    parts.append("## Changes\n" + _excerpt(changes, 40))
+    earlier = store.read_file("REVIEW.md").strip()
+    if earlier and data.review_cycles:
+        parts.append("## The last rejection's notes (what this round had to address)\n"
+                     + _excerpt(earlier, 20))
     cycles = "review cycles used %d" % data.review_cycles
     if limits:
         cycles += "/%d" % limits.max_review_cycles
@@ -9713,7 +9773,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
         # may have staged.
-        op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        for warning in created.data.get("warnings", ()):
+            out("ferrus run: warning: %s" % warning)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -12006,7 +12068,11 @@ class HqShell:
         self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
 
     def cmd_review(self, rest):
-        if self.store.read_state().state != S.REVIEWING:
+        state = self.store.read_state().state
+        if state == S.AWAITING_CONFIRMATION:
+            raise FerrusError("the reviewer already approved; the task waits for you",
+                              "/approve, or /reject NOTES")
+        if state != S.REVIEWING:
             raise FerrusError("there is no submission to review")
         self.controller.restart_slots()
 
@@ -12057,7 +12123,9 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            created = op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            for warning in created.data.get("warnings", ()):
+                self.write("warning: %s" % warning)
             self.controller.paused = False
             return
         milestone = spec = None

@@ -409,3 +409,27 @@ def test_curses_hq_diff_is_a_coloured_pager(repo, store, tmp_path):
         assert pane.exited() == 0
     finally:
         pane.close()
+
+
+def test_a_repository_made_after_the_task_is_compared_with_head(project, store):
+    create(store)
+    assert store.read_state().task_base["git"] is False
+    git(project, "init", "-q")
+    write(project, "app.py", "v1\n")
+    git(project, "add", "app.py")
+    git(project, "commit", "-qm", "first")
+    write(project, "app.py", "v2\n")
+    outcome = ferrus.op_diff(store)
+    assert "no base was recorded when the task was created" in outcome.text
+    assert "app.py" in [f["path"] for f in outcome.data["files"]]
+    assert "-v1" in outcome.text and "+v2" in outcome.text
+
+
+def test_hq_task_and_ferrus_run_show_the_dirty_tree_warning(repo, store):
+    write(repo, "scratch.txt", "mine\n")
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/task Do the thing.")
+    assert "warning: the working tree had uncommitted changes" in out.getvalue()
+    assert "scratch.txt" in out.getvalue()
+    shell.controller.shutdown()

@@ -9,6 +9,9 @@ play both roles where the whole loop runs.
 import io
 import json
 import os
+import shutil
+import subprocess
+import threading
 
 import pytest
 
@@ -119,8 +122,61 @@ def test_human_reject_sends_the_notes_to_the_executor_and_counts(store, project)
     ferrus.op_submit(store, EXECUTOR, "Empty widgets handled.")
     ferrus.op_approve(store, REVIEWER)
     assert store.read_state().state == S.AWAITING_CONFIRMATION
-    assert "(no notes given)" in ferrus.confirmation_summary(store)
-    assert "review cycles used 1/3" in ferrus.confirmation_summary(store)
+    summary = ferrus.confirmation_summary(store)
+    assert "(no notes given)" in summary
+    assert "review cycles used 1/3" in summary
+    assert "## The last rejection's notes" in summary
+    assert "Handle the empty widget too." in summary
+
+
+def test_a_blocked_wait_for_task_gets_the_task_when_the_human_rejects(store, project):
+    set_config(project, HUMAN_REVIEW + "\n[limits]\nwait_timeout_secs = 30\n")
+    awaiting(store)
+    results = []
+    waiting = threading.Thread(target=lambda: results.append(
+        json.loads(ferrus.op_wait_for_task(ferrus.Store(str(project)), EXECUTOR).text)))
+    waiting.start()
+    ferrus.op_human_reject(store, ferrus.HUMAN, "Rename it.")
+    waiting.join(30)
+    assert results and results[0]["status"] == "claimed"
+    assert (results[0]["state"], results[0]["review"]) == ("Addressing", "Rename it.")
+
+
+def test_a_human_approval_counts_as_a_completed_task_for_the_capacity_gate(store, project):
+    set_config(project, HUMAN_REVIEW)
+    controller = ferrus.HqController(store, emit=lambda message: None)
+    awaiting(store)
+    controller.drain_journal()
+    assert controller.tasks_completed == 0
+    ferrus.op_human_approve(store, ferrus.HUMAN)
+    controller.drain_journal()
+    assert controller.tasks_completed == 1
+
+
+def test_the_confirmation_shows_the_diff_stat(store, project):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com"] +
+                       list(args), cwd=str(project), check=True, capture_output=True)
+    set_config(project, HUMAN_REVIEW)
+    git("init", "-q")
+    with open(os.path.join(str(project), "widget.py"), "w") as handle:
+        handle.write("one\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "start")
+    ferrus.op_create_task(store, ferrus.HUMAN, "Grow the widget.")
+    with open(os.path.join(str(project), "widget.py"), "a") as handle:
+        handle.write("two\nthree\n")
+    ferrus.op_submit(store, EXECUTOR, "Two lines more.")
+    ferrus.op_approve(store, REVIEWER)
+    summary = ferrus.confirmation_summary(store)
+    assert "## Changes" in summary
+    assert "widget.py |" in summary and "1 file changed, 2 insertions(+)" in summary
+
+
+def test_without_git_the_confirmation_says_why_there_is_no_diff(store, project):
+    set_config(project, HUMAN_REVIEW)
+    awaiting(store)
+    assert "## Changes\nNo diff: " in ferrus.confirmation_summary(store)
 
 
 def test_the_last_allowed_rejection_is_announced_and_fails_the_task(store, project):
@@ -258,6 +314,8 @@ def test_hq_shows_the_summary_and_takes_approve_and_reject(project):
     assert "/approve, or /reject NOTES" in out.getvalue()
     shell.handle("/reject")
     assert "usage: /reject NOTES" in out.getvalue()
+    shell.handle("/review")
+    assert "the reviewer already approved" in out.getvalue()
     shell.handle("/reject Add a changelog entry.")
     assert store.read_state().state == S.ADDRESSING
     assert store.read_file("REVIEW.md") == "Add a changelog entry."
@@ -367,3 +425,55 @@ def test_a_run_without_a_human_exits_4_and_resumes_after_a_restart(scripted):
                       review=lambda summary: ("approve", None))
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert scripted.read_state().review_cycles == 1
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_curses_hq_shows_the_confirmation_and_takes_reject_then_approve(scripted, tmp_path):
+    from test_hq_curses import Pane
+    pane = Pane(scripted.root, tmp_path)
+    try:
+        pane.wait(lambda lines: lines[0].startswith("ferrus HQ │ Idle"), what="status line")
+        pane.type("/task Make work.txt", "Enter")
+        screen = pane.wait_for("[AWAITING YOUR CONFIRMATION]", timeout=60)
+        assert screen[0].startswith("ferrus HQ │ AwaitingConfirmation")
+        pane.type("/reject Add a second line.", "Enter")
+        pane.wait_for("State: Addressing")
+        pane.wait_for("## The last rejection's notes", timeout=60)     # the second approval
+        pane.type("/approve", "Enter")
+        pane.wait_for("Task complete.", timeout=30)
+        assert scripted.read_state().state == S.COMPLETE
+        assert [m[0] for m in moves(scripted)][-5:] == [
+            "human_reject", "check_passed", "submit", "approve", "human_approve"]
+        with open(os.path.join(str(tmp_path), "reviews-seen")) as handle:
+            assert handle.read() == "Add a second line.\n"
+        pane.type("/quit", "Enter")
+        assert pane.exited() == 0
+    finally:
+        pane.close()
+
+
+def test_run_resume_without_a_terminal_exits_4_and_starts_no_agent(project):
+    store = ferrus.Store(str(project))
+    set_config(project, HUMAN_REVIEW)
+    awaiting(store)
+    result = run_cli("run", "--resume", cwd=project)
+    assert result.returncode == ferrus.RUN_NEEDS_HUMAN, result.stdout + result.stderr
+    assert "your confirmation is needed" in result.stdout
+    assert "Checked the tests and the edge cases." in result.stdout
+    assert "`ferrus approve`, or `ferrus reject NOTES`" in result.stdout.splitlines()[-1]
+    assert "started the" not in result.stdout
+    assert store.read_state().state == S.AWAITING_CONFIRMATION
+    refused = run_cli("run", "--task", "Another one", cwd=project)
+    assert refused.returncode == 1 and "already in flight (state AwaitingConfirmation)" in \
+        refused.stderr
+
+
+def test_doctor_accepts_a_waiting_task_and_warns_when_its_submission_is_gone(project):
+    store = ferrus.Store(str(project))
+    set_config(project, HUMAN_REVIEW + '\n[checks]\ncommands = ["true"]\n')
+    awaiting(store)
+    assert run_cli("doctor", cwd=project).returncode == 0
+    with open(store.path("SUBMISSION.md"), "w"):
+        pass
+    report = run_cli("doctor", cwd=project)
+    assert "state is AwaitingConfirmation but .ferrus/SUBMISSION.md is empty" in report.stdout
