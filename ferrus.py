@@ -4549,7 +4549,8 @@ def task_diff_exclusions(store):
 
 
 def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 1024,
-            tail_bytes=32 * 1024):
+            tail_bytes=32 * 1024, more_hint="Read one file's diff with ferrus://diff/<path> "
+                                             "(or `ferrus diff PATH`)."):
     """The task's changes (base → working tree) as text and data.  Without git, or
     outside a repository, the outcome says why there is no diff (it is not an error)."""
     data = store.read_state()
@@ -4566,8 +4567,7 @@ def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 10
     parts += ["note: %s" % note for note in diff.notes]
     parts += ["", diff.stat_text()]
     if not stat_only and diff.files:
-        parts += ["", diff.patch_text("Read one file's diff with ferrus://diff/<path> "
-                                      "(or `ferrus diff <path>`).").rstrip("\n")]
+        parts += ["", diff.patch_text(more_hint).rstrip("\n")]
     added, deleted = diff.totals()
     return _outcome("\n".join(parts), data.state, available=True, task_id=data.task_id,
                     base=diff.base, notes=diff.notes,
@@ -4601,14 +4601,13 @@ def review_diff(store, submission=""):
     submission names that the diff does not change.  Never fails: a git problem is
     reported in the text."""
     try:
-        outcome = op_diff(store, head_bytes=REVIEW_DIFF_BYTES, tail_bytes=0)
+        outcome = op_diff(store, head_bytes=REVIEW_DIFF_BYTES, tail_bytes=0,
+                          more_hint="Read the rest with ferrus://diff, or one file's diff "
+                                    "with ferrus://diff/<path>.")
     except FerrusError as err:
         return "No diff: %s" % err.full_text(), []
     text = outcome.text
     files = outcome.data.get("files") or []
-    if outcome.data.get("patch_cut"):
-        text += ("\n\n[ferrus: the rest of the diff is left out here; read ferrus://diff "
-                 "(or ferrus://diff/<path> for one file)]")
     if outcome.data.get("available"):
         unchanged = unchanged_mentions(store.root, submission,
                                        [f["path"] for f in files] +
@@ -5943,7 +5942,7 @@ TOOLS = (
          lambda st, c, description: op_create_task(st, c, description),
          (Param("description", "string", "The whole task in Markdown: outcome, constraints, "
                                          "acceptance criteria."),),
-         dict(_TEXT_OUT, task_id="string")),
+         dict(_TEXT_OUT, task_id="string", base="object", warnings="array")),
     Tool("create_spec", "Create spec",
          "Save an approved feature specification (Markdown following ferrus://spec_template) "
          "into the spec directory and select its first ready milestone when no task is running.",
@@ -5952,13 +5951,15 @@ TOOLS = (
          dict(_TEXT_OUT, path="string", selected_milestone="string?")),
     Tool("wait_for_review", "Wait for review",
          "Block until a submission is in Reviewing, claim the review lease and return the task, "
-         "submission notes and earlier review notes. On {\"status\":\"timeout\"} call it again.",
+         "submission notes, earlier review notes, the task's diff (stat and first part; "
+         "ferrus://diff has all of it) and the changed files. On {\"status\":\"timeout\"} "
+         "call it again.",
          SUP, lambda st, c: op_wait_for_review(st, c), (),
          dict(_CLAIM_OUT, submission="string", review_cycles_used="integer",
-              check_retries_used="integer")),
+              check_retries_used="integer", diff="string", changed_files="array")),
     Tool("review_pending", "Review pending submission",
-         "Read the task, the submission notes and previous review notes of the submission "
-         "awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
+         "Read the task, the submission notes, the task's diff (stat and first part) and "
+         "previous review notes of the submission awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
          read_only=True, idempotent=True),
     Tool("approve", "Approve submission",
          "Accept the submission under review: the state becomes Complete and the task's spec "
