@@ -216,9 +216,19 @@ def test_ferrus_py_cites_no_document_outside_the_repository():
     assert not found, "cite a heading of docs/ARCHITECTURE.md instead:\n" + "\n".join(found)
 
 
-def test_the_docs_cite_no_document_outside_the_repository():
+def other_sources():
+    """Docs, the tests (this file excepted: it holds the patterns) and the bench."""
+    paths = doc_paths()
+    for folder in ("tests", "bench"):
+        for base, _, names in os.walk(os.path.join(ROOT, folder)):
+            paths += [os.path.join(base, name) for name in names
+                      if name.endswith((".py", ".md")) and name != "test_docs.py"]
+    return paths
+
+
+def test_docs_tests_and_bench_cite_no_document_outside_the_repository():
     found = ["%s: %s" % (os.path.relpath(path, ROOT), line.strip())
-             for path in doc_paths() for line in read(path).splitlines()
+             for path in other_sources() for line in read(path).splitlines()
              if OUTSIDE_DOCUMENTS.search(line)]
     assert not found, "\n".join(found)
 
