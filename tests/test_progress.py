@@ -112,6 +112,9 @@ def test_cli_run_json_and_quiet(scripted, tmp_path):
 class FakeProcess:
     def __init__(self, events=(), last_text=""):
         self.events = list(events)
+        self.tally = ferrus.UsageTally()
+        for event in self.events:
+            self.tally.add(event)
         self.last_text = last_text
         self.pid = 4242
         self.log_path = "x.log"
