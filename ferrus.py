@@ -6993,11 +6993,60 @@ class AgentEvent:
     """Something an agent's structured output reported."""
 
     kind: str                 # tool_call | usage | session | limit
-    name: str = ""
+    name: str = ""            # tool_call: the tool; session: the model, when reported
     ok: "bool | None" = None
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""
+    text: str = ""            # usage: the message it belongs to ("" for none)
+    cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
+    total: bool = False       # usage: the session's totals so far, replacing earlier counts
+
+
+class UsageTally:
+    """What one agent session has used so far, folded from its AgentEvents.
+
+    CLIs report usage in three ways, and each is folded without double counting:
+    per message (Claude repeats a message's usage on every block of it, so only
+    the last report per message counts), per turn (Codex: summed), and as the
+    session's totals (Claude's and Gemini's final result: they replace what was
+    counted before).  Cost is known only when the CLI reports it."""
+
+    def __init__(self):
+        self.tool_calls = 0
+        self.model = ""
+        self.agent_session = ""
+        self.cost_usd = None
+        self._settled = (0, 0)      # the last reported totals
+        self._pending = {}          # message id (or a counter) -> (input, output) since
+
+    def add(self, event):
+        if event.kind == "tool_call":
+            self.tool_calls += 1
+        elif event.kind == "session":
+            self.agent_session = event.text or self.agent_session
+            self.model = event.name or self.model
+        elif event.kind == "usage":
+            if event.total:
+                self._settled = (event.input_tokens, event.output_tokens)
+                self._pending = {}
+            elif event.input_tokens or event.output_tokens:
+                self._pending[event.text or len(self._pending)] = (event.input_tokens,
+                                                                   event.output_tokens)
+            if event.cost_usd is not None:
+                self.cost_usd = event.cost_usd
+
+    @property
+    def input_tokens(self):
+        return self._settled[0] + sum(pair[0] for pair in list(self._pending.values()))
+
+    @property
+    def output_tokens(self):
+        return self._settled[1] + sum(pair[1] for pair in list(self._pending.values()))
+
+    def counts(self):
+        """The figures a session record keeps."""
+        return {"tool_calls": self.tool_calls, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd}
 
 
 # -- files register edits -----------------------------------------------------------
@@ -7477,7 +7526,8 @@ def _parse_claude_style(line):
     events = []
     kind = event.get("type")
     if kind == "system" and event.get("session_id"):
-        events.append(AgentEvent("session", text=str(event["session_id"])))
+        events.append(AgentEvent("session", name=str(event.get("model") or ""),
+                                 text=str(event["session_id"])))
     elif kind == "assistant":
         message = event.get("message") or {}
         for block in message.get("content") or []:
@@ -7485,12 +7535,30 @@ def _parse_claude_style(line):
                 events.append(AgentEvent("tool_call", name=str(block.get("name", ""))))
         usage = message.get("usage") or {}
         if usage:
-            events.append(AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
-                                     output_tokens=int(usage.get("output_tokens") or 0)))
+            events.append(_claude_usage(usage, text=str(message.get("id") or "")))
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
+        usage, cost = event.get("usage"), event.get("total_cost_usd", event.get("cost_usd"))
+        cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
+            else None
+        if isinstance(usage, dict):
+            events.append(_claude_usage(usage, total=True, cost_usd=cost))
+        elif cost is not None:
+            events.append(AgentEvent("usage", cost_usd=cost))
     return events
+
+
+def _claude_usage(usage, **fields):
+    """A usage event from an Anthropic usage object.  Input counts every token the
+    model read, cached or not (as Codex's input_tokens does)."""
+    def count(key):
+        value = usage.get(key)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else 0
+    return AgentEvent("usage", input_tokens=count("input_tokens") +
+                      count("cache_creation_input_tokens") + count("cache_read_input_tokens"),
+                      output_tokens=count("output_tokens"), **fields)
 
 
 _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
@@ -7861,13 +7929,14 @@ class GeminiCli(_SettingsJsonAgent):
             return []
         kind = event.get("type")
         if kind == "init" and event.get("session_id"):
-            return [AgentEvent("session", text=str(event["session_id"]))]
+            return [AgentEvent("session", name=str(event.get("model") or ""),
+                               text=str(event["session_id"]))]
         if kind == "tool_use":
             return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")))]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
-                               output_tokens=int(stats.get("output_tokens") or 0))]
+                               output_tokens=int(stats.get("output_tokens") or 0), total=True)]
         return []
 
 
@@ -7929,6 +7998,12 @@ class CustomAgent(AgentAdapter):
 
     def can_edit(self, profile):
         return None           # its argv templates decide; ferrus adds no flags
+
+    def parse_line(self, line):
+        # A custom CLI that prints Claude Code's stream-json events (a wrapper around
+        # it, say) gets its tool calls, tokens and cost counted; other output is read
+        # for usage-limit messages only.
+        return _parse_claude_style(line)
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -8442,6 +8517,259 @@ def sessions_config(root):
         return SessionsConfig()
 
 
+# -- session records ------------------------------------------------------------------
+#
+# Every agent session ferrus starts (HQ's and `ferrus run`'s headless slots, HQ's
+# interactive sessions, pipeline workers) has a record in .ferrus/sessions/<id>.json:
+# who ran (role, agent, model, argv), what it was told (the prompt), when, how it
+# ended, what it used (tool calls, tokens, cost when the CLI reports it) and where its
+# raw log is.  A record is written atomically when the session starts, again while its
+# counts change and when it ends, so it survives restarts and a killed orchestrator;
+# the next orchestrator closes what a dead one left open.  Every usage figure ferrus
+# shows, and the capacity gates' token signal, is a sum over these records.
+
+SESSIONS_DIR = "sessions"
+SESSION_RECORD_EVERY = 1.0     # seconds between rewrites of a running session's counts
+STATUS_SESSIONS_SHOWN = 8      # the current task's newest sessions that status lists
+_RECORD_CACHE = {}             # sessions folder -> {file name: (file identity, record)}
+
+
+def _orchestrator_identity(store):
+    """Who starts a session now: this process, named as its orchestrator lock names it."""
+    holder = read_orchestrator_record(store) or {}
+    kind = holder.get("kind") if holder.get("pid") == os.getpid() else None
+    return {"kind": kind or "ferrus", "pid": os.getpid(), "host": _host_name()}
+
+
+def write_session_record(store, record, durable=True):
+    """Write one record (the folder is private: records hold whole prompts)."""
+    folder = store.path(SESSIONS_DIR)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    atomic_write(os.path.join(folder, record["id"] + ".json"), pretty_json(record) + "\n",
+                 durable=durable)
+
+
+def open_session_record(store, session_id, **fields):
+    """Record a session that starts now; returns the record (a dict the caller keeps)."""
+    record = {"id": session_id, "status": "running", "started_at": format_timestamp(utc_now()),
+              "ended_at": None, "outcome": None, "exit_code": None, "note": None,
+              "slot": None, "role": None, "agent": None, "model": "", "task_id": None,
+              "pipeline": None, "pid": None, "log": None, "argv": [], "prompt": None,
+              "tool_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": None,
+              "orchestrator": _orchestrator_identity(store)}
+    record.update(fields)
+    try:
+        write_session_record(store, record)
+    except OSError as err:       # a record must never stop the agent it describes
+        log.warning("could not write the session record %s: %s", session_id, err)
+    return record
+
+
+def update_session_counts(store, record, tally):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = tally.counts()
+    if tally.model and not record.get("model"):
+        counts["model"] = tally.model
+    if all(record.get(key) == value for key, value in counts.items()):
+        return False
+    record.update(counts)
+    with contextlib.suppress(OSError):
+        write_session_record(store, record, durable=False)
+    return True
+
+
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+    """The session is over: how it ended and its final counts."""
+    if tally is not None:
+        record.update(tally.counts())
+        if tally.model and not record.get("model"):
+            record["model"] = tally.model
+        if tally.agent_session:
+            record["agent_session"] = tally.agent_session
+    record.update(status="ended", ended_at=format_timestamp(utc_now()), outcome=outcome,
+                  exit_code=exit_code if isinstance(exit_code, int) else None,
+                  note=note or record.get("note"))
+    try:
+        write_session_record(store, record)
+    except OSError as err:
+        log.warning("could not write the session record %s: %s", record.get("id"), err)
+
+
+def read_session_records(store):
+    """Every session record, oldest first.  Files not changed since the last call are
+    not read again, so HQ can sum them every second.  The records are shared: read
+    them, never change them."""
+    folder = store.path(SESSIONS_DIR)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    cache, fresh = _RECORD_CACHE.get(folder, {}), {}
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        identity = (info.st_ino, info.st_mtime_ns, info.st_size)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == identity:
+            fresh[name] = hit
+            continue
+        try:
+            record = json.loads(read_text(path))
+        except (OSError, ValueError):
+            continue             # half a file from another tool: skipped, never fatal
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            try:
+                started = parse_timestamp(record.get("started_at"))
+            except ValueError:
+                started = _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)
+            fresh[name] = (identity, record, (started, record["id"]))
+    _RECORD_CACHE[folder] = fresh
+    return [entry[1] for entry in sorted(fresh.values(), key=lambda entry: entry[2])]
+
+
+def session_state(record):
+    """running | ended | orphaned (its orchestrator died while it ran)."""
+    if record.get("status") != "running":
+        return "ended"
+    orchestrator = record.get("orchestrator") or {}
+    pid = orchestrator.get("pid")
+    if orchestrator.get("host") != _host_name() or (isinstance(pid, int) and pid_alive(pid)):
+        return "running"
+    worker = record.get("pid")
+    if record.get("pipeline") and isinstance(worker, int) and pid_alive(worker):
+        return "running"         # a pipeline worker outlives its orchestrator
+    return "orphaned"
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value):
+    return value if _is_number(value) else 0
+
+
+def usage_summary(records):
+    """Sessions, tokens and cost of some records.  Cost is summed over the sessions
+    that reported one; ``cost_unknown`` counts those that did not."""
+    costs = [r.get("cost_usd") for r in records]
+    known = [c for c in costs if _is_number(c)]
+    return {"sessions": len(records),
+            "tool_calls": sum(int(_number(r.get("tool_calls"))) for r in records),
+            "input_tokens": sum(int(_number(r.get("input_tokens"))) for r in records),
+            "output_tokens": sum(int(_number(r.get("output_tokens"))) for r in records),
+            "cost_usd": round(sum(known), 6) if known else None,
+            "cost_unknown": len(records) - len(known)}
+
+
+def task_usage(store, task_id):
+    """The usage of one task's sessions (HQ, `ferrus run`, interactive)."""
+    return usage_summary([r for r in read_session_records(store)
+                          if task_id and r.get("task_id") == task_id])
+
+
+def compact_count(number):
+    """12345 -> '12.3k': token counts for status lines."""
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if number >= size:
+            return ("%.1f%s" % (number / size, unit)).replace(".0" + unit, unit)
+    return str(int(number))
+
+
+def format_cost(summary):
+    """'$0.0123', 'cost unknown', or '$0.01 + 2 sessions of unknown cost'."""
+    cost, unknown = summary.get("cost_usd"), summary.get("cost_unknown", 0)
+    if cost is None:
+        return "cost unknown" if summary.get("sessions") else "$0"
+    text = "$%.4f" % cost if cost < 1 else "$%.2f" % cost
+    if unknown:
+        text += " + %d session%s of unknown cost" % (unknown, "" if unknown == 1 else "s")
+    return text
+
+
+def format_usage(summary):
+    """'3 sessions, 41 tool calls, 12.3k tokens in / 1.2k out, $0.0123'."""
+    return "%d session%s, %d tool calls, %s tokens in / %s out, %s" % (
+        summary["sessions"], "" if summary["sessions"] == 1 else "s", summary["tool_calls"],
+        compact_count(summary["input_tokens"]), compact_count(summary["output_tokens"]),
+        format_cost(summary))
+
+
+def describe_session(record, root=None):
+    """One line: slot, agent, state and outcome, exit, counts, cost and the log."""
+    state = session_state(record)
+    if state == "ended":
+        state = record.get("outcome") or "ended"
+        if isinstance(record.get("exit_code"), int):
+            state += ", exit %d" % record["exit_code"]
+    elif state == "orphaned":
+        state = "orphaned (its orchestrator, pid %s, died)" % (
+            (record.get("orchestrator") or {}).get("pid"))
+    agent = record.get("agent") or "?"
+    if record.get("model"):
+        agent += " (%s)" % record["model"]
+    cost = record.get("cost_usd")
+    usage = "%d tool calls, %s/%s tokens, %s" % (
+        int(_number(record.get("tool_calls"))), compact_count(_number(record.get("input_tokens"))),
+        compact_count(_number(record.get("output_tokens"))),
+        "$%.4f" % cost if _is_number(cost) else "cost unknown")
+    if record.get("usage_reported") is False:
+        usage = "usage not reported"
+    text = "%s %s %s: %s — %s" % (record.get("started_at") or "?",
+                                 record.get("slot") or record.get("role") or "?", agent, state,
+                                 usage)
+    if record.get("log"):
+        text += " — log %s" % record["log"]
+    return text
+
+
+def usage_from_log(path, parse_line):
+    """Fold a session's raw log through its adapter's parser (a log is read a line at
+    a time, so its size does not matter)."""
+    tally = UsageTally()
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as handle:
+            for raw in handle:
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
+                    with contextlib.suppress(Exception):     # parsers never take us down
+                        for event in parse_line(line):
+                            tally.add(event)
+    return tally
+
+
+def close_orphaned_records(store):
+    """Close the records of HQ and `ferrus run` sessions whose orchestrator died: the
+    counts are read again from their logs, the end is now (the latest it can have
+    been).  Pipeline workers outlive their orchestrator; the pipeline's reconcile
+    closes theirs.  Returns one note per record closed."""
+    notes, config = [], None
+    with contextlib.suppress(FerrusError):
+        config = store.config()
+    for shared in read_session_records(store):
+        if shared.get("pipeline") or session_state(shared) != "orphaned":
+            continue
+        record = dict(shared)
+        tally = None
+        if config is not None and record.get("log") and record.get("agent"):
+            with contextlib.suppress(FerrusError):
+                parse_line = adapter_for(config, record["agent"]).parse_line
+                tally = usage_from_log(os.path.join(store.root, record["log"]), parse_line)
+        dead = record.get("orchestrator") or {}
+        close_session_record(store, record, "orphaned", tally=tally,
+                             note="its orchestrator (%s, pid %s) ended while it ran; ended by "
+                                  "then at the latest" % (dead.get("kind"), dead.get("pid")))
+        notes.append("closed the record of the %s session %s, which the previous orchestrator "
+                     "left open" % (record.get("slot") or "agent", record["id"]))
+    return notes
+
+
 # What each slot must achieve before its session counts as done: HQ checks the
 # journal itself instead of trusting an exit code.
 SLOT_ROLES = {"executor": "executor", "reviewer": "supervisor", "consultant": "supervisor"}
@@ -8485,6 +8813,7 @@ class AgentProcess:
     def __init__(self, launch, root, log_path, parse_line):
         self.log_path = log_path
         self.events = []
+        self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
@@ -8520,7 +8849,10 @@ class AgentProcess:
                 line = raw.decode("utf-8", "replace").strip()
                 if line:
                     try:
-                        self.events.extend(self._parse_line(line))
+                        events = self._parse_line(line)
+                        self.events.extend(events)
+                        for event in events:
+                            self.tally.add(event)
                         if self.fatal is None:
                             self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
@@ -8565,7 +8897,8 @@ class SessionSlot:
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
-        self.tokens = 0
+        self.record = None         # the running session's record (.ferrus/sessions/)
+        self.record_due = 0.0      # clock value after which changed counts are written
 
     @property
     def state(self):
@@ -8653,6 +8986,7 @@ class OrchestratorLock:
                 "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
+            self.notes.extend(close_orphaned_records(self.store))
         except BaseException:
             self.release()
             raise
@@ -8812,12 +9146,12 @@ class HqController:
         # Capacity signals HQ counts itself (tool calls come from the MCP servers).
         # Sessions per task live in STATE.json, so limits hold across restarts.
         self.sessions_seed = self._sessions_before_counter()
-        self.tokens_by_task = {}
         self.tasks_completed = 0
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
         self.paused = False           # True until the user agrees to resume a task in flight
+        self.finishing_since = None   # when the task ended while agents still ran
         self.shown_question = None
         self.shown_confirmation = None    # (task, entered) whose summary was emitted
         self.last_state = None
@@ -8844,6 +9178,7 @@ class HqController:
     # -- the loop --------------------------------------------------------------------
 
     CAPACITY_CHECK_EVERY = 1.0
+    FINISH_GRACE_SECS = 10.0      # how long agents may finish after the task ended
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
@@ -8927,10 +9262,19 @@ class HqController:
                 self.emit(HqMessage("info", "Task complete."))
             elif data.state == S.FAILED:
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
-            # While the human decides no agent has anything to do.
-            if data.state in (S.IDLE, S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION):
+            if data.state == S.IDLE:
                 self.stop_all(quiet=True)
+            # An agent that ended the task (the reviewer's approve) is still saying its
+            # last words; they carry its usage and cost, so it gets a moment to exit.
+            # While the human decides, too, no agent has anything more to do.
+            self.finishing_since = time.monotonic() if data.state in (
+                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION) else None
             self.last_state = data.state
+        if self.finishing_since is not None and (
+                not self.running() or
+                time.monotonic() - self.finishing_since >= self.FINISH_GRACE_SECS):
+            self.finishing_since = None
+            self.stop_all(quiet=True)
         needed = self.needed_slots(data)
         for name, prompt in needed.items():
             self._advance(self.slots[name], prompt, data)
@@ -8954,10 +9298,12 @@ class HqController:
     def signals(self, extra_parallel=0):
         data = self.store.read_state()
         task = data.task_id
+        for slot in self.running():        # the gate reads what the records say
+            self._save_counts(slot, force=True)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
                           sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
-                          tokens_used=self.tokens_by_task.get(task, 0),
+                          tokens_used=self._task_tokens(task),
                           parallel_agents=len(self.running()) + extra_parallel)
         base = self.baseline
         return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
@@ -9072,6 +9418,9 @@ class HqController:
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            self._open_record(slot, launch, log_path, None)
+            self._close_record(slot, None, "not started", note="%s: %s" % (
+                launch.argv[0], err.strerror or err))
             # A start that fails counts as a failed session: back off, retry, and stop
             # at the thresholds instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
@@ -9079,7 +9428,8 @@ class HqController:
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
-        slot.tool_calls = slot.tokens = 0
+        slot.tool_calls = 0
+        self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -9101,14 +9451,8 @@ class HqController:
         process = slot.process
         now = self.clock()
         if process is not None:
-            calls = sum(1 for e in process.events if e.kind == "tool_call")
-            tokens = sum(e.input_tokens + e.output_tokens for e in process.events
-                         if e.kind == "usage")
-            if tokens != slot.tokens:
-                task = self.store.read_state().task_id
-                self.tokens_by_task[task] = self.tokens_by_task.get(task, 0) + tokens - slot.tokens
-                slot.tokens = tokens
-            slot.tool_calls = calls
+            slot.tool_calls = process.tally.tool_calls
+            self._save_counts(slot)
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -9119,6 +9463,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "timeout")
                 self._step(slot, SessionEvent("SessionExited", outcome="timeout"))
                 self._arm_backoff(slot)
         elif slot.state == SS.INTERRUPTING and process is not None:
@@ -9126,6 +9471,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "interrupted")
                 self._step(slot, SessionEvent("SessionExited", outcome="interrupted"))
             elif slot.timer is not None and now >= slot.timer:
                 self._step(slot, SessionEvent("GraceExceeded"))
@@ -9142,6 +9488,13 @@ class HqController:
                          or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
                          for entry in self.store.read_journal(after_seq=slot.start_seq))
         limit = process.limit()
+        self._close_record(slot, process, "usage limit" if limit and not progressed else
+                           "success" if code == 0 and progressed else
+                           "agent error" if process.fatal is not None and not progressed else
+                           "no progress" if code == 0 else "error",
+                           note=("resets %s" % limit if limit and not progressed else
+                                 process.fatal[1] if process.fatal is not None and not progressed
+                                 else None))
         if limit and not progressed:
             wait = usage_limit_wait(limit)
             self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
@@ -9185,17 +9538,21 @@ class HqController:
         slot.session, effect = session_step(slot.session, event)
         if effect == CANCEL_SESSION and slot.process is not None:
             if slot.session.state == SS.STOPPED:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped")
             else:
                 self._interrupt(slot)
         elif effect == FORCE_STOP_SESSION and slot.process is not None:
-            slot.process.terminate(grace=0)
-            slot.process.finish()
+            process = slot.process
+            process.terminate(grace=0)
+            process.finish()
             slot.process = None
             self._record_agent(slot, "suspended")
+            self._close_record(slot, process, "killed", note="it outlived interrupt_grace_secs")
         elif isinstance(effect, tuple) and effect[0] == LOG_FATAL:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
@@ -9252,6 +9609,39 @@ class HqController:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(slot.process.pid, signal.SIGTERM)
         slot.timer = self.clock() + self.limits.interrupt_grace_secs
+
+    # -- session records ---------------------------------------------------------------
+
+    def _open_record(self, slot, launch, log_path, pid):
+        agent, model = "unknown", ""
+        with contextlib.suppress(FerrusError):
+            choice = getattr(self.store.config(), slot.role)
+            if choice is not None:
+                agent, model = choice.agent, choice.model or ""
+        slot.record = open_session_record(
+            self.store, slot.session_id, slot=slot.name, role=slot.role, agent=agent,
+            model=model, task_id=self.store.read_state().task_id, pid=pid,
+            log=self.store.relpath(log_path), argv=list(launch.argv), prompt=slot.session.prompt)
+        slot.record_due = self.clock() + SESSION_RECORD_EVERY
+
+    def _save_counts(self, slot, force=False):
+        """Persist a running session's counts, at most once a second unless forced."""
+        now = self.clock()
+        if slot.record is None or slot.process is None or (not force and now < slot.record_due):
+            return
+        if update_session_counts(self.store, slot.record, slot.process.tally):
+            slot.record_due = now + SESSION_RECORD_EVERY
+
+    def _close_record(self, slot, process, outcome, note=None):
+        record, slot.record = slot.record, None
+        if record is not None:
+            close_session_record(self.store, record, outcome,
+                                 process.proc.returncode if process is not None else None,
+                                 process.tally if process is not None else None, note)
+
+    def _task_tokens(self, task):
+        summary = task_usage(self.store, task)
+        return summary["input_tokens"] + summary["output_tokens"]
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
@@ -9321,13 +9711,24 @@ class HqController:
     def running(self):
         return [slot for slot in self.slots.values() if slot.process is not None]
 
+    def wind_down(self, poll_interval=0.02):
+        """Let the agents still running after the task ended exit on their own (at most
+        FINISH_GRACE_SECS), so their records get their final usage."""
+        deadline = time.monotonic() + self.FINISH_GRACE_SECS + 1.0
+        while self.finishing_since is not None and time.monotonic() < deadline:
+            self.poll()
+            if self.finishing_since is not None:
+                time.sleep(poll_interval)
+
     def shutdown(self):
         for slot in self.slots.values():
             if slot.process is not None:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped", note="its orchestrator ended")
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
@@ -9391,10 +9792,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             controller.poll()
             data = store.read_state()
             controller.catch_up(data.rev)
-            if data.state == S.COMPLETE:
-                return RUN_COMPLETE
-            if data.state == S.FAILED:
-                return RUN_FAILED
+            if data.state in (S.COMPLETE, S.FAILED):
+                controller.wind_down(poll_interval)
+                return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
             if controller.checkpoint and not controller.running():
                 out("ferrus run: stopped at a capacity checkpoint; raise the limit in [capacity] "
                     "and run `ferrus run --resume`")
@@ -10049,6 +10449,7 @@ class PipelineOrchestrator:
                 self._run = None
                 if self._pending or json.dumps(run.status, sort_keys=True) != before:
                     self._save(run)
+                self._settle_records(run)
                 self._sweep(run)
 
     def _decide(self, run):
@@ -10189,6 +10590,75 @@ class PipelineOrchestrator:
     def _base(self, run, role, entry):
         return run.file("logs", "%s-%d" % (role, entry["attempts"]))
 
+    # -- session records ------------------------------------------------------------------
+
+    @staticmethod
+    def _record_id(run, role, entry):
+        """A worker attempt's record is named by the run, role and attempt, so whichever
+        orchestrator sees the attempt end can close it."""
+        return "w-%s-%s-%d" % (run.name, role, entry["attempts"])
+
+    # How an ended worker attempt's record reads, by the worker's status after it.
+    _RECORD_OUTCOME = {"completed": "success", "failed": "failed", "cooling": "error",
+                       "cancelled": "cancelled", "pending": "stopped"}
+
+    def _settle_records(self, run):
+        """Close the record of every worker attempt that is over and whose process has
+        exited; its counts are read from its log, which then holds all of its output."""
+        records = {r["id"]: r for r in read_session_records(self.store)
+                   if r.get("pipeline") == run.name and r.get("status") == "running"}
+        if not records:
+            return
+        workers = {w.role: w for p in run.definition.phases for w in p.workers}
+        for phase in run.status["phases"]:
+            for role, entry in phase["workers"].items():
+                record = records.get(self._record_id(run, role, entry))
+                if record is None or entry["status"] in WORKER_RUNNING:
+                    continue
+                token, process = self._processes.get((run.name, role), (None, None))
+                if process is not None and token == entry["token"]:
+                    if process.poll() is None:
+                        continue        # it wrote its output and is still finishing
+                elif isinstance(record.get("pid"), int) and worker_pid_running(record["pid"]):
+                    continue
+                tally = None
+                with contextlib.suppress(FerrusError):
+                    worker = workers.get(role)
+                    parse_line = adapter_for(self.config, worker.agent if worker else
+                                             record.get("agent") or "").parse_line
+                    tally = usage_from_log(self._base(run, role, entry) + ".log", parse_line)
+                close_session_record(self.store, dict(record),
+                                     self._RECORD_OUTCOME.get(entry["status"], entry["status"]),
+                                     getattr(process, "returncode", None)
+                                     if token == entry["token"] else None, tally,
+                                     entry.get("message") or None)
+
+    def _relocate_records(self, run, old_path):
+        """The run folder moved (to the archive): its records name the logs' new place."""
+        old, new = self.store.relpath(old_path) + "/", self.store.relpath(run.path) + "/"
+        for shared in read_session_records(self.store):
+            if shared.get("pipeline") == run.name and str(shared.get("log")).startswith(old):
+                record = dict(shared, log=new + shared["log"][len(old):])
+                with contextlib.suppress(OSError):
+                    write_session_record(self.store, record)
+
+    def await_workers(self, ref, grace=10.0, poll_interval=0.1):
+        """After a run ends: give its workers that are still finishing (their output is
+        written, their last words are not) a moment to exit, so their records get the
+        final counts and cost; whatever still runs after ``grace`` is closed later."""
+        run = read_run(self.store, ref)
+        over = {role for p in run.status["phases"] for role, w in p["workers"].items()
+                if w["status"] not in WORKER_RUNNING}
+        finishing = [process for (name, role), (_, process) in list(self._processes.items())
+                     if name == run.name and role in over]
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in finishing):
+            time.sleep(poll_interval)
+        with self._lock():
+            run = read_run(self.store, ref, with_definition=True)
+            self._settle_records(run)
+            self._sweep(run)
+
     def _sweep(self, run):
         """Forget, and so reap, the exited processes whose exit is already recorded."""
         watched = {role for p in run.status["phases"]
@@ -10286,6 +10756,11 @@ class PipelineOrchestrator:
             self._exited(run, worker, entry, "could not start: %s" % err)
             return
         self._processes[(run.name, worker.role)] = (token, process)
+        open_session_record(self.store, self._record_id(run, worker.role, entry), slot="worker",
+                            role=worker.role, agent=worker.agent, model=worker.model or "",
+                            pipeline=run.name, pid=process.pid,
+                            log=self.store.relpath(self._base(run, worker.role, entry) + ".log"),
+                            argv=list(launch.argv), prompt=prompt)
         self._step(run, worker.role, SessionEvent("SessionStarted", entry["attempts"]))
         entry.update(pid=process.pid, message="")
         self._note(run, "worker_spawned", "%s spawned (pid %d, attempt %d, agent %s)%s" % (
@@ -10302,7 +10777,10 @@ class PipelineOrchestrator:
         if not limits.enabled() or self._run is None:
             return CONTINUE
         workers = [w for p in self._run.status["phases"] for w in p["workers"].values()]
+        used = usage_summary([r for r in read_session_records(self.store)
+                              if r.get("pipeline") == self._run.name])
         signals = Signals(sessions=sum(w["attempts"] for w in workers) + 1,
+                          tokens_used=used["input_tokens"] + used["output_tokens"],
                           parallel_agents=sum(w["status"] in WORKER_RUNNING for w in workers) + 1)
         tier, action, worst = classify(signals, limits)
         with contextlib.suppress(FerrusError, OSError):
@@ -10332,9 +10810,11 @@ class PipelineOrchestrator:
         if not run.archived:
             archive = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE)
             os.makedirs(archive, exist_ok=True)
+            old_path = run.path
             os.replace(run.path, os.path.join(archive, run.name))
             fsync_directory(archive)
             run.path, run.archived = os.path.join(archive, run.name), True
+            self._relocate_records(run, old_path)
             self._note(run, "archived", "run %s archived in %s" % (
                 run.name, self.store.relpath(run.path)), to=self.store.relpath(run.path))
         if run.status.get("cancelled"):
@@ -10424,6 +10904,8 @@ class PipelineOrchestrator:
         """Reconcile until the run is done or needs a human: the foreground loop."""
         while True:
             outcome = self.reconcile(ref)
+            if outcome.finished:
+                self.await_workers(outcome.run, poll_interval=poll_interval)
             if outcome.finished or (should_stop is not None and should_stop()):
                 return outcome
             time.sleep(poll_interval)
@@ -11492,6 +11974,12 @@ class HqShell:
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
             self.write("  " + slot.describe())
+        records = [r for r in read_session_records(self.store)
+                   if data.task_id and r.get("task_id") == data.task_id]
+        if records:
+            self.write("task %s: %s" % (data.task_id, format_usage(usage_summary(records))))
+            for record in records[-STATUS_SESSIONS_SHOWN:]:
+                self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
             self.write(confirmation_summary(self.store, data))
 
@@ -11737,6 +12225,12 @@ class HqShell:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
                               adapter.install_hint()) from err
+        # The terminal is the agent's, so ferrus reads none of its output: the record
+        # has the when and the exit, and says that its usage is unknown.
+        record = open_session_record(
+            self.store, env[SESSION_ENV], slot="interactive %s" % role, role=role,
+            agent=choice.agent, model=choice.model or "", pid=proc.pid, argv=list(launch.argv),
+            prompt=prompt, task_id=self.store.read_state().task_id, usage_reported=False)
         # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
         # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
         previous = None
@@ -11749,6 +12243,10 @@ class HqShell:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            close_session_record(self.store, record, "ended" if proc.poll() is not None
+                                 else "left running", proc.returncode,
+                                 note="interactive: its output went to the terminal, so its "
+                                      "tool calls, tokens and cost are not known")
             held, self.held = self.held, None
             for message in held:
                 self.show(message)
@@ -12043,6 +12541,13 @@ class CursesHq(HqShell):
             parts.append("PAUSED (/resume)")
         if self.controller.checkpoint:
             parts.append("CAPACITY CHECKPOINT (/continue)")
+        if data.task_id:
+            used = task_usage(self.store, data.task_id)
+            if used["sessions"]:
+                parts.append("%s tok%s" % (
+                    compact_count(used["input_tokens"] + used["output_tokens"]),
+                    " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
+                    if used["cost_usd"] is not None else ""))
         slots = ["%s %s%s" % (slot.name, slot.session.state,
                               " (%d tool calls)" % slot.tool_calls
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
@@ -12322,8 +12827,12 @@ def cmd_status(args, root):
         if config.hq_problem:
             notes.append(config.hq_problem.message)
     orchestrator = running_orchestrator(store)
+    task_records = [r for r in read_session_records(store)
+                    if data.task_id and r.get("task_id") == data.task_id]
     if args.json:
         info["orchestrator"] = orchestrator
+        info["usage"] = usage_summary(task_records)
+        info["sessions"] = [session_brief(r) for r in task_records]
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -12379,6 +12888,13 @@ def cmd_status(args, root):
             if capacity["checkpoint"] else "")))
     rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
                  "none running"))
+    if task_records:
+        rows.append(("usage", format_usage(usage_summary(task_records))))
+        shown = task_records[-STATUS_SESSIONS_SHOWN:]
+        if len(shown) < len(task_records):
+            rows.append(("sessions", "%d earlier: `ferrus sessions --task %s`" % (
+                len(task_records) - len(shown), data.task_id)))
+        rows.extend(("session", describe_session(record)) for record in shown)
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
@@ -12425,6 +12941,134 @@ def cmd_log(args, root):
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 0
+
+
+def session_brief(record):
+    """A record without its prompt and argv, for listings."""
+    brief = {key: value for key, value in record.items() if key not in ("prompt", "argv")}
+    brief["state"] = session_state(record)
+    return brief
+
+
+def parse_since(text, now):
+    """--since: a duration back from now (90m, 12h, 7d, 2w) or a date or timestamp."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+        return now - _dt.timedelta(seconds=float(match.group(1)) * unit)
+    with contextlib.suppress(ValueError):
+        return parse_timestamp(text.strip())
+    with contextlib.suppress(ValueError):
+        day = _dt.datetime.strptime(text.strip(), "%Y-%m-%d")
+        return day.replace(tzinfo=_dt.datetime.now().astimezone().tzinfo)   # local midnight
+    raise UsageError("--since %s is neither a duration nor a date" % json.dumps(text),
+                     "use e.g. --since 24h, --since 7d, --since 2026-05-01 or an RFC 3339 time")
+
+
+def _find_session(records, ref):
+    matches = [r for r in records if r["id"] == ref] or \
+        [r for r in records if r["id"].startswith(ref)]
+    if not matches:
+        raise FerrusError("no session record matches %s" % json.dumps(ref),
+                          "`ferrus sessions` lists them")
+    if len(matches) > 1:
+        raise FerrusError("%s matches %d session records" % (json.dumps(ref), len(matches)),
+                          "give more of the id")
+    return matches[0]
+
+
+def cmd_sessions(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    if args.id:
+        record = _find_session(records, args.id)
+        if args.json:
+            print(json.dumps(dict(record, state=session_state(record)), indent=2))
+            return 0
+        for key in ("id", "slot", "role", "agent", "model", "task_id", "pipeline", "started_at",
+                    "ended_at", "outcome", "exit_code", "note", "pid", "tool_calls",
+                    "input_tokens", "output_tokens", "cost_usd", "agent_session", "log"):
+            if record.get(key) not in (None, ""):
+                print(terminal_safe("%14s  %s" % (key, record[key])))
+        print(terminal_safe("%14s  %s" % ("state", session_state(record))))
+        print(terminal_safe("%14s  %s" % ("argv", " ".join(record.get("argv") or []))))
+        print("        prompt:")
+        for line in str(record.get("prompt") or "(none: the agent started without one)"
+                        ).splitlines():
+            print(terminal_safe("    " + line))
+        return 0
+    if args.task:
+        task = store.read_state().task_id if args.task == "current" else args.task
+        records = [r for r in records if r.get("task_id") == task]
+    if args.pipeline:
+        records = [r for r in records if str(r.get("pipeline") or "").startswith(args.pipeline)]
+    if args.n is not None:
+        records = records[-args.n:] if args.n > 0 else []
+    if args.json:
+        print(json.dumps([dict(r, state=session_state(r)) for r in records], indent=2))
+        return 0
+    if not records:
+        print("(no agent session is recorded%s)" % (" for that filter" if args.task or
+                                                    args.pipeline else " yet"))
+        return 0
+    for record in records:
+        where = "task %s" % record["task_id"] if record.get("task_id") else \
+            "pipeline %s" % record["pipeline"] if record.get("pipeline") else "no task"
+        print(terminal_safe("%s  [%s]  %s" % (record["id"], where, describe_session(record))))
+    print("(`ferrus sessions ID` shows one session with its argv and prompt)")
+    return 0
+
+
+def _usage_groups(records, key):
+    groups = collections.OrderedDict()
+    for record in records:
+        name = key(record)
+        if name:
+            groups.setdefault(name, []).append(record)
+    return [dict(usage_summary(group), name=name, first_started=group[0].get("started_at"),
+                 last_started=group[-1].get("started_at"))
+            for name, group in groups.items()]
+
+
+def _started_since(record, since):
+    try:
+        return parse_timestamp(record.get("started_at")) >= since
+    except ValueError:
+        return False
+
+
+def cmd_usage(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    since = None
+    if args.since:
+        since = parse_since(args.since, utc_now())
+        records = [r for r in records if _started_since(r, since)]
+    report = {
+        "since": format_timestamp(since) if since else None,
+        "total": usage_summary(records),
+        "tasks": _usage_groups(records, lambda r: r.get("task_id")),
+        "pipelines": _usage_groups(records, lambda r: r.get("pipeline")),
+        "agents": _usage_groups(records, lambda r: "%s%s" % (
+            r.get("agent") or "?", " (%s)" % r["model"] if r.get("model") else "")),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("usage %s" % ("since %s" % report["since"] if since else "of every recorded session"))
+    print(terminal_safe("  total  %s" % format_usage(report["total"])))
+    for title, key in (("by task", "tasks"), ("by pipeline run", "pipelines"),
+                       ("by agent", "agents")):
+        if report[key]:
+            print(title)
+            width = max(len(group["name"]) for group in report[key])
+            for group in report[key]:
+                print(terminal_safe("  %s  %s" % (group["name"].ljust(width),
+                                                  format_usage(group))))
+    if report["total"]["cost_unknown"] and report["total"]["sessions"]:
+        print("(cost is known only where the agent CLI reports it, as Claude Code does; the "
+              "tokens of the others are counted, their cost is not)")
+    return 0
 
 
 def cmd_diff(args, root):
@@ -12834,6 +13478,21 @@ def build_parser():
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
     p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("sessions", help="every agent session: role, agent, outcome, usage, log")
+    p.add_argument("id", nargs="?", help="show this one session (an id or its prefix) in full")
+    p.add_argument("--json", action="store_true", help="the records as JSON")
+    p.add_argument("--task", metavar="ID", help="only this task's sessions (`current`: the "
+                                                 "current task's)")
+    p.add_argument("--pipeline", metavar="RUN", help="only this pipeline run's workers")
+    p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N sessions")
+    p.set_defaults(run=cmd_sessions)
+
+    p = sub.add_parser("usage", help="tokens and cost per task, pipeline run and agent")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--since", metavar="WHEN", help="only sessions started since WHEN: a "
+                                                   "duration (24h, 7d) or a date (2026-05-01)")
+    p.set_defaults(run=cmd_usage)
 
     p = sub.add_parser("diff", help="the task's changes since its base commit (git)")
     p.add_argument("--stat", action="store_true", help="only the files changed and their counts")
