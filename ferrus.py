@@ -12,6 +12,12 @@ on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
 ``python -m ferrus``, through the ``ferrus`` launcher, or as an installed
 ``ferrus`` command — all four behave the same.
 
+Other programs may import ferrus.  What they may rely on is listed in ``__all__``:
+the store and its state types, the operations (``op_*``, the one implementation of
+every behaviour), the config loader and its dataclasses, the MCP server entry
+``serve_stdio``, ``main`` and ``FerrusError``.  Everything else may change between
+versions without notice.
+
 Contents (each section uses only the sections above it):
 
      1. Basics .................. version, errors, time, JSON helpers
@@ -71,6 +77,28 @@ import time
 import urllib.parse
 
 __version__ = "0.1.0"
+
+# The public interface (see the module docstring); everything else may change.
+__all__ = [
+    "__version__", "main", "FerrusError", "TransitionError",
+    # the config loader and its dataclasses (section 4)
+    "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
+    "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
+    "SessionsConfig", "PipelinesConfig",
+    # the store and its state types (sections 5 and 8)
+    "Store", "TaskState", "StateData",
+    # the operations and what they take and give (section 11)
+    "Caller", "HUMAN", "Outcome",
+    "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
+    "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
+    "op_stage_task_origin", "op_clear_selection", "op_wait_for_task", "op_wait_for_review",
+    "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
+    "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
+    "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
+    "op_diff",
+    # the MCP server over stdio (section 12)
+    "serve_stdio",
+]
 
 log = logging.getLogger("ferrus")
 
@@ -3688,10 +3716,11 @@ def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, o
                               timeout=timeout)
     except FileNotFoundError:
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     except subprocess.TimeoutExpired:
         raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
-                       "the repository may be very large or on a slow disk; try again")
+                       "the repository may be very large or on a slow disk; try again") from None
     if proc.returncode not in ok:
         raise _git_failure(args, proc.returncode, proc.stderr)
     return proc.stdout
@@ -3708,7 +3737,8 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     except FileNotFoundError:
         errors.close()
         raise GitUnavailable("git is not installed (no `git` command on PATH)",
-                             "install git to see task diffs; everything else works without it")
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
     timed_out = threading.Event()
 
     def stop():
@@ -3819,7 +3849,7 @@ def git_repository(root):
     except GitError as err:
         raise GitUnavailable("%s is not in a git repository (%s)" % (root, err.message),
                              "run `git init` and commit your files to get task diffs; "
-                             "everything else works without git")
+                             "everything else works without git") from err
     lines = os.fsdecode(out).splitlines()
     if len(lines) < 2 or not lines[0]:
         raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
