@@ -9507,8 +9507,11 @@ class HqController:
     # -- start-up ------------------------------------------------------------------
 
     def task_in_flight(self):
+        """The task HQ would resume agents for, if any.  A task waiting for the human's
+        confirmation needs no agent, so there is nothing to ask: HQ shows it at once."""
         data = self.store.read_state()
-        return data if data.state in ACTIVE_STATES else None
+        return data if data.state in ACTIVE_STATES and \
+            data.state != S.AWAITING_CONFIRMATION else None
 
     def describe_state(self):
         data = self.store.read_state()
