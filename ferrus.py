@@ -52,6 +52,22 @@ if (__name__ == "__main__" and sys.path and not sys.flags.isolated
         and not getattr(sys.flags, "safe_path", False)):
     del sys.path[0]
 
+
+def _interrupted_while_starting(signum, frame):
+    """Ctrl+C before main() runs is only noted (raising in the middle of an import can
+    be lost or leave a half-imported module); main() then exits 130 at once, having
+    done nothing, instead of Python printing a traceback of its import machinery."""
+    _interrupted_while_starting.interrupted = True
+
+
+_interrupted_while_starting.ferrus_startup = True
+_interrupted_while_starting.interrupted = False
+
+if __name__ == "__main__":
+    import signal as _signal  # noqa: E402
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:   # not ignored
+        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
 import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import atexit
 import base64
@@ -14314,6 +14330,21 @@ def find_project_root(start):
 
 
 def main(argv=None):
+    """The command line: returns the exit code.  Ctrl+C at any point of it exits 130
+    without a traceback (what it interrupted cleans up on the way out)."""
+    if threading.current_thread() is threading.main_thread():
+        starting = signal.getsignal(signal.SIGINT)
+        if getattr(starting, "ferrus_startup", False):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if getattr(starting, "interrupted", False):
+                return 130
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
+
+
+def _main(argv):
     parser = build_parser()
     CliParser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
