@@ -10982,6 +10982,9 @@ def describe_run(store, status, path, now=None):
              "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
              "folder    %s" % store.relpath(path),
              "retries   %d" % status.get("retry_count", 0)]
+    workers = [r for r in read_session_records(store) if r.get("pipeline") == status["dir"]]
+    if workers:
+        lines.append("usage     %s" % format_usage(usage_summary(workers)))
     for number, phase in enumerate(status["phases"], 1):
         current = "  <- current" if number - 1 == status["current_phase"] and \
             run_state(status) not in ("delivered", "cancelled") else ""
@@ -11957,8 +11960,9 @@ class HqShell:
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
-        if self.controller.running() and not self.confirm(
-                "Agents are running; stop them and quit?"):
+        # Agents that only finish after the task ended have no work left to lose.
+        if self.controller.running() and self.controller.finishing_since is None and \
+                not self.confirm("Agents are running; stop them and quit?"):
             return
         self.done = True
 
