@@ -20,7 +20,7 @@ Contents (each section uses only the sections above it):
      4. Config .................. ferrus.toml as validated dataclasses
      5. Task state machine ...... states, the transition table, pure transitions, leases
      6. Session state machine ... supervising one agent slot, pure
-     7. Capacity gates .......... seed 004: usage signals to tier and action, pure
+     7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
      9. Checks .................. the check runner
     10. Specs ................... spec and milestone parsing, selection, completion
@@ -28,7 +28,7 @@ Contents (each section uses only the sections above it):
     12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
     13. Agents .................. one adapter per agent CLI, register, prompts for every mode
     14. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
-    15. Pipelines ............... seed 003: workflows.json, status.json, the reconcile loop
+    15. Pipelines ............... workflows.json, status.json, the reconcile loop
     16. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
     17. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
     18. HQ front ends ........... the plain-line shell and the curses screen over the controller
@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -215,10 +214,16 @@ def json_for_terminal(text):
     return _TERMINAL_CONTROLS.sub(lambda match: "\\u%04x" % ord(match.group()), text)
 
 
+def random_hex(nbytes):
+    """``nbytes`` random bytes from the OS as hex: what ``secrets.token_hex`` does,
+    without importing secrets (hmac, hashlib) into every start-up."""
+    return os.urandom(nbytes).hex()
+
+
 def new_id(prefix):
     """A short unique id such as ``t-20261123T085200-3fa2c1``."""
     stamp = utc_now().strftime("%Y%m%dT%H%M%S")
-    return "%s-%s-%s" % (prefix, stamp, secrets.token_hex(3))
+    return "%s-%s-%s" % (prefix, stamp, random_hex(3))
 
 
 def did_you_mean(word, candidates):
@@ -1417,7 +1422,7 @@ class CapacityConfig:
 
 @dataclasses.dataclass
 class SessionsConfig:
-    """[sessions]: how HQ supervises each agent slot (seed 001)."""
+    """[sessions]: how HQ supervises each agent slot (ARCHITECTURE.md, 'Session state machine')."""
 
     max_consecutive_errors: int = 5
     max_total_errors: int = 20
@@ -1436,6 +1441,12 @@ class PipelinesConfig:
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+# [hq.<role>] tables: which agent (and model, permissions) plays each role.
+HQ_ROLES = ("supervisor", "executor")
+AGENT_CHOICE_KEYS = ("agent", "model", "permissions")
+# [agents.<name>] keys, and the argv templates of [agents.custom.<name>].
+AGENT_OPTION_LISTS = ("extra_args", "headless_args", "interactive_args")
+CUSTOM_AGENT_KEYS = ("interactive", "headless", "prompt", "version_args")
 
 
 @dataclasses.dataclass
@@ -1450,19 +1461,26 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
-    # A problem in [hq] only matters to commands that launch agents, so it is kept
-    # here instead of breaking check, submit and the waits (upstream bug §11.15).
-    hq_problem: "FerrusError | None" = None
+    # Problems in [hq] only matter to commands that launch agents, so they are kept
+    # here instead of breaking check, submit and the waits (see
+    # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
+    hq_problems: list = dataclasses.field(default_factory=list)
     unknown_keys: list = dataclasses.field(default_factory=list)
     path: str = CONFIG_FILE
 
+    @property
+    def hq_problem(self):
+        """The first problem in [hq], or None."""
+        return self.hq_problems[0] if self.hq_problems else None
+
     def require_hq(self):
-        if self.hq_problem:
+        if self.hq_problems:
             raise self.hq_problem
         return self
 
 
-# Upper bounds keep arithmetic sane (upstream bug §11.20: a huge ttl overflowed).
+# Upper bounds keep arithmetic sane: upstream overflowed on a huge ttl (see
+# ARCHITECTURE.md, 'Differences from upstream ferrus', item 19).
 _INT_LIMITS = {
     ("limits", "max_check_retries"): (1, 1_000_000),
     ("limits", "max_review_cycles"): (1, 1_000_000),
@@ -1488,7 +1506,8 @@ def _config_error(path, key, expected, got=None, line=None):
     message = "%s %s" % (where, expected)
     if got is not None:
         message += ", got %s" % _describe_value(got)
-    return FerrusError(message, "edit %s and fix that value (see README: ferrus.toml reference)" % path)
+    return FerrusError(message, "edit %s and fix that value (docs/REFERENCE.md, section "
+                                "ferrus.toml, lists every key)" % path)
 
 
 def _describe_value(value):
@@ -1502,192 +1521,233 @@ def _describe_value(value):
         return "an array"
     if isinstance(value, dict):
         return "a table"
+    if isinstance(value, float):
+        return "%r (a number)" % value
+    if isinstance(value, (_dt.date, _dt.time)):
+        return "%s (a date or time)" % value.isoformat()
     return type(value).__name__
 
 
-def _fill_section(path, raw, name, target, unknown):
-    """Copy ``raw[name]`` into the dataclass instance ``target``, type-checked."""
+def _value_problem(current, value, limits):
+    """What ``value`` should have been, given the default it replaces; None if it fits."""
+    if isinstance(current, bool):
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(current, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "must be an integer"
+        low, high = limits
+        return None if low <= value <= high else "must be between %d and %d" % (low, high)
+    if isinstance(current, str):
+        return None if isinstance(value, str) else "must be a string"
+    if isinstance(current, list):
+        return None if _is_string_list(value) else "must be an array of strings"
+    return None
+
+
+def _is_string_list(value):
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _fill_section(path, raw, name, target, unknown, found):
+    """Copy ``raw[name]`` into the dataclass instance ``target``, type-checked.
+
+    Each bad value is appended to ``found`` (the default stays), each unknown key
+    to ``unknown``."""
     table = raw.get(name, {})
     if not isinstance(table, dict):
-        raise _config_error(path, name, "must be a table", table)
-    fields = {f.name: f for f in dataclasses.fields(target)}
-    # Unknown keys first, so a bad value earlier in the table does not hide them.
-    unknown.extend("%s.%s" % (name, key) for key in table if key not in fields)
+        found.append(_config_error(path, name, "must be a table", table))
+        return
+    fields = {f.name for f in dataclasses.fields(target)}
     for key, value in table.items():
-        if key not in fields:
-            continue
-        current = getattr(target, key)
         dotted = "%s.%s" % (name, key)
-        if isinstance(current, bool):
-            if not isinstance(value, bool):
-                raise _config_error(path, dotted, "must be true or false", value)
-        elif isinstance(current, int):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _config_error(path, dotted, "must be an integer", value)
-            low, high = _INT_LIMITS.get((name, key), (0, 2 ** 31))
-            if not low <= value <= high:
-                raise _config_error(path, dotted, "must be between %d and %d" % (low, high), value)
-        elif isinstance(current, str):
-            if not isinstance(value, str):
-                raise _config_error(path, dotted, "must be a string", value)
-        elif isinstance(current, list):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise _config_error(path, dotted, "must be an array of strings", value)
-        setattr(target, key, value)
+        if key not in fields:
+            unknown.append(dotted)
+            continue
+        problem = _value_problem(getattr(target, key), value,
+                                 _INT_LIMITS.get((name, key), (0, 2 ** 31)))
+        if problem:
+            found.append(_config_error(path, dotted, problem, value))
+        else:
+            setattr(target, key, value)
 
 
-def _parse_agent_choice(path, role, value, known_agents):
-    permissions = ""
-    if isinstance(value, str):  # legacy flat form: [hq] supervisor = "claude-code"
-        agent, model = value, ""
+def _parse_hq_table(path, hq, config, unknown):
+    """[hq]: the agent of each role.  Its problems go to ``config.hq_problems``."""
+    if not isinstance(hq, dict):
+        config.hq_problems.append(_config_error(path, "hq", "must be a table", hq))
+        return
+    known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
+    for key, value in hq.items():
+        if key not in HQ_ROLES:
+            unknown.append("hq.%s" % key)
+            continue
+        choice, problems = _parse_agent_choice(path, key, value, known_agents, unknown)
+        setattr(config, key, choice)
+        config.hq_problems.extend(problems)
+
+
+def _parse_agent_choice(path, role, value, known_agents, unknown):
+    """``[hq.<role>]`` (or the legacy ``[hq] <role> = "agent"``): (choice, problems)."""
+    where = "hq.%s" % role
+    if isinstance(value, str):
+        agent, model, permissions = value, "", ""
     elif isinstance(value, dict):
+        unknown.extend("%s.%s" % (where, key) for key in value if key not in AGENT_CHOICE_KEYS)
         agent = value.get("agent")
         model = value.get("model", "")
         permissions = value.get("permissions", "")
-        if not isinstance(agent, str):
-            raise _config_error(path, "hq.%s.agent" % role, "must be an agent name string", agent)
+        problems = []
+        if agent is None:
+            problems.append(_config_error(path, where, "needs `agent = \"<agent name>\"`"))
+        elif not isinstance(agent, str):
+            problems.append(_config_error(path, where + ".agent", "must be an agent name string",
+                                          agent))
         if not isinstance(model, str):
-            raise _config_error(path, "hq.%s.model" % role, "must be a string", model)
+            problems.append(_config_error(path, where + ".model", "must be a string", model))
         if permissions not in PERMISSION_PROFILES + ("",):
-            raise _config_error(path, "hq.%s.permissions" % role, "must be one of %s" % ", ".join(
-                json.dumps(p) for p in PERMISSION_PROFILES), permissions)
+            problems.append(_config_error(
+                path, where + ".permissions", "must be one of %s" % ", ".join(
+                    json.dumps(p) for p in PERMISSION_PROFILES), permissions))
+        if problems:
+            return None, problems
     else:
-        raise _config_error(path, "hq.%s" % role, "must be a table with `agent` (or a string)", value)
+        return None, [_config_error(path, where, "must be a table with `agent` (or a string)",
+                                    value)]
     agent = canonical_agent(agent) if agent.strip() not in known_agents else agent.strip()
     if agent not in known_agents:
-        return None, FerrusError(
-            "%s: [hq.%s] agent %s is unknown" % (path, role, json.dumps(agent)),
+        return None, [FerrusError(
+            "%s: [%s] agent %s is unknown" % (path, where, json.dumps(agent)),
             "use one of: %s (or describe it under [agents.custom.<name>])"
-            % ", ".join(known_agents))
-    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), None
+            % ", ".join(known_agents))]
+    return AgentChoice(agent=agent, model=model.strip(), permissions=permissions), []
 
 
-def _string_list(path, key, value):
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _config_error(path, key, "must be an array of strings", value)
-    return list(value)
-
-
-def _parse_agent_sections(path, agents, target):
-    """``[agents.<name>]`` options and ``[agents.custom.<name>]`` descriptions."""
-    for name, table in agents.items():
-        if name in ("path", "custom") or not isinstance(table, dict):
-            continue
-        agent = "claude-code" if name == "claude" else name
-        options = AgentOptions()
-        for key, value in table.items():
-            dotted = "agents.%s.%s" % (name, key)
-            if key in ("extra_args", "headless_args", "interactive_args"):
-                setattr(options, key, _string_list(path, dotted, value))
-            elif key == "env":
-                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                    raise _config_error(path, dotted, "must be a table of strings", value)
-                options.env = dict(value)
-            elif not (key == "mcp_isolation" and agent == "claude-code"):
-                raise _config_error(path, dotted, "is not a known agent option (extra_args, "
-                                    "headless_args, interactive_args, env)")
-        target.options[agent] = options
+def _parse_agents_table(path, agents, target, unknown, found):
+    """``[agents]``: ``path``, ``[agents.<name>]`` options, ``[agents.custom.<name>]``."""
+    if not isinstance(agents, dict):
+        found.append(_config_error(path, "agents", "must be a table", agents))
+        return
+    if "path" in agents:
+        if isinstance(agents["path"], str):
+            target.path = agents["path"]
+        else:
+            found.append(_config_error(path, "agents.path", "must be a string", agents["path"]))
     custom = agents.get("custom", {})
-    if not isinstance(custom, dict):
-        raise _config_error(path, "agents.custom", "must be a table of agent tables", custom)
+    if isinstance(custom, dict):
+        _parse_custom_agents(path, custom, target, unknown, found)
+    else:
+        found.append(_config_error(path, "agents.custom", "must be a table of agent tables",
+                                   custom))
+        custom = {}
+    # Options may name a custom agent whose own table is broken: that error is enough.
+    known_agents = BUILTIN_AGENTS + tuple(custom)
+    for name, table in agents.items():
+        if name in ("path", "custom"):
+            continue
+        agent = name if name in custom else canonical_agent(name)
+        if agent not in known_agents:
+            unknown.append("agents.%s" % name)
+        elif not isinstance(table, dict):
+            found.append(_config_error(path, "agents.%s" % name, "must be a table", table))
+        else:
+            target.options[agent] = _parse_agent_options(path, name, agent, table, target,
+                                                         unknown, found)
+
+
+def _parse_agent_options(path, name, agent, table, target, unknown, found):
+    """``[agents.<name>]``: flags and environment added to an agent's launches."""
+    options = AgentOptions()
+    for key, value in table.items():
+        dotted = "agents.%s.%s" % (name, key)
+        if key in AGENT_OPTION_LISTS:
+            if _is_string_list(value):
+                setattr(options, key, list(value))
+            else:
+                found.append(_config_error(path, dotted, "must be an array of strings", value))
+        elif key == "env":
+            if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+                options.env = dict(value)
+            else:
+                found.append(_config_error(path, dotted, "must be a table of strings", value))
+        elif key == "mcp_isolation" and agent == "claude-code":
+            if value in CLAUDE_MCP_ISOLATION:
+                target.claude_mcp_isolation = value
+            else:
+                # Upstream silently treated typos as merge-user (see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
+                found.append(_config_error(path, dotted, "must be \"merge-user\" or "
+                                           "\"ferrus-only\"", value))
+        else:
+            unknown.append(dotted)
+    return options
+
+
+def _parse_custom_agents(path, custom, target, unknown, found):
+    """``[agents.custom.<name>]``: agent CLIs described by argv templates."""
     for name, table in custom.items():
         where = "agents.custom.%s" % name
         if not isinstance(table, dict):
-            raise _config_error(path, where, "must be a table", table)
+            found.append(_config_error(path, where, "must be a table", table))
+            continue
+        problems = []
         if name in BUILTIN_AGENTS:
-            raise _config_error(path, where, "must not reuse a built-in agent name")
+            problems.append(_config_error(path, where, "must not reuse a built-in agent name"))
         missing = [k for k in ("interactive", "headless") if k not in table]
         if missing:
-            raise _config_error(path, where, "needs %s (argv templates)" % " and ".join(missing))
-        spec = CustomAgentSpec(name=name,
-                               interactive=_string_list(path, where + ".interactive",
-                                                        table["interactive"]),
-                               headless=_string_list(path, where + ".headless", table["headless"]))
-        if not spec.interactive or not spec.headless:
-            raise _config_error(path, where, "argv templates must not be empty")
-        if "prompt" in table:
-            if table["prompt"] not in ("argv", "stdin"):
-                raise _config_error(path, where + ".prompt", "must be \"argv\" or \"stdin\"",
-                                    table["prompt"])
-            spec.prompt = table["prompt"]
-        if "version_args" in table:
-            spec.version_args = _string_list(path, where + ".version_args", table["version_args"])
-        unknown = set(table) - {"interactive", "headless", "prompt", "version_args"}
-        if unknown:
-            raise _config_error(path, where, "has unknown keys: %s" % ", ".join(sorted(unknown)))
-        target.custom[name] = spec
+            problems.append(_config_error(path, where, "needs %s (argv templates)"
+                                          % " and ".join(missing)))
+        for key in ("interactive", "headless", "version_args"):
+            value = table.get(key, ["-"])
+            if not _is_string_list(value):
+                problems.append(_config_error(path, "%s.%s" % (where, key),
+                                              "must be an array of strings", value))
+            elif not value and key != "version_args":
+                problems.append(_config_error(path, "%s.%s" % (where, key),
+                                              "must not be empty (an argv template)"))
+        if table.get("prompt", "argv") not in ("argv", "stdin"):
+            problems.append(_config_error(path, where + ".prompt", "must be \"argv\" or \"stdin\"",
+                                          table["prompt"]))
+        unknown.extend("%s.%s" % (where, key) for key in table if key not in CUSTOM_AGENT_KEYS)
+        found.extend(problems)
+        if not problems:
+            spec = CustomAgentSpec(name=name, interactive=list(table["interactive"]),
+                                   headless=list(table["headless"]),
+                                   prompt=table.get("prompt", "argv"))
+            if "version_args" in table:
+                spec.version_args = list(table["version_args"])
+            target.custom[name] = spec
 
 
 def parse_config(text, path=CONFIG_FILE, problems=None):
     """Build a validated :class:`Config` from ferrus.toml text.
 
-    Every table is checked.  The first error is raised, unless ``problems`` is a
-    list: then each table's error is appended to it and parsing goes on, so
-    `ferrus doctor` can list them all at once."""
+    Every table is checked and every bad value found.  The first error is raised,
+    unless ``problems`` is a list: then each error is appended to it and the bad
+    values keep their defaults, so `ferrus doctor` can list them all at once.
+    Problems in [hq] are kept in ``config.hq_problems`` either way (only commands
+    that launch agents need [hq]); unknown keys in ``config.unknown_keys``."""
     try:
         raw = parse_toml(text)
     except TomlError as err:
         raise FerrusError("%s is not valid TOML: %s" % (path, err),
                           "fix the syntax at that line (`ferrus init` in an empty folder writes a "
-                          "commented example; the README's ferrus.toml section lists every key)")
+                          "commented example; docs/REFERENCE.md, section ferrus.toml, lists every "
+                          "key)") from None
     config = Config(path=path)
     unknown = config.unknown_keys
     found = [] if problems is None else problems
-
-    def checked(parse, *args):
-        try:
-            parse(*args)
-        except FerrusError as err:
-            found.append(err)
     for name in PLAIN_TABLES:
-        checked(_fill_section, path, raw, name, getattr(config, name), unknown)
-    agents = raw.get("agents", {})
-    if not isinstance(agents, dict):
-        found.append(_config_error(path, "agents", "must be a table", agents))
-        agents = {}
-    checked(_parse_agents_table, path, agents, config)
-    known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
-    hq = raw.get("hq")
-    if hq is not None:
-        if not isinstance(hq, dict):
-            config.hq_problem = _config_error(path, "hq", "must be a table", hq)
-        else:
-            for role in ("supervisor", "executor"):
-                if role not in hq:
-                    continue
-                try:
-                    choice, problem = _parse_agent_choice(path, role, hq[role], known_agents)
-                except FerrusError as err:
-                    choice, problem = None, err
-                setattr(config, role, choice)
-                config.hq_problem = config.hq_problem or problem
-    for name in raw:
-        if name not in KNOWN_TABLES:
-            unknown.append(name)
+        _fill_section(path, raw, name, getattr(config, name), unknown, found)
+    _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
+    _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
-        first = found[0]
-        if len(found) > 1:
+        first, count = found[0], len(found) + len(config.hq_problems)
+        if count > 1:
             raise FerrusError(first.message, "%s; `ferrus doctor` lists all %d problems in %s"
-                              % (first.hint, len(found), path))
+                              % (first.hint, count, path))
         raise first
     return config
-
-
-def _parse_agents_table(path, agents, config):
-    if "path" in agents:
-        if not isinstance(agents["path"], str):
-            raise _config_error(path, "agents.path", "must be a string", agents["path"])
-        config.agents.path = agents["path"]
-    claude = agents.get("claude", {})
-    if not isinstance(claude, dict):
-        raise _config_error(path, "agents.claude", "must be a table", claude)
-    isolation = claude.get("mcp_isolation", "merge-user")
-    if isolation not in CLAUDE_MCP_ISOLATION:
-        # Upstream silently treated typos as merge-user (bug §11.15).
-        raise _config_error(path, "agents.claude.mcp_isolation",
-                            "must be \"merge-user\" or \"ferrus-only\"", isolation)
-    config.agents.claude_mcp_isolation = isolation
-    _parse_agent_sections(path, agents, config.agents)
 
 
 def load_config(root):
@@ -1697,7 +1757,7 @@ def load_config(root):
         text = read_text(path)
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (CONFIG_FILE, root),
-                          "run `ferrus init` in the project root first")
+                          "run `ferrus init` in the project root first") from None
     return parse_config(text, CONFIG_FILE)
 
 
@@ -1818,7 +1878,8 @@ class StateData:
     state_entered_at: "str | None" = None
     task_started_at: "str | None" = None
     # The state a consultation paused, kept apart from paused_state so that
-    # ask_human during Consultation cannot lose it (upstream bug §11.4).
+    # ask_human during Consultation cannot lose it (see
+    # ARCHITECTURE.md, 'Differences from upstream ferrus', item 4).
     consult_paused_state: "TaskState | None" = None
     # Which agent asked the pending question, so HQ can tell who waits.
     question_from: "str | None" = None
@@ -1908,7 +1969,7 @@ def _coerce_state_field(key, value):
     return value
 
 
-# -- leases (upstream §9.2) ---------------------------------------------------
+# -- leases (see ARCHITECTURE.md, 'Leases') -----------------------------------
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
@@ -2116,8 +2177,9 @@ def t_reset(data, now):
 # ============================================================================
 #
 # Every headless agent slot (executor, reviewer, consultant, pipeline worker)
-# is supervised by this machine (seed 001).  It is pure: step(session, event)
-# returns the next session and one side effect for the supervisor to carry out.
+# is supervised by this machine (see ARCHITECTURE.md, 'Session state machine').
+# It is pure: step(session, event) returns the next session and one side effect
+# for the supervisor to carry out.
 
 class SessionState(str, enum.Enum):
     INITIALIZING = "Initializing"
@@ -2170,7 +2232,8 @@ def backoff_ms(consecutive_errors):
 
 
 def session_step(session, event):
-    """One transition of seed 001's table: (new session, effect or None).
+    """One transition of the session table (ARCHITECTURE.md, 'Session state machine'):
+    (new session, effect or None).
 
     An event the current state does not accept leaves the session unchanged
     (effect None); OperatorStop and FatalError are accepted from every state."""
@@ -2187,7 +2250,7 @@ def session_step(session, event):
         return replace(session, state=SS.SPAWNING, prompt=event.value, urgent=None), \
             (STORE_PROMPT, event.value)
     if state == SS.SPAWNING and kind == "SessionStarted":
-        # Seed 001 also resets consecutive_errors here.  We reset it only on a
+        # The original design also reset consecutive_errors here.  We reset it only on a
         # successful exit: an agent that starts and then crashes every time would
         # otherwise never back off beyond 2 s nor reach max_consecutive_errors.
         return replace(session, state=SS.RUNNING, session_seq=event.value), None
@@ -2222,9 +2285,10 @@ def session_step(session, event):
 # 7. Capacity gates
 # ============================================================================
 #
-# Seed 004: before every agent spawn and every transition HQ drives, the usage
-# signals are classified Green / Orange / Red and mapped to an action.  This
-# section is pure; HQ and `ferrus run` call it and journal every decision.
+# Before every agent spawn and every transition HQ drives, the usage signals are
+# classified Green / Orange / Red and mapped to an action (see ARCHITECTURE.md,
+# 'Capacity gates').  This section is pure; HQ and `ferrus run` call it and journal
+# every decision.
 
 GREEN, ORANGE, RED = "Green", "Orange", "Red"
 CONTINUE, THROTTLE, CHECKPOINT, EMERGENCY_STOP = "Continue", "Throttle", "Checkpoint", "EmergencyStop"
@@ -2264,7 +2328,7 @@ def classify(signals, limits):
 
 
 def gate_record(target, tier, action, signals, limits, worst=None):
-    """The journal detail of one gate decision (seed 004's GateRecord, plus limits)."""
+    """The journal detail of one gate decision (a GateRecord, plus the limits)."""
     record = {"target": target, "tier": tier, "action": action, "signal": worst}
     record.update(dataclasses.asdict(signals))
     record["limits"] = {name: getattr(limits, name) for _, name in SIGNAL_LIMITS
@@ -2834,7 +2898,7 @@ class CheckRun:
         return "Commands failed: " + ", ".join(names)
 
     def report(self, max_lines):
-        """The failure report agents read (upstream §10 layout, plus log paths)."""
+        """The failure report agents read (upstream's layout, plus log paths)."""
         out = ["Checks failed.\n\nFailed commands:\n"]
         for result in self.failed:
             out.append("- `%s`%s\n" % (result.command, _status_note(result)))
@@ -3312,7 +3376,7 @@ class CheckProcessRecord:
 
     def __init__(self, directory, check_id, command):
         self.path = os.path.join(directory, check_id + ".json")
-        self.marker = "%s-%s" % (check_id, secrets.token_hex(8))
+        self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
         self.window = None
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
@@ -3474,7 +3538,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     file names them all.  ``cancel`` (a threading.Event) stops the run and kills
     the process groups."""
     os.makedirs(log_dir, exist_ok=True)
-    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), secrets.token_hex(3))
+    stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
     root = os.path.abspath(root)
     results = []
@@ -3557,7 +3621,8 @@ def _milestone_header(line):
 
 
 def parse_spec(text):
-    """The milestones of a spec (upstream §7.2, with its edge cases fixed).
+    """The milestones of a spec: upstream's rules, with their edge cases fixed (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 15).
 
     A milestone's own lines end at the next milestone, at a Markdown heading or
     at the end of its list; fenced code blocks are never read; the first ``ID:``
@@ -3844,7 +3909,7 @@ def op_create_task(store, caller, description, origin=None):
         tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
-        # (upstream bug §11.18).
+        # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
         for name in TASK_SCRATCH_FILES:
             tx.write(name, "")
     return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
@@ -3971,8 +4036,9 @@ def op_create_spec(store, caller, markdown):
     with store.transaction(caller.agent_id) as tx:
         data = tx.state.copy()
         tx.write("LAST_SPEC_PATH", rel)
-        # Changing the selection under a running task would retarget it (upstream
-        # bug §11.17), so mid-task the spec is saved but not selected.
+        # Changing the selection under a running task would retarget it (see
+        # ARCHITECTURE.md, 'Differences from upstream ferrus', item 16), so mid-task
+        # the spec is saved but not selected.
         selectable = data.state in (S.IDLE, S.COMPLETE, S.FAILED)
         if selectable:
             data.selected_spec = rel
@@ -4145,7 +4211,8 @@ def _wait_and_claim(store, caller, claimable, build, what):
                 return waiter.timeout(data.state)
             if data.state in claimable and (not live or data.claimed_by == caller.agent_id):
                 renewing = data.claimed_by == caller.agent_id and live
-                # Re-entry renews the lease too (upstream did not: bug §11.7).
+                # Re-entry renews the lease too (upstream did not: see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 7).
                 tx.set(claim(data, caller.agent_id, now, ttl), "claim",
                        agent=caller.agent_id, renewed=renewing)
         if tx.committed:
@@ -4230,7 +4297,8 @@ def op_wait_for_answer(store, caller):
                 data = t_answer(data, now)
             if data.state != S.AWAITING_HUMAN and pending.strip():
                 # The single consumer of an answer: it is cleared in this transaction,
-                # so no second caller can read it (upstream bug §11.5).
+                # so no second caller can read it (see
+                # ARCHITECTURE.md, 'Differences from upstream ferrus', item 5).
                 answer = pending.strip()
                 if data.claimed_by == caller.agent_id:
                     data = claim(data, caller.agent_id, now, ttl)
@@ -4273,7 +4341,8 @@ def _run_gate(store, caller, action):
 
 
 def _same_task(store, tx, snapshot, caller, action):
-    """Apply a gate result only to the task, state and lease it was run for (bug §11.2)."""
+    """Apply a gate result only to the task, state and lease it was run for (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 2)."""
     current = tx.state
     if current.task_id != snapshot.task_id or current.state != snapshot.state:
         raise FerrusError(
@@ -4516,7 +4585,8 @@ def op_heartbeat(store, caller, agent_id=None):
     # The agent may name itself without its session; the lease is still renewed only
     # for this server's own identity, session included.
     if agent_id and agent_id not in (caller.agent_id, caller.agent_id.partition("/")[0]):
-        # Upstream trusted the argument, so any client could renew any lease (bug §11.7).
+        # Upstream trusted the argument, so any client could renew any lease (see
+        # ARCHITECTURE.md, 'Differences from upstream ferrus', item 7).
         return error("foreign_id", "This server acts as %s and cannot renew a lease for %s"
                      % (caller.agent_id, agent_id))
     ttl = store.config().lease.ttl_secs
@@ -7018,7 +7088,8 @@ def register_agents(root, choices, trust=False, report=print):
     """`ferrus register`: write each role's agent configuration and update [hq].
 
     ``choices`` maps role -> (agent, model-or-None).  Everything is validated
-    before the first file is written (upstream bug §11.11)."""
+    before the first file is written (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 11)."""
     if not os.path.exists(os.path.join(root, CONFIG_FILE)):
         raise FerrusError("%s not found — run `ferrus init` first" % CONFIG_FILE)
     config = load_config(root)
@@ -7051,7 +7122,8 @@ def update_hq_config(root, role, agent, model, report):
     """Set [hq.<role>] agent (and model) in ferrus.toml, keeping every comment.
 
     Switching to another agent without naming a model clears the old vendor's
-    model instead of keeping it (upstream bug §11.10); models are trimmed."""
+    model instead of keeping it (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 10); models are trimmed."""
     path = os.path.join(root, CONFIG_FILE)
     text = planned_read(path)
     if text is None:
@@ -7416,7 +7488,8 @@ def prompt_pipeline_worker(topic, task, reads, output):
 
 
 def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbeat_interval_secs):
-    """The executor's prompt for the state it resumes in (upstream HQ bugs §12.6–9).
+    """The executor's prompt for the state it resumes in (see
+    ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
     None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
     if data.state == S.AWAITING_HUMAN:
@@ -7574,7 +7647,8 @@ class HqMessage:
 
 
 class SessionSlot:
-    """A headless role slot: the seed-001 session and the process it supervises."""
+    """A headless role slot: its session (see ARCHITECTURE.md, 'Session state machine')
+    and the process it supervises."""
 
     def __init__(self, name, limits):
         self.name = name
@@ -7960,7 +8034,7 @@ class HqController:
         if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
             self._spawn(slot)
 
-    # -- capacity gates (seed 004) ---------------------------------------------------
+    # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
     def signals(self, extra_parallel=0):
         data = self.store.read_state()
@@ -8085,7 +8159,7 @@ class HqController:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
             # A start that fails counts as a failed session: back off, retry, and stop
-            # at the thresholds (seed 001) instead of waiting for a timer never armed.
+            # at the thresholds instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
             self._arm_backoff(slot)
             return
@@ -8459,8 +8533,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
         path, text, milestone = found
         state = store.read_state().state
         if state in ACTIVE_STATES:
-            # Checked before the selection moves: retargeting a running task is upstream
-            # bug §11.17.
+            # Checked before the selection moves: retargeting a running task was an
+            # upstream bug (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 16).
             raise FerrusError("a task is already in flight (state %s)" % state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if (path, milestone.id) == previous:
@@ -8500,7 +8574,8 @@ def _run_line(message):
 # 15. Pipelines
 # ============================================================================
 #
-# Seed 003: a file-driven pipeline automaton in three parts.
+# A file-driven pipeline automaton in three parts (see ARCHITECTURE.md, 'Pipeline
+# automaton').
 #
 #   workflows.json  static definitions: phases (parallel or sequential), their
 #                   workers (agent, model, timeout, task, reads, final), pause_after.
@@ -8511,8 +8586,8 @@ def _run_line(message):
 #                   status.json and never decide what comes next.
 #
 # reconcile() reads the files, brings status.json up to date and applies the
-# seed's decision table.  It is idempotent, so it can run on every tick, after
-# every restart, from any process.
+# decision table (ARCHITECTURE.md, 'Reconcile table').  It is idempotent, so it
+# can run on every tick, after every restart, from any process.
 #
 # Restart protocol.  A dispatch is recorded before its process exists: the worker
 # entry becomes "spawning" with a new spawn token and attempt number (the dispatch
@@ -8523,19 +8598,20 @@ def _run_line(message):
 # "spawning" and "running".  A restarted orchestrator adopts what it finds: it
 # leaves a live pid alone and notices its exit by polling the pid (it cannot
 # Popen.wait it).  A dead pid without output counts as one failed session, which
-# the seed-001 machine retries or stops.  A "spawning" entry that still has no pid
+# session state machine retries or stops.  A "spawning" entry that still has no pid
 # file after SPAWN_GRACE_SECS never started, and counts the same way.  Nothing
 # starts twice without being counted.  (If the system reuses a pid after a long
 # outage, the worker looks alive; the phase timeout catches that.)
 
 PIPELINES_DIR, PIPELINE_ARCHIVE = "pipelines", "archive"
-PIPELINE_GRACE_SECS = 120          # the seed's grace beyond a phase's timeout
+PIPELINE_GRACE_SECS = 120          # the grace beyond a phase's timeout
 SPAWN_GRACE_SECS = 10              # how long a recorded spawn may take to show its pid
 WORKER_RUNNING = ("spawning", "running")
 _PIPELINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _ROLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-# A worker entry in status.json *is* its seed-001 session, persisted.
+# A worker entry in status.json *is* its session (see ARCHITECTURE.md, 'Session state
+# machine'), persisted.
 _SESSION_OF = {"pending": SS.INITIALIZING, "spawning": SS.SPAWNING, "running": SS.RUNNING,
                "cooling": SS.COOLING_DOWN, "completed": SS.SESSION_COMPLETE,
                "failed": SS.STOPPED, "cancelled": SS.STOPPED}
@@ -8815,7 +8891,7 @@ _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
     """Lines telling a human what one worker's output holds without opening it: its
-    size and its first non-empty lines (seed 003: summarise, then wait).  Reads at
+    size and its first non-empty lines (summarise, then wait).  Reads at
     most ``chunk`` bytes, so a huge output costs nothing."""
     try:
         size = os.path.getsize(path)
@@ -9041,7 +9117,7 @@ class PipelineOrchestrator:
     def _decide(self, run):
         status = run.status
         if status.get("cancelled") or status["result_delivered"]:
-            return self._archive(run)            # seed: result_delivered → archive
+            return self._archive(run)            # result_delivered → archive
         while True:
             index, phase = status["current_phase"], run.phase()
             definition = run.definition.phases[index]
@@ -9081,7 +9157,7 @@ class PipelineOrchestrator:
                                 "starts phase %s" % (phase["id"], "\n".join(summary), run.name,
                                                      run.phase()["id"]))
                 else:
-                    continue           # seed step 6: the next phase starts at once
+                    continue           # the next phase starts at once
             if not problems and not status["paused"]:
                 self._dispatch(run, definition)
             if status["paused"]:
@@ -9133,7 +9209,8 @@ class PipelineOrchestrator:
                              worker.output))
 
     def _exited(self, run, worker, entry, why):
-        """A session ended without output: seed 001 decides between a retry and a stop."""
+        """A session ended without output: the session machine decides between a retry
+        and a stop."""
         _, effect = self._step(run, worker.role, SessionEvent("SessionExited", outcome="error"))
         entry.update(pid=None, message=why)
         if entry["status"] == "cooling":
@@ -9148,7 +9225,7 @@ class PipelineOrchestrator:
                        "error", role=worker.role, attempt=entry["attempts"])
 
     def _step(self, run, role, event):
-        """One seed-001 transition of the session that a worker entry persists."""
+        """One transition of the session that a worker entry persists."""
         entry = next(p["workers"][role] for p in run.status["phases"] if role in p["workers"])
         session = Session(state=_SESSION_OF[entry["status"]], session_seq=entry["attempts"],
                           consecutive_errors=entry["errors"], total_errors=entry["total_errors"],
@@ -9183,7 +9260,7 @@ class PipelineOrchestrator:
             if key[0] == run.name and key[1] not in watched and process.poll() is not None:
                 del self._processes[key]
 
-    # -- dispatch gates (seed 004) ------------------------------------------------------------
+    # -- dispatch gates (ARCHITECTURE.md, 'Dispatch gates') ------------------------------------
 
     def _dispatch_gates(self, run, definition):
         """Coverage, batch size and input coverage for the current phase.  While one of
@@ -9253,7 +9330,7 @@ class PipelineOrchestrator:
                                         run.file(worker.output))
         self._step(run, worker.role, SessionEvent("PromptReady", prompt))
         run.status["retry_count"] += bool(entry["attempts"])
-        token = secrets.token_hex(4)
+        token = random_hex(4)
         entry.update(status="spawning", token=token, attempts=entry["attempts"] + 1, pid=None,
                      session="pipeline:%s:%s:%s" % (run.name, worker.role, token),
                      started_at=self._now(), retry_at=None)
@@ -9281,7 +9358,8 @@ class PipelineOrchestrator:
         self._save(run)
 
     def _capacity_gate(self, target):
-        """The default hook: seed 004 on this run's own signals, each decision journaled.
+        """The default hook: the capacity gate on this run's own signals, each decision
+        journaled.
         A Throttle is only recorded here; waiting is the business of the gate's owner."""
         limits = self.config.capacity
         if not limits.enabled() or self._run is None:
@@ -9416,7 +9494,8 @@ class PipelineOrchestrator:
 
 WORKFLOWS_EXAMPLE = {
     "_comment": [
-        "ferrus pipelines (seed 003). Each top-level key but this one defines a pipeline:",
+        "ferrus pipelines (see docs/PIPELINES.md). Each top-level key but this one defines "
+        "a pipeline:",
         "  description  what it is for",
         "  phases       run in order; a phase starts when every output of the previous exists",
         "    id         the phase's name;  mode: \"parallel\" or \"sequential\"",
@@ -9601,7 +9680,7 @@ CONSULT_TEMPLATE = """## Problem
 def default_config_text(agents_path=".agents"):
     return """\
 # ferrus configuration.  Every key is optional unless noted; the values shown
-# are the defaults.  Reference: README.md, section "ferrus.toml".
+# are the defaults.  Reference: docs/REFERENCE.md, section "ferrus.toml".
 
 [checks]
 # The check gate: commands that must all exit 0 before work can be submitted,
@@ -9917,15 +9996,16 @@ def config_findings(root):
     except FerrusError as err:          # not valid TOML: nothing else can be checked
         return [Finding(err.message, err.hint or "fix ferrus.toml")]
     findings = [Finding(err.message, err.hint or "fix ferrus.toml") for err in problems]
-    if config.hq_problem:
-        findings.append(Finding(config.hq_problem.message, config.hq_problem.hint or ""))
-    else:
+    findings.extend(Finding(err.message, err.hint or "fix [hq] in ferrus.toml")
+                    for err in config.hq_problems)
+    if not config.hq_problems:
         for role in ROLES:
             for text, hint in permission_warnings(config, role):
                 findings.append(Finding(text, hint, severity="warning"))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
-                                "check its spelling against the README", severity="warning"))
+                                "check its spelling against docs/REFERENCE.md, section "
+                                "ferrus.toml", severity="warning"))
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
@@ -10532,7 +10612,7 @@ class HqShell:
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
         # Creating a task is a transition HQ drives: it passes the capacity gate the way
-        # `ferrus run --task` does (seed 004), whether HQ or the supervisor creates it.
+        # `ferrus run --task` does, whether HQ or the supervisor creates it.
         if self.controller.checkpoint and not self.controller.recheck_checkpoint():
             raise FerrusError("no new task: the capacity checkpoint holds (%s)"
                               % self.controller.checkpoint.get("signal"),
@@ -11255,7 +11335,10 @@ def cmd_status(args, root):
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
                                       color)))
-        rows.append(("", "fix: %s (`ferrus doctor` lists every problem)" % config_error.hint))
+        hint = config_error.hint or ""
+        if "ferrus doctor" not in hint:
+            hint += " (`ferrus doctor` lists every problem)"
+        rows.append(("", "fix: %s" % hint))
     for note in notes:
         rows.append(("config", _paint("warning: " + terminal_safe(note), "33", color)))
     width = max(len(label) for label, _ in rows)

@@ -412,6 +412,47 @@ def fig_serve_cold_start(bench, fig):
                                                                        ratio(f_s, py_s)))
 
 
+def fig_status_from_shell(bench, fig):
+    """`ferrus status` typed in a shell: the launcher, bytecode cached, vs python -c pass."""
+    root = bench.project("shell")
+    runs = bench.reps(11, 3)
+    # A copy of the launcher and ferrus.py, so the bytecode cache is written here and
+    # is warm after round 0, as it is for a user after their first command.
+    home = os.path.join(bench.tmp, "launcher")
+    os.makedirs(home)
+    launcher = os.path.join(home, "ferrus")
+    shutil.copyfile(os.path.join(os.path.dirname(bench.ferrus_path), "ferrus"), launcher)
+    shutil.copyfile(bench.ferrus_path, os.path.join(home, "ferrus.py"))
+    env = dict(os.environ)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+
+    def status():
+        started = time.perf_counter()
+        proc = bench.registry.popen([bench.python, launcher, "-C", root, "status"], cwd=root,
+                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT)
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.perf_counter() - started
+        bench.registry.forget(proc)
+        if proc.returncode != 0 or b"Idle" not in out:
+            raise BenchError("`ferrus status` exited %s: %s" % (
+                proc.returncode, out.decode("utf-8", "replace")[-300:]))
+        return elapsed
+
+    samples = {"status": [], "python": []}
+    for round_no in range(runs + 1):          # round 0 writes the bytecode cache
+        for name, measure in (("status", status), ("python", lambda: _bare_python(bench))):
+            elapsed = measure()
+            if round_no:
+                samples[name].append(elapsed)
+    s, py = median(samples["status"]), median(samples["python"])
+    fig.values.update({"runs": runs, "status_s": samples["status"], "python_s": samples["python"],
+                       "status_median_s": s, "python_median_s": py})
+    fig.info("ferrus status (launcher, cached bytecode) %s (median of %d)" % (ms(s), runs))
+    fig.check("python -c pass %s → %.2f×" % (ms(py), ratio(s, py)), "≤ 2.5× python -c pass",
+              ratio(s, py) <= 2.5)
+
+
 def fig_status_round_trip(bench, fig):
     """tools/call status on a warm server, ferrus and SDK calls interleaved."""
     root = bench.project("status")
@@ -1057,6 +1098,7 @@ def fig_ping_under_waits(bench, fig):
 
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
+    ("status_from_shell", fig_status_from_shell),
     ("status_round_trip", fig_status_round_trip),
     ("create_to_wait", fig_create_to_wait),
     ("hq_reaction", fig_hq_reaction),
@@ -1164,6 +1206,10 @@ def _raise_interrupt(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
+    # Users' ferrus starts from cached bytecode (the launcher, `python -m`, the boot
+    # code `register` writes); a shell that forbids writing it would measure a cold
+    # compile of ferrus.py on every start instead.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     path = os.path.abspath(args.ferrus)
     try:
         with open(path, encoding="utf-8") as handle:

@@ -149,7 +149,6 @@ agent = "mycli"
     ('[agents.custom.x]\nheadless = ["x"]\n', "needs interactive"),
     ('[agents.custom.x]\ninteractive = ["x"]\nheadless = ["x"]\nprompt = "file"\n', "prompt"),
     ('[agents.codex]\nextra_args = "--yolo"\n', "must be an array of strings"),
-    ('[agents.codex]\nflags = []\n', "not a known agent option"),
 ])
 def test_bad_agent_options_are_explained(project, text, fragment):
     set_config(project, text)

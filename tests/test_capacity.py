@@ -1,5 +1,6 @@
-"""Capacity gates (seed 004): tiers and actions, GateRecords in the journal, and the
-wiring into HQ and `ferrus run` (Throttle waits, Checkpoint halts, EmergencyStop kills)."""
+"""Capacity gates (docs/ARCHITECTURE.md, 'Capacity gates'): tiers and actions, GateRecords
+in the journal, and the wiring into HQ and `ferrus run` (Throttle waits, Checkpoint halts,
+EmergencyStop kills)."""
 
 import os
 import subprocess

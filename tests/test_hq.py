@@ -1,4 +1,4 @@
-"""HQ's controller, supervised sessions (seed 001) and `ferrus run`, with scripted agents.
+"""HQ's controller, supervised sessions and `ferrus run`, with scripted agents.
 
 The agents are tests/scripted_agent.py: real processes that read their prompt on
 stdin and speak MCP to `ferrus serve`, registered as a custom agent.
@@ -179,7 +179,7 @@ def test_tell_interrupts_and_the_next_prompt_carries_the_message(scripted, monke
     assert slot.state == SS.INITIALIZING and slot.process is None
 
 
-# -- the session state machine itself (seed 001) -------------------------------------
+# -- the session state machine itself -------------------------------------
 
 def ev(kind, value=None, outcome=""):
     return ferrus.SessionEvent(kind, value, outcome)

@@ -1,4 +1,5 @@
-"""Pipelines (seed 003): workflows.json, status.json, reconcile, restarts, gates, the CLI.
+"""Pipelines (docs/ARCHITECTURE.md, 'Pipeline automaton'): workflows.json, status.json,
+reconcile, restarts, gates, the CLI.
 
 Workers are tests/scripted_worker.py, real processes registered as a custom agent;
 the orchestrator's clock is the FakeClock, so backoff and timeouts need no sleeping.
