@@ -117,3 +117,28 @@ def test_data_without_the_file_is_a_clear_error(script, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the coverage data has no ferrus.py (measured: /elsewhere/other.py)" in err
     assert "hint:" in err
+
+
+def test_make_coverage_without_coverage_py_says_how_to_get_it():
+    """A Python that has pytest but no coverage.py and is no virtual environment is
+    left alone: make says what is missing and how to get it, and measures nothing."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    if not os.path.exists(base):
+        pytest.skip("no base interpreter at %s" % base)
+    probe = subprocess.run([base, "-c", "import pytest\ntry:\n import coverage\nexcept "
+                            "ImportError:\n raise SystemExit(0)\nraise SystemExit(1)"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip("%s lacks pytest or already has coverage.py" % base)
+    repo = os.path.dirname(os.path.dirname(SCRIPT))
+    result = subprocess.run(["make", "-s", "-C", repo, "coverage", "PYTHON=%s" % base],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "coverage.py 7.10+ is not installed for %s" % base in result.stderr
+    assert "hint: python3 -m venv .venv" in result.stderr
+    assert "passed" not in result.stdout, "the tests ran anyway"
