@@ -12,6 +12,12 @@ on CPython 3.9+ on Linux, macOS and Windows.  Run it as ``python ferrus.py``,
 ``python -m ferrus``, through the ``ferrus`` launcher, or as an installed
 ``ferrus`` command — all four behave the same.
 
+Other programs may import ferrus.  What they may rely on is listed in ``__all__``:
+the store and its state types, the operations (``op_*``, the one implementation of
+every behaviour), the config loader and its dataclasses, the MCP server entry
+``serve_stdio``, ``main`` and ``FerrusError``.  Everything else may change between
+versions without notice.
+
 Contents (each section uses only the sections above it):
 
      1. Basics .................. version, errors, time, JSON helpers
@@ -22,7 +28,7 @@ Contents (each section uses only the sections above it):
      6. Session state machine ... supervising one agent slot, pure
      7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
-     9. Checks .................. the check runner
+     9. Checks .................. the check runner; git: a task's base and diff
     10. Specs ................... spec and milestone parsing, selection, completion
     11. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
     12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
@@ -56,6 +62,7 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import getpass
 import itertools
 import json
 import logging
@@ -67,8 +74,31 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 
 __version__ = "0.1.0"
+
+# The public interface (see the module docstring); everything else may change.
+__all__ = [
+    "__version__", "main", "FerrusError", "TransitionError",
+    # the config loader and its dataclasses (section 4)
+    "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
+    "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig",
+    # the store and its state types (sections 5 and 8)
+    "Store", "TaskState", "StateData",
+    # the operations and what they take and give (section 11)
+    "Caller", "HUMAN", "Outcome",
+    "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
+    "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
+    "op_stage_task_origin", "op_clear_selection", "op_wait_for_task", "op_wait_for_review",
+    "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
+    "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
+    "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
+    "op_diff",
+    # the MCP server over stdio (section 12)
+    "serve_stdio",
+]
 
 log = logging.getLogger("ferrus")
 
@@ -155,7 +185,7 @@ def parse_timestamp(text):
                               tzinfo=_dt.timezone(offset))
         return moment.astimezone(_dt.timezone.utc)
     except OverflowError:
-        raise ValueError("timestamp out of range: %r" % (text,))
+        raise ValueError("timestamp out of range: %r" % (text,)) from None
 
 
 def format_duration(seconds):
@@ -454,7 +484,7 @@ def open_inside(base, *parts):
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise link_refused
+            raise link_refused from err
         raise
     try:
         if (os.fstat(fd).st_mode & 0o170000) != 0o100000:   # stat.S_ISREG
@@ -626,14 +656,11 @@ except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
 class TomlError(ValueError):
     """A TOML document that cannot be read, or an edit this section cannot make.
 
-    ``line`` is the 1-based line of the problem (None when unknown) and
-    ``detail`` says what is wrong, so callers can phrase their own message.
-    """
+    The message is ``line <n>: <what is wrong>`` (n 1-based), or only what is
+    wrong when the line is unknown."""
 
     def __init__(self, detail, line=None):
         super().__init__("line %s: %s" % (line, detail) if line else detail)
-        self.line = line
-        self.detail = detail
 
 
 _TOML_TOMLLIB_WHERE = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
@@ -1140,11 +1167,6 @@ def _toml_clash(pair, full, target, what):
     return _toml_cannot(pair, what, "the value set on this line is in the way")
 
 
-def toml_table_names(text):
-    """The key parts of every ``[table]`` header, in document order."""
-    return [head.header for head, _ in _toml_sections(text)[1:] if not head.array]
-
-
 def _toml_locate(text, table, key):
     """Find `key` directly under `[table]`: (section or None, statement or None)."""
     want = table + (key,)
@@ -1438,8 +1460,37 @@ class PipelinesConfig:
     max_parallel: int = 4          # the batch-size gate: workers running at once in a run
 
 
+# What [notify] can announce.  The first group needs a human or ends something and is
+# on by default; the second reports ordinary progress and is there for those who ask.
+NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "emergency_stop",
+                         "pipeline_delivered")
+NOTIFY_EVENTS = NOTIFY_DEFAULT_EVENTS + ("task_created", "submitted", "rejected")
+
+
+@dataclasses.dataclass
+class NotifyConfig:
+    """[notify]: how a human who is not watching hears that the loop needs them."""
+
+    bell: bool = True              # the terminal bell in HQ and `ferrus run`
+    desktop: bool = False          # notify-send, osascript or a PowerShell toast
+    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary}
+    timeout_secs: int = 30         # a notifier still running then is stopped
+    events: list = dataclasses.field(default_factory=lambda: list(NOTIFY_DEFAULT_EVENTS))
+
+
+def _check_notify(path, notify):
+    unknown = [name for name in notify.events if name not in NOTIFY_EVENTS]
+    if unknown:
+        raise _config_error(path, "notify.events", "must name only these events: %s"
+                            % ", ".join(NOTIFY_EVENTS), unknown[0])
+    if notify.command and not notify.command[0].strip():
+        raise _config_error(path, "notify.command", "must start with a program name",
+                            notify.command[0])
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
-PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
+                "notify")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
@@ -1459,8 +1510,11 @@ class Config:
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
+    notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
+    # [hq] human_review: the reviewer's approval waits for a human's confirmation.
+    human_review: bool = False
     # Problems in [hq] only matter to commands that launch agents, so they are kept
     # here instead of breaking check, submit and the waits (see
     # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
@@ -1498,6 +1552,7 @@ _INT_LIMITS = {
     ("sessions", "timeout_secs"): (1, 31_536_000),
     ("sessions", "interrupt_grace_secs"): (0, 86_400),
     ("pipelines", "max_parallel"): (1, 1000),
+    ("notify", "timeout_secs"): (1, 3600),
 }
 
 
@@ -1578,6 +1633,8 @@ def _parse_hq_table(path, hq, config, unknown):
         return
     known_agents = BUILTIN_AGENTS + tuple(config.agents.custom)
     for key, value in hq.items():
+        if key == "human_review":         # a setting, not a role: _parse_human_review
+            continue
         if key not in HQ_ROLES:
             unknown.append("hq.%s" % key)
             continue
@@ -1738,8 +1795,15 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     found = [] if problems is None else problems
     for name in PLAIN_TABLES:
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
+    try:
+        _check_notify(path, config.notify)
+    except FerrusError as err:
+        found.append(err)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
+    # Not one of hq_problems, which only agent launches notice: a mistyped value must
+    # not let the reviewer's approval complete a task the human meant to confirm.
+    _parse_human_review(path, raw.get("hq", {}), config, found)
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -1748,6 +1812,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
                               % (first.hint, count, path))
         raise first
     return config
+
+
+def _parse_human_review(path, hq, config, found):
+    value = hq.get("human_review", False) if isinstance(hq, dict) else False
+    if not isinstance(value, bool):
+        found.append(_config_error(path, "hq.human_review", "must be true or false", value))
+        return
+    config.human_review = value
 
 
 def load_config(root):
@@ -1809,6 +1881,13 @@ class TaskState(str, enum.Enum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     AWAITING_HUMAN = "AwaitingHuman"
+    # With [hq] human_review on, the reviewer's approval leads here instead of to Complete,
+    # and only a human moves the task on.  It is a state of its own, not a flag on
+    # Reviewing: every tool and every HQ reaction keyed on Reviewing (the reviewer's
+    # wait_for_review claim, HQ starting a reviewer, approve and reject) must then not
+    # apply, and a state makes the transition table refuse them all in one place.  With
+    # the feature off no STATE.json ever holds it, so upstream reads the files as before.
+    AWAITING_CONFIRMATION = "AwaitingConfirmation"
 
     def __str__(self):
         return self.value
@@ -1817,7 +1896,8 @@ class TaskState(str, enum.Enum):
 S = TaskState
 WORK_STATES = (S.EXECUTING, S.ADDRESSING)
 LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
-ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
+ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN,
+                 S.AWAITING_CONFIRMATION)
 
 # The one table the code and the docs follow: action, states it is allowed
 # from, and where it leads.  "same" keeps the state; "paused" restores the
@@ -1831,8 +1911,11 @@ TRANSITIONS = (
     ("consult", WORK_STATES, "Consultation"),
     ("respond_consult", (S.CONSULTATION,), "same"),
     ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
-    ("approve", (S.REVIEWING,), "Complete"),
+    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review"),
     ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
+    # The human's word on the reviewer's approval; no agent may take these.
+    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete"),
+    ("human_reject", (S.AWAITING_CONFIRMATION,), "Addressing, or Failed at max_review_cycles"),
     ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
     ("answer", (S.AWAITING_HUMAN,), "paused"),
     ("heartbeat", LEASE_STATES, "same (renews the lease)"),
@@ -1883,6 +1966,8 @@ class StateData:
     consult_paused_state: "TaskState | None" = None
     # Which agent asked the pending question, so HQ can tell who waits.
     question_from: "str | None" = None
+    # Where the task started in git (see task_base): its diff is measured from there.
+    task_base: "dict | None" = None
     extra: dict = dataclasses.field(default_factory=dict)
 
     def copy(self):
@@ -1898,7 +1983,7 @@ class StateData:
                 continue
             out[name] = value.value if isinstance(value, TaskState) else value
         for name in ("rev", "task_id", "state_entered_at", "task_started_at",
-                     "consult_paused_state", "question_from"):
+                     "consult_paused_state", "question_from", "task_base"):
             value = getattr(self, name)
             # rev 0 means "never written by this ferrus": an upstream file stays as it was.
             if value is not None and not (name == "rev" and value == 0):
@@ -1914,9 +1999,9 @@ class StateData:
             json.dumps(raw, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise StateCorrupt("%s holds a \\u escape that is no character (a lone surrogate)"
-                               % where)
+                               % where) from None
         except (ValueError, RecursionError) as err:
-            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err))
+            raise StateCorrupt("%s is not valid JSON (%s)" % (where, err)) from err
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
@@ -1931,7 +2016,7 @@ class StateData:
             try:
                 setattr(data, key, _coerce_state_field(key, value))
             except (TypeError, ValueError) as err:
-                raise StateCorrupt("%s field %r: %s" % (where, key, err))
+                raise StateCorrupt("%s field %r: %s" % (where, key, err)) from err
         return data
 
 
@@ -1952,12 +2037,16 @@ def _coerce_state_field(key, value):
         if key in ("state",) or key in _STATE_INT_FIELDS:
             raise ValueError("must not be null")
         return None
+    if key == "task_base":
+        if not isinstance(value, dict):
+            raise ValueError("must be an object, got %r" % (value,))
+        return value
     if key in _STATE_ENUM_FIELDS:
         try:
             return TaskState(value)
         except ValueError:
             raise ValueError("unknown state %r (expected one of %s)"
-                             % (value, ", ".join(s.value for s in TaskState)))
+                             % (value, ", ".join(s.value for s in TaskState))) from None
     if key in _STATE_INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("must be a non-negative integer, got %r" % (value,))
@@ -1973,15 +2062,6 @@ def _coerce_state_field(key, value):
 
 def lease_deadline(data):
     return parse_timestamp(data.lease_until) if data.lease_until else None
-
-
-def is_claimed(data, now):
-    deadline = lease_deadline(data)
-    return deadline is not None and now < deadline
-
-
-def is_claimed_by(data, agent_id, now):
-    return data.claimed_by == agent_id and is_claimed(data, now)
 
 
 def claim(data, agent_id, now, ttl_secs):
@@ -2063,7 +2143,7 @@ def _enter(data, state, now):
     return data
 
 
-def t_create_task(data, now, task_id):
+def t_create_task(data, now, task_id, base=None):
     _require("create_task", data)
     data = clear_lease(data)
     data.task_spec, data.pending_task_spec = data.pending_task_spec, None
@@ -2072,6 +2152,7 @@ def t_create_task(data, now, task_id):
     data.failure_reason = None
     data.paused_state = data.consult_paused_state = data.question_from = None
     data.task_id = task_id
+    data.task_base = base
     data.task_started_at = format_timestamp(now)
     return _enter(data, S.EXECUTING, now)
 
@@ -2122,14 +2203,30 @@ def t_finish_consult(data, now):
     return _enter(data, resume, now)
 
 
-def t_approve(data, now):
+def t_approve(data, now, human_review=False):
     _require("approve", data)
+    data = clear_lease(data)
+    return _enter(data, S.AWAITING_CONFIRMATION if human_review else S.COMPLETE, now)
+
+
+def t_human_approve(data, now):
+    _require("human_approve", data)
     data = clear_lease(data)
     return _enter(data, S.COMPLETE, now)
 
 
 def t_reject(data, now, max_cycles):
     _require("reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def t_human_reject(data, now, max_cycles):
+    """The human's rejection counts as a review cycle, exactly like the reviewer's."""
+    _require("human_reject", data)
+    return _send_back(data, now, max_cycles)
+
+
+def _send_back(data, now, max_cycles):
     data = clear_lease(data)
     data.review_cycles += 1
     if data.review_cycles >= max_cycles:
@@ -2435,6 +2532,10 @@ CONTENT_FILES = ("TASK.md", "REVIEW.md", "SUBMISSION.md", "QUESTION.md", "ANSWER
 # Files that a new task, a reset or HQ's force-reset empty.
 TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md",
                       "REVIEW.md", "QUESTION.md", "ANSWER.md")
+# The reviewer's notes on an approval, for the human who confirms it ([hq] human_review).
+# Not one of CONTENT_FILES: a .ferrus/ from before it existed, or upstream's, lacks it and
+# is still complete; it is emptied with the task's other files only where it exists.
+APPROVAL_FILE = "APPROVAL.md"
 
 
 @dataclasses.dataclass
@@ -2849,6 +2950,39 @@ class Store:
                 cancel.wait(min(poll, remaining))
             else:
                 time.sleep(min(poll, remaining))
+
+
+# Journal entries that record how ferrus keeps its own books (agent sessions, leases,
+# capacity decisions that let work go on) rather than what happened to the task;
+# `ferrus log` and HQ's /log leave them out unless asked for everything.
+BOOKKEEPING_EVENTS = ("session", "heartbeat", "claim", "lease_released", "consume_answer")
+
+
+def is_bookkeeping(entry):
+    if entry.get("event") == "gate":
+        return (entry.get("detail") or {}).get("action") == CONTINUE
+    return entry.get("event") in BOOKKEEPING_EVENTS
+
+
+def is_story(entry):
+    """The journal entries a person reading what happened wants (not bookkeeping)."""
+    return not is_bookkeeping(entry)
+
+
+def journal_story(store, count, everything=False):
+    """The last ``count`` journal entries, oldest first, bookkeeping left out unless
+    ``everything``.  At most 20 entries per wanted one (and 500) are looked at, so a
+    journal of a million heartbeats costs what a short one does; fewer may come back."""
+    if everything:
+        return store.read_journal(limit=count)
+    entries = []
+    for entry in itertools.islice(store.journal_entries_backwards(), 20 * count + 500):
+        if len(entries) >= count:
+            break
+        if is_story(entry):
+            entries.append(entry)
+    entries.reverse()
+    return entries
 
 
 # ============================================================================
@@ -3585,6 +3719,552 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
                     log_path=os.path.relpath(summary, root).replace(os.sep, "/"))
 
 
+# -- git: a task's base and its diff --------------------------------------------------
+#
+# A task remembers where it started (record_task_base) and its diff is measured from
+# there to the working tree, untracked files included (task_diff).  ferrus only reads
+# the repository: git runs from argv lists (no shell) with a timeout, the user's index
+# is never written (a private copy of it does the diffing, and GIT_OPTIONAL_LOCKS=0
+# keeps `git status` from refreshing it), and where git is missing or the project is
+# not in a repository there is simply no diff.  Item for item the functions below are
+# what operations, the MCP server and the HQ use; nothing else calls git.
+
+GIT_TIMEOUT_SECS = 60.0
+# Files ferrus (or `ferrus register`) writes into a project: never part of a task's
+# diff, whatever the agent did.  Paths relative to the project root.
+DIFF_EXCLUDED_PATHS = (FERRUS_DIR, ".mcp.json", ".claude/mcp-supervisor.json",
+                       ".claude/mcp-executor.json", ".claude/settings.local.json",
+                       ".codex", ".qwen", ".gemini")
+# The skill folders `ferrus init` writes under [agents] path.
+DIFF_EXCLUDED_SKILLS = ("skills/ferrus", "skills/ferrus-supervisor", "skills/ferrus-executor")
+# What create_task names of a dirty tree (the count is always exact).
+BASE_DIRTY_NAMES = 50
+# Variables that would point git at another repository or index than the project's.
+_GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_PREFIX",
+                      "GIT_COMMON_DIR", "GIT_NAMESPACE", "GIT_OBJECT_DIRECTORY",
+                      "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CEILING_DIRECTORIES")
+
+
+class GitUnavailable(FerrusError):
+    """There can be no diff here (git is missing, or the project is in no repository);
+    everything else in ferrus works as without git."""
+
+
+class GitError(FerrusError):
+    """A git command failed or gave an answer ferrus cannot use."""
+
+
+def _git_env(index_file=None):
+    # A hook or a wrapper may have exported GIT_DIR & co. for another repository:
+    # the project's repository is the one its root is in, nothing else.
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARS}
+    env.update(GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0", GIT_PAGER="cat")
+    if index_file:
+        env["GIT_INDEX_FILE"] = index_file
+    return env
+
+
+def _git_argv(args):
+    return ["git", "-c", "core.quotePath=false", "-c", "core.fsmonitor=false"] + list(args)
+
+
+def _git_failure(args, code, stderr):
+    said = stderr.decode("utf-8", "replace").strip()
+    return GitError("git %s failed (exit %s)%s" % (args[0], code, ": " + said if said else ""),
+                    "run the same git command in the project to see what git needs")
+
+
+def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, ok=(0,)):
+    """stdout (bytes) of ``git <args>`` run in ``root``.  Raises GitUnavailable when git
+    is not installed, GitError when it fails, times out or exits outside ``ok``."""
+    try:
+        proc = subprocess.run(_git_argv(args), cwd=root, env=_git_env(index_file),
+                              input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=None if stdin is not None else subprocess.DEVNULL,
+                              timeout=timeout)
+    except FileNotFoundError:
+        raise GitUnavailable("git is not installed (no `git` command on PATH)",
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
+    except subprocess.TimeoutExpired:
+        raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
+                       "the repository may be very large or on a slow disk; try again") from None
+    if proc.returncode not in ok:
+        raise _git_failure(args, proc.returncode, proc.stderr)
+    return proc.stdout
+
+
+def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, index_file=None):
+    """(head, tail, total) of the stdout of ``git <args>``: at most the first
+    ``head_bytes`` and the last ``tail_bytes`` are kept, however much git prints
+    (``tail`` is empty when the whole output fits in ``head``)."""
+    errors = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(_git_argv(args), cwd=root, env=_git_env(index_file),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
+    except FileNotFoundError:
+        errors.close()
+        raise GitUnavailable("git is not installed (no `git` command on PATH)",
+                             "install git to see task diffs; everything else works without it"
+                             ) from None
+    timed_out = threading.Event()
+
+    def stop():
+        timed_out.set()
+        proc.kill()
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
+    head, tail, total = bytearray(), bytearray(), 0
+    try:
+        while True:
+            chunk = proc.stdout.read(65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            room = head_bytes - len(head)
+            if room > 0:
+                head += chunk[:room]
+                chunk = chunk[room:]
+            if chunk:
+                tail += chunk
+                if len(tail) > 2 * tail_bytes + 65536:
+                    del tail[:len(tail) - tail_bytes]
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = b""
+    with errors, contextlib.suppress(OSError):
+        errors.seek(0)
+        stderr = errors.read(64 * 1024)
+    if timed_out.is_set():
+        raise GitError("git %s did not finish within %.0f s" % (args[0], timeout),
+                       "the repository may be very large or on a slow disk; try again")
+    if code != 0:
+        raise _git_failure(args, code, stderr)
+    return bytes(head), bytes(tail[-tail_bytes:] if tail_bytes else b""), total
+
+
+@dataclasses.dataclass
+class GitRepository:
+    """The repository a project root is in, as git reports it."""
+
+    root: str          # the project root (git runs there; paths are relative to it)
+    toplevel: str
+    git_dir: str
+
+    def operation_in_progress(self):
+        """The git operation left unfinished in this checkout (rebase, merge, ...), or None."""
+        for name, what in (("rebase-merge", "rebase"), ("rebase-apply", "rebase"),
+                           ("MERGE_HEAD", "merge"), ("CHERRY_PICK_HEAD", "cherry-pick"),
+                           ("REVERT_HEAD", "revert"), ("BISECT_LOG", "bisect")):
+            if os.path.exists(os.path.join(self.git_dir, name)):
+                return what
+        return None
+
+    def submodules(self):
+        """The submodule paths .gitmodules declares (empty without submodules)."""
+        if not os.path.isfile(os.path.join(self.toplevel, ".gitmodules")):
+            return []
+        with contextlib.suppress(GitError):
+            out = run_git(self.toplevel, ["config", "--file", ".gitmodules", "-z",
+                                          "--get-regexp", r"^submodule\..*\.path$"], ok=(0, 1))
+            return [entry.split("\n", 1)[1] for entry in
+                    os.fsdecode(out).split("\0") if "\n" in entry]
+        return []
+
+    def head(self):
+        """The commit HEAD names, or None in a repository without commits."""
+        out = run_git(self.root, ["rev-parse", "-q", "--verify", "HEAD^{commit}"], ok=(0, 1))
+        return out.decode("ascii").strip() or None
+
+    def has_commit(self, commit):
+        return bool(run_git(self.root, ["rev-parse", "-q", "--verify", commit + "^{commit}"],
+                            ok=(0, 1)).strip())
+
+    def empty_tree(self):
+        """The id of the empty tree (sha1 or sha256, as the repository uses)."""
+        return run_git(self.root, ["hash-object", "-t", "tree", "--stdin"],
+                       stdin=b"").decode("ascii").strip()
+
+
+def _inside_dot_git_tree(root):
+    """True when ``root`` or a folder above it holds a .git (folder or file, as in a
+    worktree or submodule): only then can git find a repository, so a project outside
+    any repository never pays for starting git (create_task is on a fast path)."""
+    path = os.path.abspath(root)
+    while True:
+        if os.path.exists(os.path.join(path, ".git")):
+            return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+
+
+def git_repository(root):
+    """The GitRepository ``root`` is in.  Raises GitUnavailable when there is none."""
+    if not _inside_dot_git_tree(root):
+        raise GitUnavailable("%s is not in a git repository" % root,
+                             "run `git init` and commit your files to get task diffs; "
+                             "everything else works without git")
+    try:
+        out = run_git(root, ["rev-parse", "--show-toplevel", "--absolute-git-dir"])
+    except GitError as err:
+        raise GitUnavailable("%s is not in a git repository (%s)" % (root, err.message),
+                             "run `git init` and commit your files to get task diffs; "
+                             "everything else works without git") from err
+    lines = os.fsdecode(out).splitlines()
+    if len(lines) < 2 or not lines[0]:
+        raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
+                             "run ferrus in a checkout with a work tree")
+    return GitRepository(root=root, toplevel=os.path.normpath(lines[0]),
+                         git_dir=os.path.normpath(lines[1]))
+
+
+def diff_exclusions(agents_path=".agents"):
+    """Project-relative paths never part of a task's diff (see DIFF_EXCLUDED_PATHS)."""
+    paths = list(DIFF_EXCLUDED_PATHS)
+    skills = os.path.normpath(agents_path or ".")
+    if not os.path.isabs(skills) and not skills.startswith(".."):
+        paths += [os.path.join(skills, rel).replace(os.sep, "/") if skills != "." else rel
+                  for rel in DIFF_EXCLUDED_SKILLS]
+    return paths
+
+
+def _pathspecs(exclude, paths=None):
+    specs = [":(literal)" + p for p in paths] if paths else ["."]
+    return ["--"] + specs + [":(exclude,literal)" + p for p in exclude]
+
+
+def _parse_status_v2(out):
+    """(oid, branch, dirty paths) from ``git status --porcelain=v2 --branch -z``."""
+    fields = os.fsdecode(out).split("\0")
+    oid = branch = None
+    dirty = []
+    index = 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        if entry.startswith("# branch.oid "):
+            value = entry[len("# branch.oid "):]
+            oid = None if value == "(initial)" else value
+        elif entry.startswith("# branch.head "):
+            value = entry[len("# branch.head "):]
+            branch = None if value == "(detached)" else value
+        elif entry.startswith(("1 ", "u ")):
+            dirty.append(entry.split(" ", 8 if entry[0] == "1" else 10)[-1])
+        elif entry.startswith("2 "):
+            dirty.append(entry.split(" ", 9)[-1])
+            index += 1                      # the original path of a rename
+        elif entry.startswith("? "):
+            dirty.append(entry[2:])
+    return oid, branch, dirty
+
+
+def record_task_base(root, exclude):
+    """(base, warnings): where a new task starts in git — the HEAD commit (None in a
+    repository without commits), the branch (None on a detached HEAD) and the files
+    already changed — and what the human should know about it.  Without git the base
+    says why there is none; this never fails."""
+    try:
+        repo = git_repository(root)
+        out = run_git(root, ["status", "--porcelain=v2", "--branch", "-z",
+                             "--ignore-submodules=dirty"] + _pathspecs(exclude))
+    except FerrusError as err:
+        return {"git": False, "reason": err.message}, []
+    commit, branch, dirty = _parse_status_v2(out)
+    base = {"git": True, "commit": commit, "branch": branch,
+            "dirty": dirty[:BASE_DIRTY_NAMES], "dirty_count": len(dirty)}
+    warnings = []
+    if dirty:
+        more = len(dirty) - BASE_DIRTY_NAMES
+        warnings.append("the working tree had uncommitted changes when the task was created "
+                        "(%s%s); they will show in the task's diff"
+                        % (", ".join(dirty[:BASE_DIRTY_NAMES]),
+                           " and %d more" % more if more > 0 else ""))
+    if commit is None:
+        warnings.append("the repository has no commits yet: the task's diff shows every "
+                        "file as new")
+    elif branch is None:
+        warnings.append("HEAD is detached (at %s): the task's base is that commit, on no "
+                        "branch" % commit[:12])
+    operation = repo.operation_in_progress()
+    if operation:
+        base["operation"] = operation
+        warnings.append("a git %s is in progress: the task's diff will include what it "
+                        "changes; finish it (or abort it) before the task, if you can"
+                        % operation)
+    submodules = repo.submodules()
+    if submodules:
+        base["submodules"] = submodules
+        warnings.append("the repository has submodules (%s): the task's diff shows a changed "
+                        "submodule as its new commit, not the changes inside it"
+                        % ", ".join(submodules))
+    return base, warnings
+
+
+def describe_base(base):
+    """One line naming a task base."""
+    if not base:
+        return "no base recorded"
+    if not base.get("git"):
+        return "no git base (%s)" % base.get("reason", "unknown")
+    if base.get("commit") is None:
+        where = "no commit yet"
+    else:
+        where = base["commit"][:12]
+    return "%s%s" % (where, " on branch %s" % base["branch"] if base.get("branch")
+                     else " (detached HEAD)" if base.get("commit") else "")
+
+
+@dataclasses.dataclass
+class ChangedFile:
+    path: str
+    added: "int | None"          # None for a binary file
+    deleted: "int | None"
+    old_path: "str | None" = None  # where a renamed file came from
+
+    def to_json(self):
+        out = {"path": self.path, "added": self.added, "deleted": self.deleted,
+               "binary": self.added is None}
+        if self.old_path:
+            out["old_path"] = self.old_path
+        return out
+
+
+@dataclasses.dataclass
+class TaskDiff:
+    """A task's changes: base → working tree, with a bounded part of the patch."""
+
+    base: dict
+    files: list
+    notes: list
+    patch_head: str = ""     # the patch's first bytes (the whole patch when it fits)
+    patch_tail: str = ""     # its last bytes when the middle was left out
+    patch_bytes: int = 0     # the patch's whole size
+    patch_cut: "tuple | None" = None     # (first byte, end byte) left out, or None
+
+    def totals(self):
+        return (sum(f.added or 0 for f in self.files), sum(f.deleted or 0 for f in self.files))
+
+    def stat_text(self, max_files=500, width=40):
+        """git's --stat, roughly: a line per file, then the totals."""
+        if not self.files:
+            return " no changes"
+        lines = []
+        name_width = min(60, max(len(self._label(f)) for f in self.files[:max_files]))
+        biggest = max((f.added or 0) + (f.deleted or 0) for f in self.files) or 1
+        for changed in self.files[:max_files]:
+            label = self._label(changed)
+            if changed.added is None:
+                lines.append(" %s | Bin" % label.ljust(name_width))
+                continue
+            count = changed.added + changed.deleted
+            scale = min(1.0, width / biggest)
+            plus = int(round(changed.added * scale)) or (1 if changed.added else 0)
+            minus = int(round(changed.deleted * scale)) or (1 if changed.deleted else 0)
+            lines.append(" %s | %5d %s%s" % (label.ljust(name_width), count, "+" * plus,
+                                             "-" * minus))
+        if len(self.files) > max_files:
+            lines.append(" ... and %d more files" % (len(self.files) - max_files))
+        added, deleted = self.totals()
+        lines.append(" %d file%s changed, %d insertion%s(+), %d deletion%s(-)" % (
+            len(self.files), "" if len(self.files) == 1 else "s", added,
+            "" if added == 1 else "s", deleted, "" if deleted == 1 else "s"))
+        return "\n".join(lines)
+
+    @staticmethod
+    def _label(changed):
+        return ("%s => %s" % (changed.old_path, changed.path) if changed.old_path
+                else changed.path)
+
+    def patch_text(self, more_hint=""):
+        """The patch as far as it was kept, with a note where its middle was left out."""
+        if self.patch_cut is None:
+            return self.patch_head
+        first, end = self.patch_cut
+        return "%s\n[ferrus: the diff has %d bytes; bytes %d to %d (%d bytes) are left out.%s]\n\n%s" % (
+            self.patch_head, self.patch_bytes, first, end, end - first,
+            " " + more_hint if more_hint else "", self.patch_tail)
+
+
+def _parse_numstat(out):
+    """[ChangedFile] from ``git diff --numstat -z``."""
+    fields = os.fsdecode(out).split("\0")
+    files, index = [], 0
+    while index < len(fields):
+        entry = fields[index]
+        index += 1
+        if not entry:
+            continue
+        added, deleted, path = entry.split("\t", 2)
+        old = None
+        if not path:                          # a rename: the two paths follow
+            old, path = fields[index], fields[index + 1]
+            index += 2
+        binary = added == "-"
+        files.append(ChangedFile(path=path, added=None if binary else int(added),
+                                 deleted=None if binary else int(deleted), old_path=old))
+    return files
+
+
+def _cut_lines(head, tail, total):
+    """(head text, tail text, cut) with the head ending and the tail starting at a line
+    boundary; cut is the (first, end) byte range left out, or None."""
+    if total <= len(head):
+        return head.decode("utf-8", "replace"), "", None
+    newline = head.rfind(b"\n")
+    if newline >= 0:
+        head = head[:newline + 1]
+    newline = tail.find(b"\n")
+    if 0 <= newline < len(tail) - 1:
+        tail = tail[newline + 1:]
+    return (head.decode("utf-8", "replace"), tail.decode("utf-8", "replace"),
+            (len(head), total - len(tail)))
+
+
+def _without_nested(untracked, notes):
+    """``untracked`` without the nested repositories git lists as "dir/" (noted)."""
+    nested = [p for p in untracked if p.endswith("/")]
+    if nested:
+        notes.append("untracked nested repositories are not diffed: %s" % ", ".join(nested))
+    return [p for p in untracked if not p.endswith("/")]
+
+
+def _new_file_numstat(root, rel):
+    """ChangedFile for an untracked file, counted as git counts a new file: binary when
+    its first 8,000 bytes hold a NUL, else its lines (a last line without a newline too)."""
+    path = os.path.join(root, *rel.split("/"))
+    if os.path.islink(path):
+        return ChangedFile(rel, 1, 0)                 # git diffs a link as its target's name
+    lines, last, first = 0, b"\n", True
+    try:
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(1 << 20)
+                if not chunk:
+                    break
+                if first and b"\0" in chunk[:8000]:
+                    return ChangedFile(rel, None, None)
+                first = False
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except OSError:
+        return ChangedFile(rel, 0, 0)                 # gone or unreadable since it was listed
+    return ChangedFile(rel, lines + (last != b"\n"), 0)
+
+
+def _stat_files(root, compare, specs, options, notes):
+    """[ChangedFile] of the diff without its patch: the tracked files' numstat from the
+    user's index (read, never written) and the untracked files counted here, the two git
+    commands run side by side.  A stat asks for nothing else, and this is its fast path."""
+    listed = {}
+
+    def list_untracked():
+        try:
+            listed["out"] = run_git(root, ["ls-files", "-z", "--others", "--exclude-standard"]
+                                    + specs)
+        except FerrusError as err:
+            listed["error"] = err
+    lister = threading.Thread(target=list_untracked, daemon=True)
+    lister.start()
+    try:
+        files = _parse_numstat(run_git(root, ["diff", "-z", "--numstat"] + options + [compare]
+                                       + specs))
+    finally:
+        lister.join()
+    if "error" in listed:
+        raise listed["error"]
+    untracked = _without_nested([p for p in os.fsdecode(listed["out"]).split("\0") if p], notes)
+    files += [_new_file_numstat(root, rel) for rel in untracked]
+    files.sort(key=lambda changed: changed.path.encode("utf-8", "surrogateescape"))
+    return files
+
+
+def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024,
+              tail_bytes=32 * 1024):
+    """The TaskDiff of the working tree against ``base`` (from record_task_base; None
+    compares with HEAD), untracked files included and ``exclude`` left out; ``paths``
+    narrows it to those project-relative paths.  Raises GitUnavailable (no diff can be
+    made here) or GitError."""
+    repo = git_repository(root)
+    notes = []
+    head = repo.head()
+    if base and not base.get("git", True):
+        # No base could be taken then (no repository yet, git missing or failing).
+        notes.append("no base was recorded when the task was created (%s): the diff is "
+                      "against HEAD" % base.get("reason"))
+        base = None
+        start = head
+    elif base:
+        start = base.get("commit")
+        if start and start != head and not repo.has_commit(start):
+            raise GitError("the task's base commit %s is no longer in the repository"
+                           % start[:12], "its history was rewritten; `git diff` against "
+                           "another commit shows the changes by hand")
+        if start and head and head != start:
+            notes.append("HEAD has moved since the task was created (base %s, HEAD %s): "
+                         "commits made since are part of the diff" % (start[:12], head[:12]))
+        if base.get("dirty_count"):
+            names = base.get("dirty") or []
+            more = base["dirty_count"] - len(names)
+            notes.append("already changed before the task began (the diff includes those "
+                         "changes): %s%s" % (", ".join(names), " and %d more" % more
+                                             if more > 0 else ""))
+    else:
+        start = head
+        notes.append("no task base is recorded: the diff is against HEAD")
+    operation = repo.operation_in_progress()
+    if operation:
+        notes.append("a git %s is in progress in this checkout" % operation)
+    submodules = repo.submodules()
+    if submodules:
+        notes.append("submodules (%s) show as their commit, not the changes inside them"
+                     % ", ".join(submodules))
+    compare = start or repo.empty_tree()
+    specs = _pathspecs(exclude, paths)
+    options = ["--no-ext-diff", "--no-color", "--relative", "--ignore-submodules=dirty"]
+    if not patch:
+        return TaskDiff(base=base or {}, notes=notes,
+                        files=_stat_files(root, compare, specs, options, notes))
+    # A private copy of the index: untracked files are added to it as intent-to-add,
+    # so that one `git diff` shows them as new files; the user's index is untouched.
+    fd, index_file = tempfile.mkstemp(prefix="ferrus-diff-", suffix=".index", dir=repo.git_dir)
+    try:
+        with os.fdopen(fd, "wb") as copy:
+            with contextlib.suppress(FileNotFoundError):
+                with open(os.path.join(repo.git_dir, "index"), "rb") as original:
+                    shutil.copyfileobj(original, copy, 1 << 20)
+        if os.path.getsize(index_file) == 0:
+            os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
+        untracked = [p for p in os.fsdecode(run_git(
+            root, ["ls-files", "-z", "--others", "--exclude-standard"] + specs,
+            index_file=index_file)).split("\0") if p]
+        untracked = _without_nested(untracked, notes)
+        for start_at in range(0, len(untracked), 500):
+            run_git(root, ["--literal-pathspecs", "add", "--intent-to-add", "--"]
+                    + untracked[start_at:start_at + 500], index_file=index_file)
+        files = _parse_numstat(run_git(root, ["diff", "-z", "--numstat"] + options + [compare]
+                                       + specs, index_file=index_file))
+        diff = TaskDiff(base=base or {}, files=files, notes=notes)
+        if files:
+            raw_head, raw_tail, total = stream_git(
+                root, ["diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/"]
+                + options + [compare] + specs, head_bytes, tail_bytes, index_file=index_file)
+            diff.patch_head, diff.patch_tail, diff.patch_cut = _cut_lines(raw_head, raw_tail,
+                                                                         total)
+            diff.patch_bytes = total
+        return diff
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(index_file)
+
+
 # ============================================================================
 # 10. Specs
 # ============================================================================
@@ -3891,6 +4571,8 @@ def op_create_task(store, caller, description, origin=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
     _nonblank(description, "Cannot create task: the description is empty.")
+    # git runs before the lock is taken (it can take a moment in a big repository).
+    base, warnings = record_task_base(store.root, task_diff_exclusions(store))
     with store.transaction(caller.agent_id) as tx:
         if tx.state.state != S.IDLE:
             raise FerrusError(
@@ -3902,18 +4584,106 @@ def op_create_task(store, caller, description, origin=None):
         if origin is not None:
             data = data.copy()
             data.pending_task_spec, data.pending_task_milestone = origin
-        new = t_create_task(data, store.clock(), task_id)
+        new = t_create_task(data, store.clock(), task_id, base)
         detail = {"task_id": task_id}
+        if base.get("git"):
+            detail["base"] = (base["commit"] or "")[:12]
         if new.task_milestone:
             detail.update(spec=new.task_spec, milestone=new.task_milestone)
         tx.set(new, "create_task", **detail)
         tx.write("TASK.md", description)
         # Stale review, question and answer text must not leak into the new task
         # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
-        for name in TASK_SCRATCH_FILES:
+        for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
-    return _outcome("Task created. State: Executing. The Executor can now call /wait_for_task.",
-                    S.EXECUTING, task_id=task_id)
+    text = "Task created. State: Executing. The Executor can now call /wait_for_task."
+    if warnings:
+        text += "".join("\nwarning: %s" % warning for warning in warnings)
+    return _outcome(text, S.EXECUTING, task_id=task_id, base=base, warnings=warnings)
+
+
+# -- the task's diff ------------------------------------------------------------------
+
+# How much of the patch the review tools carry inline (ferrus://diff serves more).
+REVIEW_DIFF_BYTES = 16 * 1024
+
+
+def task_diff_exclusions(store):
+    try:
+        agents_path = store.config().agents.path
+    except FerrusError:
+        agents_path = AgentsConfig.path
+    return diff_exclusions(agents_path)
+
+
+def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 1024,
+            tail_bytes=32 * 1024, more_hint="Read one file's diff with ferrus://diff/<path> "
+                                             "(or `ferrus diff PATH`)."):
+    """The task's changes (base → working tree) as text and data.  Without git, or
+    outside a repository, the outcome says why there is no diff (it is not an error)."""
+    data = store.read_state()
+    base = data.task_base
+    try:
+        diff = task_diff(store.root, base, task_diff_exclusions(store), patch=not stat_only,
+                         paths=paths, head_bytes=head_bytes, tail_bytes=tail_bytes)
+    except GitUnavailable as err:
+        return _outcome("No diff: %s." % err.message.rstrip("."), data.state, available=False,
+                        reason=err.message, hint=err.hint)
+    title = "Task %s diff: %s → working tree" % (data.task_id or "(none)", describe_base(
+        diff.base) if diff.base else "HEAD")
+    parts = [title]
+    parts += ["note: %s" % note for note in diff.notes]
+    parts += ["", diff.stat_text()]
+    if not stat_only and diff.files:
+        parts += ["", diff.patch_text(more_hint).rstrip("\n")]
+    added, deleted = diff.totals()
+    return _outcome("\n".join(parts), data.state, available=True, task_id=data.task_id,
+                    base=diff.base, notes=diff.notes,
+                    files=[changed.to_json() for changed in diff.files],
+                    insertions=added, deletions=deleted,
+                    patch_bytes=diff.patch_bytes, patch_cut=list(diff.patch_cut or ()) or None)
+
+
+# A word of the submission notes that names a file: dir/name.ext or name.ext.
+_MENTIONED_FILE_RE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-][\w.-]*\.[A-Za-z0-9]{1,10})"
+                                r"(?![\w/-])")
+
+
+def unchanged_mentions(root, notes, changed_paths):
+    """The project files the notes mention that the diff does not touch (only names of
+    files that exist, so a URL or a version number is never taken for one)."""
+    changed = set(changed_paths)
+    found = []
+    for name in _MENTIONED_FILE_RE.findall(notes or ""):
+        name = name.rstrip(".")
+        if name in changed or name in found or any(p.endswith("/" + name) for p in changed):
+            continue
+        if os.path.isfile(os.path.join(root, name)) and not os.path.isabs(name):
+            found.append(name)
+    return found
+
+
+def review_diff(store, submission=""):
+    """(text, changed files) for a review: the stat, the patch's first
+    REVIEW_DIFF_BYTES and where to read the rest, plus a warning for files the
+    submission names that the diff does not change.  Never fails: a git problem is
+    reported in the text."""
+    try:
+        outcome = op_diff(store, head_bytes=REVIEW_DIFF_BYTES, tail_bytes=0,
+                          more_hint="Read the rest with ferrus://diff, or one file's diff "
+                                    "with ferrus://diff/<path>.")
+    except FerrusError as err:
+        return "No diff: %s" % err.full_text(), []
+    text = outcome.text
+    files = outcome.data.get("files") or []
+    if outcome.data.get("available"):
+        unchanged = unchanged_mentions(store.root, submission,
+                                       [f["path"] for f in files] +
+                                       [f["old_path"] for f in files if f.get("old_path")])
+        if unchanged:
+            text = ("warning: the submission notes name %s, which the diff does not change\n\n"
+                    % ", ".join(unchanged)) + text
+    return text, files
 
 
 def op_review_pending(store, caller):
@@ -3930,6 +4700,7 @@ def _review_text(store, data):
     submission = store.read_file("SUBMISSION.md")
     if submission.strip():
         text += "\n## Submission Notes\n\n%s" % submission
+    text += "\n## Changes\n\n%s\n" % review_diff(store, submission)[0]
     review = store.read_file("REVIEW.md")
     if review.strip():
         text += "\n## Previous Review Notes\n\n%s" % review
@@ -3938,34 +4709,73 @@ def _review_text(store, data):
     return text
 
 
-def op_approve(store, caller):
-    root = store.root
+def _approval_file_if_any(store):
+    return (APPROVAL_FILE,) if os.path.exists(store.path(APPROVAL_FILE)) else ()
+
+
+def _refuse_agent_on_confirmation(data, action):
+    """The reviewer's approve or reject once its approval waits for the human."""
+    if data.state == S.AWAITING_CONFIRMATION:
+        raise FerrusError(
+            "Cannot %s: the submission is already approved and waits for a human's "
+            "confirmation (state AwaitingConfirmation). Only the human can approve or reject "
+            "it now; stop here." % action,
+            "the human runs `ferrus approve` or `ferrus reject NOTES` (or /approve, /reject in "
+            "HQ)")
+
+
+def _complete_task(store, tx, data, new):
+    """What reaching Complete does besides the state: tick the task's spec milestone and
+    move the selection on.  Returns the journal detail."""
+    detail = {}
+    # The milestone tick is a content file written before STATE.json, and it
+    # is idempotent, so a failed commit can simply be approved again.
+    if data.task_spec and data.task_milestone:
+        path = os.path.join(store.root, data.task_spec)
+        if os.path.isfile(path):
+            text = read_text(path)
+            milestones = parse_spec(text)
+            match = next((m for m in milestones if m.id == data.task_milestone), None)
+            if match is not None:
+                if not match.completed:
+                    tx.write(path, mark_milestone_complete(text, match))
+                    match.completed = True
+                    detail["milestone_completed"] = match.id
+                if (data.selected_spec == data.task_spec
+                        and data.selected_milestone == data.task_milestone):
+                    following = next_ready_milestone(milestones, match.id)
+                    new.selected_milestone = following.id if following else None
+                    detail["selected_milestone"] = new.selected_milestone
+    return detail
+
+
+def op_approve(store, caller, notes=None):
+    """Reviewing → Complete, or → AwaitingConfirmation when [hq] human_review is on (then
+    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human)."""
+    if notes is not None and not isinstance(notes, str):
+        raise FerrusError("Cannot approve: notes must be text.")
+    human_review = store.config().human_review
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "approve")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "approve")
-        new = t_approve(data, store.clock())
-        detail = {}
-        # The milestone tick is a content file written before STATE.json, and it
-        # is idempotent, so a failed commit can simply be approved again.
-        if data.task_spec and data.task_milestone:
-            path = os.path.join(root, data.task_spec)
-            if os.path.isfile(path):
-                text = read_text(path)
-                milestones = parse_spec(text)
-                match = next((m for m in milestones if m.id == data.task_milestone), None)
-                if match is not None:
-                    if not match.completed:
-                        tx.write(path, mark_milestone_complete(text, match))
-                        match.completed = True
-                        detail["milestone_completed"] = match.id
-                    if (data.selected_spec == data.task_spec
-                            and data.selected_milestone == data.task_milestone):
-                        following = next_ready_milestone(milestones, match.id)
-                        new.selected_milestone = following.id if following else None
-                        detail["selected_milestone"] = new.selected_milestone
-        tx.set(new, "approve", **detail)
+        new = t_approve(data, store.clock(), human_review)
+        if notes and notes.strip():
+            tx.write(APPROVAL_FILE, notes)
+        elif human_review:
+            # No notes this time: the human must not read an earlier cycle's.
+            for name in _approval_file_if_any(store):
+                tx.write(name, "")
+        if new.state == S.COMPLETE:
+            tx.set(new, "approve", **_complete_task(store, tx, data, new))
+        else:
+            tx.set(new, "approve", awaiting="human")
+    if new.state == S.AWAITING_CONFIRMATION:
+        return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
+                        "rejects it now ([hq] human_review is on). Your review is done; stop "
+                        "here.", new.state)
     return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
 
 
@@ -3974,6 +4784,7 @@ def op_reject(store, caller, notes):
     limits = store.config().limits
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
+        _refuse_agent_on_confirmation(data, "reject")
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot reject from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "reject")
@@ -3988,6 +4799,126 @@ def op_reject(store, caller, notes):
                 "Addressing. The Executor should call /wait_for_task to see the notes and /check "
                 "after addressing them." % (new.review_cycles, limits.max_review_cycles))
     return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+# -- the human's confirmation ([hq] human_review) -----------------------------------------
+
+def human_name():
+    """Who the human at this terminal is, as the journal records a confirmation."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError, ImportError):     # no login name anywhere (containers)
+        return "unknown"
+
+
+def _require_human(caller, action):
+    if caller.is_agent:
+        raise FerrusError(
+            "Cannot %s on a human's behalf: only the human confirms or rejects a task the "
+            "reviewer approved (this caller is %s)." % (action, caller.agent_id),
+            "a human runs `ferrus %s` in a shell of their own, or /%s in HQ"
+            % (action, action))
+
+
+def _nothing_to_confirm(data, action):
+    hint = {S.REVIEWING: "the reviewer has not decided yet ([hq] human_review = true makes "
+                         "its approval wait for you)",
+            S.COMPLETE: "the task is already Complete",
+            S.IDLE: "there is no task"}.get(data.state, "`ferrus status` shows where it stands")
+    return FerrusError("Cannot %s: no approval waits for your confirmation (state %s)."
+                       % (action, data.state), hint)
+
+
+def op_human_approve(store, caller, via="cli"):
+    """AwaitingConfirmation → Complete, by the human only."""
+    _require_human(caller, "approve")
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "approve")
+        new = t_human_approve(data, store.clock())
+        detail = _complete_task(store, tx, data, new)
+        tx.set(new, "human_approve", by=human_name(), via=via, **detail)
+    text = "Approved. State: Complete."
+    if detail.get("milestone_completed"):
+        text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
+    return _outcome(text, S.COMPLETE, **detail)
+
+
+def op_human_reject(store, caller, notes, via="cli"):
+    """AwaitingConfirmation → Addressing (or Failed at max_review_cycles), by the human
+    only: the notes become the review notes the executor reads, and the cycle counts."""
+    _require_human(caller, "reject")
+    _nonblank(notes, "Cannot reject: the notes are empty. Say what must change.")
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        data = tx.state
+        if data.state != S.AWAITING_CONFIRMATION:
+            raise _nothing_to_confirm(data, "reject")
+        new = t_human_reject(data, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+    if new.state == S.FAILED:
+        text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
+                "Failed. `ferrus reset` clears it." % (new.review_cycles,
+                                                      limits.max_review_cycles))
+    else:
+        text = ("Rejected (cycle %d/%d). State: Addressing; the executor gets your notes as "
+                "review notes." % (new.review_cycles, limits.max_review_cycles))
+    return _outcome(text, new.state, review_cycles=new.review_cycles)
+
+
+def _excerpt(text, max_lines):
+    lines = text.strip().splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join(lines[:max_lines] + ["… (%d more lines)" % (len(lines) - max_lines)])
+
+
+# How far back the reviewer's approve entry is looked for (a waiting task writes little).
+_APPROVER_SCAN = 2000
+
+
+def confirmation_summary(store, data=None):
+    """What the human sees before confirming: the task, the submission, the reviewer's
+    verdict and notes, the diff stat, and how to answer.  Every part but the stat is
+    data an agent wrote."""
+    data = data or store.read_state()
+    approver = None
+    for entry in itertools.islice(store.journal_entries_backwards(), _APPROVER_SCAN):
+        if entry.get("event") == "approve" and entry.get("task_id") == data.task_id:
+            approver = entry.get("actor")
+            break
+    limits = None
+    with contextlib.suppress(FerrusError):
+        limits = store.config().limits
+    notes = store.read_file(APPROVAL_FILE).strip()
+    parts = [
+        "The reviewer approved task %s; it waits for your confirmation." % (data.task_id or "-"),
+        "## Task\n" + (_excerpt(store.read_file("TASK.md"), 12) or "(TASK.md is empty)"),
+        "## Submission\n" + (_excerpt(store.read_file("SUBMISSION.md"), 30)
+                             or "(no submission notes)"),
+        "## Reviewer's verdict\napproved by %s\n%s" % (
+            approver.partition("/")[0] if approver else "the reviewer",
+            _excerpt(notes, 30) if notes else "(no notes given)"),
+    ]
+    try:
+        changes = op_diff(store, stat_only=True).text
+    except FerrusError as err:          # a git failure must not hide the rest
+        changes = "No diff: %s" % err.message
+    parts.append("## Changes\n" + _excerpt(changes, 40))
+    earlier = store.read_file("REVIEW.md").strip()
+    if earlier and data.review_cycles:
+        parts.append("## The last rejection's notes (what this round had to address)\n"
+                     + _excerpt(earlier, 20))
+    cycles = "review cycles used %d" % data.review_cycles
+    if limits:
+        cycles += "/%d" % limits.max_review_cycles
+        if data.review_cycles + 1 >= limits.max_review_cycles:
+            cycles += " — a rejection now fails the task"
+    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
+                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    return "\n\n".join(parts)
 
 
 def op_respond_consult(store, caller, response):
@@ -4008,7 +4939,7 @@ def op_create_spec(store, caller, markdown):
     try:
         directory = spec_directory(store.root, config)
     except FerrusError as err:
-        raise FerrusError("Cannot create spec: " + err.message, err.hint)
+        raise FerrusError("Cannot create spec: " + err.message, err.hint) from err
     os.makedirs(directory, exist_ok=True)
     stem = "%s-%s" % (store.clock().strftime("%Y-%m-%d"), slugify(spec_title(markdown)))
     text = markdown if markdown.endswith("\n") else markdown + "\n"
@@ -4237,10 +5168,13 @@ def op_wait_for_task(store, caller):
 
 def op_wait_for_review(store, caller):
     def build(data):
+        # After the claim, outside the lock: git may take a moment.
+        diff_text, changed_files = review_diff(store, store.read_file("SUBMISSION.md"))
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
+                "diff": diff_text, "changed_files": changed_files,
                 "review_cycles_used": data.review_cycles,
                 "check_retries_used": data.check_retries, "task_id": data.task_id,
                 "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
@@ -4396,8 +5330,12 @@ def _gate_operation(store, caller, action, content=None):
         else:
             tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
                    "check_failed", log=log_path, failed=[r.command for r in run.failed])
+            tx.detail["retries"] = tx.state.check_retries
             if action == "submit":
                 tx.detail["during"] = "submit"
+        if run is not None:
+            # Each command's result, so whoever reads the journal can show the run.
+            tx.detail["checks"] = [check_summary(result) for result in run.results]
     new = tx.state
     kind = ("none" if run is None else "pass" if passed else
             "limit" if new.state == S.FAILED else "fail")
@@ -4408,6 +5346,12 @@ def _gate_operation(store, caller, action, content=None):
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
+
+
+def check_summary(result):
+    """One command's result as the journal keeps it (its output is in its log)."""
+    return {"command": result.command, "status": result.status, "exit": result.exit_code,
+            "secs": round(result.duration, 2), "log": result.log_path}
 
 
 def op_check(store, caller):
@@ -4489,6 +5433,9 @@ def op_status(store, caller=None):
         lines.append("**Task:** %s" % data.task_id)
     if store.lease_live(data):
         lines.append("**Lease:** %s until %s" % (data.claimed_by, data.lease_until))
+    if data.state == S.AWAITING_CONFIRMATION:
+        lines.append("**Waiting for:** a human to confirm or reject the reviewer's approval "
+                     "(no agent can); nothing for agents to do until then.")
     return Outcome("\n".join(lines), status_data(store, data, now))
 
 
@@ -4536,7 +5483,8 @@ def op_reset(store, caller):
             raise FerrusError("Cannot reset from state %s. Reset is only available in the Failed "
                               "state." % tx.state.state)
         tx.set(t_reset(tx.state, store.clock()), "reset")
-        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.md"):
+        for name in ("REVIEW.md", "SUBMISSION.md", "CONSULT_REQUEST.md",
+                     "CONSULT_RESPONSE.md") + _approval_file_if_any(store):
             tx.write(name, "")
     return _outcome("State reset to Idle. REVIEW.md, SUBMISSION.md, and consultation files "
                     "cleared. Ready for a new task.", S.IDLE)
@@ -4547,7 +5495,7 @@ def op_force_reset(store, caller):
     with store.transaction(caller.agent_id) as tx:
         previous = tx.state.state
         tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
-        for name in ("TASK.md",) + TASK_SCRATCH_FILES:
+        for name in ("TASK.md",) + TASK_SCRATCH_FILES + _approval_file_if_any(store):
             tx.write(name, "")
         agents_path = store.path("agents.json")
         if os.path.isfile(agents_path):
@@ -5072,7 +6020,7 @@ TOOLS = (
          lambda st, c, description: op_create_task(st, c, description),
          (Param("description", "string", "The whole task in Markdown: outcome, constraints, "
                                          "acceptance criteria."),),
-         dict(_TEXT_OUT, task_id="string")),
+         dict(_TEXT_OUT, task_id="string", base="object", warnings="array")),
     Tool("create_spec", "Create spec",
          "Save an approved feature specification (Markdown following ferrus://spec_template) "
          "into the spec directory and select its first ready milestone when no task is running.",
@@ -5081,17 +6029,24 @@ TOOLS = (
          dict(_TEXT_OUT, path="string", selected_milestone="string?")),
     Tool("wait_for_review", "Wait for review",
          "Block until a submission is in Reviewing, claim the review lease and return the task, "
-         "submission notes and earlier review notes. On {\"status\":\"timeout\"} call it again.",
+         "submission notes, earlier review notes, the task's diff (stat and first part; "
+         "ferrus://diff has all of it) and the changed files. On {\"status\":\"timeout\"} "
+         "call it again.",
          SUP, lambda st, c: op_wait_for_review(st, c), (),
          dict(_CLAIM_OUT, submission="string", review_cycles_used="integer",
-              check_retries_used="integer")),
+              check_retries_used="integer", diff="string", changed_files="array")),
     Tool("review_pending", "Review pending submission",
-         "Read the task, the submission notes and previous review notes of the submission "
-         "awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
+         "Read the task, the submission notes, the task's diff (stat and first part) and "
+         "previous review notes of the submission awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
          read_only=True, idempotent=True),
     Tool("approve", "Approve submission",
          "Accept the submission under review: the state becomes Complete and the task's spec "
-         "milestone is ticked.", SUP, lambda st, c: op_approve(st, c), (), _TEXT_OUT),
+         "milestone is ticked (with [hq] human_review on, it becomes AwaitingConfirmation "
+         "until the human confirms).", SUP,
+         lambda st, c, notes=None: op_approve(st, c, notes),
+         (Param("notes", "string", "Optional: what you verified and why it is acceptable "
+                                   "(shown to the human who confirms).", required=False),),
+         _TEXT_OUT),
     Tool("reject", "Reject submission",
          "Send the submission back with notes saying exactly what must change. The state "
          "becomes Addressing (or Failed once max_review_cycles is reached).", SUP,
@@ -5223,7 +6178,7 @@ def open_in_ferrus_dir(store, *parts):
     try:
         return open_inside(store.path(), *parts)
     except UnsafePath as err:
-        raise ResourceNotFound(err.message, err.hint)
+        raise ResourceNotFound(err.message, err.hint) from err
 
 
 def read_ferrus_text(store, name, limit=RESOURCE_MAX_BYTES):
@@ -5273,7 +6228,8 @@ def read_log_window(store, uri):
         handle = open_in_ferrus_dir(store, "logs", name)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise ResourceNotFound("Resource not found: %s" % uri,
-                               "the log may have been removed; a check run writes new ones")
+                               "the log may have been removed; a check run writes new ones"
+                               ) from None
     with handle:
         size = os.fstat(handle.fileno()).st_size
         if query:
@@ -5319,6 +6275,23 @@ def read_log_window(store, uri):
     return contents
 
 
+def read_diff_resource(store, uri):
+    """The text of ferrus://diff (the task's whole diff, bounded) or ferrus://diff/<path>
+    (one file or folder of it).  Without git it says why there is no diff."""
+    rest = uri[len("ferrus://diff"):]
+    paths = None
+    if rest:
+        path = urllib.parse.unquote(rest[1:]) if rest.startswith("/") else ""
+        parts = path.replace("\\", "/").split("/")
+        if (not path or "\0" in path or path.startswith("/") or re.match(r"^[A-Za-z]:", path)
+                or ".." in parts):
+            raise ResourceNotFound("Resource not found: %s" % uri,
+                                   "diff URIs are ferrus://diff or ferrus://diff/<path relative "
+                                   "to the project root>")
+        paths = [path.rstrip("/")]
+    return op_diff(store, paths=paths).text
+
+
 def read_resource(store, uri):
     """(mime type, text) of a ``ferrus://`` resource; nothing outside .ferrus/ is reachable.
 
@@ -5327,6 +6300,8 @@ def read_resource(store, uri):
     if not isinstance(uri, str) or not uri.startswith("ferrus://"):
         raise ResourceNotFound("Resource not found: %s" % uri)
     name = uri[len("ferrus://"):]
+    if name == "diff" or name.startswith("diff/"):
+        return "text/x-diff", read_diff_resource(store, uri)
     if name.startswith("logs/"):
         contents = read_log_window(store, uri)
         return contents[0]["mimeType"], "".join(c.get("text", "") for c in contents)
@@ -5346,7 +6321,7 @@ def read_resource(store, uri):
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         if missing is None:
             raise ResourceNotFound("Resource not found: %s (.ferrus/%s does not exist)"
-                                   % (uri, filename))
+                                   % (uri, filename)) from None
         return mime, SPEC_TEMPLATE if missing == "SPEC" else missing
 
 
@@ -5548,6 +6523,11 @@ class FerrusMcpServer:
         return guarded
 
     def _lane_of(self, request):
+        if request.method == "resources/read":
+            # The task's diff runs git, which can take a while in a big repository.
+            uri = request.params.get("uri")
+            return "blocking" if isinstance(uri, str) and uri.startswith("ferrus://diff") \
+                else None
         if request.method != "tools/call":
             return None
         name = request.params.get("name")
@@ -5575,7 +6555,7 @@ class FerrusMcpServer:
                 if start < 0 or start > len(items):
                     raise ValueError
             except (ValueError, TypeError, UnicodeError):
-                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,))
+                raise RpcError(INVALID_PARAMS, "Invalid cursor: %r" % (cursor,)) from None
         page = items[start:start + self.PAGE_SIZE]
         result = {key: page}
         if start + self.PAGE_SIZE < len(items):
@@ -5705,6 +6685,10 @@ class FerrusMcpServer:
     def _resources_list(self, request):
         items = [{"uri": "ferrus://" + name, "name": title, "mimeType": mime}
                  for name, title, _, mime, _ in RESOURCES]
+        items.append({"uri": "ferrus://diff", "name": "Task Diff", "mimeType": "text/x-diff",
+                      "description": "The task's changes from its base commit to the working "
+                                     "tree (untracked files included): a stat, then the "
+                                     "unified diff, its middle left out when it is long"})
         return self._page(request, items, "resources")
 
     def _templates_list(self, request):
@@ -5718,7 +6702,10 @@ class FerrusMcpServer:
                   "mimeType": "text/plain"},
                  {"uriTemplate": "ferrus://logs/{name}{?offset,length}", "name": "ferrus-log-range",
                   "description": "length bytes (at most %d KiB) of a check log from byte offset"
-                                 % (LOG_READ_MAX // 1024)}]
+                                 % (LOG_READ_MAX // 1024)},
+                 {"uriTemplate": "ferrus://diff/{+path}", "name": "ferrus-diff-path",
+                  "description": "The task's diff of one file or folder (path relative to the "
+                                 "project root)", "mimeType": "text/x-diff"}]
         return self._page(request, items, "resourceTemplates")
 
     def _resources_read(self, request):
@@ -5734,11 +6721,11 @@ class FerrusMcpServer:
         except ResourceNotFound as err:
             # Resource not found: -32002 until 2025-11-25, -32602 in 2026-07-28.
             code = INVALID_PARAMS if request.modern else RESOURCE_NOT_FOUND
-            raise RpcError(code, err.full_text(), {"uri": uri})
+            raise RpcError(code, err.full_text(), {"uri": uri}) from err
         except (OSError, FerrusError) as err:
             text = err.full_text() if isinstance(err, FerrusError) else \
                 os_error_text("resources/read", err)
-            raise RpcError(INTERNAL_ERROR, text, {"uri": uri})
+            raise RpcError(INTERNAL_ERROR, text, {"uri": uri}) from err
         result = {"contents": contents}
         if request.modern:
             result.update(ttlMs=0, cacheScope="private")
@@ -5756,9 +6743,9 @@ class FerrusMcpServer:
         try:
             text = render_prompt(self.store, name)
         except FerrusError as err:
-            raise RpcError(INTERNAL_ERROR, err.full_text())
+            raise RpcError(INTERNAL_ERROR, err.full_text()) from err
         except OSError as err:
-            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err))
+            raise RpcError(INTERNAL_ERROR, os_error_text("prompts/get", err)) from err
         return {"description": entry[2],
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
@@ -5766,7 +6753,7 @@ class FerrusMcpServer:
 # Tools that may block for long (waits, check commands): they run in their own
 # bounded lane so they never hold up quick calls.
 BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
-                            "wait_for_answer", "check", "submit"))
+                            "wait_for_answer", "check", "submit", "review_pending"))
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "the disk is full; free some space and call it again",
@@ -6084,11 +7071,79 @@ class AgentEvent:
     """Something an agent's structured output reported."""
 
     kind: str                 # tool_call | usage | session | limit
-    name: str = ""
+    name: str = ""            # tool_call: the tool; session: the model, when reported
     ok: "bool | None" = None
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""
+    text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
+    cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
+    total: bool = False       # usage: the session's totals so far, replacing earlier counts
+
+
+# The argument that says most about a tool call, in the order looked for.
+_TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
+                      "query", "description", "prompt")
+
+
+def tool_summary(arguments, width=100):
+    """A tool call's arguments as one short line: its command, file or pattern when it
+    has one, else the arguments in compact JSON, cut to ``width``."""
+    if not isinstance(arguments, dict) or not arguments:
+        return ""
+    value = next((arguments[key] for key in _TOOL_SUMMARY_KEYS
+                  if isinstance(arguments.get(key), (str, list)) and arguments[key]), None)
+    if isinstance(value, list):
+        value = " ".join(str(part) for part in value)
+    text = value if value is not None else compact_json(arguments)
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+class UsageTally:
+    """What one agent session has used so far, folded from its AgentEvents.
+
+    CLIs report usage in three ways, and each is folded without double counting:
+    per message (Claude repeats a message's usage on every block of it, so only
+    the last report per message counts), per turn (Codex: summed), and as the
+    session's totals (Claude's and Gemini's final result: they replace what was
+    counted before).  Cost is known only when the CLI reports it."""
+
+    def __init__(self):
+        self.tool_calls = 0
+        self.model = ""
+        self.agent_session = ""
+        self.cost_usd = None
+        self._settled = (0, 0)      # the last reported totals
+        self._pending = {}          # message id (or a counter) -> (input, output) since
+
+    def add(self, event):
+        if event.kind == "tool_call":
+            self.tool_calls += 1
+        elif event.kind == "session":
+            self.agent_session = event.text or self.agent_session
+            self.model = event.name or self.model
+        elif event.kind == "usage":
+            if event.total:
+                self._settled = (event.input_tokens, event.output_tokens)
+                self._pending = {}
+            elif event.input_tokens or event.output_tokens:
+                self._pending[event.text or len(self._pending)] = (event.input_tokens,
+                                                                   event.output_tokens)
+            if event.cost_usd is not None:
+                self.cost_usd = event.cost_usd
+
+    @property
+    def input_tokens(self):
+        return self._settled[0] + sum(pair[0] for pair in list(self._pending.values()))
+
+    @property
+    def output_tokens(self):
+        return self._settled[1] + sum(pair[1] for pair in list(self._pending.values()))
+
+    def counts(self):
+        """The figures a session record keeps."""
+        return {"tool_calls": self.tool_calls, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd}
 
 
 # -- files register edits -----------------------------------------------------------
@@ -6283,10 +7338,10 @@ def edit_json_file(path, mutate, what=None):
                 "%s has comments (JSON with comments), which ferrus would lose when it rewrites "
                 "the file" % label,
                 "remove the comments from %s and run the command again; nothing was written"
-                % path)
+                % path) from err
         raise FerrusError("Failed to parse %s: %s" % (label, err),
                           "fix the JSON by hand (ferrus never overwrites a file it cannot read); "
-                          "nothing was written")
+                          "nothing was written") from err
     if not isinstance(data, dict):
         raise FerrusError("%s root is not a JSON object" % label,
                           "fix or remove the file; nothing was written")
@@ -6568,20 +7623,40 @@ def _parse_claude_style(line):
     events = []
     kind = event.get("type")
     if kind == "system" and event.get("session_id"):
-        events.append(AgentEvent("session", text=str(event["session_id"])))
+        events.append(AgentEvent("session", name=str(event.get("model") or ""),
+                                 text=str(event["session_id"])))
     elif kind == "assistant":
         message = event.get("message") or {}
         for block in message.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
-                events.append(AgentEvent("tool_call", name=str(block.get("name", ""))))
+                events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
+                                         text=tool_summary(block.get("input"))))
         usage = message.get("usage") or {}
         if usage:
-            events.append(AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
-                                     output_tokens=int(usage.get("output_tokens") or 0)))
+            events.append(_claude_usage(usage, text=str(message.get("id") or "")))
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
+        usage, cost = event.get("usage"), event.get("total_cost_usd", event.get("cost_usd"))
+        cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
+            else None
+        if isinstance(usage, dict):
+            events.append(_claude_usage(usage, total=True, cost_usd=cost))
+        elif cost is not None:
+            events.append(AgentEvent("usage", cost_usd=cost))
     return events
+
+
+def _claude_usage(usage, **fields):
+    """A usage event from an Anthropic usage object.  Input counts every token the
+    model read, cached or not (as Codex's input_tokens does)."""
+    def count(key):
+        value = usage.get(key)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else 0
+    return AgentEvent("usage", input_tokens=count("input_tokens") +
+                      count("cache_creation_input_tokens") + count("cache_read_input_tokens"),
+                      output_tokens=count("output_tokens"), **fields)
 
 
 _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
@@ -6749,7 +7824,7 @@ class Codex(AgentAdapter):
             new = toml_replace_table(text, ("mcp_servers", key), table)
         except TomlError as err:
             raise FerrusError(".codex/config.toml: %s" % err,
-                              "fix the file by hand first; nothing was written")
+                              "fix the file by hand first; nothing was written") from err
         if new != text:
             planned_write(path, new)
         report("Registered %s in .codex/config.toml (agent id %s:%s:%d)"
@@ -6764,7 +7839,7 @@ class Codex(AgentAdapter):
                 new = toml_remove_table(text, ("mcp_servers", server_key(role)))
             except TomlError as err:
                 raise FerrusError(".codex/config.toml: %s" % err,
-                                  "fix the file by hand first; nothing was written")
+                                  "fix the file by hand first; nothing was written") from err
             if new != text:
                 planned_write(path, new)
                 report("Removed %s from .codex/config.toml" % server_key(role))
@@ -6790,7 +7865,17 @@ class Codex(AgentAdapter):
             item = event.get("item") or {}
             if item.get("type") == "mcp_tool_call":
                 return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
-                                   ok=item.get("status") == "completed")]
+                                   ok=item.get("status") == "completed",
+                                   text=tool_summary(item.get("arguments")))]
+            # Codex's own tools: a shell command, or file edits (its apply_patch).
+            if item.get("type") == "command_execution":
+                return [AgentEvent("tool_call", name="shell", ok=item.get("exit_code") == 0,
+                                   text=tool_summary({"command": item.get("command")}))]
+            if item.get("type") == "file_change":
+                paths = [c.get("path") for c in item.get("changes") or []
+                         if isinstance(c, dict) and isinstance(c.get("path"), str)]
+                return [AgentEvent("tool_call", name="edit", ok=item.get("status") == "completed",
+                                   text=tool_summary({"path": paths}))]
         if kind == "turn.completed":
             usage = event.get("usage") or {}
             return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
@@ -6952,13 +8037,15 @@ class GeminiCli(_SettingsJsonAgent):
             return []
         kind = event.get("type")
         if kind == "init" and event.get("session_id"):
-            return [AgentEvent("session", text=str(event["session_id"]))]
+            return [AgentEvent("session", name=str(event.get("model") or ""),
+                               text=str(event["session_id"]))]
         if kind == "tool_use":
-            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")))]
+            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
+                               text=tool_summary(event.get("parameters")))]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
-                               output_tokens=int(stats.get("output_tokens") or 0))]
+                               output_tokens=int(stats.get("output_tokens") or 0), total=True)]
         return []
 
 
@@ -7020,6 +8107,12 @@ class CustomAgent(AgentAdapter):
 
     def can_edit(self, profile):
         return None           # its argv templates decide; ferrus adds no flags
+
+    def parse_line(self, line):
+        # A custom CLI that prints Claude Code's stream-json events (a wrapper around
+        # it, say) gets its tool calls, tokens and cost counted; other output is read
+        # for usage-limit messages only.
+        return _parse_claude_style(line)
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -7145,7 +8238,7 @@ def update_hq_config(root, role, agent, model, report):
             text = toml_set_key(text, ("hq", role), "model", "")
     except TomlError as err:
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
-                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE)
+                          "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
     report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
 
@@ -7164,7 +8257,7 @@ def trust_project(adapter, root, report):
         except TomlError as err:
             raise FerrusError("%s: %s" % (path, err),
                               "fix the file by hand first, or register without --trust; "
-                              "nothing was written")
+                              "nothing was written") from err
         if new != text:
             planned_write(path, new)
             report("Trusted %s in %s" % (root, path))
@@ -7452,10 +8545,13 @@ def prompt_executor_in_consultation(heartbeat_secs=LeaseConfig.heartbeat_interva
 def prompt_reviewer():
     return ("You are the ferrus supervisor in REVIEW mode, running headless.\n\n"
             "1. Call /wait_for_review; on {\"status\":\"timeout\"} call it again.\n"
-            "2. Call /review_pending and read the task, the submission notes and the actual "
-            "changes in the repository.\n"
+            "2. Call /review_pending and read the task, the submission notes and the task's "
+            "diff: it shows the stat and the first part of the diff against the commit the task "
+            "started from; read the resource ferrus://diff for all of it, or "
+            "ferrus://diff/<path> for one file.\n"
             "3. Judge correctness, fit to the task and the verification evidence.\n"
-            "4. Call /approve, or /reject with concrete, actionable notes. Then stop.\n\n"
+            "4. Call /approve (with notes on what you verified), or /reject with concrete, "
+            "actionable notes. Then stop.\n\n"
             "Do not fix the code yourself and do not ask the executor to re-run checks by hand "
             "(the gate already ran). Never edit .ferrus/.\n\n" + PROMPT_PRECEDENCE)
 
@@ -7491,7 +8587,8 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     """The executor's prompt for the state it resumes in (see
     ARCHITECTURE.md, 'Differences from upstream ferrus', item 29).
 
-    None when no executor is needed (Idle, Complete, Failed, Reviewing)."""
+    None when no executor is needed (Idle, Complete, Failed, Reviewing,
+    AwaitingConfirmation)."""
     if data.state == S.AWAITING_HUMAN:
         if data.paused_state == S.CONSULTATION:
             return prompt_executor_in_consultation(heartbeat_secs)
@@ -7503,15 +8600,6 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
     if data.state in WORK_STATES:
         return (prompt_executor_after_answer(heartbeat_secs) if answer_pending
                 else prompt_executor(heartbeat_secs))
-    return None
-
-
-def supervisor_prompt_for(data, resuming=False):
-    """The headless supervisor's prompt: reviewer or consultant, or None."""
-    if data.state == S.REVIEWING:
-        return prompt_reviewer()
-    if data.state == S.CONSULTATION:
-        return prompt_consultant(resuming)
     return None
 
 
@@ -7536,6 +8624,259 @@ def sessions_config(root):
         return load_config(root).sessions
     except FerrusError:
         return SessionsConfig()
+
+
+# -- session records ------------------------------------------------------------------
+#
+# Every agent session ferrus starts (HQ's and `ferrus run`'s headless slots, HQ's
+# interactive sessions, pipeline workers) has a record in .ferrus/sessions/<id>.json:
+# who ran (role, agent, model, argv), what it was told (the prompt), when, how it
+# ended, what it used (tool calls, tokens, cost when the CLI reports it) and where its
+# raw log is.  A record is written atomically when the session starts, again while its
+# counts change and when it ends, so it survives restarts and a killed orchestrator;
+# the next orchestrator closes what a dead one left open.  Every usage figure ferrus
+# shows, and the capacity gates' token signal, is a sum over these records.
+
+SESSIONS_DIR = "sessions"
+SESSION_RECORD_EVERY = 1.0     # seconds between rewrites of a running session's counts
+STATUS_SESSIONS_SHOWN = 8      # the current task's newest sessions that status lists
+_RECORD_CACHE = {}             # sessions folder -> {file name: (file identity, record)}
+
+
+def _orchestrator_identity(store):
+    """Who starts a session now: this process, named as its orchestrator lock names it."""
+    holder = read_orchestrator_record(store) or {}
+    kind = holder.get("kind") if holder.get("pid") == os.getpid() else None
+    return {"kind": kind or "ferrus", "pid": os.getpid(), "host": _host_name()}
+
+
+def write_session_record(store, record, durable=True):
+    """Write one record (the folder is private: records hold whole prompts)."""
+    folder = store.path(SESSIONS_DIR)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    atomic_write(os.path.join(folder, record["id"] + ".json"), pretty_json(record) + "\n",
+                 durable=durable)
+
+
+def open_session_record(store, session_id, **fields):
+    """Record a session that starts now; returns the record (a dict the caller keeps)."""
+    record = {"id": session_id, "status": "running", "started_at": format_timestamp(utc_now()),
+              "ended_at": None, "outcome": None, "exit_code": None, "note": None,
+              "slot": None, "role": None, "agent": None, "model": "", "task_id": None,
+              "pipeline": None, "pid": None, "log": None, "argv": [], "prompt": None,
+              "tool_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": None,
+              "orchestrator": _orchestrator_identity(store)}
+    record.update(fields)
+    try:
+        write_session_record(store, record)
+    except OSError as err:       # a record must never stop the agent it describes
+        log.warning("could not write the session record %s: %s", session_id, err)
+    return record
+
+
+def update_session_counts(store, record, tally):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = tally.counts()
+    if tally.model and not record.get("model"):
+        counts["model"] = tally.model
+    if all(record.get(key) == value for key, value in counts.items()):
+        return False
+    record.update(counts)
+    with contextlib.suppress(OSError):
+        write_session_record(store, record, durable=False)
+    return True
+
+
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+    """The session is over: how it ended and its final counts."""
+    if tally is not None:
+        record.update(tally.counts())
+        if tally.model and not record.get("model"):
+            record["model"] = tally.model
+        if tally.agent_session:
+            record["agent_session"] = tally.agent_session
+    record.update(status="ended", ended_at=format_timestamp(utc_now()), outcome=outcome,
+                  exit_code=exit_code if isinstance(exit_code, int) else None,
+                  note=note or record.get("note"))
+    try:
+        write_session_record(store, record)
+    except OSError as err:
+        log.warning("could not write the session record %s: %s", record.get("id"), err)
+
+
+def read_session_records(store):
+    """Every session record, oldest first.  Files not changed since the last call are
+    not read again, so HQ can sum them every second.  The records are shared: read
+    them, never change them."""
+    folder = store.path(SESSIONS_DIR)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    cache, fresh = _RECORD_CACHE.get(folder, {}), {}
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        identity = (info.st_ino, info.st_mtime_ns, info.st_size)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == identity:
+            fresh[name] = hit
+            continue
+        try:
+            record = json.loads(read_text(path))
+        except (OSError, ValueError):
+            continue             # half a file from another tool: skipped, never fatal
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            try:
+                started = parse_timestamp(record.get("started_at"))
+            except ValueError:
+                started = _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)
+            fresh[name] = (identity, record, (started, record["id"]))
+    _RECORD_CACHE[folder] = fresh
+    return [entry[1] for entry in sorted(fresh.values(), key=lambda entry: entry[2])]
+
+
+def session_state(record):
+    """running | ended | orphaned (its orchestrator died while it ran)."""
+    if record.get("status") != "running":
+        return "ended"
+    orchestrator = record.get("orchestrator") or {}
+    pid = orchestrator.get("pid")
+    if orchestrator.get("host") != _host_name() or (isinstance(pid, int) and pid_alive(pid)):
+        return "running"
+    worker = record.get("pid")
+    if record.get("pipeline") and isinstance(worker, int) and pid_alive(worker):
+        return "running"         # a pipeline worker outlives its orchestrator
+    return "orphaned"
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value):
+    return value if _is_number(value) else 0
+
+
+def usage_summary(records):
+    """Sessions, tokens and cost of some records.  Cost is summed over the sessions
+    that reported one; ``cost_unknown`` counts those that did not."""
+    costs = [r.get("cost_usd") for r in records]
+    known = [c for c in costs if _is_number(c)]
+    return {"sessions": len(records),
+            "tool_calls": sum(int(_number(r.get("tool_calls"))) for r in records),
+            "input_tokens": sum(int(_number(r.get("input_tokens"))) for r in records),
+            "output_tokens": sum(int(_number(r.get("output_tokens"))) for r in records),
+            "cost_usd": round(sum(known), 6) if known else None,
+            "cost_unknown": len(records) - len(known)}
+
+
+def task_usage(store, task_id):
+    """The usage of one task's sessions (HQ, `ferrus run`, interactive)."""
+    return usage_summary([r for r in read_session_records(store)
+                          if task_id and r.get("task_id") == task_id])
+
+
+def compact_count(number):
+    """12345 -> '12.3k': token counts for status lines."""
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if number >= size:
+            return ("%.1f%s" % (number / size, unit)).replace(".0" + unit, unit)
+    return str(int(number))
+
+
+def format_cost(summary):
+    """'$0.0123', 'cost unknown', or '$0.01 + 2 sessions of unknown cost'."""
+    cost, unknown = summary.get("cost_usd"), summary.get("cost_unknown", 0)
+    if cost is None:
+        return "cost unknown" if summary.get("sessions") else "$0"
+    text = "$%.4f" % cost if cost < 1 else "$%.2f" % cost
+    if unknown:
+        text += " + %d session%s of unknown cost" % (unknown, "" if unknown == 1 else "s")
+    return text
+
+
+def format_usage(summary):
+    """'3 sessions, 41 tool calls, 12.3k tokens in / 1.2k out, $0.0123'."""
+    return "%d session%s, %d tool calls, %s tokens in / %s out, %s" % (
+        summary["sessions"], "" if summary["sessions"] == 1 else "s", summary["tool_calls"],
+        compact_count(summary["input_tokens"]), compact_count(summary["output_tokens"]),
+        format_cost(summary))
+
+
+def describe_session(record, root=None):
+    """One line: slot, agent, state and outcome, exit, counts, cost and the log."""
+    state = session_state(record)
+    if state == "ended":
+        state = record.get("outcome") or "ended"
+        if isinstance(record.get("exit_code"), int):
+            state += ", exit %d" % record["exit_code"]
+    elif state == "orphaned":
+        state = "orphaned (its orchestrator, pid %s, died)" % (
+            (record.get("orchestrator") or {}).get("pid"))
+    agent = record.get("agent") or "?"
+    if record.get("model"):
+        agent += " (%s)" % record["model"]
+    cost = record.get("cost_usd")
+    usage = "%d tool calls, %s/%s tokens, %s" % (
+        int(_number(record.get("tool_calls"))), compact_count(_number(record.get("input_tokens"))),
+        compact_count(_number(record.get("output_tokens"))),
+        "$%.4f" % cost if _is_number(cost) else "cost unknown")
+    if record.get("usage_reported") is False:
+        usage = "usage not reported"
+    text = "%s %s %s: %s — %s" % (record.get("started_at") or "?",
+                                 record.get("slot") or record.get("role") or "?", agent, state,
+                                 usage)
+    if record.get("log"):
+        text += " — log %s" % record["log"]
+    return text
+
+
+def usage_from_log(path, parse_line):
+    """Fold a session's raw log through its adapter's parser (a log is read a line at
+    a time, so its size does not matter)."""
+    tally = UsageTally()
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as handle:
+            for raw in handle:
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
+                    with contextlib.suppress(Exception):     # parsers never take us down
+                        for event in parse_line(line):
+                            tally.add(event)
+    return tally
+
+
+def close_orphaned_records(store):
+    """Close the records of HQ and `ferrus run` sessions whose orchestrator died: the
+    counts are read again from their logs, the end is now (the latest it can have
+    been).  Pipeline workers outlive their orchestrator; the pipeline's reconcile
+    closes theirs.  Returns one note per record closed."""
+    notes, config = [], None
+    with contextlib.suppress(FerrusError):
+        config = store.config()
+    for shared in read_session_records(store):
+        if shared.get("pipeline") or session_state(shared) != "orphaned":
+            continue
+        record = dict(shared)
+        tally = None
+        if config is not None and record.get("log") and record.get("agent"):
+            with contextlib.suppress(FerrusError):
+                parse_line = adapter_for(config, record["agent"]).parse_line
+                tally = usage_from_log(os.path.join(store.root, record["log"]), parse_line)
+        dead = record.get("orchestrator") or {}
+        close_session_record(store, record, "orphaned", tally=tally,
+                             note="its orchestrator (%s, pid %s) ended while it ran; ended by "
+                                  "then at the latest" % (dead.get("kind"), dead.get("pid")))
+        notes.append("closed the record of the %s session %s, which the previous orchestrator "
+                     "left open" % (record.get("slot") or "agent", record["id"]))
+    return notes
 
 
 # What each slot must achieve before its session counts as done: HQ checks the
@@ -7581,7 +8922,9 @@ class AgentProcess:
     def __init__(self, launch, root, log_path, parse_line):
         self.log_path = log_path
         self.events = []
+        self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
+        self.last_text = ""        # the last line that was not a JSON event, for heartbeats
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
@@ -7614,9 +8957,14 @@ class AgentProcess:
                 self.log.flush()
                 self.lines += 1
                 line = raw.decode("utf-8", "replace").strip()
+                if line and not line.startswith("{"):
+                    self.last_text = line[:200]
                 if line:
                     try:
-                        self.events.extend(self._parse_line(line))
+                        events = self._parse_line(line)
+                        self.events.extend(events)
+                        for event in events:
+                            self.tally.add(event)
                         if self.fatal is None:
                             self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
@@ -7644,6 +8992,214 @@ class AgentProcess:
 class HqMessage:
     kind: str      # transition | info | warning | error | question | agent
     text: str
+    # What happened, for `ferrus run --json` and other programs: a short name (see
+    # PROGRESS_EVENTS) and its facts.  The text says the same for people.
+    event: str = ""
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+# The progress events HQ and `ferrus run` report (the "event" of each --json object).
+PROGRESS_EVENTS = (
+    "transition",      # the task moved: from, to, by (the journal event), actor, task_id
+    "check_started",   # a check command began: command
+    "check",           # a check command ended: command, status, exit, secs, log, tail
+    "checks",          # the gate's verdict: passed, during (check | submit), retries, log
+    "submission",      # the executor submitted: summary (first lines of SUBMISSION.md)
+    "review",          # the reviewer rejected: notes (first lines of REVIEW.md)
+    "consult",         # the executor asked the supervisor: question
+    "consult_answer",  # the supervisor answered: answer
+    "question",        # an agent asks a human: question
+    "confirmation",    # the reviewer approved and [hq] human_review waits for the human
+    "answer",          # a human answered: answer
+    "tool_call",       # an agent called a tool: slot, tool, input
+    "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
+    "session",         # an agent started, exited, backs off or is stopped: slot
+    "complete", "failed", "capacity", "pipeline", "notifier", "info")
+
+
+def first_lines(text, count=4, width=160):
+    """The first ``count`` non-blank lines of ``text``, each cut to ``width``."""
+    lines = [line.rstrip() for line in (text or "").splitlines() if line.strip()]
+    kept = [line if len(line) <= width else line[:width - 1] + "…" for line in lines[:count]]
+    if len(lines) > count:
+        kept.append("… (%d more lines)" % (len(lines) - count))
+    return kept
+
+
+_CHECK_LOG_TRAILER = re.compile(r"^\[(passed|failed|timed out|cancelled|skipped), exit ")
+
+
+def check_log_tail(store, log_path, count=8, chunk=16384):
+    """The last ``count`` lines a check command printed, read from the end of its log
+    (``log_path`` relative to the project root) without reading the whole file."""
+    if not isinstance(log_path, str) or not log_path.startswith(FERRUS_DIR + "/"):
+        return []
+    try:
+        with open_in_ferrus_dir(store, *log_path.split("/")[1:]) as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chunk))
+            data = handle.read()
+    except (OSError, FerrusError, ValueError):
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > chunk:
+        lines = lines[1:]                  # the first line may start mid-way
+    lines = [line for line in lines if not _CHECK_LOG_TRAILER.match(line)]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return [line[:200] for line in lines[-count:]]
+
+
+def running_check_commands(store):
+    """{check id: command} of the check commands running right now, from their pid
+    files in .ferrus/check-processes/ (whoever started them)."""
+    directory = store.path(CHECK_PROCESS_DIR)
+    running = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.endswith(".json"):
+                continue
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                record = json.loads(read_text(os.path.join(directory, name)))
+                running[name[:-5]] = str(record["command"])
+    return running
+
+
+# -- notifications ---------------------------------------------------------------------------
+#
+# [notify] tells a human who is not watching that the loop needs them or ended: the
+# terminal bell (through the front end's ``bell``), a command of the user's (ntfy,
+# curl to a webhook, ...) and the desktop's own notifier.  Commands run detached with
+# a timeout on a thread of their own, so a failing or hanging one never blocks the
+# loop; the first failure is shown, later ones only logged.
+
+NOTIFY_TITLES = {"awaiting_human": "an agent needs your answer", "complete": "task complete",
+                 "failed": "task failed", "checkpoint": "capacity checkpoint",
+                 "emergency_stop": "capacity emergency stop",
+                 "pipeline_delivered": "pipeline delivered", "task_created": "task created",
+                 "submitted": "work submitted for review", "rejected": "submission rejected"}
+
+
+def desktop_notification_argv(title, body):
+    """The argv that shows a desktop notification with what this system has (no
+    dependency), or None."""
+    if sys.platform == "darwin":
+        quote = lambda text: json.dumps(text, ensure_ascii=False)   # noqa: E731  "…" and \"
+        return ["osascript", "-e", "display notification %s with title %s"
+                % (quote(body), quote(title))]
+    if IS_WINDOWS:  # pragma: no cover
+        script = (
+            "[Windows.UI.Notifications.ToastNotificationManager, Windows.UI.Notifications, "
+            "ContentType=WindowsRuntime] | Out-Null;"
+            "$t = [Windows.UI.Notifications.ToastNotificationManager]::GetTemplateContent("
+            "[Windows.UI.Notifications.ToastTemplateType]::ToastText02);"
+            "$n = $t.GetElementsByTagName('text');"
+            "$n.Item(0).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_TITLE)) | Out-Null;"
+            "$n.Item(1).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_BODY)) | Out-Null;"
+            "[Windows.UI.Notifications.ToastNotificationManager]::CreateToastNotifier("
+            "'ferrus').Show([Windows.UI.Notifications.ToastNotification]::new($t))")
+        return ["powershell", "-NoProfile", "-NonInteractive", "-Command", script]
+    if shutil.which("notify-send"):
+        return ["notify-send", "--app-name=ferrus", title, body]
+    return None
+
+
+def terminal_bell(stream):
+    """A function that rings ``stream``'s terminal bell, or None when it is no terminal.
+    The bell character is written straight to the stream: say() would show it as text."""
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+
+    def ring():
+        stream.write("\a")
+        stream.flush()
+    return ring
+
+
+class Notifier:
+    """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
+    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
+
+    def __init__(self, store, emit, bell=None):
+        self.store = store
+        self.emit = emit
+        self.bell = bell
+        self.failed_once = False
+        self.sent = []             # (event, task_id, summary), for tests and `status`
+
+    def config(self):
+        try:
+            return self.store.config().notify
+        except FerrusError:
+            return NotifyConfig()   # a broken ferrus.toml still rings the bell
+
+    def notify(self, event, task_id, summary):
+        config = self.config()
+        if event not in config.events:
+            return
+        summary = " ".join((summary or "").split())[:300]
+        self.sent.append((event, task_id, summary))
+        if config.bell and self.bell is not None:
+            with contextlib.suppress(Exception):   # a closed terminal is no reason to stop
+                self.bell()
+        values = {"{event}": event, "{task_id}": task_id or "", "{summary}": summary}
+        env = {"FERRUS_EVENT": event, "FERRUS_TASK_ID": task_id or "",
+               "FERRUS_SUMMARY": summary}
+        if config.command:
+            argv = [self._fill(part, values) for part in config.command]
+            self._start("[notify] command", argv, env, config.timeout_secs)
+        if config.desktop:
+            title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
+            argv = desktop_notification_argv(title, summary or title)
+            if argv is None:
+                self._failed("[notify] desktop", "no desktop notifier was found (notify-send "
+                             "on Linux, osascript on macOS, PowerShell on Windows)")
+            else:
+                self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
+                                                           FERRUS_NOTIFY_BODY=summary or title),
+                            config.timeout_secs)
+
+    @staticmethod
+    def _fill(part, values):
+        for key, value in values.items():
+            part = part.replace(key, value)
+        return part
+
+    def _start(self, what, argv, env, timeout):
+        try:
+            proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, **process_group_kwargs())
+        except OSError as err:
+            self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+            return
+        threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
+                         daemon=True).start()
+
+    def _watch(self, what, program, proc, timeout):
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc)
+            with contextlib.suppress(Exception):
+                proc.communicate(timeout=5)
+            self._failed(what, "%s was still running after %ds and was stopped"
+                         % (program, timeout))
+            return
+        if proc.returncode != 0:
+            said = (err or b"").decode("utf-8", "replace").strip().splitlines()
+            self._failed(what, "%s exited with code %s%s" % (
+                program, proc.returncode, ": " + said[-1][:200] if said else ""))
+
+    def _failed(self, what, why):
+        if self.failed_once:
+            log.info("%s failed again: %s", what, why)
+            return
+        self.failed_once = True
+        self.emit(HqMessage("warning", "%s failed: %s (the loop goes on; later failures are "
+                                       "only logged)" % (what, why), "notifier",
+                            {"notifier": what, "error": why}))
 
 
 class SessionSlot:
@@ -7661,14 +9217,26 @@ class SessionSlot:
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
-        self.tokens = 0
+        self.started_at = None     # clock value when the running session started
+        self.events_shown = 0      # how many of the process's events were reported
+        self.mcp_calls_before = 0  # the task's ferrus tool calls when the session started
+        self.record = None         # the running session's record (.ferrus/sessions/)
+        self.record_due = 0.0      # clock value after which changed counts are written
 
     @property
     def state(self):
         return self.session.state
 
+    def label(self):
+        """The session state in words: a slot that has nothing to do is idle (its
+        machine says Initializing or SessionComplete, which reads like activity)."""
+        if self.process is None and self.session.state in (SS.INITIALIZING,
+                                                           SS.SESSION_COMPLETE):
+            return "idle"
+        return self.session.state.value
+
     def describe(self):
-        text = "%s: %s" % (self.name, self.session.state)
+        text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
             text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
         return text
@@ -7738,7 +9306,7 @@ class OrchestratorLock:
                 % describe_orchestrator(holder),
                 "only one of HQ, `ferrus run` and `ferrus pipeline` drives a project at a time; "
                 "use that one, or wait for it to end (`ferrus status` and `ferrus log` read "
-                "along safely)")
+                "along safely)") from None
         self._stop_on_termination()
         try:
             previous = read_orchestrator_record(self.store)
@@ -7749,6 +9317,7 @@ class OrchestratorLock:
                 "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
+            self.notes.extend(close_orphaned_records(self.store))
         except BaseException:
             self.release()
             raise
@@ -7892,10 +9461,19 @@ class HqController:
     receives HqMessage objects; ``launcher`` builds the Launch for a slot (the
     configured adapters by default)."""
 
-    def __init__(self, store, emit, clock=time.monotonic, launcher=None):
+    # With an agent running and nothing to report for this long, a heartbeat line says
+    # what it is doing (how long, how many tool calls, its last words).
+    HEARTBEAT_SECS = 60.0
+    CHECK_SCAN_EVERY = 0.25
+
+    def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None):
         self.store = store
-        self.emit = emit
+        self._out = emit
         self.clock = clock
+        self.last_activity = clock()
+        self.notifier = Notifier(store, self.emit, bell)
+        self.checks_seen = {}         # check id -> (command, clock value when first seen)
+        self._next_check_scan = 0.0
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
@@ -7908,15 +9486,23 @@ class HqController:
         # Capacity signals HQ counts itself (tool calls come from the MCP servers).
         # Sessions per task live in STATE.json, so limits hold across restarts.
         self.sessions_seed = self._sessions_before_counter()
-        self.tokens_by_task = {}
         self.tasks_completed = 0
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
-        self.last_gate = None
         self.paused = False           # True until the user agrees to resume a task in flight
+        self.finishing_since = None   # when the task ended while agents still ran
         self.shown_question = None
-        self.last_state = None
+        self.shown_confirmation = None    # (task, entered) whose summary was emitted
+        # The state found at start-up is shown by describe_state(), with its own time; only
+        # states reached while this controller runs are announced ("Task complete.").
+        self.last_state = self.store.read_state().state
+
+    def emit(self, message):
+        if not message.event:
+            message.event = "session" if message.kind == "agent" else "info"
+        self.last_activity = self.clock()
+        self._out(message)
 
     # -- start-up ------------------------------------------------------------------
 
@@ -7932,23 +9518,35 @@ class HqController:
             text += ", task %s" % data.task_id
         if data.state_entered_at:
             with contextlib.suppress(ValueError):
-                text += ", for %s" % format_duration(
-                    (now - parse_timestamp(data.state_entered_at)).total_seconds())
+                entered = parse_timestamp(data.state_entered_at)
+                if data.state in (S.COMPLETE, S.FAILED):
+                    # A task that ended before now is shown as such, with its own time.
+                    text += ", %s at %s (%s ago)" % (
+                        "completed" if data.state == S.COMPLETE else "failed",
+                        entered.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                        format_duration((now - entered).total_seconds()))
+                else:
+                    text += ", for %s" % format_duration((now - entered).total_seconds())
         text += ", check retries %d, review cycles %d" % (data.check_retries, data.review_cycles)
         return text
 
     # -- the loop --------------------------------------------------------------------
 
     CAPACITY_CHECK_EVERY = 1.0
+    FINISH_GRACE_SECS = 10.0      # how long agents may finish after the task ended
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
+        # Running checks before the journal: a check's pid file is gone before the entry
+        # with its result is written, so "running" is never shown after the result.
+        self._watch_checks()
         self.drain_journal()
         for slot in self.slots.values():
             self._check_slot(slot)
         self._watch_capacity()
         if not self.paused:
             self.reconcile()
+        self._heartbeat()
 
     def drain_journal(self):
         entries, self.journal_offset = self.store.journal_since(self.journal_offset,
@@ -7956,7 +9554,10 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
-                if entry.get("event") == "approve" and entry["seq"] > self.start_seq:
+                # Complete is reached by the reviewer's approve, or by the human's
+                # confirmation when [hq] human_review is on.
+                if entry.get("to") == S.COMPLETE.value and entry.get("from") != S.COMPLETE.value \
+                        and entry["seq"] > self.start_seq:
                     self.tasks_completed += 1
                 self._show_entry(entry)
 
@@ -7976,11 +9577,148 @@ class HqController:
             self._missing_rev = rev
 
     def _show_entry(self, entry):
-        if entry.get("event") in ("heartbeat", "claim") or entry.get("actor") == "hq":
+        event = entry.get("event")
+        self._notify_for(entry)
+        if event in ("heartbeat", "claim") or entry.get("actor") in ("hq", "pipeline"):
             return
+        if event in ("check_passed", "check_failed", "submit"):
+            self._show_checks(entry)
         if entry.get("from") != entry.get("to"):
             self.emit(HqMessage("transition", "%s → %s  (%s by %s)" % (
-                entry.get("from"), entry.get("to"), entry.get("event"), entry.get("actor"))))
+                entry.get("from"), entry.get("to"), event, entry.get("actor")), "transition",
+                {"from": entry.get("from"), "to": entry.get("to"), "by": event,
+                 "actor": entry.get("actor"), "task_id": entry.get("task_id"),
+                 "seq": entry.get("seq")}))
+        # What the agents said, from the content files the entry wrote (still current:
+        # HQ reads each entry within moments of its commit).
+        shown = {"submit": ("SUBMISSION.md", "submission", "submission", 4),
+                 "reject": ("REVIEW.md", "review", "review notes", 8),
+                 "human_reject": ("REVIEW.md", "review", "the human's review notes", 8),
+                 "consult": ("CONSULT_REQUEST.md", "consult", "consultation", 8),
+                 "respond_consult": ("CONSULT_RESPONSE.md", "consult_answer",
+                                     "the supervisor answers", 8),
+                 "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
+        if shown is not None:
+            name, kind, title, count = shown
+            lines = first_lines(self.store.read_file(name), count)
+            if lines:
+                key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
+                    kind, "answer")
+                self.emit(HqMessage("info", "%s:\n  %s" % (title, "\n  ".join(lines)), kind,
+                                    {key: "\n".join(lines), "task_id": entry.get("task_id")}))
+
+    def _show_checks(self, entry):
+        """One line per check command (the failing ones with their last lines), then the
+        gate's verdict, from the entry's detail."""
+        detail = entry.get("detail") or {}
+        checks = [c for c in detail.get("checks") or [] if isinstance(c, dict)]
+        if not checks:
+            return
+        for check in checks:
+            passed = check.get("status") == "passed"
+            tail = [] if passed else check_log_tail(self.store, check.get("log"))
+            secs = check.get("secs") if isinstance(check.get("secs"), (int, float)) else 0
+            took = format_duration(secs) if secs >= 1 else "%.1fs" % secs
+            if check.get("status") == "failed" and check.get("exit") is not None:
+                took = "exit %s, %s" % (check.get("exit"), took)
+            text = "check %s: %s (%s)" % (check.get("status"), check.get("command"), took)
+            if tail:
+                text += "\n" + "\n".join("    │ " + line for line in tail)
+            self.emit(HqMessage("info" if passed else "warning", text, "check",
+                                dict(check, tail=tail)))
+        passed = entry.get("event") != "check_failed"
+        during = "submit" if entry.get("event") == "submit" or \
+            detail.get("during") == "submit" else "check"
+        if passed:
+            text = "checks passed" + (" — submitting for review" if during == "submit" else "")
+        else:
+            text = "checks failed%s (retry %s); full log %s" % (
+                " on submit" if during == "submit" else "", detail.get("retries", "?"),
+                detail.get("log"))
+        self.emit(HqMessage("info" if passed else "warning", text, "checks", {
+            "passed": passed, "during": during, "retries": detail.get("retries"),
+            "log": detail.get("log"), "task_id": entry.get("task_id")}))
+
+    def _notify_for(self, entry):
+        """The journal entries worth a notification ([notify] picks which)."""
+        event, detail, task = entry.get("event"), entry.get("detail") or {}, entry.get("task_id")
+        if entry.get("actor") == "pipeline":
+            return                      # the pipeline orchestrator announces its own
+        if entry.get("to") == S.FAILED.value and entry.get("from") != S.FAILED.value:
+            reason = self.store.read_state().failure_reason or event
+            self.notifier.notify("failed", task, reason.splitlines()[0] if reason else "")
+            return
+        if event == "capacity_checkpoint":
+            action = detail.get("action")
+            self.notifier.notify("emergency_stop" if action == EMERGENCY_STOP else "checkpoint",
+                                 task, "capacity %s before %s" % (action, detail.get("target")))
+            return
+        sources = {"create_task": ("task_created", "TASK.md"),
+                   "submit": ("submitted", "SUBMISSION.md"), "reject": ("rejected", "REVIEW.md"),
+                   "ask_human": ("awaiting_human", "QUESTION.md"),
+                   "approve": ("complete", "TASK.md"), "human_approve": ("complete", "TASK.md"),
+                   "human_reject": ("rejected", "REVIEW.md")}
+        if event == "approve" and entry.get("to") == S.AWAITING_CONFIRMATION.value:
+            # [hq] human_review: the reviewer approved and the human must confirm.
+            self.notifier.notify("awaiting_human", task, "the reviewer approved; confirm with "
+                                 "`ferrus approve` or send it back with `ferrus reject NOTES`")
+            return
+        if event in sources:
+            name, source = sources[event]
+            lines = first_lines(self.store.read_file(source), 1, 200)
+            self.notifier.notify(name, task, lines[0] if lines else "")
+
+    def _watch_checks(self):
+        """A check command that starts is shown at once (its result comes with the
+        journal entry); its pid file in .ferrus/check-processes/ says it runs."""
+        now = self.clock()
+        if now < self._next_check_scan:
+            return
+        self._next_check_scan = now + self.CHECK_SCAN_EVERY
+        running = running_check_commands(self.store)
+        for check_id, command in running.items():
+            if check_id not in self.checks_seen:
+                self.checks_seen[check_id] = (command, now)
+                self.emit(HqMessage("info", "check running: %s" % command, "check_started",
+                                    {"command": command}))
+        for check_id in [c for c in self.checks_seen if c not in running]:
+            del self.checks_seen[check_id]
+
+    def _heartbeat(self):
+        now = self.clock()
+        if now - self.last_activity < self.HEARTBEAT_SECS:
+            return
+        running = [slot for slot in self.slots.values()
+                   if slot.process is not None and slot.started_at is not None]
+        if not running:
+            self.last_activity = now
+            return
+        for slot in running:
+            calls = self.tool_calls_of(slot)
+            secs = now - slot.started_at
+            text = "%s working, %s, %d tool call%s" % (slot.name, format_duration(secs), calls,
+                                                      "" if calls == 1 else "s")
+            checks = ["%s (%s)" % (command, format_duration(now - since))
+                      for command, since in self.checks_seen.values()]
+            if checks:
+                text += "; check running: " + ", ".join(checks)
+            said = slot.process.last_text
+            if said:
+                text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+            self.emit(HqMessage("agent", text, "heartbeat", {
+                "slot": slot.name, "secs": round(secs, 1), "tool_calls": calls,
+                "checks_running": [c for c, _ in self.checks_seen.values()],
+                "last_output": said}))
+
+    def tool_calls_of(self, slot):
+        """The running session's tool calls: from its own streamed output, or, for an
+        agent that streams nothing ferrus reads, its ferrus tool calls (the MCP servers
+        count them per task)."""
+        mcp = 0
+        with contextlib.suppress(FerrusError, OSError):
+            mcp = tool_calls_for_task(self.store, self.store.read_state().task_id) - \
+                slot.mcp_calls_before
+        return max(slot.tool_calls, mcp, 0)
 
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
@@ -8005,17 +9743,39 @@ class HqController:
             question = self.store.read_file("QUESTION.md").strip()
             if question and question != self.shown_question:
                 self.shown_question = question
-                self.emit(HqMessage("question", question))
+                self.emit(HqMessage("question", question, "question",
+                                    {"question": question, "task_id": data.task_id}))
         else:
             self.shown_question = None
+        if data.state == S.AWAITING_CONFIRMATION:
+            waiting = (data.task_id, data.state_entered_at)
+            if waiting != self.shown_confirmation:
+                self.shown_confirmation = waiting
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data),
+                                    "confirmation", {"task_id": data.task_id}))
+        else:
+            self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
-                self.emit(HqMessage("info", "Task complete."))
+                self.emit(HqMessage("info", "Task complete.", "complete",
+                                    {"task_id": data.task_id}))
             elif data.state == S.FAILED:
-                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
-            if data.state in (S.IDLE, S.COMPLETE, S.FAILED):
+                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
+                                    "failed", {"task_id": data.task_id,
+                                               "reason": data.failure_reason}))
+            if data.state == S.IDLE:
                 self.stop_all(quiet=True)
+            # An agent that ended the task (the reviewer's approve) is still saying its
+            # last words; they carry its usage and cost, so it gets a moment to exit.
+            # While the human decides, too, no agent has anything more to do.
+            self.finishing_since = time.monotonic() if data.state in (
+                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION) else None
             self.last_state = data.state
+        if self.finishing_since is not None and (
+                not self.running() or
+                time.monotonic() - self.finishing_since >= self.FINISH_GRACE_SECS):
+            self.finishing_since = None
+            self.stop_all(quiet=True)
         needed = self.needed_slots(data)
         for name, prompt in needed.items():
             self._advance(self.slots[name], prompt, data)
@@ -8039,10 +9799,12 @@ class HqController:
     def signals(self, extra_parallel=0):
         data = self.store.read_state()
         task = data.task_id
+        for slot in self.running():        # the gate reads what the records say
+            self._save_counts(slot, force=True)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
                           sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
-                          tokens_used=self.tokens_by_task.get(task, 0),
+                          tokens_used=self._task_tokens(task),
                           parallel_agents=len(self.running()) + extra_parallel)
         base = self.baseline
         return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
@@ -8059,7 +9821,6 @@ class HqController:
         signals = self.signals(extra_parallel)
         tier, action, worst = classify(signals, limits)
         record = gate_record(target, tier, action, signals, limits, worst)
-        self.last_gate = record
         with contextlib.suppress(FerrusError, OSError):
             self.store.append_event("hq", "gate", record)
         if action in (CHECKPOINT, EMERGENCY_STOP):
@@ -8158,6 +9919,9 @@ class HqController:
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            self._open_record(slot, launch, log_path, None)
+            self._close_record(slot, None, "not started", note="%s: %s" % (
+                launch.argv[0], err.strerror or err))
             # A start that fails counts as a failed session: back off, retry, and stop
             # at the thresholds instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
@@ -8165,7 +9929,12 @@ class HqController:
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
-        slot.tool_calls = slot.tokens = 0
+        slot.tool_calls = slot.events_shown = 0
+        slot.started_at = self.clock()
+        with contextlib.suppress(FerrusError, OSError):
+            slot.mcp_calls_before = tool_calls_for_task(self.store,
+                                                        self.store.read_state().task_id)
+        self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -8187,14 +9956,17 @@ class HqController:
         process = slot.process
         now = self.clock()
         if process is not None:
-            calls = sum(1 for e in process.events if e.kind == "tool_call")
-            tokens = sum(e.input_tokens + e.output_tokens for e in process.events
-                         if e.kind == "usage")
-            if tokens != slot.tokens:
-                task = self.store.read_state().task_id
-                self.tokens_by_task[task] = self.tokens_by_task.get(task, 0) + tokens - slot.tokens
-                slot.tokens = tokens
-            slot.tool_calls = calls
+            slot.tool_calls = process.tally.tool_calls
+            self._save_counts(slot)
+            # One compact line per tool call the agent's streamed output reported.
+            events = process.events[slot.events_shown:]
+            slot.events_shown += len(events)
+            for event in events:
+                if event.kind == "tool_call":
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        slot.name, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"slot": slot.name, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -8205,6 +9977,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "timeout")
                 self._step(slot, SessionEvent("SessionExited", outcome="timeout"))
                 self._arm_backoff(slot)
         elif slot.state == SS.INTERRUPTING and process is not None:
@@ -8212,6 +9985,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "interrupted")
                 self._step(slot, SessionEvent("SessionExited", outcome="interrupted"))
             elif slot.timer is not None and now >= slot.timer:
                 self._step(slot, SessionEvent("GraceExceeded"))
@@ -8228,6 +10002,13 @@ class HqController:
                          or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
                          for entry in self.store.read_journal(after_seq=slot.start_seq))
         limit = process.limit()
+        self._close_record(slot, process, "usage limit" if limit and not progressed else
+                           "success" if code == 0 and progressed else
+                           "agent error" if process.fatal is not None and not progressed else
+                           "no progress" if code == 0 else "error",
+                           note=("resets %s" % limit if limit and not progressed else
+                                 process.fatal[1] if process.fatal is not None and not progressed
+                                 else None))
         if limit and not progressed:
             wait = usage_limit_wait(limit)
             self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
@@ -8271,17 +10052,21 @@ class HqController:
         slot.session, effect = session_step(slot.session, event)
         if effect == CANCEL_SESSION and slot.process is not None:
             if slot.session.state == SS.STOPPED:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped")
             else:
                 self._interrupt(slot)
         elif effect == FORCE_STOP_SESSION and slot.process is not None:
-            slot.process.terminate(grace=0)
-            slot.process.finish()
+            process = slot.process
+            process.terminate(grace=0)
+            process.finish()
             slot.process = None
             self._record_agent(slot, "suspended")
+            self._close_record(slot, process, "killed", note="it outlived interrupt_grace_secs")
         elif isinstance(effect, tuple) and effect[0] == LOG_FATAL:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
@@ -8338,6 +10123,39 @@ class HqController:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(slot.process.pid, signal.SIGTERM)
         slot.timer = self.clock() + self.limits.interrupt_grace_secs
+
+    # -- session records ---------------------------------------------------------------
+
+    def _open_record(self, slot, launch, log_path, pid):
+        agent, model = "unknown", ""
+        with contextlib.suppress(FerrusError):
+            choice = getattr(self.store.config(), slot.role)
+            if choice is not None:
+                agent, model = choice.agent, choice.model or ""
+        slot.record = open_session_record(
+            self.store, slot.session_id, slot=slot.name, role=slot.role, agent=agent,
+            model=model, task_id=self.store.read_state().task_id, pid=pid,
+            log=self.store.relpath(log_path), argv=list(launch.argv), prompt=slot.session.prompt)
+        slot.record_due = self.clock() + SESSION_RECORD_EVERY
+
+    def _save_counts(self, slot, force=False):
+        """Persist a running session's counts, at most once a second unless forced."""
+        now = self.clock()
+        if slot.record is None or slot.process is None or (not force and now < slot.record_due):
+            return
+        if update_session_counts(self.store, slot.record, slot.process.tally):
+            slot.record_due = now + SESSION_RECORD_EVERY
+
+    def _close_record(self, slot, process, outcome, note=None):
+        record, slot.record = slot.record, None
+        if record is not None:
+            close_session_record(self.store, record, outcome,
+                                 process.proc.returncode if process is not None else None,
+                                 process.tally if process is not None else None, note)
+
+    def _task_tokens(self, task):
+        summary = task_usage(self.store, task)
+        return summary["input_tokens"] + summary["output_tokens"]
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
@@ -8407,13 +10225,24 @@ class HqController:
     def running(self):
         return [slot for slot in self.slots.values() if slot.process is not None]
 
+    def wind_down(self, poll_interval=0.02):
+        """Let the agents still running after the task ended exit on their own (at most
+        FINISH_GRACE_SECS), so their records get their final usage."""
+        deadline = time.monotonic() + self.FINISH_GRACE_SECS + 1.0
+        while self.finishing_since is not None and time.monotonic() < deadline:
+            self.poll()
+            if self.finishing_since is not None:
+                time.sleep(poll_interval)
+
     def shutdown(self):
         for slot in self.slots.values():
             if slot.process is not None:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped", note="its orchestrator ended")
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
@@ -8422,20 +10251,44 @@ RUN_COMPLETE, RUN_FAILED, RUN_TIMEOUT, RUN_NEEDS_HUMAN = 0, 1, 3, 4
 RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the run with 3
 
 
+RUN_OUTPUT_MODES = ("lines", "quiet", "json")
+# What `ferrus run --quiet` leaves out: the running commentary, not what happened.
+QUIET_EVENTS = ("tool_call", "heartbeat", "check_started", "session")
+
+
+def run_printer(out, mode="lines"):
+    """``show(message)`` for `ferrus run`: a line per message, fewer with "quiet", one
+    JSON object per message with "json" (for CI logs and other programs)."""
+    def show(message):
+        if mode == "quiet" and (message.event in QUIET_EVENTS or (
+                message.event == "check" and message.data.get("status") == "passed")):
+            return
+        out(_run_json(message) if mode == "json" else _run_line(message))
+    return show
+
+
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
-             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False):
+             clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
+             review=None, mode="lines", bell=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
-    so the run ends with exit 4).  ``origin`` is the (spec, milestone id) the task
-    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
+    so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
+    ("reject", notes) or None`` is the human's word on a reviewer's approval when
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is
+    the (spec, milestone id) the task implements; a Failed task is replaced only with
+    ``reset``.  ``mode`` is one of RUN_OUTPUT_MODES; ``bell()`` rings the terminal's bell
+    for [notify].  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, mode)
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
     data = store.read_state()
-    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
-                              launcher=launcher)
+    controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
     if not controller.recheck_checkpoint():
-        out("ferrus run: the capacity checkpoint still holds (%s); raise the limit in "
-            "[capacity] and run again" % controller.checkpoint.get("signal"))
+        note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
+             "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
         return RUN_CHECKPOINT
     if task is not None and controller.gate("transition:create_task") in (
             CHECKPOINT, EMERGENCY_STOP):
@@ -8456,7 +10309,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
         # may have staged.
-        op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        for warning in created.data.get("warnings", ()):
+            out("ferrus run: warning: %s" % warning)
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -8465,39 +10320,55 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                          "pass --resume to continue it")
     started = clock()
     if not store.config().checks.commands:
-        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
-    out("ferrus run: %s" % controller.describe_state())
+        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
+    # The task's creation (Idle → Executing) first, then where the run starts from.
+    controller.drain_journal()
+    note(controller.describe_state(), task_id=store.read_state().task_id)
     try:
         while True:
             controller.poll()
             data = store.read_state()
             controller.catch_up(data.rev)
-            if data.state == S.COMPLETE:
-                return RUN_COMPLETE
-            if data.state == S.FAILED:
-                return RUN_FAILED
+            if data.state in (S.COMPLETE, S.FAILED):
+                controller.wind_down(poll_interval)
+                return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
             if controller.checkpoint and not controller.running():
-                out("ferrus run: stopped at a capacity checkpoint; raise the limit in [capacity] "
-                    "and run `ferrus run --resume`")
+                note("stopped at a capacity checkpoint; raise the limit in [capacity] and run "
+                     "`ferrus run --resume`", exit=RUN_CHECKPOINT)
                 return RUN_CHECKPOINT
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
-                    out("ferrus run: an agent asked a human and nobody can answer here "
-                        "(stdin is not a terminal); answer with HQ or `ferrus run --resume` "
-                        "in a terminal")
+                    note("an agent asked a human and nobody can answer here (stdin is not a "
+                         "terminal); answer with HQ or `ferrus run --resume` in a terminal",
+                         exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
+            if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+                decision = review(confirmation_summary(store, data)) if review else None
+                if decision is None:
+                    note("the task waits for a human's confirmation of the reviewer's "
+                         "approval; run `ferrus approve`, or `ferrus reject NOTES` and then "
+                         "`ferrus run --resume`", exit=RUN_NEEDS_HUMAN)
+                    return RUN_NEEDS_HUMAN
+                verdict, notes = decision
+                try:
+                    if verdict == "approve":
+                        op_human_approve(store, HUMAN, via="run")
+                    else:
+                        op_human_reject(store, HUMAN, notes, via="run")
+                except FerrusError as err:      # e.g. someone else decided meanwhile
+                    note(err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: the %s is stopped (the reason is above)"
-                    % " and the ".join(stuck))
+                note("giving up: the %s is stopped (the reason is above)"
+                     % " and the ".join(stuck), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
-                out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
-                                                                    data.state))
+                note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
+                     exit=RUN_TIMEOUT)
                 return RUN_TIMEOUT
             time.sleep(poll_interval)
     finally:
@@ -8513,7 +10384,11 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     follows until none is left; any other ending (Failed, a question nobody can answer,
     a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, run_options.get("mode", "lines"))
     started = clock()
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
 
     def time_left():
         return None if timeout is None else max(0.0, timeout - (clock() - started))
@@ -8527,8 +10402,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     while True:
         found = find_milestone(store, wanted)
         if found is None:
-            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
-                                    if finished else "every milestone of the spec is complete"))
+            note("every milestone is complete (%d done in this run)" % finished
+                 if finished else "every milestone of the spec is complete")
             return RUN_COMPLETE
         path, text, milestone = found
         state = store.read_state().state
@@ -8543,7 +10418,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                               "tick `- [x]` on its line in the spec, then run again")
         previous = (path, milestone.id)
         op_select_milestone(store, HUMAN, path, milestone.id)
-        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        note("milestone %s (%s) of %s" % (milestone.display(), milestone.id, path),
+             milestone=milestone.id, spec=path)
         code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
                         out=out, clock=clock, origin=(path, milestone.id), reset=reset,
                         **run_options)
@@ -8555,11 +10431,26 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
 
 
 def _run_line(message):
+    if message.event == "run":
+        return message.text            # ferrus run's own words, as they always were
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
+    if message.kind == "confirm":
+        return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
+
+
+def _run_json(message):
+    """One message as one JSON line: time, event, level, text, then the event's facts."""
+    record = {"time": format_timestamp(utc_now()), "event": message.event or "info",
+              "level": message.kind, "text": message.text}
+    for key, value in message.data.items():
+        record.setdefault(key, value)
+    # Insertion order (time, event, level, text first) reads better than sorted keys.
+    return json_for_terminal(json.dumps(record, ensure_ascii=False, separators=(",", ":"),
+                                        default=str))
 
 
 # -- HQ front end: plain lines ------------------------------------------------------------
@@ -8703,7 +10594,7 @@ def parse_workflows(text, path, known_agents=None):
     except ValueError as err:
         raise FerrusError("%s is not valid JSON: %s" % (path, err),
                           "fix the syntax (`ferrus pipeline init` in a project without a workflows "
-                          "file writes a valid example)")
+                          "file writes a valid example)") from err
     _check(isinstance(raw, dict), path, "the top level", "must be an object of pipelines", raw)
     # JSON has no comments, so one top-level "_comment" key may hold them.
     return {name: _parse_pipeline(path, name, body, known_agents)
@@ -8791,7 +10682,7 @@ def read_workflows(root, config):
         text = read_text(os.path.join(root, name))
     except FileNotFoundError:
         raise FerrusError("%s not found in %s" % (name, root),
-                          "`ferrus pipeline init` writes an example to edit")
+                          "`ferrus pipeline init` writes an example to edit") from None
     return name, text, parse_workflows(text, name, BUILTIN_AGENTS + tuple(config.agents.custom))
 
 
@@ -8981,7 +10872,8 @@ def read_run(store, ref, with_definition=False):
         if not 0 <= status["current_phase"] < len(status["phases"]):
             raise IndexError("current_phase %r is not a phase" % status["current_phase"])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err), hint)
+        raise FerrusError("%s is damaged (%s: %s)" % (where, type(err).__name__, err),
+                          hint) from err
     run = PipelineRun(name, path, archived, status)
     if with_definition:
         snapshot = os.path.join(path, "workflow.json")
@@ -9112,6 +11004,7 @@ class PipelineOrchestrator:
                 self._run = None
                 if self._pending or json.dumps(run.status, sort_keys=True) != before:
                     self._save(run)
+                self._settle_records(run)
                 self._sweep(run)
 
     def _decide(self, run):
@@ -9252,6 +11145,75 @@ class PipelineOrchestrator:
     def _base(self, run, role, entry):
         return run.file("logs", "%s-%d" % (role, entry["attempts"]))
 
+    # -- session records ------------------------------------------------------------------
+
+    @staticmethod
+    def _record_id(run, role, entry):
+        """A worker attempt's record is named by the run, role and attempt, so whichever
+        orchestrator sees the attempt end can close it."""
+        return "w-%s-%s-%d" % (run.name, role, entry["attempts"])
+
+    # How an ended worker attempt's record reads, by the worker's status after it.
+    _RECORD_OUTCOME = {"completed": "success", "failed": "failed", "cooling": "error",
+                       "cancelled": "cancelled", "pending": "stopped"}
+
+    def _settle_records(self, run):
+        """Close the record of every worker attempt that is over and whose process has
+        exited; its counts are read from its log, which then holds all of its output."""
+        records = {r["id"]: r for r in read_session_records(self.store)
+                   if r.get("pipeline") == run.name and r.get("status") == "running"}
+        if not records:
+            return
+        workers = {w.role: w for p in run.definition.phases for w in p.workers}
+        for phase in run.status["phases"]:
+            for role, entry in phase["workers"].items():
+                record = records.get(self._record_id(run, role, entry))
+                if record is None or entry["status"] in WORKER_RUNNING:
+                    continue
+                token, process = self._processes.get((run.name, role), (None, None))
+                if process is not None and token == entry["token"]:
+                    if process.poll() is None:
+                        continue        # it wrote its output and is still finishing
+                elif isinstance(record.get("pid"), int) and worker_pid_running(record["pid"]):
+                    continue
+                tally = None
+                with contextlib.suppress(FerrusError):
+                    worker = workers.get(role)
+                    parse_line = adapter_for(self.config, worker.agent if worker else
+                                             record.get("agent") or "").parse_line
+                    tally = usage_from_log(self._base(run, role, entry) + ".log", parse_line)
+                close_session_record(self.store, dict(record),
+                                     self._RECORD_OUTCOME.get(entry["status"], entry["status"]),
+                                     getattr(process, "returncode", None)
+                                     if token == entry["token"] else None, tally,
+                                     entry.get("message") or None)
+
+    def _relocate_records(self, run, old_path):
+        """The run folder moved (to the archive): its records name the logs' new place."""
+        old, new = self.store.relpath(old_path) + "/", self.store.relpath(run.path) + "/"
+        for shared in read_session_records(self.store):
+            if shared.get("pipeline") == run.name and str(shared.get("log")).startswith(old):
+                record = dict(shared, log=new + shared["log"][len(old):])
+                with contextlib.suppress(OSError):
+                    write_session_record(self.store, record)
+
+    def await_workers(self, ref, grace=10.0, poll_interval=0.1):
+        """After a run ends: give its workers that are still finishing (their output is
+        written, their last words are not) a moment to exit, so their records get the
+        final counts and cost; whatever still runs after ``grace`` is closed later."""
+        run = read_run(self.store, ref)
+        over = {role for p in run.status["phases"] for role, w in p["workers"].items()
+                if w["status"] not in WORKER_RUNNING}
+        finishing = [process for (name, role), (_, process) in list(self._processes.items())
+                     if name == run.name and role in over]
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in finishing):
+            time.sleep(poll_interval)
+        with self._lock():
+            run = read_run(self.store, ref, with_definition=True)
+            self._settle_records(run)
+            self._sweep(run)
+
     def _sweep(self, run):
         """Forget, and so reap, the exited processes whose exit is already recorded."""
         watched = {role for p in run.status["phases"]
@@ -9349,6 +11311,11 @@ class PipelineOrchestrator:
             self._exited(run, worker, entry, "could not start: %s" % err)
             return
         self._processes[(run.name, worker.role)] = (token, process)
+        open_session_record(self.store, self._record_id(run, worker.role, entry), slot="worker",
+                            role=worker.role, agent=worker.agent, model=worker.model or "",
+                            pipeline=run.name, pid=process.pid,
+                            log=self.store.relpath(self._base(run, worker.role, entry) + ".log"),
+                            argv=list(launch.argv), prompt=prompt)
         self._step(run, worker.role, SessionEvent("SessionStarted", entry["attempts"]))
         entry.update(pid=process.pid, message="")
         self._note(run, "worker_spawned", "%s spawned (pid %d, attempt %d, agent %s)%s" % (
@@ -9365,7 +11332,10 @@ class PipelineOrchestrator:
         if not limits.enabled() or self._run is None:
             return CONTINUE
         workers = [w for p in self._run.status["phases"] for w in p["workers"].values()]
+        used = usage_summary([r for r in read_session_records(self.store)
+                              if r.get("pipeline") == self._run.name])
         signals = Signals(sessions=sum(w["attempts"] for w in workers) + 1,
+                          tokens_used=used["input_tokens"] + used["output_tokens"],
                           parallel_agents=sum(w["status"] in WORKER_RUNNING for w in workers) + 1)
         tier, action, worst = classify(signals, limits)
         with contextlib.suppress(FerrusError, OSError):
@@ -9395,9 +11365,11 @@ class PipelineOrchestrator:
         if not run.archived:
             archive = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE)
             os.makedirs(archive, exist_ok=True)
+            old_path = run.path
             os.replace(run.path, os.path.join(archive, run.name))
             fsync_directory(archive)
             run.path, run.archived = os.path.join(archive, run.name), True
+            self._relocate_records(run, old_path)
             self._note(run, "archived", "run %s archived in %s" % (
                 run.name, self.store.relpath(run.path)), to=self.store.relpath(run.path))
         if run.status.get("cancelled"):
@@ -9487,6 +11459,8 @@ class PipelineOrchestrator:
         """Reconcile until the run is done or needs a human: the foreground loop."""
         while True:
             outcome = self.reconcile(ref)
+            if outcome.finished:
+                self.await_workers(outcome.run, poll_interval=poll_interval)
             if outcome.finished or (should_stop is not None and should_stop()):
                 return outcome
             time.sleep(poll_interval)
@@ -9742,6 +11716,8 @@ Idle → Executing → Reviewing → Complete, with these detours:
 - Executing/Addressing/Consultation/Reviewing → AwaitingHuman (`ask_human`) →
   back (`answer` by a human, read with `wait_for_answer`)
 - Reviewing → Addressing (`reject`); check failures stay in place
+- when the project sets `[hq] human_review`, `approve` leads to AwaitingConfirmation:
+  only the human then approves (Complete) or rejects (Addressing); agents wait
 - too many check failures or rejections → Failed (a human resets it)
 
 ## Tools by role
@@ -9781,7 +11757,8 @@ description: Playbook for the ferrus supervisor — defining tasks, reviewing su
 
 ## Reviewing
 - Start with `wait_for_review`; read the task, the submission notes and the
-  diff itself, not only the notes.
+  diff itself, not only the notes: `review_pending` shows its stat and first
+  part, `ferrus://diff` all of it, `ferrus://diff/<path>` one file.
 - Approve when every acceptance criterion holds.  Otherwise `reject` with
   notes that name the file, the problem and the expected result.
 - Do not fix the code yourself.
@@ -10069,7 +12046,8 @@ def _journal_findings(store, data):
 
 def _content_findings(store, data):
     findings = []
-    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_HUMAN: "QUESTION.md",
+    expect = {S.REVIEWING: "SUBMISSION.md", S.AWAITING_CONFIRMATION: "SUBMISSION.md",
+              S.AWAITING_HUMAN: "QUESTION.md",
               S.CONSULTATION: "CONSULT_REQUEST.md", S.EXECUTING: "TASK.md",
               S.ADDRESSING: "REVIEW.md"}
     name = expect.get(data.state)
@@ -10277,11 +12255,36 @@ def _color_enabled(stream):
 
 
 _STATE_COLORS = {"Idle": "2", "Executing": "36", "Addressing": "33", "Consultation": "35",
-                 "AwaitingHuman": "1;33", "Reviewing": "34", "Complete": "32", "Failed": "1;31"}
+                 "AwaitingHuman": "1;33", "AwaitingConfirmation": "1;33", "Reviewing": "34",
+                 "Complete": "32", "Failed": "1;31"}
 
 
 def _paint(text, code, enabled):
     return "\033[%sm%s\033[0m" % (code, text) if enabled and code else text
+
+
+def _diff_line_kind(line):
+    """How a line of ``ferrus diff`` output is coloured: diff+, diff-, diff@, diffmeta or None."""
+    if line.startswith(("+++ ", "--- ", "diff --git ")):
+        return "diffmeta"
+    if line.startswith("+"):
+        return "diff+"
+    if line.startswith("-"):
+        return "diff-"
+    if line.startswith("@@"):
+        return "diff@"
+    if line.startswith(("warning:", "note:", "[ferrus:")):
+        return "warning"
+    return None
+
+
+_DIFF_COLORS = {"diff+": "32", "diff-": "31", "diff@": "36", "diffmeta": "1", "warning": "33"}
+
+
+def paint_diff(text, color):
+    """``ferrus diff`` output made safe for a terminal, coloured when ``color``."""
+    return "\n".join(_paint(line, _DIFF_COLORS.get(_diff_line_kind(line)), color)
+                     for line in terminal_safe(text).split("\n"))
 
 
 def format_event(entry, color=False):
@@ -10294,7 +12297,11 @@ def format_event(entry, color=False):
     change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
-    detail = entry.get("detail") or {}
+    detail = dict(entry.get("detail") or {})
+    if isinstance(detail.get("checks"), list):
+        # Each command's result in brief; its log path is in `ferrus log --json`.
+        detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
+                                    for c in detail["checks"] if isinstance(c, dict))
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
@@ -10354,17 +12361,21 @@ HQ_COMMANDS = (
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
     ("/reset-spec", "", "clear the spec selection"),
     ("/status", "", "state, counters, lease, and each agent session"),
-    ("/log", "[N]", "the last N journal entries (default 20)"),
+    ("/log", "[N] [--all]", "the last N journal entries (default 20); --all also shows "
+                            "bookkeeping (sessions, leases, heartbeats)"),
     ("/agents", "", "installed agents and their registration"),
     ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
     ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
     ("/check", "[--force]", "run the check gate"),
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
     ("/review", "", "start the reviewer again"),
+    ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
+    ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
     ("/stop", "", "stop every agent session"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
      "file-driven pipelines (workflows.json), followed in the background"),
+    ("/diff", "[--stat] [PATH]", "the task's changes since its base (git)"),
     ("/reset", "", "return to Idle (asks first)"),
     ("/supervisor", "", "an interactive supervisor session"),
     ("/executor", "", "an interactive executor session"),
@@ -10393,7 +12404,13 @@ class HqShell:
         self.lines = collections.deque()
         self.held = None            # messages queued while an interactive agent has the terminal
         self.done = False
-        self.controller = HqController(store, self.show, clock=clock)
+        self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+
+    def ring_bell(self):
+        """[notify] bell: only on a terminal (a pipe would get a stray BEL byte)."""
+        if hasattr(self.stdout, "isatty") and self.stdout.isatty():
+            self.stdout.write("\a")
+            self.stdout.flush()
 
     def show(self, message):
         if self.held is not None:
@@ -10403,6 +12420,8 @@ class HqShell:
         if message.kind == "question":
             self.write("\n[AWAITING YOUR ANSWER]\n%s\n\nType your answer and press Enter." %
                        message.text)
+        elif message.kind == "confirm":
+            self.write("\n[AWAITING YOUR CONFIRMATION]\n%s" % message.text)
         else:
             self.write(prefix + message.text)
 
@@ -10473,6 +12492,10 @@ class HqShell:
 
     def answer(self, text):
         data = self.store.read_state()
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write("error: the reviewer's approval waits for you: /approve, or /reject "
+                       "NOTES (a plain line answers only an agent's question)")
+            return
         if data.state != S.AWAITING_HUMAN:
             self.write("error: commands start with '/' (try /help); nobody is waiting for an "
                        "answer (state %s)" % data.state)
@@ -10493,10 +12516,23 @@ class HqShell:
 
     # -- commands ----------------------------------------------------------------------
 
+    HELP_WIDTH = 80        # /help fits an 80-column terminal
+    HELP_COLUMN = 24       # where the descriptions start
+
     def cmd_help(self, rest):
-        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
+        import textwrap
+        width, column = self.HELP_WIDTH, self.HELP_COLUMN
         for name, args, what in HQ_COMMANDS:
-            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
+            usage = ("%s %s" % (name, args)).strip()
+            body = textwrap.wrap(what, width - column)
+            if len(usage) <= column - 3:
+                lines = ["  " + usage.ljust(column - 2) + body[0]]
+                body = body[1:]
+            else:              # a long usage gets its own lines, the description below it
+                lines = textwrap.wrap(usage, width - 2, initial_indent="  ",
+                                      subsequent_indent="    ")
+            lines += [" " * column + line for line in body]
+            self.write("\n".join(lines))
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
@@ -10517,11 +12553,46 @@ class HqShell:
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
             self.write("  " + slot.describe())
+        records = [r for r in read_session_records(self.store)
+                   if data.task_id and r.get("task_id") == data.task_id]
+        if records:
+            self.write("task %s: %s" % (data.task_id, format_usage(usage_summary(records))))
+            for record in records[-STATUS_SESSIONS_SHOWN:]:
+                self.write("  " + terminal_safe(describe_session(record)))
+        if data.state == S.AWAITING_CONFIRMATION:
+            self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
-        count = int(rest) if rest.isdigit() else 20
-        for entry in self.store.read_journal(limit=count):
+        words = rest.split()
+        everything = "--all" in words
+        numbers = [w for w in words if w != "--all"]
+        if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
+            raise UsageError("usage: /log [N] [--all]")
+        count = int(numbers[0]) if numbers else 20
+        entries = journal_story(self.store, count, everything)
+        for entry in entries:
             self.write(format_event(entry))
+        if not entries:
+            self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
+                                                                "bookkeeping entries"))
+
+    def cmd_diff(self, rest):
+        words = rest.split()
+        stat_only = "--stat" in words
+        paths = [w for w in words if w != "--stat"] or None
+        outcome = op_diff(self.store, HUMAN, stat_only=stat_only, paths=paths)
+        if not outcome.data.get("available"):
+            self.write(outcome.text + ("\nhint: %s" % outcome.data["hint"]
+                                       if outcome.data.get("hint") else ""))
+            return
+        self.page("diff", outcome.text)
+
+    def page(self, title, text):
+        """Long output (a diff): all of it here, coloured where the terminal allows."""
+        if _color_enabled(self.stdout):
+            print(paint_diff(text, True), file=self.stdout, flush=True)
+        else:
+            self.write(text)
 
     def cmd_agents(self, rest):
         for row in agents_report(self.store.root):
@@ -10573,8 +12644,24 @@ class HqShell:
         self.controller.restart_slots()
         self.write("Resuming the task (%s)." % data.state)
 
+    def cmd_approve(self, rest):
+        if rest:
+            raise UsageError("usage: /approve (it takes no arguments; /reject NOTES sends the "
+                             "task back)")
+        self.write(op_human_approve(self.store, HUMAN, via="hq").text)
+
+    def cmd_reject(self, rest):
+        if not rest:
+            raise UsageError("usage: /reject NOTES — say what must change; the executor gets "
+                             "them as review notes")
+        self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
+
     def cmd_review(self, rest):
-        if self.store.read_state().state != S.REVIEWING:
+        state = self.store.read_state().state
+        if state == S.AWAITING_CONFIRMATION:
+            raise FerrusError("the reviewer already approved; the task waits for you",
+                              "/approve, or /reject NOTES")
+        if state != S.REVIEWING:
             raise FerrusError("there is no submission to review")
         self.controller.restart_slots()
 
@@ -10596,6 +12683,9 @@ class HqShell:
 
     def cmd_reset(self, rest):
         data = self.store.read_state()
+        if data.state == S.IDLE:
+            self.write("Nothing to reset: the state is already Idle.")
+            return
         if data.state in ACTIVE_STATES and not self.confirm(
                 "The task is %s. Reset it to Idle and clear its files?" % data.state):
             return
@@ -10625,7 +12715,9 @@ class HqShell:
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(self.store, HUMAN)
         if rest and rest != "--manual":
-            op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            created = op_create_task(self.store, HUMAN, rest, origin=(None, None))
+            for warning in created.data.get("warnings", ()):
+                self.write("warning: %s" % warning)
             self.controller.paused = False
             return
         milestone = spec = None
@@ -10723,7 +12815,13 @@ class HqShell:
         except OSError as err:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
-                              adapter.install_hint())
+                              adapter.install_hint()) from err
+        # The terminal is the agent's, so ferrus reads none of its output: the record
+        # has the when and the exit, and says that its usage is unknown.
+        record = open_session_record(
+            self.store, env[SESSION_ENV], slot="interactive %s" % role, role=role,
+            agent=choice.agent, model=choice.model or "", pid=proc.pid, argv=list(launch.argv),
+            prompt=prompt, task_id=self.store.read_state().task_id, usage_reported=False)
         # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
         # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
         previous = None
@@ -10736,6 +12834,10 @@ class HqShell:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            close_session_record(self.store, record, "ended" if proc.poll() is not None
+                                 else "left running", proc.returncode,
+                                 note="interactive: its output went to the terminal, so its "
+                                      "tool calls, tokens and cost are not known")
             held, self.held = self.held, None
             for message in held:
                 self.show(message)
@@ -10745,8 +12847,10 @@ HISTORY_FILE = "~/.ferrus_history"
 HISTORY_KEEP = 1000
 _CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
                   "question": "MAGENTA", "agent": "GREEN",
+                  "diff+": "GREEN", "diff-": "RED", "diff@": "CYAN",
                   "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
-                  "AwaitingHuman": "YELLOW", "Reviewing": "BLUE", "Complete": "GREEN",
+                  "AwaitingHuman": "YELLOW", "AwaitingConfirmation": "YELLOW",
+                  "Reviewing": "BLUE", "Complete": "GREEN",
                   "Failed": "RED"}
 _CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
                      "PgUp/PgDn scroll · Ctrl+C twice quits")
@@ -10785,6 +12889,10 @@ class CursesHq(HqShell):
         self.notice, self.notice_until, self.last_ctrl_c = None, 0.0, 0.0
         self.status, self.status_due = ("", "", ""), 0.0
         self.attrs = collections.defaultdict(int)
+        self.bell_due = False        # rung at the next draw, from the thread that draws
+
+    def ring_bell(self):
+        self.bell_due = True
 
     # -- output --------------------------------------------------------------------------
 
@@ -10796,6 +12904,8 @@ class CursesHq(HqShell):
         if message.kind == "question":
             self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
                                  "Enter." % (stamp, message.text))
+        elif message.kind == "confirm":
+            self.add("question", "%s[AWAITING YOUR CONFIRMATION]\n%s" % (stamp, message.text))
         else:
             prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
             self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
@@ -11026,7 +13136,14 @@ class CursesHq(HqShell):
             parts.append("PAUSED (/resume)")
         if self.controller.checkpoint:
             parts.append("CAPACITY CHECKPOINT (/continue)")
-        slots = ["%s %s%s" % (slot.name, slot.session.state,
+        if data.task_id:
+            used = task_usage(self.store, data.task_id)
+            if used["sessions"]:
+                parts.append("%s tok%s" % (
+                    compact_count(used["input_tokens"] + used["output_tokens"]),
+                    " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
+                    if used["cost_usd"] is not None else ""))
+        slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%d tool calls)" % slot.tool_calls
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
@@ -11099,7 +13216,8 @@ class CursesHq(HqShell):
                 self.put(top + i, 0, option.ljust(width),
                          curses.A_REVERSE if first_option + i == self.selected else 0)
         else:
-            entries = self.transcript if self.view is None else [("agent", l) for l in self.view]
+            entries = self.transcript if self.view is None else [
+                line if isinstance(line, tuple) else ("agent", line) for line in self.view]
             for i, (kind, text) in enumerate(self._tail(entries, bottom - top, width)):
                 self.put(top + i, 0, text, self.attrs[kind])
         self.put(bottom, 0, self.hint(), curses.A_DIM)
@@ -11108,6 +13226,10 @@ class CursesHq(HqShell):
         with contextlib.suppress(curses.error):
             self.scr.move(bottom + 1 + cursor_row - first, min(cursor_col, width - 1))
         self.scr.refresh()
+        if self.bell_due:
+            self.bell_due = False
+            with contextlib.suppress(curses.error):
+                curses.beep()
 
     # -- dialogs -------------------------------------------------------------------------
 
@@ -11171,6 +13293,36 @@ class CursesHq(HqShell):
         index = self.select("Select a spec or milestone", [label for _, label in choices])
         if index is not None:
             self.write(op_select_milestone(self.store, HUMAN, *choices[index][0]).text)
+
+    def page(self, title, text):
+        """A pager over the transcript area: ↑↓ PgUp PgDn Home End move, q or Esc closes."""
+        curses = self.curses
+        lines = [(_diff_line_kind(line) or "output", line)
+                 for line in terminal_safe(text).expandtabs().split("\n")]
+        saved_scroll, self.scroll = self.scroll, len(lines) * 8     # _tail clamps: the top
+
+        def react(key):
+            page = max(1, self.scr.getmaxyx()[0] - 4)
+            moves = {curses.KEY_UP: 1, "k": 1, curses.KEY_DOWN: -1, "j": -1,
+                     curses.KEY_PPAGE: page, "b": page, curses.KEY_NPAGE: -page, " ": -page,
+                     curses.KEY_HOME: len(lines) * 8, "g": len(lines) * 8,
+                     curses.KEY_END: -len(lines) * 8, "G": -len(lines) * 8}
+            if key in moves:
+                self.scroll = max(0, self.scroll + moves[key])
+                return ...
+            if key == "\x1b":
+                if self.getkey(30) is None:
+                    return None                  # a lone Esc closes
+                while self.getkey(0) is not None:
+                    pass                         # a key curses did not decode: ignored
+                return ...
+            return None if key in ("q", "Q", "\x03", "\r", "\n", curses.KEY_ENTER) else ...
+        self.view = lines
+        try:
+            self._modal("%s — ↑↓ PgUp/PgDn Home/End (g/G) move · q closes" % title, react)
+        finally:
+            self.view, self.scroll = None, saved_scroll
+        self.write("(%s: %d lines shown in the pager)" % (title, len(lines)))
 
     def cmd_attach(self, rest):
         """The agent's live log in the transcript area until a key is pressed."""
@@ -11274,8 +13426,12 @@ def cmd_status(args, root):
         if config.hq_problem:
             notes.append(config.hq_problem.message)
     orchestrator = running_orchestrator(store)
+    task_records = [r for r in read_session_records(store)
+                    if data.task_id and r.get("task_id") == data.task_id]
     if args.json:
         info["orchestrator"] = orchestrator
+        info["usage"] = usage_summary(task_records)
+        info["sessions"] = [session_brief(r) for r in task_records]
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -11331,6 +13487,13 @@ def cmd_status(args, root):
             if capacity["checkpoint"] else "")))
     rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
                  "none running"))
+    if task_records:
+        rows.append(("usage", format_usage(usage_summary(task_records))))
+        shown = task_records[-STATUS_SESSIONS_SHOWN:]
+        if len(shown) < len(task_records):
+            rows.append(("sessions", "%d earlier: `ferrus sessions --task %s`" % (
+                len(task_records) - len(shown), data.task_id)))
+        rows.extend(("session", describe_session(record)) for record in shown)
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
@@ -11345,12 +13508,18 @@ def cmd_status(args, root):
     for label, value in rows:     # these rows carry ferrus's own colour codes, made safe above
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
+    if data.state == S.AWAITING_CONFIRMATION:
+        print("\n" + terminal_safe(confirmation_summary(store, data)))
     return 0
 
 
 def cmd_log(args, root):
     store = Store(root).require()
-    entries = store.journal_entries() if args.n is None else store.read_journal(limit=args.n)
+    wanted = None if getattr(args, "all", False) else is_story
+    if args.n is None:
+        entries = (e for e in store.journal_entries() if wanted is None or wanted(e))
+    else:
+        entries = journal_story(store, args.n, everything=wanted is None)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -11360,7 +13529,8 @@ def cmd_log(args, root):
         print(line(entry))
         last = entry["seq"]
     if not last and not args.follow and not args.json:
-        print("(the journal is empty: nothing has happened yet)")
+        print("(the journal is empty: nothing has happened yet)" if not store.last_journal_seq()
+              else "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
     if not args.follow:
         return 0
     last = max(last, store.last_journal_seq())
@@ -11370,11 +13540,152 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                print(line(entry))
+                if wanted is None or wanted(entry):
+                    print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 0
+
+
+def session_brief(record):
+    """A record without its prompt and argv, for listings."""
+    brief = {key: value for key, value in record.items() if key not in ("prompt", "argv")}
+    brief["state"] = session_state(record)
+    return brief
+
+
+def parse_since(text, now):
+    """--since: a duration back from now (90m, 12h, 7d, 2w) or a date or timestamp."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+        return now - _dt.timedelta(seconds=float(match.group(1)) * unit)
+    with contextlib.suppress(ValueError):
+        return parse_timestamp(text.strip())
+    with contextlib.suppress(ValueError):
+        day = _dt.datetime.strptime(text.strip(), "%Y-%m-%d")
+        return day.replace(tzinfo=_dt.datetime.now().astimezone().tzinfo)   # local midnight
+    raise UsageError("--since %s is neither a duration nor a date" % json.dumps(text),
+                     "use e.g. --since 24h, --since 7d, --since 2026-05-01 or an RFC 3339 time")
+
+
+def _find_session(records, ref):
+    matches = [r for r in records if r["id"] == ref] or \
+        [r for r in records if r["id"].startswith(ref)]
+    if not matches:
+        raise FerrusError("no session record matches %s" % json.dumps(ref),
+                          "`ferrus sessions` lists them")
+    if len(matches) > 1:
+        raise FerrusError("%s matches %d session records" % (json.dumps(ref), len(matches)),
+                          "give more of the id")
+    return matches[0]
+
+
+def cmd_sessions(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    if args.id:
+        record = _find_session(records, args.id)
+        if args.json:
+            print(json.dumps(dict(record, state=session_state(record)), indent=2))
+            return 0
+        for key in ("id", "slot", "role", "agent", "model", "task_id", "pipeline", "started_at",
+                    "ended_at", "outcome", "exit_code", "note", "pid", "tool_calls",
+                    "input_tokens", "output_tokens", "cost_usd", "agent_session", "log"):
+            if record.get(key) not in (None, ""):
+                print(terminal_safe("%14s  %s" % (key, record[key])))
+        print(terminal_safe("%14s  %s" % ("state", session_state(record))))
+        print(terminal_safe("%14s  %s" % ("argv", " ".join(record.get("argv") or []))))
+        print("        prompt:")
+        for line in str(record.get("prompt") or "(none: the agent started without one)"
+                        ).splitlines():
+            print(terminal_safe("    " + line))
+        return 0
+    if args.task:
+        task = store.read_state().task_id if args.task == "current" else args.task
+        records = [r for r in records if r.get("task_id") == task]
+    if args.pipeline:
+        records = [r for r in records if str(r.get("pipeline") or "").startswith(args.pipeline)]
+    if args.n is not None:
+        records = records[-args.n:] if args.n > 0 else []
+    if args.json:
+        print(json.dumps([dict(r, state=session_state(r)) for r in records], indent=2))
+        return 0
+    if not records:
+        print("(no agent session is recorded%s)" % (" for that filter" if args.task or
+                                                    args.pipeline else " yet"))
+        return 0
+    for record in records:
+        where = "task %s" % record["task_id"] if record.get("task_id") else \
+            "pipeline %s" % record["pipeline"] if record.get("pipeline") else "no task"
+        print(terminal_safe("%s  [%s]  %s" % (record["id"], where, describe_session(record))))
+    print("(`ferrus sessions ID` shows one session with its argv and prompt)")
+    return 0
+
+
+def _usage_groups(records, key):
+    groups = collections.OrderedDict()
+    for record in records:
+        name = key(record)
+        if name:
+            groups.setdefault(name, []).append(record)
+    return [dict(usage_summary(group), name=name, first_started=group[0].get("started_at"),
+                 last_started=group[-1].get("started_at"))
+            for name, group in groups.items()]
+
+
+def _started_since(record, since):
+    try:
+        return parse_timestamp(record.get("started_at")) >= since
+    except ValueError:
+        return False
+
+
+def cmd_usage(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    since = None
+    if args.since:
+        since = parse_since(args.since, utc_now())
+        records = [r for r in records if _started_since(r, since)]
+    report = {
+        "since": format_timestamp(since) if since else None,
+        "total": usage_summary(records),
+        "tasks": _usage_groups(records, lambda r: r.get("task_id")),
+        "pipelines": _usage_groups(records, lambda r: r.get("pipeline")),
+        "agents": _usage_groups(records, lambda r: "%s%s" % (
+            r.get("agent") or "?", " (%s)" % r["model"] if r.get("model") else "")),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("usage %s" % ("since %s" % report["since"] if since else "of every recorded session"))
+    print(terminal_safe("  total  %s" % format_usage(report["total"])))
+    for title, key in (("by task", "tasks"), ("by pipeline run", "pipelines"),
+                       ("by agent", "agents")):
+        if report[key]:
+            print(title)
+            width = max(len(group["name"]) for group in report[key])
+            for group in report[key]:
+                print(terminal_safe("  %s  %s" % (group["name"].ljust(width),
+                                                  format_usage(group))))
+    if report["total"]["cost_unknown"] and report["total"]["sessions"]:
+        print("(cost is known only where the agent CLI reports it, as Claude Code does; the "
+              "tokens of the others are counted, their cost is not)")
+    return 0
+
+
+def cmd_diff(args, root):
+    store = Store(root).require()
+    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=args.paths or None)
+    if args.json:
+        print(json_for_terminal(compact_json(outcome.data)))
+        return 0 if outcome.data.get("available") else 1
+    if not outcome.data.get("available"):
+        raise FerrusError("no diff: %s" % outcome.data["reason"], outcome.data.get("hint"))
+    print(paint_diff(outcome.text, _color_enabled(sys.stdout)))
+    return 0
 
 
 def cmd_journal(args, root):
@@ -11395,11 +13706,56 @@ def confirm(question):
 def cmd_reset(args, root):
     store = Store(root).require()
     data = store.read_state()
-    if not args.yes and data.state != S.IDLE:
+    if data.state == S.IDLE:
+        say("Nothing to reset: the state is already Idle.")
+        return 0
+    if not args.yes:
         if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
             say("Nothing changed.")
             return 1
     say(op_force_reset(store, HUMAN).text)
+    return 0
+
+
+def human_caller():
+    """The human, unless this shell belongs to an agent session HQ started (its
+    environment names the session): then an agent, whom the operations refuse."""
+    session = os.environ.get(SESSION_ENV)
+    return Caller("agent", "agent/%s" % session) if session else HUMAN
+
+
+def cmd_approve(args, root):
+    store = Store(root).require()
+    caller = human_caller()
+    data = store.read_state()
+    if data.state != S.AWAITING_CONFIRMATION or caller.is_agent:
+        say(op_human_approve(store, caller).text)     # refuses, saying why
+        return 0
+    if not args.yes:
+        say(terminal_safe(confirmation_summary(store, data)))
+        say()
+        if not confirm("Approve task %s?" % (data.task_id or "")):
+            say("Nothing changed.")
+            return 1
+    say(op_human_approve(store, caller).text)
+    return 0
+
+
+def cmd_reject(args, root):
+    store = Store(root).require()
+    notes = " ".join(args.notes)
+    if args.file:
+        if notes:
+            raise UsageError("give the notes as words or with --file, not both")
+        try:
+            notes = sys.stdin.read() if args.file == "-" else read_text(args.file)
+        except OSError as err:
+            raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
+                              "give the path of a text file holding your notes, or - for stdin") from err
+    if not notes.strip():
+        raise UsageError("the rejection needs notes: what must change",
+                         "ferrus reject \"Handle the empty input too\" (or --file NOTES.md)")
+    say(op_human_reject(store, human_caller(), notes).text)
     return 0
 
 
@@ -11468,7 +13824,7 @@ def cmd_check(args, root):
             raise
         # The agents' message cannot mention a CLI flag; the human at the shell can use it.
         raise FerrusError(err.message, "`ferrus check --force` runs the checks in any state "
-                                       "and changes nothing")
+                                       "and changes nothing") from err
     say(outcome.text)
     return 0 if outcome.data.get("passed") else 1
 
@@ -11556,8 +13912,11 @@ def cmd_run(args, root):
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT")
-    interactive = sys.stdin.isatty()
+                              "the current folder, or pass the task as --task TEXT") from err
+    mode = "json" if args.json else "quiet" if args.quiet else "lines"
+    # JSON goes to programs, which answer no questions and want no bell characters.
+    interactive = sys.stdin.isatty() and mode != "json"
+    bell = terminal_bell(sys.stdout) if mode != "json" else None
 
     def ask(question):
         if not interactive:
@@ -11565,16 +13924,39 @@ def cmd_run(args, root):
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
         return input("answer> ")
+
+    def review(summary):
+        """The human's word on the reviewer's approval shown above ([hq] human_review)."""
+        if not interactive:
+            return None
+        try:
+            while True:
+                reply = input("approve? y approves, r rejects with notes, Enter decides "
+                              "later> ").strip().lower()
+                if reply in ("y", "yes"):
+                    return "approve", None
+                if reply in ("r", "reject", "n", "no"):
+                    notes = input("notes for the executor> ")
+                    if notes.strip():
+                        return "reject", notes
+                    say("a rejection needs notes saying what must change", flush=True)
+                elif not reply:
+                    return None
+        except EOFError:
+            return None
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
     with OrchestratorLock(store, "ferrus run") as held:
+        show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
-            say("ferrus run: %s" % note, flush=True)
+            show(HqMessage("info", "ferrus run: %s" % note, "run"))
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
+                                  mode=mode, bell=bell)
+        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                        review=review, mode=mode, bell=bell)
 
 
 def cmd_hq(args, root):
@@ -11708,7 +14090,31 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
+    p.add_argument("--all", "-a", action="store_true",
+                   help="also the bookkeeping entries (agent sessions, leases, heartbeats, "
+                        "capacity checks that let work go on)")
     p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("sessions", help="every agent session: role, agent, outcome, usage, log")
+    p.add_argument("id", nargs="?", help="show this one session (an id or its prefix) in full")
+    p.add_argument("--json", action="store_true", help="the records as JSON")
+    p.add_argument("--task", metavar="ID", help="only this task's sessions (`current`: the "
+                                                 "current task's)")
+    p.add_argument("--pipeline", metavar="RUN", help="only this pipeline run's workers")
+    p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N sessions")
+    p.set_defaults(run=cmd_sessions)
+
+    p = sub.add_parser("usage", help="tokens and cost per task, pipeline run and agent")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--since", metavar="WHEN", help="only sessions started since WHEN: a "
+                                                   "duration (24h, 7d) or a date (2026-05-01)")
+    p.set_defaults(run=cmd_usage)
+
+    p = sub.add_parser("diff", help="the task's changes since its base commit (git)")
+    p.add_argument("--stat", action="store_true", help="only the files changed and their counts")
+    p.add_argument("--json", action="store_true", help="the diff's data as one JSON object")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="only these files or folders")
+    p.set_defaults(run=cmd_diff)
 
     p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
     commands = p.add_subparsers(dest="journal_command", metavar="COMMAND")
@@ -11719,6 +14125,17 @@ def build_parser():
     p = sub.add_parser("reset", help="return to Idle from any state (keeps the spec selection)")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(run=cmd_reset)
+
+    p = sub.add_parser("approve", help="confirm the reviewer's approval ([hq] human_review)")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="approve without showing the summary and asking first")
+    p.set_defaults(run=cmd_approve)
+
+    p = sub.add_parser("reject", help="send a task the reviewer approved back to the executor "
+                                      "([hq] human_review)")
+    p.add_argument("notes", nargs="*", metavar="NOTES", help="what must change (review notes)")
+    p.add_argument("--file", "-F", metavar="F", help="read the notes from file F (- for stdin)")
+    p.set_defaults(run=cmd_reject)
 
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")
@@ -11756,6 +14173,13 @@ def build_parser():
     p.add_argument("--reset", action="store_true",
                    help="replace a Failed task (without it, a Failed task is kept and the run "
                         "refuses)")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="only transitions, verdicts, questions, problems and the end "
+                             "(no tool calls, heartbeats or agent starts)")
+    output.add_argument("--json", action="store_true",
+                        help="one JSON object per event on stdout, for CI logs and programs "
+                             "(never asks: a question ends the run with exit 4)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")

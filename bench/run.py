@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ferrus benchmark suite: the performance bar of DESIGN §6, measured in one run.
+"""ferrus benchmark suite: the performance bar listed in bench/README.md, measured in one run.
 
     python bench/run.py [--quick] [--json] [--only NAME[,NAME]] [--ferrus PATH]
                         [--sdk-python PY | --sdk-venv DIR | --no-sdk] [--strict]
@@ -1096,6 +1096,78 @@ def fig_ping_under_waits(bench, fig):
                                                              ms(first)))
 
 
+def _git(root, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@example.com",
+               GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@example.com")
+    subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=root, env=env,
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def fig_diff_stat(bench, fig):
+    """The task's diff stat in a 20,000-file repository with 200 files changed."""
+    import shutil
+    if shutil.which("git") is None:
+        fig.na("git is not installed", "≤ 300 ms")
+        return
+    if not hasattr(bench.ferrus, "op_diff"):
+        fig.na("this ferrus has no task diff", "≤ 300 ms")
+        return
+    files, changed = 20000, 200
+    root = bench.project("git-diff")
+    started = time.perf_counter()
+    for i in range(files):
+        folder = os.path.join(root, "src", "d%03d" % (i // 100))
+        if i % 100 == 0:
+            os.makedirs(folder)
+        with open(os.path.join(folder, "f%05d.py" % i), "w", encoding="utf-8") as handle:
+            handle.write("".join("value_%d = %d\n" % (n, i) for n in range(8)))
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "20,000 files")
+    fig.info("(repository of %d files made in %.1f s)" % (files, time.perf_counter() - started))
+    store = bench.store(root)
+    bench.ferrus.op_create_task(store, bench.ferrus.HUMAN, "Change 200 files.")
+    # Half the change edits tracked files, half adds untracked ones.
+    for i in range(0, files, files // (changed // 2)):
+        with open(os.path.join(root, "src", "d%03d" % (i // 100), "f%05d.py" % i), "a",
+                  encoding="utf-8") as handle:
+            handle.write("added = True\n")
+    for i in range(changed // 2):
+        with open(os.path.join(root, "src", "new_%03d.py" % i), "w", encoding="utf-8") as handle:
+            handle.write("new = %d\n" % i)
+    samples = []
+    for rep in range(bench.reps(11, 3) + 1):          # the first warms the file cache
+        started = time.perf_counter()
+        outcome = bench.ferrus.op_diff(store, stat_only=True)
+        if rep:
+            samples.append(time.perf_counter() - started)
+    found = len(outcome.data.get("files") or ())
+    if found != changed:
+        fig.fail("the stat lists %d files, not %d" % (found, changed))
+        return
+    fig.values.update({"files": files, "changed": changed, "median_s": median(samples),
+                       "samples": samples})
+    fig.check("diff stat of %d changed files among %d: median %s of %d" % (
+        changed, files, ms(median(samples)), len(samples)), "≤ 300 ms",
+        median(samples) <= 0.3)
+    # The same diff read over MCP, with pings sent while it runs: they do not wait for it.
+    conn = bench.serve(root, "supervisor")
+    try:
+        conn.initialize(timeout=60)
+        pings = []
+        for _ in range(bench.reps(5, 2)):
+            read_id, _ = conn.start("resources/read", {"uri": "ferrus://diff"})
+            _, elapsed = conn.request("ping", timeout=60)
+            pings.append(elapsed)
+            conn.wait(read_id, timeout=120)
+    finally:
+        conn.close()
+    fig.values["ping_during_diff_s"] = pings
+    fig.check("ping sent while ferrus://diff (the whole diff) is being read: max %s"
+              % ms(max(pings)), "never blocked (≤ 100 ms)", max(pings) <= 0.1)
+
+
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
     ("status_from_shell", fig_status_from_shell),
@@ -1108,6 +1180,7 @@ FIGURES = (
     ("full_loop", fig_full_loop),
     ("ping_under_waits", fig_ping_under_waits),
     ("journal_scale", fig_journal_scale),
+    ("diff_stat", fig_diff_stat),
 )
 
 
@@ -1167,7 +1240,7 @@ def render_table(head, figures):
 def parse_args(argv):
     names = [name for name, _ in FIGURES]
     parser = argparse.ArgumentParser(
-        prog="bench/run.py", description="ferrus benchmark suite (DESIGN §6).",
+        prog="bench/run.py", description="ferrus benchmark suite (the bars: bench/README.md).",
         epilog="figures: " + ", ".join(names))
     parser.add_argument("--quick", action="store_true",
                         help="fewer repetitions (a smoke run; bars are still applied)")

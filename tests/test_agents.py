@@ -1,5 +1,6 @@
 """Agent adapters: argv for every mode, register/unregister files, `ferrus agents`, prompts."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -406,7 +407,18 @@ def test_prompt_selection_fixes_upstream_hq_bugs_6_to_9():
         ferrus.prompt_executor_in_consultation()
     assert ferrus.executor_prompt_for(state(S.CONSULTATION), False) == \
         ferrus.prompt_executor_in_consultation()
-    assert ferrus.supervisor_prompt_for(state(S.CONSULTATION), resuming=True) == \
-        ferrus.prompt_consultant(True)
-    assert ferrus.supervisor_prompt_for(state(S.REVIEWING)) == ferrus.prompt_reviewer()
-    assert ferrus.supervisor_prompt_for(state(S.EXECUTING)) is None
+
+
+def test_the_controller_gives_reviewer_and_consultant_their_prompts(store):
+    S = ferrus.S
+    controller = ferrus.HqController(store, emit=lambda message: None)
+    needed = controller.needed_slots(state(S.REVIEWING))
+    assert needed == {"reviewer": ferrus.prompt_reviewer()}
+    needed = controller.needed_slots(state(S.CONSULTATION))
+    assert needed["consultant"] == ferrus.prompt_consultant(False)
+    # A consultant that already ran once resumes the consultation.
+    slot = controller.slots["consultant"]
+    slot.session = dataclasses.replace(slot.session, session_seq=1)
+    needed = controller.needed_slots(state(S.CONSULTATION))
+    assert needed["consultant"] == ferrus.prompt_consultant(True)
+    assert "consultant" not in controller.needed_slots(state(S.EXECUTING))

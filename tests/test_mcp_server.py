@@ -1304,7 +1304,8 @@ def test_resources_list_and_read_each(bench):
     assert uris == ["ferrus://task", "ferrus://review", "ferrus://submission",
                     "ferrus://question", "ferrus://answer", "ferrus://consult_template",
                     "ferrus://spec_template", "ferrus://consult_request",
-                    "ferrus://consult_response", "ferrus://state", "ferrus://events"]
+                    "ferrus://consult_response", "ferrus://state", "ferrus://events",
+                    "ferrus://diff"]
     ok(sup.call_tool("create_task", {"description": "Resource task."}))
     for resource in resources:
         read = sup.result("resources/read", {"uri": resource["uri"]})
@@ -1378,7 +1379,8 @@ def test_resource_templates_list(bench):
     server = bench.any
     templates = server.result("resources/templates/list")["resourceTemplates"]
     assert {t["uriTemplate"] for t in templates} == {
-        "ferrus://{file}", "ferrus://logs/{name}", "ferrus://logs/{name}{?offset,length}"}
+        "ferrus://{file}", "ferrus://logs/{name}", "ferrus://logs/{name}{?offset,length}",
+        "ferrus://diff/{+path}"}
     assert all(t["name"] for t in templates)
 
 

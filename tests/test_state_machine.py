@@ -24,6 +24,8 @@ def apply(action, data):
         "finish_consult": lambda d: ferrus.t_finish_consult(d, NOW),
         "approve": lambda d: ferrus.t_approve(d, NOW),
         "reject": lambda d: ferrus.t_reject(d, NOW, 3),
+        "human_approve": lambda d: ferrus.t_human_approve(d, NOW),
+        "human_reject": lambda d: ferrus.t_human_reject(d, NOW, 3),
         "ask_human": lambda d: ferrus.t_ask_human(d, NOW, "executor:x:1"),
         "answer": lambda d: ferrus.t_answer(d, NOW),
         "heartbeat": lambda d: _require(d, "heartbeat"),
@@ -177,14 +179,11 @@ def test_reset_keeps_only_the_selection():
     assert fresh.rev == 41, "rev keeps counting so the journal stays gapless"
 
 
-def test_lease_predicates():
+def test_claim_sets_the_lease():
     data = ferrus.claim(StateData(state=S.EXECUTING), "executor:a:1", NOW, 90)
-    assert ferrus.is_claimed(data, NOW)
-    assert ferrus.is_claimed_by(data, "executor:a:1", NOW)
-    assert not ferrus.is_claimed_by(data, "executor:b:1", NOW)
-    later = NOW + dt.timedelta(seconds=90)
-    assert not ferrus.is_claimed(data, later), "expired at exactly lease_until"
-    assert not ferrus.is_claimed(StateData(claimed_by="executor:a:1"), NOW), \
+    assert data.claimed_by == "executor:a:1"
+    assert ferrus.lease_deadline(data) == NOW + dt.timedelta(seconds=90)
+    assert ferrus.lease_deadline(StateData(claimed_by="executor:a:1")) is None, \
         "claimed_by alone does not make a claim"
     assert data.lease_until == "2026-05-13T10:01:30Z"
     assert data.last_heartbeat == "2026-05-13T10:00:00Z"
@@ -238,7 +237,7 @@ def test_upstream_state_json_round_trips_byte_for_byte():
     data = StateData.from_json(UPSTREAM_STATE)
     assert data.state == S.ADDRESSING and data.owner_pid == 4242
     assert data.to_json() == UPSTREAM_STATE, "9-digit fractions and field order survive"
-    assert ferrus.is_claimed(data, dt.datetime(2026, 5, 13, 10, 1, 0, tzinfo=dt.timezone.utc))
+    assert ferrus.lease_deadline(data) > dt.datetime(2026, 5, 13, 10, 1, 0, tzinfo=dt.timezone.utc)
 
 
 def test_our_state_json_is_readable_the_way_upstream_reads_it():

@@ -303,20 +303,26 @@ INVALID_BUILTIN_ONLY = [
 ]
 
 
+def line_of(error):
+    """The line number a TomlError's message starts with ("line 3: ...")."""
+    head, _, detail = str(error).partition(": ")
+    assert head.startswith("line ") and detail, str(error)
+    return int(head[len("line "):])
+
+
 @pytest.mark.parametrize("document, line", INVALID + INVALID_BUILTIN_ONLY,
                          ids=[str(i) for i in range(len(INVALID + INVALID_BUILTIN_ONLY))])
 def test_builtin_parser_rejects_invalid_documents(document, line):
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.parse_toml_builtin(document)
-    assert caught.value.line == line
-    assert str(caught.value) == "line %d: %s" % (line, caught.value.detail)
+    assert line_of(caught.value) == line
 
 
 @pytest.mark.parametrize("document, line", INVALID, ids=[str(i) for i in range(len(INVALID))])
 def test_parse_toml_rejects_invalid_documents(document, line):
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.parse_toml(document)
-    assert isinstance(caught.value.line, int)
+    assert isinstance(line_of(caught.value), int)
     assert isinstance(caught.value, ValueError)
 
 
@@ -324,18 +330,17 @@ def test_error_message_names_the_key():
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.parse_toml_builtin('[t]\na = 1\n\n\n\n\nfoo "bar"\n')
     assert str(caught.value) == 'line 7: expected \'=\' after key "foo"'
-    assert caught.value.detail == 'expected \'=\' after key "foo"'
 
 
 @needs_tomllib
 def test_parse_toml_converts_tomllib_errors():
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.parse_toml("a = 1\n[t]\nb = \n")
-    assert caught.value.line == 3
-    assert "(at line" not in caught.value.detail
+    assert line_of(caught.value) == 3
+    assert "(at line" not in str(caught.value)
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.parse_toml('a = 1\ns = """open\n')
-    assert caught.value.line == 3  # tomllib says "end of document"
+    assert line_of(caught.value) == 3  # tomllib says "end of document"
 
 
 def test_builtin_parser_wants_text():
@@ -552,8 +557,8 @@ def test_set_key_is_idempotent(text, table, key, value):
 def test_set_key_refuses_what_it_cannot_edit(text, table, key, line):
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.toml_set_key(text, table, key, "v")
-    assert caught.value.line == line
-    assert "cannot edit" in caught.value.detail
+    assert line_of(caught.value) == line
+    assert "cannot edit" in str(caught.value)
     with pytest.raises(ferrus.TomlError):
         ferrus.toml_remove_key(text, table, key)
 
@@ -561,7 +566,7 @@ def test_set_key_refuses_what_it_cannot_edit(text, table, key, line):
 def test_set_key_rejects_invalid_documents_and_values():
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.toml_set_key("a = 1\nb = \n", (), "c", 1)
-    assert caught.value.line == 2
+    assert line_of(caught.value) == 2
     with pytest.raises(TypeError):
         ferrus.toml_set_key("a = 1\n", (), "b", None)
 
@@ -643,7 +648,7 @@ def test_replace_table_without_a_final_newline_and_with_crlf():
 def test_replace_table_refuses_dotted_and_inline_definitions():
     with pytest.raises(ferrus.TomlError) as caught:
         ferrus.toml_replace_table("x = 1\nhq.supervisor.agent = 'x'\n", ("hq",), {})
-    assert caught.value.line == 2
+    assert line_of(caught.value) == 2
     with pytest.raises(ferrus.TomlError):
         ferrus.toml_replace_table("[hq]\nsupervisor = {}\n", ("hq", "supervisor"), {})
     with pytest.raises(ferrus.TomlError):
@@ -681,14 +686,3 @@ def test_remove_table_sub_table_only():
 def test_remove_table_when_absent_returns_the_text_unchanged():
     assert ferrus.toml_remove_table(FERRUS_TOML, ("nope",)) == FERRUS_TOML
     assert ferrus.toml_remove_table(FERRUS_TOML, ("hq", "reviewer")) == FERRUS_TOML
-
-
-def test_table_names():
-    assert ferrus.toml_table_names(FERRUS_TOML) == [
-        ("checks",), ("limits",), ("agents",), ("agents", "claude"), ("spec",), ("lease",),
-        ("hq", "supervisor"), ("hq", "executor")]
-    assert ferrus.toml_table_names(CODEX_CONFIG) == [
-        ("mcp_servers", "ferrus-executor-1"), ("mcp_servers", "ferrus-executor-1", "env"),
-        ("mcp_servers", "ferrus-executor-1", "tools", "check"), ("mcp_servers", "filesystem"),
-        ("projects", "/abs/path")]
-    assert ferrus.toml_table_names("a = 1\n[[x]]\n[ y . 'z' ]\n") == [("y", "z")]

@@ -1,0 +1,435 @@
+"""Git-aware tasks: the base a task records, its diff, and every case without a diff.
+
+Every test builds a real git repository in a temporary folder (git is required)."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+from mcp_client import McpProcess, tool_json, tool_text
+import ferrus
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def git(root, *args, check=True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", "-c", "init.defaultBranch=main", "-c",
+                           "protocol.file.allow=always"] + list(args), cwd=str(root),
+                          env=env, capture_output=True, text=True, check=check)
+
+
+def write(root, rel, text):
+    path = os.path.join(str(root), *rel.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as handle:
+        handle.write(text)
+
+
+@pytest.fixture
+def repo(project):
+    """An initialised ferrus project that is a git repository with one commit."""
+    git(project, "init", "-q")
+    write(project, "app.py", "print('hello')\n")
+    write(project, "old.txt", "to be deleted\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "initial")
+    return project
+
+
+def create(store):
+    return ferrus.op_create_task(store, ferrus.HUMAN, "Change the greeting.")
+
+
+# -- the base ----------------------------------------------------------------------------
+
+def test_create_task_records_base_commit_branch_and_clean_tree(repo, store):
+    head = git(repo, "rev-parse", "HEAD").stdout.strip()
+    outcome = create(store)
+    assert "warning" not in outcome.text
+    base = store.read_state().task_base
+    assert base == {"git": True, "commit": head, "branch": "main", "dirty": [],
+                    "dirty_count": 0}
+    # Additive in STATE.json: upstream's fields are all still there, untouched.
+    raw = json.loads(open(os.path.join(str(repo), ".ferrus", "STATE.json")).read())
+    assert raw["task_base"]["commit"] == head and raw["state"] == "Executing"
+    assert ferrus.StateData.from_json(json.dumps(raw)).task_base == base
+
+
+def test_dirty_tree_at_create_task_is_a_warning_naming_the_files(repo, store):
+    write(repo, "app.py", "print('edited by the user')\n")
+    write(repo, "notes.md", "mine\n")
+    outcome = create(store)
+    assert "warning: the working tree had uncommitted changes" in outcome.text
+    assert "app.py" in outcome.text and "notes.md" in outcome.text
+    base = store.read_state().task_base
+    assert sorted(base["dirty"]) == ["app.py", "notes.md"] and base["dirty_count"] == 2
+    # .ferrus/ and files ferrus writes are never "dirty".
+    assert not any(name.startswith(".ferrus") for name in base["dirty"])
+    text = ferrus.op_diff(store).text
+    assert "already changed before the task began" in text and "notes.md" in text
+
+
+def test_a_new_task_replaces_the_previous_base_and_reset_drops_it(repo, store):
+    create(store)
+    first = store.read_state().task_base["commit"]
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    assert store.read_state().task_base is None
+    write(repo, "app.py", "print('v2')\n")
+    git(repo, "commit", "-qam", "v2")
+    create(store)
+    assert store.read_state().task_base["commit"] != first
+
+
+# -- the diff ----------------------------------------------------------------------------
+
+def test_diff_is_base_to_working_tree_with_untracked_files_and_never_ferrus_files(repo, store):
+    write(repo, ".gitignore", "build/\n")
+    git(repo, "add", ".gitignore")
+    git(repo, "commit", "-qm", "ignore build")
+    create(store)
+    write(repo, "app.py", "print('hello, world')\n")
+    write(repo, "src/new_module.py", "VALUE = 1\n")
+    os.remove(os.path.join(str(repo), "old.txt"))
+    write(repo, "build/output.bin", "ignored\n")                 # .gitignore honoured
+    write(repo, ".mcp.json", "{}\n")                            # agent configs ferrus writes
+    write(repo, ".codex/config.toml", "x = 1\n")
+    write(repo, ".claude/settings.local.json", "{}\n")
+    write(repo, ".ferrus/extra.md", "state\n")
+    index = os.path.join(str(repo), ".git", "index")
+    index_before = open(index, "rb").read()
+    outcome = ferrus.op_diff(store)
+    paths = sorted(f["path"] for f in outcome.data["files"])
+    assert paths == ["app.py", "old.txt", "src/new_module.py"]
+    text = outcome.text
+    assert "+print('hello, world')" in text and "-print('hello')" in text
+    assert "+VALUE = 1" in text and "new file mode" in text and "deleted file mode" in text
+    assert "3 files changed, 2 insertions(+), 2 deletions(-)" in text
+    # The user's index is never written: untracked files stay untracked.
+    assert open(index, "rb").read() == index_before
+    status = git(repo, "status", "--porcelain").stdout
+    assert "?? src/" in status and "A " not in status
+    assert not [n for n in os.listdir(os.path.join(str(repo), ".git")) if "ferrus" in n]
+
+
+def test_stat_only_and_one_path(repo, store):
+    create(store)
+    write(repo, "app.py", "print('changed')\n")
+    write(repo, "docs/readme.md", "# docs\n")
+    stat = ferrus.op_diff(store, stat_only=True)
+    assert "app.py" in stat.text and "diff --git" not in stat.text
+    one = ferrus.read_resource(store, "ferrus://diff/docs/readme.md")[1]
+    assert "docs/readme.md" in one and "app.py" not in one
+    folder = ferrus.read_resource(store, "ferrus://diff/docs")[1]
+    assert "+# docs" in folder
+    with pytest.raises(ferrus.ResourceNotFound):
+        ferrus.read_resource(store, "ferrus://diff/../outside")
+    with pytest.raises(ferrus.ResourceNotFound):
+        ferrus.read_resource(store, "ferrus://diff//etc/passwd")
+
+
+def test_a_long_diff_is_served_as_head_and_tail_with_what_was_left_out(repo, store):
+    create(store)
+    write(repo, "big.txt", "".join("line %06d of a long new file\n" % i for i in range(40000)))
+    text = ferrus.read_resource(store, "ferrus://diff")[1]
+    assert len(text) < 300 * 1024
+    assert "+line 000000 of" in text and "+line 039999 of" in text
+    assert "+line 020000 of" not in text
+    assert "[ferrus: the diff has" in text and "are left out" in text
+    assert "ferrus://diff/<path>" in text
+    # The review carries the stat and only the first part.
+    review = ferrus.review_diff(store)[0]
+    assert "big.txt" in review and "+line 000000 of" in review
+    assert len(review) < 20 * 1024 and "Read the rest with ferrus://diff" in review
+
+
+def test_head_moved_since_the_base_is_noted_and_commits_count(repo, store):
+    create(store)
+    write(repo, "app.py", "print('committed by the agent')\n")
+    git(repo, "commit", "-qam", "agent commit")
+    outcome = ferrus.op_diff(store)
+    assert "HEAD has moved since the task was created" in outcome.text
+    assert [f["path"] for f in outcome.data["files"]] == ["app.py"]
+
+
+def test_project_in_a_subfolder_of_the_repository(tmp_path):
+    top = tmp_path / "mono"
+    top.mkdir()
+    git(top, "init", "-q")
+    write(top, "other/file.txt", "not ours\n")
+    project = top / "service"
+    project.mkdir()
+    ferrus.init_project(str(project), report=lambda m: None)
+    write(project, "main.py", "x = 1\n")
+    git(top, "add", "-A")
+    git(top, "commit", "-qm", "init")
+    store = ferrus.Store(str(project))
+    create(store)
+    write(project, "main.py", "x = 2\n")
+    write(top, "other/file.txt", "changed elsewhere\n")
+    outcome = ferrus.op_diff(store)
+    assert [f["path"] for f in outcome.data["files"]] == ["main.py"]
+
+
+# -- without a diff: not a repository, no git, and git's special states ------------------
+
+def test_not_a_git_repository_works_and_says_why_there_is_no_diff(project, store):
+    outcome = create(store)
+    assert outcome.data["state"] == "Executing"
+    base = store.read_state().task_base
+    assert base["git"] is False and "not in a git repository" in base["reason"]
+    text = ferrus.read_resource(store, "ferrus://diff")[1]
+    assert text.startswith("No diff:") and "not in a git repository" in text
+    assert "No diff:" in ferrus.review_diff(store)[0]
+    result = run_cli("diff", cwd=project)
+    assert result.returncode == 1
+    assert "ferrus: no diff:" in result.stderr and "hint:" in result.stderr
+
+
+def test_git_missing_is_a_clear_message(repo, store, monkeypatch, tmp_path):
+    empty = tmp_path / "no-git-here"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    outcome = create(store)
+    assert "git is not installed" in store.read_state().task_base["reason"]
+    assert outcome.data["state"] == "Executing"
+    assert "git is not installed" in ferrus.op_diff(store).text
+
+
+def test_repository_without_commits(project, store):
+    git(project, "init", "-q")
+    write(project, "first.py", "print(1)\n")
+    outcome = create(store)
+    assert "no commits yet" in outcome.text
+    assert store.read_state().task_base["commit"] is None
+    diff = ferrus.op_diff(store)
+    assert "first.py" in [f["path"] for f in diff.data["files"]]
+    assert "+print(1)" in diff.text
+
+
+def test_detached_head(repo, store):
+    git(repo, "checkout", "-q", "--detach")
+    outcome = create(store)
+    assert "HEAD is detached" in outcome.text
+    base = store.read_state().task_base
+    assert base["branch"] is None and base["commit"]
+    assert "(detached HEAD)" in ferrus.op_diff(store).text
+
+
+def test_rebase_in_progress(repo, store):
+    git(repo, "checkout", "-q", "-b", "topic")
+    write(repo, "app.py", "print('topic')\n")
+    git(repo, "commit", "-qam", "topic")
+    git(repo, "checkout", "-q", "main")
+    write(repo, "app.py", "print('main')\n")
+    git(repo, "commit", "-qam", "main")
+    git(repo, "checkout", "-q", "topic")
+    assert git(repo, "rebase", "main", check=False).returncode != 0     # a conflict stops it
+    outcome = create(store)
+    assert "a git rebase is in progress" in outcome.text
+    assert "a git rebase is in progress" in ferrus.op_diff(store).text
+
+
+def test_submodules_are_named(repo, store, tmp_path):
+    library = tmp_path / "library"
+    library.mkdir()
+    git(library, "init", "-q")
+    write(library, "lib.py", "pass\n")
+    git(library, "add", "-A")
+    git(library, "commit", "-qm", "lib")
+    git(repo, "submodule", "add", "-q", str(library), "vendor/library")
+    git(repo, "commit", "-qm", "add submodule")
+    outcome = create(store)
+    assert "submodules (vendor/library)" in outcome.text
+    write(repo, "app.py", "print('x')\n")
+    text = ferrus.op_diff(store).text
+    assert "submodules (vendor/library) show as their commit" in text
+
+
+# -- review --------------------------------------------------------------------------------
+
+def _to_reviewing(store, notes):
+    ferrus.op_wait_for_task(store, ferrus.Caller("executor", "executor:test:1"))
+    ferrus.op_submit(store, ferrus.Caller("executor", "executor:test:1"), notes)
+
+
+def test_review_pending_and_wait_for_review_carry_the_diff(repo, store):
+    create(store)
+    write(repo, "app.py", "print('hello, reviewer')\n")
+    _to_reviewing(store, "Changed the greeting in app.py and old.txt.")
+    pending = ferrus.op_review_pending(store, ferrus.Caller("supervisor", "supervisor:test:1"))
+    assert "## Changes" in pending.text and "+print('hello, reviewer')" in pending.text
+    # old.txt exists and is named by the notes, but the diff does not touch it.
+    assert "warning: the submission notes name old.txt" in pending.text
+    claimed = ferrus.op_wait_for_review(store, ferrus.Caller("supervisor", "supervisor:test:1"))
+    assert "+print('hello, reviewer')" in claimed.data["diff"]
+    assert claimed.data["changed_files"] == [
+        {"path": "app.py", "added": 1, "deleted": 1, "binary": False}]
+
+
+def test_unchanged_mentions_only_names_existing_files(repo):
+    write(repo, "pkg/mod.py", "x\n")
+    notes = ("Edited app.py and pkg/mod.py; see https://example.com/page.html, "
+             "version 1.2.3, missing.py.")
+    assert ferrus.unchanged_mentions(str(repo), notes, ["app.py"]) == ["pkg/mod.py"]
+
+
+# -- front ends ----------------------------------------------------------------------------
+
+def test_cli_diff_stat_and_json(repo, store):
+    create(store)
+    write(repo, "app.py", "print('cli')\n")
+    result = run_cli("diff", "--stat", cwd=repo)
+    assert result.returncode == 0, result.stderr
+    assert "app.py" in result.stdout and "diff --git" not in result.stdout
+    assert "\033[" not in result.stdout                       # not a terminal, NO_COLOR
+    full = run_cli("diff", cwd=repo)
+    assert "+print('cli')" in full.stdout
+    data = json.loads(run_cli("diff", "--json", cwd=repo).stdout)
+    assert data["available"] is True and data["files"][0]["path"] == "app.py"
+
+
+def test_paint_diff_colours_and_stays_terminal_safe():
+    text = "diff --git a/x b/x\n+added \033]52;c;evil\007\n-removed\n@@ -1 +1 @@\n context"
+    painted = ferrus.paint_diff(text, True)
+    assert "\033[32m+added ^[]52;c;evil^G\033[0m" in painted
+    assert "\033[31m-removed\033[0m" in painted and "\033[36m@@" in painted
+    plain = ferrus.paint_diff(text, False)
+    assert "\033" not in plain
+
+
+def test_hq_diff_command_in_the_plain_shell(repo, store):
+    create(store)
+    write(repo, "app.py", "print('hq')\n")
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/diff --stat")
+    assert "app.py" in out.getvalue() and "diff --git" not in out.getvalue()
+    shell.handle("/diff")
+    assert "+print('hq')" in out.getvalue()
+    shell.handle("/diff app.py")
+    assert out.getvalue().count("+print('hq')") == 2
+
+
+def test_hq_diff_without_git_says_why(project, store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/diff")
+    assert "No diff:" in out.getvalue() and "hint:" in out.getvalue()
+
+
+# -- the MCP server: ferrus://diff never blocks other requests ------------------------------
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the slow git stand-in is a script")
+def test_diff_resource_over_mcp_does_not_block_other_requests(repo, tmp_path):
+    store = ferrus.Store(str(repo))
+    create(store)
+    write(repo, "app.py", "print('mcp')\n")
+    # A git that waits for a signal file before doing its work: the diff is "slow"
+    # for exactly as long as the test wants.
+    real_git = shutil.which("git")
+    bin_dir = tmp_path / "slow-bin"
+    bin_dir.mkdir()
+    release = tmp_path / "release"
+    script = bin_dir / "git"
+    script.write_text(textwrap.dedent("""\
+        #!%s
+        import os, subprocess, sys, time
+        while not os.path.exists(%r):
+            time.sleep(0.01)
+        sys.exit(subprocess.call([%r] + sys.argv[1:]))
+        """ % (sys.executable, str(release), real_git)))
+    script.chmod(0o755)
+    env = {"PATH": str(bin_dir) + os.pathsep + os.environ.get("PATH", "")}
+    with McpProcess(repo, "--role", "supervisor", env=env) as server:
+        server.initialize()
+        slow = server.start_request("resources/read", {"uri": "ferrus://diff"})
+        # While the diff waits on git: ping, a tool call and another resource answer.
+        server.result("ping")
+        assert "Executing" in tool_text(server.call_tool("status"))
+        assert server.result("resources/read", {"uri": "ferrus://task"})
+        assert not server.has_response(slow)
+        release.write_text("go")
+        text = server.wait_response(slow, timeout=30)["result"]["contents"][0]["text"]
+    assert "+print('mcp')" in text
+
+
+def test_the_fast_stat_counts_new_files_as_git_does(repo, store):
+    create(store)
+    write(repo, "app.py", "print('x')\nprint('y')\n")
+    write(repo, "no_newline.txt", "one\ntwo")
+    write(repo, "empty.txt", "")
+    with open(os.path.join(str(repo), "blob.bin"), "wb") as handle:
+        handle.write(b"\x89PNG\0\0" + b"x" * 100)
+    if hasattr(os, "symlink") and sys.platform != "win32":
+        os.symlink("app.py", os.path.join(str(repo), "link"))
+    fast = ferrus.op_diff(store, stat_only=True).data["files"]
+    full = ferrus.op_diff(store).data["files"]
+    assert fast == full
+    assert {f["path"]: f["added"] for f in fast}["no_newline.txt"] == 2
+    assert {f["path"]: f["binary"] for f in fast}["blob.bin"] is True
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_curses_hq_diff_is_a_coloured_pager(repo, store, tmp_path):
+    import re
+    from test_hq_curses import Pane
+    create(store)
+    write(repo, "app.py", "".join("print(%d)\n" % i for i in range(300)))
+    pane = Pane(repo, tmp_path)
+    try:
+        pane.wait_for("Resume it?")
+        pane.keys("n")
+        pane.wait_for("Not resuming")
+        pane.type("/diff", "Enter")
+        screen = pane.wait_for("q closes")
+        assert any(line.startswith("Task t-") and "diff:" in line for line in screen)
+        assert re.search(r"\x1b\[(\d+;)*32m\+print\(0\)", "\n".join(pane.lines(escapes=True)))
+        pane.keys("NPage")
+        pane.wait(lambda lines: not any(line.startswith("Task t-") for line in lines),
+                  what="the next page")
+        pane.keys("G")
+        pane.wait_for("+print(299)")
+        pane.keys("Escape", "[", "4", "~")       # an undecoded key sequence is ignored
+        pane.wait_for("q closes")
+        pane.keys("q")
+        screen = pane.wait_for("lines shown in the pager")
+        assert not any("q closes" in line for line in screen)
+        pane.keys("C-c")
+        pane.keys("C-c")
+        assert pane.exited() == 0
+    finally:
+        pane.close()
+
+
+def test_a_repository_made_after_the_task_is_compared_with_head(project, store):
+    create(store)
+    assert store.read_state().task_base["git"] is False
+    git(project, "init", "-q")
+    write(project, "app.py", "v1\n")
+    git(project, "add", "app.py")
+    git(project, "commit", "-qm", "first")
+    write(project, "app.py", "v2\n")
+    outcome = ferrus.op_diff(store)
+    assert "no base was recorded when the task was created" in outcome.text
+    assert "app.py" in [f["path"] for f in outcome.data["files"]]
+    assert "-v1" in outcome.text and "+v2" in outcome.text
+
+
+def test_hq_task_and_ferrus_run_show_the_dirty_tree_warning(repo, store):
+    write(repo, "scratch.txt", "mine\n")
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/task Do the thing.")
+    assert "warning: the working tree had uncommitted changes" in out.getvalue()
+    assert "scratch.txt" in out.getvalue()
+    shell.controller.shutdown()
