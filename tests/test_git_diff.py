@@ -149,7 +149,7 @@ def test_a_long_diff_is_served_as_head_and_tail_with_what_was_left_out(repo, sto
     # The review carries the stat and only the first part.
     review = ferrus.review_diff(store)[0]
     assert "big.txt" in review and "+line 000000 of" in review
-    assert len(review) < 20 * 1024 and "read ferrus://diff" in review
+    assert len(review) < 20 * 1024 and "Read the rest with ferrus://diff" in review
 
 
 def test_head_moved_since_the_base_is_noted_and_commits_count(repo, store):
