@@ -12309,12 +12309,21 @@ class BuildBackend:
                                                    (cls._source() + "\n").encode("utf-8"))])
 
     @classmethod
+    def _sdist_paths(cls):
+        """The fixed files, then docs/*.md when the folder is there (README links to them;
+        a copy of the five files alone still builds)."""
+        docs = os.path.join(cls._source(), "docs")
+        found = sorted(name for name in os.listdir(docs) if name.endswith(".md")) \
+            if os.path.isdir(docs) else []
+        return list(cls.SDIST_FILES) + ["docs/" + name for name in found]
+
+    @classmethod
     def build_sdist(cls, sdist_directory, config_settings=None):
         import io
         import tarfile
         project = cls.project()
         base = cls._dist_name(project)
-        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls._sdist_paths()]
         members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
         name = base + ".tar.gz"
         with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
