@@ -9507,8 +9507,11 @@ class HqController:
     # -- start-up ------------------------------------------------------------------
 
     def task_in_flight(self):
+        """The task HQ would resume agents for, if any.  A task waiting for the human's
+        confirmation needs no agent, so there is nothing to ask: HQ shows it at once."""
         data = self.store.read_state()
-        return data if data.state in ACTIVE_STATES else None
+        return data if data.state in ACTIVE_STATES and \
+            data.state != S.AWAITING_CONFIRMATION else None
 
     def describe_state(self):
         data = self.store.read_state()
@@ -10908,12 +10911,19 @@ class PipelineOrchestrator:
     before every spawn and answers Continue, Throttle, Checkpoint or EmergencyStop.
     ``emit`` receives an HqMessage for every event."""
 
-    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None):
+    # A running worker that showed nothing for this long gets a heartbeat line.
+    HEARTBEAT_SECS = 60.0
+    WATCH_READ_BYTES = 65536       # at most this much of a worker's log is read per look
+
+    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None, bell=None):
         self.store = store.require()
         self.clock = clock or store.clock
         self.spawner = spawner or start_worker_process
         self.gate = gate or self._capacity_gate
         self.emit = emit or (lambda message: log.info("%s", message.text))
+        # emit may be replaced later (HQ follows a run with its own), so look it up late.
+        self.notifier = Notifier(store, lambda message: self.emit(message), bell)
+        self._watched = {}         # (run, role, attempt) -> what watch() read of its log
         self.config = store.config()
         self.settings = pipelines_config(store.root)
         self.limits = sessions_config(store.root)
@@ -11355,9 +11365,11 @@ class PipelineOrchestrator:
         # The folder moves to the archive right after this, so name the output where it
         # will be (the run's current path would no longer exist).
         archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
-        self._note(run, "delivered", "delivered %s" % self.store.relpath(
-            run.file(final.output) if run.archived else archived), output=final.output)
+        where = self.store.relpath(run.file(final.output) if run.archived else archived)
+        self._note(run, "delivered", "delivered %s" % where, output=final.output)
         self._save(run)            # delivered on disk before the folder moves
+        self.notifier.notify("pipeline_delivered", run.name, "%s: %s" % (
+            run.status.get("topic", ""), where))
         return self._archive(run)
 
     def _archive(self, run):
@@ -11463,7 +11475,81 @@ class PipelineOrchestrator:
                 self.await_workers(outcome.run, poll_interval=poll_interval)
             if outcome.finished or (should_stop is not None and should_stop()):
                 return outcome
+            self.watch(ref)
             time.sleep(poll_interval)
+
+    # -- live progress ------------------------------------------------------------------------
+
+    def watch(self, ref):
+        """What the current phase's running workers are doing, as HQ shows its agents:
+        one line per tool call their output reports, and a heartbeat (time, tool calls,
+        last words) when one showed nothing for HEARTBEAT_SECS.  Only reads: progress is
+        no part of status.json."""
+        try:
+            run = read_run(self.store, ref, with_definition=True)
+        except (FerrusError, OSError, ValueError):
+            return
+        if run.archived:
+            return
+        now, current = self.clock(), set()
+        definition = run.definition.phases[run.status["current_phase"]]
+        for worker in definition.workers:
+            entry = run.phase()["workers"][worker.role]
+            if entry["status"] not in WORKER_RUNNING or not entry["attempts"]:
+                continue
+            key = (run.name, worker.role, entry["attempts"])
+            current.add(key)
+            watched = self._watched.get(key)
+            if watched is None:
+                parse = None
+                with contextlib.suppress(FerrusError):
+                    parse = adapter_for(self.config, worker.agent).parse_line
+                watched = self._watched[key] = {"offset": 0, "rest": b"", "calls": 0,
+                                                "said": "", "shown": now, "parse": parse}
+            self._read_worker_log(run, worker.role, entry, watched)
+            if (now - watched["shown"]).total_seconds() >= self.HEARTBEAT_SECS:
+                watched["shown"] = now
+                secs = self._age(entry["started_at"]) if entry.get("started_at") else 0.0
+                text = "%s working, %s, %d tool call%s" % (
+                    worker.role, format_duration(secs), watched["calls"],
+                    "" if watched["calls"] == 1 else "s")
+                if watched["said"]:
+                    said = watched["said"]
+                    text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+                self.emit(HqMessage("agent", text, "heartbeat", {
+                    "run": run.name, "slot": worker.role, "secs": round(secs, 1),
+                    "tool_calls": watched["calls"], "last_output": watched["said"]}))
+        for key in [k for k in self._watched if k[0] == run.name and k not in current]:
+            del self._watched[key]
+
+    def _read_worker_log(self, run, role, entry, watched):
+        try:
+            with open(self._base(run, role, entry) + ".log", "rb") as handle:
+                handle.seek(watched["offset"])
+                data = handle.read(self.WATCH_READ_BYTES)
+        except OSError:
+            return
+        watched["offset"] += len(data)
+        lines = (watched["rest"] + data).split(b"\n")
+        watched["rest"] = lines.pop()[-self.WATCH_READ_BYTES:]
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line or line.startswith("$ "):      # the command line ferrus wrote
+                continue
+            if not line.startswith("{"):
+                watched["said"] = line[:200]
+            events = []
+            if watched["parse"] is not None:
+                with contextlib.suppress(Exception):   # a parser never stops the loop
+                    events = watched["parse"](line)
+            for event in events:
+                if event.kind == "tool_call":
+                    watched["calls"] += 1
+                    watched["shown"] = self.clock()
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        role, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"run": run.name, "slot": role, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
 
 
 WORKFLOWS_EXAMPLE = {
@@ -11558,7 +11644,7 @@ def describe_run(store, status, path, now=None):
     return lines
 
 
-def pipeline_command(store, args, out, follow):
+def pipeline_command(store, args, out, follow, bell=None):
     """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
     command = args.pipeline_command
     if command == "init":
@@ -11571,7 +11657,8 @@ def pipeline_command(store, args, out, follow):
         return 0
     if command == "status":
         return _pipeline_status(store, args, out)
-    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
+    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)),
+                                        bell=bell)
     if command == "run":
         return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
     if command == "resume":
@@ -12222,12 +12309,21 @@ class BuildBackend:
                                                    (cls._source() + "\n").encode("utf-8"))])
 
     @classmethod
+    def _sdist_paths(cls):
+        """The fixed files, then docs/*.md when the folder is there (README links to them;
+        a copy of the five files alone still builds)."""
+        docs = os.path.join(cls._source(), "docs")
+        found = sorted(name for name in os.listdir(docs) if name.endswith(".md")) \
+            if os.path.isdir(docs) else []
+        return list(cls.SDIST_FILES) + ["docs/" + name for name in found]
+
+    @classmethod
     def build_sdist(cls, sdist_directory, config_settings=None):
         import io
         import tarfile
         project = cls.project()
         base = cls._dist_name(project)
-        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls._sdist_paths()]
         members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
         name = base + ".tar.gz"
         with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
@@ -12350,7 +12446,7 @@ def hq_cmd_pipeline(shell, rest):
         _HQ_FOLLOWED[name].start()
         shell.write("following run %s; /pipeline status %s shows it" % (name, name))
         return 0
-    pipeline_command(shell.store, args, shell.write, follow)
+    pipeline_command(shell.store, args, shell.write, follow, bell=shell.ring_bell)
 
 
 HQ_COMMANDS = (
@@ -13995,11 +14091,13 @@ def cmd_pipeline(args, root):
     store = Store(root).require()
     out = lambda text: say(text, flush=True)     # noqa: E731
     if args.pipeline_command not in PIPELINE_DRIVING:
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
     with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
         for note in held.notes:
             out(note)
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
 
 
 def add_pipeline_parser(sub):

@@ -360,3 +360,81 @@ def test_desktop_notifier_argv_needs_no_dependency(monkeypatch):
     monkeypatch.setattr(ferrus.sys, "platform", "linux")
     monkeypatch.setattr(ferrus.shutil, "which", lambda name: None)
     assert ferrus.desktop_notification_argv("t", "b") is None
+
+
+# -- pipeline workers: the same progress ----------------------------------------------------
+
+CHATTY_WORKER = textwrap.dedent("""\
+    import json, sys, time
+    sys.stdin.read()
+    print(json.dumps({"type": "assistant", "message": {"content": [
+        {"type": "tool_use", "name": "WebFetch", "input": {"url": "https://example.org"}}]}}),
+        flush=True)
+    print("Retrying request (attempt 2 of 10)", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_pipeline_worker_shows_tool_calls_and_heartbeats(project, tmp_path, monkeypatch,
+                                                           clock):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY_WORKER)
+    set_config(str(project), textwrap.dedent("""\
+        [agents.custom.chatty]
+        interactive = [%(py)s, %(script)s]
+        headless = [%(py)s, %(script)s]
+        prompt = "stdin"
+
+        [hq.executor]
+        agent = "chatty"
+        """) % {"py": json.dumps(sys.executable), "script": json.dumps(str(script))})
+    with open(os.path.join(str(project), "workflows.json"), "w") as handle:
+        json.dump({"one": {"description": "d", "phases": [{"id": "p", "mode": "parallel",
+                   "workers": [{"role": "scout", "timeout": 600, "final": True,
+                                "task": "look around"}]}]}}, handle)
+    # A custom agent streams nothing ferrus reads; this one speaks Claude's stream-json.
+    monkeypatch.setattr(ferrus.CustomAgent, "parse_line",
+                        lambda self, line: ferrus._parse_claude_style(line))
+    store = ferrus.Store(str(project), clock=clock)
+    messages = []
+    orchestrator = ferrus.PipelineOrchestrator(store, emit=messages.append)
+    run = orchestrator.create("one", "a topic")
+    try:
+        orchestrator.reconcile(run)
+        import time
+        deadline = time.monotonic() + 30
+        while not [m for m in messages if m.event == "tool_call"] or \
+                not orchestrator._watched or \
+                not list(orchestrator._watched.values())[0]["said"]:
+            assert time.monotonic() < deadline, [m.text for m in messages]
+            orchestrator.watch(run)
+            time.sleep(0.05)
+        call = next(m for m in messages if m.event == "tool_call")
+        assert call.text == "scout ▸ WebFetch  https://example.org"
+        assert not [m for m in messages if m.event == "heartbeat"]
+        clock.advance(orchestrator.HEARTBEAT_SECS + 5)
+        orchestrator.watch(run)
+        beat = [m for m in messages if m.event == "heartbeat"]
+        assert len(beat) == 1 and beat[0].text.startswith("scout working, 1m")
+        assert "1 tool call;" in beat[0].text
+        assert "last output: Retrying request (attempt 2 of 10)" in beat[0].text
+    finally:
+        orchestrator.cancel(run)
+
+
+def test_a_delivered_pipeline_run_notifies(project, store, tmp_path, monkeypatch):
+    from test_pipelines import configure
+    configure(project)
+    monkeypatch.delenv("WORKER_LOG", raising=False)
+    sent = []
+    monkeypatch.setattr(ferrus.Notifier, "notify",
+                        lambda self, event, ref, summary: sent.append((event, ref, summary)))
+    orchestrator = ferrus.PipelineOrchestrator(store)
+    run = orchestrator.create("research", "notify me")
+    import time
+    deadline = time.monotonic() + 60
+    while not orchestrator.reconcile(run).finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [(e, r) for e, r, _ in sent] == [("pipeline_delivered", run)]
+    assert sent[0][2].startswith("notify me: .ferrus/pipelines/archive/")
