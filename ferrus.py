@@ -84,7 +84,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 11)
@@ -1460,8 +1460,37 @@ class PipelinesConfig:
     max_parallel: int = 4          # the batch-size gate: workers running at once in a run
 
 
+# What [notify] can announce.  The first group needs a human or ends something and is
+# on by default; the second reports ordinary progress and is there for those who ask.
+NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "emergency_stop",
+                         "pipeline_delivered")
+NOTIFY_EVENTS = NOTIFY_DEFAULT_EVENTS + ("task_created", "submitted", "rejected")
+
+
+@dataclasses.dataclass
+class NotifyConfig:
+    """[notify]: how a human who is not watching hears that the loop needs them."""
+
+    bell: bool = True              # the terminal bell in HQ and `ferrus run`
+    desktop: bool = False          # notify-send, osascript or a PowerShell toast
+    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary}
+    timeout_secs: int = 30         # a notifier still running then is stopped
+    events: list = dataclasses.field(default_factory=lambda: list(NOTIFY_DEFAULT_EVENTS))
+
+
+def _check_notify(path, notify):
+    unknown = [name for name in notify.events if name not in NOTIFY_EVENTS]
+    if unknown:
+        raise _config_error(path, "notify.events", "must name only these events: %s"
+                            % ", ".join(NOTIFY_EVENTS), unknown[0])
+    if notify.command and not notify.command[0].strip():
+        raise _config_error(path, "notify.command", "must start with a program name",
+                            notify.command[0])
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
-PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
+                "notify")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
@@ -1481,6 +1510,7 @@ class Config:
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
+    notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # [hq] human_review: the reviewer's approval waits for a human's confirmation.
@@ -1522,6 +1552,7 @@ _INT_LIMITS = {
     ("sessions", "timeout_secs"): (1, 31_536_000),
     ("sessions", "interrupt_grace_secs"): (0, 86_400),
     ("pipelines", "max_parallel"): (1, 1000),
+    ("notify", "timeout_secs"): (1, 3600),
 }
 
 
@@ -1764,6 +1795,10 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     found = [] if problems is None else problems
     for name in PLAIN_TABLES:
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
+    try:
+        _check_notify(path, config.notify)
+    except FerrusError as err:
+        found.append(err)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
     # Not one of hq_problems, which only agent launches notice: a mistyped value must
@@ -2915,6 +2950,39 @@ class Store:
                 cancel.wait(min(poll, remaining))
             else:
                 time.sleep(min(poll, remaining))
+
+
+# Journal entries that record how ferrus keeps its own books (agent sessions, leases,
+# capacity decisions that let work go on) rather than what happened to the task;
+# `ferrus log` and HQ's /log leave them out unless asked for everything.
+BOOKKEEPING_EVENTS = ("session", "heartbeat", "claim", "lease_released", "consume_answer")
+
+
+def is_bookkeeping(entry):
+    if entry.get("event") == "gate":
+        return (entry.get("detail") or {}).get("action") == CONTINUE
+    return entry.get("event") in BOOKKEEPING_EVENTS
+
+
+def is_story(entry):
+    """The journal entries a person reading what happened wants (not bookkeeping)."""
+    return not is_bookkeeping(entry)
+
+
+def journal_story(store, count, everything=False):
+    """The last ``count`` journal entries, oldest first, bookkeeping left out unless
+    ``everything``.  At most 20 entries per wanted one (and 500) are looked at, so a
+    journal of a million heartbeats costs what a short one does; fewer may come back."""
+    if everything:
+        return store.read_journal(limit=count)
+    entries = []
+    for entry in itertools.islice(store.journal_entries_backwards(), 20 * count + 500):
+        if len(entries) >= count:
+            break
+        if is_story(entry):
+            entries.append(entry)
+    entries.reverse()
+    return entries
 
 
 # ============================================================================
@@ -5262,8 +5330,12 @@ def _gate_operation(store, caller, action, content=None):
         else:
             tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
                    "check_failed", log=log_path, failed=[r.command for r in run.failed])
+            tx.detail["retries"] = tx.state.check_retries
             if action == "submit":
                 tx.detail["during"] = "submit"
+        if run is not None:
+            # Each command's result, so whoever reads the journal can show the run.
+            tx.detail["checks"] = [check_summary(result) for result in run.results]
     new = tx.state
     kind = ("none" if run is None else "pass" if passed else
             "limit" if new.state == S.FAILED else "fail")
@@ -5274,6 +5346,12 @@ def _gate_operation(store, caller, action, content=None):
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
+
+
+def check_summary(result):
+    """One command's result as the journal keeps it (its output is in its log)."""
+    return {"command": result.command, "status": result.status, "exit": result.exit_code,
+            "secs": round(result.duration, 2), "log": result.log_path}
 
 
 def op_check(store, caller):
@@ -6997,9 +7075,28 @@ class AgentEvent:
     ok: "bool | None" = None
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""            # usage: the message it belongs to ("" for none)
+    text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
     cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
     total: bool = False       # usage: the session's totals so far, replacing earlier counts
+
+
+# The argument that says most about a tool call, in the order looked for.
+_TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
+                      "query", "description", "prompt")
+
+
+def tool_summary(arguments, width=100):
+    """A tool call's arguments as one short line: its command, file or pattern when it
+    has one, else the arguments in compact JSON, cut to ``width``."""
+    if not isinstance(arguments, dict) or not arguments:
+        return ""
+    value = next((arguments[key] for key in _TOOL_SUMMARY_KEYS
+                  if isinstance(arguments.get(key), (str, list)) and arguments[key]), None)
+    if isinstance(value, list):
+        value = " ".join(str(part) for part in value)
+    text = value if value is not None else compact_json(arguments)
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 class UsageTally:
@@ -7532,7 +7629,8 @@ def _parse_claude_style(line):
         message = event.get("message") or {}
         for block in message.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
-                events.append(AgentEvent("tool_call", name=str(block.get("name", ""))))
+                events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
+                                         text=tool_summary(block.get("input"))))
         usage = message.get("usage") or {}
         if usage:
             events.append(_claude_usage(usage, text=str(message.get("id") or "")))
@@ -7767,7 +7865,17 @@ class Codex(AgentAdapter):
             item = event.get("item") or {}
             if item.get("type") == "mcp_tool_call":
                 return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
-                                   ok=item.get("status") == "completed")]
+                                   ok=item.get("status") == "completed",
+                                   text=tool_summary(item.get("arguments")))]
+            # Codex's own tools: a shell command, or file edits (its apply_patch).
+            if item.get("type") == "command_execution":
+                return [AgentEvent("tool_call", name="shell", ok=item.get("exit_code") == 0,
+                                   text=tool_summary({"command": item.get("command")}))]
+            if item.get("type") == "file_change":
+                paths = [c.get("path") for c in item.get("changes") or []
+                         if isinstance(c, dict) and isinstance(c.get("path"), str)]
+                return [AgentEvent("tool_call", name="edit", ok=item.get("status") == "completed",
+                                   text=tool_summary({"path": paths}))]
         if kind == "turn.completed":
             usage = event.get("usage") or {}
             return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
@@ -7932,7 +8040,8 @@ class GeminiCli(_SettingsJsonAgent):
             return [AgentEvent("session", name=str(event.get("model") or ""),
                                text=str(event["session_id"]))]
         if kind == "tool_use":
-            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")))]
+            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
+                               text=tool_summary(event.get("parameters")))]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
@@ -8815,6 +8924,7 @@ class AgentProcess:
         self.events = []
         self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
+        self.last_text = ""        # the last line that was not a JSON event, for heartbeats
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
@@ -8847,6 +8957,8 @@ class AgentProcess:
                 self.log.flush()
                 self.lines += 1
                 line = raw.decode("utf-8", "replace").strip()
+                if line and not line.startswith("{"):
+                    self.last_text = line[:200]
                 if line:
                     try:
                         events = self._parse_line(line)
@@ -8880,6 +8992,214 @@ class AgentProcess:
 class HqMessage:
     kind: str      # transition | info | warning | error | question | agent
     text: str
+    # What happened, for `ferrus run --json` and other programs: a short name (see
+    # PROGRESS_EVENTS) and its facts.  The text says the same for people.
+    event: str = ""
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+# The progress events HQ and `ferrus run` report (the "event" of each --json object).
+PROGRESS_EVENTS = (
+    "transition",      # the task moved: from, to, by (the journal event), actor, task_id
+    "check_started",   # a check command began: command
+    "check",           # a check command ended: command, status, exit, secs, log, tail
+    "checks",          # the gate's verdict: passed, during (check | submit), retries, log
+    "submission",      # the executor submitted: summary (first lines of SUBMISSION.md)
+    "review",          # the reviewer rejected: notes (first lines of REVIEW.md)
+    "consult",         # the executor asked the supervisor: question
+    "consult_answer",  # the supervisor answered: answer
+    "question",        # an agent asks a human: question
+    "confirmation",    # the reviewer approved and [hq] human_review waits for the human
+    "answer",          # a human answered: answer
+    "tool_call",       # an agent called a tool: slot, tool, input
+    "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
+    "session",         # an agent started, exited, backs off or is stopped: slot
+    "complete", "failed", "capacity", "pipeline", "notifier", "info")
+
+
+def first_lines(text, count=4, width=160):
+    """The first ``count`` non-blank lines of ``text``, each cut to ``width``."""
+    lines = [line.rstrip() for line in (text or "").splitlines() if line.strip()]
+    kept = [line if len(line) <= width else line[:width - 1] + "…" for line in lines[:count]]
+    if len(lines) > count:
+        kept.append("… (%d more lines)" % (len(lines) - count))
+    return kept
+
+
+_CHECK_LOG_TRAILER = re.compile(r"^\[(passed|failed|timed out|cancelled|skipped), exit ")
+
+
+def check_log_tail(store, log_path, count=8, chunk=16384):
+    """The last ``count`` lines a check command printed, read from the end of its log
+    (``log_path`` relative to the project root) without reading the whole file."""
+    if not isinstance(log_path, str) or not log_path.startswith(FERRUS_DIR + "/"):
+        return []
+    try:
+        with open_in_ferrus_dir(store, *log_path.split("/")[1:]) as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chunk))
+            data = handle.read()
+    except (OSError, FerrusError, ValueError):
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > chunk:
+        lines = lines[1:]                  # the first line may start mid-way
+    lines = [line for line in lines if not _CHECK_LOG_TRAILER.match(line)]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return [line[:200] for line in lines[-count:]]
+
+
+def running_check_commands(store):
+    """{check id: command} of the check commands running right now, from their pid
+    files in .ferrus/check-processes/ (whoever started them)."""
+    directory = store.path(CHECK_PROCESS_DIR)
+    running = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.endswith(".json"):
+                continue
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                record = json.loads(read_text(os.path.join(directory, name)))
+                running[name[:-5]] = str(record["command"])
+    return running
+
+
+# -- notifications ---------------------------------------------------------------------------
+#
+# [notify] tells a human who is not watching that the loop needs them or ended: the
+# terminal bell (through the front end's ``bell``), a command of the user's (ntfy,
+# curl to a webhook, ...) and the desktop's own notifier.  Commands run detached with
+# a timeout on a thread of their own, so a failing or hanging one never blocks the
+# loop; the first failure is shown, later ones only logged.
+
+NOTIFY_TITLES = {"awaiting_human": "an agent needs your answer", "complete": "task complete",
+                 "failed": "task failed", "checkpoint": "capacity checkpoint",
+                 "emergency_stop": "capacity emergency stop",
+                 "pipeline_delivered": "pipeline delivered", "task_created": "task created",
+                 "submitted": "work submitted for review", "rejected": "submission rejected"}
+
+
+def desktop_notification_argv(title, body):
+    """The argv that shows a desktop notification with what this system has (no
+    dependency), or None."""
+    if sys.platform == "darwin":
+        quote = lambda text: json.dumps(text, ensure_ascii=False)   # noqa: E731  "…" and \"
+        return ["osascript", "-e", "display notification %s with title %s"
+                % (quote(body), quote(title))]
+    if IS_WINDOWS:  # pragma: no cover
+        script = (
+            "[Windows.UI.Notifications.ToastNotificationManager, Windows.UI.Notifications, "
+            "ContentType=WindowsRuntime] | Out-Null;"
+            "$t = [Windows.UI.Notifications.ToastNotificationManager]::GetTemplateContent("
+            "[Windows.UI.Notifications.ToastTemplateType]::ToastText02);"
+            "$n = $t.GetElementsByTagName('text');"
+            "$n.Item(0).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_TITLE)) | Out-Null;"
+            "$n.Item(1).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_BODY)) | Out-Null;"
+            "[Windows.UI.Notifications.ToastNotificationManager]::CreateToastNotifier("
+            "'ferrus').Show([Windows.UI.Notifications.ToastNotification]::new($t))")
+        return ["powershell", "-NoProfile", "-NonInteractive", "-Command", script]
+    if shutil.which("notify-send"):
+        return ["notify-send", "--app-name=ferrus", title, body]
+    return None
+
+
+def terminal_bell(stream):
+    """A function that rings ``stream``'s terminal bell, or None when it is no terminal.
+    The bell character is written straight to the stream: say() would show it as text."""
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+
+    def ring():
+        stream.write("\a")
+        stream.flush()
+    return ring
+
+
+class Notifier:
+    """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
+    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
+
+    def __init__(self, store, emit, bell=None):
+        self.store = store
+        self.emit = emit
+        self.bell = bell
+        self.failed_once = False
+        self.sent = []             # (event, task_id, summary), for tests and `status`
+
+    def config(self):
+        try:
+            return self.store.config().notify
+        except FerrusError:
+            return NotifyConfig()   # a broken ferrus.toml still rings the bell
+
+    def notify(self, event, task_id, summary):
+        config = self.config()
+        if event not in config.events:
+            return
+        summary = " ".join((summary or "").split())[:300]
+        self.sent.append((event, task_id, summary))
+        if config.bell and self.bell is not None:
+            with contextlib.suppress(Exception):   # a closed terminal is no reason to stop
+                self.bell()
+        values = {"{event}": event, "{task_id}": task_id or "", "{summary}": summary}
+        env = {"FERRUS_EVENT": event, "FERRUS_TASK_ID": task_id or "",
+               "FERRUS_SUMMARY": summary}
+        if config.command:
+            argv = [self._fill(part, values) for part in config.command]
+            self._start("[notify] command", argv, env, config.timeout_secs)
+        if config.desktop:
+            title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
+            argv = desktop_notification_argv(title, summary or title)
+            if argv is None:
+                self._failed("[notify] desktop", "no desktop notifier was found (notify-send "
+                             "on Linux, osascript on macOS, PowerShell on Windows)")
+            else:
+                self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
+                                                           FERRUS_NOTIFY_BODY=summary or title),
+                            config.timeout_secs)
+
+    @staticmethod
+    def _fill(part, values):
+        for key, value in values.items():
+            part = part.replace(key, value)
+        return part
+
+    def _start(self, what, argv, env, timeout):
+        try:
+            proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, **process_group_kwargs())
+        except OSError as err:
+            self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+            return
+        threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
+                         daemon=True).start()
+
+    def _watch(self, what, program, proc, timeout):
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc)
+            with contextlib.suppress(Exception):
+                proc.communicate(timeout=5)
+            self._failed(what, "%s was still running after %ds and was stopped"
+                         % (program, timeout))
+            return
+        if proc.returncode != 0:
+            said = (err or b"").decode("utf-8", "replace").strip().splitlines()
+            self._failed(what, "%s exited with code %s%s" % (
+                program, proc.returncode, ": " + said[-1][:200] if said else ""))
+
+    def _failed(self, what, why):
+        if self.failed_once:
+            log.info("%s failed again: %s", what, why)
+            return
+        self.failed_once = True
+        self.emit(HqMessage("warning", "%s failed: %s (the loop goes on; later failures are "
+                                       "only logged)" % (what, why), "notifier",
+                            {"notifier": what, "error": why}))
 
 
 class SessionSlot:
@@ -8897,6 +9217,9 @@ class SessionSlot:
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
+        self.started_at = None     # clock value when the running session started
+        self.events_shown = 0      # how many of the process's events were reported
+        self.mcp_calls_before = 0  # the task's ferrus tool calls when the session started
         self.record = None         # the running session's record (.ferrus/sessions/)
         self.record_due = 0.0      # clock value after which changed counts are written
 
@@ -8904,8 +9227,16 @@ class SessionSlot:
     def state(self):
         return self.session.state
 
+    def label(self):
+        """The session state in words: a slot that has nothing to do is idle (its
+        machine says Initializing or SessionComplete, which reads like activity)."""
+        if self.process is None and self.session.state in (SS.INITIALIZING,
+                                                           SS.SESSION_COMPLETE):
+            return "idle"
+        return self.session.state.value
+
     def describe(self):
-        text = "%s: %s" % (self.name, self.session.state)
+        text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
             text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
         return text
@@ -9130,10 +9461,19 @@ class HqController:
     receives HqMessage objects; ``launcher`` builds the Launch for a slot (the
     configured adapters by default)."""
 
-    def __init__(self, store, emit, clock=time.monotonic, launcher=None):
+    # With an agent running and nothing to report for this long, a heartbeat line says
+    # what it is doing (how long, how many tool calls, its last words).
+    HEARTBEAT_SECS = 60.0
+    CHECK_SCAN_EVERY = 0.25
+
+    def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None):
         self.store = store
-        self.emit = emit
+        self._out = emit
         self.clock = clock
+        self.last_activity = clock()
+        self.notifier = Notifier(store, self.emit, bell)
+        self.checks_seen = {}         # check id -> (command, clock value when first seen)
+        self._next_check_scan = 0.0
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
@@ -9154,13 +9494,24 @@ class HqController:
         self.finishing_since = None   # when the task ended while agents still ran
         self.shown_question = None
         self.shown_confirmation = None    # (task, entered) whose summary was emitted
-        self.last_state = None
+        # The state found at start-up is shown by describe_state(), with its own time; only
+        # states reached while this controller runs are announced ("Task complete.").
+        self.last_state = self.store.read_state().state
+
+    def emit(self, message):
+        if not message.event:
+            message.event = "session" if message.kind == "agent" else "info"
+        self.last_activity = self.clock()
+        self._out(message)
 
     # -- start-up ------------------------------------------------------------------
 
     def task_in_flight(self):
+        """The task HQ would resume agents for, if any.  A task waiting for the human's
+        confirmation needs no agent, so there is nothing to ask: HQ shows it at once."""
         data = self.store.read_state()
-        return data if data.state in ACTIVE_STATES else None
+        return data if data.state in ACTIVE_STATES and \
+            data.state != S.AWAITING_CONFIRMATION else None
 
     def describe_state(self):
         data = self.store.read_state()
@@ -9170,8 +9521,15 @@ class HqController:
             text += ", task %s" % data.task_id
         if data.state_entered_at:
             with contextlib.suppress(ValueError):
-                text += ", for %s" % format_duration(
-                    (now - parse_timestamp(data.state_entered_at)).total_seconds())
+                entered = parse_timestamp(data.state_entered_at)
+                if data.state in (S.COMPLETE, S.FAILED):
+                    # A task that ended before now is shown as such, with its own time.
+                    text += ", %s at %s (%s ago)" % (
+                        "completed" if data.state == S.COMPLETE else "failed",
+                        entered.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                        format_duration((now - entered).total_seconds()))
+                else:
+                    text += ", for %s" % format_duration((now - entered).total_seconds())
         text += ", check retries %d, review cycles %d" % (data.check_retries, data.review_cycles)
         return text
 
@@ -9182,12 +9540,16 @@ class HqController:
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
+        # Running checks before the journal: a check's pid file is gone before the entry
+        # with its result is written, so "running" is never shown after the result.
+        self._watch_checks()
         self.drain_journal()
         for slot in self.slots.values():
             self._check_slot(slot)
         self._watch_capacity()
         if not self.paused:
             self.reconcile()
+        self._heartbeat()
 
     def drain_journal(self):
         entries, self.journal_offset = self.store.journal_since(self.journal_offset,
@@ -9218,11 +9580,148 @@ class HqController:
             self._missing_rev = rev
 
     def _show_entry(self, entry):
-        if entry.get("event") in ("heartbeat", "claim") or entry.get("actor") == "hq":
+        event = entry.get("event")
+        self._notify_for(entry)
+        if event in ("heartbeat", "claim") or entry.get("actor") in ("hq", "pipeline"):
             return
+        if event in ("check_passed", "check_failed", "submit"):
+            self._show_checks(entry)
         if entry.get("from") != entry.get("to"):
             self.emit(HqMessage("transition", "%s → %s  (%s by %s)" % (
-                entry.get("from"), entry.get("to"), entry.get("event"), entry.get("actor"))))
+                entry.get("from"), entry.get("to"), event, entry.get("actor")), "transition",
+                {"from": entry.get("from"), "to": entry.get("to"), "by": event,
+                 "actor": entry.get("actor"), "task_id": entry.get("task_id"),
+                 "seq": entry.get("seq")}))
+        # What the agents said, from the content files the entry wrote (still current:
+        # HQ reads each entry within moments of its commit).
+        shown = {"submit": ("SUBMISSION.md", "submission", "submission", 4),
+                 "reject": ("REVIEW.md", "review", "review notes", 8),
+                 "human_reject": ("REVIEW.md", "review", "the human's review notes", 8),
+                 "consult": ("CONSULT_REQUEST.md", "consult", "consultation", 8),
+                 "respond_consult": ("CONSULT_RESPONSE.md", "consult_answer",
+                                     "the supervisor answers", 8),
+                 "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
+        if shown is not None:
+            name, kind, title, count = shown
+            lines = first_lines(self.store.read_file(name), count)
+            if lines:
+                key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
+                    kind, "answer")
+                self.emit(HqMessage("info", "%s:\n  %s" % (title, "\n  ".join(lines)), kind,
+                                    {key: "\n".join(lines), "task_id": entry.get("task_id")}))
+
+    def _show_checks(self, entry):
+        """One line per check command (the failing ones with their last lines), then the
+        gate's verdict, from the entry's detail."""
+        detail = entry.get("detail") or {}
+        checks = [c for c in detail.get("checks") or [] if isinstance(c, dict)]
+        if not checks:
+            return
+        for check in checks:
+            passed = check.get("status") == "passed"
+            tail = [] if passed else check_log_tail(self.store, check.get("log"))
+            secs = check.get("secs") if isinstance(check.get("secs"), (int, float)) else 0
+            took = format_duration(secs) if secs >= 1 else "%.1fs" % secs
+            if check.get("status") == "failed" and check.get("exit") is not None:
+                took = "exit %s, %s" % (check.get("exit"), took)
+            text = "check %s: %s (%s)" % (check.get("status"), check.get("command"), took)
+            if tail:
+                text += "\n" + "\n".join("    │ " + line for line in tail)
+            self.emit(HqMessage("info" if passed else "warning", text, "check",
+                                dict(check, tail=tail)))
+        passed = entry.get("event") != "check_failed"
+        during = "submit" if entry.get("event") == "submit" or \
+            detail.get("during") == "submit" else "check"
+        if passed:
+            text = "checks passed" + (" — submitting for review" if during == "submit" else "")
+        else:
+            text = "checks failed%s (retry %s); full log %s" % (
+                " on submit" if during == "submit" else "", detail.get("retries", "?"),
+                detail.get("log"))
+        self.emit(HqMessage("info" if passed else "warning", text, "checks", {
+            "passed": passed, "during": during, "retries": detail.get("retries"),
+            "log": detail.get("log"), "task_id": entry.get("task_id")}))
+
+    def _notify_for(self, entry):
+        """The journal entries worth a notification ([notify] picks which)."""
+        event, detail, task = entry.get("event"), entry.get("detail") or {}, entry.get("task_id")
+        if entry.get("actor") == "pipeline":
+            return                      # the pipeline orchestrator announces its own
+        if entry.get("to") == S.FAILED.value and entry.get("from") != S.FAILED.value:
+            reason = self.store.read_state().failure_reason or event
+            self.notifier.notify("failed", task, reason.splitlines()[0] if reason else "")
+            return
+        if event == "capacity_checkpoint":
+            action = detail.get("action")
+            self.notifier.notify("emergency_stop" if action == EMERGENCY_STOP else "checkpoint",
+                                 task, "capacity %s before %s" % (action, detail.get("target")))
+            return
+        sources = {"create_task": ("task_created", "TASK.md"),
+                   "submit": ("submitted", "SUBMISSION.md"), "reject": ("rejected", "REVIEW.md"),
+                   "ask_human": ("awaiting_human", "QUESTION.md"),
+                   "approve": ("complete", "TASK.md"), "human_approve": ("complete", "TASK.md"),
+                   "human_reject": ("rejected", "REVIEW.md")}
+        if event == "approve" and entry.get("to") == S.AWAITING_CONFIRMATION.value:
+            # [hq] human_review: the reviewer approved and the human must confirm.
+            self.notifier.notify("awaiting_human", task, "the reviewer approved; confirm with "
+                                 "`ferrus approve` or send it back with `ferrus reject NOTES`")
+            return
+        if event in sources:
+            name, source = sources[event]
+            lines = first_lines(self.store.read_file(source), 1, 200)
+            self.notifier.notify(name, task, lines[0] if lines else "")
+
+    def _watch_checks(self):
+        """A check command that starts is shown at once (its result comes with the
+        journal entry); its pid file in .ferrus/check-processes/ says it runs."""
+        now = self.clock()
+        if now < self._next_check_scan:
+            return
+        self._next_check_scan = now + self.CHECK_SCAN_EVERY
+        running = running_check_commands(self.store)
+        for check_id, command in running.items():
+            if check_id not in self.checks_seen:
+                self.checks_seen[check_id] = (command, now)
+                self.emit(HqMessage("info", "check running: %s" % command, "check_started",
+                                    {"command": command}))
+        for check_id in [c for c in self.checks_seen if c not in running]:
+            del self.checks_seen[check_id]
+
+    def _heartbeat(self):
+        now = self.clock()
+        if now - self.last_activity < self.HEARTBEAT_SECS:
+            return
+        running = [slot for slot in self.slots.values()
+                   if slot.process is not None and slot.started_at is not None]
+        if not running:
+            self.last_activity = now
+            return
+        for slot in running:
+            calls = self.tool_calls_of(slot)
+            secs = now - slot.started_at
+            text = "%s working, %s, %d tool call%s" % (slot.name, format_duration(secs), calls,
+                                                      "" if calls == 1 else "s")
+            checks = ["%s (%s)" % (command, format_duration(now - since))
+                      for command, since in self.checks_seen.values()]
+            if checks:
+                text += "; check running: " + ", ".join(checks)
+            said = slot.process.last_text
+            if said:
+                text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+            self.emit(HqMessage("agent", text, "heartbeat", {
+                "slot": slot.name, "secs": round(secs, 1), "tool_calls": calls,
+                "checks_running": [c for c, _ in self.checks_seen.values()],
+                "last_output": said}))
+
+    def tool_calls_of(self, slot):
+        """The running session's tool calls: from its own streamed output, or, for an
+        agent that streams nothing ferrus reads, its ferrus tool calls (the MCP servers
+        count them per task)."""
+        mcp = 0
+        with contextlib.suppress(FerrusError, OSError):
+            mcp = tool_calls_for_task(self.store, self.store.read_state().task_id) - \
+                slot.mcp_calls_before
+        return max(slot.tool_calls, mcp, 0)
 
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
@@ -9247,21 +9746,26 @@ class HqController:
             question = self.store.read_file("QUESTION.md").strip()
             if question and question != self.shown_question:
                 self.shown_question = question
-                self.emit(HqMessage("question", question))
+                self.emit(HqMessage("question", question, "question",
+                                    {"question": question, "task_id": data.task_id}))
         else:
             self.shown_question = None
         if data.state == S.AWAITING_CONFIRMATION:
             waiting = (data.task_id, data.state_entered_at)
             if waiting != self.shown_confirmation:
                 self.shown_confirmation = waiting
-                self.emit(HqMessage("confirm", confirmation_summary(self.store, data)))
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data),
+                                    "confirmation", {"task_id": data.task_id}))
         else:
             self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
-                self.emit(HqMessage("info", "Task complete."))
+                self.emit(HqMessage("info", "Task complete.", "complete",
+                                    {"task_id": data.task_id}))
             elif data.state == S.FAILED:
-                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
+                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
+                                    "failed", {"task_id": data.task_id,
+                                               "reason": data.failure_reason}))
             if data.state == S.IDLE:
                 self.stop_all(quiet=True)
             # An agent that ended the task (the reviewer's approve) is still saying its
@@ -9428,7 +9932,11 @@ class HqController:
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
-        slot.tool_calls = 0
+        slot.tool_calls = slot.events_shown = 0
+        slot.started_at = self.clock()
+        with contextlib.suppress(FerrusError, OSError):
+            slot.mcp_calls_before = tool_calls_for_task(self.store,
+                                                        self.store.read_state().task_id)
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
@@ -9453,6 +9961,15 @@ class HqController:
         if process is not None:
             slot.tool_calls = process.tally.tool_calls
             self._save_counts(slot)
+            # One compact line per tool call the agent's streamed output reported.
+            events = process.events[slot.events_shown:]
+            slot.events_shown += len(events)
+            for event in events:
+                if event.kind == "tool_call":
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        slot.name, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"slot": slot.name, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -9737,23 +10254,44 @@ RUN_COMPLETE, RUN_FAILED, RUN_TIMEOUT, RUN_NEEDS_HUMAN = 0, 1, 3, 4
 RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the run with 3
 
 
+RUN_OUTPUT_MODES = ("lines", "quiet", "json")
+# What `ferrus run --quiet` leaves out: the running commentary, not what happened.
+QUIET_EVENTS = ("tool_call", "heartbeat", "check_started", "session")
+
+
+def run_printer(out, mode="lines"):
+    """``show(message)`` for `ferrus run`: a line per message, fewer with "quiet", one
+    JSON object per message with "json" (for CI logs and other programs)."""
+    def show(message):
+        if mode == "quiet" and (message.event in QUIET_EVENTS or (
+                message.event == "check" and message.data.get("status") == "passed")):
+            return
+        out(_run_json(message) if mode == "json" else _run_line(message))
+    return show
+
+
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None):
+             review=None, mode="lines", bell=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
     so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
     ("reject", notes) or None`` is the human's word on a reviewer's approval when
-    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is the (spec, milestone id) the task
-    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is
+    the (spec, milestone id) the task implements; a Failed task is replaced only with
+    ``reset``.  ``mode`` is one of RUN_OUTPUT_MODES; ``bell()`` rings the terminal's bell
+    for [notify].  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, mode)
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
     data = store.read_state()
-    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
-                              launcher=launcher)
+    controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
     if not controller.recheck_checkpoint():
-        out("ferrus run: the capacity checkpoint still holds (%s); raise the limit in "
-            "[capacity] and run again" % controller.checkpoint.get("signal"))
+        note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
+             "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
         return RUN_CHECKPOINT
     if task is not None and controller.gate("transition:create_task") in (
             CHECKPOINT, EMERGENCY_STOP):
@@ -9785,8 +10323,10 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                          "pass --resume to continue it")
     started = clock()
     if not store.config().checks.commands:
-        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
-    out("ferrus run: %s" % controller.describe_state())
+        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
+    # The task's creation (Idle → Executing) first, then where the run starts from.
+    controller.drain_journal()
+    note(controller.describe_state(), task_id=store.read_state().task_id)
     try:
         while True:
             controller.poll()
@@ -9796,24 +10336,24 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 controller.wind_down(poll_interval)
                 return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
             if controller.checkpoint and not controller.running():
-                out("ferrus run: stopped at a capacity checkpoint; raise the limit in [capacity] "
-                    "and run `ferrus run --resume`")
+                note("stopped at a capacity checkpoint; raise the limit in [capacity] and run "
+                     "`ferrus run --resume`", exit=RUN_CHECKPOINT)
                 return RUN_CHECKPOINT
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
-                    out("ferrus run: an agent asked a human and nobody can answer here "
-                        "(stdin is not a terminal); answer with HQ or `ferrus run --resume` "
-                        "in a terminal")
+                    note("an agent asked a human and nobody can answer here (stdin is not a "
+                         "terminal); answer with HQ or `ferrus run --resume` in a terminal",
+                         exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
             if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
                 decision = review(confirmation_summary(store, data)) if review else None
                 if decision is None:
-                    out("ferrus run: the task waits for a human's confirmation of the "
-                        "reviewer's approval; run `ferrus approve`, or `ferrus reject NOTES` "
-                        "and then `ferrus run --resume`")
+                    note("the task waits for a human's confirmation of the reviewer's "
+                         "approval; run `ferrus approve`, or `ferrus reject NOTES` and then "
+                         "`ferrus run --resume`", exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 verdict, notes = decision
                 try:
@@ -9822,16 +10362,16 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                     else:
                         op_human_reject(store, HUMAN, notes, via="run")
                 except FerrusError as err:      # e.g. someone else decided meanwhile
-                    out("ferrus run: %s" % err.message)
+                    note(err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: the %s is stopped (the reason is above)"
-                    % " and the ".join(stuck))
+                note("giving up: the %s is stopped (the reason is above)"
+                     % " and the ".join(stuck), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
-                out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
-                                                                    data.state))
+                note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
+                     exit=RUN_TIMEOUT)
                 return RUN_TIMEOUT
             time.sleep(poll_interval)
     finally:
@@ -9847,7 +10387,11 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     follows until none is left; any other ending (Failed, a question nobody can answer,
     a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, run_options.get("mode", "lines"))
     started = clock()
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
 
     def time_left():
         return None if timeout is None else max(0.0, timeout - (clock() - started))
@@ -9861,8 +10405,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     while True:
         found = find_milestone(store, wanted)
         if found is None:
-            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
-                                    if finished else "every milestone of the spec is complete"))
+            note("every milestone is complete (%d done in this run)" % finished
+                 if finished else "every milestone of the spec is complete")
             return RUN_COMPLETE
         path, text, milestone = found
         state = store.read_state().state
@@ -9877,7 +10421,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                               "tick `- [x]` on its line in the spec, then run again")
         previous = (path, milestone.id)
         op_select_milestone(store, HUMAN, path, milestone.id)
-        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        note("milestone %s (%s) of %s" % (milestone.display(), milestone.id, path),
+             milestone=milestone.id, spec=path)
         code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
                         out=out, clock=clock, origin=(path, milestone.id), reset=reset,
                         **run_options)
@@ -9889,6 +10434,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
 
 
 def _run_line(message):
+    if message.event == "run":
+        return message.text            # ferrus run's own words, as they always were
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
@@ -9896,6 +10443,17 @@ def _run_line(message):
         return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
+
+
+def _run_json(message):
+    """One message as one JSON line: time, event, level, text, then the event's facts."""
+    record = {"time": format_timestamp(utc_now()), "event": message.event or "info",
+              "level": message.kind, "text": message.text}
+    for key, value in message.data.items():
+        record.setdefault(key, value)
+    # Insertion order (time, event, level, text first) reads better than sorted keys.
+    return json_for_terminal(json.dumps(record, ensure_ascii=False, separators=(",", ":"),
+                                        default=str))
 
 
 # -- HQ front end: plain lines ------------------------------------------------------------
@@ -10353,12 +10911,19 @@ class PipelineOrchestrator:
     before every spawn and answers Continue, Throttle, Checkpoint or EmergencyStop.
     ``emit`` receives an HqMessage for every event."""
 
-    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None):
+    # A running worker that showed nothing for this long gets a heartbeat line.
+    HEARTBEAT_SECS = 60.0
+    WATCH_READ_BYTES = 65536       # at most this much of a worker's log is read per look
+
+    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None, bell=None):
         self.store = store.require()
         self.clock = clock or store.clock
         self.spawner = spawner or start_worker_process
         self.gate = gate or self._capacity_gate
         self.emit = emit or (lambda message: log.info("%s", message.text))
+        # emit may be replaced later (HQ follows a run with its own), so look it up late.
+        self.notifier = Notifier(store, lambda message: self.emit(message), bell)
+        self._watched = {}         # (run, role, attempt) -> what watch() read of its log
         self.config = store.config()
         self.settings = pipelines_config(store.root)
         self.limits = sessions_config(store.root)
@@ -10800,9 +11365,11 @@ class PipelineOrchestrator:
         # The folder moves to the archive right after this, so name the output where it
         # will be (the run's current path would no longer exist).
         archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
-        self._note(run, "delivered", "delivered %s" % self.store.relpath(
-            run.file(final.output) if run.archived else archived), output=final.output)
+        where = self.store.relpath(run.file(final.output) if run.archived else archived)
+        self._note(run, "delivered", "delivered %s" % where, output=final.output)
         self._save(run)            # delivered on disk before the folder moves
+        self.notifier.notify("pipeline_delivered", run.name, "%s: %s" % (
+            run.status.get("topic", ""), where))
         return self._archive(run)
 
     def _archive(self, run):
@@ -10908,7 +11475,81 @@ class PipelineOrchestrator:
                 self.await_workers(outcome.run, poll_interval=poll_interval)
             if outcome.finished or (should_stop is not None and should_stop()):
                 return outcome
+            self.watch(ref)
             time.sleep(poll_interval)
+
+    # -- live progress ------------------------------------------------------------------------
+
+    def watch(self, ref):
+        """What the current phase's running workers are doing, as HQ shows its agents:
+        one line per tool call their output reports, and a heartbeat (time, tool calls,
+        last words) when one showed nothing for HEARTBEAT_SECS.  Only reads: progress is
+        no part of status.json."""
+        try:
+            run = read_run(self.store, ref, with_definition=True)
+        except (FerrusError, OSError, ValueError):
+            return
+        if run.archived:
+            return
+        now, current = self.clock(), set()
+        definition = run.definition.phases[run.status["current_phase"]]
+        for worker in definition.workers:
+            entry = run.phase()["workers"][worker.role]
+            if entry["status"] not in WORKER_RUNNING or not entry["attempts"]:
+                continue
+            key = (run.name, worker.role, entry["attempts"])
+            current.add(key)
+            watched = self._watched.get(key)
+            if watched is None:
+                parse = None
+                with contextlib.suppress(FerrusError):
+                    parse = adapter_for(self.config, worker.agent).parse_line
+                watched = self._watched[key] = {"offset": 0, "rest": b"", "calls": 0,
+                                                "said": "", "shown": now, "parse": parse}
+            self._read_worker_log(run, worker.role, entry, watched)
+            if (now - watched["shown"]).total_seconds() >= self.HEARTBEAT_SECS:
+                watched["shown"] = now
+                secs = self._age(entry["started_at"]) if entry.get("started_at") else 0.0
+                text = "%s working, %s, %d tool call%s" % (
+                    worker.role, format_duration(secs), watched["calls"],
+                    "" if watched["calls"] == 1 else "s")
+                if watched["said"]:
+                    said = watched["said"]
+                    text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+                self.emit(HqMessage("agent", text, "heartbeat", {
+                    "run": run.name, "slot": worker.role, "secs": round(secs, 1),
+                    "tool_calls": watched["calls"], "last_output": watched["said"]}))
+        for key in [k for k in self._watched if k[0] == run.name and k not in current]:
+            del self._watched[key]
+
+    def _read_worker_log(self, run, role, entry, watched):
+        try:
+            with open(self._base(run, role, entry) + ".log", "rb") as handle:
+                handle.seek(watched["offset"])
+                data = handle.read(self.WATCH_READ_BYTES)
+        except OSError:
+            return
+        watched["offset"] += len(data)
+        lines = (watched["rest"] + data).split(b"\n")
+        watched["rest"] = lines.pop()[-self.WATCH_READ_BYTES:]
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line or line.startswith("$ "):      # the command line ferrus wrote
+                continue
+            if not line.startswith("{"):
+                watched["said"] = line[:200]
+            events = []
+            if watched["parse"] is not None:
+                with contextlib.suppress(Exception):   # a parser never stops the loop
+                    events = watched["parse"](line)
+            for event in events:
+                if event.kind == "tool_call":
+                    watched["calls"] += 1
+                    watched["shown"] = self.clock()
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        role, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"run": run.name, "slot": role, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
 
 
 WORKFLOWS_EXAMPLE = {
@@ -11006,7 +11647,7 @@ def describe_run(store, status, path, now=None):
     return lines
 
 
-def pipeline_command(store, args, out, follow):
+def pipeline_command(store, args, out, follow, bell=None):
     """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
     command = args.pipeline_command
     if command == "init":
@@ -11019,7 +11660,8 @@ def pipeline_command(store, args, out, follow):
         return 0
     if command == "status":
         return _pipeline_status(store, args, out)
-    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
+    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)),
+                                        bell=bell)
     if command == "run":
         return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
     if command == "resume":
@@ -11670,12 +12312,21 @@ class BuildBackend:
                                                    (cls._source() + "\n").encode("utf-8"))])
 
     @classmethod
+    def _sdist_paths(cls):
+        """The fixed files, then docs/*.md when the folder is there (README links to them;
+        a copy of the five files alone still builds)."""
+        docs = os.path.join(cls._source(), "docs")
+        found = sorted(name for name in os.listdir(docs) if name.endswith(".md")) \
+            if os.path.isdir(docs) else []
+        return list(cls.SDIST_FILES) + ["docs/" + name for name in found]
+
+    @classmethod
     def build_sdist(cls, sdist_directory, config_settings=None):
         import io
         import tarfile
         project = cls.project()
         base = cls._dist_name(project)
-        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls._sdist_paths()]
         members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
         name = base + ".tar.gz"
         with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
@@ -11745,7 +12396,11 @@ def format_event(entry, color=False):
     change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
-    detail = entry.get("detail") or {}
+    detail = dict(entry.get("detail") or {})
+    if isinstance(detail.get("checks"), list):
+        # Each command's result in brief; its log path is in `ferrus log --json`.
+        detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
+                                    for c in detail["checks"] if isinstance(c, dict))
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
@@ -11794,7 +12449,7 @@ def hq_cmd_pipeline(shell, rest):
         _HQ_FOLLOWED[name].start()
         shell.write("following run %s; /pipeline status %s shows it" % (name, name))
         return 0
-    pipeline_command(shell.store, args, shell.write, follow)
+    pipeline_command(shell.store, args, shell.write, follow, bell=shell.ring_bell)
 
 
 HQ_COMMANDS = (
@@ -11805,7 +12460,8 @@ HQ_COMMANDS = (
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
     ("/reset-spec", "", "clear the spec selection"),
     ("/status", "", "state, counters, lease, and each agent session"),
-    ("/log", "[N]", "the last N journal entries (default 20)"),
+    ("/log", "[N] [--all]", "the last N journal entries (default 20); --all also shows "
+                            "bookkeeping (sessions, leases, heartbeats)"),
     ("/agents", "", "installed agents and their registration"),
     ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
     ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
@@ -11847,7 +12503,13 @@ class HqShell:
         self.lines = collections.deque()
         self.held = None            # messages queued while an interactive agent has the terminal
         self.done = False
-        self.controller = HqController(store, self.show, clock=clock)
+        self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+
+    def ring_bell(self):
+        """[notify] bell: only on a terminal (a pipe would get a stray BEL byte)."""
+        if hasattr(self.stdout, "isatty") and self.stdout.isatty():
+            self.stdout.write("\a")
+            self.stdout.flush()
 
     def show(self, message):
         if self.held is not None:
@@ -11953,10 +12615,23 @@ class HqShell:
 
     # -- commands ----------------------------------------------------------------------
 
+    HELP_WIDTH = 80        # /help fits an 80-column terminal
+    HELP_COLUMN = 24       # where the descriptions start
+
     def cmd_help(self, rest):
-        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
+        import textwrap
+        width, column = self.HELP_WIDTH, self.HELP_COLUMN
         for name, args, what in HQ_COMMANDS:
-            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
+            usage = ("%s %s" % (name, args)).strip()
+            body = textwrap.wrap(what, width - column)
+            if len(usage) <= column - 3:
+                lines = ["  " + usage.ljust(column - 2) + body[0]]
+                body = body[1:]
+            else:              # a long usage gets its own lines, the description below it
+                lines = textwrap.wrap(usage, width - 2, initial_indent="  ",
+                                      subsequent_indent="    ")
+            lines += [" " * column + line for line in body]
+            self.write("\n".join(lines))
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
@@ -11988,9 +12663,18 @@ class HqShell:
             self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
-        count = int(rest) if rest.isdigit() else 20
-        for entry in self.store.read_journal(limit=count):
+        words = rest.split()
+        everything = "--all" in words
+        numbers = [w for w in words if w != "--all"]
+        if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
+            raise UsageError("usage: /log [N] [--all]")
+        count = int(numbers[0]) if numbers else 20
+        entries = journal_story(self.store, count, everything)
+        for entry in entries:
             self.write(format_event(entry))
+        if not entries:
+            self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
+                                                                "bookkeeping entries"))
 
     def cmd_diff(self, rest):
         words = rest.split()
@@ -12099,6 +12783,9 @@ class HqShell:
 
     def cmd_reset(self, rest):
         data = self.store.read_state()
+        if data.state == S.IDLE:
+            self.write("Nothing to reset: the state is already Idle.")
+            return
         if data.state in ACTIVE_STATES and not self.confirm(
                 "The task is %s. Reset it to Idle and clear its files?" % data.state):
             return
@@ -12302,6 +12989,10 @@ class CursesHq(HqShell):
         self.notice, self.notice_until, self.last_ctrl_c = None, 0.0, 0.0
         self.status, self.status_due = ("", "", ""), 0.0
         self.attrs = collections.defaultdict(int)
+        self.bell_due = False        # rung at the next draw, from the thread that draws
+
+    def ring_bell(self):
+        self.bell_due = True
 
     # -- output --------------------------------------------------------------------------
 
@@ -12552,7 +13243,7 @@ class CursesHq(HqShell):
                     compact_count(used["input_tokens"] + used["output_tokens"]),
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
-        slots = ["%s %s%s" % (slot.name, slot.session.state,
+        slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%d tool calls)" % slot.tool_calls
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
@@ -12635,6 +13326,10 @@ class CursesHq(HqShell):
         with contextlib.suppress(curses.error):
             self.scr.move(bottom + 1 + cursor_row - first, min(cursor_col, width - 1))
         self.scr.refresh()
+        if self.bell_due:
+            self.bell_due = False
+            with contextlib.suppress(curses.error):
+                curses.beep()
 
     # -- dialogs -------------------------------------------------------------------------
 
@@ -12920,7 +13615,11 @@ def cmd_status(args, root):
 
 def cmd_log(args, root):
     store = Store(root).require()
-    entries = store.journal_entries() if args.n is None else store.read_journal(limit=args.n)
+    wanted = None if getattr(args, "all", False) else is_story
+    if args.n is None:
+        entries = (e for e in store.journal_entries() if wanted is None or wanted(e))
+    else:
+        entries = journal_story(store, args.n, everything=wanted is None)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -12930,7 +13629,8 @@ def cmd_log(args, root):
         print(line(entry))
         last = entry["seq"]
     if not last and not args.follow and not args.json:
-        print("(the journal is empty: nothing has happened yet)")
+        print("(the journal is empty: nothing has happened yet)" if not store.last_journal_seq()
+              else "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
     if not args.follow:
         return 0
     last = max(last, store.last_journal_seq())
@@ -12940,7 +13640,8 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                print(line(entry))
+                if wanted is None or wanted(entry):
+                    print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
     except KeyboardInterrupt:
@@ -13105,7 +13806,10 @@ def confirm(question):
 def cmd_reset(args, root):
     store = Store(root).require()
     data = store.read_state()
-    if not args.yes and data.state != S.IDLE:
+    if data.state == S.IDLE:
+        say("Nothing to reset: the state is already Idle.")
+        return 0
+    if not args.yes:
         if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
             say("Nothing changed.")
             return 1
@@ -13309,7 +14013,10 @@ def cmd_run(args, root):
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
                               "the current folder, or pass the task as --task TEXT") from err
-    interactive = sys.stdin.isatty()
+    mode = "json" if args.json else "quiet" if args.quiet else "lines"
+    # JSON goes to programs, which answer no questions and want no bell characters.
+    interactive = sys.stdin.isatty() and mode != "json"
+    bell = terminal_bell(sys.stdout) if mode != "json" else None
 
     def ask(question):
         if not interactive:
@@ -13341,13 +14048,15 @@ def cmd_run(args, root):
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
     with OrchestratorLock(store, "ferrus run") as held:
+        show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
-            say("ferrus run: %s" % note, flush=True)
+            show(HqMessage("info", "ferrus run: %s" % note, "run"))
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask, review=review)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
+                                  mode=mode, bell=bell)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review)
+                        review=review, mode=mode, bell=bell)
 
 
 def cmd_hq(args, root):
@@ -13386,11 +14095,13 @@ def cmd_pipeline(args, root):
     store = Store(root).require()
     out = lambda text: say(text, flush=True)     # noqa: E731
     if args.pipeline_command not in PIPELINE_DRIVING:
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
     with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
         for note in held.notes:
             out(note)
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
 
 
 def add_pipeline_parser(sub):
@@ -13481,6 +14192,9 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
+    p.add_argument("--all", "-a", action="store_true",
+                   help="also the bookkeeping entries (agent sessions, leases, heartbeats, "
+                        "capacity checks that let work go on)")
     p.set_defaults(run=cmd_log)
 
     p = sub.add_parser("sessions", help="every agent session: role, agent, outcome, usage, log")
@@ -13561,6 +14275,13 @@ def build_parser():
     p.add_argument("--reset", action="store_true",
                    help="replace a Failed task (without it, a Failed task is kept and the run "
                         "refuses)")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="only transitions, verdicts, questions, problems and the end "
+                             "(no tool calls, heartbeats or agent starts)")
+    output.add_argument("--json", action="store_true",
+                        help="one JSON object per event on stdout, for CI logs and programs "
+                             "(never asks: a question ends the run with exit 4)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")

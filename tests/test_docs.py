@@ -330,3 +330,28 @@ def test_the_section_table_tells_the_truth():
                 number, " ".join(str(n) for n in sorted(actual, reverse=True)) or "(none)"))
     assert not problems, "update the table in docs/ARCHITECTURE.md, 'The sections of " \
                          "ferrus.py':\n" + "\n".join(problems)
+
+
+# -- HQ commands and the MCP surface ------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [name for name, _, _ in ferrus.HQ_COMMANDS])
+def test_every_hq_command_is_documented(command):
+    assert re.search(r"`%s\b" % re.escape(command), ALL_DOCS), \
+        "HQ's %s is documented nowhere in README.md or docs/" % command
+
+
+@pytest.mark.parametrize("tool", [tool.name for tool in ferrus.TOOLS])
+def test_every_mcp_tool_is_documented(tool):
+    assert re.search(r"`%s\(" % re.escape(tool), ALL_DOCS), \
+        "the MCP tool %s is documented nowhere (as `%s(…)`)" % (tool, tool)
+
+
+@pytest.mark.parametrize("resource", [entry[0] for entry in ferrus.RESOURCES])
+def test_every_mcp_resource_is_documented(resource):
+    assert re.search(r"`(ferrus://)?%s`" % re.escape(resource), ALL_DOCS), \
+        "the MCP resource ferrus://%s is documented nowhere" % resource
+
+
+@pytest.mark.parametrize("prompt", [entry[0] for entry in ferrus.PROMPTS])
+def test_every_mcp_prompt_is_documented(prompt):
+    assert "`%s`" % prompt in ALL_DOCS, "the MCP prompt %s is documented nowhere" % prompt
