@@ -294,6 +294,7 @@ def test_cli_diff_stat_and_json(repo, store):
     assert "\033[" not in result.stdout                       # not a terminal, NO_COLOR
     full = run_cli("diff", cwd=repo)
     assert "+print('cli')" in full.stdout
+    assert "git base" in run_cli("status", cwd=repo).stdout
     data = json.loads(run_cli("diff", "--json", cwd=repo).stdout)
     assert data["available"] is True and data["files"][0]["path"] == "app.py"
 
