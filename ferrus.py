@@ -13550,6 +13550,9 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
+    if data.task_base:
+        rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
+                                                                "changes since)"))
     if config:
         rows.append(("check retries", "%d/%d" % (data.check_retries,
                                                  config.limits.max_check_retries)))
