@@ -8675,9 +8675,17 @@ def open_session_record(store, session_id, **fields):
     return record
 
 
-def update_session_counts(store, record, tally):
-    """Persist a running session's counts when they changed; True when written."""
+def _counts(tally, tool_calls):
+    """The tally's figures; ``tool_calls`` (the session's ferrus tool calls, counted by
+    the MCP servers) stands in when the agent's output shows fewer, or none at all."""
     counts = tally.counts()
+    counts["tool_calls"] = max(counts["tool_calls"], tool_calls or 0)
+    return counts
+
+
+def update_session_counts(store, record, tally, tool_calls=None):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = _counts(tally, tool_calls)
     if tally.model and not record.get("model"):
         counts["model"] = tally.model
     if all(record.get(key) == value for key, value in counts.items()):
@@ -8688,10 +8696,11 @@ def update_session_counts(store, record, tally):
     return True
 
 
-def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None,
+                         tool_calls=None):
     """The session is over: how it ended and its final counts."""
     if tally is not None:
-        record.update(tally.counts())
+        record.update(_counts(tally, tool_calls))
         if tally.model and not record.get("model"):
             record["model"] = tally.model
         if tally.agent_session:
@@ -10146,15 +10155,17 @@ class HqController:
         now = self.clock()
         if slot.record is None or slot.process is None or (not force and now < slot.record_due):
             return
-        if update_session_counts(self.store, slot.record, slot.process.tally):
-            slot.record_due = now + SESSION_RECORD_EVERY
+        slot.record_due = now + SESSION_RECORD_EVERY
+        update_session_counts(self.store, slot.record, slot.process.tally,
+                              self.tool_calls_of(slot))
 
     def _close_record(self, slot, process, outcome, note=None):
         record, slot.record = slot.record, None
         if record is not None:
             close_session_record(self.store, record, outcome,
                                  process.proc.returncode if process is not None else None,
-                                 process.tally if process is not None else None, note)
+                                 process.tally if process is not None else None, note,
+                                 self.tool_calls_of(slot))
 
     def _task_tokens(self, task):
         summary = task_usage(self.store, task)
