@@ -84,7 +84,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig",
+    "SessionsConfig", "PipelinesConfig", "GitConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 11)
