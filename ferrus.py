@@ -84,7 +84,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig", "GitConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 11)
@@ -1478,8 +1478,37 @@ class GitConfig:
         return self.branch.replace(GIT_BRANCH_PLACEHOLDER, task_id) if self.branch else None
 
 
+# What [notify] can announce.  The first group needs a human or ends something and is
+# on by default; the second reports ordinary progress and is there for those who ask.
+NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "emergency_stop",
+                         "pipeline_delivered")
+NOTIFY_EVENTS = NOTIFY_DEFAULT_EVENTS + ("task_created", "submitted", "rejected")
+
+
+@dataclasses.dataclass
+class NotifyConfig:
+    """[notify]: how a human who is not watching hears that the loop needs them."""
+
+    bell: bool = True              # the terminal bell in HQ and `ferrus run`
+    desktop: bool = False          # notify-send, osascript or a PowerShell toast
+    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary}
+    timeout_secs: int = 30         # a notifier still running then is stopped
+    events: list = dataclasses.field(default_factory=lambda: list(NOTIFY_DEFAULT_EVENTS))
+
+
+def _check_notify(path, notify):
+    unknown = [name for name in notify.events if name not in NOTIFY_EVENTS]
+    if unknown:
+        raise _config_error(path, "notify.events", "must name only these events: %s"
+                            % ", ".join(NOTIFY_EVENTS), unknown[0])
+    if notify.command and not notify.command[0].strip():
+        raise _config_error(path, "notify.command", "must start with a program name",
+                            notify.command[0])
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
-PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines")
+PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
+                "notify")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
@@ -1499,6 +1528,7 @@ class Config:
     capacity: CapacityConfig = dataclasses.field(default_factory=CapacityConfig)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
+    notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     git: GitConfig = dataclasses.field(default_factory=GitConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
@@ -1541,6 +1571,7 @@ _INT_LIMITS = {
     ("sessions", "timeout_secs"): (1, 31_536_000),
     ("sessions", "interrupt_grace_secs"): (0, 86_400),
     ("pipelines", "max_parallel"): (1, 1000),
+    ("notify", "timeout_secs"): (1, 3600),
 }
 
 
@@ -1783,6 +1814,10 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     found = [] if problems is None else problems
     for name in PLAIN_TABLES:
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
+    try:
+        _check_notify(path, config.notify)
+    except FerrusError as err:
+        found.append(err)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
     # Not one of hq_problems, which only agent launches notice: a mistyped value must
@@ -2989,6 +3024,39 @@ class Store:
                 cancel.wait(min(poll, remaining))
             else:
                 time.sleep(min(poll, remaining))
+
+
+# Journal entries that record how ferrus keeps its own books (agent sessions, leases,
+# capacity decisions that let work go on) rather than what happened to the task;
+# `ferrus log` and HQ's /log leave them out unless asked for everything.
+BOOKKEEPING_EVENTS = ("session", "heartbeat", "claim", "lease_released", "consume_answer")
+
+
+def is_bookkeeping(entry):
+    if entry.get("event") == "gate":
+        return (entry.get("detail") or {}).get("action") == CONTINUE
+    return entry.get("event") in BOOKKEEPING_EVENTS
+
+
+def is_story(entry):
+    """The journal entries a person reading what happened wants (not bookkeeping)."""
+    return not is_bookkeeping(entry)
+
+
+def journal_story(store, count, everything=False):
+    """The last ``count`` journal entries, oldest first, bookkeeping left out unless
+    ``everything``.  At most 20 entries per wanted one (and 500) are looked at, so a
+    journal of a million heartbeats costs what a short one does; fewer may come back."""
+    if everything:
+        return store.read_journal(limit=count)
+    entries = []
+    for entry in itertools.islice(store.journal_entries_backwards(), 20 * count + 500):
+        if len(entries) >= count:
+            break
+        if is_story(entry):
+            entries.append(entry)
+    entries.reverse()
+    return entries
 
 
 # ============================================================================
@@ -5658,8 +5726,12 @@ def _gate_operation(store, caller, action, content=None):
         else:
             tx.set(t_check_failed(tx.state, now, run.failure_reason(), limits.max_check_retries),
                    "check_failed", log=log_path, failed=[r.command for r in run.failed])
+            tx.detail["retries"] = tx.state.check_retries
             if action == "submit":
                 tx.detail["during"] = "submit"
+        if run is not None:
+            # Each command's result, so whoever reads the journal can show the run.
+            tx.detail["checks"] = [check_summary(result) for result in run.results]
     new = tx.state
     kind = ("none" if run is None else "pass" if passed else
             "limit" if new.state == S.FAILED else "fail")
@@ -5670,6 +5742,12 @@ def _gate_operation(store, caller, action, content=None):
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
+
+
+def check_summary(result):
+    """One command's result as the journal keeps it (its output is in its log)."""
+    return {"command": result.command, "status": result.status, "exit": result.exit_code,
+            "secs": round(result.duration, 2), "log": result.log_path}
 
 
 def op_check(store, caller):
@@ -7417,11 +7495,79 @@ class AgentEvent:
     """Something an agent's structured output reported."""
 
     kind: str                 # tool_call | usage | session | limit
-    name: str = ""
+    name: str = ""            # tool_call: the tool; session: the model, when reported
     ok: "bool | None" = None
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""
+    text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
+    cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
+    total: bool = False       # usage: the session's totals so far, replacing earlier counts
+
+
+# The argument that says most about a tool call, in the order looked for.
+_TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
+                      "query", "description", "prompt")
+
+
+def tool_summary(arguments, width=100):
+    """A tool call's arguments as one short line: its command, file or pattern when it
+    has one, else the arguments in compact JSON, cut to ``width``."""
+    if not isinstance(arguments, dict) or not arguments:
+        return ""
+    value = next((arguments[key] for key in _TOOL_SUMMARY_KEYS
+                  if isinstance(arguments.get(key), (str, list)) and arguments[key]), None)
+    if isinstance(value, list):
+        value = " ".join(str(part) for part in value)
+    text = value if value is not None else compact_json(arguments)
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+class UsageTally:
+    """What one agent session has used so far, folded from its AgentEvents.
+
+    CLIs report usage in three ways, and each is folded without double counting:
+    per message (Claude repeats a message's usage on every block of it, so only
+    the last report per message counts), per turn (Codex: summed), and as the
+    session's totals (Claude's and Gemini's final result: they replace what was
+    counted before).  Cost is known only when the CLI reports it."""
+
+    def __init__(self):
+        self.tool_calls = 0
+        self.model = ""
+        self.agent_session = ""
+        self.cost_usd = None
+        self._settled = (0, 0)      # the last reported totals
+        self._pending = {}          # message id (or a counter) -> (input, output) since
+
+    def add(self, event):
+        if event.kind == "tool_call":
+            self.tool_calls += 1
+        elif event.kind == "session":
+            self.agent_session = event.text or self.agent_session
+            self.model = event.name or self.model
+        elif event.kind == "usage":
+            if event.total:
+                self._settled = (event.input_tokens, event.output_tokens)
+                self._pending = {}
+            elif event.input_tokens or event.output_tokens:
+                self._pending[event.text or len(self._pending)] = (event.input_tokens,
+                                                                   event.output_tokens)
+            if event.cost_usd is not None:
+                self.cost_usd = event.cost_usd
+
+    @property
+    def input_tokens(self):
+        return self._settled[0] + sum(pair[0] for pair in list(self._pending.values()))
+
+    @property
+    def output_tokens(self):
+        return self._settled[1] + sum(pair[1] for pair in list(self._pending.values()))
+
+    def counts(self):
+        """The figures a session record keeps."""
+        return {"tool_calls": self.tool_calls, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd}
 
 
 # -- files register edits -----------------------------------------------------------
@@ -7901,20 +8047,40 @@ def _parse_claude_style(line):
     events = []
     kind = event.get("type")
     if kind == "system" and event.get("session_id"):
-        events.append(AgentEvent("session", text=str(event["session_id"])))
+        events.append(AgentEvent("session", name=str(event.get("model") or ""),
+                                 text=str(event["session_id"])))
     elif kind == "assistant":
         message = event.get("message") or {}
         for block in message.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
-                events.append(AgentEvent("tool_call", name=str(block.get("name", ""))))
+                events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
+                                         text=tool_summary(block.get("input"))))
         usage = message.get("usage") or {}
         if usage:
-            events.append(AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
-                                     output_tokens=int(usage.get("output_tokens") or 0)))
+            events.append(_claude_usage(usage, text=str(message.get("id") or "")))
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
+        usage, cost = event.get("usage"), event.get("total_cost_usd", event.get("cost_usd"))
+        cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
+            else None
+        if isinstance(usage, dict):
+            events.append(_claude_usage(usage, total=True, cost_usd=cost))
+        elif cost is not None:
+            events.append(AgentEvent("usage", cost_usd=cost))
     return events
+
+
+def _claude_usage(usage, **fields):
+    """A usage event from an Anthropic usage object.  Input counts every token the
+    model read, cached or not (as Codex's input_tokens does)."""
+    def count(key):
+        value = usage.get(key)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else 0
+    return AgentEvent("usage", input_tokens=count("input_tokens") +
+                      count("cache_creation_input_tokens") + count("cache_read_input_tokens"),
+                      output_tokens=count("output_tokens"), **fields)
 
 
 _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
@@ -8123,7 +8289,17 @@ class Codex(AgentAdapter):
             item = event.get("item") or {}
             if item.get("type") == "mcp_tool_call":
                 return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
-                                   ok=item.get("status") == "completed")]
+                                   ok=item.get("status") == "completed",
+                                   text=tool_summary(item.get("arguments")))]
+            # Codex's own tools: a shell command, or file edits (its apply_patch).
+            if item.get("type") == "command_execution":
+                return [AgentEvent("tool_call", name="shell", ok=item.get("exit_code") == 0,
+                                   text=tool_summary({"command": item.get("command")}))]
+            if item.get("type") == "file_change":
+                paths = [c.get("path") for c in item.get("changes") or []
+                         if isinstance(c, dict) and isinstance(c.get("path"), str)]
+                return [AgentEvent("tool_call", name="edit", ok=item.get("status") == "completed",
+                                   text=tool_summary({"path": paths}))]
         if kind == "turn.completed":
             usage = event.get("usage") or {}
             return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
@@ -8285,13 +8461,15 @@ class GeminiCli(_SettingsJsonAgent):
             return []
         kind = event.get("type")
         if kind == "init" and event.get("session_id"):
-            return [AgentEvent("session", text=str(event["session_id"]))]
+            return [AgentEvent("session", name=str(event.get("model") or ""),
+                               text=str(event["session_id"]))]
         if kind == "tool_use":
-            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")))]
+            return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
+                               text=tool_summary(event.get("parameters")))]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
-                               output_tokens=int(stats.get("output_tokens") or 0))]
+                               output_tokens=int(stats.get("output_tokens") or 0), total=True)]
         return []
 
 
@@ -8353,6 +8531,12 @@ class CustomAgent(AgentAdapter):
 
     def can_edit(self, profile):
         return None           # its argv templates decide; ferrus adds no flags
+
+    def parse_line(self, line):
+        # A custom CLI that prints Claude Code's stream-json events (a wrapper around
+        # it, say) gets its tool calls, tokens and cost counted; other output is read
+        # for usage-limit messages only.
+        return _parse_claude_style(line)
 
     def interactive(self, root, role, prompt=None, model=""):
         argv = self._render(self.spec.interactive, root, role, prompt, model)
@@ -8866,6 +9050,259 @@ def sessions_config(root):
         return SessionsConfig()
 
 
+# -- session records ------------------------------------------------------------------
+#
+# Every agent session ferrus starts (HQ's and `ferrus run`'s headless slots, HQ's
+# interactive sessions, pipeline workers) has a record in .ferrus/sessions/<id>.json:
+# who ran (role, agent, model, argv), what it was told (the prompt), when, how it
+# ended, what it used (tool calls, tokens, cost when the CLI reports it) and where its
+# raw log is.  A record is written atomically when the session starts, again while its
+# counts change and when it ends, so it survives restarts and a killed orchestrator;
+# the next orchestrator closes what a dead one left open.  Every usage figure ferrus
+# shows, and the capacity gates' token signal, is a sum over these records.
+
+SESSIONS_DIR = "sessions"
+SESSION_RECORD_EVERY = 1.0     # seconds between rewrites of a running session's counts
+STATUS_SESSIONS_SHOWN = 8      # the current task's newest sessions that status lists
+_RECORD_CACHE = {}             # sessions folder -> {file name: (file identity, record)}
+
+
+def _orchestrator_identity(store):
+    """Who starts a session now: this process, named as its orchestrator lock names it."""
+    holder = read_orchestrator_record(store) or {}
+    kind = holder.get("kind") if holder.get("pid") == os.getpid() else None
+    return {"kind": kind or "ferrus", "pid": os.getpid(), "host": _host_name()}
+
+
+def write_session_record(store, record, durable=True):
+    """Write one record (the folder is private: records hold whole prompts)."""
+    folder = store.path(SESSIONS_DIR)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    atomic_write(os.path.join(folder, record["id"] + ".json"), pretty_json(record) + "\n",
+                 durable=durable)
+
+
+def open_session_record(store, session_id, **fields):
+    """Record a session that starts now; returns the record (a dict the caller keeps)."""
+    record = {"id": session_id, "status": "running", "started_at": format_timestamp(utc_now()),
+              "ended_at": None, "outcome": None, "exit_code": None, "note": None,
+              "slot": None, "role": None, "agent": None, "model": "", "task_id": None,
+              "pipeline": None, "pid": None, "log": None, "argv": [], "prompt": None,
+              "tool_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": None,
+              "orchestrator": _orchestrator_identity(store)}
+    record.update(fields)
+    try:
+        write_session_record(store, record)
+    except OSError as err:       # a record must never stop the agent it describes
+        log.warning("could not write the session record %s: %s", session_id, err)
+    return record
+
+
+def update_session_counts(store, record, tally):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = tally.counts()
+    if tally.model and not record.get("model"):
+        counts["model"] = tally.model
+    if all(record.get(key) == value for key, value in counts.items()):
+        return False
+    record.update(counts)
+    with contextlib.suppress(OSError):
+        write_session_record(store, record, durable=False)
+    return True
+
+
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+    """The session is over: how it ended and its final counts."""
+    if tally is not None:
+        record.update(tally.counts())
+        if tally.model and not record.get("model"):
+            record["model"] = tally.model
+        if tally.agent_session:
+            record["agent_session"] = tally.agent_session
+    record.update(status="ended", ended_at=format_timestamp(utc_now()), outcome=outcome,
+                  exit_code=exit_code if isinstance(exit_code, int) else None,
+                  note=note or record.get("note"))
+    try:
+        write_session_record(store, record)
+    except OSError as err:
+        log.warning("could not write the session record %s: %s", record.get("id"), err)
+
+
+def read_session_records(store):
+    """Every session record, oldest first.  Files not changed since the last call are
+    not read again, so HQ can sum them every second.  The records are shared: read
+    them, never change them."""
+    folder = store.path(SESSIONS_DIR)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    cache, fresh = _RECORD_CACHE.get(folder, {}), {}
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        identity = (info.st_ino, info.st_mtime_ns, info.st_size)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == identity:
+            fresh[name] = hit
+            continue
+        try:
+            record = json.loads(read_text(path))
+        except (OSError, ValueError):
+            continue             # half a file from another tool: skipped, never fatal
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            try:
+                started = parse_timestamp(record.get("started_at"))
+            except ValueError:
+                started = _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)
+            fresh[name] = (identity, record, (started, record["id"]))
+    _RECORD_CACHE[folder] = fresh
+    return [entry[1] for entry in sorted(fresh.values(), key=lambda entry: entry[2])]
+
+
+def session_state(record):
+    """running | ended | orphaned (its orchestrator died while it ran)."""
+    if record.get("status") != "running":
+        return "ended"
+    orchestrator = record.get("orchestrator") or {}
+    pid = orchestrator.get("pid")
+    if orchestrator.get("host") != _host_name() or (isinstance(pid, int) and pid_alive(pid)):
+        return "running"
+    worker = record.get("pid")
+    if record.get("pipeline") and isinstance(worker, int) and pid_alive(worker):
+        return "running"         # a pipeline worker outlives its orchestrator
+    return "orphaned"
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value):
+    return value if _is_number(value) else 0
+
+
+def usage_summary(records):
+    """Sessions, tokens and cost of some records.  Cost is summed over the sessions
+    that reported one; ``cost_unknown`` counts those that did not."""
+    costs = [r.get("cost_usd") for r in records]
+    known = [c for c in costs if _is_number(c)]
+    return {"sessions": len(records),
+            "tool_calls": sum(int(_number(r.get("tool_calls"))) for r in records),
+            "input_tokens": sum(int(_number(r.get("input_tokens"))) for r in records),
+            "output_tokens": sum(int(_number(r.get("output_tokens"))) for r in records),
+            "cost_usd": round(sum(known), 6) if known else None,
+            "cost_unknown": len(records) - len(known)}
+
+
+def task_usage(store, task_id):
+    """The usage of one task's sessions (HQ, `ferrus run`, interactive)."""
+    return usage_summary([r for r in read_session_records(store)
+                          if task_id and r.get("task_id") == task_id])
+
+
+def compact_count(number):
+    """12345 -> '12.3k': token counts for status lines."""
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if number >= size:
+            return ("%.1f%s" % (number / size, unit)).replace(".0" + unit, unit)
+    return str(int(number))
+
+
+def format_cost(summary):
+    """'$0.0123', 'cost unknown', or '$0.01 + 2 sessions of unknown cost'."""
+    cost, unknown = summary.get("cost_usd"), summary.get("cost_unknown", 0)
+    if cost is None:
+        return "cost unknown" if summary.get("sessions") else "$0"
+    text = "$%.4f" % cost if cost < 1 else "$%.2f" % cost
+    if unknown:
+        text += " + %d session%s of unknown cost" % (unknown, "" if unknown == 1 else "s")
+    return text
+
+
+def format_usage(summary):
+    """'3 sessions, 41 tool calls, 12.3k tokens in / 1.2k out, $0.0123'."""
+    return "%d session%s, %d tool calls, %s tokens in / %s out, %s" % (
+        summary["sessions"], "" if summary["sessions"] == 1 else "s", summary["tool_calls"],
+        compact_count(summary["input_tokens"]), compact_count(summary["output_tokens"]),
+        format_cost(summary))
+
+
+def describe_session(record, root=None):
+    """One line: slot, agent, state and outcome, exit, counts, cost and the log."""
+    state = session_state(record)
+    if state == "ended":
+        state = record.get("outcome") or "ended"
+        if isinstance(record.get("exit_code"), int):
+            state += ", exit %d" % record["exit_code"]
+    elif state == "orphaned":
+        state = "orphaned (its orchestrator, pid %s, died)" % (
+            (record.get("orchestrator") or {}).get("pid"))
+    agent = record.get("agent") or "?"
+    if record.get("model"):
+        agent += " (%s)" % record["model"]
+    cost = record.get("cost_usd")
+    usage = "%d tool calls, %s/%s tokens, %s" % (
+        int(_number(record.get("tool_calls"))), compact_count(_number(record.get("input_tokens"))),
+        compact_count(_number(record.get("output_tokens"))),
+        "$%.4f" % cost if _is_number(cost) else "cost unknown")
+    if record.get("usage_reported") is False:
+        usage = "usage not reported"
+    text = "%s %s %s: %s — %s" % (record.get("started_at") or "?",
+                                 record.get("slot") or record.get("role") or "?", agent, state,
+                                 usage)
+    if record.get("log"):
+        text += " — log %s" % record["log"]
+    return text
+
+
+def usage_from_log(path, parse_line):
+    """Fold a session's raw log through its adapter's parser (a log is read a line at
+    a time, so its size does not matter)."""
+    tally = UsageTally()
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as handle:
+            for raw in handle:
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
+                    with contextlib.suppress(Exception):     # parsers never take us down
+                        for event in parse_line(line):
+                            tally.add(event)
+    return tally
+
+
+def close_orphaned_records(store):
+    """Close the records of HQ and `ferrus run` sessions whose orchestrator died: the
+    counts are read again from their logs, the end is now (the latest it can have
+    been).  Pipeline workers outlive their orchestrator; the pipeline's reconcile
+    closes theirs.  Returns one note per record closed."""
+    notes, config = [], None
+    with contextlib.suppress(FerrusError):
+        config = store.config()
+    for shared in read_session_records(store):
+        if shared.get("pipeline") or session_state(shared) != "orphaned":
+            continue
+        record = dict(shared)
+        tally = None
+        if config is not None and record.get("log") and record.get("agent"):
+            with contextlib.suppress(FerrusError):
+                parse_line = adapter_for(config, record["agent"]).parse_line
+                tally = usage_from_log(os.path.join(store.root, record["log"]), parse_line)
+        dead = record.get("orchestrator") or {}
+        close_session_record(store, record, "orphaned", tally=tally,
+                             note="its orchestrator (%s, pid %s) ended while it ran; ended by "
+                                  "then at the latest" % (dead.get("kind"), dead.get("pid")))
+        notes.append("closed the record of the %s session %s, which the previous orchestrator "
+                     "left open" % (record.get("slot") or "agent", record["id"]))
+    return notes
+
+
 # What each slot must achieve before its session counts as done: HQ checks the
 # journal itself instead of trusting an exit code.
 SLOT_ROLES = {"executor": "executor", "reviewer": "supervisor", "consultant": "supervisor"}
@@ -8909,7 +9346,9 @@ class AgentProcess:
     def __init__(self, launch, root, log_path, parse_line):
         self.log_path = log_path
         self.events = []
+        self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
+        self.last_text = ""        # the last line that was not a JSON event, for heartbeats
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
@@ -8942,9 +9381,14 @@ class AgentProcess:
                 self.log.flush()
                 self.lines += 1
                 line = raw.decode("utf-8", "replace").strip()
+                if line and not line.startswith("{"):
+                    self.last_text = line[:200]
                 if line:
                     try:
-                        self.events.extend(self._parse_line(line))
+                        events = self._parse_line(line)
+                        self.events.extend(events)
+                        for event in events:
+                            self.tally.add(event)
                         if self.fatal is None:
                             self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
@@ -8972,6 +9416,214 @@ class AgentProcess:
 class HqMessage:
     kind: str      # transition | info | warning | error | question | agent
     text: str
+    # What happened, for `ferrus run --json` and other programs: a short name (see
+    # PROGRESS_EVENTS) and its facts.  The text says the same for people.
+    event: str = ""
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+# The progress events HQ and `ferrus run` report (the "event" of each --json object).
+PROGRESS_EVENTS = (
+    "transition",      # the task moved: from, to, by (the journal event), actor, task_id
+    "check_started",   # a check command began: command
+    "check",           # a check command ended: command, status, exit, secs, log, tail
+    "checks",          # the gate's verdict: passed, during (check | submit), retries, log
+    "submission",      # the executor submitted: summary (first lines of SUBMISSION.md)
+    "review",          # the reviewer rejected: notes (first lines of REVIEW.md)
+    "consult",         # the executor asked the supervisor: question
+    "consult_answer",  # the supervisor answered: answer
+    "question",        # an agent asks a human: question
+    "confirmation",    # the reviewer approved and [hq] human_review waits for the human
+    "answer",          # a human answered: answer
+    "tool_call",       # an agent called a tool: slot, tool, input
+    "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
+    "session",         # an agent started, exited, backs off or is stopped: slot
+    "complete", "failed", "capacity", "pipeline", "notifier", "info")
+
+
+def first_lines(text, count=4, width=160):
+    """The first ``count`` non-blank lines of ``text``, each cut to ``width``."""
+    lines = [line.rstrip() for line in (text or "").splitlines() if line.strip()]
+    kept = [line if len(line) <= width else line[:width - 1] + "…" for line in lines[:count]]
+    if len(lines) > count:
+        kept.append("… (%d more lines)" % (len(lines) - count))
+    return kept
+
+
+_CHECK_LOG_TRAILER = re.compile(r"^\[(passed|failed|timed out|cancelled|skipped), exit ")
+
+
+def check_log_tail(store, log_path, count=8, chunk=16384):
+    """The last ``count`` lines a check command printed, read from the end of its log
+    (``log_path`` relative to the project root) without reading the whole file."""
+    if not isinstance(log_path, str) or not log_path.startswith(FERRUS_DIR + "/"):
+        return []
+    try:
+        with open_in_ferrus_dir(store, *log_path.split("/")[1:]) as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - chunk))
+            data = handle.read()
+    except (OSError, FerrusError, ValueError):
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > chunk:
+        lines = lines[1:]                  # the first line may start mid-way
+    lines = [line for line in lines if not _CHECK_LOG_TRAILER.match(line)]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return [line[:200] for line in lines[-count:]]
+
+
+def running_check_commands(store):
+    """{check id: command} of the check commands running right now, from their pid
+    files in .ferrus/check-processes/ (whoever started them)."""
+    directory = store.path(CHECK_PROCESS_DIR)
+    running = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.endswith(".json"):
+                continue
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                record = json.loads(read_text(os.path.join(directory, name)))
+                running[name[:-5]] = str(record["command"])
+    return running
+
+
+# -- notifications ---------------------------------------------------------------------------
+#
+# [notify] tells a human who is not watching that the loop needs them or ended: the
+# terminal bell (through the front end's ``bell``), a command of the user's (ntfy,
+# curl to a webhook, ...) and the desktop's own notifier.  Commands run detached with
+# a timeout on a thread of their own, so a failing or hanging one never blocks the
+# loop; the first failure is shown, later ones only logged.
+
+NOTIFY_TITLES = {"awaiting_human": "an agent needs your answer", "complete": "task complete",
+                 "failed": "task failed", "checkpoint": "capacity checkpoint",
+                 "emergency_stop": "capacity emergency stop",
+                 "pipeline_delivered": "pipeline delivered", "task_created": "task created",
+                 "submitted": "work submitted for review", "rejected": "submission rejected"}
+
+
+def desktop_notification_argv(title, body):
+    """The argv that shows a desktop notification with what this system has (no
+    dependency), or None."""
+    if sys.platform == "darwin":
+        quote = lambda text: json.dumps(text, ensure_ascii=False)   # noqa: E731  "…" and \"
+        return ["osascript", "-e", "display notification %s with title %s"
+                % (quote(body), quote(title))]
+    if IS_WINDOWS:  # pragma: no cover
+        script = (
+            "[Windows.UI.Notifications.ToastNotificationManager, Windows.UI.Notifications, "
+            "ContentType=WindowsRuntime] | Out-Null;"
+            "$t = [Windows.UI.Notifications.ToastNotificationManager]::GetTemplateContent("
+            "[Windows.UI.Notifications.ToastTemplateType]::ToastText02);"
+            "$n = $t.GetElementsByTagName('text');"
+            "$n.Item(0).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_TITLE)) | Out-Null;"
+            "$n.Item(1).AppendChild($t.CreateTextNode($env:FERRUS_NOTIFY_BODY)) | Out-Null;"
+            "[Windows.UI.Notifications.ToastNotificationManager]::CreateToastNotifier("
+            "'ferrus').Show([Windows.UI.Notifications.ToastNotification]::new($t))")
+        return ["powershell", "-NoProfile", "-NonInteractive", "-Command", script]
+    if shutil.which("notify-send"):
+        return ["notify-send", "--app-name=ferrus", title, body]
+    return None
+
+
+def terminal_bell(stream):
+    """A function that rings ``stream``'s terminal bell, or None when it is no terminal.
+    The bell character is written straight to the stream: say() would show it as text."""
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+
+    def ring():
+        stream.write("\a")
+        stream.flush()
+    return ring
+
+
+class Notifier:
+    """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
+    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
+
+    def __init__(self, store, emit, bell=None):
+        self.store = store
+        self.emit = emit
+        self.bell = bell
+        self.failed_once = False
+        self.sent = []             # (event, task_id, summary), for tests and `status`
+
+    def config(self):
+        try:
+            return self.store.config().notify
+        except FerrusError:
+            return NotifyConfig()   # a broken ferrus.toml still rings the bell
+
+    def notify(self, event, task_id, summary):
+        config = self.config()
+        if event not in config.events:
+            return
+        summary = " ".join((summary or "").split())[:300]
+        self.sent.append((event, task_id, summary))
+        if config.bell and self.bell is not None:
+            with contextlib.suppress(Exception):   # a closed terminal is no reason to stop
+                self.bell()
+        values = {"{event}": event, "{task_id}": task_id or "", "{summary}": summary}
+        env = {"FERRUS_EVENT": event, "FERRUS_TASK_ID": task_id or "",
+               "FERRUS_SUMMARY": summary}
+        if config.command:
+            argv = [self._fill(part, values) for part in config.command]
+            self._start("[notify] command", argv, env, config.timeout_secs)
+        if config.desktop:
+            title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
+            argv = desktop_notification_argv(title, summary or title)
+            if argv is None:
+                self._failed("[notify] desktop", "no desktop notifier was found (notify-send "
+                             "on Linux, osascript on macOS, PowerShell on Windows)")
+            else:
+                self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
+                                                           FERRUS_NOTIFY_BODY=summary or title),
+                            config.timeout_secs)
+
+    @staticmethod
+    def _fill(part, values):
+        for key, value in values.items():
+            part = part.replace(key, value)
+        return part
+
+    def _start(self, what, argv, env, timeout):
+        try:
+            proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, **process_group_kwargs())
+        except OSError as err:
+            self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+            return
+        threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
+                         daemon=True).start()
+
+    def _watch(self, what, program, proc, timeout):
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc)
+            with contextlib.suppress(Exception):
+                proc.communicate(timeout=5)
+            self._failed(what, "%s was still running after %ds and was stopped"
+                         % (program, timeout))
+            return
+        if proc.returncode != 0:
+            said = (err or b"").decode("utf-8", "replace").strip().splitlines()
+            self._failed(what, "%s exited with code %s%s" % (
+                program, proc.returncode, ": " + said[-1][:200] if said else ""))
+
+    def _failed(self, what, why):
+        if self.failed_once:
+            log.info("%s failed again: %s", what, why)
+            return
+        self.failed_once = True
+        self.emit(HqMessage("warning", "%s failed: %s (the loop goes on; later failures are "
+                                       "only logged)" % (what, why), "notifier",
+                            {"notifier": what, "error": why}))
 
 
 class SessionSlot:
@@ -8989,14 +9641,26 @@ class SessionSlot:
         self.timer = None          # clock value when the current wait ends
         self.start_seq = 0
         self.tool_calls = 0
-        self.tokens = 0
+        self.started_at = None     # clock value when the running session started
+        self.events_shown = 0      # how many of the process's events were reported
+        self.mcp_calls_before = 0  # the task's ferrus tool calls when the session started
+        self.record = None         # the running session's record (.ferrus/sessions/)
+        self.record_due = 0.0      # clock value after which changed counts are written
 
     @property
     def state(self):
         return self.session.state
 
+    def label(self):
+        """The session state in words: a slot that has nothing to do is idle (its
+        machine says Initializing or SessionComplete, which reads like activity)."""
+        if self.process is None and self.session.state in (SS.INITIALIZING,
+                                                           SS.SESSION_COMPLETE):
+            return "idle"
+        return self.session.state.value
+
     def describe(self):
-        text = "%s: %s" % (self.name, self.session.state)
+        text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
             text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
         return text
@@ -9077,6 +9741,7 @@ class OrchestratorLock:
                 "pid": os.getpid(), "kind": self.kind, "host": _host_name(),
                 "started": format_timestamp(utc_now())}) + "\n")
             self.notes.extend(stop_orphaned_agents(self.store))
+            self.notes.extend(close_orphaned_records(self.store))
         except BaseException:
             self.release()
             raise
@@ -9220,10 +9885,19 @@ class HqController:
     receives HqMessage objects; ``launcher`` builds the Launch for a slot (the
     configured adapters by default)."""
 
-    def __init__(self, store, emit, clock=time.monotonic, launcher=None):
+    # With an agent running and nothing to report for this long, a heartbeat line says
+    # what it is doing (how long, how many tool calls, its last words).
+    HEARTBEAT_SECS = 60.0
+    CHECK_SCAN_EVERY = 0.25
+
+    def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None):
         self.store = store
-        self.emit = emit
+        self._out = emit
         self.clock = clock
+        self.last_activity = clock()
+        self.notifier = Notifier(store, self.emit, bell)
+        self.checks_seen = {}         # check id -> (command, clock value when first seen)
+        self._next_check_scan = 0.0
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
@@ -9236,21 +9910,32 @@ class HqController:
         # Capacity signals HQ counts itself (tool calls come from the MCP servers).
         # Sessions per task live in STATE.json, so limits hold across restarts.
         self.sessions_seed = self._sessions_before_counter()
-        self.tokens_by_task = {}
         self.tasks_completed = 0
         self.baseline = Signals()
         self.throttle_until = None
         self.checkpoint = self.store.read_state().extra.get("capacity_checkpoint")
         self.paused = False           # True until the user agrees to resume a task in flight
+        self.finishing_since = None   # when the task ended while agents still ran
         self.shown_question = None
         self.shown_confirmation = None    # (task, entered) whose summary was emitted
-        self.last_state = None
+        # The state found at start-up is shown by describe_state(), with its own time; only
+        # states reached while this controller runs are announced ("Task complete.").
+        self.last_state = self.store.read_state().state
+
+    def emit(self, message):
+        if not message.event:
+            message.event = "session" if message.kind == "agent" else "info"
+        self.last_activity = self.clock()
+        self._out(message)
 
     # -- start-up ------------------------------------------------------------------
 
     def task_in_flight(self):
+        """The task HQ would resume agents for, if any.  A task waiting for the human's
+        confirmation needs no agent, so there is nothing to ask: HQ shows it at once."""
         data = self.store.read_state()
-        return data if data.state in ACTIVE_STATES else None
+        return data if data.state in ACTIVE_STATES and \
+            data.state != S.AWAITING_CONFIRMATION else None
 
     def describe_state(self):
         data = self.store.read_state()
@@ -9260,23 +9945,35 @@ class HqController:
             text += ", task %s" % data.task_id
         if data.state_entered_at:
             with contextlib.suppress(ValueError):
-                text += ", for %s" % format_duration(
-                    (now - parse_timestamp(data.state_entered_at)).total_seconds())
+                entered = parse_timestamp(data.state_entered_at)
+                if data.state in (S.COMPLETE, S.FAILED):
+                    # A task that ended before now is shown as such, with its own time.
+                    text += ", %s at %s (%s ago)" % (
+                        "completed" if data.state == S.COMPLETE else "failed",
+                        entered.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                        format_duration((now - entered).total_seconds()))
+                else:
+                    text += ", for %s" % format_duration((now - entered).total_seconds())
         text += ", check retries %d, review cycles %d" % (data.check_retries, data.review_cycles)
         return text
 
     # -- the loop --------------------------------------------------------------------
 
     CAPACITY_CHECK_EVERY = 1.0
+    FINISH_GRACE_SECS = 10.0      # how long agents may finish after the task ended
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
+        # Running checks before the journal: a check's pid file is gone before the entry
+        # with its result is written, so "running" is never shown after the result.
+        self._watch_checks()
         self.drain_journal()
         for slot in self.slots.values():
             self._check_slot(slot)
         self._watch_capacity()
         if not self.paused:
             self.reconcile()
+        self._heartbeat()
 
     def drain_journal(self):
         entries, self.journal_offset = self.store.journal_since(self.journal_offset,
@@ -9307,11 +10004,148 @@ class HqController:
             self._missing_rev = rev
 
     def _show_entry(self, entry):
-        if entry.get("event") in ("heartbeat", "claim") or entry.get("actor") == "hq":
+        event = entry.get("event")
+        self._notify_for(entry)
+        if event in ("heartbeat", "claim") or entry.get("actor") in ("hq", "pipeline"):
             return
+        if event in ("check_passed", "check_failed", "submit"):
+            self._show_checks(entry)
         if entry.get("from") != entry.get("to"):
             self.emit(HqMessage("transition", "%s → %s  (%s by %s)" % (
-                entry.get("from"), entry.get("to"), entry.get("event"), entry.get("actor"))))
+                entry.get("from"), entry.get("to"), event, entry.get("actor")), "transition",
+                {"from": entry.get("from"), "to": entry.get("to"), "by": event,
+                 "actor": entry.get("actor"), "task_id": entry.get("task_id"),
+                 "seq": entry.get("seq")}))
+        # What the agents said, from the content files the entry wrote (still current:
+        # HQ reads each entry within moments of its commit).
+        shown = {"submit": ("SUBMISSION.md", "submission", "submission", 4),
+                 "reject": ("REVIEW.md", "review", "review notes", 8),
+                 "human_reject": ("REVIEW.md", "review", "the human's review notes", 8),
+                 "consult": ("CONSULT_REQUEST.md", "consult", "consultation", 8),
+                 "respond_consult": ("CONSULT_RESPONSE.md", "consult_answer",
+                                     "the supervisor answers", 8),
+                 "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
+        if shown is not None:
+            name, kind, title, count = shown
+            lines = first_lines(self.store.read_file(name), count)
+            if lines:
+                key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
+                    kind, "answer")
+                self.emit(HqMessage("info", "%s:\n  %s" % (title, "\n  ".join(lines)), kind,
+                                    {key: "\n".join(lines), "task_id": entry.get("task_id")}))
+
+    def _show_checks(self, entry):
+        """One line per check command (the failing ones with their last lines), then the
+        gate's verdict, from the entry's detail."""
+        detail = entry.get("detail") or {}
+        checks = [c for c in detail.get("checks") or [] if isinstance(c, dict)]
+        if not checks:
+            return
+        for check in checks:
+            passed = check.get("status") == "passed"
+            tail = [] if passed else check_log_tail(self.store, check.get("log"))
+            secs = check.get("secs") if isinstance(check.get("secs"), (int, float)) else 0
+            took = format_duration(secs) if secs >= 1 else "%.1fs" % secs
+            if check.get("status") == "failed" and check.get("exit") is not None:
+                took = "exit %s, %s" % (check.get("exit"), took)
+            text = "check %s: %s (%s)" % (check.get("status"), check.get("command"), took)
+            if tail:
+                text += "\n" + "\n".join("    │ " + line for line in tail)
+            self.emit(HqMessage("info" if passed else "warning", text, "check",
+                                dict(check, tail=tail)))
+        passed = entry.get("event") != "check_failed"
+        during = "submit" if entry.get("event") == "submit" or \
+            detail.get("during") == "submit" else "check"
+        if passed:
+            text = "checks passed" + (" — submitting for review" if during == "submit" else "")
+        else:
+            text = "checks failed%s (retry %s); full log %s" % (
+                " on submit" if during == "submit" else "", detail.get("retries", "?"),
+                detail.get("log"))
+        self.emit(HqMessage("info" if passed else "warning", text, "checks", {
+            "passed": passed, "during": during, "retries": detail.get("retries"),
+            "log": detail.get("log"), "task_id": entry.get("task_id")}))
+
+    def _notify_for(self, entry):
+        """The journal entries worth a notification ([notify] picks which)."""
+        event, detail, task = entry.get("event"), entry.get("detail") or {}, entry.get("task_id")
+        if entry.get("actor") == "pipeline":
+            return                      # the pipeline orchestrator announces its own
+        if entry.get("to") == S.FAILED.value and entry.get("from") != S.FAILED.value:
+            reason = self.store.read_state().failure_reason or event
+            self.notifier.notify("failed", task, reason.splitlines()[0] if reason else "")
+            return
+        if event == "capacity_checkpoint":
+            action = detail.get("action")
+            self.notifier.notify("emergency_stop" if action == EMERGENCY_STOP else "checkpoint",
+                                 task, "capacity %s before %s" % (action, detail.get("target")))
+            return
+        sources = {"create_task": ("task_created", "TASK.md"),
+                   "submit": ("submitted", "SUBMISSION.md"), "reject": ("rejected", "REVIEW.md"),
+                   "ask_human": ("awaiting_human", "QUESTION.md"),
+                   "approve": ("complete", "TASK.md"), "human_approve": ("complete", "TASK.md"),
+                   "human_reject": ("rejected", "REVIEW.md")}
+        if event == "approve" and entry.get("to") == S.AWAITING_CONFIRMATION.value:
+            # [hq] human_review: the reviewer approved and the human must confirm.
+            self.notifier.notify("awaiting_human", task, "the reviewer approved; confirm with "
+                                 "`ferrus approve` or send it back with `ferrus reject NOTES`")
+            return
+        if event in sources:
+            name, source = sources[event]
+            lines = first_lines(self.store.read_file(source), 1, 200)
+            self.notifier.notify(name, task, lines[0] if lines else "")
+
+    def _watch_checks(self):
+        """A check command that starts is shown at once (its result comes with the
+        journal entry); its pid file in .ferrus/check-processes/ says it runs."""
+        now = self.clock()
+        if now < self._next_check_scan:
+            return
+        self._next_check_scan = now + self.CHECK_SCAN_EVERY
+        running = running_check_commands(self.store)
+        for check_id, command in running.items():
+            if check_id not in self.checks_seen:
+                self.checks_seen[check_id] = (command, now)
+                self.emit(HqMessage("info", "check running: %s" % command, "check_started",
+                                    {"command": command}))
+        for check_id in [c for c in self.checks_seen if c not in running]:
+            del self.checks_seen[check_id]
+
+    def _heartbeat(self):
+        now = self.clock()
+        if now - self.last_activity < self.HEARTBEAT_SECS:
+            return
+        running = [slot for slot in self.slots.values()
+                   if slot.process is not None and slot.started_at is not None]
+        if not running:
+            self.last_activity = now
+            return
+        for slot in running:
+            calls = self.tool_calls_of(slot)
+            secs = now - slot.started_at
+            text = "%s working, %s, %d tool call%s" % (slot.name, format_duration(secs), calls,
+                                                      "" if calls == 1 else "s")
+            checks = ["%s (%s)" % (command, format_duration(now - since))
+                      for command, since in self.checks_seen.values()]
+            if checks:
+                text += "; check running: " + ", ".join(checks)
+            said = slot.process.last_text
+            if said:
+                text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+            self.emit(HqMessage("agent", text, "heartbeat", {
+                "slot": slot.name, "secs": round(secs, 1), "tool_calls": calls,
+                "checks_running": [c for c, _ in self.checks_seen.values()],
+                "last_output": said}))
+
+    def tool_calls_of(self, slot):
+        """The running session's tool calls: from its own streamed output, or, for an
+        agent that streams nothing ferrus reads, its ferrus tool calls (the MCP servers
+        count them per task)."""
+        mcp = 0
+        with contextlib.suppress(FerrusError, OSError):
+            mcp = tool_calls_for_task(self.store, self.store.read_state().task_id) - \
+                slot.mcp_calls_before
+        return max(slot.tool_calls, mcp, 0)
 
     def needed_slots(self, data):
         answer_pending = bool(self.store.read_file("ANSWER.md").strip())
@@ -9336,27 +10170,41 @@ class HqController:
             question = self.store.read_file("QUESTION.md").strip()
             if question and question != self.shown_question:
                 self.shown_question = question
-                self.emit(HqMessage("question", question))
+                self.emit(HqMessage("question", question, "question",
+                                    {"question": question, "task_id": data.task_id}))
         else:
             self.shown_question = None
         if data.state == S.AWAITING_CONFIRMATION:
             waiting = (data.task_id, data.state_entered_at)
             if waiting != self.shown_confirmation:
                 self.shown_confirmation = waiting
-                self.emit(HqMessage("confirm", confirmation_summary(self.store, data)))
+                self.emit(HqMessage("confirm", confirmation_summary(self.store, data),
+                                    "confirmation", {"task_id": data.task_id}))
         else:
             self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
                 commit = data.task_commit or {}
                 self.emit(HqMessage("error" if commit.get("error") else "info", "Task complete."
-                                    + (" " + describe_task_commit(commit) if commit else "")))
+                                    + (" " + describe_task_commit(commit) if commit else ""),
+                                    "complete", {"task_id": data.task_id}))
             elif data.state == S.FAILED:
-                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or "")))
-            # While the human decides no agent has anything to do.
-            if data.state in (S.IDLE, S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION):
+                self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
+                                    "failed", {"task_id": data.task_id,
+                                               "reason": data.failure_reason}))
+            if data.state == S.IDLE:
                 self.stop_all(quiet=True)
+            # An agent that ended the task (the reviewer's approve) is still saying its
+            # last words; they carry its usage and cost, so it gets a moment to exit.
+            # While the human decides, too, no agent has anything more to do.
+            self.finishing_since = time.monotonic() if data.state in (
+                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION) else None
             self.last_state = data.state
+        if self.finishing_since is not None and (
+                not self.running() or
+                time.monotonic() - self.finishing_since >= self.FINISH_GRACE_SECS):
+            self.finishing_since = None
+            self.stop_all(quiet=True)
         needed = self.needed_slots(data)
         for name, prompt in needed.items():
             self._advance(self.slots[name], prompt, data)
@@ -9380,10 +10228,12 @@ class HqController:
     def signals(self, extra_parallel=0):
         data = self.store.read_state()
         task = data.task_id
+        for slot in self.running():        # the gate reads what the records say
+            self._save_counts(slot, force=True)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
                           sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
-                          tokens_used=self.tokens_by_task.get(task, 0),
+                          tokens_used=self._task_tokens(task),
                           parallel_agents=len(self.running()) + extra_parallel)
         base = self.baseline
         return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
@@ -9498,6 +10348,9 @@ class HqController:
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
+            self._open_record(slot, launch, log_path, None)
+            self._close_record(slot, None, "not started", note="%s: %s" % (
+                launch.argv[0], err.strerror or err))
             # A start that fails counts as a failed session: back off, retry, and stop
             # at the thresholds instead of waiting for a timer never armed.
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
@@ -9505,7 +10358,12 @@ class HqController:
             return
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
-        slot.tool_calls = slot.tokens = 0
+        slot.tool_calls = slot.events_shown = 0
+        slot.started_at = self.clock()
+        with contextlib.suppress(FerrusError, OSError):
+            slot.mcp_calls_before = tool_calls_for_task(self.store,
+                                                        self.store.read_state().task_id)
+        self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -9527,14 +10385,17 @@ class HqController:
         process = slot.process
         now = self.clock()
         if process is not None:
-            calls = sum(1 for e in process.events if e.kind == "tool_call")
-            tokens = sum(e.input_tokens + e.output_tokens for e in process.events
-                         if e.kind == "usage")
-            if tokens != slot.tokens:
-                task = self.store.read_state().task_id
-                self.tokens_by_task[task] = self.tokens_by_task.get(task, 0) + tokens - slot.tokens
-                slot.tokens = tokens
-            slot.tool_calls = calls
+            slot.tool_calls = process.tally.tool_calls
+            self._save_counts(slot)
+            # One compact line per tool call the agent's streamed output reported.
+            events = process.events[slot.events_shown:]
+            slot.events_shown += len(events)
+            for event in events:
+                if event.kind == "tool_call":
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        slot.name, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"slot": slot.name, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -9545,6 +10406,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "timeout")
                 self._step(slot, SessionEvent("SessionExited", outcome="timeout"))
                 self._arm_backoff(slot)
         elif slot.state == SS.INTERRUPTING and process is not None:
@@ -9552,6 +10414,7 @@ class HqController:
                 process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "interrupted")
                 self._step(slot, SessionEvent("SessionExited", outcome="interrupted"))
             elif slot.timer is not None and now >= slot.timer:
                 self._step(slot, SessionEvent("GraceExceeded"))
@@ -9568,6 +10431,13 @@ class HqController:
                          or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
                          for entry in self.store.read_journal(after_seq=slot.start_seq))
         limit = process.limit()
+        self._close_record(slot, process, "usage limit" if limit and not progressed else
+                           "success" if code == 0 and progressed else
+                           "agent error" if process.fatal is not None and not progressed else
+                           "no progress" if code == 0 else "error",
+                           note=("resets %s" % limit if limit and not progressed else
+                                 process.fatal[1] if process.fatal is not None and not progressed
+                                 else None))
         if limit and not progressed:
             wait = usage_limit_wait(limit)
             self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
@@ -9611,17 +10481,21 @@ class HqController:
         slot.session, effect = session_step(slot.session, event)
         if effect == CANCEL_SESSION and slot.process is not None:
             if slot.session.state == SS.STOPPED:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped")
             else:
                 self._interrupt(slot)
         elif effect == FORCE_STOP_SESSION and slot.process is not None:
-            slot.process.terminate(grace=0)
-            slot.process.finish()
+            process = slot.process
+            process.terminate(grace=0)
+            process.finish()
             slot.process = None
             self._record_agent(slot, "suspended")
+            self._close_record(slot, process, "killed", note="it outlived interrupt_grace_secs")
         elif isinstance(effect, tuple) and effect[0] == LOG_FATAL:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
@@ -9678,6 +10552,39 @@ class HqController:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(slot.process.pid, signal.SIGTERM)
         slot.timer = self.clock() + self.limits.interrupt_grace_secs
+
+    # -- session records ---------------------------------------------------------------
+
+    def _open_record(self, slot, launch, log_path, pid):
+        agent, model = "unknown", ""
+        with contextlib.suppress(FerrusError):
+            choice = getattr(self.store.config(), slot.role)
+            if choice is not None:
+                agent, model = choice.agent, choice.model or ""
+        slot.record = open_session_record(
+            self.store, slot.session_id, slot=slot.name, role=slot.role, agent=agent,
+            model=model, task_id=self.store.read_state().task_id, pid=pid,
+            log=self.store.relpath(log_path), argv=list(launch.argv), prompt=slot.session.prompt)
+        slot.record_due = self.clock() + SESSION_RECORD_EVERY
+
+    def _save_counts(self, slot, force=False):
+        """Persist a running session's counts, at most once a second unless forced."""
+        now = self.clock()
+        if slot.record is None or slot.process is None or (not force and now < slot.record_due):
+            return
+        if update_session_counts(self.store, slot.record, slot.process.tally):
+            slot.record_due = now + SESSION_RECORD_EVERY
+
+    def _close_record(self, slot, process, outcome, note=None):
+        record, slot.record = slot.record, None
+        if record is not None:
+            close_session_record(self.store, record, outcome,
+                                 process.proc.returncode if process is not None else None,
+                                 process.tally if process is not None else None, note)
+
+    def _task_tokens(self, task):
+        summary = task_usage(self.store, task)
+        return summary["input_tokens"] + summary["output_tokens"]
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
@@ -9747,13 +10654,24 @@ class HqController:
     def running(self):
         return [slot for slot in self.slots.values() if slot.process is not None]
 
+    def wind_down(self, poll_interval=0.02):
+        """Let the agents still running after the task ended exit on their own (at most
+        FINISH_GRACE_SECS), so their records get their final usage."""
+        deadline = time.monotonic() + self.FINISH_GRACE_SECS + 1.0
+        while self.finishing_since is not None and time.monotonic() < deadline:
+            self.poll()
+            if self.finishing_since is not None:
+                time.sleep(poll_interval)
+
     def shutdown(self):
         for slot in self.slots.values():
             if slot.process is not None:
-                slot.process.terminate()
-                slot.process.finish()
+                process = slot.process
+                process.terminate()
+                process.finish()
                 slot.process = None
                 self._record_agent(slot, "suspended")
+                self._close_record(slot, process, "stopped", note="its orchestrator ended")
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
@@ -9762,23 +10680,44 @@ RUN_COMPLETE, RUN_FAILED, RUN_TIMEOUT, RUN_NEEDS_HUMAN = 0, 1, 3, 4
 RUN_CHECKPOINT = 3      # a capacity Checkpoint or EmergencyStop also ends the run with 3
 
 
+RUN_OUTPUT_MODES = ("lines", "quiet", "json")
+# What `ferrus run --quiet` leaves out: the running commentary, not what happened.
+QUIET_EVENTS = ("tool_call", "heartbeat", "check_started", "session")
+
+
+def run_printer(out, mode="lines"):
+    """``show(message)`` for `ferrus run`: a line per message, fewer with "quiet", one
+    JSON object per message with "json" (for CI logs and other programs)."""
+    def show(message):
+        if mode == "quiet" and (message.event in QUIET_EVENTS or (
+                message.event == "check" and message.data.get("status") == "passed")):
+            return
+        out(_run_json(message) if mode == "json" else _run_line(message))
+    return show
+
+
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None):
+             review=None, mode="lines", bell=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
     so the run ends with exit 4).  ``review(summary) -> ("approve", None) or
     ("reject", notes) or None`` is the human's word on a reviewer's approval when
-    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is the (spec, milestone id) the task
-    implements; a Failed task is replaced only with ``reset``.  Returns the exit code."""
+    [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is
+    the (spec, milestone id) the task implements; a Failed task is replaced only with
+    ``reset``.  ``mode`` is one of RUN_OUTPUT_MODES; ``bell()`` rings the terminal's bell
+    for [notify].  Returns the exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, mode)
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
     data = store.read_state()
-    controller = HqController(store, emit=lambda message: out(_run_line(message)), clock=clock,
-                              launcher=launcher)
+    controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
     if not controller.recheck_checkpoint():
-        out("ferrus run: the capacity checkpoint still holds (%s); raise the limit in "
-            "[capacity] and run again" % controller.checkpoint.get("signal"))
+        note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
+             "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
         return RUN_CHECKPOINT
     if task is not None and controller.gate("transition:create_task") in (
             CHECKPOINT, EMERGENCY_STOP):
@@ -9810,36 +10749,37 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                          "pass --resume to continue it")
     started = clock()
     if not store.config().checks.commands:
-        out("ferrus run: warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
-    out("ferrus run: %s" % controller.describe_state())
+        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
+    # The task's creation (Idle → Executing) first, then where the run starts from.
+    controller.drain_journal()
+    note(controller.describe_state(), task_id=store.read_state().task_id)
     try:
         while True:
             controller.poll()
             data = store.read_state()
             controller.catch_up(data.rev)
-            if data.state == S.COMPLETE:
-                return RUN_COMPLETE
-            if data.state == S.FAILED:
-                return RUN_FAILED
+            if data.state in (S.COMPLETE, S.FAILED):
+                controller.wind_down(poll_interval)
+                return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
             if controller.checkpoint and not controller.running():
-                out("ferrus run: stopped at a capacity checkpoint; raise the limit in [capacity] "
-                    "and run `ferrus run --resume`")
+                note("stopped at a capacity checkpoint; raise the limit in [capacity] and run "
+                     "`ferrus run --resume`", exit=RUN_CHECKPOINT)
                 return RUN_CHECKPOINT
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
-                    out("ferrus run: an agent asked a human and nobody can answer here "
-                        "(stdin is not a terminal); answer with HQ or `ferrus run --resume` "
-                        "in a terminal")
+                    note("an agent asked a human and nobody can answer here (stdin is not a "
+                         "terminal); answer with HQ or `ferrus run --resume` in a terminal",
+                         exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
             if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
                 decision = review(confirmation_summary(store, data)) if review else None
                 if decision is None:
-                    out("ferrus run: the task waits for a human's confirmation of the "
-                        "reviewer's approval; run `ferrus approve`, or `ferrus reject NOTES` "
-                        "and then `ferrus run --resume`")
+                    note("the task waits for a human's confirmation of the reviewer's "
+                         "approval; run `ferrus approve`, or `ferrus reject NOTES` and then "
+                         "`ferrus run --resume`", exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 verdict, notes = decision
                 try:
@@ -9848,16 +10788,16 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                     else:
                         op_human_reject(store, HUMAN, notes, via="run")
                 except FerrusError as err:      # e.g. someone else decided meanwhile
-                    out("ferrus run: %s" % err.message)
+                    note(err.message)
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                out("ferrus run: giving up: the %s is stopped (the reason is above)"
-                    % " and the ".join(stuck))
+                note("giving up: the %s is stopped (the reason is above)"
+                     % " and the ".join(stuck), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
-                out("ferrus run: timed out after %s (state %s)" % (format_duration(timeout),
-                                                                    data.state))
+                note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
+                     exit=RUN_TIMEOUT)
                 return RUN_TIMEOUT
             time.sleep(poll_interval)
     finally:
@@ -9873,7 +10813,11 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     follows until none is left; any other ending (Failed, a question nobody can answer,
     a capacity checkpoint, the timeout) stops the run with that ending's exit code."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, run_options.get("mode", "lines"))
     started = clock()
+
+    def note(text, **data):
+        show(HqMessage("info", "ferrus run: " + text, "run", data))
 
     def time_left():
         return None if timeout is None else max(0.0, timeout - (clock() - started))
@@ -9887,8 +10831,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     while True:
         found = find_milestone(store, wanted)
         if found is None:
-            out("ferrus run: %s" % ("every milestone is complete (%d done in this run)" % finished
-                                    if finished else "every milestone of the spec is complete"))
+            note("every milestone is complete (%d done in this run)" % finished
+                 if finished else "every milestone of the spec is complete")
             return RUN_COMPLETE
         path, text, milestone = found
         state = store.read_state().state
@@ -9903,7 +10847,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                               "tick `- [x]` on its line in the spec, then run again")
         previous = (path, milestone.id)
         op_select_milestone(store, HUMAN, path, milestone.id)
-        out("ferrus run: milestone %s (%s) of %s" % (milestone.display(), milestone.id, path))
+        note("milestone %s (%s) of %s" % (milestone.display(), milestone.id, path),
+             milestone=milestone.id, spec=path)
         code = run_loop(store, milestone_task_text(path, text, milestone), time_left(),
                         out=out, clock=clock, origin=(path, milestone.id), reset=reset,
                         **run_options)
@@ -9915,6 +10860,8 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
 
 
 def _run_line(message):
+    if message.event == "run":
+        return message.text            # ferrus run's own words, as they always were
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
         return "%s  question for a human:\n%s" % (stamp, message.text)
@@ -9922,6 +10869,17 @@ def _run_line(message):
         return "%s  your confirmation is needed:\n%s" % (stamp, message.text)
     return "%s  %s%s" % (stamp, "" if message.kind in ("transition", "info", "agent")
                          else message.kind + ": ", message.text)
+
+
+def _run_json(message):
+    """One message as one JSON line: time, event, level, text, then the event's facts."""
+    record = {"time": format_timestamp(utc_now()), "event": message.event or "info",
+              "level": message.kind, "text": message.text}
+    for key, value in message.data.items():
+        record.setdefault(key, value)
+    # Insertion order (time, event, level, text first) reads better than sorted keys.
+    return json_for_terminal(json.dumps(record, ensure_ascii=False, separators=(",", ":"),
+                                        default=str))
 
 
 # -- HQ front end: plain lines ------------------------------------------------------------
@@ -10379,12 +11337,19 @@ class PipelineOrchestrator:
     before every spawn and answers Continue, Throttle, Checkpoint or EmergencyStop.
     ``emit`` receives an HqMessage for every event."""
 
-    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None):
+    # A running worker that showed nothing for this long gets a heartbeat line.
+    HEARTBEAT_SECS = 60.0
+    WATCH_READ_BYTES = 65536       # at most this much of a worker's log is read per look
+
+    def __init__(self, store, clock=None, spawner=None, gate=None, emit=None, bell=None):
         self.store = store.require()
         self.clock = clock or store.clock
         self.spawner = spawner or start_worker_process
         self.gate = gate or self._capacity_gate
         self.emit = emit or (lambda message: log.info("%s", message.text))
+        # emit may be replaced later (HQ follows a run with its own), so look it up late.
+        self.notifier = Notifier(store, lambda message: self.emit(message), bell)
+        self._watched = {}         # (run, role, attempt) -> what watch() read of its log
         self.config = store.config()
         self.settings = pipelines_config(store.root)
         self.limits = sessions_config(store.root)
@@ -10475,6 +11440,7 @@ class PipelineOrchestrator:
                 self._run = None
                 if self._pending or json.dumps(run.status, sort_keys=True) != before:
                     self._save(run)
+                self._settle_records(run)
                 self._sweep(run)
 
     def _decide(self, run):
@@ -10615,6 +11581,75 @@ class PipelineOrchestrator:
     def _base(self, run, role, entry):
         return run.file("logs", "%s-%d" % (role, entry["attempts"]))
 
+    # -- session records ------------------------------------------------------------------
+
+    @staticmethod
+    def _record_id(run, role, entry):
+        """A worker attempt's record is named by the run, role and attempt, so whichever
+        orchestrator sees the attempt end can close it."""
+        return "w-%s-%s-%d" % (run.name, role, entry["attempts"])
+
+    # How an ended worker attempt's record reads, by the worker's status after it.
+    _RECORD_OUTCOME = {"completed": "success", "failed": "failed", "cooling": "error",
+                       "cancelled": "cancelled", "pending": "stopped"}
+
+    def _settle_records(self, run):
+        """Close the record of every worker attempt that is over and whose process has
+        exited; its counts are read from its log, which then holds all of its output."""
+        records = {r["id"]: r for r in read_session_records(self.store)
+                   if r.get("pipeline") == run.name and r.get("status") == "running"}
+        if not records:
+            return
+        workers = {w.role: w for p in run.definition.phases for w in p.workers}
+        for phase in run.status["phases"]:
+            for role, entry in phase["workers"].items():
+                record = records.get(self._record_id(run, role, entry))
+                if record is None or entry["status"] in WORKER_RUNNING:
+                    continue
+                token, process = self._processes.get((run.name, role), (None, None))
+                if process is not None and token == entry["token"]:
+                    if process.poll() is None:
+                        continue        # it wrote its output and is still finishing
+                elif isinstance(record.get("pid"), int) and worker_pid_running(record["pid"]):
+                    continue
+                tally = None
+                with contextlib.suppress(FerrusError):
+                    worker = workers.get(role)
+                    parse_line = adapter_for(self.config, worker.agent if worker else
+                                             record.get("agent") or "").parse_line
+                    tally = usage_from_log(self._base(run, role, entry) + ".log", parse_line)
+                close_session_record(self.store, dict(record),
+                                     self._RECORD_OUTCOME.get(entry["status"], entry["status"]),
+                                     getattr(process, "returncode", None)
+                                     if token == entry["token"] else None, tally,
+                                     entry.get("message") or None)
+
+    def _relocate_records(self, run, old_path):
+        """The run folder moved (to the archive): its records name the logs' new place."""
+        old, new = self.store.relpath(old_path) + "/", self.store.relpath(run.path) + "/"
+        for shared in read_session_records(self.store):
+            if shared.get("pipeline") == run.name and str(shared.get("log")).startswith(old):
+                record = dict(shared, log=new + shared["log"][len(old):])
+                with contextlib.suppress(OSError):
+                    write_session_record(self.store, record)
+
+    def await_workers(self, ref, grace=10.0, poll_interval=0.1):
+        """After a run ends: give its workers that are still finishing (their output is
+        written, their last words are not) a moment to exit, so their records get the
+        final counts and cost; whatever still runs after ``grace`` is closed later."""
+        run = read_run(self.store, ref)
+        over = {role for p in run.status["phases"] for role, w in p["workers"].items()
+                if w["status"] not in WORKER_RUNNING}
+        finishing = [process for (name, role), (_, process) in list(self._processes.items())
+                     if name == run.name and role in over]
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in finishing):
+            time.sleep(poll_interval)
+        with self._lock():
+            run = read_run(self.store, ref, with_definition=True)
+            self._settle_records(run)
+            self._sweep(run)
+
     def _sweep(self, run):
         """Forget, and so reap, the exited processes whose exit is already recorded."""
         watched = {role for p in run.status["phases"]
@@ -10712,6 +11747,11 @@ class PipelineOrchestrator:
             self._exited(run, worker, entry, "could not start: %s" % err)
             return
         self._processes[(run.name, worker.role)] = (token, process)
+        open_session_record(self.store, self._record_id(run, worker.role, entry), slot="worker",
+                            role=worker.role, agent=worker.agent, model=worker.model or "",
+                            pipeline=run.name, pid=process.pid,
+                            log=self.store.relpath(self._base(run, worker.role, entry) + ".log"),
+                            argv=list(launch.argv), prompt=prompt)
         self._step(run, worker.role, SessionEvent("SessionStarted", entry["attempts"]))
         entry.update(pid=process.pid, message="")
         self._note(run, "worker_spawned", "%s spawned (pid %d, attempt %d, agent %s)%s" % (
@@ -10728,7 +11768,10 @@ class PipelineOrchestrator:
         if not limits.enabled() or self._run is None:
             return CONTINUE
         workers = [w for p in self._run.status["phases"] for w in p["workers"].values()]
+        used = usage_summary([r for r in read_session_records(self.store)
+                              if r.get("pipeline") == self._run.name])
         signals = Signals(sessions=sum(w["attempts"] for w in workers) + 1,
+                          tokens_used=used["input_tokens"] + used["output_tokens"],
                           parallel_agents=sum(w["status"] in WORKER_RUNNING for w in workers) + 1)
         tier, action, worst = classify(signals, limits)
         with contextlib.suppress(FerrusError, OSError):
@@ -10748,9 +11791,11 @@ class PipelineOrchestrator:
         # The folder moves to the archive right after this, so name the output where it
         # will be (the run's current path would no longer exist).
         archived = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE, run.name, final.output)
-        self._note(run, "delivered", "delivered %s" % self.store.relpath(
-            run.file(final.output) if run.archived else archived), output=final.output)
+        where = self.store.relpath(run.file(final.output) if run.archived else archived)
+        self._note(run, "delivered", "delivered %s" % where, output=final.output)
         self._save(run)            # delivered on disk before the folder moves
+        self.notifier.notify("pipeline_delivered", run.name, "%s: %s" % (
+            run.status.get("topic", ""), where))
         return self._archive(run)
 
     def _archive(self, run):
@@ -10758,9 +11803,11 @@ class PipelineOrchestrator:
         if not run.archived:
             archive = self.store.path(PIPELINES_DIR, PIPELINE_ARCHIVE)
             os.makedirs(archive, exist_ok=True)
+            old_path = run.path
             os.replace(run.path, os.path.join(archive, run.name))
             fsync_directory(archive)
             run.path, run.archived = os.path.join(archive, run.name), True
+            self._relocate_records(run, old_path)
             self._note(run, "archived", "run %s archived in %s" % (
                 run.name, self.store.relpath(run.path)), to=self.store.relpath(run.path))
         if run.status.get("cancelled"):
@@ -10850,9 +11897,85 @@ class PipelineOrchestrator:
         """Reconcile until the run is done or needs a human: the foreground loop."""
         while True:
             outcome = self.reconcile(ref)
+            if outcome.finished:
+                self.await_workers(outcome.run, poll_interval=poll_interval)
             if outcome.finished or (should_stop is not None and should_stop()):
                 return outcome
+            self.watch(ref)
             time.sleep(poll_interval)
+
+    # -- live progress ------------------------------------------------------------------------
+
+    def watch(self, ref):
+        """What the current phase's running workers are doing, as HQ shows its agents:
+        one line per tool call their output reports, and a heartbeat (time, tool calls,
+        last words) when one showed nothing for HEARTBEAT_SECS.  Only reads: progress is
+        no part of status.json."""
+        try:
+            run = read_run(self.store, ref, with_definition=True)
+        except (FerrusError, OSError, ValueError):
+            return
+        if run.archived:
+            return
+        now, current = self.clock(), set()
+        definition = run.definition.phases[run.status["current_phase"]]
+        for worker in definition.workers:
+            entry = run.phase()["workers"][worker.role]
+            if entry["status"] not in WORKER_RUNNING or not entry["attempts"]:
+                continue
+            key = (run.name, worker.role, entry["attempts"])
+            current.add(key)
+            watched = self._watched.get(key)
+            if watched is None:
+                parse = None
+                with contextlib.suppress(FerrusError):
+                    parse = adapter_for(self.config, worker.agent).parse_line
+                watched = self._watched[key] = {"offset": 0, "rest": b"", "calls": 0,
+                                                "said": "", "shown": now, "parse": parse}
+            self._read_worker_log(run, worker.role, entry, watched)
+            if (now - watched["shown"]).total_seconds() >= self.HEARTBEAT_SECS:
+                watched["shown"] = now
+                secs = self._age(entry["started_at"]) if entry.get("started_at") else 0.0
+                text = "%s working, %s, %d tool call%s" % (
+                    worker.role, format_duration(secs), watched["calls"],
+                    "" if watched["calls"] == 1 else "s")
+                if watched["said"]:
+                    said = watched["said"]
+                    text += "; last output: " + (said if len(said) <= 100 else said[:99] + "…")
+                self.emit(HqMessage("agent", text, "heartbeat", {
+                    "run": run.name, "slot": worker.role, "secs": round(secs, 1),
+                    "tool_calls": watched["calls"], "last_output": watched["said"]}))
+        for key in [k for k in self._watched if k[0] == run.name and k not in current]:
+            del self._watched[key]
+
+    def _read_worker_log(self, run, role, entry, watched):
+        try:
+            with open(self._base(run, role, entry) + ".log", "rb") as handle:
+                handle.seek(watched["offset"])
+                data = handle.read(self.WATCH_READ_BYTES)
+        except OSError:
+            return
+        watched["offset"] += len(data)
+        lines = (watched["rest"] + data).split(b"\n")
+        watched["rest"] = lines.pop()[-self.WATCH_READ_BYTES:]
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line or line.startswith("$ "):      # the command line ferrus wrote
+                continue
+            if not line.startswith("{"):
+                watched["said"] = line[:200]
+            events = []
+            if watched["parse"] is not None:
+                with contextlib.suppress(Exception):   # a parser never stops the loop
+                    events = watched["parse"](line)
+            for event in events:
+                if event.kind == "tool_call":
+                    watched["calls"] += 1
+                    watched["shown"] = self.clock()
+                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
+                        role, event.name, "  " + event.text if event.text else ""),
+                        "tool_call", {"run": run.name, "slot": role, "tool": event.name,
+                                      "input": event.text, "ok": event.ok}))
 
 
 WORKFLOWS_EXAMPLE = {
@@ -10947,7 +12070,7 @@ def describe_run(store, status, path, now=None):
     return lines
 
 
-def pipeline_command(store, args, out, follow):
+def pipeline_command(store, args, out, follow, bell=None):
     """Run one `pipeline` subcommand; ``follow(orchestrator, run)`` drives a run."""
     command = args.pipeline_command
     if command == "init":
@@ -10960,7 +12083,8 @@ def pipeline_command(store, args, out, follow):
         return 0
     if command == "status":
         return _pipeline_status(store, args, out)
-    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)))
+    orchestrator = PipelineOrchestrator(store, emit=lambda message: out(_run_line(message)),
+                                        bell=bell)
     if command == "run":
         return follow(orchestrator, orchestrator.create(args.name, " ".join(args.topic)))
     if command == "resume":
@@ -11611,12 +12735,21 @@ class BuildBackend:
                                                    (cls._source() + "\n").encode("utf-8"))])
 
     @classmethod
+    def _sdist_paths(cls):
+        """The fixed files, then docs/*.md when the folder is there (README links to them;
+        a copy of the five files alone still builds)."""
+        docs = os.path.join(cls._source(), "docs")
+        found = sorted(name for name in os.listdir(docs) if name.endswith(".md")) \
+            if os.path.isdir(docs) else []
+        return list(cls.SDIST_FILES) + ["docs/" + name for name in found]
+
+    @classmethod
     def build_sdist(cls, sdist_directory, config_settings=None):
         import io
         import tarfile
         project = cls.project()
         base = cls._dist_name(project)
-        members = [(path, cls._read(path).encode("utf-8")) for path in cls.SDIST_FILES]
+        members = [(path, cls._read(path).encode("utf-8")) for path in cls._sdist_paths()]
         members.append(("PKG-INFO", cls.metadata_text(project).encode("utf-8")))
         name = base + ".tar.gz"
         with tarfile.open(os.path.join(sdist_directory, name), "w:gz",
@@ -11686,7 +12819,11 @@ def format_event(entry, color=False):
     change = ("%s → %s" % (terminal_safe(entry.get("from")), _paint(
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
-    detail = entry.get("detail") or {}
+    detail = dict(entry.get("detail") or {})
+    if isinstance(detail.get("checks"), list):
+        # Each command's result in brief; its log path is in `ferrus log --json`.
+        detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
+                                    for c in detail["checks"] if isinstance(c, dict))
     extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
                      for k, v in detail.items() if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
@@ -11735,7 +12872,7 @@ def hq_cmd_pipeline(shell, rest):
         _HQ_FOLLOWED[name].start()
         shell.write("following run %s; /pipeline status %s shows it" % (name, name))
         return 0
-    pipeline_command(shell.store, args, shell.write, follow)
+    pipeline_command(shell.store, args, shell.write, follow, bell=shell.ring_bell)
 
 
 HQ_COMMANDS = (
@@ -11746,7 +12883,8 @@ HQ_COMMANDS = (
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
     ("/reset-spec", "", "clear the spec selection"),
     ("/status", "", "state, counters, lease, and each agent session"),
-    ("/log", "[N]", "the last N journal entries (default 20)"),
+    ("/log", "[N] [--all]", "the last N journal entries (default 20); --all also shows "
+                            "bookkeeping (sessions, leases, heartbeats)"),
     ("/agents", "", "installed agents and their registration"),
     ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
     ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
@@ -11788,7 +12926,13 @@ class HqShell:
         self.lines = collections.deque()
         self.held = None            # messages queued while an interactive agent has the terminal
         self.done = False
-        self.controller = HqController(store, self.show, clock=clock)
+        self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+
+    def ring_bell(self):
+        """[notify] bell: only on a terminal (a pipe would get a stray BEL byte)."""
+        if hasattr(self.stdout, "isatty") and self.stdout.isatty():
+            self.stdout.write("\a")
+            self.stdout.flush()
 
     def show(self, message):
         if self.held is not None:
@@ -11894,10 +13038,23 @@ class HqShell:
 
     # -- commands ----------------------------------------------------------------------
 
+    HELP_WIDTH = 80        # /help fits an 80-column terminal
+    HELP_COLUMN = 24       # where the descriptions start
+
     def cmd_help(self, rest):
-        width = max(len(n) + len(a) + 1 for n, a, _ in HQ_COMMANDS)
+        import textwrap
+        width, column = self.HELP_WIDTH, self.HELP_COLUMN
         for name, args, what in HQ_COMMANDS:
-            self.write("  %s  %s" % (("%s %s" % (name, args)).strip().ljust(width), what))
+            usage = ("%s %s" % (name, args)).strip()
+            body = textwrap.wrap(what, width - column)
+            if len(usage) <= column - 3:
+                lines = ["  " + usage.ljust(column - 2) + body[0]]
+                body = body[1:]
+            else:              # a long usage gets its own lines, the description below it
+                lines = textwrap.wrap(usage, width - 2, initial_indent="  ",
+                                      subsequent_indent="    ")
+            lines += [" " * column + line for line in body]
+            self.write("\n".join(lines))
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
@@ -11918,13 +13075,28 @@ class HqShell:
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
             self.write("  " + slot.describe())
+        records = [r for r in read_session_records(self.store)
+                   if data.task_id and r.get("task_id") == data.task_id]
+        if records:
+            self.write("task %s: %s" % (data.task_id, format_usage(usage_summary(records))))
+            for record in records[-STATUS_SESSIONS_SHOWN:]:
+                self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
             self.write(confirmation_summary(self.store, data))
 
     def cmd_log(self, rest):
-        count = int(rest) if rest.isdigit() else 20
-        for entry in self.store.read_journal(limit=count):
+        words = rest.split()
+        everything = "--all" in words
+        numbers = [w for w in words if w != "--all"]
+        if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
+            raise UsageError("usage: /log [N] [--all]")
+        count = int(numbers[0]) if numbers else 20
+        entries = journal_story(self.store, count, everything)
+        for entry in entries:
             self.write(format_event(entry))
+        if not entries:
+            self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
+                                                                "bookkeeping entries"))
 
     def cmd_diff(self, rest):
         words = rest.split()
@@ -12033,6 +13205,9 @@ class HqShell:
 
     def cmd_reset(self, rest):
         data = self.store.read_state()
+        if data.state == S.IDLE:
+            self.write("Nothing to reset: the state is already Idle.")
+            return
         if data.state in ACTIVE_STATES and not self.confirm(
                 "The task is %s. Reset it to Idle and clear its files?" % data.state):
             return
@@ -12163,6 +13338,12 @@ class HqShell:
             self.held = None
             raise FerrusError("could not start %s: %s" % (launch.argv[0], err),
                               adapter.install_hint()) from err
+        # The terminal is the agent's, so ferrus reads none of its output: the record
+        # has the when and the exit, and says that its usage is unknown.
+        record = open_session_record(
+            self.store, env[SESSION_ENV], slot="interactive %s" % role, role=role,
+            agent=choice.agent, model=choice.model or "", pid=proc.pid, argv=list(launch.argv),
+            prompt=prompt, task_id=self.store.read_state().task_id, usage_reported=False)
         # Ctrl+C belongs to the agent now: HQ ignores it with a Python handler (not
         # SIG_IGN, which the agent would inherit) instead of dying and orphaning agents.
         previous = None
@@ -12175,6 +13356,10 @@ class HqShell:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            close_session_record(self.store, record, "ended" if proc.poll() is not None
+                                 else "left running", proc.returncode,
+                                 note="interactive: its output went to the terminal, so its "
+                                      "tool calls, tokens and cost are not known")
             held, self.held = self.held, None
             for message in held:
                 self.show(message)
@@ -12226,6 +13411,10 @@ class CursesHq(HqShell):
         self.notice, self.notice_until, self.last_ctrl_c = None, 0.0, 0.0
         self.status, self.status_due = ("", "", ""), 0.0
         self.attrs = collections.defaultdict(int)
+        self.bell_due = False        # rung at the next draw, from the thread that draws
+
+    def ring_bell(self):
+        self.bell_due = True
 
     # -- output --------------------------------------------------------------------------
 
@@ -12469,7 +13658,14 @@ class CursesHq(HqShell):
             parts.append("PAUSED (/resume)")
         if self.controller.checkpoint:
             parts.append("CAPACITY CHECKPOINT (/continue)")
-        slots = ["%s %s%s" % (slot.name, slot.session.state,
+        if data.task_id:
+            used = task_usage(self.store, data.task_id)
+            if used["sessions"]:
+                parts.append("%s tok%s" % (
+                    compact_count(used["input_tokens"] + used["output_tokens"]),
+                    " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
+                    if used["cost_usd"] is not None else ""))
+        slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%d tool calls)" % slot.tool_calls
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
@@ -12552,6 +13748,10 @@ class CursesHq(HqShell):
         with contextlib.suppress(curses.error):
             self.scr.move(bottom + 1 + cursor_row - first, min(cursor_col, width - 1))
         self.scr.refresh()
+        if self.bell_due:
+            self.bell_due = False
+            with contextlib.suppress(curses.error):
+                curses.beep()
 
     # -- dialogs -------------------------------------------------------------------------
 
@@ -12748,8 +13948,12 @@ def cmd_status(args, root):
         if config.hq_problem:
             notes.append(config.hq_problem.message)
     orchestrator = running_orchestrator(store)
+    task_records = [r for r in read_session_records(store)
+                    if data.task_id and r.get("task_id") == data.task_id]
     if args.json:
         info["orchestrator"] = orchestrator
+        info["usage"] = usage_summary(task_records)
+        info["sessions"] = [session_brief(r) for r in task_records]
         info["lease_holder"] = info["claimed_by"]
         if config:
             info["limits"] = dataclasses.asdict(config.limits)
@@ -12808,6 +14012,13 @@ def cmd_status(args, root):
             if capacity["checkpoint"] else "")))
     rows.append(("orchestrator", describe_orchestrator(orchestrator) if orchestrator else
                  "none running"))
+    if task_records:
+        rows.append(("usage", format_usage(usage_summary(task_records))))
+        shown = task_records[-STATUS_SESSIONS_SHOWN:]
+        if len(shown) < len(task_records):
+            rows.append(("sessions", "%d earlier: `ferrus sessions --task %s`" % (
+                len(task_records) - len(shown), data.task_id)))
+        rows.extend(("session", describe_session(record)) for record in shown)
     rows.append(("rev", str(data.rev)))
     if config_error:
         rows.append(("config", _paint("error: " + terminal_safe(config_error.message), "1;31",
@@ -12829,7 +14040,11 @@ def cmd_status(args, root):
 
 def cmd_log(args, root):
     store = Store(root).require()
-    entries = store.journal_entries() if args.n is None else store.read_journal(limit=args.n)
+    wanted = None if getattr(args, "all", False) else is_story
+    if args.n is None:
+        entries = (e for e in store.journal_entries() if wanted is None or wanted(e))
+    else:
+        entries = journal_story(store, args.n, everything=wanted is None)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -12839,7 +14054,8 @@ def cmd_log(args, root):
         print(line(entry))
         last = entry["seq"]
     if not last and not args.follow and not args.json:
-        print("(the journal is empty: nothing has happened yet)")
+        print("(the journal is empty: nothing has happened yet)" if not store.last_journal_seq()
+              else "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
     if not args.follow:
         return 0
     last = max(last, store.last_journal_seq())
@@ -12849,11 +14065,140 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                print(line(entry))
+                if wanted is None or wanted(entry):
+                    print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 0
+
+
+def session_brief(record):
+    """A record without its prompt and argv, for listings."""
+    brief = {key: value for key, value in record.items() if key not in ("prompt", "argv")}
+    brief["state"] = session_state(record)
+    return brief
+
+
+def parse_since(text, now):
+    """--since: a duration back from now (90m, 12h, 7d, 2w) or a date or timestamp."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if match:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+        return now - _dt.timedelta(seconds=float(match.group(1)) * unit)
+    with contextlib.suppress(ValueError):
+        return parse_timestamp(text.strip())
+    with contextlib.suppress(ValueError):
+        day = _dt.datetime.strptime(text.strip(), "%Y-%m-%d")
+        return day.replace(tzinfo=_dt.datetime.now().astimezone().tzinfo)   # local midnight
+    raise UsageError("--since %s is neither a duration nor a date" % json.dumps(text),
+                     "use e.g. --since 24h, --since 7d, --since 2026-05-01 or an RFC 3339 time")
+
+
+def _find_session(records, ref):
+    matches = [r for r in records if r["id"] == ref] or \
+        [r for r in records if r["id"].startswith(ref)]
+    if not matches:
+        raise FerrusError("no session record matches %s" % json.dumps(ref),
+                          "`ferrus sessions` lists them")
+    if len(matches) > 1:
+        raise FerrusError("%s matches %d session records" % (json.dumps(ref), len(matches)),
+                          "give more of the id")
+    return matches[0]
+
+
+def cmd_sessions(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    if args.id:
+        record = _find_session(records, args.id)
+        if args.json:
+            print(json.dumps(dict(record, state=session_state(record)), indent=2))
+            return 0
+        for key in ("id", "slot", "role", "agent", "model", "task_id", "pipeline", "started_at",
+                    "ended_at", "outcome", "exit_code", "note", "pid", "tool_calls",
+                    "input_tokens", "output_tokens", "cost_usd", "agent_session", "log"):
+            if record.get(key) not in (None, ""):
+                print(terminal_safe("%14s  %s" % (key, record[key])))
+        print(terminal_safe("%14s  %s" % ("state", session_state(record))))
+        print(terminal_safe("%14s  %s" % ("argv", " ".join(record.get("argv") or []))))
+        print("        prompt:")
+        for line in str(record.get("prompt") or "(none: the agent started without one)"
+                        ).splitlines():
+            print(terminal_safe("    " + line))
+        return 0
+    if args.task:
+        task = store.read_state().task_id if args.task == "current" else args.task
+        records = [r for r in records if r.get("task_id") == task]
+    if args.pipeline:
+        records = [r for r in records if str(r.get("pipeline") or "").startswith(args.pipeline)]
+    if args.n is not None:
+        records = records[-args.n:] if args.n > 0 else []
+    if args.json:
+        print(json.dumps([dict(r, state=session_state(r)) for r in records], indent=2))
+        return 0
+    if not records:
+        print("(no agent session is recorded%s)" % (" for that filter" if args.task or
+                                                    args.pipeline else " yet"))
+        return 0
+    for record in records:
+        where = "task %s" % record["task_id"] if record.get("task_id") else \
+            "pipeline %s" % record["pipeline"] if record.get("pipeline") else "no task"
+        print(terminal_safe("%s  [%s]  %s" % (record["id"], where, describe_session(record))))
+    print("(`ferrus sessions ID` shows one session with its argv and prompt)")
+    return 0
+
+
+def _usage_groups(records, key):
+    groups = collections.OrderedDict()
+    for record in records:
+        name = key(record)
+        if name:
+            groups.setdefault(name, []).append(record)
+    return [dict(usage_summary(group), name=name, first_started=group[0].get("started_at"),
+                 last_started=group[-1].get("started_at"))
+            for name, group in groups.items()]
+
+
+def _started_since(record, since):
+    try:
+        return parse_timestamp(record.get("started_at")) >= since
+    except ValueError:
+        return False
+
+
+def cmd_usage(args, root):
+    store = Store(root).require()
+    records = read_session_records(store)
+    since = None
+    if args.since:
+        since = parse_since(args.since, utc_now())
+        records = [r for r in records if _started_since(r, since)]
+    report = {
+        "since": format_timestamp(since) if since else None,
+        "total": usage_summary(records),
+        "tasks": _usage_groups(records, lambda r: r.get("task_id")),
+        "pipelines": _usage_groups(records, lambda r: r.get("pipeline")),
+        "agents": _usage_groups(records, lambda r: "%s%s" % (
+            r.get("agent") or "?", " (%s)" % r["model"] if r.get("model") else "")),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("usage %s" % ("since %s" % report["since"] if since else "of every recorded session"))
+    print(terminal_safe("  total  %s" % format_usage(report["total"])))
+    for title, key in (("by task", "tasks"), ("by pipeline run", "pipelines"),
+                       ("by agent", "agents")):
+        if report[key]:
+            print(title)
+            width = max(len(group["name"]) for group in report[key])
+            for group in report[key]:
+                print(terminal_safe("  %s  %s" % (group["name"].ljust(width),
+                                                  format_usage(group))))
+    if report["total"]["cost_unknown"] and report["total"]["sessions"]:
+        print("(cost is known only where the agent CLI reports it, as Claude Code does; the "
+              "tokens of the others are counted, their cost is not)")
+    return 0
 
 
 def cmd_diff(args, root):
@@ -12886,7 +14231,10 @@ def confirm(question):
 def cmd_reset(args, root):
     store = Store(root).require()
     data = store.read_state()
-    if not args.yes and data.state != S.IDLE:
+    if data.state == S.IDLE:
+        say("Nothing to reset: the state is already Idle.")
+        return 0
+    if not args.yes:
         if not confirm("Reset the task (state %s) to Idle and clear its files?" % data.state):
             say("Nothing changed.")
             return 1
@@ -13090,7 +14438,10 @@ def cmd_run(args, root):
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
                               "the current folder, or pass the task as --task TEXT") from err
-    interactive = sys.stdin.isatty()
+    mode = "json" if args.json else "quiet" if args.quiet else "lines"
+    # JSON goes to programs, which answer no questions and want no bell characters.
+    interactive = sys.stdin.isatty() and mode != "json"
+    bell = terminal_bell(sys.stdout) if mode != "json" else None
 
     def ask(question):
         if not interactive:
@@ -13122,13 +14473,15 @@ def cmd_run(args, root):
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
     with OrchestratorLock(store, "ferrus run") as held:
+        show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
-            say("ferrus run: %s" % note, flush=True)
+            show(HqMessage("info", "ferrus run: %s" % note, "run"))
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask, review=review)
+                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
+                                  mode=mode, bell=bell)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review)
+                        review=review, mode=mode, bell=bell)
 
 
 def cmd_hq(args, root):
@@ -13167,11 +14520,13 @@ def cmd_pipeline(args, root):
     store = Store(root).require()
     out = lambda text: say(text, flush=True)     # noqa: E731
     if args.pipeline_command not in PIPELINE_DRIVING:
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
     with OrchestratorLock(store, "ferrus pipeline %s" % args.pipeline_command) as held:
         for note in held.notes:
             out(note)
-        return pipeline_command(store, args, out, _follow_in_foreground)
+        return pipeline_command(store, args, out, _follow_in_foreground,
+                                bell=terminal_bell(sys.stdout))
 
 
 def add_pipeline_parser(sub):
@@ -13262,7 +14617,25 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N entries")
+    p.add_argument("--all", "-a", action="store_true",
+                   help="also the bookkeeping entries (agent sessions, leases, heartbeats, "
+                        "capacity checks that let work go on)")
     p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("sessions", help="every agent session: role, agent, outcome, usage, log")
+    p.add_argument("id", nargs="?", help="show this one session (an id or its prefix) in full")
+    p.add_argument("--json", action="store_true", help="the records as JSON")
+    p.add_argument("--task", metavar="ID", help="only this task's sessions (`current`: the "
+                                                 "current task's)")
+    p.add_argument("--pipeline", metavar="RUN", help="only this pipeline run's workers")
+    p.add_argument("-n", type=int, default=None, metavar="N", help="only the last N sessions")
+    p.set_defaults(run=cmd_sessions)
+
+    p = sub.add_parser("usage", help="tokens and cost per task, pipeline run and agent")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--since", metavar="WHEN", help="only sessions started since WHEN: a "
+                                                   "duration (24h, 7d) or a date (2026-05-01)")
+    p.set_defaults(run=cmd_usage)
 
     p = sub.add_parser("diff", help="the task's changes since its base commit (git)")
     p.add_argument("--stat", action="store_true", help="only the files changed and their counts")
@@ -13327,6 +14700,13 @@ def build_parser():
     p.add_argument("--reset", action="store_true",
                    help="replace a Failed task (without it, a Failed task is kept and the run "
                         "refuses)")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="only transitions, verdicts, questions, problems and the end "
+                             "(no tool calls, heartbeats or agent starts)")
+    output.add_argument("--json", action="store_true",
+                        help="one JSON object per event on stdout, for CI logs and programs "
+                             "(never asks: a question ends the run with exit 4)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ferrus benchmark suite: the performance bar of DESIGN §6, measured in one run.
+"""ferrus benchmark suite: the performance bar listed in bench/README.md, measured in one run.
 
     python bench/run.py [--quick] [--json] [--only NAME[,NAME]] [--ferrus PATH]
                         [--sdk-python PY | --sdk-venv DIR | --no-sdk] [--strict]
@@ -1240,7 +1240,7 @@ def render_table(head, figures):
 def parse_args(argv):
     names = [name for name, _ in FIGURES]
     parser = argparse.ArgumentParser(
-        prog="bench/run.py", description="ferrus benchmark suite (DESIGN §6).",
+        prog="bench/run.py", description="ferrus benchmark suite (the bars: bench/README.md).",
         epilog="figures: " + ", ".join(names))
     parser.add_argument("--quick", action="store_true",
                         help="fewer repetitions (a smoke run; bars are still applied)")

@@ -6,7 +6,11 @@ ferrus MCP server named in its MCP config file ({mcp_config}), and calls the
 tools its prompt asks for.  What it decides is steered by the environment:
 
   SCRIPTED_BEHAVIOR  comma-separated: reject-once, consult, ask, crash-executor,
-                     crash-reviewer, silent-executor, slow-executor
+                     crash-reviewer, silent-executor, slow-executor, usage (report
+                     tool calls, tokens and cost as Claude Code's stream-json does:
+                     each tool call an assistant event worth 100 tokens in and 10 out,
+                     printed twice as Claude repeats a message per block, and a final
+                     result event with the totals and $0.001 per call)
   SCRIPTED_DIR       a directory for its memory between sessions (flag files)
   SCRIPTED_QUESTION  the question `ask` sends (default: a question about a colour)
 
@@ -21,10 +25,12 @@ import time
 
 
 class Mcp:
-    def __init__(self, command, args):
+    def __init__(self, command, args, report_usage=False):
         self.proc = subprocess.Popen([command] + args, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         self.next_id = 0
+        self.report_usage = report_usage
+        self.calls = 0
         self.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
                                     "clientInfo": {"name": "scripted-agent", "version": "1"}})
         self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
@@ -44,6 +50,14 @@ class Mcp:
                 return message["result"]
 
     def call(self, name, **arguments):
+        self.calls += 1
+        if self.report_usage:
+            event = {"type": "assistant", "message": {
+                "id": "msg_%d" % self.calls, "content": [{"type": "tool_use", "name": name}],
+                "usage": {"input_tokens": 100, "output_tokens": 10}}}
+            print(json.dumps(event), flush=True)
+            event["message"]["content"] = [{"type": "text", "text": "calling %s" % name}]
+            print(json.dumps(event), flush=True)
         result = self.request("tools/call", {"name": name, "arguments": arguments})
         text = result["content"][0]["text"]
         print("tool %s -> %s" % (name, text[:200].replace("\n", " ")), flush=True)
@@ -60,6 +74,12 @@ class Mcp:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(10)
+        if self.report_usage:
+            print(json.dumps({"type": "result", "subtype": "success", "result": "done",
+                              "total_cost_usd": 0.001 * self.calls,
+                              "usage": {"input_tokens": 100 * self.calls - 50,
+                                        "cache_read_input_tokens": 50,
+                                        "output_tokens": 10 * self.calls}}), flush=True)
 
 
 def flag(name):
@@ -90,7 +110,10 @@ def main():
         return 0
     with open(config_path) as handle:
         server = list(json.load(handle)["mcpServers"].values())[0]
-    mcp = Mcp(server["command"], server["args"])
+    if "usage" in behavior:
+        print(json.dumps({"type": "system", "subtype": "init", "session_id": "scripted-1",
+                          "model": "scripted-model"}), flush=True)
+    mcp = Mcp(server["command"], server["args"], report_usage="usage" in behavior)
     try:
         if mode == "reviewer":
             mcp.wait("wait_for_review", lambda d: d.get("status") == "claimed")

@@ -12,8 +12,11 @@ The environment steers it:
   WORKER_SILENT       roles that exit 0 without writing
   WORKER_SLOW         roles that sleep 30 s first
   WORKER_DELAY        seconds every worker sleeps before writing (e.g. 0.5)
+  WORKER_USAGE        after writing, wait this many seconds, then print a result event
+                      as Claude Code's stream-json does (1000 tokens in, 200 out, $0.05)
 """
 
+import json
 import os
 import re
 import sys
@@ -59,6 +62,11 @@ def main():
         handle.write("\n".join(parts))
     os.replace(temp, output)
     print("wrote %s" % output, flush=True)
+    if os.environ.get("WORKER_USAGE"):
+        time.sleep(float(os.environ["WORKER_USAGE"]))
+        print(json.dumps({"type": "result", "subtype": "success", "result": "done",
+                          "total_cost_usd": 0.05,
+                          "usage": {"input_tokens": 1000, "output_tokens": 200}}), flush=True)
     return 0
 
 

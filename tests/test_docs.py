@@ -216,9 +216,19 @@ def test_ferrus_py_cites_no_document_outside_the_repository():
     assert not found, "cite a heading of docs/ARCHITECTURE.md instead:\n" + "\n".join(found)
 
 
-def test_the_docs_cite_no_document_outside_the_repository():
+def other_sources():
+    """Docs, the tests (this file excepted: it holds the patterns) and the bench."""
+    paths = doc_paths()
+    for folder in ("tests", "bench"):
+        for base, _, names in os.walk(os.path.join(ROOT, folder)):
+            paths += [os.path.join(base, name) for name in names
+                      if name.endswith((".py", ".md")) and name != "test_docs.py"]
+    return paths
+
+
+def test_docs_tests_and_bench_cite_no_document_outside_the_repository():
     found = ["%s: %s" % (os.path.relpath(path, ROOT), line.strip())
-             for path in doc_paths() for line in read(path).splitlines()
+             for path in other_sources() for line in read(path).splitlines()
              if OUTSIDE_DOCUMENTS.search(line)]
     assert not found, "\n".join(found)
 
@@ -320,3 +330,28 @@ def test_the_section_table_tells_the_truth():
                 number, " ".join(str(n) for n in sorted(actual, reverse=True)) or "(none)"))
     assert not problems, "update the table in docs/ARCHITECTURE.md, 'The sections of " \
                          "ferrus.py':\n" + "\n".join(problems)
+
+
+# -- HQ commands and the MCP surface ------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [name for name, _, _ in ferrus.HQ_COMMANDS])
+def test_every_hq_command_is_documented(command):
+    assert re.search(r"`%s\b" % re.escape(command), ALL_DOCS), \
+        "HQ's %s is documented nowhere in README.md or docs/" % command
+
+
+@pytest.mark.parametrize("tool", [tool.name for tool in ferrus.TOOLS])
+def test_every_mcp_tool_is_documented(tool):
+    assert re.search(r"`%s\(" % re.escape(tool), ALL_DOCS), \
+        "the MCP tool %s is documented nowhere (as `%s(…)`)" % (tool, tool)
+
+
+@pytest.mark.parametrize("resource", [entry[0] for entry in ferrus.RESOURCES])
+def test_every_mcp_resource_is_documented(resource):
+    assert re.search(r"`(ferrus://)?%s`" % re.escape(resource), ALL_DOCS), \
+        "the MCP resource ferrus://%s is documented nowhere" % resource
+
+
+@pytest.mark.parametrize("prompt", [entry[0] for entry in ferrus.PROMPTS])
+def test_every_mcp_prompt_is_documented(prompt):
+    assert "`%s`" % prompt in ALL_DOCS, "the MCP prompt %s is documented nowhere" % prompt

@@ -267,6 +267,43 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     # Claude passed HQ's FERRUS_SESSION to its ferrus server: the lease named the session.
     assert all(e["actor"].startswith("executor:claude-code:1/s-")
                for e in store.read_journal() if e["event"] == "submit")
+    assert_usage_from_claude_result_events(store)
+
+
+def claude_results(store, record):
+    """The result events in a session's raw log: what Claude itself reported."""
+    events = []
+    with open(os.path.join(store.root, record["log"]), encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue          # the log's own lines ($ argv, [exit 0]) and stderr
+    return [event for event in events if isinstance(event, dict) and event.get("type") == "result"]
+
+
+def assert_usage_from_claude_result_events(store, pipeline=None):
+    """Every session's record holds the tokens and cost of Claude's result event (the
+    fake model server reports usage in every response; Claude prices it), and `ferrus
+    usage` adds them up."""
+    records = [r for r in ferrus.read_session_records(store) if r.get("pipeline") == pipeline]
+    assert records
+    for record in records:
+        results = claude_results(store, record)
+        assert results, "no result event in %s" % record["log"]
+        usage = results[-1]["usage"]
+        assert record["cost_usd"] == results[-1]["total_cost_usd"] and record["cost_usd"] > 0
+        assert record["input_tokens"] == usage["input_tokens"] + usage.get(
+            "cache_creation_input_tokens", 0) + usage.get("cache_read_input_tokens", 0) > 0
+        assert record["output_tokens"] == usage["output_tokens"] > 0
+        assert record["outcome"] == "success" and record["model"], record
+    report = json.loads(subprocess.run(
+        [__import__("sys").executable, ferrus.FERRUS_FILE, "usage", "--json"], cwd=store.root,
+        capture_output=True, text=True, check=True).stdout)
+    group = report["pipelines"][0] if pipeline else report["tasks"][0]
+    assert group["sessions"] == len(records) and group["cost_unknown"] == 0
+    assert group["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in records))
+    assert group["input_tokens"] == sum(r["input_tokens"] for r in records)
 
 
 def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tmp_path):
@@ -309,6 +346,7 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
         assert (runs[0] / ("%s.md" % role)).exists()
     status = json.loads((runs[0] / "status.json").read_text())
     assert status["result_delivered"] is True
+    assert_usage_from_claude_result_events(ferrus.Store(str(project)), pipeline=runs[0].name)
 
 
 def test_hq_task_flow_with_real_claude_reaches_complete(project, tmp_path):

@@ -290,7 +290,7 @@ def test_plain_hq_runs_a_task_to_complete(scripted, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0
-    assert "State Idle" in out and "executor: Initializing" in out
+    assert "State Idle" in out and "executor: idle" in out and "Initializing" not in out
     assert "Reviewing → Complete" in out and "Task complete." in out
     assert "unknown command /nonsense" in out
     assert "nobody is waiting for an answer" in out

@@ -118,10 +118,10 @@ def test_curses_hq_status_task_completion_and_quit(scripted, pane_for):  # noqa:
     screen = pane.wait(lambda lines: lines[0].startswith("ferrus HQ │ Idle"), what="status line")
     assert "retries 0/%d" % limits.max_check_retries in screen[0]
     assert "reviews 0/%d" % limits.max_review_cycles in screen[0]
-    assert "executor Initializing" in screen[1] and "reviewer Initializing" in screen[1]
+    assert "executor idle" in screen[1] and "reviewer idle" in screen[1]
 
     pane.type("/status", "Enter")
-    screen = pane.wait_for("  executor: Initializing")
+    screen = pane.wait_for("  executor: idle")
     assert any(line.startswith("State Idle") for line in screen)
     assert screen[0].startswith("ferrus HQ │ Idle")
 

@@ -322,9 +322,11 @@ def test_hq_shows_the_summary_and_takes_approve_and_reject(project):
     shell.controller.shutdown()
     ferrus.op_submit(store, EXECUTOR, "Changelog added.")
     ferrus.op_approve(store, REVIEWER)
-    # A restarted HQ shows the waiting approval again and takes /approve.
+    # A restarted HQ shows the waiting approval at once (there is no agent to resume, so
+    # it does not ask) and takes /approve.
     out = io.StringIO()
     shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    assert shell.controller.task_in_flight() is None
     shell.controller.poll()
     assert "[AWAITING YOUR CONFIRMATION]" in out.getvalue()
     shell.handle("/status")

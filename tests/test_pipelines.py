@@ -116,7 +116,7 @@ def wait_gone(pid, timeout=5):
         time.sleep(0.02)
 
 
-# -- the seed's walkthrough ---------------------------------------------------------------
+# -- the research pipeline, start to end ----------------------------------------------------
 
 def test_research_pipeline_runs_to_delivery_and_archive(research, spawn_log):
     orchestrator = ferrus.PipelineOrchestrator(research)
