@@ -12049,6 +12049,9 @@ def describe_run(store, status, path, now=None):
              "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
              "folder    %s" % store.relpath(path),
              "retries   %d" % status.get("retry_count", 0)]
+    workers = [r for r in read_session_records(store) if r.get("pipeline") == status["dir"]]
+    if workers:
+        lines.append("usage     %s" % format_usage(usage_summary(workers)))
     for number, phase in enumerate(status["phases"], 1):
         current = "  <- current" if number - 1 == status["current_phase"] and \
             run_state(status) not in ("delivered", "cancelled") else ""
@@ -13058,8 +13061,9 @@ class HqShell:
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
-        if self.controller.running() and not self.confirm(
-                "Agents are running; stop them and quit?"):
+        # Agents that only finish after the task ended have no work left to lose.
+        if self.controller.running() and self.controller.finishing_since is None and \
+                not self.confirm("Agents are running; stop them and quit?"):
             return
         self.done = True
 
@@ -13972,6 +13976,9 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
+    if data.task_base:
+        rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
+                                                                "changes since)"))
     if config:
         rows.append(("check retries", "%d/%d" % (data.check_retries,
                                                  config.limits.max_check_retries)))

@@ -330,7 +330,25 @@ def test_pipeline_workers_have_records_with_their_usage_per_run(project, monkeyp
         # The run was archived: the record names the log where it is now.
         assert "/archive/" in record["log"]
         assert os.path.isfile(os.path.join(str(project), record["log"]))
+    status = run_cli("pipeline", "status", run, cwd=project).stdout
+    assert "usage     2 sessions, 0 tool calls, 2k tokens in / 400 out, $0.1000" in status
     usage = json.loads(run_cli("usage", "--json", cwd=project).stdout)
     assert usage["pipelines"] == [dict(usage["pipelines"][0], name=run, sessions=2,
                                        input_tokens=2000, output_tokens=400, cost_usd=0.1)]
     assert usage["tasks"] == []
+
+
+def test_an_agent_that_cannot_start_leaves_a_record_saying_why(project, tmp_path):
+    from conftest import custom_agent_config
+    program = tmp_path / "agent"
+    program.write_text("this is not a program\n")
+    program.chmod(0o755)
+    set_config(project, custom_agent_config("broken", [str(program), "{role}"]))
+    store = ferrus.Store(str(project))
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    controller = ferrus.HqController(store, lambda message: None, clock=lambda: 1000.0)
+    controller.poll()
+    record = records(store)[0]
+    assert record["outcome"] == "not started" and record["status"] == "ended"
+    assert str(program) in record["note"] and record["agent"] == "broken"
+    assert "You are the ferrus executor" in record["prompt"]
