@@ -10813,6 +10813,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        task_id = store.read_state().task_id
+        used = task_usage(store, task_id)
+        if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
+            note("task %s used %s" % (task_id, format_usage(used)), task_id=task_id,
+                 usage=used)
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,

@@ -136,6 +136,9 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
     summary = ferrus.task_usage(scripted, task)
     assert summary == {"sessions": 4, "tool_calls": 10, "input_tokens": 1000,
                        "output_tokens": 100, "cost_usd": 0.01, "cost_unknown": 0}
+    # `ferrus run` ends with what the task used.
+    assert lines[-1].endswith("ferrus run: task %s used 4 sessions, 10 tool calls, 1k tokens "
+                              "in / 100 out, $0.0100" % task), shown
 
 
 def test_status_sessions_and_usage_commands_read_the_records(scripted, tmp_path):
