@@ -1,6 +1,8 @@
 # ferrus — developer targets
 #
 #   make test         run the test suite (pytest -q tests); fails if nothing is collected
+#   make coverage     run the suite under coverage.py (subprocesses too), print the
+#                     uncovered regions of ferrus.py; fails under the floor in .coveragerc
 #   make test-matrix  run the suite on every CPython 3.9+ found (pyenv / PATH), see .ci/test-matrix
 #   make bench        run the benchmark: bench/run.py $(BENCH_ARGS)
 #   make fuzz         run the fuzz tests with FERRUS_FUZZ_N=$(N) cases (default 2000)
@@ -30,8 +32,9 @@ endif
 N ?= 2000
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+COVERAGE_REPORT_ARGS ?=
 
-.PHONY: test test-matrix bench fuzz e2e clean require-pytest
+.PHONY: test coverage test-matrix bench fuzz e2e clean require-pytest require-coverage
 
 # pytest is the only test dependency; without it, say how to get it instead of
 # pytest's bare "No module named pytest".
@@ -50,6 +53,42 @@ test: require-pytest
 test-matrix:
 	bash .ci/test-matrix
 
+# coverage.py is for the tests only (ferrus.py never imports it).  7.10+ measures
+# the ferrus processes the tests start (serve, run, hq, the launcher) through
+# `patch = subprocess` in .coveragerc.  It is installed into $(PYTHON) when that
+# is a virtual environment; a system Python is left alone.
+COVERAGE_MIN := 7.10
+require-coverage: require-pytest
+	@$(PYTHON) -c "import coverage, sys; sys.exit(tuple(map(int, coverage.__version__.split('.')[:2])) < (7, 10))" 2>/dev/null || { \
+	  if $(PYTHON) -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then \
+	    echo "make: installing coverage>=$(COVERAGE_MIN) into $(PYTHON) (test-only tool)"; \
+	    $(PYTHON) -m pip install -q "coverage>=$(COVERAGE_MIN)" || { \
+	      echo "make: coverage.py could not be installed (no network or package index?), so nothing was measured" >&2; \
+	      echo "hint: install it by hand: $(PYTHON) -m pip install 'coverage>=$(COVERAGE_MIN)'" >&2; \
+	      echo "      or run the tests without measuring them: make test" >&2; \
+	      exit 1; }; \
+	  else \
+	    echo "make: coverage.py $(COVERAGE_MIN)+ is not installed for $(PYTHON), which is not a virtual environment (left alone)" >&2; \
+	    echo "hint: python3 -m venv .venv && .venv/bin/python -m pip install pytest 'coverage>=$(COVERAGE_MIN)' && make coverage" >&2; \
+	    echo "      or: $(PYTHON) -m pip install 'coverage>=$(COVERAGE_MIN)'" >&2; \
+	    exit 1; \
+	  fi; }
+
+# The same tests as `make test`, under coverage; the data of every process goes
+# to .coverage-data/ and is combined there.  Only this checkout's ferrus.py is
+# measured (--include is absolute: tests that copy ferrus.py elsewhere do not
+# count).  The test status wins over the floor's.
+COVERAGE_DATA := $(ROOT)/.coverage-data
+coverage: require-coverage
+	@rm -rf "$(COVERAGE_DATA)" && mkdir -p "$(COVERAGE_DATA)"
+	@status=0; \
+	$(PYTHON) -m coverage run --rcfile="$(ROOT)/.coveragerc" --data-file="$(COVERAGE_DATA)/coverage" \
+	    --include="$(ROOT)/ferrus.py" -m pytest -q tests $(PYTEST_ARGS) || status=$$?; \
+	$(PYTHON) -m coverage combine -q --rcfile="$(ROOT)/.coveragerc" --data-file="$(COVERAGE_DATA)/coverage" || exit 2; \
+	$(PYTHON) .ci/coverage-report --rcfile="$(ROOT)/.coveragerc" --data-file="$(COVERAGE_DATA)/coverage" $(COVERAGE_REPORT_ARGS) \
+	    || { [ $$status -ne 0 ] || status=$$?; }; \
+	exit $$status
+
 # Agents start `ferrus serve` from cached bytecode; a PYTHONDONTWRITEBYTECODE
 # inherited from the shell would stop that cache from ever being written.
 bench:
@@ -64,4 +103,4 @@ e2e: require-pytest
 clean:
 	find . \( -path ./.git -o -path ./.venv -o -path ./.matrix \) -prune \
 	    -o -name __pycache__ -type d -prune -exec rm -rf {} +
-	rm -rf .pytest_cache build dist *.egg-info
+	rm -rf .pytest_cache .coverage-data build dist *.egg-info

@@ -48,6 +48,8 @@ NESTED_TABLE_CASES = [
      "ferrus.toml: [agents.custom.mycli.interactive] must be an array of strings"),
     ("hq", "[hq]\nsupervisor = 5\n",
      "ferrus.toml: [hq.supervisor] must be a table with `agent` (or a string), got 5"),
+    ("hq", "[hq]\nhuman_review = 1\n",
+     "ferrus.toml: [hq.human_review] must be true or false, got 1"),
     ("hq.supervisor", '[hq.supervisor]\nagent = "codex"\nmodel = 5\n',
      "ferrus.toml: [hq.supervisor.model] must be a string, got 5"),
     ("hq.executor", '[hq.executor]\nagent = "codex"\npermissions = "root"\n',
@@ -55,6 +57,10 @@ NESTED_TABLE_CASES = [
      'got "root"'),
     ("hq.executor", '[hq.executor]\nagent = 7\n',
      "ferrus.toml: [hq.executor.agent] must be an agent name string, got 7"),
+    ("git", '[git]\ncommit = "yes"\n',
+     'ferrus.toml: [git.commit] must be one of "off", "on_approve", got "yes"'),
+    ("git", '[git]\nbranch = "ferrus"\n',
+     'ferrus.toml: [git.branch] must contain {task_id}'),
 ]
 
 

@@ -49,6 +49,10 @@ def test_the_sdist_can_be_built_again(tmp_path):
     base = name[:-len(".tar.gz")]
     for path in ("pyproject.toml", "ferrus.py", "ferrus", "README.md", "LICENSE", "PKG-INFO"):
         assert "%s/%s" % (base, path) in members
+    # README links into docs/, so the sdist carries every page of it.
+    for page in sorted(os.listdir(os.path.join(REPO, "docs"))):
+        if page.endswith(".md"):
+            assert "%s/docs/%s" % (base, page) in members
 
 
 def test_pip_install_works_offline_in_a_fresh_venv(tmp_path):
