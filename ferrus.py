@@ -7522,7 +7522,22 @@ class AgentEvent:
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
-                      "query", "description", "prompt")
+                      "query", "description", "prompt", "content", "notes", "question",
+                      "response")
+_MCP_TOOL_NAME = re.compile(r"^mcp__(.+?)__(.+)$")
+
+
+def tool_line(slot, name, summary, root=None):
+    """One tool call as a progress line: ``executor ▸ Write  src/a.py``.  An MCP tool is
+    named by its server and tool (ferrus's own as ``ferrus submit``); paths under the
+    project root are shown relative to it."""
+    match = _MCP_TOOL_NAME.match(name or "")
+    if match:
+        server, tool = match.groups()
+        name = "ferrus %s" % tool if server.startswith("ferrus") else "%s/%s" % (server, tool)
+    if root and summary:
+        summary = summary.replace(os.path.join(root, ""), "")
+    return "%s ▸ %s%s" % (slot, name, "  " + summary if summary else "")
 
 
 def tool_summary(arguments, width=100):
@@ -9989,8 +10004,11 @@ class HqController:
 
     def poll(self):
         """One step: journal entries in order, agent exits, timers, then reconcile."""
-        # Running checks before the journal: a check's pid file is gone before the entry
-        # with its result is written, so "running" is never shown after the result.
+        # What agents and checks started comes before the journal entries it led to: an
+        # agent reports a tool call before its result is committed, and a check's pid file
+        # is gone before the entry with its result is written.
+        for slot in self.slots.values():
+            self._show_tool_calls(slot)
         self._watch_checks()
         self.drain_journal()
         for slot in self.slots.values():
@@ -10412,15 +10430,7 @@ class HqController:
         if process is not None:
             slot.tool_calls = process.tally.tool_calls
             self._save_counts(slot)
-            # One compact line per tool call the agent's streamed output reported.
-            events = process.events[slot.events_shown:]
-            slot.events_shown += len(events)
-            for event in events:
-                if event.kind == "tool_call":
-                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
-                        slot.name, event.name, "  " + event.text if event.text else ""),
-                        "tool_call", {"slot": slot.name, "tool": event.name,
-                                      "input": event.text, "ok": event.ok}))
+            self._show_tool_calls(slot)
         if slot.state == SS.RUNNING and process is not None:
             if process.exited():
                 self._on_exit(slot)
@@ -10446,6 +10456,19 @@ class HqController:
         elif slot.state == SS.COOLING_DOWN and slot.timer is not None and now >= slot.timer:
             slot.timer = None
             self._step(slot, SessionEvent("BackoffElapsed"))
+
+    def _show_tool_calls(self, slot):
+        """One compact line per tool call the agent's streamed output reported."""
+        if slot.process is None:
+            return
+        events = slot.process.events[slot.events_shown:]
+        slot.events_shown += len(events)
+        for event in events:
+            if event.kind == "tool_call":
+                line = tool_line(slot.name, event.name, event.text, self.store.root)
+                self.emit(HqMessage("agent", line, "tool_call", {
+                    "slot": slot.name, "tool": event.name, "input": event.text,
+                    "ok": event.ok}))
 
     def _on_exit(self, slot):
         process = slot.process
@@ -12004,10 +12027,10 @@ class PipelineOrchestrator:
                 if event.kind == "tool_call":
                     watched["calls"] += 1
                     watched["shown"] = self.clock()
-                    self.emit(HqMessage("agent", "%s ▸ %s%s" % (
-                        role, event.name, "  " + event.text if event.text else ""),
-                        "tool_call", {"run": run.name, "slot": role, "tool": event.name,
-                                      "input": event.text, "ok": event.ok}))
+                    line = tool_line(role, event.name, event.text, self.store.root)
+                    self.emit(HqMessage("agent", line, "tool_call", {
+                        "run": run.name, "slot": role, "tool": event.name, "input": event.text,
+                        "ok": event.ok}))
 
 
 WORKFLOWS_EXAMPLE = {
