@@ -13777,7 +13777,15 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=args.paths or None)
+    paths = []
+    for path in args.paths:
+        # Typed in a shell, a path is relative to where the user stands.
+        relative = os.path.relpath(os.path.abspath(path), store.root)
+        if relative == ".." or relative.startswith(".." + os.sep) or os.path.isabs(relative):
+            raise UsageError("%s is outside the project (%s)" % (path, store.root),
+                             "name files or folders inside the project")
+        paths.append(relative.replace(os.sep, "/"))
+    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=paths or None)
     if args.json:
         print(json_for_terminal(compact_json(outcome.data)))
         return 0 if outcome.data.get("available") else 1
