@@ -3724,10 +3724,11 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
 # A task remembers where it started (record_task_base) and its diff is measured from
 # there to the working tree, untracked files included (task_diff).  ferrus only reads
 # the repository: git runs from argv lists (no shell) with a timeout, the user's index
-# is never written (a private copy of it does the diffing, and GIT_OPTIONAL_LOCKS=0
-# keeps `git status` from refreshing it), and where git is missing or the project is
-# not in a repository there is simply no diff.  Item for item the functions below are
-# what operations, the MCP server and the HQ use; nothing else calls git.
+# is never written (the full diff works on a private copy of it, and
+# GIT_OPTIONAL_LOCKS=0 keeps the read-only commands from refreshing it), and where git
+# is missing or the project is not in a repository there is simply no diff.
+# Operations, the MCP server and HQ reach git only through the functions below
+# (docs/ARCHITECTURE.md, "Git: a task's base and diff").
 
 GIT_TIMEOUT_SECS = 60.0
 # Files ferrus (or `ferrus register`) writes into a project: never part of a task's
