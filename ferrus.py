@@ -52,6 +52,22 @@ if (__name__ == "__main__" and sys.path and not sys.flags.isolated
         and not getattr(sys.flags, "safe_path", False)):
     del sys.path[0]
 
+
+def _interrupted_while_starting(signum, frame):
+    """Ctrl+C before main() runs is only noted (raising in the middle of an import can
+    be lost or leave a half-imported module); main() then exits 130 at once, having
+    done nothing, instead of Python printing a traceback of its import machinery."""
+    _interrupted_while_starting.interrupted = True
+
+
+_interrupted_while_starting.ferrus_startup = True
+_interrupted_while_starting.interrupted = False
+
+if __name__ == "__main__":
+    import signal as _signal  # noqa: E402
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:   # not ignored
+        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
 import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import atexit
 import base64
@@ -84,7 +100,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig", "NotifyConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 11)
@@ -1460,6 +1476,24 @@ class PipelinesConfig:
     max_parallel: int = 4          # the batch-size gate: workers running at once in a run
 
 
+# [git] commit: when ferrus commits a task's changes.
+GIT_COMMIT_POLICIES = ("off", "on_approve")
+# The one placeholder a [git] branch template may hold (each task gets its own branch).
+GIT_BRANCH_PLACEHOLDER = "{task_id}"
+
+
+@dataclasses.dataclass
+class GitConfig:
+    """[git]: what ferrus does in git besides reading the task's diff (off by default)."""
+
+    branch: str = ""               # e.g. "ferrus/{task_id}"; "" = no branch per task
+    commit: str = "off"            # off | on_approve
+
+    def branch_for(self, task_id):
+        """The branch a task gets, or None when [git] branch is off."""
+        return self.branch.replace(GIT_BRANCH_PLACEHOLDER, task_id) if self.branch else None
+
+
 # What [notify] can announce.  The first group needs a human or ends something and is
 # on by default; the second reports ordinary progress and is there for those who ask.
 NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "emergency_stop",
@@ -1491,7 +1525,7 @@ def _check_notify(path, notify):
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
                 "notify")
-KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
 AGENT_CHOICE_KEYS = ("agent", "model", "permissions")
@@ -1511,6 +1545,7 @@ class Config:
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
+    git: GitConfig = dataclasses.field(default_factory=GitConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # [hq] human_review: the reviewer's approval waits for a human's confirmation.
@@ -1804,6 +1839,7 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     # Not one of hq_problems, which only agent launches notice: a mistyped value must
     # not let the reviewer's approval complete a task the human meant to confirm.
     _parse_human_review(path, raw.get("hq", {}), config, found)
+    _parse_git_table(path, raw.get("git", {}), config.git, unknown, found)
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -1820,6 +1856,56 @@ def _parse_human_review(path, hq, config, found):
         found.append(_config_error(path, "hq.human_review", "must be true or false", value))
         return
     config.human_review = value
+
+
+def git_branch_name_problem(name):
+    """Why ``name`` cannot be a git branch name (git's check-ref-format rules), or None."""
+    if not name or name == "@" or name.startswith(("-", "/")) or name.endswith(("/", ".")):
+        return "must not be empty, \"@\", start with - or /, or end with / or ."
+    if any(ord(ch) < 32 or ch == "\x7f" or ch in " ~^:?*[\\" for ch in name):
+        return "must not hold spaces, control characters or any of ~ ^ : ? * [ \\"
+    if ".." in name or "//" in name or "@{" in name:
+        return "must not hold .., // or @{"
+    for part in name.split("/"):
+        if part.startswith(".") or part.endswith(".lock"):
+            return "must not have a part that starts with . or ends with .lock"
+    return None
+
+
+def _parse_git_table(path, git, target, unknown, found):
+    """``[git]``: the branch template and the commit policy."""
+    if not isinstance(git, dict):
+        found.append(_config_error(path, "git", "must be a table", git))
+        return
+    for key, value in git.items():
+        if key not in ("branch", "commit"):
+            unknown.append("git.%s" % key)
+    branch = git.get("branch", "")
+    if not isinstance(branch, str):
+        found.append(_config_error(path, "git.branch", "must be a branch name template such "
+                                   "as \"ferrus/{task_id}\" (or \"\" for no branch)", branch))
+    elif branch:
+        leftover = branch.replace(GIT_BRANCH_PLACEHOLDER, "")
+        problem = None
+        if GIT_BRANCH_PLACEHOLDER not in branch:
+            problem = "must contain {task_id}, so that each task gets a branch of its own"
+        elif "{" in leftover or "}" in leftover:
+            problem = "may hold no placeholder but {task_id}"
+        else:
+            problem = git_branch_name_problem(branch.replace(GIT_BRANCH_PLACEHOLDER,
+                                                             "t-0123456789ab"))
+            if problem:
+                problem = "is no valid branch name: it " + problem
+        if problem:
+            found.append(_config_error(path, "git.branch", problem, branch))
+        else:
+            target.branch = branch
+    commit = git.get("commit", "off")
+    if commit not in GIT_COMMIT_POLICIES:
+        found.append(_config_error(path, "git.commit", "must be one of %s" % ", ".join(
+            json.dumps(p) for p in GIT_COMMIT_POLICIES), commit))
+    else:
+        target.commit = commit
 
 
 def load_config(root):
@@ -1968,6 +2054,9 @@ class StateData:
     question_from: "str | None" = None
     # Where the task started in git (see task_base): its diff is measured from there.
     task_base: "dict | None" = None
+    # What [git] commit = "on_approve" did when the task was approved: the commit, or
+    # why there is none (see commit_task_changes).
+    task_commit: "dict | None" = None
     extra: dict = dataclasses.field(default_factory=dict)
 
     def copy(self):
@@ -1983,7 +2072,7 @@ class StateData:
                 continue
             out[name] = value.value if isinstance(value, TaskState) else value
         for name in ("rev", "task_id", "state_entered_at", "task_started_at",
-                     "consult_paused_state", "question_from", "task_base"):
+                     "consult_paused_state", "question_from", "task_base", "task_commit"):
             value = getattr(self, name)
             # rev 0 means "never written by this ferrus": an upstream file stays as it was.
             if value is not None and not (name == "rev" and value == 0):
@@ -2037,7 +2126,7 @@ def _coerce_state_field(key, value):
         if key in ("state",) or key in _STATE_INT_FIELDS:
             raise ValueError("must not be null")
         return None
-    if key == "task_base":
+    if key in ("task_base", "task_commit"):
         if not isinstance(value, dict):
             raise ValueError("must be an object, got %r" % (value,))
         return value
@@ -2153,6 +2242,7 @@ def t_create_task(data, now, task_id, base=None):
     data.paused_state = data.consult_paused_state = data.question_from = None
     data.task_id = task_id
     data.task_base = base
+    data.task_commit = None
     data.task_started_at = format_timestamp(now)
     return _enter(data, S.EXECUTING, now)
 
@@ -3771,7 +3861,8 @@ def _git_argv(args):
 
 def _git_failure(args, code, stderr):
     said = stderr.decode("utf-8", "replace").strip()
-    return GitError("git %s failed (exit %s)%s" % (args[0], code, ": " + said if said else ""),
+    command = next((arg for arg in args if not arg.startswith("-")), args[0])
+    return GitError("git %s failed (exit %s)%s" % (command, code, ": " + said if said else ""),
                     "run the same git command in the project to see what git needs")
 
 
@@ -4266,6 +4357,187 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             os.unlink(index_file)
 
 
+# -- git: the task's branch and its commit ([git] branch, [git] commit) -------------------
+#
+# The only two places ferrus writes to a repository, and both only add: a new branch at
+# HEAD (the work tree, the index and any uncommitted change stay exactly as they were)
+# and a new commit on the task's branch holding the task's own files.  ferrus never
+# resets, stashes, pushes or rewrites anything; whatever refuses leaves the repository
+# as it found it, and the error says why and what to do by hand.
+
+# Commit hooks may run a test suite: they get longer than a read.
+GIT_COMMIT_TIMEOUT_SECS = 600.0
+# How much of git's own words (a hook's output, say) a commit failure keeps.
+GIT_FAILURE_CHARS = 2000
+
+
+def _finish_or_abort(operation):
+    return ("`git bisect reset`" if operation == "bisect" else
+            "`git %s --continue` or `git %s --abort`" % (operation, operation))
+
+
+def current_branch(root):
+    """The branch HEAD is on (also an unborn one), or None on a detached HEAD."""
+    out = run_git(root, ["symbolic-ref", "-q", "--short", "HEAD"], ok=(0, 1))
+    return os.fsdecode(out).strip() or None
+
+
+def create_task_branch(root, name):
+    """Create branch ``name`` at HEAD and check it out; the work tree, the index and any
+    uncommitted change stay as they are (they come along).  Returns the branch HEAD was
+    on before (None from a detached HEAD).  Raises GitUnavailable, or GitError saying
+    why not — the repository is then unchanged."""
+    repo = git_repository(root)
+    hint_off = "; or set branch = \"\" in [git] of %s to work without a branch" % CONFIG_FILE
+    operation = repo.operation_in_progress()
+    if operation:
+        raise GitError("a git %s is in progress in this checkout, and a new branch now would "
+                       "tangle with it" % operation, "finish it or abort it (%s), then create "
+                       "the task again%s" % (_finish_or_abort(operation), hint_off))
+    problem = git_branch_name_problem(name)
+    if problem:
+        raise GitError("%s is no valid branch name: it %s" % (json.dumps(name), problem),
+                       "change [git] branch in %s" % CONFIG_FILE)
+    if run_git(root, ["rev-parse", "-q", "--verify", "refs/heads/" + name], ok=(0, 1)).strip():
+        raise GitError("branch %s already exists" % name,
+                       "ferrus never moves an existing branch: rename it (`git branch -m %s "
+                       "NEW`) or delete it, then create the task again%s" % (name, hint_off))
+    previous = current_branch(root)
+    run_git(root, ["checkout", "-q", "-b", name])
+    return previous
+
+
+def remove_task_branch(root, name, previous, commit):
+    """Undo create_task_branch when the task could not be created after all: back to
+    ``previous`` (or the detached ``commit``) and the new branch, still at that same
+    commit, deleted.  Best effort; nothing in the work tree changes either way."""
+    with contextlib.suppress(FerrusError):
+        if previous:
+            # Both branches name the same commit: moving HEAD is all a checkout would do.
+            run_git(root, ["symbolic-ref", "HEAD", "refs/heads/" + previous])
+        elif commit:
+            run_git(root, ["checkout", "-q", "--detach", commit])
+        if commit:
+            run_git(root, ["branch", "-q", "-d", name])
+
+
+def _project_prefix(repo):
+    """The project root relative to the repository's top level ("" when they are one)."""
+    rel = os.path.relpath(os.path.realpath(repo.root), os.path.realpath(repo.toplevel))
+    return "" if rel == "." else rel.replace(os.sep, "/") + "/"
+
+
+def _changed_before(base, prefix):
+    """A test for "this project path was already changed when the task began", from the
+    base's dirty list (top-level-relative; an untracked folder is listed as "dir/")."""
+    entries = [entry[len(prefix):] for entry in base.get("dirty") or ()
+               if entry.startswith(prefix)]
+    files = {entry for entry in entries if not entry.endswith("/")}
+    folders = tuple(entry for entry in entries if entry.endswith("/"))
+    return lambda path: path in files or path.startswith(folders)
+
+
+def commit_task_changes(root, base, exclude, message, timeout=GIT_COMMIT_TIMEOUT_SECS):
+    """Commit the task's own changes onto the branch it works on, running the user's hooks.
+
+    The task's files are what changed since HEAD (untracked ones included, .gitignore
+    honoured, ``exclude`` — .ferrus/ and the agent files — never), less the files that
+    were already changed when the task began (``base["dirty"]``: the user's, left
+    uncommitted).  Other staged changes in the user's index stay staged and out of the
+    commit.  Returns {"commit", "branch", "files", "left_out"}; "commit" is None (with
+    a "reason") when there was nothing to commit.  Raises GitUnavailable (no repository)
+    or GitError saying why nothing was committed; the work tree is never touched."""
+    repo = git_repository(root)
+    if not base or not base.get("git"):
+        raise GitError("no git base was recorded when the task was created (%s)"
+                       % ((base or {}).get("reason") or "it was created without git"),
+                       "commit the changes by hand (`git status` shows them)")
+    operation = repo.operation_in_progress()
+    if operation:
+        raise GitError("a git %s is in progress in this checkout" % operation,
+                       "finish it or abort it (%s), then commit the task's changes by hand "
+                       "(`ferrus diff --stat` lists them)" % _finish_or_abort(operation))
+    branch = current_branch(root)
+    expected = base.get("branch")
+    if branch is None or branch != expected:
+        raise GitError("HEAD is %s, but the task %s: ferrus commits only onto the task's "
+                       "branch" % ("detached" if branch is None else "on branch " + branch,
+                                   "works on branch " + expected if expected
+                                   else "began on a detached HEAD"),
+                       "%scommit the task's changes by hand (`ferrus diff --stat` lists them)"
+                       % ("`git switch %s`, then " % expected if expected else ""))
+    if (base.get("dirty_count") or 0) > len(base.get("dirty") or ()):
+        raise GitError("%d files were already changed when the task began, more than ferrus "
+                       "keeps by name, so it cannot tell the task's changes from yours"
+                       % base["dirty_count"],
+                       "commit the task's files by hand (`ferrus diff --stat` lists them)")
+    changed_before = _changed_before(base, _project_prefix(repo))
+    paths, left_out = [], []
+    for changed in task_diff(root, None, exclude, patch=False).files:
+        for path in filter(None, (changed.path, changed.old_path)):
+            (left_out if changed_before(path) else paths).append(path)
+    if not paths:
+        return {"commit": None, "branch": branch, "files": 0, "left_out": left_out,
+                "reason": "the task changed no files" if not left_out else
+                "the task changed only files that were already changed before it began "
+                "(%s); they are yours to commit" % ", ".join(left_out)}
+    # A new file must be known to the index for `git commit -- PATH`: intent-to-add
+    # records only its name, and is taken back if the commit fails.
+    untracked = set(os.fsdecode(run_git(root, ["ls-files", "-z", "--others",
+                                               "--exclude-standard"] + _pathspecs(exclude)))
+                    .split("\0"))
+    added = [p for p in paths if p in untracked]
+    fd, message_file = tempfile.mkstemp(prefix="ferrus-commit-", suffix=".txt",
+                                        dir=repo.git_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(message)
+        if added:
+            run_git(root, ["--literal-pathspecs", "add", "--intent-to-add",
+                           "--pathspec-from-file=-", "--pathspec-file-nul"],
+                    stdin=nul_list(added))
+        try:
+            run_git(root, ["--literal-pathspecs", "commit", "-q", "--cleanup=whitespace",
+                           "-F", message_file, "--pathspec-from-file=-",
+                           "--pathspec-file-nul"], stdin=nul_list(paths), timeout=timeout)
+        except GitError as err:
+            if added:
+                with contextlib.suppress(FerrusError):
+                    run_git(root, ["--literal-pathspecs", "rm", "-q", "--cached",
+                                   "--ignore-unmatch", "--pathspec-from-file=-",
+                                   "--pathspec-file-nul"], stdin=nul_list(added))
+            raise _commit_failure(err) from err
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(message_file)
+    commit = os.fsdecode(run_git(root, ["rev-parse", "HEAD"])).strip()
+    return {"commit": commit, "branch": branch, "files": len(paths), "left_out": left_out}
+
+
+def nul_list(names):
+    """Paths as git's --pathspec-file-nul reads them."""
+    return b"".join(os.fsencode(name) + b"\0" for name in names)
+
+
+def _commit_failure(err):
+    """The GitError of a refused `git commit`, with git's (or the hook's) words kept
+    and a hint for the usual cause."""
+    said = err.message
+    if len(said) > GIT_FAILURE_CHARS:
+        said = said[:GIT_FAILURE_CHARS] + " [...]"
+    if "tell me who you are" in said or "empty ident" in said or "ident name" in said:
+        hint = ("git does not know who commits here: set `git config user.name \"Your "
+                "Name\"` and `git config user.email you@example.com`, then commit the "
+                "task's files by hand (`ferrus diff --stat` lists them)")
+    elif "hook" in said.lower() or "exit 1)" in said:
+        hint = ("a commit hook refuses it, most likely (its output, if any, is above): fix "
+                "what it says and commit the task's files by hand (`ferrus diff --stat` "
+                "lists them)")
+    else:
+        hint = "commit the task's files by hand (`ferrus diff --stat` lists them)"
+    return GitError(said, hint)
+
+
 # ============================================================================
 # 10. Specs
 # ============================================================================
@@ -4568,36 +4840,81 @@ def _guard_lease(store, data, caller, action):
 
 # -- supervisor ---------------------------------------------------------------
 
+def _refuse_create_unless_idle(state):
+    if state != S.IDLE:
+        raise FerrusError(
+            "Cannot create task: current state is %s. The executor must complete or reset "
+            "the current task first." % state,
+            "a human can run `ferrus reset` to return to Idle")
+
+
+def _git_config(store):
+    """[git], or its defaults when ferrus.toml does not load (the operations that need
+    the rest of the file say why)."""
+    try:
+        return store.config().git
+    except FerrusError:
+        return GitConfig()
+
+
 def op_create_task(store, caller, description, origin=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
-    implements; without it the origin HQ staged for the supervisor (pending_task_*) applies."""
+    implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
+    With [git] branch set, the task's branch is created and checked out first."""
     _nonblank(description, "Cannot create task: the description is empty.")
     # git runs before the lock is taken (it can take a moment in a big repository).
     base, warnings = record_task_base(store.root, task_diff_exclusions(store))
-    with store.transaction(caller.agent_id) as tx:
-        if tx.state.state != S.IDLE:
-            raise FerrusError(
-                "Cannot create task: current state is %s. The executor must complete or reset "
-                "the current task first." % tx.state.state,
-                "a human can run `ferrus reset` to return to Idle")
+    git_config = _git_config(store)
+    task_id = branch = None
+    if git_config.branch and not base.get("git"):
+        warnings.append("[git] branch is set, but the task gets no branch: %s" % base["reason"])
+    elif git_config.branch:
+        # Refused here, before a branch exists, in the usual case; the transaction
+        # below checks again and takes the branch back if it must refuse after all.
+        _refuse_create_unless_idle(store.read_state().state)
         task_id = new_id("t")
-        data = tx.state
-        if origin is not None:
-            data = data.copy()
-            data.pending_task_spec, data.pending_task_milestone = origin
-        new = t_create_task(data, store.clock(), task_id, base)
-        detail = {"task_id": task_id}
-        if base.get("git"):
-            detail["base"] = (base["commit"] or "")[:12]
-        if new.task_milestone:
-            detail.update(spec=new.task_spec, milestone=new.task_milestone)
-        tx.set(new, "create_task", **detail)
-        tx.write("TASK.md", description)
-        # Stale review, question and answer text must not leak into the new task
-        # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
-        for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
-            tx.write(name, "")
+        branch = git_config.branch_for(task_id)
+        try:
+            from_branch = create_task_branch(store.root, branch)
+        except GitError as err:
+            raise FerrusError("Cannot create task: [git] branch: %s." % err.message.rstrip("."),
+                              err.hint) from err
+        base = dict(base, branch=branch, task_branch=branch, from_branch=from_branch)
+        # The task's branch is where HEAD is now, detached or not before.
+        warnings = [w for w in warnings if not w.startswith("HEAD is detached")]
+    if git_config.commit == "on_approve" and base.get("dirty_count"):
+        warnings.append("with [git] commit = \"on_approve\", the files already changed stay "
+                        "out of the task's commit (they are yours to commit)")
+    try:
+        with store.transaction(caller.agent_id) as tx:
+            _refuse_create_unless_idle(tx.state.state)
+            task_id = task_id or new_id("t")
+            data = tx.state
+            if origin is not None:
+                data = data.copy()
+                data.pending_task_spec, data.pending_task_milestone = origin
+            new = t_create_task(data, store.clock(), task_id, base)
+            detail = {"task_id": task_id}
+            if base.get("git"):
+                detail["base"] = (base["commit"] or "")[:12]
+            if branch:
+                detail["branch"] = branch
+            if new.task_milestone:
+                detail.update(spec=new.task_spec, milestone=new.task_milestone)
+            tx.set(new, "create_task", **detail)
+            tx.write("TASK.md", description)
+            # Stale review, question and answer text must not leak into the new task
+            # (see ARCHITECTURE.md, 'Differences from upstream ferrus', item 17).
+            for name in TASK_SCRATCH_FILES + _approval_file_if_any(store):
+                tx.write(name, "")
+    except BaseException:
+        if branch:
+            remove_task_branch(store.root, branch, base.get("from_branch"), base.get("commit"))
+        raise
     text = "Task created. State: Executing. The Executor can now call /wait_for_task."
+    if branch:
+        text += "\nThe task works on the new git branch %s (from %s)." % (
+            branch, base["from_branch"] or "a detached HEAD at %s" % (base["commit"] or "")[:12])
     if warnings:
         text += "".join("\nwarning: %s" % warning for warning in warnings)
     return _outcome(text, S.EXECUTING, task_id=task_id, base=base, warnings=warnings)
@@ -4750,12 +5067,95 @@ def _complete_task(store, tx, data, new):
     return detail
 
 
+# -- [git] commit = "on_approve" ------------------------------------------------------------
+
+# How much of the submission notes a commit message carries.
+COMMIT_BODY_CHARS = 4000
+
+
+def task_commit_message(task_id, description, submission):
+    """The commit message of a task: its title (the description's first line), the
+    submission notes, and a ``Ferrus-Task`` trailer."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "") or "ferrus task %s" % task_id
+    if len(title) > 72:
+        title = title[:69].rstrip() + "..."
+    body = submission.strip()
+    if len(body) > COMMIT_BODY_CHARS:
+        body = body[:COMMIT_BODY_CHARS].rstrip() + "\n[...]"
+    return "%s\n\n%s%sFerrus-Task: %s\n" % (title, body, "\n\n" if body else "", task_id)
+
+
+def commit_on_approve(store, data):
+    """The task_commit record of [git] commit = "on_approve" for the task ``data`` is
+    about to complete: the commit made, or why there is none.  Never raises: a failed
+    commit must not stop the approval (the changes stay in the work tree)."""
+    message = task_commit_message(data.task_id or "", store.read_file("TASK.md"),
+                                  store.read_file("SUBMISSION.md"))
+    try:
+        return commit_task_changes(store.root, data.task_base, task_diff_exclusions(store),
+                                   message)
+    except GitUnavailable as err:
+        return {"commit": None, "reason": err.message}
+    except FerrusError as err:
+        return {"commit": None, "error": err.message, "hint": err.hint}
+
+
+def _commit_before_complete(store, caller, data, action, git_config):
+    """Commit the task's changes while it is still one step from Complete (outside the
+    lock: hooks may take minutes).  None when [git] commit is off."""
+    if git_config.commit != "on_approve":
+        return None
+    _guard_lease(store, data, caller, action)
+    return commit_on_approve(store, data)
+
+
+def _record_commit(new, data, commit, detail):
+    """Put the commit record on the Complete state and in the journal detail."""
+    if commit is None or new.task_id != data.task_id:
+        return
+    new.task_commit = commit
+    if commit.get("commit"):
+        detail.update(commit=commit["commit"][:12], branch=commit["branch"],
+                      committed_files=commit["files"])
+    elif commit.get("error"):
+        detail["commit_failed"] = commit["error"]
+    else:
+        detail["not_committed"] = commit.get("reason")
+
+
+def describe_task_commit(commit):
+    """One line (with its hint) on what [git] commit did for a task, or None."""
+    if not commit:
+        return None
+    if commit.get("commit"):
+        line = "Committed the task's changes as %s on branch %s (%d file%s)." % (
+            commit["commit"][:12], commit.get("branch"), commit.get("files", 0),
+            "" if commit.get("files") == 1 else "s")
+        if commit.get("left_out"):
+            line += " Left uncommitted, as they were changed before the task began: %s." % (
+                ", ".join(commit["left_out"]))
+        return line
+    if commit.get("error"):
+        return "The task's changes were NOT committed (they are still in the work tree): " \
+            "%s.%s" % (commit["error"].rstrip("."), "\nhint: %s" % commit["hint"]
+                       if commit.get("hint") else "")
+    return "Nothing was committed: %s." % (commit.get("reason") or "").rstrip(".")
+
+
 def op_approve(store, caller, notes=None):
     """Reviewing → Complete, or → AwaitingConfirmation when [hq] human_review is on (then
-    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human)."""
+    ``notes``, the reviewer's verdict in words, wait in APPROVAL.md for the human).  With
+    [git] commit = "on_approve" the task's changes are committed on the way to Complete."""
     if notes is not None and not isinstance(notes, str):
         raise FerrusError("Cannot approve: notes must be text.")
-    human_review = store.config().human_review
+    config = store.config()
+    human_review = config.human_review
+    commit = None
+    if not human_review:
+        before = store.read_state()
+        if before.state == S.REVIEWING:
+            commit = _commit_before_complete(store, caller, before, "approve", config.git)
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
         _refuse_agent_on_confirmation(data, "approve")
@@ -4770,14 +5170,19 @@ def op_approve(store, caller, notes=None):
             for name in _approval_file_if_any(store):
                 tx.write(name, "")
         if new.state == S.COMPLETE:
-            tx.set(new, "approve", **_complete_task(store, tx, data, new))
+            detail = _complete_task(store, tx, data, new)
+            _record_commit(new, data, commit, detail)
+            tx.set(new, "approve", **detail)
         else:
             tx.set(new, "approve", awaiting="human")
     if new.state == S.AWAITING_CONFIRMATION:
         return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
                         "rejects it now ([hq] human_review is on). Your review is done; stop "
                         "here.", new.state)
-    return _outcome("Task approved. State: Complete. Well done!", S.COMPLETE)
+    text = "Task approved. State: Complete. Well done!"
+    if new.task_commit:
+        text += "\n" + describe_task_commit(new.task_commit)
+    return _outcome(text, S.COMPLETE, git_commit=new.task_commit)
 
 
 def op_reject(store, caller, notes):
@@ -4833,17 +5238,24 @@ def _nothing_to_confirm(data, action):
 def op_human_approve(store, caller, via="cli"):
     """AwaitingConfirmation → Complete, by the human only."""
     _require_human(caller, "approve")
+    before = store.read_state()
+    commit = None
+    if before.state == S.AWAITING_CONFIRMATION:
+        commit = _commit_before_complete(store, caller, before, "approve", _git_config(store))
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
         if data.state != S.AWAITING_CONFIRMATION:
             raise _nothing_to_confirm(data, "approve")
         new = t_human_approve(data, store.clock())
         detail = _complete_task(store, tx, data, new)
+        _record_commit(new, data, commit, detail)
         tx.set(new, "human_approve", by=human_name(), via=via, **detail)
     text = "Approved. State: Complete."
     if detail.get("milestone_completed"):
         text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
-    return _outcome(text, S.COMPLETE, **detail)
+    if new.task_commit:
+        text += "\n" + describe_task_commit(new.task_commit)
+    return _outcome(text, S.COMPLETE, git_commit=new.task_commit, **detail)
 
 
 def op_human_reject(store, caller, notes, via="cli"):
@@ -5456,7 +5868,8 @@ def status_data(store, data, now):
             "state_entered_at": entered, "seconds_in_state": seconds_in_state,
             "task_started_at": data.task_started_at,
             "selected_spec": data.selected_spec, "selected_milestone": data.selected_milestone,
-            "rev": data.rev, "capacity": capacity_status(store, data), "message": None}
+            "rev": data.rev, "capacity": capacity_status(store, data),
+            "git_commit": data.task_commit, "message": None}
 
 
 def capacity_status(store, data):
@@ -5491,8 +5904,34 @@ def op_reset(store, caller):
                     "cleared. Ready for a new task.", S.IDLE)
 
 
+def kept_changes_note(store, data):
+    """What a reset leaves in git — it never discards work: the task's uncommitted
+    changes (they stay in the work tree) and the task's branch (HEAD stays on it).
+    "" when there is nothing to say (no task, no git, no changes)."""
+    base = data.task_base or {}
+    if not data.task_id or not base.get("git"):
+        return ""
+    notes = []
+    with contextlib.suppress(FerrusError):
+        files = task_diff(store.root, None, task_diff_exclusions(store), patch=False).files
+        if files:
+            notes.append("Uncommitted changes are kept: %d file%s in the work tree differ "
+                         "from HEAD (`git status` shows them). To drop them, see \"Dropping "
+                         "a task's changes\" in docs/REFERENCE.md."
+                         % (len(files), "" if len(files) == 1 else "s"))
+    if base.get("task_branch"):
+        notes.append("HEAD stays on the task's branch %s; `%s` goes back (uncommitted "
+                     "changes come along)." % (
+                         base["task_branch"], "git switch " + base["from_branch"]
+                         if base.get("from_branch") else "git checkout --detach %s"
+                         % (base.get("commit") or "")[:12]))
+    return "\n".join(notes)
+
+
 def op_force_reset(store, caller):
-    """The human's reset: any state → Idle, task files cleared, selection kept."""
+    """The human's reset: any state → Idle, task files cleared, selection kept.  Nothing
+    in the work tree or in git changes (see kept_changes_note)."""
+    kept = kept_changes_note(store, store.read_state())
     with store.transaction(caller.agent_id) as tx:
         previous = tx.state.state
         tx.set(t_force_reset(tx.state, store.clock()), "force_reset", previous=previous.value)
@@ -5507,7 +5946,8 @@ def op_force_reset(store, caller):
                         entry["status"], entry["pid"] = "suspended", None
                 tx.write("agents.json", pretty_json(registry))
     return _outcome("State reset to Idle from %s. Task files cleared; the spec selection is kept."
-                    % previous, S.IDLE, previous_state=previous.value)
+                    % previous + ("\n" + kept if kept else ""), S.IDLE,
+                    previous_state=previous.value)
 
 
 def op_rotate_journal(store, caller):
@@ -8676,9 +9116,17 @@ def open_session_record(store, session_id, **fields):
     return record
 
 
-def update_session_counts(store, record, tally):
-    """Persist a running session's counts when they changed; True when written."""
+def _counts(tally, tool_calls):
+    """The tally's figures; ``tool_calls`` (the session's ferrus tool calls, counted by
+    the MCP servers) stands in when the agent's output shows fewer, or none at all."""
     counts = tally.counts()
+    counts["tool_calls"] = max(counts["tool_calls"], tool_calls or 0)
+    return counts
+
+
+def update_session_counts(store, record, tally, tool_calls=None):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = _counts(tally, tool_calls)
     if tally.model and not record.get("model"):
         counts["model"] = tally.model
     if all(record.get(key) == value for key, value in counts.items()):
@@ -8689,10 +9137,11 @@ def update_session_counts(store, record, tally):
     return True
 
 
-def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None,
+                         tool_calls=None):
     """The session is over: how it ended and its final counts."""
     if tally is not None:
-        record.update(tally.counts())
+        record.update(_counts(tally, tool_calls))
         if tally.model and not record.get("model"):
             record["model"] = tally.model
         if tally.agent_session:
@@ -9761,8 +10210,10 @@ class HqController:
             self.shown_confirmation = None
         if data.state != self.last_state:
             if data.state == S.COMPLETE:
-                self.emit(HqMessage("info", "Task complete.", "complete",
-                                    {"task_id": data.task_id}))
+                commit = data.task_commit or {}
+                self.emit(HqMessage("error" if commit.get("error") else "info", "Task complete."
+                                    + (" " + describe_task_commit(commit) if commit else ""),
+                                    "complete", {"task_id": data.task_id}))
             elif data.state == S.FAILED:
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
                                     "failed", {"task_id": data.task_id,
@@ -10147,15 +10598,17 @@ class HqController:
         now = self.clock()
         if slot.record is None or slot.process is None or (not force and now < slot.record_due):
             return
-        if update_session_counts(self.store, slot.record, slot.process.tally):
-            slot.record_due = now + SESSION_RECORD_EVERY
+        slot.record_due = now + SESSION_RECORD_EVERY
+        update_session_counts(self.store, slot.record, slot.process.tally,
+                              self.tool_calls_of(slot))
 
     def _close_record(self, slot, process, outcome, note=None):
         record, slot.record = slot.record, None
         if record is not None:
             close_session_record(self.store, record, outcome,
                                  process.proc.returncode if process is not None else None,
-                                 process.tally if process is not None else None, note)
+                                 process.tally if process is not None else None, note,
+                                 self.tool_calls_of(slot))
 
     def _task_tokens(self, task):
         summary = task_usage(self.store, task)
@@ -10377,6 +10830,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        task_id = store.read_state().task_id
+        used = task_usage(store, task_id)
+        if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
+            note("task %s used %s" % (task_id, format_usage(used)), task_id=task_id,
+                 usage=used)
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
@@ -11624,6 +12082,9 @@ def describe_run(store, status, path, now=None):
              "pipeline  %s, topic %s" % (status["pipeline"], json.dumps(status["topic"])),
              "folder    %s" % store.relpath(path),
              "retries   %d" % status.get("retry_count", 0)]
+    workers = [r for r in read_session_records(store) if r.get("pipeline") == status["dir"]]
+    if workers:
+        lines.append("usage     %s" % format_usage(usage_summary(workers)))
     for number, phase in enumerate(status["phases"], 1):
         current = "  <- current" if number - 1 == status["current_phase"] and \
             run_state(status) not in ("delivered", "cancelled") else ""
@@ -12633,8 +13094,9 @@ class HqShell:
         self.write("  Anything not starting with / answers the pending question.")
 
     def cmd_quit(self, rest):
-        if self.controller.running() and not self.confirm(
-                "Agents are running; stop them and quit?"):
+        # Agents that only finish after the task ended have no work left to lose.
+        if self.controller.running() and self.controller.finishing_since is None and \
+                not self.confirm("Agents are running; stop them and quit?"):
             return
         self.done = True
 
@@ -13562,6 +14024,9 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", data.failure_reason.splitlines()[0]))
+    if data.task_commit:
+        said = describe_task_commit(data.task_commit).splitlines()
+        rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
     left = store.lease_seconds_left(data)
     if left > 0:
         rows.append(("lease", "%s, expires in %s (%s)" % (data.claimed_by, format_duration(left),
@@ -14335,6 +14800,21 @@ def find_project_root(start):
 
 
 def main(argv=None):
+    """The command line: returns the exit code.  Ctrl+C at any point of it exits 130
+    without a traceback (what it interrupted cleans up on the way out)."""
+    if threading.current_thread() is threading.main_thread():
+        starting = signal.getsignal(signal.SIGINT)
+        if getattr(starting, "ferrus_startup", False):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if getattr(starting, "interrupted", False):
+                return 130
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
+
+
+def _main(argv):
     parser = build_parser()
     CliParser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

@@ -57,6 +57,10 @@ NESTED_TABLE_CASES = [
      'got "root"'),
     ("hq.executor", '[hq.executor]\nagent = 7\n',
      "ferrus.toml: [hq.executor.agent] must be an agent name string, got 7"),
+    ("git", '[git]\ncommit = "yes"\n',
+     'ferrus.toml: [git.commit] must be one of "off", "on_approve", got "yes"'),
+    ("git", '[git]\nbranch = "ferrus"\n',
+     'ferrus.toml: [git.branch] must contain {task_id}'),
 ]
 
 

@@ -137,3 +137,13 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     assert ("check_passed", "executor:%s:1" % agent) in moves
     assert ("submit", "executor:%s:1" % agent) in moves
     assert ("approve", "supervisor:%s:1" % agent) in moves
+    # Each session's record has the tokens the CLI reported from the fake model's usage;
+    # none of these CLIs reports a cost, and `ferrus usage` says so.
+    records = ferrus.read_session_records(store)
+    assert {r["slot"] for r in records} >= {"executor", "reviewer"}
+    for record in records:
+        assert record["input_tokens"] > 0 and record["output_tokens"] > 0, record
+        assert record["cost_usd"] is None and record["tool_calls"] > 0, record
+    usage = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "usage"], cwd=str(project),
+                           capture_output=True, text=True, check=True).stdout
+    assert "cost unknown" in usage and "cost is known only where" in usage
