@@ -3814,10 +3814,11 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
 # A task remembers where it started (record_task_base) and its diff is measured from
 # there to the working tree, untracked files included (task_diff).  ferrus only reads
 # the repository: git runs from argv lists (no shell) with a timeout, the user's index
-# is never written (a private copy of it does the diffing, and GIT_OPTIONAL_LOCKS=0
-# keeps `git status` from refreshing it), and where git is missing or the project is
-# not in a repository there is simply no diff.  Item for item the functions below are
-# what operations, the MCP server and the HQ use; nothing else calls git.
+# is never written (the full diff works on a private copy of it, and
+# GIT_OPTIONAL_LOCKS=0 keeps the read-only commands from refreshing it), and where git
+# is missing or the project is not in a repository there is simply no diff.
+# Operations, the MCP server and HQ reach git only through the functions below
+# (docs/ARCHITECTURE.md, "Git: a task's base and diff").
 
 GIT_TIMEOUT_SECS = 60.0
 # Files ferrus (or `ferrus register`) writes into a project: never part of a task's
@@ -14265,7 +14266,15 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=args.paths or None)
+    paths = []
+    for path in args.paths:
+        # Typed in a shell, a path is relative to where the user stands.
+        relative = os.path.relpath(os.path.abspath(path), store.root)
+        if relative == ".." or relative.startswith(".." + os.sep) or os.path.isabs(relative):
+            raise UsageError("%s is outside the project (%s)" % (path, store.root),
+                             "name files or folders inside the project")
+        paths.append(relative.replace(os.sep, "/"))
+    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=paths or None)
     if args.json:
         print(json_for_terminal(compact_json(outcome.data)))
         return 0 if outcome.data.get("available") else 1
