@@ -12196,6 +12196,10 @@ directory = "docs/specs"     # where /create_spec saves specifications
 [agents]
 path = %s              # where `ferrus init` writes the skill files
 
+[git]
+branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
+commit = "off"         # "on_approve": commit the task's own files when it is approved
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default

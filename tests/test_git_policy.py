@@ -5,6 +5,7 @@ Every test builds a real git repository in a temporary folder (git is required).
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,8 @@ def read(root, rel):
 
 
 def configure(root, git_table):
-    text = read(root, "ferrus.toml")
+    """ferrus.toml with its [git] table (the one `ferrus init` wrote) replaced."""
+    text = re.sub(r"(?ms)^\[git\]\n.*?(?=^\[|\Z)", "", read(root, "ferrus.toml"))
     set_config(root, text + "\n[git]\n" + git_table + "\n")
 
 
