@@ -3,6 +3,7 @@ task's files, and a reset that never discards work.
 
 Every test builds a real git repository in a temporary folder (git is required)."""
 
+import io
 import json
 import os
 import re
@@ -451,3 +452,14 @@ def test_hq_says_the_commit_failed_when_the_task_completes(repo, store):
     done = [m for m in messages if m.text.startswith("Task complete.")]
     assert len(done) == 1 and done[0].kind == "error"
     assert "NOT committed" in done[0].text and "needs a ticket number" in done[0].text
+
+
+def test_hq_task_names_the_new_branch(repo, store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    try:
+        shell.handle("/task Do the thing.")
+    finally:
+        shell.controller.shutdown()
+    assert "The task works on the new git branch ferrus/%s." % store.read_state().task_id \
+        in out.getvalue()
