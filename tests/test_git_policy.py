@@ -463,3 +463,29 @@ def test_hq_task_names_the_new_branch(repo, store):
         shell.controller.shutdown()
     assert "The task works on the new git branch ferrus/%s." % store.read_state().task_id \
         in out.getvalue()
+
+
+def test_a_project_in_a_subfolder_commits_its_own_files_only(tmp_path):
+    top = tmp_path / "top"
+    project = top / "service"
+    project.mkdir(parents=True)
+    ferrus.init_project(str(project), report=lambda message: None)
+    configure(project, POLICY)
+    git(top, "init", "-q")
+    git(top, "config", "user.name", "Test User")
+    git(top, "config", "user.email", "test@example.com")
+    write(top, "other/lib.py", "LIB = 1\n")
+    write(project, "app.py", "print('hello')\n")
+    git(top, "add", "-A")
+    git(top, "commit", "-qm", "initial")
+    write(project, "draft.md", "the user's draft\n")          # dirty before the task
+    store = ferrus.Store(str(project))
+    to_reviewing(store)
+    write(project, "app.py", "print('task')\n")
+    write(top, "other/lib.py", "LIB = 2\n")                   # outside the project
+    submit(store)
+    outcome = ferrus.op_approve(store, REVIEWER)
+    assert committed_files(top) == ["M\tservice/app.py"], outcome.text
+    assert "draft.md" in outcome.text
+    status = git(top, "status", "--porcelain").stdout
+    assert " M other/lib.py" in status and "?? service/draft.md" in status
