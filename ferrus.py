@@ -52,6 +52,22 @@ if (__name__ == "__main__" and sys.path and not sys.flags.isolated
         and not getattr(sys.flags, "safe_path", False)):
     del sys.path[0]
 
+
+def _interrupted_while_starting(signum, frame):
+    """Ctrl+C before main() runs is only noted (raising in the middle of an import can
+    be lost or leave a half-imported module); main() then exits 130 at once, having
+    done nothing, instead of Python printing a traceback of its import machinery."""
+    _interrupted_while_starting.interrupted = True
+
+
+_interrupted_while_starting.ferrus_startup = True
+_interrupted_while_starting.interrupted = False
+
+if __name__ == "__main__":
+    import signal as _signal  # noqa: E402
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:   # not ignored
+        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
 import argparse  # noqa: E402  (the imports below must follow the sys.path fix above)
 import atexit
 import base64
@@ -3798,10 +3814,11 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
 # A task remembers where it started (record_task_base) and its diff is measured from
 # there to the working tree, untracked files included (task_diff).  ferrus only reads
 # the repository: git runs from argv lists (no shell) with a timeout, the user's index
-# is never written (a private copy of it does the diffing, and GIT_OPTIONAL_LOCKS=0
-# keeps `git status` from refreshing it), and where git is missing or the project is
-# not in a repository there is simply no diff.  Item for item the functions below are
-# what operations, the MCP server and the HQ use; nothing else calls git.
+# is never written (the full diff works on a private copy of it, and
+# GIT_OPTIONAL_LOCKS=0 keeps the read-only commands from refreshing it), and where git
+# is missing or the project is not in a repository there is simply no diff.
+# Operations, the MCP server and HQ reach git only through the functions below
+# (docs/ARCHITECTURE.md, "Git: a task's base and diff").
 
 GIT_TIMEOUT_SECS = 60.0
 # Files ferrus (or `ferrus register`) writes into a project: never part of a task's
@@ -9100,9 +9117,17 @@ def open_session_record(store, session_id, **fields):
     return record
 
 
-def update_session_counts(store, record, tally):
-    """Persist a running session's counts when they changed; True when written."""
+def _counts(tally, tool_calls):
+    """The tally's figures; ``tool_calls`` (the session's ferrus tool calls, counted by
+    the MCP servers) stands in when the agent's output shows fewer, or none at all."""
     counts = tally.counts()
+    counts["tool_calls"] = max(counts["tool_calls"], tool_calls or 0)
+    return counts
+
+
+def update_session_counts(store, record, tally, tool_calls=None):
+    """Persist a running session's counts when they changed; True when written."""
+    counts = _counts(tally, tool_calls)
     if tally.model and not record.get("model"):
         counts["model"] = tally.model
     if all(record.get(key) == value for key, value in counts.items()):
@@ -9113,10 +9138,11 @@ def update_session_counts(store, record, tally):
     return True
 
 
-def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None):
+def close_session_record(store, record, outcome, exit_code=None, tally=None, note=None,
+                         tool_calls=None):
     """The session is over: how it ended and its final counts."""
     if tally is not None:
-        record.update(tally.counts())
+        record.update(_counts(tally, tool_calls))
         if tally.model and not record.get("model"):
             record["model"] = tally.model
         if tally.agent_session:
@@ -10573,15 +10599,17 @@ class HqController:
         now = self.clock()
         if slot.record is None or slot.process is None or (not force and now < slot.record_due):
             return
-        if update_session_counts(self.store, slot.record, slot.process.tally):
-            slot.record_due = now + SESSION_RECORD_EVERY
+        slot.record_due = now + SESSION_RECORD_EVERY
+        update_session_counts(self.store, slot.record, slot.process.tally,
+                              self.tool_calls_of(slot))
 
     def _close_record(self, slot, process, outcome, note=None):
         record, slot.record = slot.record, None
         if record is not None:
             close_session_record(self.store, record, outcome,
                                  process.proc.returncode if process is not None else None,
-                                 process.tally if process is not None else None, note)
+                                 process.tally if process is not None else None, note,
+                                 self.tool_calls_of(slot))
 
     def _task_tokens(self, task):
         summary = task_usage(self.store, task)
@@ -10805,6 +10833,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        task_id = store.read_state().task_id
+        used = task_usage(store, task_id)
+        if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
+            note("task %s used %s" % (task_id, format_usage(used)), task_id=task_id,
+                 usage=used)
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
@@ -14219,7 +14252,15 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=args.paths or None)
+    paths = []
+    for path in args.paths:
+        # Typed in a shell, a path is relative to where the user stands.
+        relative = os.path.relpath(os.path.abspath(path), store.root)
+        if relative == ".." or relative.startswith(".." + os.sep) or os.path.isabs(relative):
+            raise UsageError("%s is outside the project (%s)" % (path, store.root),
+                             "name files or folders inside the project")
+        paths.append(relative.replace(os.sep, "/"))
+    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=paths or None)
     if args.json:
         print(json_for_terminal(compact_json(outcome.data)))
         return 0 if outcome.data.get("available") else 1
@@ -14768,6 +14809,21 @@ def find_project_root(start):
 
 
 def main(argv=None):
+    """The command line: returns the exit code.  Ctrl+C at any point of it exits 130
+    without a traceback (what it interrupted cleans up on the way out)."""
+    if threading.current_thread() is threading.main_thread():
+        starting = signal.getsignal(signal.SIGINT)
+        if getattr(starting, "ferrus_startup", False):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if getattr(starting, "interrupted", False):
+                return 130
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 130)
+
+
+def _main(argv):
     parser = build_parser()
     CliParser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

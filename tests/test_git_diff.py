@@ -299,6 +299,11 @@ def test_cli_diff_stat_and_json(repo, store):
     full = run_cli("diff", cwd=repo)
     assert "+print('cli')" in full.stdout
     assert "git base" in run_cli("status", cwd=repo).stdout
+    write(repo, "src/deep.py", "deep = 1\n")
+    here = run_cli("diff", "--stat", "deep.py", cwd=repo / "src")      # relative to the cwd
+    assert "src/deep.py" in here.stdout and "app.py" not in here.stdout
+    outside = run_cli("diff", "../../elsewhere", cwd=repo / "src")
+    assert outside.returncode == 2 and "outside the project" in outside.stderr
     data = json.loads(run_cli("diff", "--json", cwd=repo).stdout)
     assert data["available"] is True and data["files"][0]["path"] == "app.py"
 

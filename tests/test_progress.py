@@ -438,3 +438,62 @@ def test_a_delivered_pipeline_run_notifies(project, store, tmp_path, monkeypatch
         time.sleep(0.05)
     assert [(e, r) for e, r, _ in sent] == [("pipeline_delivered", run)]
     assert sent[0][2].startswith("notify me: .ferrus/pipelines/archive/")
+
+
+# -- Ctrl+C while ferrus starts ----------------------------------------------------------------
+
+def test_ctrl_c_while_ferrus_loads_exits_130_before_doing_anything(project, monkeypatch):
+    import signal
+    previous = signal.getsignal(signal.SIGINT)
+    handler = ferrus._interrupted_while_starting
+    try:
+        signal.signal(signal.SIGINT, handler)
+        handler(signal.SIGINT, None)                 # Ctrl+C arrives during the imports
+        monkeypatch.chdir(str(project))
+        before = ferrus.Store(str(project)).last_journal_seq()
+        assert ferrus.main(["run", "--task", "anything"]) == 130
+        assert ferrus.Store(str(project)).last_journal_seq() == before   # nothing done
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        handler.interrupted = False
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_anywhere_in_main_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ferrus, "build_parser", interrupted)
+    assert ferrus.main(["status"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_ctrl_c_during_a_run_stops_it_with_130(project, tmp_path):
+    import signal
+    import time
+    set_config(str(project), """
+[agents.custom.slow]
+interactive = ["sleep", "30"]
+headless = ["sleep", "30"]
+
+[hq.supervisor]
+agent = "slow"
+
+[hq.executor]
+agent = "slow"
+""")
+    launcher = os.path.join(os.path.dirname(FERRUS_PY), "ferrus")
+    proc = subprocess.Popen([sys.executable, launcher, "run", "--task", "x"], cwd=str(project),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if "started the executor" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in out
+    assert ferrus.running_orchestrator(ferrus.Store(str(project))) is None

@@ -136,6 +136,9 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
     summary = ferrus.task_usage(scripted, task)
     assert summary == {"sessions": 4, "tool_calls": 10, "input_tokens": 1000,
                        "output_tokens": 100, "cost_usd": 0.01, "cost_unknown": 0}
+    # `ferrus run` ends with what the task used.
+    assert lines[-1].endswith("ferrus run: task %s used 4 sessions, 10 tool calls, 1k tokens "
+                              "in / 100 out, $0.0100" % task), shown
 
 
 def test_status_sessions_and_usage_commands_read_the_records(scripted, tmp_path):
@@ -352,3 +355,15 @@ def test_an_agent_that_cannot_start_leaves_a_record_saying_why(project, tmp_path
     assert record["outcome"] == "not started" and record["status"] == "ended"
     assert str(program) in record["note"] and record["agent"] == "broken"
     assert "You are the ferrus executor" in record["prompt"]
+
+
+def test_an_agent_whose_output_reports_nothing_still_has_its_ferrus_tool_calls(scripted,
+                                                                                monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")       # plain text output, no usage events
+    code = ferrus.run_loop(scripted, "Make work.txt", out=lambda line: None, timeout=90)
+    assert code == ferrus.RUN_COMPLETE
+    found = records(scripted)
+    assert [(r["slot"], r["tool_calls"]) for r in found] == [("executor", 3), ("reviewer", 2)]
+    assert all(r["input_tokens"] == 0 and r["cost_usd"] is None for r in found)
+    assert "cost unknown" in ferrus.format_usage(ferrus.task_usage(
+        scripted, scripted.read_state().task_id))
