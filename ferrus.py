@@ -4917,7 +4917,8 @@ def op_create_task(store, caller, description, origin=None):
             branch, base["from_branch"] or "a detached HEAD at %s" % (base["commit"] or "")[:12])
     if warnings:
         text += "".join("\nwarning: %s" % warning for warning in warnings)
-    return _outcome(text, S.EXECUTING, task_id=task_id, base=base, warnings=warnings)
+    return _outcome(text, S.EXECUTING, task_id=task_id, base=base, warnings=warnings,
+                    branch=branch)
 
 
 # -- the task's diff ------------------------------------------------------------------
@@ -10792,6 +10793,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
         for warning in created.data.get("warnings", ()):
             out("ferrus run: warning: %s" % warning)
+        if created.data.get("branch"):
+            out("ferrus run: the task works on the new git branch %s" % created.data["branch"])
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -12252,6 +12255,10 @@ directory = "docs/specs"     # where /create_spec saves specifications
 [agents]
 path = %s              # where `ferrus init` writes the skill files
 
+[git]
+branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
+commit = "off"         # "on_approve": commit the task's own files when it is approved
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default
@@ -13300,6 +13307,8 @@ class HqShell:
             created = op_create_task(self.store, HUMAN, rest, origin=(None, None))
             for warning in created.data.get("warnings", ()):
                 self.write("warning: %s" % warning)
+            if created.data.get("branch"):
+                self.write("The task works on the new git branch %s." % created.data["branch"])
             self.controller.paused = False
             return
         milestone = spec = None

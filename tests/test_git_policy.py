@@ -3,8 +3,10 @@ task's files, and a reset that never discards work.
 
 Every test builds a real git repository in a temporary folder (git is required)."""
 
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,8 @@ def read(root, rel):
 
 
 def configure(root, git_table):
-    text = read(root, "ferrus.toml")
+    """ferrus.toml with its [git] table (the one `ferrus init` wrote) replaced."""
+    text = re.sub(r"(?ms)^\[git\]\n.*?(?=^\[|\Z)", "", read(root, "ferrus.toml"))
     set_config(root, text + "\n[git]\n" + git_table + "\n")
 
 
@@ -449,3 +452,40 @@ def test_hq_says_the_commit_failed_when_the_task_completes(repo, store):
     done = [m for m in messages if m.text.startswith("Task complete.")]
     assert len(done) == 1 and done[0].kind == "error"
     assert "NOT committed" in done[0].text and "needs a ticket number" in done[0].text
+
+
+def test_hq_task_names_the_new_branch(repo, store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    try:
+        shell.handle("/task Do the thing.")
+    finally:
+        shell.controller.shutdown()
+    assert "The task works on the new git branch ferrus/%s." % store.read_state().task_id \
+        in out.getvalue()
+
+
+def test_a_project_in_a_subfolder_commits_its_own_files_only(tmp_path):
+    top = tmp_path / "top"
+    project = top / "service"
+    project.mkdir(parents=True)
+    ferrus.init_project(str(project), report=lambda message: None)
+    configure(project, POLICY)
+    git(top, "init", "-q")
+    git(top, "config", "user.name", "Test User")
+    git(top, "config", "user.email", "test@example.com")
+    write(top, "other/lib.py", "LIB = 1\n")
+    write(project, "app.py", "print('hello')\n")
+    git(top, "add", "-A")
+    git(top, "commit", "-qm", "initial")
+    write(project, "draft.md", "the user's draft\n")          # dirty before the task
+    store = ferrus.Store(str(project))
+    to_reviewing(store)
+    write(project, "app.py", "print('task')\n")
+    write(top, "other/lib.py", "LIB = 2\n")                   # outside the project
+    submit(store)
+    outcome = ferrus.op_approve(store, REVIEWER)
+    assert committed_files(top) == ["M\tservice/app.py"], outcome.text
+    assert "draft.md" in outcome.text
+    status = git(top, "status", "--porcelain").stdout
+    assert " M other/lib.py" in status and "?? service/draft.md" in status
