@@ -367,3 +367,24 @@ def test_an_agent_whose_output_reports_nothing_still_has_its_ferrus_tool_calls(s
     assert all(r["input_tokens"] == 0 and r["cost_usd"] is None for r in found)
     assert "cost unknown" in ferrus.format_usage(ferrus.task_usage(
         scripted, scripted.read_state().task_id))
+
+
+def test_an_interactive_hq_session_is_recorded_with_its_exit_and_unknown_usage(project):
+    quick = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    set_config(project, """
+[agents.custom.quick]
+interactive = %s
+headless = %s
+
+[hq.supervisor]
+agent = "quick"
+model = "m1"
+""" % (json.dumps(quick), json.dumps(quick)))
+    store = ferrus.Store(str(project))
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=io.StringIO())
+    shell.interactive("supervisor", "Plan the work.")
+    record = records(store)[0]
+    assert record["slot"] == "interactive supervisor" and record["model"] == "m1"
+    assert record["prompt"] == "Plan the work." and record["exit_code"] == 3
+    assert record["outcome"] == "ended" and record["usage_reported"] is False
+    assert "usage not reported" in ferrus.describe_session(record)
