@@ -122,7 +122,8 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
         assert record["agent"] == "scripted" and record["model"] == "scripted-model"
         assert record["argv"][0] == sys.executable and record["argv"][1].endswith(
             "scripted_agent.py")
-        assert record["started_at"] <= record["ended_at"]
+        assert ferrus.parse_timestamp(record["started_at"]) <= \
+            ferrus.parse_timestamp(record["ended_at"])
         assert os.path.isfile(os.path.join(str(scripted.root), record["log"]))
         # The lease holder names the same session as the record.
         assert record["id"].startswith("s-")
