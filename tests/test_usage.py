@@ -122,7 +122,8 @@ def test_ferrus_run_records_every_session_with_its_prompt_usage_and_log(scripted
         assert record["agent"] == "scripted" and record["model"] == "scripted-model"
         assert record["argv"][0] == sys.executable and record["argv"][1].endswith(
             "scripted_agent.py")
-        assert record["started_at"] <= record["ended_at"]
+        assert ferrus.parse_timestamp(record["started_at"]) <= \
+            ferrus.parse_timestamp(record["ended_at"])
         assert os.path.isfile(os.path.join(str(scripted.root), record["log"]))
         # The lease holder names the same session as the record.
         assert record["id"].startswith("s-")
@@ -367,3 +368,24 @@ def test_an_agent_whose_output_reports_nothing_still_has_its_ferrus_tool_calls(s
     assert all(r["input_tokens"] == 0 and r["cost_usd"] is None for r in found)
     assert "cost unknown" in ferrus.format_usage(ferrus.task_usage(
         scripted, scripted.read_state().task_id))
+
+
+def test_an_interactive_hq_session_is_recorded_with_its_exit_and_unknown_usage(project):
+    quick = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    set_config(project, """
+[agents.custom.quick]
+interactive = %s
+headless = %s
+
+[hq.supervisor]
+agent = "quick"
+model = "m1"
+""" % (json.dumps(quick), json.dumps(quick)))
+    store = ferrus.Store(str(project))
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=io.StringIO())
+    shell.interactive("supervisor", "Plan the work.")
+    record = records(store)[0]
+    assert record["slot"] == "interactive supervisor" and record["model"] == "m1"
+    assert record["prompt"] == "Plan the work." and record["exit_code"] == 3
+    assert record["outcome"] == "ended" and record["usage_reported"] is False
+    assert "usage not reported" in ferrus.describe_session(record)
