@@ -13119,7 +13119,7 @@ class HqShell:
         for name, args, what in HQ_COMMANDS:
             usage = ("%s %s" % (name, args)).strip()
             body = textwrap.wrap(what, width - column)
-            if len(usage) <= column - 3:
+            if len(usage) <= column - 4:        # two spaces before the description
                 lines = ["  " + usage.ljust(column - 2) + body[0]]
                 body = body[1:]
             else:              # a long usage gets its own lines, the description below it
