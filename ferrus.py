@@ -12259,6 +12259,12 @@ path = %s              # where `ferrus init` writes the skill files
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
 
+[notify]
+# When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
+bell = true            # the terminal bell in HQ and `ferrus run`
+desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
+command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default

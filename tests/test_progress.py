@@ -3,6 +3,7 @@
 The agents are tests/scripted_agent.py (real processes speaking MCP to `ferrus serve`).
 """
 
+import io
 import json
 import os
 import subprocess
@@ -497,3 +498,38 @@ agent = "slow"
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in out
     assert ferrus.running_orchestrator(ferrus.Store(str(project))) is None
+
+
+def test_the_bell_rings_only_when_asked_for_and_only_on_a_terminal(project):
+    store = ferrus.Store(str(project))
+    rings = []
+    notifier = ferrus.Notifier(store, lambda message: None, bell=lambda: rings.append(1))
+    notifier.notify("complete", "t-1", "done")
+    notifier.notify("submitted", "t-1", "not in the default events")
+    assert rings == [1]
+    set_config(str(project), "[notify]\nbell = false\n")
+    notifier.notify("complete", "t-1", "done")
+    assert rings == [1]
+    assert ferrus.terminal_bell(open(os.devnull, "w")) is None
+
+    class Terminal:
+        def __init__(self):
+            self.written = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            self.written += text
+
+        def flush(self):
+            pass
+    screen = Terminal()
+    ferrus.terminal_bell(screen)()
+    assert screen.written == "\a"
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=screen)
+    shell.ring_bell()
+    assert screen.written == "\a\a"
+    piped = io.StringIO()
+    ferrus.HqShell(store, stdin=io.StringIO(""), stdout=piped).ring_bell()
+    assert piped.getvalue() == ""
