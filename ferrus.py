@@ -4332,6 +4332,12 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             with contextlib.suppress(FileNotFoundError):
                 with open(os.path.join(repo.git_dir, "index"), "rb") as original:
                     shutil.copyfileobj(original, copy, 1 << 20)
+                    written = os.fstat(original.fileno())
+                    copy.flush()
+                    # The copy keeps the index's own time: git trusts an entry's cached
+                    # stat only when the file is older than the index, so a newer copy
+                    # would hide a same-size edit made in the second of the last commit.
+                    os.utime(index_file, ns=(written.st_atime_ns, written.st_mtime_ns))
         if os.path.getsize(index_file) == 0:
             os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
         untracked = [p for p in os.fsdecode(run_git(
