@@ -7336,8 +7336,10 @@ class ToolCallCounter:
         self._dirty = False
 
 
-def tool_calls_for_task(store, task_id):
-    """Ferrus tool calls made for ``task_id``, summed over every server's usage file."""
+def tool_calls_for_task(store, task_id, session=None):
+    """Ferrus tool calls made for ``task_id``, summed over every server's usage file;
+    with ``session``, only over the servers that agent session started (their agent
+    id ends in ``/<session>``), so two agents running at once are counted apart."""
     total = 0
     directory = store.path("usage")
     if not task_id or not os.path.isdir(directory):
@@ -7346,9 +7348,15 @@ def tool_calls_for_task(store, task_id):
         if not name.endswith(".json"):
             continue
         with contextlib.suppress(ValueError, OSError, AttributeError, TypeError):
-            total += int(json.loads(read_text(os.path.join(directory, name)))
-                         ["tool_calls"].get(task_id, 0))
+            usage = json.loads(read_text(os.path.join(directory, name)))
+            if session is None or usage["agent_id"].endswith("/" + session):
+                total += int(usage["tool_calls"].get(task_id, 0))
     return total
+
+
+def tool_calls_for_session(store, session, task_id):
+    """The ferrus tool calls agent session ``session`` made for ``task_id``."""
+    return tool_calls_for_task(store, task_id, session=session)
 
 
 def call_on_signal(signum, action):
@@ -9691,7 +9699,6 @@ class SessionSlot:
         self.tool_calls = 0
         self.started_at = None     # clock value when the running session started
         self.events_shown = 0      # how many of the process's events were reported
-        self.mcp_calls_before = 0  # the task's ferrus tool calls when the session started
         self.record = None         # the running session's record (.ferrus/sessions/)
         self.record_due = 0.0      # clock value after which changed counts are written
 
@@ -10190,12 +10197,13 @@ class HqController:
 
     def tool_calls_of(self, slot):
         """The running session's tool calls: from its own streamed output, or, for an
-        agent that streams nothing ferrus reads, its ferrus tool calls (the MCP servers
-        count them per task)."""
+        agent that streams nothing ferrus reads, its ferrus tool calls (counted by the
+        MCP servers it started, which carry its session id — not the task's calls since
+        it started, which would include an agent running beside it)."""
         mcp = 0
         with contextlib.suppress(FerrusError, OSError):
-            mcp = tool_calls_for_task(self.store, self.store.read_state().task_id) - \
-                slot.mcp_calls_before
+            mcp = tool_calls_for_session(self.store, slot.session_id,
+                                         self.store.read_state().task_id)
         return max(slot.tool_calls, mcp, 0)
 
     def needed_slots(self, data):
@@ -10411,9 +10419,6 @@ class HqController:
         slot.timer = self.clock() + self.limits.timeout_secs
         slot.tool_calls = slot.events_shown = 0
         slot.started_at = self.clock()
-        with contextlib.suppress(FerrusError, OSError):
-            slot.mcp_calls_before = tool_calls_for_task(self.store,
-                                                        self.store.read_state().task_id)
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
