@@ -4332,6 +4332,12 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             with contextlib.suppress(FileNotFoundError):
                 with open(os.path.join(repo.git_dir, "index"), "rb") as original:
                     shutil.copyfileobj(original, copy, 1 << 20)
+                    written = os.fstat(original.fileno())
+                    copy.flush()
+                    # The copy keeps the index's own time: git trusts an entry's cached
+                    # stat only when the file is older than the index, so a newer copy
+                    # would hide a same-size edit made in the second of the last commit.
+                    os.utime(index_file, ns=(written.st_atime_ns, written.st_mtime_ns))
         if os.path.getsize(index_file) == 0:
             os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
         untracked = [p for p in os.fsdecode(run_git(
@@ -12261,6 +12267,12 @@ path = %s              # where `ferrus init` writes the skill files
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
 
+[notify]
+# When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
+bell = true            # the terminal bell in HQ and `ferrus run`
+desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
+command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default
@@ -13115,7 +13127,7 @@ class HqShell:
         for name, args, what in HQ_COMMANDS:
             usage = ("%s %s" % (name, args)).strip()
             body = textwrap.wrap(what, width - column)
-            if len(usage) <= column - 3:
+            if len(usage) <= column - 4:        # two spaces before the description
                 lines = ["  " + usage.ljust(column - 2) + body[0]]
                 body = body[1:]
             else:              # a long usage gets its own lines, the description below it

@@ -137,6 +137,23 @@ def test_stat_only_and_one_path(repo, store):
         ferrus.read_resource(store, "ferrus://diff//etc/passwd")
 
 
+def test_a_same_size_edit_in_the_second_of_the_last_commit_is_in_the_diff(repo, store):
+    """git trusts an index entry's cached stat only for files older than the index; the
+    private index copy the full diff uses must keep the index's time, or an edit that
+    looks stat-clean (same size, same second) vanishes from the review."""
+    git(repo, "config", "core.trustctime", "false")     # ctime cannot be set back; mtime can
+    app = os.path.join(str(repo), "app.py")
+    second = (1767225600 * 10**9, 1767225600 * 10**9)      # the commit's second, replayed
+    os.utime(app, ns=second)
+    git(repo, "update-index", "--refresh")                 # the index caches that stat
+    create(store)
+    write(repo, "app.py", "print('HELLO')\n")             # the same size, the same second
+    os.utime(app, ns=second)
+    os.utime(os.path.join(str(repo), ".git", "index"), ns=second)
+    diff = ferrus.op_diff(store)
+    assert "+print('HELLO')" in diff.text
+    assert "app.py" in ferrus.op_diff(store, stat_only=True).text
+
 def test_a_long_diff_is_served_as_head_and_tail_with_what_was_left_out(repo, store):
     create(store)
     write(repo, "big.txt", "".join("line %06d of a long new file\n" % i for i in range(40000)))
