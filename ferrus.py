@@ -10721,10 +10721,12 @@ class HqController:
         """Let the agents still running after the task ended exit on their own (at most
         FINISH_GRACE_SECS), so their records get their final usage."""
         deadline = time.monotonic() + self.FINISH_GRACE_SECS + 1.0
+        # The caller may have read the ending state before this controller did: one
+        # poll lets it see the ending (and start the grace) first.
+        self.poll()
         while self.finishing_since is not None and time.monotonic() < deadline:
+            time.sleep(poll_interval)
             self.poll()
-            if self.finishing_since is not None:
-                time.sleep(poll_interval)
 
     def shutdown(self):
         for slot in self.slots.values():

@@ -139,7 +139,8 @@ def test_tool_calls_are_one_line_each_and_a_heartbeat_follows_silence(project, c
     slot.timer = None
     controller._check_slot(slot)
     calls = [m for m in messages if m.event == "tool_call"]
-    assert [m.text for m in calls] == ["executor ▸ Bash  pytest -q", "executor ▸ Edit  src/a.py"]
+    assert [m.text for m in calls] == ["executor ▸ Bash  pytest -q",
+                                       "executor ▸ Edit  src/a.py"]
     controller._check_slot(slot)
     assert len([m for m in messages if m.event == "tool_call"]) == 2      # shown once
     controller._heartbeat()
@@ -533,3 +534,27 @@ def test_the_bell_rings_only_when_asked_for_and_only_on_a_terminal(project):
     piped = io.StringIO()
     ferrus.HqShell(store, stdin=io.StringIO(""), stdout=piped).ring_bell()
     assert piped.getvalue() == ""
+
+
+def test_failed_checkpoint_and_human_review_entries_notify(project, monkeypatch):
+    store = ferrus.Store(str(project))
+    sent = []
+    monkeypatch.setattr(ferrus.Notifier, "notify",
+                        lambda self, event, task, summary: sent.append((event, summary)))
+    controller = ferrus.HqController(store, lambda message: None)
+    entries = [
+        {"event": "check_failed", "from": "Executing", "to": "Failed", "task_id": "t-1"},
+        {"event": "capacity_checkpoint", "from": "Executing", "to": "Executing", "actor": "hq",
+         "detail": {"action": "Checkpoint", "target": "spawn:executor"}, "task_id": "t-1"},
+        {"event": "capacity_checkpoint", "from": "Executing", "to": "Executing", "actor": "hq",
+         "detail": {"action": "EmergencyStop", "target": "running"}, "task_id": "t-1"},
+        {"event": "approve", "from": "Reviewing", "to": "AwaitingConfirmation", "task_id": "t-1"},
+        {"event": "human_approve", "from": "AwaitingConfirmation", "to": "Complete",
+         "task_id": "t-1"},
+        {"event": "delivered", "actor": "pipeline", "from": "Idle", "to": "Idle"},
+        {"event": "session", "actor": "hq", "from": "Executing", "to": "Executing"}]
+    for entry in entries:
+        controller._notify_for(entry)
+    assert [event for event, _ in sent] == ["failed", "checkpoint", "emergency_stop",
+                                            "awaiting_human", "complete"]
+    assert "spawn:executor" in sent[1][1] and "ferrus approve" in sent[3][1]
