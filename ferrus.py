@@ -2268,6 +2268,19 @@ def t_check_failed(data, now, reason, max_retries):
     return data
 
 
+def failure_summary(reason):
+    """One line saying why a task failed.  The recorded reason may span lines, and its
+    first can end in a colon that introduces the next ("… Last failure:" then the
+    commands): those are joined, so a one-line view never ends on a bare colon."""
+    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
+    if not lines:
+        return "no reason recorded"
+    summary = lines[0]
+    if summary.endswith(":") and len(lines) > 1:
+        summary += " " + lines[1]
+    return summary
+
+
 def t_submit(data, now):
     _require("submit", data)
     data = clear_lease(data)
@@ -10796,8 +10809,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if data.state == S.FAILED and not reset:
             raise FerrusError(
-                "the last task failed: %s" % (data.failure_reason or "(no reason recorded)")
-                .splitlines()[0], "pass --reset to clear it and start the new task "
+                "the last task failed: %s" % failure_summary(data.failure_reason),
+                "pass --reset to clear it and start the new task "
                 "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
@@ -13306,7 +13319,7 @@ class HqShell:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
         if data.state == S.FAILED and not self.confirm(
                 "The last task failed (%s). Reset it and start a new task?"
-                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+                % failure_summary(data.failure_reason)):
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
         # Creating a task is a transition HQ drives: it passes the capacity gate the way
@@ -14074,7 +14087,7 @@ def cmd_status(args, root):
         rows.append(("review cycles", "%d (limit unknown: ferrus.toml is invalid)"
                      % data.review_cycles))
     if data.failure_reason:
-        rows.append(("failure", data.failure_reason.splitlines()[0]))
+        rows.append(("failure", failure_summary(data.failure_reason)))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
