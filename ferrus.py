@@ -2268,6 +2268,19 @@ def t_check_failed(data, now, reason, max_retries):
     return data
 
 
+def failure_summary(reason):
+    """One line saying why a task failed.  The recorded reason may span lines, and its
+    first can end in a colon that introduces the next ("… Last failure:" then the
+    commands): those are joined, so a one-line view never ends on a bare colon."""
+    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
+    if not lines:
+        return "no reason recorded"
+    summary = lines[0]
+    if summary.endswith(":") and len(lines) > 1:
+        summary += " " + lines[1]
+    return summary
+
+
 def t_submit(data, now):
     _require("submit", data)
     data = clear_lease(data)
@@ -7338,8 +7351,10 @@ class ToolCallCounter:
         self._dirty = False
 
 
-def tool_calls_for_task(store, task_id):
-    """Ferrus tool calls made for ``task_id``, summed over every server's usage file."""
+def tool_calls_for_task(store, task_id, session=None):
+    """Ferrus tool calls made for ``task_id``, summed over every server's usage file;
+    with ``session``, only over the servers that agent session started (their agent
+    id ends in ``/<session>``), so two agents running at once are counted apart."""
     total = 0
     directory = store.path("usage")
     if not task_id or not os.path.isdir(directory):
@@ -7348,9 +7363,15 @@ def tool_calls_for_task(store, task_id):
         if not name.endswith(".json"):
             continue
         with contextlib.suppress(ValueError, OSError, AttributeError, TypeError):
-            total += int(json.loads(read_text(os.path.join(directory, name)))
-                         ["tool_calls"].get(task_id, 0))
+            usage = json.loads(read_text(os.path.join(directory, name)))
+            if session is None or usage["agent_id"].endswith("/" + session):
+                total += int(usage["tool_calls"].get(task_id, 0))
     return total
+
+
+def tool_calls_for_session(store, session, task_id):
+    """The ferrus tool calls agent session ``session`` made for ``task_id``."""
+    return tool_calls_for_task(store, task_id, session=session)
 
 
 def call_on_signal(signum, action):
@@ -9693,7 +9714,6 @@ class SessionSlot:
         self.tool_calls = 0
         self.started_at = None     # clock value when the running session started
         self.events_shown = 0      # how many of the process's events were reported
-        self.mcp_calls_before = 0  # the task's ferrus tool calls when the session started
         self.record = None         # the running session's record (.ferrus/sessions/)
         self.record_due = 0.0      # clock value after which changed counts are written
 
@@ -10192,12 +10212,13 @@ class HqController:
 
     def tool_calls_of(self, slot):
         """The running session's tool calls: from its own streamed output, or, for an
-        agent that streams nothing ferrus reads, its ferrus tool calls (the MCP servers
-        count them per task)."""
+        agent that streams nothing ferrus reads, its ferrus tool calls (counted by the
+        MCP servers it started, which carry its session id — not the task's calls since
+        it started, which would include an agent running beside it)."""
         mcp = 0
         with contextlib.suppress(FerrusError, OSError):
-            mcp = tool_calls_for_task(self.store, self.store.read_state().task_id) - \
-                slot.mcp_calls_before
+            mcp = tool_calls_for_session(self.store, slot.session_id,
+                                         self.store.read_state().task_id)
         return max(slot.tool_calls, mcp, 0)
 
     def needed_slots(self, data):
@@ -10413,9 +10434,6 @@ class HqController:
         slot.timer = self.clock() + self.limits.timeout_secs
         slot.tool_calls = slot.events_shown = 0
         slot.started_at = self.clock()
-        with contextlib.suppress(FerrusError, OSError):
-            slot.mcp_calls_before = tool_calls_for_task(self.store,
-                                                        self.store.read_state().task_id)
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
@@ -10718,10 +10736,12 @@ class HqController:
         """Let the agents still running after the task ended exit on their own (at most
         FINISH_GRACE_SECS), so their records get their final usage."""
         deadline = time.monotonic() + self.FINISH_GRACE_SECS + 1.0
+        # The caller may have read the ending state before this controller did: one
+        # poll lets it see the ending (and start the grace) first.
+        self.poll()
         while self.finishing_since is not None and time.monotonic() < deadline:
+            time.sleep(poll_interval)
             self.poll()
-            if self.finishing_since is not None:
-                time.sleep(poll_interval)
 
     def shutdown(self):
         stopped = False
@@ -10798,8 +10818,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
         if data.state == S.FAILED and not reset:
             raise FerrusError(
-                "the last task failed: %s" % (data.failure_reason or "(no reason recorded)")
-                .splitlines()[0], "pass --reset to clear it and start the new task "
+                "the last task failed: %s" % failure_summary(data.failure_reason),
+                "pass --reset to clear it and start the new task "
                 "(`ferrus status` and `ferrus log` show what happened)")
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
@@ -12274,6 +12294,12 @@ path = %s              # where `ferrus init` writes the skill files
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
 
+[notify]
+# When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
+bell = true            # the terminal bell in HQ and `ferrus run`
+desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
+command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default
@@ -13302,7 +13328,7 @@ class HqShell:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
         if data.state == S.FAILED and not self.confirm(
                 "The last task failed (%s). Reset it and start a new task?"
-                % (data.failure_reason or "no reason recorded").splitlines()[0]):
+                % failure_summary(data.failure_reason)):
             self.write("Nothing changed; the failed task is kept (/reset clears it).")
             return
         # Creating a task is a transition HQ drives: it passes the capacity gate the way
@@ -14070,7 +14096,7 @@ def cmd_status(args, root):
         rows.append(("review cycles", "%d (limit unknown: ferrus.toml is invalid)"
                      % data.review_cycles))
     if data.failure_reason:
-        rows.append(("failure", data.failure_reason.splitlines()[0]))
+        rows.append(("failure", failure_summary(data.failure_reason)))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]

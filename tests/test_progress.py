@@ -3,6 +3,7 @@
 The agents are tests/scripted_agent.py (real processes speaking MCP to `ferrus serve`).
 """
 
+import io
 import json
 import os
 import subprocess
@@ -138,7 +139,8 @@ def test_tool_calls_are_one_line_each_and_a_heartbeat_follows_silence(project, c
     slot.timer = None
     controller._check_slot(slot)
     calls = [m for m in messages if m.event == "tool_call"]
-    assert [m.text for m in calls] == ["executor ▸ Bash  pytest -q", "executor ▸ Edit  src/a.py"]
+    assert [m.text for m in calls] == ["executor ▸ Bash  pytest -q",
+                                       "executor ▸ Edit  src/a.py"]
     controller._check_slot(slot)
     assert len([m for m in messages if m.event == "tool_call"]) == 2      # shown once
     controller._heartbeat()
@@ -497,3 +499,62 @@ agent = "slow"
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in out
     assert ferrus.running_orchestrator(ferrus.Store(str(project))) is None
+
+
+def test_the_bell_rings_only_when_asked_for_and_only_on_a_terminal(project):
+    store = ferrus.Store(str(project))
+    rings = []
+    notifier = ferrus.Notifier(store, lambda message: None, bell=lambda: rings.append(1))
+    notifier.notify("complete", "t-1", "done")
+    notifier.notify("submitted", "t-1", "not in the default events")
+    assert rings == [1]
+    set_config(str(project), "[notify]\nbell = false\n")
+    notifier.notify("complete", "t-1", "done")
+    assert rings == [1]
+    assert ferrus.terminal_bell(open(os.devnull, "w")) is None
+
+    class Terminal:
+        def __init__(self):
+            self.written = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            self.written += text
+
+        def flush(self):
+            pass
+    screen = Terminal()
+    ferrus.terminal_bell(screen)()
+    assert screen.written == "\a"
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=screen)
+    shell.ring_bell()
+    assert screen.written == "\a\a"
+    piped = io.StringIO()
+    ferrus.HqShell(store, stdin=io.StringIO(""), stdout=piped).ring_bell()
+    assert piped.getvalue() == ""
+
+
+def test_failed_checkpoint_and_human_review_entries_notify(project, monkeypatch):
+    store = ferrus.Store(str(project))
+    sent = []
+    monkeypatch.setattr(ferrus.Notifier, "notify",
+                        lambda self, event, task, summary: sent.append((event, summary)))
+    controller = ferrus.HqController(store, lambda message: None)
+    entries = [
+        {"event": "check_failed", "from": "Executing", "to": "Failed", "task_id": "t-1"},
+        {"event": "capacity_checkpoint", "from": "Executing", "to": "Executing", "actor": "hq",
+         "detail": {"action": "Checkpoint", "target": "spawn:executor"}, "task_id": "t-1"},
+        {"event": "capacity_checkpoint", "from": "Executing", "to": "Executing", "actor": "hq",
+         "detail": {"action": "EmergencyStop", "target": "running"}, "task_id": "t-1"},
+        {"event": "approve", "from": "Reviewing", "to": "AwaitingConfirmation", "task_id": "t-1"},
+        {"event": "human_approve", "from": "AwaitingConfirmation", "to": "Complete",
+         "task_id": "t-1"},
+        {"event": "delivered", "actor": "pipeline", "from": "Idle", "to": "Idle"},
+        {"event": "session", "actor": "hq", "from": "Executing", "to": "Executing"}]
+    for entry in entries:
+        controller._notify_for(entry)
+    assert [event for event, _ in sent] == ["failed", "checkpoint", "emergency_stop",
+                                            "awaiting_human", "complete"]
+    assert "spawn:executor" in sent[1][1] and "ferrus approve" in sent[3][1]

@@ -389,3 +389,34 @@ model = "m1"
     assert record["prompt"] == "Plan the work." and record["exit_code"] == 3
     assert record["outcome"] == "ended" and record["usage_reported"] is False
     assert "usage not reported" in ferrus.describe_session(record)
+
+
+REVIEWER_LAST_WORDS = """
+import json, os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+time.sleep(0.3)                      # its last model turn, after the approve
+print(json.dumps({"type": "result", "result": "Approved.", "total_cost_usd": 0.25,
+                  "usage": {"input_tokens": 40, "output_tokens": 4}}), flush=True)
+"""
+
+
+def test_a_reviewer_that_ended_the_task_gets_to_report_its_cost(store, tmp_path):
+    """The run can see Complete before its controller does; the reviewer that approved is
+    still given its grace, so its record has the cost of its last words."""
+    go = tmp_path / "go"
+    ferrus.op_create_task(store, ferrus.HUMAN, "t")
+    ferrus.op_submit(store, ferrus.Caller("executor", "executor:test:1"), "Done.")
+
+    def launcher(slot):
+        return (ferrus.Launch([sys.executable, "-c", REVIEWER_LAST_WORDS, str(go)]),
+                ferrus._parse_claude_style)
+    controller = ferrus.HqController(store, lambda message: None, launcher=launcher)
+    wait_for(lambda: controller.poll() or controller.slots["reviewer"].process is not None,
+             "the reviewer started")
+    ferrus.op_approve(store, ferrus.Caller("supervisor", "supervisor:test:1"))
+    go.write_text("")
+    controller.wind_down()               # without a poll since the approve
+    controller.shutdown()
+    record = [r for r in records(store) if r["slot"] == "reviewer"][0]
+    assert (record["outcome"], record["exit_code"], record["cost_usd"]) == ("success", 0, 0.25)

@@ -1,0 +1,55 @@
+"""Each session record counts its own ferrus tool calls, not those of an agent that ran
+beside it: during a consultation the executor (waiting in wait_for_consult) and the
+consultant run at the same time, and neither may be credited with the other's calls.
+"""
+
+import json
+import os
+
+import ferrus
+from conftest import run_cli, scripted_project
+
+
+def calls_per_session(store):
+    """What each session's own MCP server counted (its usage file names the session)."""
+    counted = {}
+    folder = store.path("usage")
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as handle:
+            data = json.load(handle)
+        session = data["agent_id"].rsplit("/", 1)[-1]
+        counted[session] = counted.get(session, 0) + sum(data["tool_calls"].values())
+    return counted
+
+
+def test_a_consultation_does_not_add_one_sessions_calls_to_the_other(project, tmp_path,
+                                                                     monkeypatch):
+    store = scripted_project(project, tmp_path / "memory")
+    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "consult")
+    result = run_cli("run", "--task", "Make work.txt", cwd=project, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = ferrus.read_session_records(store)
+    assert sorted(r["slot"] for r in records) == ["consultant", "executor", "reviewer"]
+    counted = calls_per_session(store)
+    consultant = next(r for r in records if r["slot"] == "consultant")
+    assert consultant["tool_calls"] == counted[consultant["id"]] == 1    # respond_consult
+    for record in records:
+        assert record["tool_calls"] == counted[record["id"]], record
+    # The task's total is the sum of what the servers counted, as `ferrus status` shows.
+    assert ferrus.task_usage(store, store.read_state().task_id)["tool_calls"] == \
+        ferrus.tool_calls_for_task(store, store.read_state().task_id)
+
+
+def test_tool_calls_for_session_reads_only_that_sessions_servers(store):
+    os.makedirs(store.path("usage"))
+    for agent_id, calls in (("executor:x:1/s-a", {"t-1": 4, "t-0": 9}),
+                            ("supervisor:x:1/s-b", {"t-1": 1}),
+                            ("executor:x:1", {"t-1": 7})):       # no session: never counted
+        with open(store.path("usage", agent_id.replace(":", "_").replace("/", "_") + ".json"),
+                  "w") as handle:
+            json.dump({"agent_id": agent_id, "pid": 1, "tool_calls": calls}, handle)
+    assert ferrus.tool_calls_for_session(store, "s-a", "t-1") == 4
+    assert ferrus.tool_calls_for_session(store, "s-b", "t-1") == 1
+    assert ferrus.tool_calls_for_session(store, "s-c", "t-1") == 0
+    assert ferrus.tool_calls_for_task(store, "t-1") == 12
