@@ -9612,6 +9612,10 @@ def terminal_bell(stream):
     return ring
 
 
+# How long a front end that is ending waits for its notifiers before stopping them.
+NOTIFY_EXIT_GRACE_SECS = 5
+
+
 class Notifier:
     """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
     about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
@@ -9622,6 +9626,8 @@ class Notifier:
         self.bell = bell
         self.failed_once = False
         self.sent = []             # (event, task_id, summary), for tests and `status`
+        self.running = []          # (process, what, program, deadline) still unfinished
+        self.stopped_at_exit = set()  # pids finish() stopped
 
     def config(self):
         try:
@@ -9669,8 +9675,28 @@ class Notifier:
         except OSError as err:
             self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
             return
+        self.running = [entry for entry in self.running if entry[0].returncode is None]
+        self.running.append((proc, what, argv[0], time.monotonic() + timeout))
         threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
                          daemon=True).start()
+
+    def finish(self, grace=NOTIFY_EXIT_GRACE_SECS):
+        """At the front end's end: notifiers still running get up to ``grace`` seconds
+        (never past their timeout), then are stopped.  Their watch threads die with
+        this process, so without this a hung notifier would run on for good."""
+        pending = [entry for entry in self.running if entry[0].poll() is None]
+        self.running = []
+        if not pending:
+            return
+        until = min(time.monotonic() + grace, max(entry[3] for entry in pending))
+        while time.monotonic() < until and any(e[0].poll() is None for e in pending):
+            time.sleep(0.02)
+        for proc, what, program, _ in pending:
+            if proc.poll() is None:
+                self.stopped_at_exit.add(proc.pid)    # reported here, not by its watcher
+                kill_process_tree(proc)
+                self._failed(what, "%s was still running when ferrus ended and was stopped"
+                             % program)
 
     def _watch(self, what, program, proc, timeout):
         try:
@@ -9682,7 +9708,7 @@ class Notifier:
             self._failed(what, "%s was still running after %ds and was stopped"
                          % (program, timeout))
             return
-        if proc.returncode != 0:
+        if proc.returncode != 0 and proc.pid not in self.stopped_at_exit:
             said = (err or b"").decode("utf-8", "replace").strip().splitlines()
             self._failed(what, "%s exited with code %s%s" % (
                 program, proc.returncode, ": " + said[-1][:200] if said else ""))
@@ -10759,6 +10785,7 @@ class HqController:
             # left it running (its MCP server was killed before it could end it).
             for message in end_orphaned_checks(self.store.dir):
                 log.info("stopped with its agent: %s", message)
+        self.notifier.finish()
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------

@@ -68,3 +68,42 @@ def test_interrupted_run_ends_the_check_its_agent_was_running(tmp_path, signum):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
     assert not os.listdir(root / ".ferrus" / ferrus.CHECK_PROCESS_DIR), \
         "the check's pid file was left behind"
+
+
+def _scripted_project(tmp_path, extra=""):
+    root = tmp_path / "proj"
+    root.mkdir()
+    assert ferrus.main(["-C", str(root), "init"]) == 0
+    set_config(root, '[checks]\ncommands = ["test -f work.txt"]\n[limits]\n'
+               'wait_timeout_secs = 5\n' + extra +
+               custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
+                                                "{mcp_config}"]))
+    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
+                                       "executor": ("scripted", None)},
+                           report=lambda message: None)
+    return root
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the notifier")
+def test_a_hung_notifier_does_not_outlive_the_run(tmp_path):
+    """[notify] says a notifier still running after timeout_secs is stopped; the run
+    that started it ending first must not leave it running for good."""
+    pid_file = tmp_path / "notifier.pid"
+    root = _scripted_project(tmp_path, '[notify]\nbell = false\ntimeout_secs = 600\n'
+                             'command = ["sh", "-c", "echo $$ > %s; exec sleep 120"]\n'
+                             % pid_file)
+    env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, FERRUS_PY, "-C", str(root), "run", "--task",
+                           "work"], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, env=env, timeout=300)
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert pid_file.exists(), "the notifier never ran"
+        notifier = int(pid_file.read_text())
+        _wait_for(lambda: not _running(notifier), "the notifier to be stopped", limit=30)
+        assert "[notify] command failed: sh was still running when ferrus ended" in \
+            done.stdout, done.stdout
+    finally:
+        if pid_file.exists():
+            with __import__("contextlib").suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
