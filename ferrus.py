@@ -3704,7 +3704,9 @@ def orphaned_check_records(ferrus_dir):
             found.append((path, None))
             continue
         owner = data.get("owner_pid")
-        if (isinstance(owner, int) and pid_alive(owner)
+        # A zombie owner is dead: where nothing reaps orphans (some containers' pid 1),
+        # a killed MCP server stays one for good.
+        if (isinstance(owner, int) and pid_alive(owner) and not _gone(owner)
                 and (data.get("owner_start") is None
                      or process_start(owner) == data.get("owner_start"))):
             continue      # its ferrus still runs and will end it
@@ -10745,6 +10747,7 @@ class HqController:
             self.poll()
 
     def shutdown(self):
+        stopped = False
         for slot in self.slots.values():
             if slot.process is not None:
                 process = slot.process
@@ -10753,6 +10756,12 @@ class HqController:
                 slot.process = None
                 self._record_agent(slot, "suspended")
                 self._close_record(slot, process, "stopped", note="its orchestrator ended")
+                stopped = True
+        if stopped:
+            # A check runs in a process group of its own, so stopping the agent's group
+            # left it running (its MCP server was killed before it could end it).
+            for message in end_orphaned_checks(self.store.dir):
+                log.info("stopped with its agent: %s", message)
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
