@@ -9755,10 +9755,13 @@ class SessionSlot:
             return "idle"
         return self.session.state.value
 
-    def describe(self):
+    def describe(self, tool_calls=None):
+        """``tool_calls``: the session's count as the controller knows it (its streamed
+        output or its MCP servers' count); without it, only what the output showed."""
         text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
-            text += " (pid %d, %d tool calls)" % (self.process.pid, self.tool_calls)
+            text += " (pid %d, %d tool calls)" % (
+                self.process.pid, self.tool_calls if tool_calls is None else tool_calls)
         return text
 
 
@@ -13209,7 +13212,7 @@ class HqShell:
             self.write("spec %s, milestone %s" % (data.selected_spec,
                                                   data.selected_milestone or "(none left)"))
         for slot in self.controller.slots.values():
-            self.write("  " + slot.describe())
+            self.write("  " + slot.describe(self.controller.tool_calls_of(slot)))
         records = [r for r in read_session_records(self.store)
                    if data.task_id and r.get("task_id") == data.task_id]
         if records:
@@ -13803,7 +13806,7 @@ class CursesHq(HqShell):
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
         slots = ["%s %s%s" % (slot.name, slot.label(),
-                              " (%d tool calls)" % slot.tool_calls
+                              " (%d tool calls)" % self.controller.tool_calls_of(slot)
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
         return data.state.value, " │ ".join(parts), " · ".join(slots)

@@ -3,8 +3,10 @@ beside it: during a consultation the executor (waiting in wait_for_consult) and 
 consultant run at the same time, and neither may be credited with the other's calls.
 """
 
+import io
 import json
 import os
+import time
 
 import ferrus
 from conftest import run_cli, scripted_project
@@ -53,3 +55,34 @@ def test_tool_calls_for_session_reads_only_that_sessions_servers(store):
     assert ferrus.tool_calls_for_session(store, "s-b", "t-1") == 1
     assert ferrus.tool_calls_for_session(store, "s-c", "t-1") == 0
     assert ferrus.tool_calls_for_task(store, "t-1") == 12
+
+
+def test_hq_shows_a_running_agents_ferrus_tool_calls_when_its_output_has_none(
+        project, tmp_path, monkeypatch):
+    # The scripted agent prints no stream-json: only its MCP server counts its calls.
+    # It asks a question and waits for the answer, so it is still running when looked at.
+    store = scripted_project(project, tmp_path / "memory")
+    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    controller = shell.controller
+    try:
+        deadline = time.monotonic() + 60
+        while not (store.read_state().state == ferrus.S.AWAITING_HUMAN
+                   and ferrus.tool_calls_for_task(store, store.read_state().task_id) >= 2):
+            assert time.monotonic() < deadline, "the executor never asked"
+            controller.poll()
+            time.sleep(0.05)
+        slot = controller.slots["executor"]
+        assert slot.tool_calls == 0 and slot.process is not None
+        calls = controller.tool_calls_of(slot)
+        assert calls >= 2                       # wait_for_task, ask_human (and waits)
+        shell.cmd_status("")
+        assert "executor: Running (pid %d, " % slot.process.pid in out.getvalue()
+        assert ", 0 tool calls)" not in out.getvalue()
+        _, _, agents = ferrus.CursesHq.status_lines(shell)
+        assert "executor Running (" in agents and "executor Running (0 tool calls)" not in agents
+    finally:
+        controller.shutdown()
