@@ -13194,12 +13194,20 @@ class HqShell:
             self.write("\n".join(lines))
         self.write("  Anything not starting with / answers the pending question.")
 
+    def busy_agents(self):
+        """The slots whose agents would lose work if HQ quit now, as "executor, reviewer";
+        agents that only finish after the task ended have no work left to lose."""
+        if self.controller.finishing_since is not None:
+            return ""
+        return ", ".join(slot.name for slot in self.controller.running())
+
+    def quit_unless_declined(self):
+        busy = self.busy_agents()
+        if not busy or self.confirm("Agents are running (%s); stop them and quit?" % busy):
+            self.done = True
+
     def cmd_quit(self, rest):
-        # Agents that only finish after the task ended have no work left to lose.
-        if self.controller.running() and self.controller.finishing_since is None and \
-                not self.confirm("Agents are running; stop them and quit?"):
-            return
-        self.done = True
+        self.quit_unless_declined()
 
     def cmd_status(self, rest):
         self.write(self.controller.describe_state())
@@ -13688,9 +13696,7 @@ class CursesHq(HqShell):
             self.notice, self.notice_until = "Press Ctrl+C again to quit.", now + 2.0
             return
         self.last_ctrl_c = 0.0
-        running = ", ".join(slot.name for slot in self.controller.running())
-        if not running or self.confirm("Agents are running (%s); stop them and quit?" % running):
-            self.done = True
+        self.quit_unless_declined()
 
     # -- completion and history ----------------------------------------------------------
 

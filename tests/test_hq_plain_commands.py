@@ -5,11 +5,13 @@ test_hq.py; a reader thread collects what it prints, and each step waits for the
 line it expects instead of sleeping.
 """
 
+import io
 import os
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -202,7 +204,7 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
         ("Running", "SessionStarted"))
 
     # /quit and /stop ask first while agents run; "n" keeps them running.
-    shell.command("/quit", "Agents are running; stop them and quit? [y/N]")
+    shell.command("/quit", "Agents are running (executor); stop them and quit? [y/N]")
     shell.send("n")
     shell.command("/stop", "Stop every agent session? [y/N]")
     shell.command("y", "Stopped. /resume starts them again.")
@@ -218,3 +220,23 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     assert scripted.read_state().state == S.IDLE
     shell.quit()
     assert not any("Traceback" in line for line in shell.out), "\n".join(shell.out)
+
+
+def test_quitting_asks_only_while_agents_have_work_to_lose(project, monkeypatch, tmp_path):
+    """/quit and the curses Ctrl+C twice share one rule: agents that only finish after
+    the task ended (the grace for their last usage report) are no reason to ask."""
+    store = ferrus.Store(str(project))
+    curses_hq = ferrus.CursesHq(store, history_path=str(tmp_path / "history"))
+    plain = ferrus.HqShell(store, stdin=io.StringIO(), stdout=io.StringIO())
+    asked = []
+    for shell in (plain, curses_hq):
+        busy = types.SimpleNamespace(name="reviewer")
+        monkeypatch.setattr(shell.controller, "running", lambda: [busy])
+        monkeypatch.setattr(shell, "confirm", lambda question: asked.append(question) or False)
+        shell.controller.finishing_since = None
+        shell.cmd_quit("")
+        assert not shell.done and asked[-1].startswith("Agents are running (reviewer)")
+        shell.controller.finishing_since = 1.0
+        shell.cmd_quit("") if shell is plain else (shell.ctrl_c(), shell.ctrl_c())
+        assert shell.done and len(asked) == (1 if shell is plain else 2)
+        shell.controller.shutdown()
