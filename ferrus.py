@@ -14161,8 +14161,12 @@ def cmd_status(args, root):
     else:
         rows.append(("lease", "none"))
     if data.task_milestone:
-        rows.append(("task from", "milestone %s of %s (approving ticks it)"
-                     % (data.task_milestone, data.task_spec)))
+        # The note says what approval does to the box, or did: an approved task's
+        # milestone is already ticked, a failed one's never will be by this task.
+        effect = {S.COMPLETE: "ticked when it was approved",
+                  S.FAILED: "not ticked: the task failed"}.get(data.state, "approving ticks it")
+        rows.append(("task from", "milestone %s of %s (%s)"
+                     % (data.task_milestone, data.task_spec, effect)))
     if data.selected_spec:
         rows.append(("spec", data.selected_spec))
         rows.append(("milestone", data.selected_milestone or "(none left)"))
