@@ -12579,6 +12579,7 @@ def doctor_findings(root):
                                 lambda: init_project(root, report=lambda m: None)))
     else:
         findings.extend(config_findings(root))
+        findings.extend(spec_findings(root))
     if not os.path.isdir(store.dir):
         findings.append(Finding("%s/ is missing" % FERRUS_DIR, "run `ferrus init`",
                                 lambda: init_project(root, report=lambda m: None)))
@@ -12652,6 +12653,34 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    return findings
+
+
+def spec_findings(root):
+    """Milestones whose ``Depends on:`` names no milestone of their spec: the picker
+    ignores such a dependency (a typo would otherwise block the milestone for ever), so
+    the milestone may be taken before the work it was meant to wait for."""
+    findings = []
+    try:
+        paths = list_spec_paths(root, load_config(root))
+    except (FerrusError, OSError):      # config_findings reports a bad [spec]
+        return findings
+    for rel in paths:
+        try:
+            milestones = parse_spec(read_text(os.path.join(root, rel)))
+        except (OSError, UnicodeDecodeError):
+            continue
+        known = {m.marker for m in milestones} | {m.id for m in milestones}
+        for milestone in milestones:
+            unknown = [dep for dep in milestone.depends_on if dep not in known]
+            if unknown:
+                findings.append(Finding(
+                    "%s: milestone %s depends on %s, which no milestone of this spec is "
+                    "(ignored: it does not wait for %s)" % (
+                        rel, milestone.marker, ", ".join(unknown),
+                        "it" if len(unknown) == 1 else "them"),
+                    "name existing markers or ids in its `Depends on:` line (e.g. #1.0, "
+                    "m1.0), or `none`", severity="warning"))
     return findings
 
 
