@@ -10887,15 +10887,24 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
-    note(controller.describe_state(), task_id=store.read_state().task_id)
+    run_task = store.read_state().task_id
+    note(controller.describe_state(), task_id=run_task)
     try:
         while True:
             controller.poll()
             data = store.read_state()
             controller.catch_up(data.rev)
-            if data.state in (S.COMPLETE, S.FAILED):
+            if data.state in (S.COMPLETE, S.FAILED) and data.task_id == run_task:
                 controller.wind_down(poll_interval)
                 return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
+            if data.state == S.IDLE or data.task_id != run_task:
+                # Someone else reset (or replaced) the task: no agent will move it now.
+                note("task %s is gone: the state is %s%s, changed outside this run "
+                     "(`ferrus log` shows by whom); stopping" % (
+                         run_task, data.state, " with task %s" % data.task_id
+                         if data.task_id and data.task_id != run_task else ""),
+                     exit=RUN_FAILED)
+                return RUN_FAILED
             if controller.checkpoint and not controller.running():
                 note("stopped at a capacity checkpoint; raise the limit in [capacity] and run "
                      "`ferrus run --resume`", exit=RUN_CHECKPOINT)

@@ -135,3 +135,27 @@ def test_a_file_name_cannot_forge_lines_of_the_diff_stat(tmp_path, capsys):
     assert 'the diff includes those changes): "x\\n README.md | 99 +++"' in out, out
     assert not any(line.startswith(" README.md") for line in out.splitlines()), out
     assert ' "x\\n README.md | 99 +++" |' in out and " ünï cödé.txt " in out, out
+
+
+def test_a_task_reset_from_outside_ends_the_run(tmp_path):
+    """`ferrus reset` in another shell while `ferrus run` drives the task: the run used
+    to wait for ever in Idle (no agent moves a reset task); now it says so and ends."""
+    root = _scripted_project(tmp_path)
+    env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path),
+               SCRIPTED_BEHAVIOR="slow-executor")
+    proc = subprocess.Popen([sys.executable, FERRUS_PY, "-C", str(root), "run", "--task",
+                             "work"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    store = ferrus.Store(str(root))
+    try:
+        _wait_for(lambda: store.read_state().claimed_by, "the executor to claim the task",
+                  proc)
+        task_id = store.read_state().task_id
+        ferrus.op_force_reset(store, ferrus.HUMAN)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == ferrus.RUN_FAILED, out
+    assert "task %s is gone: the state is Idle, changed outside this run" % task_id in out, out
