@@ -5937,10 +5937,11 @@ def kept_changes_note(store, data):
     with contextlib.suppress(FerrusError):
         files = task_diff(store.root, None, task_diff_exclusions(store), patch=False).files
         if files:
-            notes.append("Uncommitted changes are kept: %d file%s in the work tree differ "
+            notes.append("Uncommitted changes are kept: %d file%s in the work tree %s "
                          "from HEAD (`git status` shows them). To drop them, see \"Dropping "
                          "a task's changes\" in docs/REFERENCE.md."
-                         % (len(files), "" if len(files) == 1 else "s"))
+                         % (len(files), "" if len(files) == 1 else "s",
+                            "differs" if len(files) == 1 else "differ"))
     if base.get("task_branch"):
         notes.append("HEAD stays on the task's branch %s; `%s` goes back (uncommitted "
                      "changes come along)." % (
