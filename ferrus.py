@@ -4033,6 +4033,22 @@ def git_repository(root):
                          git_dir=os.path.normpath(lines[1]))
 
 
+_PATH_NEEDS_QUOTES = re.compile(r'[\x00-\x1f\x7f"\\]')
+_PATH_ESCAPES = {"\a": r"\a", "\b": r"\b", "\t": r"\t", "\n": r"\n", "\v": r"\v",
+                 "\f": r"\f", "\r": r"\r", '"': r'\"', "\\": r"\\"}
+
+
+def display_path(path):
+    """A changed file's name for a list or a --stat line, quoted as git quotes it when
+    it holds a control character, a quote or a backslash: a newline in a file name must
+    not start a line of its own (a fake stat line in what a reviewer reads).  Other
+    characters, Unicode included, are shown as they are."""
+    if not _PATH_NEEDS_QUOTES.search(path):
+        return path
+    return '"%s"' % _PATH_NEEDS_QUOTES.sub(
+        lambda match: _PATH_ESCAPES.get(match.group()) or "\\%03o" % ord(match.group()), path)
+
+
 def diff_exclusions(agents_path=".agents"):
     """Project-relative paths never part of a task's diff (see DIFF_EXCLUDED_PATHS)."""
     paths = list(DIFF_EXCLUDED_PATHS)
@@ -4092,7 +4108,7 @@ def record_task_base(root, exclude):
         more = len(dirty) - BASE_DIRTY_NAMES
         warnings.append("the working tree had uncommitted changes when the task was created "
                         "(%s%s); they will show in the task's diff"
-                        % (", ".join(dirty[:BASE_DIRTY_NAMES]),
+                        % (", ".join(map(display_path, dirty[:BASE_DIRTY_NAMES])),
                            " and %d more" % more if more > 0 else ""))
     if commit is None:
         warnings.append("the repository has no commits yet: the task's diff shows every "
@@ -4187,8 +4203,8 @@ class TaskDiff:
 
     @staticmethod
     def _label(changed):
-        return ("%s => %s" % (changed.old_path, changed.path) if changed.old_path
-                else changed.path)
+        return ("%s => %s" % (display_path(changed.old_path), display_path(changed.path))
+                if changed.old_path else display_path(changed.path))
 
     def patch_text(self, more_hint=""):
         """The patch as far as it was kept, with a note where its middle was left out."""
@@ -4321,8 +4337,8 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             names = base.get("dirty") or []
             more = base["dirty_count"] - len(names)
             notes.append("already changed before the task began (the diff includes those "
-                         "changes): %s%s" % (", ".join(names), " and %d more" % more
-                                             if more > 0 else ""))
+                         "changes): %s%s" % (", ".join(map(display_path, names)),
+                                             " and %d more" % more if more > 0 else ""))
     else:
         start = head
         notes.append("no task base is recorded: the diff is against HEAD")

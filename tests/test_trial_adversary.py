@@ -107,3 +107,31 @@ def test_a_hung_notifier_does_not_outlive_the_run(tmp_path):
         if pid_file.exists():
             with __import__("contextlib").suppress(OSError, ValueError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a newline in a file name")
+def test_a_file_name_cannot_forge_lines_of_the_diff_stat(tmp_path, capsys):
+    """A file name holding a newline was printed raw in `ferrus diff --stat` (and the
+    reviewer's stat), so an agent could add a fake line such as ` README.md | 1 +`;
+    now it is quoted as git quotes it, and the lists of files changed before the task do the same."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    for argv in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git"] + argv, cwd=str(root), check=True)
+    (root / "a.txt").write_text("a\n")
+    subprocess.run(["git", "add", "-A"], cwd=str(root), check=True)
+    subprocess.run(["git", "commit", "-qm", "a"], cwd=str(root), check=True)
+    assert ferrus.main(["-C", str(root), "init"]) == 0
+    subprocess.run(["git", "add", "-A"], cwd=str(root), check=True)
+    subprocess.run(["git", "commit", "-qm", "ferrus"], cwd=str(root), check=True)
+    forged = "x\n README.md | 99 +++"
+    (root / forged).write_text("x\n")
+    (root / "ünï cödé.txt").write_text("u\n")
+    outcome = ferrus.op_create_task(ferrus.Store(str(root)), ferrus.HUMAN, "t")
+    assert '"x\\n README.md | 99 +++"' in " ".join(outcome.data.get("warnings") or [outcome.text])
+    capsys.readouterr()
+    assert ferrus.main(["-C", str(root), "diff", "--stat"]) == 0
+    out = capsys.readouterr().out
+    assert 'the diff includes those changes): "x\\n README.md | 99 +++"' in out, out
+    assert not any(line.startswith(" README.md") for line in out.splitlines()), out
+    assert ' "x\\n README.md | 99 +++" |' in out and " ünï cödé.txt " in out, out
