@@ -13158,12 +13158,26 @@ class HqShell:
                     line = self.lines.popleft()
                     if line is None:
                         self.done = True
+                        self._say_input_ended()
                         break
                     self.handle(line)
                 time.sleep(0.02)
         finally:
             self.controller.shutdown()
         return 0
+
+    def _say_input_ended(self):
+        """Plain HQ ends with its input (a pipe, a file); say what that leaves behind, as
+        the agents it stops would otherwise vanish without a word."""
+        data = self.controller.task_in_flight()
+        if data is None:
+            return
+        running = [slot.name for slot in self.controller.slots.values()
+                   if slot.process is not None]
+        self.write("Input ended: HQ leaves%s; the task stays %s. `ferrus run --resume` or "
+                   "`ferrus hq` goes on with it." % (
+                       " and stops the %s" % ", ".join(running) if running else "",
+                       data.state))
 
     # -- input -------------------------------------------------------------------------
 
