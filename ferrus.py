@@ -5953,10 +5953,11 @@ def kept_changes_note(store, data):
     with contextlib.suppress(FerrusError):
         files = task_diff(store.root, None, task_diff_exclusions(store), patch=False).files
         if files:
-            notes.append("Uncommitted changes are kept: %d file%s in the work tree differ "
+            notes.append("Uncommitted changes are kept: %d file%s in the work tree %s "
                          "from HEAD (`git status` shows them). To drop them, see \"Dropping "
                          "a task's changes\" in docs/REFERENCE.md."
-                         % (len(files), "" if len(files) == 1 else "s"))
+                         % (len(files), "" if len(files) == 1 else "s",
+                            "differs" if len(files) == 1 else "differ"))
     if base.get("task_branch"):
         notes.append("HEAD stays on the task's branch %s; `%s` goes back (uncommitted "
                      "changes come along)." % (
@@ -13166,12 +13167,26 @@ class HqShell:
                     line = self.lines.popleft()
                     if line is None:
                         self.done = True
+                        self._say_input_ended()
                         break
                     self.handle(line)
                 time.sleep(0.02)
         finally:
             self.controller.shutdown()
         return 0
+
+    def _say_input_ended(self):
+        """Plain HQ ends with its input (a pipe, a file); say what that leaves behind, as
+        the agents it stops would otherwise vanish without a word."""
+        data = self.controller.task_in_flight()
+        if data is None:
+            return
+        running = [slot.name for slot in self.controller.slots.values()
+                   if slot.process is not None]
+        self.write("Input ended: HQ leaves%s; the task stays %s. `ferrus run --resume` or "
+                   "`ferrus hq` goes on with it." % (
+                       " and stops the %s" % ", ".join(running) if running else "",
+                       data.state))
 
     # -- input -------------------------------------------------------------------------
 

@@ -107,6 +107,13 @@ def pane_for(scripted, tmp_path):  # noqa: F811
         pane.close()
 
 
+def wait_agents_done(pane):
+    """After the task ends the reviewer still says its last words for a moment (HQ
+    waits for them); quitting before that asks first, so wait until every slot is idle."""
+    pane.wait(lambda lines: len(lines) > 1 and "executor idle" in lines[1] and
+              "reviewer idle" in lines[1], what="the agents to finish")
+
+
 def assert_terminal_restored(pane):
     flags = pane.stty_file.read_text().split()
     assert "icanon" in flags and "echo" in flags and "icrnl" in flags, flags
@@ -151,6 +158,7 @@ def test_curses_hq_status_task_completion_and_quit(scripted, pane_for):  # noqa:
     pane.wait(lambda lines: lines[-1].rstrip() == ">", what="history Down")
 
     # Ctrl+C once only warns; twice within 2 s quits (no agent runs, so no question).
+    wait_agents_done(pane)
     pane.keys("C-c")
     pane.wait_for("Press Ctrl+C again to quit.")
     assert pane.alive()
@@ -200,6 +208,7 @@ def test_curses_hq_question_confirm_attach_and_multiline_answer(scripted, pane_f
     # Answers are not commands: the history has only the command lines.
     assert pane.history.read_text().splitlines() == ["/task Make work.txt", "/attach executor"]
 
+    wait_agents_done(pane)
     pane.type("/quit", "Enter")
     assert pane.exited() == 0
     assert_terminal_restored(pane)
