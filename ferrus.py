@@ -10944,8 +10944,12 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                note("giving up: the %s is stopped (the reason is above)"
-                     % " and the ".join(stuck), exit=RUN_FAILED)
+                # The task itself is still in flight: say how to go on once the cause is
+                # fixed, as a second `ferrus run --task` would be refused.
+                note("giving up: the %s is stopped (the reason is above); the task stays %s "
+                     "— once that is fixed, `ferrus run --resume` goes on with it "
+                     "(`ferrus reset` drops it)"
+                     % (" and the ".join(stuck), store.read_state().state), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
