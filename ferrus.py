@@ -9340,10 +9340,16 @@ def format_cost(summary):
     return text
 
 
+def count_tool_calls(count):
+    """'1 tool call', '5 tool calls'."""
+    return "%d tool call%s" % (count, "" if count == 1 else "s")
+
+
 def format_usage(summary):
     """'3 sessions, 41 tool calls, 12.3k tokens in / 1.2k out, $0.0123'."""
-    return "%d session%s, %d tool calls, %s tokens in / %s out, %s" % (
-        summary["sessions"], "" if summary["sessions"] == 1 else "s", summary["tool_calls"],
+    return "%d session%s, %s, %s tokens in / %s out, %s" % (
+        summary["sessions"], "" if summary["sessions"] == 1 else "s",
+        count_tool_calls(summary["tool_calls"]),
         compact_count(summary["input_tokens"]), compact_count(summary["output_tokens"]),
         format_cost(summary))
 
@@ -9362,8 +9368,9 @@ def describe_session(record, root=None):
     if record.get("model"):
         agent += " (%s)" % record["model"]
     cost = record.get("cost_usd")
-    usage = "%d tool calls, %s/%s tokens, %s" % (
-        int(_number(record.get("tool_calls"))), compact_count(_number(record.get("input_tokens"))),
+    usage = "%s, %s/%s tokens, %s" % (
+        count_tool_calls(int(_number(record.get("tool_calls")))),
+        compact_count(_number(record.get("input_tokens"))),
         compact_count(_number(record.get("output_tokens"))),
         "$%.4f" % cost if _is_number(cost) else "cost unknown")
     if record.get("usage_reported") is False:
@@ -9803,8 +9810,8 @@ class SessionSlot:
         output or its MCP servers' count); without it, only what the output showed."""
         text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
-            text += " (pid %d, %d tool calls)" % (
-                self.process.pid, self.tool_calls if tool_calls is None else tool_calls)
+            text += " (pid %d, %s)" % (self.process.pid, count_tool_calls(
+                self.tool_calls if tool_calls is None else tool_calls))
         return text
 
 
@@ -10964,8 +10971,12 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                note("giving up: the %s is stopped (the reason is above)"
-                     % " and the ".join(stuck), exit=RUN_FAILED)
+                # The task itself is still in flight: say how to go on once the cause is
+                # fixed, as a second `ferrus run --task` would be refused.
+                note("giving up: the %s is stopped (the reason is above); the task stays %s "
+                     "— once that is fixed, `ferrus run --resume` goes on with it "
+                     "(`ferrus reset` drops it)"
+                     % (" and the ".join(stuck), store.read_state().state), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
@@ -13913,7 +13924,7 @@ class CursesHq(HqShell):
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
         slots = ["%s %s%s" % (slot.name, slot.label(),
-                              " (%d tool calls)" % self.controller.tool_calls_of(slot)
+                              " (%s)" % count_tool_calls(self.controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
         return data.state.value, " │ ".join(parts), " · ".join(slots)
