@@ -5379,7 +5379,11 @@ def op_respond_consult(store, caller, response):
             raise FerrusError("Cannot respond to consultation from state %s. /respond_consult is "
                               "only valid in Consultation state." % tx.state.state)
         tx.write("CONSULT_RESPONSE.md", response)
-        tx.set(tx.state, "respond_consult")
+        # The entry carries the answer's first lines: the waiting executor empties the
+        # file at once (finish_consult), often before HQ or `ferrus run` reads it.
+        lines = [line.rstrip()[:160] for line in response.splitlines() if line.strip()]
+        tx.set(tx.state, "respond_consult", said=lines[:8] + (
+            ["… (%d more lines)" % (len(lines) - 8)] if len(lines) > 8 else []))
     return _outcome("Consultation response recorded in `.ferrus/CONSULT_RESPONSE.md`.",
                     S.CONSULTATION)
 
@@ -10153,7 +10157,9 @@ class HqController:
                  "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
         if shown is not None:
             name, kind, title, count = shown
-            lines = first_lines(self.store.read_file(name), count)
+            said = (entry.get("detail") or {}).get("said")
+            lines = [str(line) for line in said] if isinstance(said, list) and said else \
+                first_lines(self.store.read_file(name), count)
             if lines:
                 key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
                     kind, "answer")
@@ -13023,6 +13029,7 @@ def format_event(entry, color=False):
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
+    detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
     if isinstance(detail.get("checks"), list):
         # Each command's result in brief; its log path is in `ferrus log --json`.
         detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
