@@ -2681,6 +2681,29 @@ def journal_entry(line):
     return entry
 
 
+# What a content file holds, for messages about the text written to it.
+_CONTENT_FILE_WORDS = {"TASK.md": "the task description", "REVIEW.md": "the review notes",
+                       "SUBMISSION.md": "the submission", "QUESTION.md": "the question",
+                       "ANSWER.md": "the answer", "CONSULT_REQUEST.md": "the consultation",
+                       "CONSULT_RESPONSE.md": "the consultation's answer"}
+# A lone surrogate: what Python makes of a byte that is not UTF-8 in a command-line
+# argument or a line read from a terminal (and of a "\udcff" JSON escape).
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def require_utf8(text, what):
+    """FerrusError unless ``text`` can be written as UTF-8 (no lone surrogate)."""
+    bad = _LONE_SURROGATE.search(text) if isinstance(text, str) else None
+    if bad:
+        code = ord(bad.group())
+        raise FerrusError("%s is not valid UTF-8: it holds %s at character %d" % (
+            what, "the byte 0x%02x" % (code - 0xdc00) if 0xdc80 <= code <= 0xdcff
+            else "an unpaired surrogate U+%04X" % code, bad.start() + 1),
+            "write it in UTF-8 (a terminal or a file in another encoding passes other "
+            "bytes); nothing was changed")
+    return text
+
+
 class Transaction:
     """The working copy inside ``Store.transaction``: read the state, stage changes.
 
@@ -2707,6 +2730,9 @@ class Transaction:
         return self.store.read_file(name)
 
     def write(self, name, text):
+        # Refused before anything is written: the commit would fail half-way.
+        require_utf8(text, _CONTENT_FILE_WORDS.get(name, "the text for %s/%s" % (
+            FERRUS_DIR, name)))
         self.files[name] = text
 
     def set(self, state, event, **detail):
@@ -10873,6 +10899,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if not task.strip():        # refused before anything is reset below
             raise UsageError("the task description is empty",
                              "pass the task as --task TEXT or --task-file FILE")
+        require_utf8(task, "the task description")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -13220,6 +13247,11 @@ class HqShell:
             if not text or text.lower() in ("n", "no"):
                 return
         if not text:
+            return
+        try:
+            require_utf8(text, "that line")     # a /tell or an answer would lose it later
+        except FerrusError as err:
+            self.write("error: %s\nhint: %s" % (err.message, err.hint))
             return
         if not text.startswith("/"):
             self.answer(text)
