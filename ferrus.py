@@ -8773,7 +8773,11 @@ def update_hq_config(root, role, agent, model, report):
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
                           "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
-    report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
+    said = "agent = %s" % json.dumps(agent)
+    if model is not None:
+        said += ", model = %s" % json.dumps(model.strip()) + (
+            " (the agent's own default)" if not model.strip() else "")
+    report("Set [hq.%s] %s in %s" % (role, said, CONFIG_FILE))
 
 
 def trust_project(adapter, root, report):
