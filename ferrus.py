@@ -14717,11 +14717,12 @@ def cmd_run(args, root):
     task = args.task
     if args.task_file:
         try:
-            task = read_text(args.task_file)
+            task = sys.stdin.read() if args.task_file == "-" else read_text(args.task_file)
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT") from err
+                              "the current folder, - for stdin, or pass the task as --task "
+                              "TEXT") from err
     mode = "json" if args.json else "quiet" if args.quiet else "lines"
     # JSON goes to programs, which answer no questions and want no bell characters.
     interactive = sys.stdin.isatty() and mode != "json"
@@ -14973,7 +14974,8 @@ def build_parser():
     p = sub.add_parser("run", help="run the whole loop without a UI until Complete or Failed")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
-    group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--task-file", metavar="F",
+                       help="create the task from this file (- for stdin)")
     group.add_argument("--milestone", metavar="ID|next",
                        help="create the task from this spec milestone (id or marker), or the "
                             "next ready one; approving it ticks its box")
