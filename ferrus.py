@@ -14192,9 +14192,24 @@ def cmd_init(args, root):
     init_project(root, args.agents_path)
     print()
     me = invoked_as()
-    print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
-          "ferrus.toml, then `%s register` (the agents [hq.*] names; or --supervisor A "
-          "--executor A) and `%s run --task \"...\"`." % (me, me))
+    # Name only the steps still to do: `init` run again in a set-up project would
+    # otherwise send its user back to steps done long ago.
+    steps = []
+    checks_set = registered = False
+    with contextlib.suppress(FerrusError, OSError):
+        config = load_config(root)
+        checks_set = bool(config.checks.commands)
+        hq = config.require_hq()
+        registered = all(
+            getattr(hq, role) is not None and adapter_for(config, getattr(hq, role).agent)
+            .registration(root, role) is not None for role in ROLES)
+    if not checks_set:
+        steps.append("put your lint and test commands in [checks] of ferrus.toml")
+    if not registered:
+        steps.append("`%s register` (the agents [hq.*] names; or --supervisor A "
+                     "--executor A)" % me)
+    steps.append("`%s run --task \"...\"`" % me)
+    print("ferrus is initialized. Next: %s." % ", then ".join(steps))
     return 0
 
 
