@@ -8683,9 +8683,13 @@ def adapter_for(config, agent):
         return ADAPTERS[agent](config)
     if agent in config.agents.custom:
         return CustomAgent(config, config.agents.custom[agent])
-    raise FerrusError("Unknown agent %r. Supported values: %s" % (
-        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom))),
-        "or describe it under [agents.custom.<name>] in ferrus.toml")
+    known = BUILTIN_AGENTS + tuple(AGENT_ALIASES) + tuple(config.agents.custom)
+    close = did_you_mean(agent, known)
+    raise FerrusError("Unknown agent %r. Supported values: %s (or %s for short)" % (
+        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom)),
+        ", ".join(json.dumps(a) for a in AGENT_ALIASES)),
+        ("did you mean %s? Otherwise describe " % json.dumps(close) if close else
+         "or describe ") + "it under [agents.custom.<name>] in ferrus.toml")
 
 
 def probe_version(argv, timeout=10.0):
