@@ -2681,6 +2681,29 @@ def journal_entry(line):
     return entry
 
 
+# What a content file holds, for messages about the text written to it.
+_CONTENT_FILE_WORDS = {"TASK.md": "the task description", "REVIEW.md": "the review notes",
+                       "SUBMISSION.md": "the submission", "QUESTION.md": "the question",
+                       "ANSWER.md": "the answer", "CONSULT_REQUEST.md": "the consultation",
+                       "CONSULT_RESPONSE.md": "the consultation's answer"}
+# A lone surrogate: what Python makes of a byte that is not UTF-8 in a command-line
+# argument or a line read from a terminal (and of a "\udcff" JSON escape).
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def require_utf8(text, what):
+    """FerrusError unless ``text`` can be written as UTF-8 (no lone surrogate)."""
+    bad = _LONE_SURROGATE.search(text) if isinstance(text, str) else None
+    if bad:
+        code = ord(bad.group())
+        raise FerrusError("%s is not valid UTF-8: it holds %s at character %d" % (
+            what, "the byte 0x%02x" % (code - 0xdc00) if 0xdc80 <= code <= 0xdcff
+            else "an unpaired surrogate U+%04X" % code, bad.start() + 1),
+            "write it in UTF-8 (a terminal or a file in another encoding passes other "
+            "bytes); nothing was changed")
+    return text
+
+
 class Transaction:
     """The working copy inside ``Store.transaction``: read the state, stage changes.
 
@@ -2707,6 +2730,9 @@ class Transaction:
         return self.store.read_file(name)
 
     def write(self, name, text):
+        # Refused before anything is written: the commit would fail half-way.
+        require_utf8(text, _CONTENT_FILE_WORDS.get(name, "the text for %s/%s" % (
+            FERRUS_DIR, name)))
         self.files[name] = text
 
     def set(self, state, event, **detail):
@@ -5379,7 +5405,11 @@ def op_respond_consult(store, caller, response):
             raise FerrusError("Cannot respond to consultation from state %s. /respond_consult is "
                               "only valid in Consultation state." % tx.state.state)
         tx.write("CONSULT_RESPONSE.md", response)
-        tx.set(tx.state, "respond_consult")
+        # The entry carries the answer's first lines: the waiting executor empties the
+        # file at once (finish_consult), often before HQ or `ferrus run` reads it.
+        lines = [line.rstrip()[:160] for line in response.splitlines() if line.strip()]
+        tx.set(tx.state, "respond_consult", said=lines[:8] + (
+            ["… (%d more lines)" % (len(lines) - 8)] if len(lines) > 8 else []))
     return _outcome("Consultation response recorded in `.ferrus/CONSULT_RESPONSE.md`.",
                     S.CONSULTATION)
 
@@ -8743,7 +8773,11 @@ def update_hq_config(root, role, agent, model, report):
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
                           "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
-    report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
+    said = "agent = %s" % json.dumps(agent)
+    if model is not None:
+        said += ", model = %s" % json.dumps(model.strip()) + (
+            " (the agent's own default)" if not model.strip() else "")
+    report("Set [hq.%s] %s in %s" % (role, said, CONFIG_FILE))
 
 
 def trust_project(adapter, root, report):
@@ -9314,10 +9348,16 @@ def format_cost(summary):
     return text
 
 
+def count_tool_calls(count):
+    """'1 tool call', '5 tool calls'."""
+    return "%d tool call%s" % (count, "" if count == 1 else "s")
+
+
 def format_usage(summary):
     """'3 sessions, 41 tool calls, 12.3k tokens in / 1.2k out, $0.0123'."""
-    return "%d session%s, %d tool calls, %s tokens in / %s out, %s" % (
-        summary["sessions"], "" if summary["sessions"] == 1 else "s", summary["tool_calls"],
+    return "%d session%s, %s, %s tokens in / %s out, %s" % (
+        summary["sessions"], "" if summary["sessions"] == 1 else "s",
+        count_tool_calls(summary["tool_calls"]),
         compact_count(summary["input_tokens"]), compact_count(summary["output_tokens"]),
         format_cost(summary))
 
@@ -9336,8 +9376,9 @@ def describe_session(record, root=None):
     if record.get("model"):
         agent += " (%s)" % record["model"]
     cost = record.get("cost_usd")
-    usage = "%d tool calls, %s/%s tokens, %s" % (
-        int(_number(record.get("tool_calls"))), compact_count(_number(record.get("input_tokens"))),
+    usage = "%s, %s/%s tokens, %s" % (
+        count_tool_calls(int(_number(record.get("tool_calls")))),
+        compact_count(_number(record.get("input_tokens"))),
         compact_count(_number(record.get("output_tokens"))),
         "$%.4f" % cost if _is_number(cost) else "cost unknown")
     if record.get("usage_reported") is False:
@@ -9777,8 +9818,8 @@ class SessionSlot:
         output or its MCP servers' count); without it, only what the output showed."""
         text = "%s: %s" % (self.name, self.label())
         if self.process is not None and self.session.state in (SS.RUNNING, SS.INTERRUPTING):
-            text += " (pid %d, %d tool calls)" % (
-                self.process.pid, self.tool_calls if tool_calls is None else tool_calls)
+            text += " (pid %d, %s)" % (self.process.pid, count_tool_calls(
+                self.tool_calls if tool_calls is None else tool_calls))
         return text
 
 
@@ -10146,7 +10187,9 @@ class HqController:
                  "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
         if shown is not None:
             name, kind, title, count = shown
-            lines = first_lines(self.store.read_file(name), count)
+            said = (entry.get("detail") or {}).get("said")
+            lines = [str(line) for line in said] if isinstance(said, list) and said else \
+                first_lines(self.store.read_file(name), count)
             if lines:
                 key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
                     kind, "answer")
@@ -10860,6 +10903,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if not task.strip():        # refused before anything is reset below
             raise UsageError("the task description is empty",
                              "pass the task as --task TEXT or --task-file FILE")
+        require_utf8(task, "the task description")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -10888,15 +10932,24 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
-    note(controller.describe_state(), task_id=store.read_state().task_id)
+    run_task = store.read_state().task_id
+    note(controller.describe_state(), task_id=run_task)
     try:
         while True:
             controller.poll()
             data = store.read_state()
             controller.catch_up(data.rev)
-            if data.state in (S.COMPLETE, S.FAILED):
+            if data.state in (S.COMPLETE, S.FAILED) and data.task_id == run_task:
                 controller.wind_down(poll_interval)
                 return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
+            if data.state == S.IDLE or data.task_id != run_task:
+                # Someone else reset (or replaced) the task: no agent will move it now.
+                note("task %s is gone: the state is %s%s, changed outside this run "
+                     "(`ferrus log` shows by whom); stopping" % (
+                         run_task, data.state, " with task %s" % data.task_id
+                         if data.task_id and data.task_id != run_task else ""),
+                     exit=RUN_FAILED)
+                return RUN_FAILED
             if controller.checkpoint and not controller.running():
                 note("stopped at a capacity checkpoint; raise the limit in [capacity] and run "
                      "`ferrus run --resume`", exit=RUN_CHECKPOINT)
@@ -10928,8 +10981,12 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if any(slot.state == SS.STOPPED for slot in controller.slots.values()) and \
                     not controller.running():
                 stuck = [s.name for s in controller.slots.values() if s.state == SS.STOPPED]
-                note("giving up: the %s is stopped (the reason is above)"
-                     % " and the ".join(stuck), exit=RUN_FAILED)
+                # The task itself is still in flight: say how to go on once the cause is
+                # fixed, as a second `ferrus run --task` would be refused.
+                note("giving up: the %s is stopped (the reason is above); the task stays %s "
+                     "— once that is fixed, `ferrus run --resume` goes on with it "
+                     "(`ferrus reset` drops it)"
+                     % (" and the ".join(stuck), store.read_state().state), exit=RUN_FAILED)
                 return RUN_FAILED
             if timeout is not None and clock() - started >= timeout:
                 note("timed out after %s (state %s)" % (format_duration(timeout), data.state),
@@ -13003,6 +13060,7 @@ def format_event(entry, color=False):
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
+    detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
     if isinstance(detail.get("checks"), list):
         # Each command's result in brief; its log path is in `ferrus log --json`.
         detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
@@ -13193,6 +13251,11 @@ class HqShell:
             if not text or text.lower() in ("n", "no"):
                 return
         if not text:
+            return
+        try:
+            require_utf8(text, "that line")     # a /tell or an answer would lose it later
+        except FerrusError as err:
+            self.write("error: %s\nhint: %s" % (err.message, err.hint))
             return
         if not text.startswith("/"):
             self.answer(text)
@@ -13872,7 +13935,7 @@ class CursesHq(HqShell):
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
         slots = ["%s %s%s" % (slot.name, slot.label(),
-                              " (%d tool calls)" % self.controller.tool_calls_of(slot)
+                              " (%s)" % count_tool_calls(self.controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
                  for slot in self.controller.slots.values()]
         return data.state.value, " │ ".join(parts), " · ".join(slots)
@@ -14129,9 +14192,24 @@ def cmd_init(args, root):
     init_project(root, args.agents_path)
     print()
     me = invoked_as()
-    print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
-          "ferrus.toml, then `%s register` (the agents [hq.*] names; or --supervisor A "
-          "--executor A) and `%s run --task \"...\"`." % (me, me))
+    # Name only the steps still to do: `init` run again in a set-up project would
+    # otherwise send its user back to steps done long ago.
+    steps = []
+    checks_set = registered = False
+    with contextlib.suppress(FerrusError, OSError):
+        config = load_config(root)
+        checks_set = bool(config.checks.commands)
+        hq = config.require_hq()
+        registered = all(
+            getattr(hq, role) is not None and adapter_for(config, getattr(hq, role).agent)
+            .registration(root, role) is not None for role in ROLES)
+    if not checks_set:
+        steps.append("put your lint and test commands in [checks] of ferrus.toml")
+    if not registered:
+        steps.append("`%s register` (the agents [hq.*] names; or --supervisor A "
+                     "--executor A)" % me)
+    steps.append("`%s run --task \"...\"`" % me)
+    print("ferrus is initialized. Next: %s." % ", then ".join(steps))
     return 0
 
 
@@ -14654,11 +14732,12 @@ def cmd_run(args, root):
     task = args.task
     if args.task_file:
         try:
-            task = read_text(args.task_file)
+            task = sys.stdin.read() if args.task_file == "-" else read_text(args.task_file)
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT") from err
+                              "the current folder, - for stdin, or pass the task as --task "
+                              "TEXT") from err
     mode = "json" if args.json else "quiet" if args.quiet else "lines"
     # JSON goes to programs, which answer no questions and want no bell characters.
     interactive = sys.stdin.isatty() and mode != "json"
@@ -14910,7 +14989,8 @@ def build_parser():
     p = sub.add_parser("run", help="run the whole loop without a UI until Complete or Failed")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
-    group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--task-file", metavar="F",
+                       help="create the task from this file (- for stdin)")
     group.add_argument("--milestone", metavar="ID|next",
                        help="create the task from this spec milestone (id or marker), or the "
                             "next ready one; approving it ticks its box")

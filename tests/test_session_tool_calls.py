@@ -86,3 +86,13 @@ def test_hq_shows_a_running_agents_ferrus_tool_calls_when_its_output_has_none(
         assert "executor Running (" in agents and "executor Running (0 tool calls)" not in agents
     finally:
         controller.shutdown()
+
+
+def test_one_tool_call_is_singular_in_session_lines_and_usage():
+    record = {"id": "s-1", "status": "ended", "outcome": "stopped", "exit_code": -15,
+              "started_at": "2026-01-01T00:00:00Z", "slot": "executor", "agent": "x",
+              "tool_calls": 1, "input_tokens": 0, "output_tokens": 0, "cost_usd": None}
+    assert "— 1 tool call, 0/0 tokens" in ferrus.describe_session(record)
+    summary = ferrus.usage_summary([record, dict(record, id="s-2", tool_calls=0)])
+    assert ferrus.format_usage(summary).startswith("2 sessions, 1 tool call, ")
+    assert "2 tool calls" in ferrus.describe_session(dict(record, tool_calls=2))
