@@ -10908,6 +10908,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             raise UsageError("the task description is empty",
                              "pass the task as --task TEXT or --task-file FILE")
         require_utf8(task, "the task description")
+        if data.state == S.AWAITING_CONFIRMATION:
+            raise FerrusError("a task is already in flight (state %s): the reviewer approved "
+                              "it and it waits for your word" % data.state,
+                              "`ferrus approve` completes it, `ferrus reject NOTES` sends it "
+                              "back (then `ferrus run --resume`); `ferrus reset` drops it")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
