@@ -13672,6 +13672,17 @@ def _line_edits(curses):
             "\n": lambda b, c: (b[:c] + "\n" + b[c:], c + 1)}     # Ctrl+J: a newline
 
 
+def fit_banner(text, width):
+    """``text`` in ``width`` columns for the one-row dialog banner: too long, its middle
+    gives way to "…", as its end holds the question and the keys that answer it."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[-width:] if width > 0 else ""
+    head = width // 3
+    return text[:head] + "…" + text[len(text) - (width - head - 1):]
+
+
 class CursesHq(HqShell):
     """HQ in curses.  Only HqShell's terminal parts are replaced; ``handle`` and the
     ``cmd_*`` methods are shared, so both front ends behave the same."""
@@ -14006,7 +14017,8 @@ class CursesHq(HqShell):
         self.put(0, 0, line.ljust(width), curses.A_REVERSE)
         self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
         if self.banner:                              # dialogs ask in the status area
-            self.put(1, 0, self.banner.ljust(width), curses.A_BOLD | self.attrs["question"])
+            self.put(1, 0, fit_banner(self.banner, width).ljust(width),
+                     curses.A_BOLD | self.attrs["question"])
         else:
             self.put(1, 0, agents)
         if self.selected is not None:                # a selection dialog
