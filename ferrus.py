@@ -13434,7 +13434,14 @@ class HqShell:
                        "checks passed" if run.passed else run.report(
                            config.limits.max_feedback_lines))
         else:
-            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            try:
+                self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            except FerrusError as err:
+                if self.store.read_state().state in WORK_STATES:
+                    raise
+                # As `ferrus check`: outside a task the human is pointed at --force.
+                raise FerrusError(err.message, "/check --force runs the checks in any state "
+                                  "and changes nothing") from err
 
     def cmd_resume(self, rest):
         data = self.store.read_state()
