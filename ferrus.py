@@ -5520,7 +5520,9 @@ def find_milestone(store, wanted):
         candidates = specs
     elif not specs:
         raise FerrusError("there is no spec in %s" % config.spec.directory,
-                          "write one with /spec in HQ (or by hand), then run again")
+                          "write one with /spec in HQ, or by hand from the template in "
+                          ".ferrus/SPEC_TEMPLATE.md (its milestones are `- [ ] #1.0 …` lines "
+                          "with `ID:` and `Depends on:`), then run again")
     else:
         raise FerrusError("no spec is selected and %s holds %d specs" % (
             config.spec.directory, len(specs)), "select one with /milestones in HQ")
