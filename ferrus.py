@@ -13434,7 +13434,14 @@ class HqShell:
                        "checks passed" if run.passed else run.report(
                            config.limits.max_feedback_lines))
         else:
-            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            try:
+                self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            except FerrusError as err:
+                if self.store.read_state().state in WORK_STATES:
+                    raise
+                # As `ferrus check`: outside a task the human is pointed at --force.
+                raise FerrusError(err.message, "/check --force runs the checks in any state "
+                                  "and changes nothing") from err
 
     def cmd_resume(self, rest):
         data = self.store.read_state()
@@ -13670,6 +13677,17 @@ def _line_edits(curses):
             "\x15": lambda b, c: (b[c:], 0),                      # Ctrl+U: cut before
             "\x0b": lambda b, c: (b[:c], c),                      # Ctrl+K: cut after
             "\n": lambda b, c: (b[:c] + "\n" + b[c:], c + 1)}     # Ctrl+J: a newline
+
+
+def fit_banner(text, width):
+    """``text`` in ``width`` columns for the one-row dialog banner: too long, its middle
+    gives way to "…", as its end holds the question and the keys that answer it."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[-width:] if width > 0 else ""
+    head = width // 3
+    return text[:head] + "…" + text[len(text) - (width - head - 1):]
 
 
 class CursesHq(HqShell):
@@ -14006,7 +14024,8 @@ class CursesHq(HqShell):
         self.put(0, 0, line.ljust(width), curses.A_REVERSE)
         self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
         if self.banner:                              # dialogs ask in the status area
-            self.put(1, 0, self.banner.ljust(width), curses.A_BOLD | self.attrs["question"])
+            self.put(1, 0, fit_banner(self.banner, width).ljust(width),
+                     curses.A_BOLD | self.attrs["question"])
         else:
             self.put(1, 0, agents)
         if self.selected is not None:                # a selection dialog
