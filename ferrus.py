@@ -14301,6 +14301,15 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", failure_summary(data.failure_reason)))
+    if data.state == S.AWAITING_HUMAN:
+        # Whoever comes back later must see what was asked, not only that something was.
+        asked = first_lines(store.read_file("QUESTION.md"), 4)
+        rows += [("question" if index == 0 else "", terminal_safe(line))
+                 for index, line in enumerate(asked or ["(QUESTION.md is empty)"])]
+        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
+    elif data.state == S.AWAITING_CONFIRMATION:
+        rows.append(("your word", "the reviewer approved: `ferrus approve`, or `ferrus "
+                                  "reject NOTES` (`ferrus approve` shows the summary first)"))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
