@@ -1,6 +1,7 @@
 # ferrus — developer targets
 #
-#   make test         run the test suite (pytest -q tests); fails if nothing is collected
+#   make test         run the test suite (pytest -q tests); fails if nothing is collected;
+#                     with COVERAGE=1 it is `make coverage`
 #   make coverage     run the suite under coverage.py (subprocesses too), print the
 #                     uncovered regions of ferrus.py; fails under the floor in .coveragerc
 #   make test-matrix  run the suite on every CPython 3.9+ found (pyenv / PATH), see .ci/test-matrix
@@ -47,8 +48,13 @@ require-pytest:
 	  exit 1; }
 
 # pytest's exit status is make's: 1 = failures, 5 = no tests collected, ...
+# `make test COVERAGE=1` is `make coverage` (CI runs it that way).
+ifeq ($(COVERAGE),1)
+test: coverage
+else
 test: require-pytest
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+endif
 
 test-matrix:
 	bash .ci/test-matrix

@@ -5408,7 +5408,11 @@ def op_respond_consult(store, caller, response):
             raise FerrusError("Cannot respond to consultation from state %s. /respond_consult is "
                               "only valid in Consultation state." % tx.state.state)
         tx.write("CONSULT_RESPONSE.md", response)
-        tx.set(tx.state, "respond_consult")
+        # The entry carries the answer's first lines: the waiting executor empties the
+        # file at once (finish_consult), often before HQ or `ferrus run` reads it.
+        lines = [line.rstrip()[:160] for line in response.splitlines() if line.strip()]
+        tx.set(tx.state, "respond_consult", said=lines[:8] + (
+            ["… (%d more lines)" % (len(lines) - 8)] if len(lines) > 8 else []))
     return _outcome("Consultation response recorded in `.ferrus/CONSULT_RESPONSE.md`.",
                     S.CONSULTATION)
 
@@ -5519,7 +5523,9 @@ def find_milestone(store, wanted):
         candidates = specs
     elif not specs:
         raise FerrusError("there is no spec in %s" % config.spec.directory,
-                          "write one with /spec in HQ (or by hand), then run again")
+                          "write one with /spec in HQ, or by hand from the template in "
+                          ".ferrus/SPEC_TEMPLATE.md (its milestones are `- [ ] #1.0 …` lines "
+                          "with `ID:` and `Depends on:`), then run again")
     else:
         raise FerrusError("no spec is selected and %s holds %d specs" % (
             config.spec.directory, len(specs)), "select one with /milestones in HQ")
@@ -8682,9 +8688,13 @@ def adapter_for(config, agent):
         return ADAPTERS[agent](config)
     if agent in config.agents.custom:
         return CustomAgent(config, config.agents.custom[agent])
-    raise FerrusError("Unknown agent %r. Supported values: %s" % (
-        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom))),
-        "or describe it under [agents.custom.<name>] in ferrus.toml")
+    known = BUILTIN_AGENTS + tuple(AGENT_ALIASES) + tuple(config.agents.custom)
+    close = did_you_mean(agent, known)
+    raise FerrusError("Unknown agent %r. Supported values: %s (or %s for short)" % (
+        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom)),
+        ", ".join(json.dumps(a) for a in AGENT_ALIASES)),
+        ("did you mean %s? Otherwise describe " % json.dumps(close) if close else
+         "or describe ") + "it under [agents.custom.<name>] in ferrus.toml")
 
 
 def probe_version(argv, timeout=10.0):
@@ -8772,7 +8782,11 @@ def update_hq_config(root, role, agent, model, report):
         raise FerrusError("%s: %s" % (CONFIG_FILE, err),
                           "fix [hq] in %s by hand; nothing was written" % CONFIG_FILE) from err
     planned_write(path, text)
-    report("Set [hq.%s] agent = %s in %s" % (role, json.dumps(agent), CONFIG_FILE))
+    said = "agent = %s" % json.dumps(agent)
+    if model is not None:
+        said += ", model = %s" % json.dumps(model.strip()) + (
+            " (the agent's own default)" if not model.strip() else "")
+    report("Set [hq.%s] %s in %s" % (role, said, CONFIG_FILE))
 
 
 def trust_project(adapter, root, report):
@@ -10182,7 +10196,9 @@ class HqController:
                  "answer": ("ANSWER.md", "answer", "answered", 4)}.get(event)
         if shown is not None:
             name, kind, title, count = shown
-            lines = first_lines(self.store.read_file(name), count)
+            said = (entry.get("detail") or {}).get("said")
+            lines = [str(line) for line in said] if isinstance(said, list) and said else \
+                first_lines(self.store.read_file(name), count)
             if lines:
                 key = {"submission": "summary", "review": "notes", "consult": "question"}.get(
                     kind, "answer")
@@ -10897,6 +10913,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             raise UsageError("the task description is empty",
                              "pass the task as --task TEXT or --task-file FILE")
         require_utf8(task, "the task description")
+        if data.state == S.AWAITING_CONFIRMATION:
+            raise FerrusError("a task is already in flight (state %s): the reviewer approved "
+                              "it and it waits for your word" % data.state,
+                              "`ferrus approve` completes it, `ferrus reject NOTES` sends it "
+                              "back (then `ferrus run --resume`); `ferrus reset` drops it")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is already in flight (state %s)" % data.state,
                               "run `ferrus run --resume` to continue it, or `ferrus reset`")
@@ -13053,6 +13074,7 @@ def format_event(entry, color=False):
         terminal_safe(entry.get("to")), _STATE_COLORS.get(entry.get("to")), color))) \
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
+    detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
     if isinstance(detail.get("checks"), list):
         # Each command's result in brief; its log path is in `ferrus log --json`.
         detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
@@ -13417,7 +13439,14 @@ class HqShell:
                        "checks passed" if run.passed else run.report(
                            config.limits.max_feedback_lines))
         else:
-            self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            try:
+                self.write(op_check(self.store, Caller("human", "human:hq:0")).text)
+            except FerrusError as err:
+                if self.store.read_state().state in WORK_STATES:
+                    raise
+                # As `ferrus check`: outside a task the human is pointed at --force.
+                raise FerrusError(err.message, "/check --force runs the checks in any state "
+                                  "and changes nothing") from err
 
     def cmd_resume(self, rest):
         data = self.store.read_state()
@@ -13653,6 +13682,17 @@ def _line_edits(curses):
             "\x15": lambda b, c: (b[c:], 0),                      # Ctrl+U: cut before
             "\x0b": lambda b, c: (b[:c], c),                      # Ctrl+K: cut after
             "\n": lambda b, c: (b[:c] + "\n" + b[c:], c + 1)}     # Ctrl+J: a newline
+
+
+def fit_banner(text, width):
+    """``text`` in ``width`` columns for the one-row dialog banner: too long, its middle
+    gives way to "…", as its end holds the question and the keys that answer it."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[-width:] if width > 0 else ""
+    head = width // 3
+    return text[:head] + "…" + text[len(text) - (width - head - 1):]
 
 
 class CursesHq(HqShell):
@@ -13989,7 +14029,8 @@ class CursesHq(HqShell):
         self.put(0, 0, line.ljust(width), curses.A_REVERSE)
         self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
         if self.banner:                              # dialogs ask in the status area
-            self.put(1, 0, self.banner.ljust(width), curses.A_BOLD | self.attrs["question"])
+            self.put(1, 0, fit_banner(self.banner, width).ljust(width),
+                     curses.A_BOLD | self.attrs["question"])
         else:
             self.put(1, 0, agents)
         if self.selected is not None:                # a selection dialog
@@ -14184,9 +14225,24 @@ def cmd_init(args, root):
     init_project(root, args.agents_path)
     print()
     me = invoked_as()
-    print("ferrus is initialized. Next: put your lint and test commands in [checks] of "
-          "ferrus.toml, then `%s register` (the agents [hq.*] names; or --supervisor A "
-          "--executor A) and `%s run --task \"...\"`." % (me, me))
+    # Name only the steps still to do: `init` run again in a set-up project would
+    # otherwise send its user back to steps done long ago.
+    steps = []
+    checks_set = registered = False
+    with contextlib.suppress(FerrusError, OSError):
+        config = load_config(root)
+        checks_set = bool(config.checks.commands)
+        hq = config.require_hq()
+        registered = all(
+            getattr(hq, role) is not None and adapter_for(config, getattr(hq, role).agent)
+            .registration(root, role) is not None for role in ROLES)
+    if not checks_set:
+        steps.append("put your lint and test commands in [checks] of ferrus.toml")
+    if not registered:
+        steps.append("`%s register` (the agents [hq.*] names; or --supervisor A "
+                     "--executor A)" % me)
+    steps.append("`%s run --task \"...\"`" % me)
+    print("ferrus is initialized. Next: %s." % ", then ".join(steps))
     return 0
 
 
@@ -14248,6 +14304,15 @@ def cmd_status(args, root):
                      % data.review_cycles))
     if data.failure_reason:
         rows.append(("failure", failure_summary(data.failure_reason)))
+    if data.state == S.AWAITING_HUMAN:
+        # Whoever comes back later must see what was asked, not only that something was.
+        asked = first_lines(store.read_file("QUESTION.md"), 4)
+        rows += [("question" if index == 0 else "", terminal_safe(line))
+                 for index, line in enumerate(asked or ["(QUESTION.md is empty)"])]
+        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
+    elif data.state == S.AWAITING_CONFIRMATION:
+        rows.append(("your word", "the reviewer approved: `ferrus approve`, or `ferrus "
+                                  "reject NOTES` (`ferrus approve` shows the summary first)"))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
@@ -14709,11 +14774,12 @@ def cmd_run(args, root):
     task = args.task
     if args.task_file:
         try:
-            task = read_text(args.task_file)
+            task = sys.stdin.read() if args.task_file == "-" else read_text(args.task_file)
         except OSError as err:
             raise FerrusError("cannot read --task-file %s: %s" % (args.task_file, err.strerror),
                               "give the path of a text file holding the task, relative to "
-                              "the current folder, or pass the task as --task TEXT") from err
+                              "the current folder, - for stdin, or pass the task as --task "
+                              "TEXT") from err
     mode = "json" if args.json else "quiet" if args.quiet else "lines"
     # JSON goes to programs, which answer no questions and want no bell characters.
     interactive = sys.stdin.isatty() and mode != "json"
@@ -14965,7 +15031,8 @@ def build_parser():
     p = sub.add_parser("run", help="run the whole loop without a UI until Complete or Failed")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--task", metavar="TEXT", help="create this task (as the human)")
-    group.add_argument("--task-file", metavar="F", help="create the task from this file")
+    group.add_argument("--task-file", metavar="F",
+                       help="create the task from this file (- for stdin)")
     group.add_argument("--milestone", metavar="ID|next",
                        help="create the task from this spec milestone (id or marker), or the "
                             "next ready one; approving it ticks its box")

@@ -14,6 +14,11 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 TITLE = "Select a spec or milestone  (↑↓ move, Enter selects, Esc cancels)"
 
 
+def options_of(lines):
+    return [line.strip() for line in lines if "(the first ready milestone)" in line or
+            line.strip().startswith("[ ] #1.")]
+
+
 def selection(store):
     data = store.read_state()
     return data.selected_spec, data.selected_milestone
@@ -26,10 +31,9 @@ def test_curses_milestone_dialog_selects_and_cancels(scripted, pane_for):  # noq
 
     # The dialog lists the spec (its first ready milestone) and every milestone in order.
     pane.type("/milestones", "Enter")
-    screen = pane.wait_for(TITLE)
-    options = [line.strip() for line in screen if "(the first ready milestone)" in line or
-               line.strip().startswith("[ ] #1.")]
-    assert options == ["%s  (the first ready milestone)" % rel,
+    screen = pane.wait(lambda lines: any(TITLE in line for line in lines) and
+                       len(options_of(lines)) == 4, what="the dialog and its four lines")
+    assert options_of(screen) == ["%s  (the first ready milestone)" % rel,
                        "[ ] #1.0 Write the first file (m1)",
                        "[ ] #1.2 Write the third file (m3)",
                        "[ ] #1.1 Write the second file (m2)"]
