@@ -9681,6 +9681,7 @@ def terminal_bell(stream):
 
 # How long a front end that is ending waits for its notifiers before stopping them.
 NOTIFY_EXIT_GRACE_SECS = 5
+NOTIFY_STDERR_TAIL_BYTES = 4096     # what is kept of a notifier's stderr, for its warning
 
 
 class Notifier:
@@ -9766,15 +9767,28 @@ class Notifier:
                              % program)
 
     def _watch(self, what, program, proc, timeout):
+        # Only the end of its stderr is kept: a notifier flooding it (until its
+        # timeout) must not fill ferrus's memory.
+        tail = bytearray()
+
+        def drain():
+            with proc.stderr:
+                for chunk in iter(lambda: proc.stderr.read(65536), b""):
+                    tail.extend(chunk)
+                    del tail[:-NOTIFY_STDERR_TAIL_BYTES]
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
         try:
-            _, err = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_process_tree(proc)
             with contextlib.suppress(Exception):
-                proc.communicate(timeout=5)
+                proc.wait(timeout=5)
             self._failed(what, "%s was still running after %ds and was stopped"
                          % (program, timeout))
             return
+        reader.join(5)
+        err = bytes(tail)
         if proc.returncode != 0 and proc.pid not in self.stopped_at_exit:
             said = (err or b"").decode("utf-8", "replace").strip().splitlines()
             self._failed(what, "%s exited with code %s%s" % (

@@ -1,6 +1,7 @@
 """Found by using ferrus as a careless user and an adversary would: what an
 interrupted orchestrator leaves behind."""
 
+import json
 import os
 import signal
 import subprocess
@@ -204,3 +205,27 @@ def test_a_check_command_that_is_no_string_is_named(tmp_path):
         ferrus.load_config(str(root))
     assert "[checks.commands] must be an array of strings, got an array whose item 2 is " \
         "1 (an integer)" in err.value.message
+
+
+def test_a_notifier_flooding_stderr_costs_bounded_memory(tmp_path):
+    """A notifier's stderr was read whole into memory (communicate); only its end is
+    kept now, and its last line still explains the failure."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    assert ferrus.main(["-C", str(root), "init"]) == 0
+    script = ("import sys; sys.stderr.write('x' * (64 << 20) + '\\nthe real reason\\n'); "
+              "sys.exit(2)")
+    set_config(root, '[notify]\ncommand = [%s, "-c", %s]\n' % (
+        json.dumps(sys.executable), json.dumps(script)))
+    messages = []
+    notifier = ferrus.Notifier(ferrus.Store(str(root)), messages.append)
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        notifier.notify("complete", "t-1", "done")
+        _wait_for(lambda: messages, "the notifier's warning")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "exited with code 2: the real reason" in messages[0].text, messages[0].text
+    assert peak < 16 << 20, "reading the notifier's stderr took %d bytes" % peak
