@@ -1608,7 +1608,10 @@ def _describe_value(value):
     if isinstance(value, str):
         return "%s (a string)" % json.dumps(value)
     if isinstance(value, list):
-        return "an array"
+        # Arrays hold strings wherever ferrus.toml has them: name the item that is not one.
+        odd = next(((i, v) for i, v in enumerate(value) if not isinstance(v, str)), None)
+        return "an array" if odd is None else "an array whose item %d is %s" % (
+            odd[0] + 1, _describe_value(odd[1]))
     if isinstance(value, dict):
         return "a table"
     if isinstance(value, float):

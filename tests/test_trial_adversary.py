@@ -191,3 +191,16 @@ def test_text_that_is_not_utf8_is_refused_without_a_traceback(tmp_path):
     with pytest.raises(ferrus.FerrusError):
         ferrus.op_create_task(store, ferrus.HUMAN, "fix \udcff it")
     assert store.read_state().rev == before
+
+
+def test_a_check_command_that_is_no_string_is_named(tmp_path):
+    """`commands = ["pytest", 1]` was reported as "must be an array of strings, got an
+    array", which left the user looking for what is wrong."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    assert ferrus.main(["-C", str(root), "init"]) == 0
+    set_config(root, '[checks]\ncommands = ["pytest", 1]\n')
+    with pytest.raises(ferrus.FerrusError) as err:
+        ferrus.load_config(str(root))
+    assert "[checks.commands] must be an array of strings, got an array whose item 2 is " \
+        "1 (an integer)" in err.value.message
