@@ -14565,7 +14565,11 @@ def confirm(question):
     if not sys.stdin.isatty():
         raise UsageError("%s — stdin is not a terminal, so nobody can answer" % question,
                          "pass --yes to confirm")
-    answer = input("%s [y/N] " % question)
+    try:
+        answer = input("%s [y/N] " % question)
+    except EOFError:            # Ctrl+D answers no, as Enter does
+        say()
+        return False
     return answer.strip().lower() in ("y", "yes")
 
 

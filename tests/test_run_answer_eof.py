@@ -49,3 +49,23 @@ def test_ctrl_d_at_the_answer_prompt_exits_4(project, tmp_path):
             proc.wait()
         os.close(master)
     assert store.read_state().state == ferrus.S.AWAITING_HUMAN
+
+
+def test_ctrl_d_at_a_confirmation_answers_no(store, project):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, FERRUS_PY, "reset"], cwd=str(project),
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    try:
+        read_until(master, "[y/N] ")
+        os.write(master, b"\x04")
+        assert proc.wait(timeout=60) == 1
+        rest = read_until(master, "Nothing changed.")
+        assert "Nothing changed." in rest and "Traceback" not in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert store.read_state().state == ferrus.S.EXECUTING
