@@ -11007,9 +11007,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
-                    note("an agent asked a human and nobody can answer here (stdin is not a "
-                         "terminal); answer with HQ or `ferrus run --resume` in a terminal",
-                         exit=RUN_NEEDS_HUMAN)
+                    note("an agent asked a human and no answer is given here (stdin is not "
+                         "a terminal, or it ended); answer with HQ or `ferrus run --resume` "
+                         "in a terminal", exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
@@ -14611,7 +14611,11 @@ def confirm(question):
     if not sys.stdin.isatty():
         raise UsageError("%s — stdin is not a terminal, so nobody can answer" % question,
                          "pass --yes to confirm")
-    answer = input("%s [y/N] " % question)
+    try:
+        answer = input("%s [y/N] " % question)
+    except EOFError:            # Ctrl+D answers no, as Enter does
+        say()
+        return False
     return answer.strip().lower() in ("y", "yes")
 
 
@@ -14836,7 +14840,11 @@ def cmd_run(args, root):
             return None
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
-        return input("answer> ")
+        try:
+            return input("answer> ")
+        except EOFError:        # Ctrl+D: no answer now; the question keeps waiting
+            say()
+            return None
 
     def review(summary):
         """The human's word on the reviewer's approval shown above ([hq] human_review)."""
