@@ -1369,6 +1369,8 @@ CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 @dataclasses.dataclass
 class ChecksConfig:
+    """[checks]: the project's own lint and test commands, the check gate."""
+
     commands: list = dataclasses.field(default_factory=list)
     parallel: bool = False
     timeout_secs: int = 600
@@ -1378,6 +1380,8 @@ class ChecksConfig:
 
 @dataclasses.dataclass
 class LimitsConfig:
+    """[limits]: how often a task may fail its checks or its review, and waits."""
+
     max_check_retries: int = 20
     max_review_cycles: int = 3
     max_feedback_lines: int = 30
@@ -1386,17 +1390,23 @@ class LimitsConfig:
 
 @dataclasses.dataclass
 class LeaseConfig:
+    """[lease]: how long a claim on the task lasts without a heartbeat."""
+
     ttl_secs: int = 90
     heartbeat_interval_secs: int = 30
 
 
 @dataclasses.dataclass
 class SpecConfig:
+    """[spec]: where specs with milestones live."""
+
     directory: str = "docs/specs"
 
 
 @dataclasses.dataclass
 class AgentChoice:
+    """One role's agent in [hq.<role>]: which CLI, which model, which permissions."""
+
     agent: str
     model: str = ""
     permissions: str = ""     # "" = the role's default profile
@@ -1431,6 +1441,8 @@ class CustomAgentSpec:
 
 @dataclasses.dataclass
 class AgentsConfig:
+    """[agents] and [agents.<name>]: skill files, per-agent options, custom CLIs."""
+
     path: str = ".agents"
     claude_mcp_isolation: str = "merge-user"
     options: dict = dataclasses.field(default_factory=dict)    # agent name -> AgentOptions
@@ -1536,6 +1548,8 @@ CUSTOM_AGENT_KEYS = ("interactive", "headless", "prompt", "version_args")
 
 @dataclasses.dataclass
 class Config:
+    """The whole of ferrus.toml, one dataclass per table, validated by load_config."""
+
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     lease: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
@@ -2417,6 +2431,8 @@ class SessionEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Session:
+    """One agent slot's session state (see ARCHITECTURE.md, 'Session state machine')."""
+
     state: SessionState = SS.INITIALIZING
     session_seq: int = 0
     consecutive_errors: int = 0
@@ -2499,6 +2515,8 @@ CONTINUE, THROTTLE, CHECKPOINT, EMERGENCY_STOP = "Continue", "Throttle", "Checkp
 
 @dataclasses.dataclass(frozen=True)
 class Signals:
+    """The usage a capacity gate judges: counts since the budget last started."""
+
     tool_calls: int = 0
     sessions: int = 0
     tasks_completed: int = 0
@@ -3128,6 +3146,8 @@ _TAIL_LINE_BYTES = 4000
 
 @dataclasses.dataclass
 class CommandResult:
+    """How one [checks] command ended."""
+
     command: str
     status: str = "skipped"        # passed | failed | timed out | cancelled | skipped
     exit_code: "int | None" = None
@@ -3147,6 +3167,8 @@ class CommandResult:
 
 @dataclasses.dataclass
 class CheckRun:
+    """One run of the check gate: every command's result and the combined log."""
+
     results: list
     log_path: str
     cancelled: bool = False
@@ -4176,6 +4198,8 @@ def describe_base(base):
 
 @dataclasses.dataclass
 class ChangedFile:
+    """One file of a task's diff, with its added and deleted line counts."""
+
     path: str
     added: "int | None"          # None for a binary file
     deleted: "int | None"
@@ -4610,6 +4634,8 @@ def _commit_failure(err):
 
 @dataclasses.dataclass
 class Milestone:
+    """One `- [ ]` milestone of a spec, with what it depends on."""
+
     marker: str
     id: str
     title: str
@@ -4874,6 +4900,8 @@ HUMAN = Caller("human", "human")
 
 @dataclasses.dataclass
 class Outcome:
+    """What an operation returns: text for people, data for programs."""
+
     text: str
     data: dict
 
@@ -6485,6 +6513,8 @@ def _valid_id(value):
 
 @dataclasses.dataclass
 class Param:
+    """One parameter of an MCP tool, for its JSON input schema."""
+
     name: str
     type: str
     description: str
@@ -6493,6 +6523,8 @@ class Param:
 
 @dataclasses.dataclass
 class Tool:
+    """One MCP tool: its schema, the roles that get it, the operation it calls."""
+
     name: str
     title: str
     description: str
@@ -7584,6 +7616,8 @@ def client_tool_timeout_secs(config):
 
 @dataclasses.dataclass
 class Launch:
+    """How to start an agent CLI: argv, what goes to its stdin, extra environment."""
+
     argv: list
     stdin: "str | None" = None
     env: dict = dataclasses.field(default_factory=dict)
@@ -9552,6 +9586,8 @@ class AgentProcess:
 
 @dataclasses.dataclass
 class HqMessage:
+    """One line the engine emits for a front end to show."""
+
     kind: str      # transition | info | warning | error | question | agent
     text: str
     # What happened, for `ferrus run --json` and other programs: a short name (see
@@ -10985,9 +11021,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             if data.state == S.AWAITING_HUMAN and controller.shown_question:
                 answer = ask(controller.shown_question) if ask else None
                 if answer is None:
-                    note("an agent asked a human and nobody can answer here (stdin is not a "
-                         "terminal); answer with HQ or `ferrus run --resume` in a terminal",
-                         exit=RUN_NEEDS_HUMAN)
+                    note("an agent asked a human and no answer is given here (stdin is not "
+                         "a terminal, or it ended); answer with HQ or `ferrus run --resume` "
+                         "in a terminal", exit=RUN_NEEDS_HUMAN)
                     return RUN_NEEDS_HUMAN
                 if answer.strip():
                     op_answer(store, HUMAN, answer)
@@ -11175,6 +11211,8 @@ def pipelines_config(root):
 
 @dataclasses.dataclass(frozen=True)
 class WorkerDef:
+    """One worker of a pipeline phase, as workflows.json defines it."""
+
     role: str
     task: str
     timeout: int
@@ -11190,6 +11228,8 @@ class WorkerDef:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseDef:
+    """One phase of a pipeline, as workflows.json defines it."""
+
     id: str
     mode: str                      # parallel | sequential
     workers: tuple
@@ -11202,6 +11242,8 @@ class PhaseDef:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineDef:
+    """One pipeline of workflows.json."""
+
     name: str
     description: str
     phases: tuple
@@ -11419,6 +11461,8 @@ class AdoptedWorker:
 
 @dataclasses.dataclass
 class PipelineRun:
+    """One run of a pipeline: its folder and its status.json."""
+
     name: str
     path: str
     archived: bool
@@ -12650,6 +12694,8 @@ def init_project(root, agents_path=None, report=print):
 
 @dataclasses.dataclass
 class Finding:
+    """One problem doctor found, with the repair it suggests (and can apply)."""
+
     problem: str
     repair: str
     fix: "object | None" = None     # callable applying the safe repair, if there is one
@@ -14579,7 +14625,11 @@ def confirm(question):
     if not sys.stdin.isatty():
         raise UsageError("%s — stdin is not a terminal, so nobody can answer" % question,
                          "pass --yes to confirm")
-    answer = input("%s [y/N] " % question)
+    try:
+        answer = input("%s [y/N] " % question)
+    except EOFError:            # Ctrl+D answers no, as Enter does
+        say()
+        return False
     return answer.strip().lower() in ("y", "yes")
 
 
@@ -14804,7 +14854,11 @@ def cmd_run(args, root):
             return None
         # The question itself is already on the screen (the run's own event line).
         say("Your answer to the question above:", flush=True)
-        return input("answer> ")
+        try:
+            return input("answer> ")
+        except EOFError:        # Ctrl+D: no answer now; the question keeps waiting
+            say()
+            return None
 
     def review(summary):
         """The human's word on the reviewer's approval shown above ([hq] human_review)."""

@@ -711,7 +711,8 @@ def _journal_ops(bench, root):
     part on), `ferrus log -n 20`, and HQ's start-up (its controller made and shut)."""
     ferrus = bench.ferrus
     store = bench.store(root)
-    log_args = argparse.Namespace(n=20, json=False, follow=False)
+    log_args = argparse.Namespace(n=20, json=False, follow=False, all=True)
+    story_args = argparse.Namespace(n=20, json=False, follow=False, all=False)
 
     def status():
         data = ferrus.op_status(store).data
@@ -723,13 +724,24 @@ def _journal_ops(bench, root):
         with contextlib.redirect_stdout(sink):
             ferrus.cmd_log(log_args, root)
         if sink.getvalue().count("\n") != 20:
+            raise BenchError("`ferrus log -n 20 --all` printed %d lines"
+                             % sink.getvalue().count("\n"))
+
+    def story_tail():
+        # Without --all, bookkeeping (heartbeats, sessions, gates) is skipped: a bounded
+        # look back from the end, however little of it is story.
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink):
+            ferrus.cmd_log(story_args, root)
+        if not 0 < sink.getvalue().count("\n") <= 20:
             raise BenchError("`ferrus log -n 20` printed %d lines" % sink.getvalue().count("\n"))
 
     def hq_start():
         controller = ferrus.HqController(ferrus.Store(root), emit=lambda message: None,
                                          launcher=lambda slot: None)
         controller.shutdown()
-    return (("status", status), ("log -n 20", log_tail), ("HQ start", hq_start))
+    return (("status", status), ("log -n 20 --all", log_tail), ("log -n 20", story_tail),
+            ("HQ start", hq_start))
 
 
 def fig_journal_scale(bench, fig):
@@ -759,9 +771,14 @@ def fig_journal_scale(bench, fig):
                     samples[count].append(time.perf_counter() - started)
         small, large = median(samples[small_n]), median(samples[large_n])
         fig.values[name] = {"small_s": small, "large_s": large, "reps": reps}
-        fig.check("%s: %s with %d entries, %s with 100 → %.2f×" % (
-            name, ms(large), large_n, ms(small), ratio(large, small)),
-            "≤ 2× the 100-entry figure", ratio(large, small) <= 2.0)
+        measured = "%s: %s with %d entries, %s with 100 → %.2f×" % (
+            name, ms(large), large_n, ms(small), ratio(large, small))
+        if name == "log -n 20":
+            # Its look-back is bounded (20 × n + 500 entries), not the journal: a
+            # 100-entry journal simply ends the look-back sooner.
+            fig.info("(info) %s (default view; reads at most 900 entries)" % measured)
+        else:
+            fig.check(measured, "≤ 2× the 100-entry figure", ratio(large, small) <= 2.0)
 
 
 def _checks_child(bench, root, commands, parallel, timeout, **extra):
