@@ -9699,7 +9699,8 @@ def desktop_notification_argv(title, body):
             "'ferrus').Show([Windows.UI.Notifications.ToastNotification]::new($t))")
         return ["powershell", "-NoProfile", "-NonInteractive", "-Command", script]
     if shutil.which("notify-send"):
-        return ["notify-send", "--app-name=ferrus", title, body]
+        # "--" ends the options: the body is an agent's words and may start with "-".
+        return ["notify-send", "--app-name=ferrus", "--", title, body]
     return None
 
 

@@ -360,6 +360,9 @@ def test_desktop_notifier_argv_needs_no_dependency(monkeypatch):
     argv = ferrus.desktop_notification_argv("ferrus: done", 'say "hi"')
     assert argv[0] == "osascript" and '\\"hi\\"' in argv[2]
     monkeypatch.setattr(ferrus.sys, "platform", "linux")
+    monkeypatch.setattr(ferrus.shutil, "which", lambda name: "/usr/bin/" + name)
+    argv = ferrus.desktop_notification_argv("ferrus: done", "--icon=/etc/passwd")
+    assert argv.index("--") < argv.index("--icon=/etc/passwd")   # an agent's words, no option
     monkeypatch.setattr(ferrus.shutil, "which", lambda name: None)
     assert ferrus.desktop_notification_argv("t", "b") is None
 
