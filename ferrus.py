@@ -28,17 +28,18 @@ Contents (each section uses only the sections above it):
      6. Session state machine ... supervising one agent slot, pure
      7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
-     9. Checks .................. the check runner; git: a task's base and diff
-    10. Specs ................... spec and milestone parsing, selection, completion
-    11. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
-    12. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
-    13. Agents .................. one adapter per agent CLI, register, prompts for every mode
-    14. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
-    15. Pipelines ............... workflows.json, status.json, the reconcile loop
-    16. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
-    17. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
-    18. HQ front ends ........... the plain-line shell and the curses screen over the controller
-    19. CLI ..................... argparse front end, ``main(argv) -> int``
+     9. Checks .................. the check runner
+    10. Git ..................... a task's base and diff, its branch and commit ([git])
+    11. Specs ................... spec and milestone parsing, selection, completion
+    12. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
+    13. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
+    14. Agents .................. one adapter per agent CLI, register, prompts for every mode
+    15. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
+    16. Pipelines ............... workflows.json, status.json, the reconcile loop
+    17. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
+    18. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
+    19. HQ front ends ........... the plain-line shell and the curses screen over the controller
+    20. CLI ..................... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -103,7 +104,7 @@ __all__ = [
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
-    # the operations and what they take and give (section 11)
+    # the operations and what they take and give (section 12)
     "Caller", "HUMAN", "Outcome",
     "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
     "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
@@ -112,7 +113,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff",
-    # the MCP server over stdio (section 12)
+    # the MCP server over stdio (section 13)
     "serve_stdio",
 ]
 
@@ -1362,7 +1363,7 @@ CONFIG_FILE = "ferrus.toml"
 BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
 # The binary names people type for the built-in agents.
 AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
-# What a headless agent may do besides calling ferrus's tools (see section 13).
+# What a headless agent may do besides calling ferrus's tools (see section 14).
 PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
@@ -3875,6 +3876,14 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
                     log_path=os.path.relpath(summary, root).replace(os.sep, "/"))
 
 
+# ============================================================================
+# 10. Git
+# ============================================================================
+#
+# The only code that runs git: reading a task's base and diff, and, when [git] asks,
+# writing its branch and its commit.  Operations, the MCP server and the front ends
+# reach the repository through this section alone.
+
 # -- git: a task's base and its diff --------------------------------------------------
 #
 # A task remembers where it started (record_task_base) and its diff is measured from
@@ -4629,7 +4638,7 @@ def _commit_failure(err):
 
 
 # ============================================================================
-# 10. Specs
+# 11. Specs
 # ============================================================================
 
 @dataclasses.dataclass
@@ -4871,7 +4880,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 
 
 # ============================================================================
-# 11. Operations
+# 12. Operations
 # ============================================================================
 #
 # One function per behaviour.  The MCP tools, the CLI (and HQ) call these and
@@ -6126,7 +6135,7 @@ def op_run_checks_only(store, cancel=None):
 
 
 # ============================================================================
-# 12. MCP
+# 13. MCP
 # ============================================================================
 #
 # First a generic JSON-RPC 2.0 server on newline-delimited stdio, then the
@@ -7532,7 +7541,7 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
 
 
 # ============================================================================
-# 13. Agents
+# 14. Agents
 # ============================================================================
 #
 # One adapter per agent CLI.  An adapter knows the binary, how to launch it
@@ -9184,7 +9193,7 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
 
 
 # ============================================================================
-# 14. Sessions
+# 15. Sessions
 # ============================================================================
 #
 # The engine that runs the loop: agent processes supervised one slot per
@@ -9192,7 +9201,7 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
 # one-orchestrator lock, and HqController, which reads the journal in order (so
 # no transition is ever missed) and reacts.  The controller knows nothing about
 # terminals: `ferrus run` (at the end of this section) and the HQ front ends
-# (section 18) feed it input and print what it emits.
+# (section 19) feed it input and print what it emits.
 
 def sessions_config(root):
     """[sessions] from ferrus.toml (validated with the whole file by load_config).
@@ -11154,7 +11163,7 @@ def _run_json(message):
 # functions because Windows Python has no curses module.
 
 # ============================================================================
-# 15. Pipelines
+# 16. Pipelines
 # ============================================================================
 #
 # A file-driven pipeline automaton in three parts (see ARCHITECTURE.md, 'Pipeline
@@ -11386,7 +11395,7 @@ def read_workflows(root, config):
 
 def pipeline_worker_launch(config, agent, root, prompt, model, reads=(), output=None):
     """One worker's Launch: headless, without ferrus's tools (a worker must not claim
-    or submit the main task), allowed to write its output file (section 13)."""
+    or submit the main task), allowed to write its output file (section 14)."""
     adapter = adapter_for(config, agent)
     if not adapter.executable():
         raise FerrusError("%s is not installed" % adapter.binary, adapter.install_hint())
@@ -12422,7 +12431,7 @@ def _pipeline_result(outcome, out):
 
 
 # ============================================================================
-# 16. Init and doctor
+# 17. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -12939,7 +12948,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 17. Packaging
+# 18. Packaging
 # ============================================================================
 #
 # pyproject.toml names ``ferrus:BuildBackend`` as its PEP 517 / PEP 660 backend
@@ -13078,11 +13087,11 @@ class BuildBackend:
 
 
 # ============================================================================
-# 18. HQ front ends
+# 19. HQ front ends
 # ============================================================================
 #
 # What a human looks at.  Both front ends drive the UI-independent HqController
-# (section 14): HqShell reads plain lines from any stream, CursesHq draws the
+# (section 15): HqShell reads plain lines from any stream, CursesHq draws the
 # same transcript in a terminal with a status bar and line editing.  A new front
 # end (a web page, a task board) plugs in here, beside them, and calls nothing
 # the controller and the operations do not already offer.
@@ -14268,7 +14277,7 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# 19. CLI
+# 20. CLI
 # ============================================================================
 
 def invoked_as():
