@@ -10942,6 +10942,23 @@ def run_printer(out, mode="lines"):
     return show
 
 
+def require_headless_agents(store):
+    """Refuse, before a task is created, a run whose executor or reviewer could not start:
+    no [hq.<role>] agent, or a built-in agent CLI that is not on PATH (a custom agent's
+    command is the user's own and is judged when it starts)."""
+    config = store.config().require_hq()
+    for role, slots in (("executor", "the executor"), ("supervisor", "the reviewer")):
+        choice = getattr(config, role)
+        if choice is None:
+            raise FerrusError("no agent is set for %s: ferrus.toml has no [hq.%s]" % (slots, role),
+                              "`ferrus register --supervisor AGENT --executor AGENT` sets both "
+                              "(`ferrus agents` lists what is installed)")
+        adapter = adapter_for(config, choice.agent)
+        if not isinstance(adapter, CustomAgent) and not adapter.executable():
+            raise FerrusError("%s's agent %s is not installed here (no `%s` on PATH)" % (
+                slots, choice.agent, adapter.binary), adapter.install_hint())
+
+
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
              review=None, mode="lines", bell=None):
@@ -10986,6 +11003,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "the last task failed: %s" % failure_summary(data.failure_reason),
                 "pass --reset to clear it and start the new task "
                 "(`ferrus status` and `ferrus log` show what happened)")
+        if launcher is None:            # real agents: they must be able to start at all
+            require_headless_agents(store)
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task

@@ -7,6 +7,7 @@ Clocks are injected: nothing here waits for a backoff in real time.
 import io
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 import conftest
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_PY, run_cli, set_config
 
 S, SS = ferrus.S, ferrus.SS
 
@@ -439,3 +440,28 @@ def test_an_interactive_agent_gets_its_own_session(project, tmp_path, monkeypatc
     session = seen.read_text()
     assert session.startswith("s-") and session != "s-inherited-from-outside"
     shell.controller.shutdown()
+
+
+def test_run_refuses_before_creating_a_task_no_agent_could_work_on(tmp_path):
+    """`ferrus run --task` with no agents set, or with a built-in agent CLI that is not
+    installed, says so and leaves the project Idle — it used to create the task first and
+    then give up on the agent, leaving a task in flight that nobody could work on."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    assert run_cli("init", cwd=str(root)).returncode == 0
+    config = root / "ferrus.toml"
+    written = config.read_text(encoding="utf-8")      # init names claude-code and codex
+    config.write_text(re.sub(r"(?ms)^\[hq\.(supervisor|executor)\]\n.*?(?=^\[|\Z)", "",
+                             written), encoding="utf-8")
+    refused = run_cli("run", "--task", "Make hello.txt", cwd=str(root))
+    assert refused.returncode == 1
+    assert "no agent is set for the executor" in refused.stderr
+    assert "ferrus register" in refused.stderr
+    assert ferrus.Store(str(root)).read_state().state == ferrus.S.IDLE
+    config.write_text(written, encoding="utf-8")
+    env = dict(os.environ, PATH=str(tmp_path / "empty-bin"))
+    missing = run_cli("run", "--task", "Make hello.txt", cwd=str(root), env=env)
+    assert missing.returncode == 1, missing.stderr
+    assert "agent codex is not installed here (no `codex` on PATH)" in missing.stderr
+    assert "npm install" in missing.stderr
+    assert ferrus.Store(str(root)).read_state().state == ferrus.S.IDLE
