@@ -18,6 +18,7 @@ import pytest
 import ferrus
 from conftest import SCRIPTED_CONFIG, run_cli, scripted_project, set_config
 from mcp_client import InProcessMcp, tool_text
+from test_hq import moves, run
 
 S = ferrus.S
 HUMAN_REVIEW = "[hq]\nhuman_review = true\n"
@@ -349,18 +350,6 @@ def scripted(project, tmp_path, monkeypatch):
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
     store.memory = str(memory)
     return store
-
-
-def run(store, task="Make work.txt", **kw):
-    lines = []
-    kw.setdefault("timeout", 90)
-    code = ferrus.run_loop(store, task, out=lines.append, **kw)
-    return code, lines
-
-
-def moves(store):
-    return [(e["event"], e["actor"].partition("/")[0]) for e in store.read_journal()
-            if e["actor"] != "hq" and e["event"] not in ("claim", "heartbeat")]
 
 
 def test_run_approve_path(scripted):

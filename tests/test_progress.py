@@ -13,24 +13,12 @@ import textwrap
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CONFIG, scripted_project, set_config
+from conftest import FERRUS_PY, SCRIPTED_CONFIG, set_config
+from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
 
 
-@pytest.fixture
-def scripted(project, tmp_path, monkeypatch):
-    store = scripted_project(project, tmp_path / "memory")
-    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
-    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    return store
-
-
-def run(store, task="Make work.txt", **kw):
-    lines = []
-    kw.setdefault("timeout", 90)
-    code = ferrus.run_loop(store, task, out=lines.append, **kw)
-    return code, lines
 
 
 def cli_env(tmp_path, **extra):
