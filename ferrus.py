@@ -12776,6 +12776,7 @@ def doctor_findings(root):
             "end the processes carrying its marker (identity verified) and remove the pid file",
             lambda: [log.info("%s", m) for m in end_orphaned_checks(store.dir)],
             severity="warning"))
+    findings.extend(_record_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
     for folder in ("usage", CHECK_PROCESS_DIR):
@@ -12790,6 +12791,50 @@ def doctor_findings(root):
                 FERRUS_DIR, name, format_duration(age)), "delete it",
                 lambda path=path: os.unlink(path)))
     return findings
+
+
+def _record_findings(store):
+    """A damaged agents.json or session record breaks nothing (readers skip it), but the
+    agents or sessions it held are no longer seen: said here, with a repair."""
+    findings = []
+    path = store.path("agents.json")
+    try:
+        registry = json.loads(read_text(path))
+        if not isinstance(registry, dict) or not isinstance(registry.get("agents", []), list):
+            raise ValueError("not an object with an \"agents\" list")
+    except FileNotFoundError:
+        pass                                    # reported above as missing
+    except (OSError, ValueError) as err:
+        findings.append(Finding(
+            "%s/agents.json is damaged (%s): agents an earlier orchestrator started are not "
+            "tracked" % (FERRUS_DIR, terminal_safe(str(err))[:120]),
+            "keep it as agents.json.corrupt-<time> and start an empty list",
+            lambda: _set_aside(path, pretty_json({"agents": []})), severity="warning"))
+    folder = store.path(SESSIONS_DIR)
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in names:
+        record_path = os.path.join(folder, name)
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            record = json.loads(read_text(record_path))
+            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                raise ValueError("not a session record")
+        except (OSError, ValueError) as err:
+            findings.append(Finding(
+                "%s/%s/%s is damaged (%s): that session is left out of `ferrus sessions` and "
+                "usage" % (FERRUS_DIR, SESSIONS_DIR, name, terminal_safe(str(err))[:120]),
+                "keep it as %s.corrupt-<time>" % name,
+                lambda record_path=record_path: _set_aside(record_path), severity="warning"))
+    return findings
+
+
+def _set_aside(path, replacement=None):
+    """Rename a damaged file to <name>.corrupt-<time> (nothing is deleted), and write
+    ``replacement`` in its place when there is one."""
+    os.replace(path, "%s.corrupt-%s" % (path, utc_now().strftime("%Y%m%dT%H%M%S")))
+    if replacement is not None:
+        atomic_write(path, replacement)
 
 
 def config_findings(root):
