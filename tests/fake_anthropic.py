@@ -59,7 +59,7 @@ __all__ = [
     "FakeAnthropic", "ScriptedAgent", "text", "tool_use", "last_tool_results",
     "claude_env", "find_claude", "default_is_main", "default_side_reply", "tool_names",
     "DEFAULT_AGENT_DIRS",
-    "find_agent",
+    "find_agent", "turns_by_ferrus_role",
 ]
 
 # Where .ci/run installs the agent CLIs (checked after PATH and $FERRUS_AGENT_BIN).
@@ -536,6 +536,20 @@ _SCRUB = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL
           "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX", "CLAUDE_CODE_OAUTH_TOKEN",
           "CLAUDE_CONFIG_DIR", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy",
           "ALL_PROXY", "all_proxy")
+
+
+def turns_by_ferrus_role(steps):
+    """A turn function for FakeAnthropic when one model server plays every ferrus role:
+    each claude process is one role, and the ferrus tools it is offered say which
+    (``steps`` maps "executor" / "supervisor" to that role's scripted turns, answered in
+    order, then "Done.")."""
+    def turn(request):
+        names = [tool.get("name", "") for tool in request.get("tools") or []]
+        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
+            else "supervisor"
+        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
+    return turn
 
 
 def claude_env(fake, home):

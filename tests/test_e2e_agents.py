@@ -13,7 +13,8 @@ import pytest
 
 import ferrus
 from conftest import set_config
-from fake_anthropic import FakeAnthropic, ScriptedAgent, claude_env, find_agent, text, tool_use
+from fake_anthropic import (FakeAnthropic, ScriptedAgent, claude_env, find_agent, text, tool_use,
+                            turns_by_ferrus_role)
 
 pytestmark = pytest.mark.e2e
 
@@ -237,15 +238,7 @@ def claude_loop(project, tmp_path):
         "supervisor": [tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
                        tool_use("mcp__ferrus-supervisor-1__approve", {})],
     }
-
-    def turn(request):
-        # Each claude process is one role: its tools say which.
-        names = [tool.get("name", "") for tool in request.get("tools") or []]
-        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
-            else "supervisor"
-        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
-        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
-    return turn, home
+    return turns_by_ferrus_role(steps), home
 
 
 def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import ferrus
-from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
+from fake_anthropic import FakeAnthropic, claude_env, find_agent, tool_use, turns_by_ferrus_role
 
 pytestmark = pytest.mark.e2e
 
@@ -70,15 +70,7 @@ def scripted_model(project):
         "supervisor": [tool_use("mcp__ferrus-supervisor-1__wait_for_review", {}),
                        tool_use("mcp__ferrus-supervisor-1__approve", {})],
     }
-
-    def turn(request):
-        # Each claude process is one role: the ferrus tools it is offered say which.
-        names = [tool.get("name", "") for tool in request.get("tools") or []]
-        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
-            else "supervisor"
-        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
-        return [steps[role][done]] if done < len(steps[role]) else [text("Done.")]
-    return turn
+    return turns_by_ferrus_role(steps)
 
 
 def test_the_readme_quick_start_reaches_complete(tmp_path):
