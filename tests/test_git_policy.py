@@ -15,6 +15,7 @@ import pytest
 
 from conftest import run_cli, set_config
 import ferrus
+from test_git_diff import write
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -28,13 +29,6 @@ def git(root, *args, check=True, env=None):
     clean.update(env or {})
     return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
                           env=clean, capture_output=True, text=True, check=check)
-
-
-def write(root, rel, text):
-    path = os.path.join(str(root), *rel.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
 
 
 def read(root, rel):
