@@ -4344,10 +4344,15 @@ def _new_file_numstat(root, rel):
     return ChangedFile(rel, lines + (last != b"\n"), 0)
 
 
-def _stat_files(root, compare, specs, options, notes):
-    """[ChangedFile] of the diff without its patch: the tracked files' numstat from the
-    user's index (read, never written) and the untracked files counted here, the two git
-    commands run side by side.  A stat asks for nothing else, and this is its fast path."""
+# How ferrus asks git for a task's diff: no external diff tools or colours of the
+# user's, paths relative to the project, a submodule's inner edits not followed.
+DIFF_OPTIONS = ["--no-ext-diff", "--no-color", "--relative", "--ignore-submodules=dirty"]
+
+
+def _list_changes(root, compare, specs, options, notes):
+    """(ChangedFile of each tracked file, path of each untracked file) against
+    ``compare``: the tracked files' numstat from the user's index (read, never written)
+    and the untracked listing, the two git commands run side by side."""
     listed = {}
 
     def list_untracked():
@@ -4365,7 +4370,14 @@ def _stat_files(root, compare, specs, options, notes):
         lister.join()
     if "error" in listed:
         raise listed["error"]
-    untracked = _without_nested([p for p in os.fsdecode(listed["out"]).split("\0") if p], notes)
+    return files, _without_nested([p for p in os.fsdecode(listed["out"]).split("\0") if p],
+                                  notes)
+
+
+def _stat_files(root, compare, specs, options, notes):
+    """[ChangedFile] of the diff without its patch, the untracked files counted here as
+    git would count them.  A stat asks for nothing else, and this is its fast path."""
+    files, untracked = _list_changes(root, compare, specs, options, notes)
     files += [_new_file_numstat(root, rel) for rel in untracked]
     files.sort(key=lambda changed: changed.path.encode("utf-8", "surrogateescape"))
     return files
@@ -4413,7 +4425,7 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
                      % ", ".join(submodules))
     compare = start or repo.empty_tree()
     specs = _pathspecs(exclude, paths)
-    options = ["--no-ext-diff", "--no-color", "--relative", "--ignore-submodules=dirty"]
+    options = DIFF_OPTIONS
     if not patch:
         return TaskDiff(base=base or {}, notes=notes,
                         files=_stat_files(root, compare, specs, options, notes))
@@ -4481,14 +4493,14 @@ def current_branch(root):
     return os.fsdecode(out).strip() or None
 
 
-def create_task_branch(root, name):
+def create_task_branch(root, name, base):
     """Create branch ``name`` at HEAD and check it out; the work tree, the index and any
-    uncommitted change stay as they are (they come along).  Returns the branch HEAD was
-    on before (None from a detached HEAD).  Raises GitUnavailable, or GitError saying
-    why not — the repository is then unchanged."""
-    repo = git_repository(root)
+    uncommitted change stay as they are (they come along).  ``base`` is what
+    record_task_base just found (the branch HEAD is on, a git operation in progress).
+    Returns the branch HEAD was on before (None from a detached HEAD).  Raises GitError
+    saying why not — the repository is then unchanged."""
     hint_off = "; or set branch = \"\" in [git] of %s to work without a branch" % CONFIG_FILE
-    operation = repo.operation_in_progress()
+    operation = base.get("operation")
     if operation:
         raise GitError("a git %s is in progress in this checkout, and a new branch now would "
                        "tangle with it" % operation, "finish it or abort it (%s), then create "
@@ -4501,9 +4513,8 @@ def create_task_branch(root, name):
         raise GitError("branch %s already exists" % name,
                        "ferrus never moves an existing branch: rename it (`git branch -m %s "
                        "NEW`) or delete it, then create the task again%s" % (name, hint_off))
-    previous = current_branch(root)
     run_git(root, ["checkout", "-q", "-b", name])
-    return previous
+    return base.get("branch")
 
 
 def remove_task_branch(root, name, previous, commit):
@@ -4571,10 +4582,13 @@ def commit_task_changes(root, base, exclude, message, timeout=GIT_COMMIT_TIMEOUT
                        % base["dirty_count"],
                        "commit the task's files by hand (`ferrus diff --stat` lists them)")
     changed_before = _changed_before(base, _project_prefix(repo))
+    tracked, untracked = _list_changes(root, repo.head() or repo.empty_tree(),
+                                       _pathspecs(exclude), DIFF_OPTIONS, [])
     paths, left_out = [], []
-    for changed in task_diff(root, None, exclude, patch=False).files:
-        for path in filter(None, (changed.path, changed.old_path)):
-            (left_out if changed_before(path) else paths).append(path)
+    for path in sorted(set(untracked).union(
+            *(filter(None, (changed.path, changed.old_path)) for changed in tracked)),
+            key=lambda path: path.encode("utf-8", "surrogateescape")):
+        (left_out if changed_before(path) else paths).append(path)
     if not paths:
         return {"commit": None, "branch": branch, "files": 0, "left_out": left_out,
                 "reason": "the task changed no files" if not left_out else
@@ -4582,10 +4596,7 @@ def commit_task_changes(root, base, exclude, message, timeout=GIT_COMMIT_TIMEOUT
                 "(%s); they are yours to commit" % ", ".join(left_out)}
     # A new file must be known to the index for `git commit -- PATH`: intent-to-add
     # records only its name, and is taken back if the commit fails.
-    untracked = set(os.fsdecode(run_git(root, ["ls-files", "-z", "--others",
-                                               "--exclude-standard"] + _pathspecs(exclude)))
-                    .split("\0"))
-    added = [p for p in paths if p in untracked]
+    added = [p for p in paths if p in set(untracked)]
     fd, message_file = tempfile.mkstemp(prefix="ferrus-commit-", suffix=".txt",
                                         dir=repo.git_dir)
     try:
@@ -4978,7 +4989,7 @@ def op_create_task(store, caller, description, origin=None):
         task_id = new_id("t")
         branch = git_config.branch_for(task_id)
         try:
-            from_branch = create_task_branch(store.root, branch)
+            from_branch = create_task_branch(store.root, branch, base)
         except GitError as err:
             raise FerrusError("Cannot create task: [git] branch: %s." % err.message.rstrip("."),
                               err.hint) from err
