@@ -7463,8 +7463,11 @@ def tool_calls_for_task(store, task_id, session=None):
     directory = store.path("usage")
     if not task_id or not os.path.isdir(directory):
         return 0
+    # The file name carries the agent id ("/" made "_"), so a session's files are found
+    # without reading every other server's (HQ asks about each running slot every second).
+    marker = "_" + session if session else ""        # a first sieve; the id decides
     for name in os.listdir(directory):
-        if not name.endswith(".json"):
+        if not name.endswith(".json") or marker not in name:
             continue
         with contextlib.suppress(ValueError, OSError, AttributeError, TypeError):
             usage = json.loads(read_text(os.path.join(directory, name)))
