@@ -7865,6 +7865,31 @@ def add_registration_options(parser):
     return parser
 
 
+def registration_choices(args, root):
+    """{role: (agent, model)} from add_registration_options' arguments, checked as
+    upstream checks them; with no option at all, the agents [hq.*] of ferrus.toml
+    name.  Returns (choices, from_config)."""
+    if not (args.supervisor or args.executor or args.supervisor_model is not None
+            or args.executor_model is not None):
+        choices = configured_registration(root)
+        if not choices:
+            raise UsageError("At least one of --supervisor or --executor must be specified",
+                             "e.g. ferrus register --supervisor claude-code --executor codex "
+                             "(a bare `ferrus register` uses [hq.supervisor] and [hq.executor] "
+                             "of ferrus.toml, and this project names neither)")
+        return choices, True
+    # Upstream's checks, in upstream's order.
+    if not args.supervisor and not args.executor:
+        raise UsageError("At least one of --supervisor or --executor must be specified",
+                         "e.g. ferrus register --supervisor claude-code --executor codex")
+    if args.supervisor_model is not None and not args.supervisor:
+        raise UsageError("--supervisor-model requires --supervisor")
+    if args.executor_model is not None and not args.executor:
+        raise UsageError("--executor-model requires --executor")
+    return {role: (getattr(args, role), getattr(args, role + "_model"))
+            for role in ROLES if getattr(args, role)}, False
+
+
 def ensure_gitignore_entry(root, entry, report):
     """Add ``entry`` to .gitignore unless a line already says it (CRLF tolerated)."""
     path = os.path.join(root, ".gitignore")
@@ -13747,11 +13772,7 @@ class HqShell:
             def error(self, message):       # never print over the screen, never exit
                 raise usage
         args = add_registration_options(Parser(add_help=False)).parse_args(rest.split())
-        choices = {role: (getattr(args, role), getattr(args, role + "_model"))
-                   for role in ROLES if getattr(args, role)}
-        choices = choices or configured_registration(self.store.root)
-        if not choices:
-            raise UsageError("At least one of --supervisor or --executor must be specified")
+        choices, _ = registration_choices(args, self.store.root)
         # Through write(), so the output lands in HQ's transcript, not over the screen.
         register_agents(self.store.root, choices, trust=args.trust, report=self.write)
 
@@ -14848,34 +14869,10 @@ def cmd_check(args, root):
 
 
 def cmd_register(args, root):
-    bare = not (args.supervisor or args.executor or args.supervisor_model is not None
-                or args.executor_model is not None)
-    if bare:
-        choices = configured_registration(root)
-        if not choices:
-            raise UsageError("At least one of --supervisor or --executor must be specified",
-                             "e.g. ferrus register --supervisor claude-code --executor codex "
-                             "(a bare `ferrus register` uses [hq.supervisor] and [hq.executor] "
-                             "of ferrus.toml, and this project names neither)")
+    choices, from_config = registration_choices(args, root)
+    if from_config:
         say("Registering the agents ferrus.toml names: %s" % ", ".join(
             "%s %s" % (role, agent) for role, (agent, _model) in choices.items()))
-        register_agents(root, choices, trust=args.trust)
-        print()
-        print("Done. `ferrus agents` shows whether each agent is installed and connected.")
-        return 0
-    # Upstream's checks, in upstream's order.
-    if not args.supervisor and not args.executor:
-        raise UsageError("At least one of --supervisor or --executor must be specified",
-                         "e.g. ferrus register --supervisor claude-code --executor codex")
-    if args.supervisor_model is not None and not args.supervisor:
-        raise UsageError("--supervisor-model requires --supervisor")
-    if args.executor_model is not None and not args.executor:
-        raise UsageError("--executor-model requires --executor")
-    choices = {}
-    if args.supervisor:
-        choices["supervisor"] = (args.supervisor, args.supervisor_model)
-    if args.executor:
-        choices["executor"] = (args.executor, args.executor_model)
     register_agents(root, choices, trust=args.trust)
     print()
     print("Done. `ferrus agents` shows whether each agent is installed and connected.")

@@ -240,3 +240,20 @@ def test_quitting_asks_only_while_agents_have_work_to_lose(project, monkeypatch,
         shell.cmd_quit("") if shell is plain else (shell.ctrl_c(), shell.ctrl_c())
         assert shell.done and len(asked) == (1 if shell is plain else 2)
         shell.controller.shutdown()
+
+
+def test_hq_register_checks_its_options_as_the_cli_does(project):
+    """One helper turns the options into choices for `ferrus register` and /register: a
+    model without its agent is refused in both, instead of HQ silently dropping it."""
+    store = ferrus.Store(str(project))
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(), stdout=out)
+    try:
+        shell.handle("/register --supervisor-model opus")
+    finally:
+        shell.controller.shutdown()
+    assert "error: At least one of --supervisor or --executor must be specified" in out.getvalue()
+    cli = subprocess.run(
+        [sys.executable, FERRUS_PY, "register", "--supervisor-model", "opus"],
+        cwd=str(project), capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2 and "At least one of --supervisor or --executor" in cli.stderr
