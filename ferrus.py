@@ -2606,15 +2606,16 @@ class InvalidPhaseTransition(FerrusError):
     """A phase move the machine does not allow; nothing changed."""
 
     def __init__(self, from_phase, to_phase, allowed):
-        super().__init__(
-            "phase transition %s → %s is not allowed (from %s: %s)" % (
-                phase_label(from_phase), phase_label(to_phase), phase_label(from_phase),
-                ", ".join(phase_label(p) for p in allowed) or "nothing"),
-            "the cycle is P0 → P1 → P2 → P3 → P4 (→ P3 while work and slots remain) → P5 → "
-            "P1, P2 or P6 → P7 → P1; after a crash P0 goes only to the phase it interrupted")
         self.from_phase = from_phase
         self.to_phase = to_phase
         self.allowed = tuple(allowed)
+        super().__init__(
+            "phase transition %s → %s is not allowed (from %s: %s)" % (
+                phase_label(self.from_phase), phase_label(self.to_phase),
+                phase_label(self.from_phase),
+                ", ".join(phase_label(p) for p in self.allowed) or "nothing"),
+            "the cycle is P0 → P1 → P2 → P3 → P4 (→ P3 while work and slots remain) → P5 → "
+            "P1, P2 or P6 → P7 → P1; after a crash P0 goes only to the phase it interrupted")
 
 
 class ShutdownRequired(FerrusError):
