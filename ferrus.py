@@ -4899,6 +4899,372 @@ def _commit_failure(err):
     return GitError(said, hint)
 
 
+# -- git: task worktrees (parallel tasks) ------------------------------------------------
+#
+# Each parallel task works in a git worktree of its own, on a branch of its own started
+# at the target branch's head.  These functions are plumbing only — no store, no journal:
+# the orchestrator records what they did.  Each is safe to call again after a crash at
+# any point: creating finds the worktree it made (or finishes one git left half made),
+# removing tolerates what is already gone, and listing shows everything left behind.
+
+# The default worktree folder sits beside the repository: <folder name> + this.
+WORKTREE_DIR_SUFFIX = ".ferrus-worktrees"
+
+
+def default_worktree_dir(root, configured=None):
+    """The folder task worktrees go in, as an absolute path.
+
+    By default it sits beside the repository, never inside it —
+    ``<parent of its top level>/<its folder name>.ferrus-worktrees`` — so test runners,
+    linters, editors' searches and `git status` in the user's checkout never see a
+    task's files.  ``configured`` ([parallel] worktree_dir; ``~`` expanded, relative to
+    the project root) replaces it: outside the repository anywhere, inside it only in a
+    git-ignored folder (else every task's files would show up as untracked in the
+    user's checkout and be found by test discovery), and never in the .git folder.
+    Raises GitUnavailable (no repository here) or FerrusError (a refused folder)."""
+    repo = git_repository(root)
+    toplevel = os.path.realpath(repo.toplevel)
+    if not configured:
+        return os.path.join(os.path.dirname(toplevel),
+                            os.path.basename(toplevel) + WORKTREE_DIR_SUFFIX)
+    path = os.path.realpath(os.path.join(os.path.abspath(root),
+                                         os.path.expanduser(configured)))
+    rel = _relative_inside(path, toplevel)
+    if rel is None:
+        return path
+    setting = "[parallel] worktree_dir = %s in %s" % (json.dumps(configured), CONFIG_FILE)
+    default = os.path.join(os.path.dirname(toplevel),
+                           os.path.basename(toplevel) + WORKTREE_DIR_SUFFIX)
+    if rel == "":
+        raise FerrusError("%s is the repository itself (%s)" % (setting, toplevel),
+                          "leave worktree_dir unset (worktrees then go in %s) or name a "
+                          "folder outside the repository" % default)
+    if (_relative_inside(path, os.path.realpath(repo.git_dir)) is not None
+            or rel.split("/")[0] == ".git"):
+        raise FerrusError("%s is inside the repository's .git folder" % setting,
+                          "leave worktree_dir unset (worktrees then go in %s) or name a "
+                          "folder outside the repository" % default)
+    # A folder a worktree would be made in: ignored when git would not list it.
+    probe = rel + "/ferrus-task/"
+    if not run_git(toplevel, ["check-ignore", "--", probe], ok=(0, 1)).strip():
+        raise FerrusError("%s is inside the repository (%s) and not git-ignored: every "
+                          "task's files would show as untracked in your checkout, in task "
+                          "diffs and to test runners" % (setting, toplevel),
+                          "leave worktree_dir unset (worktrees then go in %s), name a "
+                          "folder outside the repository, or add `/%s/` to .gitignore"
+                          % (default, rel))
+    return path
+
+
+def _relative_inside(path, folder):
+    """``path`` relative to ``folder`` with / separators ("" for the folder itself), or
+    None when it is not inside it (both real, absolute paths)."""
+    try:
+        rel = os.path.relpath(path, folder)
+    except ValueError:                      # another drive (Windows)
+        return None
+    if rel == os.curdir:
+        return ""
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    return rel.replace(os.sep, "/")
+
+
+# Whether this git knows `git worktree list -z` (2.36+), once asked: [True] or [False].
+_WORKTREE_LIST_NUL = []
+
+
+def _worktree_entries(root):
+    """Every worktree of the repository ``root`` is in, the main one first, from
+    `git worktree list --porcelain`: dicts with path, head, branch (short name, None
+    when detached), bare, locked and prunable (git's reason, "" without one, or None)."""
+    out, separator = None, "\0"
+    if _WORKTREE_LIST_NUL != [False]:
+        try:
+            out = run_git(root, ["worktree", "list", "--porcelain", "-z"])
+        except GitError as err:
+            if _WORKTREE_LIST_NUL or "(exit 129)" not in err.message:
+                raise
+            _WORKTREE_LIST_NUL.append(False)      # a usage error: git older than 2.36
+        else:
+            _WORKTREE_LIST_NUL[:] = [True]
+    if out is None:                      # older git: a path holding a newline misreads
+        out, separator = run_git(root, ["worktree", "list", "--porcelain"]), "\n"
+    records = os.fsdecode(out).split(separator * 2)
+    entries = []
+    for record in records:
+        entry = {"path": None, "head": None, "branch": None, "bare": False,
+                 "locked": None, "prunable": None}
+        for line in record.strip(separator).split(separator):
+            key, _, value = line.partition(" ")
+            if key == "worktree":
+                entry["path"] = os.path.normpath(value)
+            elif key == "HEAD":
+                entry["head"] = value
+            elif key == "branch":
+                entry["branch"] = value[len("refs/heads/"):] if value.startswith(
+                    "refs/heads/") else value
+            elif key == "bare":
+                entry["bare"] = True
+            elif key in ("locked", "prunable"):
+                entry[key] = value
+        if entry["path"]:
+            entries.append(entry)
+    return entries
+
+
+def _same_path(one, other):
+    return os.path.normcase(os.path.realpath(one)) == os.path.normcase(os.path.realpath(other))
+
+
+def _worktree_git_dir(path):
+    """The git folder of the checkout at ``path`` (its .git folder, or the folder its
+    .git file points to, as in a linked worktree), or None when it has neither."""
+    dot_git = os.path.join(path, ".git")
+    if os.path.isdir(dot_git):
+        return dot_git
+    try:
+        with open(dot_git, encoding="utf-8", errors="surrogateescape") as handle:
+            line = handle.readline().strip()
+    except OSError:
+        return None
+    if not line.startswith("gitdir:"):
+        return None
+    return os.path.normpath(os.path.join(path, line[len("gitdir:"):].strip()))
+
+
+def _rebasing_branch(git_dir):
+    """The branch a rebase in progress in this checkout rewrites, or None."""
+    for name in ("rebase-merge", "rebase-apply"):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(git_dir, name, "head-name"), encoding="utf-8",
+                      errors="surrogateescape") as handle:
+                ref = handle.read().strip()
+            return ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else None
+    return None
+
+
+def _fork_point(root, branch_head, start_commit):
+    """Where ``branch_head`` forked from ``start_commit`` (their merge base)."""
+    if branch_head == start_commit:
+        return start_commit
+    out = run_git(root, ["merge-base", branch_head, start_commit], ok=(0, 1)).strip()
+    if not out:
+        raise GitError("the branch's commit %s shares no history with %s"
+                       % (branch_head[:12], start_commit),
+                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
+                       "start the task again")
+    return os.fsdecode(out)
+
+
+def _commit_id(root, commit):
+    """The full id of ``commit`` (a ref or an abbreviated id) — or GitError."""
+    out = run_git(root, ["rev-parse", "-q", "--verify", commit + "^{commit}"], ok=(0, 1))
+    if not out.strip():
+        raise GitError("%s names no commit in the repository" % commit,
+                       "`git log --oneline -5` shows recent commits")
+    return os.fsdecode(out).strip()
+
+
+def _folder_has_files(path):
+    try:
+        return bool(os.listdir(path))
+    except FileNotFoundError:
+        return False
+    except NotADirectoryError:
+        return True
+
+
+def create_task_worktree(root, path, branch, start_commit):
+    """A new worktree at ``path`` on a new branch ``branch`` started at ``start_commit``
+    (`git worktree add -b`).  Returns {"path", "branch", "base"}: "base" is the commit
+    the branch started from.
+
+    Called again for the same path and branch (say after a crash) it returns the
+    worktree already there (its "base" is where its branch forked from
+    ``start_commit``), finishes one git was interrupted making (no checkout written yet:
+    it is made again), and puts a worktree back whose folder was deleted.  A branch of
+    that name left behind without a worktree is used only when it holds no commit that
+    ``start_commit`` lacks (nothing on it can be lost).  Anything else — the path taken
+    by other files or another worktree, the branch checked out elsewhere or holding
+    commits of its own — is refused with a GitError that says what to do; the
+    repository is then unchanged."""
+    path = os.path.abspath(path)
+    problem = git_branch_name_problem(branch)
+    if problem:
+        raise GitError("%s is no valid branch name: it %s" % (json.dumps(branch), problem),
+                       "choose another branch name for the task's worktree")
+    if _folder_has_files(path):
+        # Before `git worktree add -b`, which would make the branch, then refuse the path.
+        return _resume_task_worktree(root, path, branch, start_commit, None)
+    try:
+        run_git(root, ["worktree", "add", "-q", "--no-track", "-b", branch, path,
+                       start_commit + "^{commit}"])
+    except GitError as err:
+        return _resume_task_worktree(root, path, branch, start_commit, err)
+    base = start_commit if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", start_commit) else (
+        _commit_id(root, start_commit))
+    return {"path": path, "branch": branch, "base": base}
+
+
+def _resume_task_worktree(root, path, branch, start_commit, failure):
+    """create_task_worktree when the path is taken or `git worktree add -b` refused
+    (``failure``): the worktree is there already, or half made, or something else is in
+    the way (GitError)."""
+    entries = _worktree_entries(root)
+    at_path = next((e for e in entries if _same_path(e["path"], path)), None)
+    holder = next((e for e in entries if e["branch"] == branch), None)
+    hint_taken = ("ferrus never reuses a folder or branch it did not make: remove it, or "
+                  "start the task under another name")
+    if at_path and at_path["branch"] != branch:
+        raise GitError("%s is already the worktree of %s" % (
+            path, "branch " + at_path["branch"] if at_path["branch"] else "a detached HEAD"),
+            hint_taken)
+    if holder and holder is not at_path:
+        if os.path.isdir(holder["path"]):
+            raise GitError("branch %s is already checked out at %s" % (branch, holder["path"]),
+                           "finish or remove that worktree (`git worktree remove`), then "
+                           "start the task again")
+        run_git(root, ["worktree", "prune"])              # its folder is gone
+    ours = at_path is not None
+    if ours:
+        git_dir = _worktree_git_dir(path) if os.path.isdir(path) else None
+        if git_dir and os.path.exists(os.path.join(git_dir, "index")):
+            # Complete: git writes a worktree's index once its checkout is done.
+            if at_path["locked"] is not None and os.path.isdir(git_dir):
+                with contextlib.suppress(GitError):   # git's own "initializing" lock, left
+                    run_git(root, ["worktree", "unlock", path])
+            start = _commit_id(root, start_commit)
+            return {"path": path, "branch": branch,
+                    "base": _fork_point(root, at_path["head"] or start, start)}
+        _discard_worktree(root, path)                    # interrupted half way: made again
+    if _folder_has_files(path):
+        raise GitError("%s already exists and is not the worktree of branch %s"
+                       % (path, branch), hint_taken)
+    branch_head = target_head(root, branch)
+    if branch_head is None:
+        raise failure                                     # not a question of leftovers
+    start = _commit_id(root, start_commit)
+    if not ours and not _is_ancestor(root, branch_head, start):
+        raise GitError("branch %s already exists, with commits %s does not have"
+                       % (branch, start_commit), hint_taken)
+    run_git(root, ["worktree", "add", "-q", path, branch])
+    return {"path": path, "branch": branch, "base": _fork_point(root, branch_head, start)}
+
+
+def _is_ancestor(root, ancestor, descendant):
+    if ancestor == descendant:
+        return True
+    try:
+        run_git(root, ["merge-base", "--is-ancestor", ancestor, descendant])
+        return True
+    except GitError as err:
+        if "(exit 1)" in err.message:
+            return False
+        raise
+
+
+def _discard_worktree(root, path):
+    """Delete a linked worktree git cannot remove itself (its folder damaged, deleted or
+    half made): its folder, then git's record of it."""
+    with contextlib.suppress(GitError):
+        run_git(root, ["worktree", "unlock", path])
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=_make_writable_and_retry)
+    run_git(root, ["worktree", "prune"])
+
+
+def _make_writable_and_retry(function, path, exc_info):
+    # Windows will not delete a read-only file; anywhere else the error stands.
+    if function in (os.unlink, os.remove, os.rmdir) and os.path.lexists(path):
+        os.chmod(path, 0o700)
+        function(path)
+    else:
+        raise exc_info[1]
+
+
+def remove_task_worktree(root, path, branch, delete_branch=True):
+    """Remove the task worktree at ``path`` — its uncommitted changes with it — and
+    (``delete_branch``) its branch, merged or not: the caller decides when a task's
+    work is no longer wanted.  Idempotent: a worktree or branch already gone is fine,
+    and a worktree git refuses to remove because its folder is damaged is deleted and
+    pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
+    did).  Raises GitError for a path that is not a linked worktree of this repository
+    (its files are left alone) or a branch checked out somewhere else."""
+    path = os.path.abspath(path)
+    removed = branch_deleted = False
+    try:
+        run_git(root, ["worktree", "remove", "--force", "--force", path])
+        removed = True
+    except GitError:
+        entries = _worktree_entries(root)
+        entry = next((e for e in entries if _same_path(e["path"], path)), None)
+        if entry is not None and entry is entries[0]:
+            raise GitError("%s is the repository's main checkout, not a task worktree"
+                           % path, "ferrus removes only the worktrees it made") from None
+        if entry is not None:
+            _discard_worktree(root, path)
+            removed = True
+        elif _folder_has_files(path):
+            raise GitError("%s is not a worktree of this repository" % path,
+                           "ferrus deletes only worktrees it made; remove that folder "
+                           "by hand if it is not wanted") from None
+        elif os.path.isdir(path):
+            os.rmdir(path)                 # the empty folder of an interrupted `worktree add`
+    if delete_branch:
+        try:
+            run_git(root, ["branch", "-D", "-q", branch])
+            branch_deleted = True
+        except GitError:
+            if target_head(root, branch) is not None:
+                raise
+    return {"path": path, "branch": branch, "removed": removed,
+            "branch_deleted": branch_deleted}
+
+
+def list_task_worktrees(root, branch_prefix):
+    """Every worktree and branch ferrus made for tasks — every branch whose name starts
+    with ``branch_prefix`` — so that leftovers can be found: dicts with path (None for a
+    branch checked out nowhere), branch, head, exists (its folder is there), prunable
+    (git's reason when git would prune it, else None), locked, main (it is the main
+    checkout, never a task worktree) and rebasing (a rebase of it is in progress, which
+    git shows as a detached HEAD).  Sorted by branch."""
+    entries = _worktree_entries(root)
+    out = os.fsdecode(run_git(root, ["for-each-ref", "--format=%(objectname) %(refname)",
+                                     "refs/heads/"]))
+    heads = {}
+    for line in out.splitlines():
+        commit, _, ref = line.partition(" ")
+        name = ref[len("refs/heads/"):]
+        if name.startswith(branch_prefix):
+            heads[name] = commit
+    found = []
+    for index, entry in enumerate(entries):
+        branch, rebasing = entry["branch"], False
+        if branch is None and not entry["bare"]:
+            git_dir = _worktree_git_dir(entry["path"])
+            branch = _rebasing_branch(git_dir) if git_dir else None
+            rebasing = branch is not None
+        if branch is None or not branch.startswith(branch_prefix):
+            continue
+        found.append({"path": entry["path"], "branch": branch,
+                      "head": heads.get(branch, entry["head"]),
+                      "exists": os.path.isdir(entry["path"]), "prunable": entry["prunable"],
+                      "locked": entry["locked"], "main": index == 0, "rebasing": rebasing})
+        heads.pop(branch, None)
+    found += [{"path": None, "branch": name, "head": commit, "exists": False,
+               "prunable": None, "locked": None, "main": False, "rebasing": False}
+              for name, commit in heads.items()]
+    return sorted(found, key=lambda row: (row["branch"], row["path"] or ""))
+
+
+def target_head(root, branch):
+    """The commit branch ``branch`` is at, or None when there is no such branch."""
+    out = run_git(root, ["rev-parse", "-q", "--verify", "refs/heads/%s^{commit}" % branch],
+                  ok=(0, 1))
+    return os.fsdecode(out).strip() or None
+
+
 # ============================================================================
 # 11. Specs
 # ============================================================================
