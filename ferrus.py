@@ -8726,7 +8726,7 @@ class Launch:
 class AgentEvent:
     """Something an agent's structured output reported."""
 
-    kind: str                 # tool_call | usage | session | limit
+    kind: str                 # tool_call | usage | session | limit | model_output | tool_result
     name: str = ""            # tool_call: the tool; session: the model, when reported
     ok: "bool | None" = None
     input_tokens: int = 0
@@ -8734,6 +8734,8 @@ class AgentEvent:
     text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
     cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
     total: bool = False       # usage: the session's totals so far, replacing earlier counts
+    turns: int = 0            # usage with total: the session's model turns, when reported
+    context_tokens: int = 0   # usage: the context this turn's request held (0: not reported)
 
 
 # The argument that says most about a tool call, in the order looked for.
@@ -8777,15 +8779,25 @@ class UsageTally:
     per message (Claude repeats a message's usage on every block of it, so only
     the last report per message counts), per turn (Codex: summed), and as the
     session's totals (Claude's and Gemini's final result: they replace what was
-    counted before).  Cost is known only when the CLI reports it."""
+    counted before).  Cost is known only when the CLI reports it.
+
+    Turns: each message or turn with usage is one, until the totals say how many
+    (Claude's and Qwen's ``num_turns``).  Gemini reports neither, so its turns are
+    counted from the stream: the model's first output after the start or after a tool
+    result begins one.  The context in use is the last request's input, cached tokens
+    included, from the CLIs that report usage per request (Claude, Qwen)."""
 
     def __init__(self):
         self.tool_calls = 0
         self.model = ""
         self.agent_session = ""
         self.cost_usd = None
+        self.context_tokens = 0     # the context the last request held (0: not reported)
         self._settled = (0, 0)      # the last reported totals
+        self._settled_turns = 0     # turns up to the last totals
         self._pending = {}          # message id (or a counter) -> (input, output) since
+        self._stream_turns = 0      # turns seen in the stream (agents without per-turn usage)
+        self._turn_open = False     # the model is answering: its output is no new turn
 
     def add(self, event):
         if event.kind == "tool_call":
@@ -8796,12 +8808,23 @@ class UsageTally:
         elif event.kind == "usage":
             if event.total:
                 self._settled = (event.input_tokens, event.output_tokens)
+                self._settled_turns = event.turns or self._settled_turns + len(self._pending)
+                if event.turns:
+                    self._stream_turns = 0
                 self._pending = {}
             elif event.input_tokens or event.output_tokens:
                 self._pending[event.text or len(self._pending)] = (event.input_tokens,
                                                                    event.output_tokens)
+            if event.context_tokens:
+                self.context_tokens = event.context_tokens
             if event.cost_usd is not None:
                 self.cost_usd = event.cost_usd
+        elif event.kind == "model_output":
+            if not self._turn_open:
+                self._stream_turns += 1
+                self._turn_open = True
+        elif event.kind == "tool_result":
+            self._turn_open = False
 
     @property
     def input_tokens(self):
@@ -8811,10 +8834,15 @@ class UsageTally:
     def output_tokens(self):
         return self._settled[1] + sum(pair[1] for pair in list(self._pending.values()))
 
+    @property
+    def turns(self):
+        return self._settled_turns + len(self._pending) + self._stream_turns
+
     def counts(self):
         """The figures a session record keeps."""
         return {"tool_calls": self.tool_calls, "input_tokens": self.input_tokens,
-                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd}
+                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd,
+                "turns": self.turns, "context_tokens": self.context_tokens}
 
 
 # -- files register edits -----------------------------------------------------------
@@ -9328,8 +9356,11 @@ def _parse_claude_style(line):
                 events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
                                          text=tool_summary(block.get("input"))))
         usage = message.get("usage") or {}
-        if usage:
-            events.append(_claude_usage(usage, text=str(message.get("id") or "")))
+        if isinstance(usage, dict) and usage:
+            # One request's usage: its input is the whole context the model read.
+            event = _claude_usage(usage, text=str(message.get("id") or ""))
+            event.context_tokens = event.input_tokens
+            events.append(event)
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
@@ -9337,22 +9368,27 @@ def _parse_claude_style(line):
         cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
             else None
         if isinstance(usage, dict):
-            events.append(_claude_usage(usage, total=True, cost_usd=cost))
+            events.append(_claude_usage(usage, total=True, cost_usd=cost,
+                                        turns=_count(event, "num_turns")))
         elif cost is not None:
             events.append(AgentEvent("usage", cost_usd=cost))
     return events
 
 
+def _count(mapping, key):
+    """A non-negative whole number from a CLI's JSON (0 for anything else)."""
+    value = mapping.get(key)
+    return max(0, int(value)) if isinstance(value, (int, float)) and \
+        not isinstance(value, bool) else 0
+
+
 def _claude_usage(usage, **fields):
     """A usage event from an Anthropic usage object.  Input counts every token the
     model read, cached or not (as Codex's input_tokens does)."""
-    def count(key):
-        value = usage.get(key)
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            else 0
-    return AgentEvent("usage", input_tokens=count("input_tokens") +
-                      count("cache_creation_input_tokens") + count("cache_read_input_tokens"),
-                      output_tokens=count("output_tokens"), **fields)
+    return AgentEvent("usage", input_tokens=_count(usage, "input_tokens") +
+                      _count(usage, "cache_creation_input_tokens") +
+                      _count(usage, "cache_read_input_tokens"),
+                      output_tokens=_count(usage, "output_tokens"), **fields)
 
 
 _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
@@ -9735,9 +9771,16 @@ class GeminiCli(_SettingsJsonAgent):
         if kind == "init" and event.get("session_id"):
             return [AgentEvent("session", name=str(event.get("model") or ""),
                                text=str(event["session_id"]))]
+        # Gemini reports no usage per turn: a turn is the model's output between the
+        # prompt or tool results (see UsageTally).
         if kind == "tool_use":
             return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
-                               text=tool_summary(event.get("parameters")))]
+                               text=tool_summary(event.get("parameters"))),
+                    AgentEvent("model_output")]
+        if kind == "message" and event.get("role") == "assistant":
+            return [AgentEvent("model_output")]
+        if kind == "tool_result":
+            return [AgentEvent("tool_result")]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
@@ -10370,6 +10413,7 @@ def open_session_record(store, session_id, **fields):
               "slot": None, "role": None, "agent": None, "model": "", "task_id": None,
               "pipeline": None, "pid": None, "log": None, "argv": [], "prompt": None,
               "tool_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": None,
+              "turns": 0, "context_tokens": 0,
               "orchestrator": _orchestrator_identity(store)}
     record.update(fields)
     try:
@@ -11577,17 +11621,23 @@ class HqController:
         task = data.task_id
         for slot in self.running():        # the gate reads what the records say
             self._save_counts(slot, force=True)
+        tokens, turns = self._task_tokens_and_turns(task)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
                           sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
-                          tokens_used=self._task_tokens(task),
+                          tokens_used=tokens, turns=turns,
                           parallel_agents=len(self.running()) + extra_parallel)
         base = self.baseline
+        # The context is a level, not a count: the fullest running agent's, never rebased.
+        context = max([slot.process.tally.context_tokens for slot in self.running()] + [0])
         return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
                        sessions=max(0, current.sessions - base.sessions),
                        tasks_completed=max(0, current.tasks_completed - base.tasks_completed),
                        tokens_used=max(0, current.tokens_used - base.tokens_used),
-                       parallel_agents=current.parallel_agents)
+                       parallel_agents=current.parallel_agents,
+                       turns=max(0, current.turns - base.turns),
+                       context_tokens_used=context,
+                       context_tokens_max=self.store.config().capacity.context_window)
 
     def gate(self, target, extra_parallel=0):
         """Classify the signals, journal the decision and carry out its action."""
@@ -11660,7 +11710,8 @@ class HqController:
                                 sessions=self.baseline.sessions + current.sessions,
                                 tasks_completed=self.baseline.tasks_completed +
                                 current.tasks_completed,
-                                tokens_used=self.baseline.tokens_used + current.tokens_used)
+                                tokens_used=self.baseline.tokens_used + current.tokens_used,
+                                turns=self.baseline.turns + current.turns)
         clear_capacity_checkpoint(self.store)
 
     def recheck_checkpoint(self):
@@ -11933,9 +11984,12 @@ class HqController:
                                  process.tally if process is not None else None, note,
                                  self.tool_calls_of(slot))
 
-    def _task_tokens(self, task):
-        summary = task_usage(self.store, task)
-        return summary["input_tokens"] + summary["output_tokens"]
+    def _task_tokens_and_turns(self, task):
+        records = [r for r in read_session_records(self.store)
+                   if task and r.get("task_id") == task]
+        summary = usage_summary(records)
+        return (summary["input_tokens"] + summary["output_tokens"],
+                sum(int(_number(r.get("turns"))) for r in records))
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
