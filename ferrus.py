@@ -1462,13 +1462,15 @@ class CapacityConfig:
     max_tasks: int = 0             # tasks completed per HQ / `ferrus run`
     max_tokens: int = 0            # tokens per task, from agents that report usage
     max_parallel_agents: int = 0   # agent processes at once
+    max_turns: int = 0             # model turns per task, from agents that report them
+    context_window: int = 0        # the model's context window in tokens (0: unknown)
     orange_percent: int = 80       # at this share of a limit: Orange, Throttle
     emergency_percent: int = 150   # at this share: EmergencyStop (from 100%: Checkpoint)
     throttle_secs: int = 10        # how long a Throttle waits before spawning
 
     def enabled(self):
         return any((self.max_tool_calls, self.max_sessions, self.max_tasks, self.max_tokens,
-                    self.max_parallel_agents))
+                    self.max_parallel_agents, self.max_turns, self.context_window))
 
 
 @dataclasses.dataclass
@@ -2569,23 +2571,33 @@ class Signals:
     tasks_completed: int = 0
     tokens_used: int = 0
     parallel_agents: int = 0
+    turns: int = 0                 # model turns the agents reported
+    context_tokens_used: int = 0   # the largest context a running agent holds now
+    context_tokens_max: int = 0    # the model's context window (0: unknown, not judged)
 
 
 # signal field -> the limit it is measured against
 SIGNAL_LIMITS = (("tool_calls", "max_tool_calls"), ("sessions", "max_sessions"),
                  ("tasks_completed", "max_tasks"), ("tokens_used", "max_tokens"),
-                 ("parallel_agents", "max_parallel_agents"))
+                 ("parallel_agents", "max_parallel_agents"), ("turns", "max_turns"))
 
 
 def classify(signals, limits):
-    """(tier, action, the signal closest to its limit or None)."""
+    """(tier, action, the signal closest to its limit or None).
+
+    The context in use is judged as a share of the window the signals carry (a full
+    window is 100 %, like any limit reached); an unknown window judges nothing."""
     worst, ratio = None, 0.0
     for name, limit_name in SIGNAL_LIMITS:
-        limit = getattr(limits, limit_name)
+        limit = getattr(limits, limit_name, 0)
         if limit > 0:
             share = getattr(signals, name) / float(limit)
             if share > ratio:
                 worst, ratio = name, share
+    if signals.context_tokens_max > 0:
+        share = signals.context_tokens_used / float(signals.context_tokens_max)
+        if share > ratio:
+            worst, ratio = "context_tokens_used", share
     if ratio * 100 >= limits.emergency_percent:
         return RED, EMERGENCY_STOP, worst
     if ratio >= 1.0:
@@ -2599,9 +2611,248 @@ def gate_record(target, tier, action, signals, limits, worst=None):
     """The journal detail of one gate decision (a GateRecord, plus the limits)."""
     record = {"target": target, "tier": tier, "action": action, "signal": worst}
     record.update(dataclasses.asdict(signals))
-    record["limits"] = {name: getattr(limits, name) for _, name in SIGNAL_LIMITS
-                        if getattr(limits, name)}
+    record["limits"] = {name: getattr(limits, name, 0) for _, name in SIGNAL_LIMITS
+                        if getattr(limits, name, 0)}
     return record
+
+
+# -- the phase machine (ARCHITECTURE.md, 'Phase machine') ------------------------------
+#
+# A parallel run's cycle goes through eight phases.  Every move between them is
+# checked against the allowed transitions, passes the capacity gate and leaves a
+# GateRecord, so the audit trail shows each phase entered and the usage at that moment.
+
+PHASE_NAMES = ("preflight", "plan", "prepare", "dispatch", "collect", "integrate", "report",
+               "cleanup")
+(PHASE_PREFLIGHT, PHASE_PLAN, PHASE_PREPARE, PHASE_DISPATCH, PHASE_COLLECT, PHASE_INTEGRATE,
+ PHASE_REPORT, PHASE_CLEANUP) = range(len(PHASE_NAMES))
+
+# phase -> the phases it may go to.  P0's targets depend on the recovery target (see
+# PhaseMachine.allowed_targets): P1 on a fresh start, only the interrupted phase after a crash.
+PHASE_TRANSITIONS = {
+    PHASE_PREFLIGHT: (PHASE_PLAN,),
+    PHASE_PLAN: (PHASE_PREPARE,),
+    PHASE_PREPARE: (PHASE_DISPATCH,),
+    PHASE_DISPATCH: (PHASE_COLLECT,),
+    PHASE_COLLECT: (PHASE_DISPATCH, PHASE_INTEGRATE),       # back to P3 while work and slots remain
+    PHASE_INTEGRATE: (PHASE_PLAN, PHASE_PREPARE, PHASE_REPORT),
+    PHASE_REPORT: (PHASE_CLEANUP,),
+    PHASE_CLEANUP: (PHASE_PLAN,),
+}
+
+
+def phase_label(phase):
+    """``P3 dispatch``, or the bare value when it names no phase."""
+    if isinstance(phase, int) and not isinstance(phase, bool) and 0 <= phase < len(PHASE_NAMES):
+        return "P%d %s" % (phase, PHASE_NAMES[phase])
+    return repr(phase)
+
+
+class InvalidPhaseTransition(FerrusError):
+    """A phase move the machine does not allow; nothing changed."""
+
+    def __init__(self, from_phase, to_phase, allowed):
+        self.from_phase = from_phase
+        self.to_phase = to_phase
+        self.allowed = tuple(allowed)
+        super().__init__(
+            "phase transition %s → %s is not allowed (from %s: %s)" % (
+                phase_label(self.from_phase), phase_label(self.to_phase),
+                phase_label(self.from_phase),
+                ", ".join(phase_label(p) for p in self.allowed) or "nothing"),
+            "the cycle is P0 → P1 → P2 → P3 → P4 (→ P3 while work and slots remain) → P5 → "
+            "P1, P2 or P6 → P7 → P1; after a crash P0 goes only to the phase it interrupted")
+
+
+class ShutdownRequired(FerrusError):
+    """The capacity gate answered Checkpoint or EmergencyStop before a phase move: the
+    phase did not change; the caller persists its state and halts."""
+
+    def __init__(self, action, record):
+        signal = record.get("signal")
+        super().__init__(
+            "capacity %s before %s: %s" % (
+                action, phase_label(record.get("phase")),
+                "%s reached %s" % (signal, record.get(signal)) if signal else "a limit is reached"),
+            "raise the limit in [capacity] of ferrus.toml, then resume")
+        self.action = action
+        self.record = record
+
+
+def phase_gate_record(phase, tier, action, signals, limits, worst=None, from_phase=None):
+    """One phase move's GateRecord: the target phase, tier, action and the signals the
+    audit trail keeps — tool calls, turns, tasks completed, context tokens used and max,
+    with every other signal — plus where it came from, the deciding signal and the limits."""
+    record = {"phase": phase, "phase_name": PHASE_NAMES[phase], "from_phase": from_phase,
+              "tier": tier, "action": action, "signal": worst}
+    record.update(dataclasses.asdict(signals))
+    record["limits"] = {name: getattr(limits, name, 0) for _, name in SIGNAL_LIMITS
+                        if getattr(limits, name, 0)}
+    return record
+
+
+def _phase_number(value, low, what):
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < len(PHASE_NAMES):
+        raise FerrusError("%s must be a phase number from %d to %d, got %r" % (
+            what, low, len(PHASE_NAMES) - 1, value),
+            "phases are %s" % ", ".join(phase_label(p) for p in range(len(PHASE_NAMES))))
+    return value
+
+
+class PhaseMachine:
+    """Which phase the cycle is in, and the only way to move it: ``transition``.
+
+    Pure: it keeps the phase, the recovery target and the GateRecords of this process
+    in ``history``; persisting ``to_json()`` and journaling the records is the caller's."""
+
+    def __init__(self, phase=PHASE_PREFLIGHT, recovery_target=0, history=None):
+        self.phase = _phase_number(phase, 0, "phase")
+        self.recovery_target = _phase_number(recovery_target, 0, "recovery target")
+        if self.recovery_target and self.phase != PHASE_PREFLIGHT:
+            raise FerrusError("a recovery target (%s) is kept only in P0 preflight, not in %s"
+                              % (phase_label(self.recovery_target), phase_label(self.phase)),
+                              "the machine resumes from P0: use PhaseMachine.resumed(saved)")
+        self.history = list(history) if history is not None else []
+
+    def set_recovery_target(self, phase):
+        """After a crash: P0 may then go only to ``phase``, the one that was interrupted."""
+        if self.phase != PHASE_PREFLIGHT:
+            raise FerrusError("a recovery target is set in P0 preflight; the machine is in %s"
+                              % phase_label(self.phase),
+                              "start a resumed run from P0 (PhaseMachine.resumed(saved))")
+        self.recovery_target = _phase_number(phase, 1, "the recovery target")
+
+    def allowed_targets(self):
+        if self.phase == PHASE_PREFLIGHT and self.recovery_target:
+            return (self.recovery_target,)
+        return PHASE_TRANSITIONS[self.phase]
+
+    def transition(self, target, signals, limits):
+        """Move to ``target`` when allowed and the capacity gate lets work go on.
+
+        Returns (action, record) on Continue or Throttle (a Throttle moves too: waiting
+        is the caller's business).  Raises InvalidPhaseTransition (nothing recorded) or,
+        on Checkpoint / EmergencyStop, ShutdownRequired after recording the decision."""
+        allowed = self.allowed_targets()
+        if type(target) is not int or target not in allowed:     # 2.0, True, "2" are not phases
+            raise InvalidPhaseTransition(self.phase, target, allowed)
+        tier, action, worst = classify(signals, limits)
+        record = phase_gate_record(target, tier, action, signals, limits, worst, self.phase)
+        self.history.append(record)
+        if action in (CHECKPOINT, EMERGENCY_STOP):
+            raise ShutdownRequired(action, record)
+        if self.phase == PHASE_PREFLIGHT:
+            self.recovery_target = 0
+        self.phase = target
+        return action, record
+
+    def to_json(self):
+        return {"phase": self.phase, "recovery_target": self.recovery_target}
+
+    @classmethod
+    def from_json(cls, data):
+        """The machine exactly as ``to_json`` saved it (history starts empty)."""
+        if not isinstance(data, dict):
+            raise FerrusError("a saved phase machine must be an object with phase and "
+                              "recovery_target, got %s" % type(data).__name__,
+                              "the saved phase is damaged: without it the run starts "
+                              "afresh from P0")
+        return cls(data.get("phase", PHASE_PREFLIGHT), data.get("recovery_target", 0))
+
+    @classmethod
+    def resumed(cls, data):
+        """After a crash: back in P0, whose only way out is the phase that was interrupted
+        (a fresh start when the run had not left P0)."""
+        saved = cls.from_json(data)
+        machine = cls()
+        target = saved.phase or saved.recovery_target
+        if target:
+            machine.set_recovery_target(target)
+        return machine
+
+
+# -- dispatch gates ------------------------------------------------------------------
+#
+# Before a parallel run collects (P3 → P4) it checks what it dispatched: every task it
+# chose has a dispatch record, the batch fits `max_tasks`, and a task a supervisor split
+# off as team lead went to an agent the topology allows.
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRecord:
+    """One agent session started for a task."""
+
+    task_id: str
+    role: str           # executor | reviewer | consultant
+    agent: str
+    session_id: str = ""
+
+
+class DispatchGateError(FerrusError):
+    """A dispatch gate failed: ``gate`` names it, ``tasks`` the task ids concerned."""
+
+    def __init__(self, gate, tasks, message, hint):
+        super().__init__(message, hint)
+        self.gate = gate
+        self.tasks = list(tasks)
+
+
+def _unique(ids):
+    return list(dict.fromkeys(ids))
+
+
+def check_dispatch_coverage(selected_task_ids, records):
+    """Every task chosen for the batch has at least one dispatch record."""
+    covered = {record.task_id for record in records}
+    missing = [task for task in _unique(selected_task_ids) if task not in covered]
+    if missing:
+        raise DispatchGateError(
+            "coverage", missing, "dispatch coverage: no agent was dispatched for %s %s"
+            % ("task" if len(missing) == 1 else "tasks", ", ".join(missing)),
+            "dispatch each chosen task (P3) before collecting, or take it out of the batch")
+
+
+def check_batch_size(selected_task_ids, max_tasks):
+    """The batch holds at most ``max_tasks`` tasks (0: no limit)."""
+    batch = _unique(selected_task_ids)
+    if max_tasks > 0 and len(batch) > max_tasks:
+        raise DispatchGateError(
+            "batch", batch[max_tasks:], "batch size: %d tasks chosen, at most %d run at once "
+            "(over: %s)" % (len(batch), max_tasks, ", ".join(batch[max_tasks:])),
+            "choose at most max_tasks tasks per batch, or raise [parallel] max_tasks")
+
+
+def check_delegation(tasks, records, allowed_agents):
+    """A task a supervisor session split off as team lead (its origin has
+    ``delegated_by``) went to an executor agent the topology allows.
+
+    ``tasks`` is [(task id, origin dict)]; ``allowed_agents`` None means no topology
+    restricts the agents."""
+    if allowed_agents is None:
+        return
+    allowed = set(allowed_agents)
+    wrong = []
+    for task_id, origin in tasks:
+        if not isinstance(origin, dict) or not origin.get("delegated_by"):
+            continue
+        agents = [r.agent for r in records if r.task_id == task_id and r.role == "executor"]
+        if not agents or any(agent not in allowed for agent in agents):
+            wrong.append((task_id, origin["delegated_by"], agents))
+    if wrong:
+        raise DispatchGateError(
+            "delegation", [task for task, _, _ in wrong],
+            "team-lead delegation: %s" % "; ".join(
+                "task %s (split off by session %s) went to %s" % (
+                    task, lead, ", ".join(agents) if agents else "no executor")
+                for task, lead, agents in wrong),
+            "the topology allows %s as the executor of a delegated task" % (
+                ", ".join(sorted(allowed)) if allowed else "no agent"))
+
+
+def run_dispatch_gates(selected, records, tasks, max_tasks, allowed_agents):
+    """Coverage, batch size and delegation, in that order; raises the first failure."""
+    check_dispatch_coverage(selected, records)
+    check_batch_size(selected, max_tasks)
+    check_delegation(tasks, records, allowed_agents)
 
 
 # ============================================================================
@@ -4816,6 +5067,372 @@ def _commit_failure(err):
     else:
         hint = "commit the task's files by hand (`ferrus diff --stat` lists them)"
     return GitError(said, hint)
+
+
+# -- git: task worktrees (parallel tasks) ------------------------------------------------
+#
+# Each parallel task works in a git worktree of its own, on a branch of its own started
+# at the target branch's head.  These functions are plumbing only — no store, no journal:
+# the orchestrator records what they did.  Each is safe to call again after a crash at
+# any point: creating finds the worktree it made (or finishes one git left half made),
+# removing tolerates what is already gone, and listing shows everything left behind.
+
+# The default worktree folder sits beside the repository: <folder name> + this.
+WORKTREE_DIR_SUFFIX = ".ferrus-worktrees"
+
+
+def default_worktree_dir(root, configured=None):
+    """The folder task worktrees go in, as an absolute path.
+
+    By default it sits beside the repository, never inside it —
+    ``<parent of its top level>/<its folder name>.ferrus-worktrees`` — so test runners,
+    linters, editors' searches and `git status` in the user's checkout never see a
+    task's files.  ``configured`` ([parallel] worktree_dir; ``~`` expanded, relative to
+    the project root) replaces it: outside the repository anywhere, inside it only in a
+    git-ignored folder (else every task's files would show up as untracked in the
+    user's checkout and be found by test discovery), and never in the .git folder.
+    Raises GitUnavailable (no repository here) or FerrusError (a refused folder)."""
+    repo = git_repository(root)
+    toplevel = os.path.realpath(repo.toplevel)
+    if not configured:
+        return os.path.join(os.path.dirname(toplevel),
+                            os.path.basename(toplevel) + WORKTREE_DIR_SUFFIX)
+    path = os.path.realpath(os.path.join(os.path.abspath(root),
+                                         os.path.expanduser(configured)))
+    rel = _relative_inside(path, toplevel)
+    if rel is None:
+        return path
+    setting = "[parallel] worktree_dir = %s in %s" % (json.dumps(configured), CONFIG_FILE)
+    default = os.path.join(os.path.dirname(toplevel),
+                           os.path.basename(toplevel) + WORKTREE_DIR_SUFFIX)
+    if rel == "":
+        raise FerrusError("%s is the repository itself (%s)" % (setting, toplevel),
+                          "leave worktree_dir unset (worktrees then go in %s) or name a "
+                          "folder outside the repository" % default)
+    if (_relative_inside(path, os.path.realpath(repo.git_dir)) is not None
+            or rel.split("/")[0] == ".git"):
+        raise FerrusError("%s is inside the repository's .git folder" % setting,
+                          "leave worktree_dir unset (worktrees then go in %s) or name a "
+                          "folder outside the repository" % default)
+    # A folder a worktree would be made in: ignored when git would not list it.
+    probe = rel + "/ferrus-task/"
+    if not run_git(toplevel, ["check-ignore", "--", probe], ok=(0, 1)).strip():
+        raise FerrusError("%s is inside the repository (%s) and not git-ignored: every "
+                          "task's files would show as untracked in your checkout, in task "
+                          "diffs and to test runners" % (setting, toplevel),
+                          "leave worktree_dir unset (worktrees then go in %s), name a "
+                          "folder outside the repository, or add `/%s/` to .gitignore"
+                          % (default, rel))
+    return path
+
+
+def _relative_inside(path, folder):
+    """``path`` relative to ``folder`` with / separators ("" for the folder itself), or
+    None when it is not inside it (both real, absolute paths)."""
+    try:
+        rel = os.path.relpath(path, folder)
+    except ValueError:                      # another drive (Windows)
+        return None
+    if rel == os.curdir:
+        return ""
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    return rel.replace(os.sep, "/")
+
+
+# Whether this git knows `git worktree list -z` (2.36+), once asked: [True] or [False].
+_WORKTREE_LIST_NUL = []
+
+
+def _worktree_entries(root):
+    """Every worktree of the repository ``root`` is in, the main one first, from
+    `git worktree list --porcelain`: dicts with path, head, branch (short name, None
+    when detached), bare, locked and prunable (git's reason, "" without one, or None)."""
+    out, separator = None, "\0"
+    if _WORKTREE_LIST_NUL != [False]:
+        try:
+            out = run_git(root, ["worktree", "list", "--porcelain", "-z"])
+        except GitError as err:
+            if _WORKTREE_LIST_NUL or "(exit 129)" not in err.message:
+                raise
+            _WORKTREE_LIST_NUL.append(False)      # a usage error: git older than 2.36
+        else:
+            _WORKTREE_LIST_NUL[:] = [True]
+    if out is None:                      # older git: a path holding a newline misreads
+        out, separator = run_git(root, ["worktree", "list", "--porcelain"]), "\n"
+    records = os.fsdecode(out).split(separator * 2)
+    entries = []
+    for record in records:
+        entry = {"path": None, "head": None, "branch": None, "bare": False,
+                 "locked": None, "prunable": None}
+        for line in record.strip(separator).split(separator):
+            key, _, value = line.partition(" ")
+            if key == "worktree":
+                entry["path"] = os.path.normpath(value)
+            elif key == "HEAD":
+                entry["head"] = value
+            elif key == "branch":
+                entry["branch"] = value[len("refs/heads/"):] if value.startswith(
+                    "refs/heads/") else value
+            elif key == "bare":
+                entry["bare"] = True
+            elif key in ("locked", "prunable"):
+                entry[key] = value
+        if entry["path"]:
+            entries.append(entry)
+    return entries
+
+
+def _same_path(one, other):
+    return os.path.normcase(os.path.realpath(one)) == os.path.normcase(os.path.realpath(other))
+
+
+def _worktree_git_dir(path):
+    """The git folder of the checkout at ``path`` (its .git folder, or the folder its
+    .git file points to, as in a linked worktree), or None when it has neither."""
+    dot_git = os.path.join(path, ".git")
+    if os.path.isdir(dot_git):
+        return dot_git
+    try:
+        with open(dot_git, encoding="utf-8", errors="surrogateescape") as handle:
+            line = handle.readline().strip()
+    except OSError:
+        return None
+    if not line.startswith("gitdir:"):
+        return None
+    return os.path.normpath(os.path.join(path, line[len("gitdir:"):].strip()))
+
+
+def _rebasing_branch(git_dir):
+    """The branch a rebase in progress in this checkout rewrites, or None."""
+    for name in ("rebase-merge", "rebase-apply"):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(git_dir, name, "head-name"), encoding="utf-8",
+                      errors="surrogateescape") as handle:
+                ref = handle.read().strip()
+            return ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else None
+    return None
+
+
+def _fork_point(root, branch_head, start_commit):
+    """Where ``branch_head`` forked from ``start_commit`` (their merge base)."""
+    if branch_head == start_commit:
+        return start_commit
+    out = run_git(root, ["merge-base", branch_head, start_commit], ok=(0, 1)).strip()
+    if not out:
+        raise GitError("the branch's commit %s shares no history with %s"
+                       % (branch_head[:12], start_commit),
+                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
+                       "start the task again")
+    return os.fsdecode(out)
+
+
+def _commit_id(root, commit):
+    """The full id of ``commit`` (a ref or an abbreviated id) — or GitError."""
+    out = run_git(root, ["rev-parse", "-q", "--verify", commit + "^{commit}"], ok=(0, 1))
+    if not out.strip():
+        raise GitError("%s names no commit in the repository" % commit,
+                       "`git log --oneline -5` shows recent commits")
+    return os.fsdecode(out).strip()
+
+
+def _folder_has_files(path):
+    try:
+        return bool(os.listdir(path))
+    except FileNotFoundError:
+        return False
+    except NotADirectoryError:
+        return True
+
+
+def create_task_worktree(root, path, branch, start_commit):
+    """A new worktree at ``path`` on a new branch ``branch`` started at ``start_commit``
+    (`git worktree add -b`).  Returns {"path", "branch", "base"}: "base" is the commit
+    the branch started from.
+
+    Called again for the same path and branch (say after a crash) it returns the
+    worktree already there (its "base" is where its branch forked from
+    ``start_commit``), finishes one git was interrupted making (no checkout written yet:
+    it is made again), and puts a worktree back whose folder was deleted.  A branch of
+    that name left behind without a worktree is used only when it holds no commit that
+    ``start_commit`` lacks (nothing on it can be lost).  Anything else — the path taken
+    by other files or another worktree, the branch checked out elsewhere or holding
+    commits of its own — is refused with a GitError that says what to do; the
+    repository is then unchanged."""
+    path = os.path.abspath(path)
+    problem = git_branch_name_problem(branch)
+    if problem:
+        raise GitError("%s is no valid branch name: it %s" % (json.dumps(branch), problem),
+                       "choose another branch name for the task's worktree")
+    if _folder_has_files(path):
+        # Before `git worktree add -b`, which would make the branch, then refuse the path.
+        return _resume_task_worktree(root, path, branch, start_commit, None)
+    try:
+        run_git(root, ["worktree", "add", "-q", "--no-track", "-b", branch, path,
+                       start_commit + "^{commit}"])
+    except GitError as err:
+        return _resume_task_worktree(root, path, branch, start_commit, err)
+    base = start_commit if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", start_commit) else (
+        _commit_id(root, start_commit))
+    return {"path": path, "branch": branch, "base": base}
+
+
+def _resume_task_worktree(root, path, branch, start_commit, failure):
+    """create_task_worktree when the path is taken or `git worktree add -b` refused
+    (``failure``): the worktree is there already, or half made, or something else is in
+    the way (GitError)."""
+    entries = _worktree_entries(root)
+    at_path = next((e for e in entries if _same_path(e["path"], path)), None)
+    holder = next((e for e in entries if e["branch"] == branch), None)
+    hint_taken = ("ferrus never reuses a folder or branch it did not make: remove it, or "
+                  "start the task under another name")
+    if at_path and at_path["branch"] != branch:
+        raise GitError("%s is already the worktree of %s" % (
+            path, "branch " + at_path["branch"] if at_path["branch"] else "a detached HEAD"),
+            hint_taken)
+    if holder and holder is not at_path:
+        if os.path.isdir(holder["path"]):
+            raise GitError("branch %s is already checked out at %s" % (branch, holder["path"]),
+                           "finish or remove that worktree (`git worktree remove`), then "
+                           "start the task again")
+        run_git(root, ["worktree", "prune"])              # its folder is gone
+    ours = at_path is not None
+    if ours:
+        git_dir = _worktree_git_dir(path) if os.path.isdir(path) else None
+        if git_dir and os.path.exists(os.path.join(git_dir, "index")):
+            # Complete: git writes a worktree's index once its checkout is done.
+            if at_path["locked"] is not None and os.path.isdir(git_dir):
+                with contextlib.suppress(GitError):   # git's own "initializing" lock, left
+                    run_git(root, ["worktree", "unlock", path])
+            start = _commit_id(root, start_commit)
+            return {"path": path, "branch": branch,
+                    "base": _fork_point(root, at_path["head"] or start, start)}
+        _discard_worktree(root, path)                    # interrupted half way: made again
+    if _folder_has_files(path):
+        raise GitError("%s already exists and is not the worktree of branch %s"
+                       % (path, branch), hint_taken)
+    branch_head = target_head(root, branch)
+    if branch_head is None:
+        raise failure                                     # not a question of leftovers
+    start = _commit_id(root, start_commit)
+    if not ours and not _is_ancestor(root, branch_head, start):
+        raise GitError("branch %s already exists, with commits %s does not have"
+                       % (branch, start_commit), hint_taken)
+    run_git(root, ["worktree", "add", "-q", path, branch])
+    return {"path": path, "branch": branch, "base": _fork_point(root, branch_head, start)}
+
+
+def _is_ancestor(root, ancestor, descendant):
+    if ancestor == descendant:
+        return True
+    try:
+        run_git(root, ["merge-base", "--is-ancestor", ancestor, descendant])
+        return True
+    except GitError as err:
+        if "(exit 1)" in err.message:
+            return False
+        raise
+
+
+def _discard_worktree(root, path):
+    """Delete a linked worktree git cannot remove itself (its folder damaged, deleted or
+    half made): its folder, then git's record of it."""
+    with contextlib.suppress(GitError):
+        run_git(root, ["worktree", "unlock", path])
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=_make_writable_and_retry)
+    run_git(root, ["worktree", "prune"])
+
+
+def _make_writable_and_retry(function, path, exc_info):
+    # Windows will not delete a read-only file; anywhere else the error stands.
+    if function in (os.unlink, os.remove, os.rmdir) and os.path.lexists(path):
+        os.chmod(path, 0o700)
+        function(path)
+    else:
+        raise exc_info[1]
+
+
+def remove_task_worktree(root, path, branch, delete_branch=True):
+    """Remove the task worktree at ``path`` — its uncommitted changes with it — and
+    (``delete_branch``) its branch, merged or not: the caller decides when a task's
+    work is no longer wanted.  Idempotent: a worktree or branch already gone is fine,
+    and a worktree git refuses to remove because its folder is damaged is deleted and
+    pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
+    did).  Raises GitError for a path that is not a linked worktree of this repository
+    (its files are left alone) or a branch checked out somewhere else."""
+    path = os.path.abspath(path)
+    removed = branch_deleted = False
+    try:
+        run_git(root, ["worktree", "remove", "--force", "--force", path])
+        removed = True
+    except GitError:
+        entries = _worktree_entries(root)
+        entry = next((e for e in entries if _same_path(e["path"], path)), None)
+        if entry is not None and entry is entries[0]:
+            raise GitError("%s is the repository's main checkout, not a task worktree"
+                           % path, "ferrus removes only the worktrees it made") from None
+        if entry is not None:
+            _discard_worktree(root, path)
+            removed = True
+        elif _folder_has_files(path):
+            raise GitError("%s is not a worktree of this repository" % path,
+                           "ferrus deletes only worktrees it made; remove that folder "
+                           "by hand if it is not wanted") from None
+        elif os.path.isdir(path):
+            os.rmdir(path)                 # the empty folder of an interrupted `worktree add`
+    if delete_branch:
+        try:
+            run_git(root, ["branch", "-D", "-q", branch])
+            branch_deleted = True
+        except GitError:
+            if target_head(root, branch) is not None:
+                raise
+    return {"path": path, "branch": branch, "removed": removed,
+            "branch_deleted": branch_deleted}
+
+
+def list_task_worktrees(root, branch_prefix):
+    """Every worktree and branch ferrus made for tasks — every branch whose name starts
+    with ``branch_prefix`` — so that leftovers can be found: dicts with path (None for a
+    branch checked out nowhere), branch, head, exists (its folder is there), prunable
+    (git's reason when git would prune it, else None), locked, main (it is the main
+    checkout, never a task worktree) and rebasing (a rebase of it is in progress, which
+    git shows as a detached HEAD).  Sorted by branch."""
+    entries = _worktree_entries(root)
+    out = os.fsdecode(run_git(root, ["for-each-ref", "--format=%(objectname) %(refname)",
+                                     "refs/heads/"]))
+    heads = {}
+    for line in out.splitlines():
+        commit, _, ref = line.partition(" ")
+        name = ref[len("refs/heads/"):]
+        if name.startswith(branch_prefix):
+            heads[name] = commit
+    found = []
+    for index, entry in enumerate(entries):
+        branch, rebasing = entry["branch"], False
+        if branch is None and not entry["bare"]:
+            git_dir = _worktree_git_dir(entry["path"])
+            branch = _rebasing_branch(git_dir) if git_dir else None
+            rebasing = branch is not None
+        if branch is None or not branch.startswith(branch_prefix):
+            continue
+        found.append({"path": entry["path"], "branch": branch,
+                      "head": heads.get(branch, entry["head"]),
+                      "exists": os.path.isdir(entry["path"]), "prunable": entry["prunable"],
+                      "locked": entry["locked"], "main": index == 0, "rebasing": rebasing})
+        heads.pop(branch, None)
+    found += [{"path": None, "branch": name, "head": commit, "exists": False,
+               "prunable": None, "locked": None, "main": False, "rebasing": False}
+              for name, commit in heads.items()]
+    return sorted(found, key=lambda row: (row["branch"], row["path"] or ""))
+
+
+def target_head(root, branch):
+    """The commit branch ``branch`` is at, or None when there is no such branch."""
+    out = run_git(root, ["rev-parse", "-q", "--verify", "refs/heads/%s^{commit}" % branch],
+                  ok=(0, 1))
+    return os.fsdecode(out).strip() or None
 
 
 # ============================================================================
@@ -8135,7 +8752,7 @@ class Launch:
 class AgentEvent:
     """Something an agent's structured output reported."""
 
-    kind: str                 # tool_call | usage | session | limit
+    kind: str                 # tool_call | usage | session | limit | model_output | tool_result
     name: str = ""            # tool_call: the tool; session: the model, when reported
     ok: "bool | None" = None
     input_tokens: int = 0
@@ -8143,6 +8760,8 @@ class AgentEvent:
     text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
     cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
     total: bool = False       # usage: the session's totals so far, replacing earlier counts
+    turns: int = 0            # usage with total: the session's model turns, when reported
+    context_tokens: int = 0   # usage: the context this turn's request held (0: not reported)
 
 
 # The argument that says most about a tool call, in the order looked for.
@@ -8186,15 +8805,25 @@ class UsageTally:
     per message (Claude repeats a message's usage on every block of it, so only
     the last report per message counts), per turn (Codex: summed), and as the
     session's totals (Claude's and Gemini's final result: they replace what was
-    counted before).  Cost is known only when the CLI reports it."""
+    counted before).  Cost is known only when the CLI reports it.
+
+    Turns: each message or turn with usage is one, until the totals say how many
+    (Claude's and Qwen's ``num_turns``).  Gemini reports neither, so its turns are
+    counted from the stream: the model's first output after the start or after a tool
+    result begins one.  The context in use is the last request's input, cached tokens
+    included, from the CLIs that report usage per request (Claude, Qwen)."""
 
     def __init__(self):
         self.tool_calls = 0
         self.model = ""
         self.agent_session = ""
         self.cost_usd = None
+        self.context_tokens = 0     # the context the last request held (0: not reported)
         self._settled = (0, 0)      # the last reported totals
+        self._settled_turns = 0     # turns up to the last totals
         self._pending = {}          # message id (or a counter) -> (input, output) since
+        self._stream_turns = 0      # turns seen in the stream (agents without per-turn usage)
+        self._turn_open = False     # the model is answering: its output is no new turn
 
     def add(self, event):
         if event.kind == "tool_call":
@@ -8205,12 +8834,23 @@ class UsageTally:
         elif event.kind == "usage":
             if event.total:
                 self._settled = (event.input_tokens, event.output_tokens)
+                self._settled_turns = event.turns or self._settled_turns + len(self._pending)
+                if event.turns:
+                    self._stream_turns = 0
                 self._pending = {}
             elif event.input_tokens or event.output_tokens:
                 self._pending[event.text or len(self._pending)] = (event.input_tokens,
                                                                    event.output_tokens)
+            if event.context_tokens:
+                self.context_tokens = event.context_tokens
             if event.cost_usd is not None:
                 self.cost_usd = event.cost_usd
+        elif event.kind == "model_output":
+            if not self._turn_open:
+                self._stream_turns += 1
+                self._turn_open = True
+        elif event.kind == "tool_result":
+            self._turn_open = False
 
     @property
     def input_tokens(self):
@@ -8220,10 +8860,15 @@ class UsageTally:
     def output_tokens(self):
         return self._settled[1] + sum(pair[1] for pair in list(self._pending.values()))
 
+    @property
+    def turns(self):
+        return self._settled_turns + len(self._pending) + self._stream_turns
+
     def counts(self):
         """The figures a session record keeps."""
         return {"tool_calls": self.tool_calls, "input_tokens": self.input_tokens,
-                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd}
+                "output_tokens": self.output_tokens, "cost_usd": self.cost_usd,
+                "turns": self.turns, "context_tokens": self.context_tokens}
 
 
 # -- files register edits -----------------------------------------------------------
@@ -8737,8 +9382,11 @@ def _parse_claude_style(line):
                 events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
                                          text=tool_summary(block.get("input"))))
         usage = message.get("usage") or {}
-        if usage:
-            events.append(_claude_usage(usage, text=str(message.get("id") or "")))
+        if isinstance(usage, dict) and usage:
+            # One request's usage: its input is the whole context the model read.
+            event = _claude_usage(usage, text=str(message.get("id") or ""))
+            event.context_tokens = event.input_tokens
+            events.append(event)
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
@@ -8746,22 +9394,27 @@ def _parse_claude_style(line):
         cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
             else None
         if isinstance(usage, dict):
-            events.append(_claude_usage(usage, total=True, cost_usd=cost))
+            events.append(_claude_usage(usage, total=True, cost_usd=cost,
+                                        turns=_count(event, "num_turns")))
         elif cost is not None:
             events.append(AgentEvent("usage", cost_usd=cost))
     return events
 
 
+def _count(mapping, key):
+    """A non-negative whole number from a CLI's JSON (0 for anything else)."""
+    value = mapping.get(key)
+    return max(0, int(value)) if isinstance(value, (int, float)) and \
+        not isinstance(value, bool) else 0
+
+
 def _claude_usage(usage, **fields):
     """A usage event from an Anthropic usage object.  Input counts every token the
     model read, cached or not (as Codex's input_tokens does)."""
-    def count(key):
-        value = usage.get(key)
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            else 0
-    return AgentEvent("usage", input_tokens=count("input_tokens") +
-                      count("cache_creation_input_tokens") + count("cache_read_input_tokens"),
-                      output_tokens=count("output_tokens"), **fields)
+    return AgentEvent("usage", input_tokens=_count(usage, "input_tokens") +
+                      _count(usage, "cache_creation_input_tokens") +
+                      _count(usage, "cache_read_input_tokens"),
+                      output_tokens=_count(usage, "output_tokens"), **fields)
 
 
 _LIMIT_RE = re.compile(r"(?:hit your (?:session |usage )?limit|usage limit|rate limit)"
@@ -9144,9 +9797,16 @@ class GeminiCli(_SettingsJsonAgent):
         if kind == "init" and event.get("session_id"):
             return [AgentEvent("session", name=str(event.get("model") or ""),
                                text=str(event["session_id"]))]
+        # Gemini reports no usage per turn: a turn is the model's output between the
+        # prompt or tool results (see UsageTally).
         if kind == "tool_use":
             return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
-                               text=tool_summary(event.get("parameters")))]
+                               text=tool_summary(event.get("parameters"))),
+                    AgentEvent("model_output")]
+        if kind == "message" and event.get("role") == "assistant":
+            return [AgentEvent("model_output")]
+        if kind == "tool_result":
+            return [AgentEvent("tool_result")]
         if kind == "result":
             stats = event.get("stats") or {}
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
@@ -9799,6 +10459,7 @@ def open_session_record(store, session_id, **fields):
               "slot": None, "role": None, "agent": None, "model": "", "task_id": None,
               "pipeline": None, "pid": None, "log": None, "argv": [], "prompt": None,
               "tool_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": None,
+              "turns": 0, "context_tokens": 0,
               "orchestrator": _orchestrator_identity(store)}
     record.update(fields)
     try:
@@ -11018,17 +11679,23 @@ class HqController:
         task = data.task_id
         for slot in self.running():        # the gate reads what the records say
             self._save_counts(slot, force=True)
+        tokens, turns = self._task_tokens_and_turns(task)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
                           sessions=self.sessions_of(data),
                           tasks_completed=self.tasks_completed,
-                          tokens_used=self._task_tokens(task),
+                          tokens_used=tokens, turns=turns,
                           parallel_agents=len(self.running()) + extra_parallel)
         base = self.baseline
+        # The context is a level, not a count: the fullest running agent's, never rebased.
+        context = max([slot.process.tally.context_tokens for slot in self.running()] + [0])
         return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
                        sessions=max(0, current.sessions - base.sessions),
                        tasks_completed=max(0, current.tasks_completed - base.tasks_completed),
                        tokens_used=max(0, current.tokens_used - base.tokens_used),
-                       parallel_agents=current.parallel_agents)
+                       parallel_agents=current.parallel_agents,
+                       turns=max(0, current.turns - base.turns),
+                       context_tokens_used=context,
+                       context_tokens_max=self.store.config().capacity.context_window)
 
     def gate(self, target, extra_parallel=0):
         """Classify the signals, journal the decision and carry out its action."""
@@ -11101,7 +11768,8 @@ class HqController:
                                 sessions=self.baseline.sessions + current.sessions,
                                 tasks_completed=self.baseline.tasks_completed +
                                 current.tasks_completed,
-                                tokens_used=self.baseline.tokens_used + current.tokens_used)
+                                tokens_used=self.baseline.tokens_used + current.tokens_used,
+                                turns=self.baseline.turns + current.turns)
         clear_capacity_checkpoint(self.store)
 
     def recheck_checkpoint(self):
@@ -11387,9 +12055,12 @@ class HqController:
                                  process.tally if process is not None else None, note,
                                  self.tool_calls_of(slot))
 
-    def _task_tokens(self, task):
-        summary = task_usage(self.store, task)
-        return summary["input_tokens"] + summary["output_tokens"]
+    def _task_tokens_and_turns(self, task):
+        records = [r for r in read_session_records(self.store)
+                   if task and r.get("task_id") == task]
+        summary = usage_summary(records)
+        return (summary["input_tokens"] + summary["output_tokens"],
+                sum(int(_number(r.get("turns"))) for r in records))
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""

@@ -11,6 +11,8 @@ FERRUS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 # Names other programs call although ferrus.py itself does not.
 CALLED_FROM_OUTSIDE = {
     "BuildBackend",     # pyproject.toml's build-backend: pip calls its hooks
+    # The parallel runner's phase machine and dispatch gates, until that runner calls them.
+    "PhaseMachine", "DispatchRecord", "run_dispatch_gates",
 }
 
 
