@@ -101,7 +101,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 12)
@@ -112,7 +112,8 @@ __all__ = [
     "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
-    "op_diff",
+    "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
+    "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
 ]
@@ -12174,6 +12175,628 @@ RUN_OUTPUT_MODES = ("lines", "quiet", "json")
 QUIET_EVENTS = ("tool_call", "heartbeat", "check_started", "session")
 
 
+# -- parallel tasks: the queue worked through the phase machine ------------------------------
+#
+# ParallelRunner drives up to [parallel] max_tasks tasks of the queue at once, each in its
+# own git worktree, with one HqController per task over that task's store, so each task's
+# sessions, leases, gates and messages are exactly those of a single task.  The phase machine
+# (Capacity gates) says what the runner does next; the controllers are polled in every phase,
+# so agents already at work never wait for it.  .ferrus/parallel.json keeps the phase, the
+# batch and its dispatch records across a crash: the next run goes from P0 straight back to
+# the phase that was interrupted (ARCHITECTURE.md, 'Parallel tasks', has the mapping).
+
+PARALLEL_RUN_FILE = "parallel.json"
+ORCHESTRATOR = Caller("hq", "ferrus")
+# How long an integration that waits (the target's checkout is dirty) waits between tries.
+INTEGRATION_RETRY_SECS = 5.0
+
+
+def read_parallel_run(store):
+    """.ferrus/parallel.json as a dict ({} when there is none or it is damaged)."""
+    try:
+        data = json.loads(read_text(store.path(PARALLEL_RUN_FILE), default="") or "{}")
+    except (ValueError, OSError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class ParallelRunner:
+    """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
+
+    ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
+    ``ask``/``review`` answer questions and confirmations as in run_loop (None: nobody
+    here can)."""
+
+    def __init__(self, store, emit, max_tasks=None, clock=time.monotonic, launcher=None,
+                 bell=None, ask=None, review=None):
+        self.store = store
+        self._out = emit
+        config = store.config()
+        self.parallel = config.parallel
+        self.max_tasks = max_tasks or self.parallel.max_tasks
+        self.clock = clock
+        self.launcher = launcher
+        self.bell = bell
+        self.ask, self.review = ask, review
+        self.controllers = {}          # task -> HqController of a task in flight
+        self.machine = PhaseMachine()
+        self.batch = []                # the tasks P1 chose for this cycle
+        self.dispatched = []           # DispatchRecords of this cycle
+        self.target = None             # the branch tasks merge into
+        self.repo = None
+        self.worktree_dir = None
+        self.integration = None        # {"task", "thread", "result"} while one runs
+        self.retry_at = None           # when a waiting integration is tried again
+        self.waiting_said = None
+        self.ended = collections.OrderedDict()   # task -> status, for the report
+        self.waiting_human = set()
+        self.checkpoint = None
+        self.finished = False
+        self.tasks_completed = 0
+
+    # -- messages --------------------------------------------------------------------------
+
+    def emit(self, message):
+        if not message.event:
+            message.event = "run"
+        self._out(message)
+
+    def note(self, text, level="info", **data):
+        self.emit(HqMessage(level, "ferrus run: " + text, "run", data))
+
+    def _task_emitter(self, task):
+        prefix = "[%s] " % short_task_id(task)
+
+        def emit(message):
+            message.text = prefix + message.text
+            message.data = dict(message.data or {}, task_id=task)
+            self._out(message)
+        return emit
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def _save(self):
+        record = {"phase": self.machine.phase, "target": self.target, "batch": self.batch,
+                  "dispatch": [dataclasses.asdict(r) for r in self.dispatched],
+                  "ended": self.finished, "pid": os.getpid(),
+                  "updated_at": format_timestamp(self.store.clock())}
+        with self.store.lock():
+            atomic_write(self.store.path(PARALLEL_RUN_FILE), pretty_json(record))
+
+    def signals(self):
+        """The run's usage: every task's sessions, calls, turns and tokens, summed; the
+        largest context any running agent holds."""
+        totals = collections.Counter()
+        context = 0
+        for controller in self.controllers.values():
+            signals = controller.signals()
+            for name in ("tool_calls", "sessions", "tokens_used", "turns"):
+                totals[name] += getattr(signals, name)
+            totals["parallel_agents"] += len(controller.running())
+            context = max(context, signals.context_tokens_used)
+        return Signals(tasks_completed=self.tasks_completed, context_tokens_used=context,
+                       context_tokens_max=self.store.config().capacity.context_window,
+                       **totals)
+
+    def advance(self, target):
+        """One phase transition: the gate decides, the journal records it (GateRecord)."""
+        try:
+            _, record = self.machine.transition(target, self.signals(),
+                                                self.store.config().capacity)
+        except ShutdownRequired as stop:
+            self._journal_phase(stop.record)
+            self.checkpoint = stop.record
+            if stop.action == EMERGENCY_STOP:
+                for controller in self.controllers.values():
+                    controller.stop_all()
+            self.note("capacity %s before %s: %s reached its limit; %s" % (
+                stop.action, phase_label(target), stop.record.get("signal") or "a signal",
+                "every agent was stopped" if stop.action == EMERGENCY_STOP
+                else "nothing new starts"), "error", checkpoint=stop.record)
+            self._save()
+            return False
+        self._journal_phase(record)
+        self._save()
+        return True
+
+    def _journal_phase(self, record):
+        with contextlib.suppress(FerrusError, OSError):
+            self.store.append_event("ferrus", "phase", record, task_id="")
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def start(self):
+        """P0: preflight, and the recovery of whatever a crashed run left."""
+        try:
+            self.repo = git_repository(self.store.root)
+        except GitUnavailable as err:
+            raise FerrusError("parallel tasks need a git repository: %s" % err.message,
+                              "run `git init` and commit once, or run one task at a time "
+                              "([parallel] max_tasks = 1)") from err
+        if self.repo.operation_in_progress():
+            raise FerrusError("a %s is in progress in the checkout"
+                              % self.repo.operation_in_progress(),
+                              "finish or abort it first: tasks merge into the target branch")
+        previous = read_parallel_run(self.store)
+        self.target = self.parallel.target or previous.get("target") if not \
+            previous.get("ended") else self.parallel.target
+        self.target = self.target or current_branch(self.store.root)
+        if not self.target:
+            raise FerrusError("parallel tasks need a target branch, and HEAD is detached",
+                              "check out the branch the tasks should merge into, or set "
+                              "[parallel] target")
+        if target_head(self.store.root, self.target) is None:
+            raise FerrusError("the target branch %s has no commit" % self.target,
+                              "commit once (parallel tasks start from the target's head)")
+        self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
+        project = self.store.project_state()
+        if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
+            raise FerrusError("a task is in flight in the checkout itself (state %s)"
+                              % project.state, "finish it with `ferrus run --resume` (or "
+                              "`ferrus reset` it) before running tasks in parallel")
+        resumed = []
+        for task, record in task_records(self.store):
+            if record.get("status") == RUNNING_STATUS and record.get("worktree"):
+                resumed.append(task)
+                self._adopt(task)
+        if resumed:
+            self.note("resuming %d task%s a previous run left: %s" % (
+                len(resumed), "" if len(resumed) == 1 else "s",
+                ", ".join(short_task_id(t) for t in resumed)))
+        interrupted = previous.get("phase") if not previous.get("ended") else None
+        if isinstance(interrupted, int) and 1 <= interrupted <= 7:
+            self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
+            self.dispatched = [DispatchRecord(**r) for r in previous.get("dispatch") or []
+                               if isinstance(r, dict)]
+            self.machine.set_recovery_target(interrupted)
+            self.note("the previous run stopped in %s; going on from there"
+                      % phase_label(interrupted))
+            return self.advance(interrupted)
+        return self.advance(1)
+
+    def step(self):
+        """Poll every task's controller, then do what the current phase needs."""
+        for task, controller in list(self.controllers.items()):
+            controller.poll()
+            self._watch_task(task, controller)
+        if self.checkpoint or self.finished:
+            return
+        phase = self.machine.phase
+        if phase == 1:
+            self._plan()
+        elif phase == 2:
+            self._prepare()
+        elif phase == 3:
+            self._dispatch()
+        elif phase == 4:
+            self._collect()
+        elif phase == 5:
+            self._integrate()
+        elif phase == 6:
+            self._report()
+        elif phase == 7:
+            self._cleanup()
+
+    # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
+
+    def queued(self):
+        return [task for task, record in task_records(self.store)
+                if record.get("status") == QUEUED_STATUS]
+
+    def free_slots(self):
+        return max(0, self.max_tasks - len(self.controllers))
+
+    def _plan(self):
+        self.batch = self.queued()[:self.free_slots()]
+        self.dispatched = []
+        self.advance(2)
+
+    def _prepare(self):
+        for task in list(self.batch):
+            if task not in self.controllers and not self._prepare_task(task):
+                self.batch.remove(task)
+        self.advance(3)
+
+    def _prepare_task(self, task):
+        """The task's worktree and branch from the target's head, ferrus's agent
+        configuration copied into it, and its state created (Executing).  Idempotent, so
+        a run that crashed half-way through it simply does it again."""
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
+            return False
+        path = record.get("worktree") or os.path.join(self.worktree_dir, task)
+        branch = record.get("branch") or "ferrus/%s" % task
+        try:
+            start = record.get("base") or target_head(self.store.root, self.target)
+            update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
+                "status": RUNNING_STATUS, "worktree": path, "branch": branch, "base": start,
+                "target": self.target, "store": "worktree",
+                "started_at": record.get("started_at") or format_timestamp(self.store.clock())},
+                worktree=path, branch=branch, base=start[:12])
+            create_task_worktree(self.store.root, path, branch, start)
+            copy_agent_configuration(self.store.root, path)
+            task_store = self.store.for_task(task)
+            if not task_store.exists():
+                atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
+            if task_store.read_state().state == S.IDLE:
+                origin = record.get("origin") or {}
+                op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
+                               origin=(origin.get("spec"), origin.get("milestone")),
+                               task_id=task)
+        except FerrusError as err:
+            self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
+                           err.full_text())
+            return False
+        return True
+
+    def _adopt(self, task):
+        record = read_task_record(self.store.dir, task)
+        task_store = self.store.for_task(task)
+        if not task_store.exists():
+            return None
+        controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
+                                  launcher=self.launcher, bell=self.bell,
+                                  executor_agent=record.get("agent"))
+        self.controllers[task] = controller
+        return controller
+
+    def _dispatch(self):
+        # P4 → P3 comes back here while queued tasks and free slots remain: those are
+        # chosen and prepared now (P1 and P2 for them, inside this phase).
+        if self.machine.phase == 3 and not self.batch:
+            for task in self.queued()[:self.free_slots()]:
+                if self._prepare_task(task):
+                    self.batch.append(task)
+        for task in self.batch:
+            if task in self.controllers:
+                continue
+            controller = self._adopt(task)
+            if controller is None:
+                continue
+            choice = controller.agent_choice("executor")
+            self.dispatched.append(DispatchRecord(task_id=task, role="executor",
+                                                  agent=choice.agent if choice else "",
+                                                  session_id=""))
+            self.note("dispatched task %s (%s) to %s in %s" % (
+                short_task_id(task), read_task_record(self.store.dir, task).get("title", ""),
+                choice.agent if choice else "no agent", controller.store.workdir),
+                task_id=task)
+        self._run_dispatch_gates()
+        self.batch = []
+        self.advance(4)
+
+    def _run_dispatch_gates(self):
+        """Coverage, batch size and delegation before P4 (see 'Dispatch gates'): a task a
+        gate refuses is failed (delegation) or goes back to the queue (batch size)."""
+        records = {task: record for task, record in task_records(self.store)}
+        allowed = list(self.parallel.delegates)
+        if not allowed:
+            with contextlib.suppress(FerrusError):
+                executor = self.store.config().executor
+                allowed = [executor.agent] if executor else []
+        while True:
+            try:
+                run_dispatch_gates(list(self.batch), self.dispatched,
+                                   [(t, records.get(t, {}).get("origin") or {})
+                                    for t in self.batch], self.max_tasks, allowed)
+                return
+            except DispatchGateError as refused:
+                with contextlib.suppress(FerrusError, OSError):
+                    self.store.append_event("ferrus", "dispatch_gate", {
+                        "gate": refused.gate, "tasks": list(refused.tasks),
+                        "reason": refused.message}, task_id="")
+                self.note("dispatch gate %s: %s" % (refused.gate, refused.message), "error")
+                for task in refused.tasks:
+                    if task in self.batch:
+                        self.batch.remove(task)
+                    self.dispatched = [r for r in self.dispatched if r.task_id != task]
+                    if refused.gate == "batch":
+                        self._stop_controller(task)
+                        update_task(self.store, ORCHESTRATOR, task, "requeue_task",
+                                    {"status": QUEUED_STATUS}, reason="batch size")
+                    else:
+                        self._end_task(task, FAILED_STATUS, "dispatch gate %s: %s" % (
+                            refused.gate, refused.message))
+                if not refused.tasks:
+                    return
+
+    # -- P4 collect --------------------------------------------------------------------------
+
+    def _watch_task(self, task, controller):
+        """What a task's state asks of the runner: a question or confirmation for the
+        human, an end (failed or cancelled) to record."""
+        try:
+            data = controller.store.read_state()
+        except FerrusError:
+            return
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") == CANCELLED_STATUS or data.state == S.IDLE:
+            self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if data.state == S.FAILED:
+            self._end_task(task, FAILED_STATUS, data.failure_reason)
+            return
+        if data.state == S.AWAITING_HUMAN and controller.shown_question:
+            answer = self.ask(controller.shown_question) if self.ask else None
+            if answer is None:
+                self.waiting_human.add(task)
+            elif answer.strip():
+                op_answer(controller.store, HUMAN, answer)
+        elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+            decision = self.review(confirmation_summary(controller.store, data)) \
+                if self.review else None
+            if decision is None:
+                self.waiting_human.add(task)
+            else:
+                verdict, notes = decision
+                with contextlib.suppress(FerrusError):
+                    if verdict == "approve":
+                        op_human_approve(controller.store, HUMAN, via="run")
+                    else:
+                        op_human_reject(controller.store, HUMAN, notes, via="run")
+        else:
+            self.waiting_human.discard(task)
+
+    def integrating(self):
+        """Tasks approved and waiting for the merge queue, the longest-waiting first."""
+        waiting = []
+        for task, controller in self.controllers.items():
+            with contextlib.suppress(FerrusError):
+                data = controller.store.read_state()
+                if data.state in (S.INTEGRATING, S.COMPLETE):
+                    waiting.append((data.state_entered_at or "", task))
+        return [task for _, task in sorted(waiting)]
+
+    def _collect(self):
+        if self.integrating():
+            self.advance(5)
+        elif self.queued() and self.free_slots():
+            self.advance(3)
+        elif not self.controllers:
+            self.advance(5)        # nothing left: P5 has nothing to merge and reports
+
+    def stuck_on_human(self):
+        """Every task still in flight waits for a human nobody here can be."""
+        return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
+            not self.queued()
+
+    # -- P5 integrate: the merge queue -----------------------------------------------------
+
+    def _integrate(self):
+        if self.integration is not None:
+            if self.integration["thread"].is_alive():
+                return
+            self._finish_integration(self.integration)
+            self.integration = None
+            return
+        if self.retry_at is not None and self.clock() < self.retry_at:
+            return
+        self.retry_at = None
+        waiting = self.integrating()
+        if waiting:
+            self._start_integration(waiting[0])
+            return
+        self.advance(1 if self.queued() or self.controllers else 6)
+
+    def _start_integration(self, task):
+        controller = self.controllers[task]
+        task_store = controller.store
+        data = task_store.read_state()
+        if data.state == S.COMPLETE:          # integrated before a crash: only clean up
+            self._merged(task, None)
+            return
+        record = read_task_record(self.store.dir, task)
+        pending = record.get("integration") or {}
+        head = target_head(self.store.root, self.target)
+        if pending.get("candidate") and head == pending["candidate"]:
+            # The target was fast-forwarded, and the run stopped before it said so.
+            op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
+            self._merged(task, head)
+            return
+        job = {"task": task, "thread": None, "result": None, "error": None}
+        config = self.store.config()
+        message = task_commit_message(task, task_store.read_file("TASK.md"),
+                                      task_store.read_file("SUBMISSION.md"))
+
+        def work():
+            try:
+                built = prepare_integration(task_store.workdir, self.target,
+                                            self.parallel.integrate, message,
+                                            task_diff_exclusions(task_store))
+                checks = None
+                if built.status == "ready" and config.checks.commands:
+                    checks = run_checks(task_store.workdir, config.checks,
+                                        self.store.path("logs"), 0,
+                                        config.limits.max_feedback_lines, None,
+                                        self.store.root)
+                job["result"] = (built, checks)
+            except FerrusError as err:
+                job["error"] = err
+        self.note("integrating task %s into %s (%s, then the checks on the result)" % (
+            short_task_id(task), self.target, self.parallel.integrate), task_id=task)
+        job["thread"] = threading.Thread(target=work, daemon=True,
+                                         name="ferrus-integrate-%s" % short_task_id(task))
+        job["thread"].start()
+        self.integration = job
+
+    def _finish_integration(self, job):
+        task = job["task"]
+        controller = self.controllers.get(task)
+        if controller is None:
+            return
+        task_store = controller.store
+        if job["error"] is not None:
+            self._send_back(task, "ferrus could not integrate your work: %s" %
+                            job["error"].full_text(), cause="error")
+            return
+        built, checks = job["result"]
+        if built.status == "conflict":
+            self._send_back(task, "Your work conflicts with the target branch %s, which "
+                            "moved on since your task started (other tasks were merged into "
+                            "it). Your work so far is committed on your branch. Bring the "
+                            "branch up to date: run `git %s %s` in your working folder, "
+                            "resolve the conflicts keeping both sides' intent, then check and "
+                            "submit again.\n\n%s" % (self.target, self.parallel.integrate,
+                                                     self.target, built.text),
+                            cause="conflict", files=list(built.conflicts))
+            return
+        if checks is not None and not checks.passed:
+            self._send_back(task, "Your work merged with the target branch %s cleanly, but "
+                            "the checks fail on the merged result (they passed on your work "
+                            "alone, so it is the combination).\n\n%s" % (
+                                self.target, checks.report(
+                                    self.store.config().limits.max_feedback_lines)),
+                            cause="checks", failed=[r.command for r in checks.failed])
+            return
+        update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
+            "integration": {"candidate": built.head, "target_head": built.target_head}},
+            candidate=(built.head or "")[:12])
+        moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
+        status = moved.status if hasattr(moved, "status") else moved
+        if status == "done":
+            op_integrated(task_store, ORCHESTRATOR, commit=(built.head or "")[:12],
+                          target=self.target)
+            self._merged(task, built.head)
+        elif status == "moved":
+            self.note("the target %s moved during the integration of %s; integrating again"
+                      % (self.target, short_task_id(task)), task_id=task)
+        else:
+            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
+                "changes" % self.target
+            if why != self.waiting_said:
+                self.waiting_said = why
+                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
+                          "ferrus never overwrites your work)" % (short_task_id(task), why),
+                          "warning", task_id=task)
+            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+
+    def _send_back(self, task, notes, **detail):
+        task_store = self.controllers[task].store
+        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, **detail)
+        self.note("task %s goes back to its executor: %s" % (
+            short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
+                                  "checks": "the checks fail on the merged result"}.get(
+                detail.get("cause"), "its integration failed")),
+            "warning", task_id=task, state=outcome.state)
+
+    def _merged(self, task, head):
+        self.tasks_completed += 1
+        self.waiting_said = None
+        self._end_task(task, MERGED_STATUS, None, head=head)
+
+    # -- a task's end ---------------------------------------------------------------------
+
+    def _stop_controller(self, task):
+        controller = self.controllers.pop(task, None)
+        if controller is not None:
+            controller.shutdown()
+
+    def _end_task(self, task, status, reason, head=None):
+        """Record how a task ended; a merged or cancelled task's worktree and branch go,
+        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
+            changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
+            if reason:
+                changes["reason"] = reason
+            if head:
+                changes["merged_commit"] = head
+            detail = {"status": status}
+            if reason:
+                detail["reason"] = reason[:500]
+            update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
+        if status in (MERGED_STATUS, CANCELLED_STATUS) and record.get("worktree"):
+            with contextlib.suppress(FerrusError):
+                remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+        self.ended[task] = status
+        title = record.get("title", "")
+        if status == MERGED_STATUS:
+            self.note("task %s merged into %s%s: %s" % (
+                short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
+                task_id=task, status=status)
+        elif status == FAILED_STATUS:
+            self.note("task %s failed: %s (its worktree %s is kept; `ferrus task cancel %s` "
+                      "removes it)" % (short_task_id(task), failure_summary(reason or ""),
+                                       record.get("worktree") or "-", short_task_id(task)),
+                      "error", task_id=task, status=status)
+        else:
+            self.note("task %s cancelled" % short_task_id(task), "warning", task_id=task,
+                      status=status)
+
+    # -- P6 report, P7 cleanup -------------------------------------------------------------
+
+    def _report(self):
+        counts = collections.Counter(self.ended.values())
+        parts = ["%d %s" % (counts[s], s) for s in (MERGED_STATUS, FAILED_STATUS,
+                                                    CANCELLED_STATUS) if counts[s]]
+        self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
+        self.advance(7)
+
+    def _cleanup(self):
+        with contextlib.suppress(FerrusError):
+            prune_worktrees(self.store.root)
+        if self.queued():
+            self.advance(1)
+            return
+        self.finished = True
+        self._save()
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def exit_code(self):
+        if self.checkpoint:
+            return RUN_CHECKPOINT
+        if any(status == FAILED_STATUS for status in self.ended.values()):
+            return RUN_FAILED
+        if self.waiting_human:
+            return RUN_NEEDS_HUMAN
+        return RUN_COMPLETE
+
+    def shutdown(self):
+        """Stop every agent (the tasks stay as they are, for the next run to resume)."""
+        if self.integration is not None:
+            self.integration["thread"].join(timeout=5)
+        for task in list(self.controllers):
+            self.controllers.pop(task).shutdown()
+
+
+def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review=None,
+                 clock=time.monotonic, poll_interval=0.02, launcher=None, mode="lines",
+                 bell=None):
+    """`ferrus run --parallel N`: work the queue until it is empty.  Exit codes as
+    run_loop's: 0 every task merged, 1 one failed, 3 timeout or capacity checkpoint, 4 a
+    task waits for a human nobody here can be."""
+    out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, mode)
+    if launcher is None:
+        require_headless_agents(store)
+    runner = ParallelRunner(store, show, max_tasks, clock=clock, launcher=launcher, bell=bell,
+                            ask=ask, review=review)
+    started = clock()
+    try:
+        runner.start()
+        while not runner.finished and not runner.checkpoint:
+            runner.step()
+            if runner.stuck_on_human():
+                runner.note("every task in flight waits for a human (answer with HQ, "
+                            "`ferrus approve`, or `ferrus run --parallel` in a terminal)",
+                            exit=RUN_NEEDS_HUMAN)
+                return RUN_NEEDS_HUMAN
+            if timeout is not None and clock() - started >= timeout:
+                runner.note("timed out after %s in %s" % (
+                    format_duration(timeout), phase_label(runner.machine.phase)),
+                    exit=RUN_TIMEOUT)
+                return RUN_TIMEOUT
+            time.sleep(poll_interval)
+        code = runner.exit_code()
+        runner.note("done: exit %d" % code, exit=code)
+        return code
+    finally:
+        runner.shutdown()
+
+
 def run_printer(out, mode="lines"):
     """``show(message)`` for `ferrus run`: a line per message, fewer with "quiet", one
     JSON object per message with "json" (for CI logs and other programs)."""
@@ -12204,7 +12827,7 @@ def require_headless_agents(store):
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None, mode="lines", bell=None):
+             review=None, mode="lines", bell=None, task_id=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
@@ -12252,7 +12875,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
         # may have staged.
-        created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        created = op_create_task(store, HUMAN, task, origin=origin or (None, None),
+                                 task_id=task_id)
         for warning in created.data.get("warnings", ()):
             out("ferrus run: warning: %s" % warning)
         if created.data.get("branch"):
@@ -12336,6 +12960,54 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
             note("task %s used %s" % (task_id, format_usage(used)), task_id=task_id,
                  usage=used)
+
+
+def run_queue(store, out=None, **run_options):
+    """`ferrus run` with tasks queued and [parallel] max_tasks = 1: each queued task in
+    turn, as the project's own task in the checkout (exactly `ferrus run --task`).  A
+    failed task does not stop the queue; the exit code is the worst of the runs."""
+    out = out or (lambda text: say(text, flush=True))
+    worst = RUN_COMPLETE
+    for task, record in task_records(store):
+        # A queued task an earlier run took up in the checkout: resumed, or recorded.
+        if record.get("status") != RUNNING_STATUS or record.get("store") != "project":
+            continue
+        data = store.project_state()
+        code = None
+        if data.task_id == task and data.state in ACTIVE_STATES:
+            out("ferrus run: resuming task %s from the queue" % short_task_id(task))
+            code = run_loop(store, None, resume=True, out=out, **run_options)
+        elif data.task_id == task and data.state in (S.COMPLETE, S.FAILED):
+            code = RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
+        if code is None or code in (RUN_COMPLETE, RUN_FAILED):
+            status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+            update_task(store, HUMAN, task, "task_" + status, {
+                "status": status, "ended_at": format_timestamp(store.clock())})
+        if code not in (None, RUN_COMPLETE, RUN_FAILED):
+            return code
+        worst = max(worst, code or RUN_FAILED)
+    while True:
+        queued = [(task, record) for task, record in task_records(store)
+                  if record.get("status") == QUEUED_STATUS]
+        if not queued:
+            return worst
+        task, record = queued[0]
+        origin = record.get("origin") or {}
+        out("ferrus run: task %s from the queue (%d left after it): %s" % (
+            short_task_id(task), len(queued) - 1, record.get("title", "")))
+        update_task(store, HUMAN, task, "dispatch_task", {
+            "status": RUNNING_STATUS, "store": "project",
+            "started_at": format_timestamp(store.clock())})
+        code = run_loop(store, read_text(os.path.join(store.path(TASKS_DIR, task), "TASK.md")),
+                        out=out, origin=(origin.get("spec"), origin.get("milestone")),
+                        reset=True, task_id=task, **run_options)
+        status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+        if code in (RUN_COMPLETE, RUN_FAILED):
+            update_task(store, HUMAN, task, "task_" + status, {
+                "status": status, "ended_at": format_timestamp(store.clock())})
+        if code not in (RUN_COMPLETE, RUN_FAILED):
+            return code            # a question, a timeout or a checkpoint: stop here
+        worst = max(worst, code)
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
@@ -16237,14 +16909,35 @@ def cmd_run(args, root):
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
+    if args.parallel is not None and not 1 <= args.parallel <= 64:
+        raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
+                         % args.parallel, "ferrus run --parallel 3")
+    parallel = args.parallel or store.config().parallel.max_tasks
+    if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
+        raise UsageError("tasks run in parallel come from the queue",
+                         "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
+                         "SPEC), then `ferrus run --parallel N`; a failed or interrupted task "
+                         "is resumed by the next run")
     with OrchestratorLock(store, "ferrus run") as held:
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
+        if parallel > 1:
+            if task is not None:
+                require_utf8(task, "the task description")
+                show(HqMessage("info", "ferrus run: " + op_enqueue_task(
+                    store, human_caller(), task).text, "run"))
+            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+                                mode=mode, bell=bell)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
                                   args.timeout, args.resume, args.reset, ask=ask, review=review,
                                   mode=mode, bell=bell)
+        if task is None and not args.resume and any(
+                record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+                for _, record in task_records(store)):
+            return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
+                             bell=bell)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
                         review=review, mode=mode, bell=bell)
 
@@ -16482,6 +17175,10 @@ def build_parser():
                             "next ready one; approving it ticks its box")
     p.add_argument("--until-done", action="store_true",
                    help="after each milestone, take the next ready one until none is left")
+    p.add_argument("--parallel", type=int, metavar="N",
+                   help="work the task queue (`ferrus task add`) N tasks at a time, each in "
+                        "its own git worktree, merged when the checks pass on the result "
+                        "(default: [parallel] max_tasks)")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
     p.add_argument("--resume", action="store_true", help="continue the task in flight")
     p.add_argument("--reset", action="store_true",
