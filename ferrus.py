@@ -29,7 +29,7 @@ Contents (each section uses only the sections above it):
      7. Capacity gates .......... usage signals to tier and action, pure
      8. Store ................... paths, transactions, the journal, waiting
      9. Checks .................. the check runner
-    10. Git ..................... a task's base and diff, its branch and commit ([git])
+    10. Git ..................... a task's base, diff, branch and commit; task worktrees
     11. Specs ................... spec and milestone parsing, selection, completion
     12. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
     13. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
@@ -4303,7 +4303,8 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 # ============================================================================
 #
 # The only code that runs git: reading a task's base and diff, and, when [git] asks,
-# writing its branch and its commit.  Operations, the MCP server and the front ends
+# writing its branch and its commit; for parallel tasks, their worktrees and their
+# integration into the target branch.  Operations, the MCP server and the front ends
 # reach the repository through this section alone.
 
 # -- git: a task's base and its diff --------------------------------------------------
@@ -5434,6 +5435,464 @@ def target_head(root, branch):
     out = run_git(root, ["rev-parse", "-q", "--verify", "refs/heads/%s^{commit}" % branch],
                   ok=(0, 1))
     return os.fsdecode(out).strip() or None
+
+
+# -- git: integrating a task into the target branch (the merge queue's git half) --------
+#
+# An approved task's worktree is committed, then rebased onto (or merged with) the target
+# branch's current head; the orchestrator runs the checks on that candidate and, when
+# they pass, fast_forward_target moves the target to it.  A conflict is undone at once
+# (the worktree goes back to the task's own commit) and described for the executor.  A
+# crash part way is undone by the next prepare_integration: it leaves a note in the
+# worktree's git folder while it works, so a rebase or merge found in progress there is
+# known to be its own.  The target only ever moves by an atomic compare-and-swap of its
+# ref (or `git merge --ff-only` where it is checked out), so it is at its old head or at
+# the checked candidate, never in between.
+
+# The note prepare_integration keeps in the worktree's git folder while it works.
+INTEGRATION_NOTE = "ferrus-integration"
+# How much prepare_integration says about a conflict (the executor reads it in REVIEW.md).
+CONFLICT_TEXT_CHARS = 4096
+# Lines of one side of a conflicting hunk shown before the rest is left out.
+CONFLICT_SIDE_LINES = 12
+INTEGRATION_MODES = ("rebase", "merge")
+
+
+@dataclasses.dataclass
+class Integration:
+    """A task's worktree made into a candidate for the target branch."""
+
+    status: str            # "ready", "conflict", or "empty" (nothing the target lacks)
+    head: str              # ready: the candidate; conflict: the task's own commit, as before
+    target_head: str       # the target's head it was built on
+    conflicts: list = dataclasses.field(default_factory=list)   # conflicting paths
+    text: str = ""         # what happened, for people (a conflict's files and hunks)
+    committed: bool = False   # the task's uncommitted changes were committed first
+
+
+class IntegrationRefused(GitError):
+    """A hook refused the task's commit, rebase or merge (its words are in the message):
+    something whoever works on the task can fix, unlike a broken repository."""
+
+
+def prepare_integration(worktree, target_branch, mode, message, exclude,
+                        timeout=GIT_COMMIT_TIMEOUT_SECS):
+    """Make the task's worktree a candidate for ``target_branch``.
+
+    (1) Everything the task changed under ``worktree`` (tracked and untracked, .gitignore
+    honoured, ``exclude`` — ferrus's registration files — never, even when staged) is
+    committed with ``message``, the user's hooks run; nothing to commit is fine.
+    (2) ``mode`` "rebase" rebases the task's branch onto the target's current head,
+    "merge" merges that head into it.  (3) A conflict is aborted at once — the worktree
+    is back on the task's commit — and returned with the conflicting paths and a short
+    text (the files and the hunks of each side, at most CONFLICT_TEXT_CHARS).
+
+    Returns an Integration.  Raises IntegrationRefused when a hook refuses, GitError when
+    git has no identity to commit with (ferrus does not invent one: the commits land on
+    the user's branch in the user's name), when the worktree is in a git operation ferrus
+    did not start, or when git fails otherwise; the worktree is then on the task's
+    branch with its work intact.  Safe to call again after a crash at any point: an
+    integration cut short is undone first.  Conflicting paths are relative to the
+    repository's top level."""
+    if mode not in INTEGRATION_MODES:
+        raise FerrusError("integrate = %s is no integration mode" % json.dumps(mode),
+                          'use "rebase" or "merge"')
+    if not message.strip():
+        raise FerrusError("the task's commit needs a message", "pass the task's title")
+    git_dir = _worktree_git_dir(worktree) or os.fsdecode(run_git(
+        worktree, ["rev-parse", "--absolute-git-dir"])).strip()
+    _undo_interrupted_integration(worktree, git_dir)
+    branch = _head_branch(git_dir)
+    if branch is None:
+        raise GitError("the task's worktree %s is on a detached HEAD, not its branch"
+                       % worktree, "`git switch <the task's branch>` there, then try again")
+    target = target_head(worktree, target_branch)
+    if target is None:
+        raise GitError("there is no branch %s to integrate into" % target_branch,
+                       "create it, or name another target branch")
+    note = os.path.join(git_dir, INTEGRATION_NOTE)
+    atomic_write(note, json.dumps({"pid": os.getpid(), "start": _own_start(),
+                                   "branch": branch, "target": target}).encode("utf-8"),
+                 durable=False)
+    try:
+        committed = _commit_worktree(worktree, git_dir, exclude, message, timeout)
+        conflict = _rebase_or_merge(worktree, git_dir, branch, target_branch, target, mode,
+                                    timeout)
+        out = os.fsdecode(run_git(worktree, ["rev-parse", "HEAD", "HEAD^{tree}",
+                                             target + "^{tree}"])).split()
+        head, tree, target_tree = out[0], out[1], out[2]
+        if conflict:
+            paths, text = conflict
+            return Integration("conflict", head, target, paths, text, committed)
+        if head == target or tree == target_tree:
+            return Integration("empty", head, target, [], "the task changes nothing that %s "
+                               "(at %s) does not already have" % (target_branch, target[:12]),
+                               committed)
+        done = ("rebased onto" if mode == "rebase" else "merged with")
+        return Integration("ready", head, target, [], "the task's branch %s is %s %s at %s"
+                           % (branch, done, target_branch, target[:12]), committed)
+    finally:
+        if _operation_in(git_dir) is None:
+            with contextlib.suppress(OSError):
+                os.unlink(note)
+
+
+def _head_branch(git_dir):
+    """The branch a checkout's HEAD is on (read from its git folder), or None."""
+    try:
+        with open(os.path.join(git_dir, "HEAD"), encoding="utf-8",
+                  errors="surrogateescape") as handle:
+            ref = handle.read().strip()
+    except OSError:
+        return None
+    return ref[len("ref: refs/heads/"):] if ref.startswith("ref: refs/heads/") else None
+
+
+def _operation_in(git_dir):
+    """The git operation left unfinished in the checkout of ``git_dir``, or None."""
+    return GitRepository(root=git_dir, toplevel=git_dir, git_dir=git_dir
+                         ).operation_in_progress()
+
+
+def _undo_interrupted_integration(worktree, git_dir):
+    """Abort the rebase or merge a killed prepare_integration left in the worktree, with
+    the lock files of the git it ran; refuse an operation somebody else started, and an
+    integration another live process is running."""
+    note = os.path.join(git_dir, INTEGRATION_NOTE)
+    operation = _operation_in(git_dir)
+    if not os.path.exists(note):
+        if operation:
+            raise GitError("a git %s is in progress in the task's worktree %s, and ferrus "
+                           "did not start it" % (operation, worktree),
+                           "finish it or abort it there (%s), then integrate again"
+                           % _finish_or_abort(operation))
+        return
+    left = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(note, encoding="utf-8") as handle:
+            left = json.loads(handle.read())
+    pid = left.get("pid") if isinstance(left, dict) else None
+    if (isinstance(pid, int) and pid != os.getpid() and pid_alive(pid)
+            and process_start(pid) == left.get("start")):
+        raise GitError("another ferrus process (pid %d) is integrating %s" % (pid, worktree),
+                       "let it finish; only one orchestrator runs per project")
+    # The git that ferrus ran there was killed with it: its locks are stale.
+    for lock in ("index.lock", "HEAD.lock"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(git_dir, lock))
+    if operation in INTEGRATION_MODES:
+        run_git(worktree, [operation, "--abort"])
+    elif operation:
+        raise GitError("a git %s is in progress in the task's worktree %s" % (operation,
+                       worktree), "finish it or abort it there (%s), then integrate again"
+                       % _finish_or_abort(operation))
+    with contextlib.suppress(OSError):
+        os.unlink(note)
+
+
+def _commit_worktree(worktree, git_dir, exclude, message, timeout):
+    """Commit the task's changes under ``worktree`` (not ``exclude``); False when there
+    was nothing to commit.  Raises IntegrationRefused when git commit refuses."""
+    specs = _pathspecs(exclude)
+    # Exit 1: everything was added, but an excluded path is also git-ignored (.ferrus/),
+    # which `git add` reports even for an exclusion.
+    run_git(worktree, ["add", "-A"] + specs, ok=(0, 1))
+    fd, message_file = tempfile.mkstemp(prefix="ferrus-commit-", suffix=".txt", dir=git_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(message)
+        # Only the paths under `specs` are committed, so an excluded file an agent
+        # staged by hand stays out of it.
+        run_git(worktree, ["commit", "-q", "--cleanup=whitespace", "-F", message_file]
+                + specs, timeout=timeout)
+        return True
+    except GitError as err:
+        if not run_git(worktree, ["diff", "--cached", "--name-only", "-z", "HEAD"] + specs):
+            return False                                  # nothing to commit
+        raise _integration_failure(worktree, err, "commit") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(message_file)
+
+
+def _rebase_or_merge(worktree, git_dir, branch, target_branch, target, mode, timeout):
+    """Rebase the task's branch onto ``target`` or merge it in.  None when that worked;
+    (paths, text) of a conflict, after aborting it; GitError when git failed."""
+    if _is_ancestor(worktree, target, "HEAD"):
+        # The branch has the target already: nothing to rebase (the usual case when the
+        # target did not move), or an executor resolved a conflict by merging the target
+        # in — which a rebase would undo, replaying the task's commits into the same
+        # conflict again.
+        return None
+    if mode == "rebase":
+        # The user's rebase settings that would move other branches or reorder commits
+        # do not apply here; local changes left (excluded tracked files) are carried.
+        args = ["-c", "rebase.updateRefs=false", "-c", "rebase.autoSquash=false",
+                "-c", "rebase.backend=merge", "rebase", "-q", "--autostash", target]
+    else:
+        args = ["merge", "-q", "--no-edit", "--ff", "-m",
+                "Merge branch '%s' (at %s) into %s" % (target_branch, target[:12], branch),
+                target]
+    try:
+        run_git(worktree, args, timeout=timeout)
+        return None
+    except GitError as err:
+        failure = err
+    conflicts = _conflicting_stages(worktree) if _operation_in(git_dir) else {}
+    text = _conflict_text(worktree, conflicts, target_branch, target, mode) if conflicts else ""
+    if _operation_in(git_dir):
+        run_git(worktree, [mode, "--abort"])
+    if conflicts:
+        return sorted(conflicts, key=lambda p: p.encode("utf-8", "surrogateescape")), text
+    raise _integration_failure(worktree, failure, mode) from None
+
+
+def _integration_failure(worktree, err, command):
+    """The error for a refused git commit, rebase or merge in a task's worktree (after
+    it was undone): no identity (GitError), a hook (IntegrationRefused), or else."""
+    said = err.message
+    if len(said) > GIT_FAILURE_CHARS:
+        said = said[:GIT_FAILURE_CHARS] + " [...]"
+    try:
+        run_git(worktree, ["var", "GIT_COMMITTER_IDENT"])
+    except GitError:
+        return GitError(said, "git does not know who commits here: set `git config "
+                        "user.name \"Your Name\"` and `git config user.email "
+                        "you@example.com` in the repository, then integrate the task again")
+    if "hook" in said.lower() or command == "commit":
+        return IntegrationRefused(said, "a hook refuses it, most likely (its words are "
+                                  "above): fix what it says in the task's worktree %s, "
+                                  "then integrate the task again" % worktree)
+    return GitError(said, "the task's worktree %s is back on its own commit; run `git %s` "
+                    "there to see what git needs" % (worktree, command))
+
+
+def _conflicting_stages(worktree):
+    """{path: set of stages present} for each conflicted path (`git ls-files -u`)."""
+    stages = {}
+    for entry in os.fsdecode(run_git(worktree, ["ls-files", "-u", "-z", "--full-name"])
+                             ).split("\0"):
+        if "\t" in entry:
+            info, path = entry.split("\t", 1)
+            stages.setdefault(path, set()).add(info.split()[2])
+    return stages
+
+
+def _conflict_text(worktree, conflicts, target_branch, target, mode):
+    """The conflicting files and, for text files, each side of every conflicting hunk:
+    what the executor needs to make the task fit the target, at most
+    CONFLICT_TEXT_CHARS."""
+    # A rebase replays the task's commits onto the target ("theirs" is the task); a
+    # merge brings the target into the task's branch ("ours" is the task).
+    task_stage, target_stage = ("3", "2") if mode == "rebase" else ("2", "3")
+    target_label = "%s (at %s)" % (target_branch, target[:12])
+    names = sorted(conflicts, key=lambda p: p.encode("utf-8", "surrogateescape"))
+    parts = ["%s the task onto %s (at %s) conflicts in %d file%s: %s" % (
+        "Rebasing" if mode == "rebase" else "Merging", target_branch, target[:12],
+        len(names), "" if len(names) == 1 else "s", ", ".join(map(display_path, names)))]
+    top = os.fsdecode(run_git(worktree, ["rev-parse", "--show-toplevel"])).strip()
+    for path in names:
+        stages = conflicts[path]
+        if task_stage not in stages:
+            parts.append("%s: the task deleted it, %s changed it" % (display_path(path),
+                                                                    target_label))
+            continue
+        if target_stage not in stages:
+            parts.append("%s: %s deleted it, the task changed it" % (display_path(path),
+                                                                    target_label))
+            continue
+        hunks = _conflict_hunks(os.path.join(top, *path.split("/")))
+        if not hunks:
+            parts.append("%s: both sides changed it (no text conflict markers: a binary "
+                         "file, or a file type or mode change)" % display_path(path))
+            continue
+        for line_number, ours, theirs in hunks:
+            task, other = (theirs, ours) if task_stage == "3" else (ours, theirs)
+            parts.append("%s, line %d:\n  the task's side:\n%s\n  %s's side (at %s):\n%s"
+                         % (display_path(path), line_number, _side_lines(task),
+                            target_branch, target[:12], _side_lines(other)))
+    parts.append("To resolve: bring %s into the task's branch (`git merge %s` in the task's "
+                 "worktree), make the files above hold both sides' intent, and commit."
+                 % (target_branch, target_branch))
+    text = ""
+    for index, part in enumerate(parts):
+        candidate = text + ("\n\n" if text else "") + part
+        if len(candidate) > CONFLICT_TEXT_CHARS:
+            left = len(parts) - index
+            return text + "\n\n[... %d more conflicting part%s left out; `git diff` in the " \
+                "worktree during the rebase or merge shows them all]" % (
+                    left, "" if left == 1 else "s")
+        text = candidate
+    return text
+
+
+def _conflict_hunks(path):
+    """[(line number, ours lines, theirs lines)] of the conflict markers in a file."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    hunks, index = [], 0
+    while index < len(lines):
+        if not lines[index].startswith("<<<<<<<"):
+            index += 1
+            continue
+        start, ours, theirs, side = index + 1, [], [], "ours"
+        index += 1
+        while index < len(lines) and not lines[index].startswith(">>>>>>>"):
+            line = lines[index]
+            if line.startswith("|||||||") and side == "ours":
+                side = "base"                              # diff3 / zdiff3 style
+            elif line.startswith("=======") and side != "theirs":
+                side = "theirs"
+            elif side == "ours":
+                ours.append(line)
+            elif side == "theirs":
+                theirs.append(line)
+            index += 1
+        hunks.append((start, ours, theirs))
+        index += 1
+    return hunks
+
+
+def _side_lines(lines):
+    shown = ["    | " + line for line in lines[:CONFLICT_SIDE_LINES]]
+    if len(lines) > CONFLICT_SIDE_LINES:
+        shown.append("    [... %d more lines]" % (len(lines) - CONFLICT_SIDE_LINES))
+    return "\n".join(shown) if shown else "    (nothing: the lines are removed)"
+
+
+@dataclasses.dataclass
+class FastForward:
+    """What fast_forward_target did to the target branch."""
+
+    status: str            # "done", "moved" (not at old_head any more) or "dirty"
+    head: "str | None"     # where the target is now
+    files: list = dataclasses.field(default_factory=list)   # dirty: the user's files in the way
+    text: str = ""         # why, for people
+    checkout: "str | None" = None   # where the target is checked out (None: nowhere)
+
+
+def fast_forward_target(root, target_branch, old_head, new_head):
+    """Move ``target_branch`` from ``old_head`` to ``new_head``, only as a fast-forward.
+
+    Checked out nowhere, its ref moves by one atomic compare-and-swap (`git update-ref
+    <new> <old>`).  Checked out (the user's checkout, usually), the checkout is updated
+    with `git merge --ff-only` — never a reset or a forced checkout — unless a file the
+    update changes has uncommitted changes there, or an untracked (or ignored) file sits
+    where it writes one, or a merge or rebase is in progress there: then nothing is
+    touched and the status is "dirty", with those files named (other uncommitted changes
+    are carried along, as `git pull` would).  "moved": the target is no longer at
+    ``old_head`` (someone committed); integrate again.  "done" also when the target is
+    at ``new_head`` already (a retry after a crash).  A kill at any moment leaves the
+    target's ref at ``old_head`` or ``new_head``.  Raises GitError when ``new_head`` does
+    not descend from ``old_head`` or git fails otherwise."""
+    entries = _worktree_entries(root)
+    holder = None
+    for entry in entries:
+        if entry["branch"] == target_branch:
+            holder = entry
+        elif entry["branch"] is None and not entry["bare"]:
+            git_dir = _worktree_git_dir(entry["path"])
+            if git_dir and _rebasing_branch(git_dir) == target_branch:
+                return FastForward("dirty", old_head, [], "a rebase of %s is in progress in "
+                                   "%s: waiting until it is finished or aborted"
+                                   % (target_branch, entry["path"]), entry["path"])
+    if holder is not None and not os.path.isdir(holder["path"]):
+        holder = None                                # its folder is gone: nothing to overwrite
+    if holder is not None:
+        current = holder["head"]
+    else:
+        current = target_head(root, target_branch)
+    where = holder["path"] if holder else None
+    if current == new_head:
+        return FastForward("done", new_head, [], "%s is at %s" % (target_branch, new_head[:12]),
+                           where)
+    if current != old_head:
+        return _moved(target_branch, current, old_head, where)
+    if not _is_ancestor(root, old_head, new_head):
+        raise GitError("%s is not a fast-forward of %s (at %s)" % (new_head[:12], target_branch,
+                                                                  old_head[:12]),
+                       "integrate the task onto the target's head again")
+    if holder is None:
+        try:
+            run_git(root, ["update-ref", "-m", "ferrus: integrate %s" % new_head[:12],
+                           "refs/heads/" + target_branch, new_head, old_head])
+        except GitError:
+            current = target_head(root, target_branch)
+            if current == new_head:
+                return FastForward("done", new_head, [], "%s is at %s" % (
+                    target_branch, new_head[:12]))
+            if current != old_head:
+                return _moved(target_branch, current, old_head, None)
+            raise
+        return FastForward("done", new_head, [], "%s moved from %s to %s" % (
+            target_branch, old_head[:12], new_head[:12]))
+    checkout = holder["path"]
+    blocked = _checkout_blockers(checkout, old_head, new_head)
+    if blocked:
+        return blocked
+    try:
+        run_git(checkout, ["merge", "--ff-only", "-q", new_head])
+    except GitError as err:
+        current = target_head(root, target_branch)
+        if current == new_head:
+            return FastForward("done", new_head, [], "%s is at %s" % (
+                target_branch, new_head[:12]), checkout)
+        if current != old_head:
+            return _moved(target_branch, current, old_head, checkout)
+        blocked = _checkout_blockers(checkout, old_head, new_head)
+        if blocked:
+            return blocked
+        raise GitError("updating %s in your checkout %s failed: %s" % (
+            target_branch, checkout, err.message), "run `git merge --ff-only %s` there to "
+            "see what git needs" % new_head[:12]) from None
+    return FastForward("done", new_head, [], "%s moved from %s to %s (checked out in %s)" % (
+        target_branch, old_head[:12], new_head[:12], checkout), checkout)
+
+
+def _moved(target_branch, current, old_head, where):
+    return FastForward("moved", current, [], "%s moved to %s since %s: the task is "
+                       "integrated onto its new head again" % (
+                           target_branch, current[:12] if current else "(deleted)",
+                           old_head[:12]), where)
+
+
+def _checkout_blockers(checkout, old_head, new_head):
+    """A "dirty" FastForward when the checkout cannot take the update untouched: a git
+    operation in progress, or local changes (also untracked or ignored files) at paths
+    the update writes; else None."""
+    git_dir = _worktree_git_dir(checkout)
+    operation = _operation_in(git_dir) if git_dir else None
+    if operation:
+        return FastForward("dirty", old_head, [], "a git %s is in progress in your checkout "
+                           "%s: waiting until it is finished" % (operation, checkout), checkout)
+    touched = [p for p in os.fsdecode(run_git(checkout, [
+        "diff", "--name-only", "-z", "--no-renames", old_head, new_head])).split("\0") if p]
+    if not touched:
+        return None
+    # Past a few thousand paths the command line could be too long: ask about them all.
+    specs = (["--"] + [":(literal)" + p for p in touched]) if len(touched) <= 2000 else []
+    out = run_git(checkout, ["status", "--porcelain=v2", "-z", "--untracked-files=all",
+                             "--ignored=matching", "--no-renames"] + specs)
+    local = []
+    for entry in os.fsdecode(out).split("\0"):
+        if entry.startswith(("1 ", "u ")):
+            local.append(entry.split(" ", 8 if entry[0] == "1" else 10)[-1])
+        elif entry.startswith(("? ", "! ")):
+            local.append(entry[2:])
+    touched_set = set(touched)
+    blocking = sorted(p for p in local if p in touched_set or any(
+        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched))
+    if not blocking:
+        return None
+    return FastForward("dirty", old_head, blocking, "your checkout %s has uncommitted changes "
+                       "(or untracked files) where the task's changes go: %s; commit, stash or "
+                       "move them, and the task is integrated" % (
+                           checkout, ", ".join(map(display_path, blocking[:20]))
+                           + (" and %d more" % (len(blocking) - 20) if len(blocking) > 20
+                              else "")), checkout)
 
 
 # ============================================================================

@@ -5,6 +5,7 @@ Every test builds a real git repository in a temporary folder (git is required).
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -337,3 +338,375 @@ def test_a_worktree_path_with_a_newline_lists_whole(repo, tmp_path):
 def test_target_head_names_the_branch_commit_or_none(repo):
     assert ferrus.target_head(repo, "main") == rev(repo)
     assert ferrus.target_head(repo, "missing") is None
+
+
+# -- integrating a task: commit, rebase or merge, conflicts --------------------------------
+
+EXCLUDE = ferrus.diff_exclusions()
+
+
+def commit_all(root, message):
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", message)
+    return rev(root)
+
+
+def files_at(root, commit):
+    return sorted(git(root, "ls-tree", "-r", "--name-only", commit).stdout.split())
+
+
+def in_progress(worktree):
+    admin = ferrus._worktree_git_dir(worktree)
+    return ferrus._operation_in(admin)
+
+
+@pytest.fixture
+def task(repo, wt_dir):
+    """A task's worktree on branch ferrus/t-1, started at main's head."""
+    path = os.path.join(wt_dir, "t-1")
+    ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
+    return path
+
+
+def test_the_tasks_changes_are_committed_without_ferrus_files(repo, task):
+    start = rev(repo)
+    write(task, "feature.py", "def feature():\n    return 1\n")
+    write(task, "app.py", "print('hello, task')\n")
+    for rel in (".mcp.json", ".codex/config.toml", ".claude/settings.local.json",
+                ".agents/skills/ferrus/SKILL.md", ".ferrus/STATE.json"):
+        write(task, rel, "registration\n")
+    git(task, "add", ".mcp.json")                     # an agent staged one by hand
+    result = ferrus.prepare_integration(task, "main", "rebase", "Task t-1: add a feature",
+                                        EXCLUDE)
+    assert result.status == "ready" and result.committed and result.target_head == start
+    assert result.head == rev(task) and rev(task) != start
+    assert files_at(task, result.head) == [".gitignore", "app.py", "feature.py"]
+    assert git(task, "log", "-1", "--format=%s").stdout.strip() == "Task t-1: add a feature"
+    # ferrus's files are still in the worktree, uncommitted; no note is left behind.
+    assert os.path.exists(os.path.join(task, ".mcp.json"))
+    assert not os.path.exists(os.path.join(ferrus._worktree_git_dir(task),
+                                           ferrus.INTEGRATION_NOTE))
+
+
+def test_a_task_that_changed_nothing_is_empty(repo, task):
+    write(task, ".mcp.json", "registration only\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "nothing", EXCLUDE)
+    assert (result.status, result.committed, result.head) == ("empty", False, rev(repo))
+
+
+def test_a_task_whose_change_the_target_already_has_is_empty(repo, task):
+    write(task, "same.txt", "same\n")
+    commit_all(task, "task")
+    write(repo, "same.txt", "same\n")
+    commit_all(repo, "the same change on main")
+    result = ferrus.prepare_integration(task, "main", "rebase", "unused", EXCLUDE)
+    assert result.status == "empty" and result.head == rev(repo)
+
+
+def test_rebase_onto_a_moved_target_then_fast_forward_the_checked_out_target(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    commit_all(task, "agent's own commit")          # an executor may commit by itself
+    write(task, "more.py", "y = 2\n")               # and leave the rest uncommitted
+    write(repo, "other.py", "z = 3\n")
+    moved = commit_all(repo, "someone else's work")
+    result = ferrus.prepare_integration(task, "main", "rebase", "Task t-1", EXCLUDE)
+    assert result.status == "ready" and result.target_head == moved
+    assert git(task, "rev-list", "--count", moved + "..HEAD").stdout.strip() == "2"
+    assert git(task, "merge-base", "--is-ancestor", moved, "HEAD", check=False).returncode == 0
+    assert git(task, "status", "--porcelain").stdout == ""
+    done = ferrus.fast_forward_target(repo, "main", moved, result.head)
+    assert (done.status, done.head, done.checkout) == ("done", result.head,
+                                                       os.path.realpath(repo))
+    assert rev(repo) == result.head
+    assert sorted(os.listdir(repo)) == [".git", ".gitignore", "app.py", "feature.py",
+                                        "more.py", "other.py"]
+    assert git(repo, "status", "--porcelain").stdout == ""
+    # Asked again (a retry after a crash): already done.
+    assert ferrus.fast_forward_target(repo, "main", moved, result.head).status == "done"
+
+
+def test_merge_mode_merges_the_target_into_the_tasks_branch(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    write(repo, "other.py", "z = 3\n")
+    moved = commit_all(repo, "someone else's work")
+    result = ferrus.prepare_integration(task, "main", "merge", "Task t-1", EXCLUDE)
+    assert result.status == "ready" and result.committed
+    parents = git(task, "rev-list", "--parents", "-n", "1", "HEAD").stdout.split()[1:]
+    assert len(parents) == 2 and parents[1] == moved
+    assert "Merge branch 'main'" in git(task, "log", "-1", "--format=%s").stdout
+    assert ferrus.fast_forward_target(repo, "main", moved, result.head).status == "done"
+    assert set(files_at(repo, "HEAD")) >= {"feature.py", "other.py"}
+
+
+def test_merge_mode_without_target_changes_fast_forwards_nothing_extra(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    result = ferrus.prepare_integration(task, "main", "merge", "Task t-1", EXCLUDE)
+    assert result.status == "ready"
+    assert git(task, "rev-list", "--count", rev(repo) + "..HEAD").stdout.strip() == "1"
+
+
+def edit_the_same_line(repo, task):
+    write(task, "app.py", "print('hello from the task')\n")
+    write(repo, "app.py", "print('hello from main')\n")
+    return commit_all(repo, "main changes the greeting")
+
+
+@pytest.mark.parametrize("mode", ["rebase", "merge"])
+def test_a_conflict_is_aborted_and_described_for_the_executor(repo, task, mode):
+    target = edit_the_same_line(repo, task)
+    write(task, "unrelated.py", "fine = True\n")
+    result = ferrus.prepare_integration(task, "main", mode, "Task t-1", EXCLUDE)
+    assert result.status == "conflict" and result.conflicts == ["app.py"]
+    assert result.target_head == target and result.committed
+    text = result.text
+    assert "conflicts in 1 file: app.py" in text and "app.py, line 1" in text
+    task_side = text.index("the task's side:")
+    main_side = text.index("main's side (at %s)" % target[:12])
+    assert text.index("hello from the task") > task_side
+    assert text.index("hello from main") > main_side
+    assert (text.index("hello from the task") < main_side) == (task_side < main_side)
+    # The worktree is back on the task's own commit, clean, with nothing in progress.
+    assert result.head == rev(task) == rev(task, "ferrus/t-1")
+    assert git(task, "status", "--porcelain").stdout == ""
+    assert in_progress(task) is None
+    assert open(os.path.join(task, "app.py")).read() == "print('hello from the task')\n"
+    assert rev(repo) == target                              # the target is untouched
+
+
+def test_two_tasks_on_the_same_lines_the_second_conflicts(repo, wt_dir):
+    start = rev(repo)
+    first, second = os.path.join(wt_dir, "t-1"), os.path.join(wt_dir, "t-2")
+    ferrus.create_task_worktree(repo, first, "ferrus/t-1", start)
+    ferrus.create_task_worktree(repo, second, "ferrus/t-2", start)
+    write(first, "app.py", "print('one')\n")
+    write(second, "app.py", "print('two')\n")
+    one = ferrus.prepare_integration(first, "main", "rebase", "t-1", EXCLUDE)
+    assert ferrus.fast_forward_target(repo, "main", one.target_head, one.head).status == "done"
+    two = ferrus.prepare_integration(second, "main", "rebase", "t-2", EXCLUDE)
+    assert two.status == "conflict" and two.conflicts == ["app.py"]
+    assert two.target_head == one.head
+    # The executor resolves it (merging main, keeping both), and it integrates.
+    assert git(second, "merge", "-q", "main", check=False).returncode != 0
+    write(second, "app.py", "print('one')\nprint('two')\n")
+    git(second, "add", "app.py")
+    git(second, "commit", "-qm", "resolve")
+    again = ferrus.prepare_integration(second, "main", "rebase", "t-2", EXCLUDE)
+    assert again.status == "ready"
+    assert ferrus.fast_forward_target(repo, "main", again.target_head, again.head).status == (
+        "done")
+    assert open(os.path.join(repo, "app.py")).read() == "print('one')\nprint('two')\n"
+
+
+def test_a_file_deleted_on_one_side_is_named(repo, task):
+    os.unlink(os.path.join(task, "app.py"))
+    write(repo, "app.py", "print('changed on main')\n")
+    commit_all(repo, "main edits app.py")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert result.status == "conflict" and result.conflicts == ["app.py"]
+    assert "app.py: the task deleted it, main (at " in result.text
+
+
+def test_a_long_conflict_is_cut_to_a_few_kib(repo, task):
+    for index in range(40):
+        write(task, "f%02d.txt" % index, "task\n" * 30)
+        write(repo, "f%02d.txt" % index, "main\n" * 30)
+    commit_all(repo, "main writes the same files")
+    result = ferrus.prepare_integration(task, "main", "merge", "t-1", EXCLUDE)
+    assert result.status == "conflict" and len(result.conflicts) == 40
+    assert len(result.text) <= ferrus.CONFLICT_TEXT_CHARS + 200
+    assert "more lines]" in result.text and "left out" in result.text
+
+
+def test_a_hook_that_refuses_the_commit_leaves_the_work_in_place(repo, task):
+    hooks = os.path.join(repo, ".git", "hooks")
+    write(hooks, "pre-commit", "#!/bin/sh\necho 'lint: feature.py is not formatted' >&2\n"
+          "exit 1\n")
+    os.chmod(os.path.join(hooks, "pre-commit"), 0o755)
+    write(task, "feature.py", "x=1\n")
+    before = rev(task)
+    with pytest.raises(ferrus.IntegrationRefused) as caught:
+        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert "feature.py is not formatted" in caught.value.message
+    assert "hook" in caught.value.hint
+    assert rev(task) == before and open(os.path.join(task, "feature.py")).read() == "x=1\n"
+    assert in_progress(task) is None
+
+
+def test_no_identity_is_an_error_for_the_user_not_the_executor(repo, task, monkeypatch,
+                                                               tmp_path):
+    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME",
+                 "GIT_COMMITTER_EMAIL", "EMAIL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    git(repo, "config", "--unset", "user.name")
+    git(repo, "config", "--unset", "user.email")
+    git(repo, "config", "user.useConfigOnly", "true")
+    write(task, "feature.py", "x = 1\n")
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert not isinstance(caught.value, ferrus.IntegrationRefused)
+    assert "user.email" in caught.value.hint
+
+
+def test_an_unknown_target_or_mode_is_a_clear_error(repo, task):
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.prepare_integration(task, "nope", "rebase", "t-1", EXCLUDE)
+    assert "no branch nope" in caught.value.message
+    with pytest.raises(ferrus.FerrusError) as caught:
+        ferrus.prepare_integration(task, "main", "squash", "t-1", EXCLUDE)
+    assert "rebase" in caught.value.hint
+
+
+# -- integrating again after a crash --------------------------------------------------------
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def leave_note(task, pid, start=None):
+    with open(os.path.join(ferrus._worktree_git_dir(task), ferrus.INTEGRATION_NOTE), "w") as f:
+        f.write('{"pid": %d, "start": %s}' % (pid, "null" if start is None else '"%s"' % start))
+
+
+def test_a_rebase_left_by_a_killed_integration_is_undone_first(repo, task):
+    edit_the_same_line(repo, task)
+    task_commit = commit_all(task, "task")
+    assert git(task, "rebase", "main", check=False).returncode != 0   # killed right here
+    leave_note(task, dead_pid())
+    with open(os.path.join(ferrus._worktree_git_dir(task), "index.lock"), "w"):
+        pass                                              # the killed git's lock
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert result.status == "conflict" and result.head == task_commit
+    assert in_progress(task) is None and git(task, "status", "--porcelain").stdout == ""
+
+
+def test_a_rebase_ferrus_did_not_start_is_left_alone(repo, task):
+    edit_the_same_line(repo, task)
+    commit_all(task, "task")
+    assert git(task, "rebase", "main", check=False).returncode != 0
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert "ferrus did not start it" in caught.value.message
+    assert "git rebase --abort" in caught.value.hint
+    assert in_progress(task) == "rebase"
+
+
+def test_an_integration_another_live_process_runs_is_refused(repo, task):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        leave_note(task, sleeper.pid, ferrus.process_start(sleeper.pid))
+        write(task, "feature.py", "x = 1\n")
+        with pytest.raises(ferrus.GitError) as caught:
+            ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+        assert "pid %d" % sleeper.pid in caught.value.message
+        # A reused pid (another start time) is not that process.
+        leave_note(task, sleeper.pid, "another start")
+        assert ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE).status == (
+            "ready")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# -- moving the target ------------------------------------------------------------------
+
+def test_a_target_checked_out_nowhere_moves_by_compare_and_swap(repo, task):
+    git(repo, "checkout", "-q", "--detach")               # main is checked out nowhere
+    write(task, "feature.py", "x = 1\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    done = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (done.status, done.checkout) == ("done", None)
+    assert rev(repo, "main") == result.head
+    assert "ferrus: integrate" in git(repo, "reflog", "-1", "main").stdout
+    # The user's detached checkout did not move.
+    assert rev(repo) == result.target_head
+
+
+def test_a_target_that_moved_meanwhile_is_not_touched(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, "late.py", "late = 1\n")
+    late = commit_all(repo, "committed during the checks")
+    moved = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (moved.status, moved.head) == ("moved", late) and rev(repo) == late
+    git(repo, "checkout", "-q", "--detach")               # and where it is checked out nowhere
+    moved = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (moved.status, moved.head) == ("moved", late) and rev(repo, "main") == late
+
+
+def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, task):
+    write(task, "app.py", "print('task')\n")
+    write(task, "new.py", "new = 1\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    old = result.target_head
+    write(repo, "app.py", "print('my own edit')\n")      # tracked, changed by the task too
+    write(repo, "new.py", "mine\n")                      # untracked where the task adds one
+    dirty = ferrus.fast_forward_target(repo, "main", old, result.head)
+    assert (dirty.status, dirty.files, dirty.head) == ("dirty", ["app.py", "new.py"], old)
+    assert "app.py, new.py" in dirty.text
+    assert rev(repo) == old
+    assert open(os.path.join(repo, "app.py")).read() == "print('my own edit')\n"
+    assert open(os.path.join(repo, "new.py")).read() == "mine\n"
+    # Once the user moves their changes away, it goes through.
+    os.unlink(os.path.join(repo, "new.py"))
+    git(repo, "checkout", "--", "app.py")
+    assert ferrus.fast_forward_target(repo, "main", old, result.head).status == "done"
+
+
+def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, "app.py", "print('my own edit')\n")
+    write(repo, "notes.txt", "mine\n")
+    git(repo, "add", "notes.txt")
+    done = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert done.status == "done" and rev(repo) == result.head
+    assert open(os.path.join(repo, "app.py")).read() == "print('my own edit')\n"
+    assert sorted(git(repo, "status", "--porcelain").stdout.splitlines()) == [
+        " M app.py", "A  notes.txt"]
+
+
+def test_an_ignored_file_where_the_task_writes_one_is_not_overwritten(repo, task):
+    write(task, ".gitignore", ".ferrus/\n")
+    write(task, "settings.env", "from the task\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, ".gitignore", ".ferrus/\n*.env\n")       # the user ignores it locally
+    write(repo, "settings.env", "SECRET=mine\n")
+    git(repo, "update-index", "--assume-unchanged", ".gitignore")
+    dirty = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert dirty.status == "dirty" and dirty.files == ["settings.env"]
+    assert open(os.path.join(repo, "settings.env")).read() == "SECRET=mine\n"
+
+
+def test_a_merge_or_rebase_in_progress_on_the_target_waits(repo, task, wt_dir):
+    other = os.path.join(wt_dir, "t-2")
+    ferrus.create_task_worktree(repo, other, "ferrus/t-2", rev(repo))
+    write(other, "app.py", "print('other')\n")
+    commit_all(other, "other")
+    write(repo, "app.py", "print('main')\n")
+    git(repo, "commit", "-qam", "main")
+    write(task, "feature.py", "x = 1\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert git(repo, "merge", "ferrus/t-2", check=False).returncode != 0
+    head = rev(repo)
+    dirty = ferrus.fast_forward_target(repo, "main", head, result.head)
+    assert dirty.status == "dirty" and "merge is in progress" in dirty.text
+    git(repo, "merge", "--abort")
+    assert git(repo, "rebase", "ferrus/t-2", check=False).returncode != 0   # HEAD detached
+    dirty = ferrus.fast_forward_target(repo, "main", head, result.head)
+    assert dirty.status == "dirty" and "rebase of main is in progress" in dirty.text
+    git(repo, "rebase", "--abort")
+    assert rev(repo, "main") == head
+
+
+def test_only_a_fast_forward_is_allowed(repo, task):
+    write(task, "feature.py", "x = 1\n")
+    side = commit_all(task, "task")
+    write(repo, "other.py", "z = 3\n")
+    old = commit_all(repo, "main")
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.fast_forward_target(repo, "main", old, side)
+    assert "not a fast-forward" in caught.value.message and rev(repo) == old
