@@ -5712,8 +5712,21 @@ def _checkout_blockers(checkout, old_head, new_head):
         elif entry.startswith(("? ", "! ")):
             local.append(entry[2:])
     touched_set = set(touched)
-    blocking = sorted(p for p in local if p in touched_set or any(
-        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched))
+    blocking = {p for p in local if p in touched_set or any(
+        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched)}
+    # A file (untracked or ignored) where the update needs a folder, which the status
+    # above, asked only about the paths themselves, does not list.
+    for path in touched:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in touched_set:
+                break
+            full = os.path.join(checkout, *parts[:depth])
+            if os.path.islink(full) or os.path.isfile(full):
+                blocking.add(folder)
+                break
+    blocking = sorted(blocking)
     if not blocking:
         return None
     return FastForward("dirty", old_head, blocking, "your checkout %s has uncommitted changes "

@@ -656,6 +656,15 @@ def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, t
     assert ferrus.fast_forward_target(repo, "main", old, result.head).status == "done"
 
 
+def test_a_file_where_the_task_makes_a_folder_waits_too(repo, task):
+    write(task, "docs/guide.md", "# Guide\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, "docs", "my notes, in a file called docs\n")
+    dirty = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (dirty.status, dirty.files) == ("dirty", ["docs"])
+    assert open(os.path.join(repo, "docs")).read() == "my notes, in a file called docs\n"
+
+
 def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task):
     write(task, "feature.py", "x = 1\n")
     result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
