@@ -289,6 +289,16 @@ def test_remove_leaves_folders_that_are_not_worktrees_and_the_main_checkout(repo
     assert os.path.exists(os.path.join(repo, "app.py")) and "main" in branches(repo)
 
 
+def test_remove_leaves_the_worktree_of_another_branch(repo, wt_dir, tmp_path):
+    theirs = str(tmp_path / "users-own-worktree")
+    git(repo, "worktree", "add", "-q", "-b", "feature", theirs)
+    write(theirs, "draft.txt", "uncommitted work\n")
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.remove_task_worktree(repo, theirs, "ferrus/t-1")
+    assert "worktree of branch feature, not of ferrus/t-1" in caught.value.message
+    assert os.path.exists(os.path.join(theirs, "draft.txt")) and "feature" in branches(repo)
+
+
 def test_remove_will_not_delete_a_branch_checked_out_in_the_users_checkout(repo, wt_dir):
     git(repo, "checkout", "-q", "-b", "ferrus/t-1")
     with pytest.raises(ferrus.GitError):
