@@ -101,7 +101,7 @@ __all__ = [
     # the config loader and its dataclasses (section 4)
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
-    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig",
+    "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
     # the store and its state types (sections 5 and 8)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (section 12)
@@ -112,7 +112,8 @@ __all__ = [
     "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
-    "op_diff",
+    "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
+    "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
 ]
@@ -1537,9 +1538,30 @@ def _check_notify(path, notify):
                             notify.command[0])
 
 
+INTEGRATION_MODES = ("rebase", "merge")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """[parallel]: several tasks at once, each in its own git worktree, integrated through
+    a merge queue that keeps the target branch green (ARCHITECTURE.md, 'Parallel tasks')."""
+
+    max_tasks: int = 1             # 1: one task at a time in the checkout, as ever
+    integrate: str = "rebase"      # rebase | merge onto the target's head before the checks
+    target: str = ""               # the branch tasks merge into; "" = the one checked out
+    worktree_dir: str = ""         # "" = <repository>.ferrus-worktrees beside the repository
+    delegates: list = dataclasses.field(default_factory=list)  # agents a team lead may use
+
+
+def _check_parallel(path, parallel):
+    if parallel.integrate not in INTEGRATION_MODES:
+        raise _config_error(path, "parallel.integrate", 'must be "rebase" or "merge"',
+                            parallel.integrate)
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
-                "notify")
+                "notify", "parallel")
 KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
@@ -1563,6 +1585,7 @@ class Config:
     pipelines: PipelinesConfig = dataclasses.field(default_factory=PipelinesConfig)
     notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     git: GitConfig = dataclasses.field(default_factory=GitConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # [hq] human_review: the reviewer's approval waits for a human's confirmation.
@@ -1597,6 +1620,7 @@ _INT_LIMITS = {
     ("checks", "timeout_secs"): (1, 604_800),
     ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
+    ("parallel", "max_tasks"): (1, 64),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
     ("sessions", "max_consecutive_errors"): (1, 1_000_000),
@@ -1850,10 +1874,11 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     found = [] if problems is None else problems
     for name in PLAIN_TABLES:
         _fill_section(path, raw, name, getattr(config, name), unknown, found)
-    try:
-        _check_notify(path, config.notify)
-    except FerrusError as err:
-        found.append(err)
+    for check, table in ((_check_notify, config.notify), (_check_parallel, config.parallel)):
+        try:
+            check(path, table)
+        except FerrusError as err:
+            found.append(err)
     _parse_agents_table(path, raw.get("agents", {}), config.agents, unknown, found)
     _parse_hq_table(path, raw.get("hq", {}), config, unknown)
     # Not one of hq_problems, which only agent launches notice: a mistyped value must
@@ -1994,6 +2019,11 @@ class TaskState(str, enum.Enum):
     # apply, and a state makes the transition table refuse them all in one place.  With
     # the feature off no STATE.json ever holds it, so upstream reads the files as before.
     AWAITING_CONFIRMATION = "AwaitingConfirmation"
+    # A parallel task's approved work waits here for the merge queue: it is Complete only
+    # once it is integrated into the target branch with the checks green on the result,
+    # and a conflict or a red check sends it back to Addressing (ARCHITECTURE.md,
+    # 'Parallel tasks').  Only parallel tasks, never the project's own STATE.json, hold it.
+    INTEGRATING = "Integrating"
 
     def __str__(self):
         return self.value
@@ -2003,7 +2033,7 @@ S = TaskState
 WORK_STATES = (S.EXECUTING, S.ADDRESSING)
 LEASE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN)
 ACTIVE_STATES = (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING, S.AWAITING_HUMAN,
-                 S.AWAITING_CONFIRMATION)
+                 S.AWAITING_CONFIRMATION, S.INTEGRATING)
 
 # The one table the code and the docs follow: action, states it is allowed
 # from, and where it leads.  "same" keeps the state; "paused" restores the
@@ -2017,11 +2047,15 @@ TRANSITIONS = (
     ("consult", WORK_STATES, "Consultation"),
     ("respond_consult", (S.CONSULTATION,), "same"),
     ("finish_consult", (S.CONSULTATION,), "paused (Executing or Addressing)"),
-    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review"),
+    ("approve", (S.REVIEWING,), "Complete, or AwaitingConfirmation with [hq] human_review, "
+     "or Integrating for a parallel task"),
     ("reject", (S.REVIEWING,), "Addressing, or Failed at max_review_cycles"),
     # The human's word on the reviewer's approval; no agent may take these.
-    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete"),
+    ("human_approve", (S.AWAITING_CONFIRMATION,), "Complete, or Integrating for a parallel task"),
     ("human_reject", (S.AWAITING_CONFIRMATION,), "Addressing, or Failed at max_review_cycles"),
+    # The merge queue's verdict on a parallel task; only the orchestrator takes these.
+    ("integrated", (S.INTEGRATING,), "Complete"),
+    ("integration_failed", (S.INTEGRATING,), "Addressing, or Failed at max_review_cycles"),
     ("ask_human", (S.EXECUTING, S.ADDRESSING, S.CONSULTATION, S.REVIEWING), "AwaitingHuman"),
     ("answer", (S.AWAITING_HUMAN,), "paused"),
     ("heartbeat", LEASE_STATES, "same (renews the lease)"),
@@ -2326,16 +2360,29 @@ def t_finish_consult(data, now):
     return _enter(data, resume, now)
 
 
-def t_approve(data, now, human_review=False):
+def t_approve(data, now, human_review=False, integrate=False):
     _require("approve", data)
     data = clear_lease(data)
-    return _enter(data, S.AWAITING_CONFIRMATION if human_review else S.COMPLETE, now)
+    return _enter(data, S.AWAITING_CONFIRMATION if human_review
+                  else S.INTEGRATING if integrate else S.COMPLETE, now)
 
 
-def t_human_approve(data, now):
+def t_human_approve(data, now, integrate=False):
     _require("human_approve", data)
     data = clear_lease(data)
-    return _enter(data, S.COMPLETE, now)
+    return _enter(data, S.INTEGRATING if integrate else S.COMPLETE, now)
+
+
+def t_integrated(data, now):
+    _require("integrated", data)
+    return _enter(data.copy(), S.COMPLETE, now)
+
+
+def t_integration_failed(data, now, max_cycles):
+    """A conflict or a red check on the merged result is a review cycle: the executor
+    gets the cause as review notes."""
+    _require("integration_failed", data)
+    return _send_back(data, now, max_cycles)
 
 
 def t_reject(data, now, max_cycles):
@@ -2912,6 +2959,8 @@ TASK_SCRATCH_FILES = ("SUBMISSION.md", "CONSULT_REQUEST.md", "CONSULT_RESPONSE.m
 # Not one of CONTENT_FILES: a .ferrus/ from before it existed, or upstream's, lacks it and
 # is still complete; it is emptied with the task's other files only where it exists.
 APPROVAL_FILE = "APPROVAL.md"
+# Every file that belongs to a task (in .ferrus/tasks/<id>/ for a parallel one).
+TASK_FILES = frozenset(CONTENT_FILES + (APPROVAL_FILE, STATE_FILE))
 
 
 @dataclasses.dataclass
@@ -2994,6 +3043,7 @@ class Transaction:
         self.detail = {}
         self.committed = None   # the Commit, once the block has ended
         self.rotate_journal = False     # start a new events.jsonl with this commit's line
+        self.journal_task_id = None     # the task the entry is about, when not the state's
         self.rotated_journal = False    # whether the commit did
 
     def read(self, name):
@@ -3015,15 +3065,82 @@ class Transaction:
         self.detail.update(detail)
 
 
+# Parallel tasks (see ARCHITECTURE.md, 'Parallel tasks') live in .ferrus/tasks/<id>/: the
+# queue's record of the task (task.json), its STATE.json and its content files.
+TASKS_DIR = "tasks"
+TASK_RECORD_FILE = "task.json"
+# The project's STATE.json names the parallel task it mirrors under this additive key.
+PARALLEL_MIRROR_KEY = "mirrors_task"
+# What the project's STATE.json keeps for itself while it mirrors a task: the
+# supervisor's selection and a capacity checkpoint belong to the project, not a task.
+_PROJECT_STATE_FIELDS = ("selected_spec", "selected_milestone", "pending_task_spec",
+                         "pending_task_milestone")
+_PROJECT_EXTRA_KEYS = ("capacity_checkpoint", PARALLEL_MIRROR_KEY)
+
+
+def _task_part(data):
+    """``data`` without what belongs to the project (for comparing a task's state)."""
+    part = data.copy()
+    for name in _PROJECT_STATE_FIELDS:
+        setattr(part, name, None)
+    for key in _PROJECT_EXTRA_KEYS:
+        part.extra.pop(key, None)
+    return part
+
+
+def _mirror(project, state, task):
+    """The project's STATE.json after a commit of parallel task ``task``: a copy of the
+    task's state while it is the foreground task (it was, or the project's own state is
+    not in flight), else the project's state as it was; with the new rev either way."""
+    if project.extra.get(PARALLEL_MIRROR_KEY) == task or project.state not in ACTIVE_STATES:
+        out = state.copy()
+        for name in _PROJECT_STATE_FIELDS:
+            setattr(out, name, getattr(project, name))
+        for key in _PROJECT_EXTRA_KEYS:
+            out.extra.pop(key, None)
+            if key in project.extra:
+                out.extra[key] = project.extra[key]
+        out.extra[PARALLEL_MIRROR_KEY] = task
+    else:
+        out = project.copy()
+        out.updated_at, out.owner_pid = state.updated_at, state.owner_pid
+    out.rev = state.rev
+    return out
+
+
+def task_record_path(ferrus_dir, task):
+    return os.path.join(ferrus_dir, TASKS_DIR, task, TASK_RECORD_FILE)
+
+
+def read_task_record(ferrus_dir, task):
+    """A parallel task's queue record (task.json) as a dict; {} when missing or damaged
+    (doctor reports the damage)."""
+    try:
+        with open_inside(os.path.join(ferrus_dir, TASKS_DIR, task), TASK_RECORD_FILE) as handle:
+            data = json.loads(handle.read(1 << 20).decode("utf-8"))
+    except (OSError, UnsafePath, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class JournalWriteError(FerrusError, OSError):
     """STATE.json was committed but its journal line could not be written (still an
     OSError for callers that catch those)."""
 
 
 class Store:
-    """The project's ``.ferrus/`` directory: state, content files, journal, lock."""
+    """The project's ``.ferrus/`` directory: state, content files, journal, lock.
 
-    def __init__(self, root, clock=utc_now, lock_timeout=None, monotonic=time.monotonic):
+    With ``task`` it is the store of one of the parallel tasks (see ARCHITECTURE.md,
+    'Parallel tasks'): STATE.json and the content files live in ``.ferrus/tasks/<id>/``
+    and the code it works on in the task's worktree (``workdir``), while the lock, the
+    journal, the sessions and the logs stay the project's.  A task's commit also writes
+    the project's STATE.json: its rev is the journal's seq for every task (so seq == rev
+    still holds project-wide and every waiter wakes), and while that task is in the
+    foreground the file mirrors its state, for upstream's readers and the status line."""
+
+    def __init__(self, root, clock=utc_now, lock_timeout=None, monotonic=time.monotonic,
+                 task=None):
         self.root = os.path.abspath(root)
         self.dir = os.path.join(self.root, FERRUS_DIR)
         self.clock = clock              # wall clock: timestamps written to files
@@ -3031,26 +3148,50 @@ class Store:
         self.lock_timeout = lock_timeout if lock_timeout is not None else float(
             os.environ.get("FERRUS_LOCK_TIMEOUT", "10"))
         self.config_cache = ConfigCache(self.root)
+        self.task = task
+        self.task_dir = self.dir if task is None else os.path.join(self.dir, TASKS_DIR, task)
+        self._workdir = None if task is not None else self.root
+
+    def for_task(self, task):
+        """The store of one parallel task of this project (same clocks and lock)."""
+        store = Store(self.root, self.clock, self.lock_timeout, self.monotonic, task=task)
+        store.config_cache = self.config_cache
+        return store
+
+    @property
+    def workdir(self):
+        """Where the task's code is: its worktree for a parallel task, else the project."""
+        if self._workdir is None:
+            worktree = read_task_record(self.dir, self.task).get("worktree")
+            self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
+        return self._workdir
 
     # -- paths and plain reads ------------------------------------------------
 
     def path(self, *parts):
         return os.path.join(self.dir, *parts)
 
+    def task_path(self, name):
+        """A file of the task: STATE.json or a content file (TASK.md, ...)."""
+        return os.path.join(self.task_dir, name)
+
     def relpath(self, path):
         rel = os.path.relpath(path, self.root)
         return rel.replace(os.sep, "/")
 
     def exists(self):
-        return os.path.isfile(self.path(STATE_FILE))
+        return os.path.isfile(self.task_path(STATE_FILE))
 
     def require(self):
         if not os.path.isdir(self.dir):
             raise FerrusError("no %s/ directory in %s" % (FERRUS_DIR, self.root),
                               "run `ferrus init` in the project root first")
-        if not self.exists():
+        if not os.path.isfile(self.path(STATE_FILE)):
             raise FerrusError("cannot read %s/%s — it is missing" % (FERRUS_DIR, STATE_FILE),
                               "run `ferrus init` (it recreates missing files and keeps the rest)")
+        if self.task is not None and not self.exists():
+            raise FerrusError("task %s has no state: it is queued, or not a task of this "
+                              "project" % self.task, "`ferrus tasks` lists the tasks")
         return self
 
     def config(self):
@@ -3064,7 +3205,7 @@ class Store:
             ttl = self.config().lease.ttl_secs
         except FerrusError:
             ttl = LeaseConfig().ttl_secs
-        return LEASE_SIGHTINGS.seconds_left(self.dir, data, self.clock(), self.monotonic, ttl,
+        return LEASE_SIGHTINGS.seconds_left(self.task_dir, data, self.clock(), self.monotonic, ttl,
                                             self._state_written_age)
 
     def lease_live(self, data):
@@ -3073,15 +3214,15 @@ class Store:
     def _state_written_age(self):
         """Real seconds since STATE.json was last written, by the file system's clock."""
         try:
-            return max(0.0, time.time() - os.stat(self.path(STATE_FILE)).st_mtime)
+            return max(0.0, time.time() - os.stat(self.task_path(STATE_FILE)).st_mtime)
         except OSError:
             return 0.0
 
     def read_state(self):
         """The committed state.  Safe without the lock: STATE.json is only ever replaced."""
         self.require()
-        return self.continue_journal(StateData.from_json(read_text(self.path(STATE_FILE)),
-                                                         FERRUS_DIR + "/" + STATE_FILE))
+        return self.continue_journal(StateData.from_json(
+            read_text(self.task_path(STATE_FILE)), self.relpath(self.task_path(STATE_FILE))))
 
     def continue_journal(self, data):
         """A STATE.json without ``rev`` was last written by upstream ferrus (which knows
@@ -3094,7 +3235,7 @@ class Store:
     def read_file(self, name):
         """A content file's text ("" when missing); never through a symbolic link."""
         try:
-            with open_inside(self.dir, name) as handle:
+            with open_inside(self.task_dir, name) as handle:
                 return handle.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return ""
@@ -3136,21 +3277,43 @@ class Store:
     def _commit(self, tx):
         now = self.clock()
         for name, text in tx.files.items():
-            path = self.path(name)
+            path = self.task_path(name)
             # Clearing an already empty file is common (create_task, reset); an
             # unchanged file needs no write and no fsync.
             if read_text(path, default="\0") != text:
                 atomic_write(path, text)
         state = tx.state.copy()
-        state.rev = tx.before.rev + 1
+        if self.task is None and tx.before.extra.get(PARALLEL_MIRROR_KEY) and \
+                _task_part(state) != _task_part(tx.before):
+            if tx.before.state in ACTIVE_STATES:
+                raise FerrusError(
+                    "%s/%s mirrors task %s, which runs in its own worktree; its state "
+                    "changes only through that task" % (
+                        FERRUS_DIR, STATE_FILE, tx.before.extra[PARALLEL_MIRROR_KEY]),
+                    "agents of a parallel task are started by `ferrus run --parallel` or HQ; "
+                    "`ferrus task cancel ID` drops one")
+            # The mirrored task has ended: a task of the project's own takes the file over.
+            del state.extra[PARALLEL_MIRROR_KEY]
+        if self.task is None:
+            state.rev = tx.before.rev + 1
+            project = None
+        else:
+            # The project's STATE.json numbers every commit of every task: it is written
+            # first (a crash after it leaves a gap the next commit records, never a seq
+            # used twice), the task's own file second, the journal line last.
+            project = self.project_state()
+            state.rev = project.rev + 1
         state.updated_at = format_timestamp(now)
         state.owner_pid = os.getpid()
         if state.state != tx.before.state and state.state_entered_at == tx.before.state_entered_at:
             state.state_entered_at = format_timestamp(now)
-        atomic_write(self.path(STATE_FILE), state.to_json())
+        if project is not None:
+            atomic_write(self.path(STATE_FILE), _mirror(project, state, self.task).to_json())
+        atomic_write(self.task_path(STATE_FILE), state.to_json())
         commit = Commit(seq=state.rev, time=state.updated_at, actor=tx.actor, event=tx.event,
                         from_state=tx.before.state.value, to_state=state.state.value,
-                        task_id=state.task_id, detail=tx.detail)
+                        task_id=state.task_id if tx.journal_task_id is None
+                        else tx.journal_task_id or None, detail=tx.detail)
         try:
             tx.rotated_journal = self._append_journal(commit, state.rev,
                                                       rotate=tx.rotate_journal)
@@ -3161,6 +3324,11 @@ class Store:
                 "free space or fix permissions, then run `ferrus doctor --fix` to add the "
                 "missing journal entry") from err
         return commit
+
+    def project_state(self):
+        """The project's STATE.json (the foreground task's state, its rev the journal's)."""
+        return self.continue_journal(StateData.from_json(
+            read_text(self.path(STATE_FILE)), FERRUS_DIR + "/" + STATE_FILE))
 
     # -- the journal ----------------------------------------------------------------
 
@@ -3323,13 +3491,15 @@ class Store:
                 entries.append(entry)
         return entries, (identity, start + end)
 
-    def append_event(self, actor, event, detail):
-        """Journal an event that is not a task transition (sessions, gates, notes).
+    def append_event(self, actor, event, detail, task_id=None):
+        """Journal an event that is not a task transition (sessions, gates, notes), about
+        ``task_id`` when it is not the state's task (a queued one, or none: "").
 
         It still bumps rev, so seq == rev holds and every waiter wakes."""
         with self.transaction(actor) as tx:
             tx.set(tx.state, event)
             tx.detail.update(detail)
+            tx.journal_task_id = task_id
         return tx.committed
 
     # -- waiting ----------------------------------------------------------------------
@@ -4073,12 +4243,13 @@ class _StopFlag:
         return self._event.is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
-def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
-    """Run the configured check commands (never anything an agent supplies).
+def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None):
+    """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
-    file names them all.  ``cancel`` (a threading.Event) stops the run and kills
-    the process groups."""
+    file names them all, by paths relative to ``project`` (default ``root``: a parallel
+    task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
+    threading.Event) stops the run and kills the process groups."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -4088,7 +4259,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
         log_path_abs = "%s.%d.log" % (base, index)
         results.append(CommandResult(
             command=command, log_path_abs=log_path_abs,
-            log_path=os.path.relpath(log_path_abs, root).replace(os.sep, "/")))
+            log_path=os.path.relpath(log_path_abs, project or root).replace(os.sep, "/")))
     stop = _StopFlag(cancel)
 
     def run(result):
@@ -4124,7 +4295,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None):
     with open(summary, "w", encoding="utf-8") as handle:
         handle.writelines(lines)
     return CheckRun(results=results, cancelled=cancelled,
-                    log_path=os.path.relpath(summary, root).replace(os.sep, "/"))
+                    log_path=os.path.relpath(summary, project or root).replace(os.sep, "/"))
 
 
 # ============================================================================
@@ -6068,22 +6239,25 @@ def _git_config(store):
         return GitConfig()
 
 
-def op_create_task(store, caller, description, origin=None):
+def op_create_task(store, caller, description, origin=None, task_id=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
-    With [git] branch set, the task's branch is created and checked out first."""
+    With [git] branch set, the task's branch is created and checked out first (a parallel
+    task has its worktree's branch instead).  ``task_id``: the queue's id for the task."""
     _nonblank(description, "Cannot create task: the description is empty.")
     # git runs before the lock is taken (it can take a moment in a big repository).
-    base, warnings = record_task_base(store.root, task_diff_exclusions(store))
+    base, warnings = record_task_base(store.workdir, task_diff_exclusions(store))
     git_config = _git_config(store)
-    task_id = branch = None
+    if store.task is not None:
+        git_config = dataclasses.replace(git_config, branch="")
+    branch = None
     if git_config.branch and not base.get("git"):
         warnings.append("[git] branch is set, but the task gets no branch: %s" % base["reason"])
     elif git_config.branch:
         # Refused here, before a branch exists, in the usual case; the transaction
         # below checks again and takes the branch back if it must refuse after all.
         _refuse_create_unless_idle(store.read_state().state)
-        task_id = new_id("t")
+        task_id = task_id or new_id("t")
         branch = git_config.branch_for(task_id)
         try:
             from_branch = create_task_branch(store.root, branch, base)
@@ -6154,7 +6328,7 @@ def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 10
     data = store.read_state()
     base = data.task_base
     try:
-        diff = task_diff(store.root, base, task_diff_exclusions(store), patch=not stat_only,
+        diff = task_diff(store.workdir, base, task_diff_exclusions(store), patch=not stat_only,
                          paths=paths, head_bytes=head_bytes, tail_bytes=tail_bytes)
     except GitUnavailable as err:
         return _outcome("No diff: %s." % err.message.rstrip("."), data.state, available=False,
@@ -6207,7 +6381,7 @@ def review_diff(store, submission=""):
     text = outcome.text
     files = outcome.data.get("files") or []
     if outcome.data.get("available"):
-        unchanged = unchanged_mentions(store.root, submission,
+        unchanged = unchanged_mentions(store.workdir, submission,
                                        [f["path"] for f in files] +
                                        [f["old_path"] for f in files if f.get("old_path")])
         if unchanged:
@@ -6240,7 +6414,7 @@ def _review_text(store, data):
 
 
 def _approval_file_if_any(store):
-    return (APPROVAL_FILE,) if os.path.exists(store.path(APPROVAL_FILE)) else ()
+    return (APPROVAL_FILE,) if os.path.exists(store.task_path(APPROVAL_FILE)) else ()
 
 
 def _refuse_agent_on_confirmation(data, action):
@@ -6261,7 +6435,10 @@ def _complete_task(store, tx, data, new):
     # The milestone tick is a content file written before STATE.json, and it
     # is idempotent, so a failed commit can simply be approved again.
     if data.task_spec and data.task_milestone:
-        path = os.path.join(store.root, data.task_spec)
+        # A parallel task ticks the spec in its worktree: the tick is merged with its work.
+        path = os.path.join(store.workdir, data.task_spec)
+        if not os.path.isfile(path):
+            path = os.path.join(store.root, data.task_spec)
         if os.path.isfile(path):
             text = read_text(path)
             milestones = parse_spec(text)
@@ -6305,7 +6482,7 @@ def commit_on_approve(store, data):
     message = task_commit_message(data.task_id or "", store.read_file("TASK.md"),
                                   store.read_file("SUBMISSION.md"))
     try:
-        return commit_task_changes(store.root, data.task_base, task_diff_exclusions(store),
+        return commit_task_changes(store.workdir, data.task_base, task_diff_exclusions(store),
                                    message)
     except GitUnavailable as err:
         return {"commit": None, "reason": err.message}
@@ -6364,7 +6541,7 @@ def op_approve(store, caller, notes=None):
     config = store.config()
     human_review = config.human_review
     commit = None
-    if not human_review:
+    if not human_review and store.task is None:
         before = store.read_state()
         if before.state == S.REVIEWING:
             commit = _commit_before_complete(store, caller, before, "approve", config.git)
@@ -6374,7 +6551,7 @@ def op_approve(store, caller, notes=None):
         if data.state != S.REVIEWING:
             raise FerrusError("Cannot approve from state %s. Call /review_pending first." % data.state)
         _guard_lease(store, data, caller, "approve")
-        new = t_approve(data, store.clock(), human_review)
+        new = t_approve(data, store.clock(), human_review, integrate=store.task is not None)
         if notes and notes.strip():
             tx.write(APPROVAL_FILE, notes)
         elif human_review:
@@ -6385,8 +6562,15 @@ def op_approve(store, caller, notes=None):
             detail = _complete_task(store, tx, data, new)
             _record_commit(new, data, commit, detail)
             tx.set(new, "approve", **detail)
+        elif new.state == S.INTEGRATING:
+            tx.set(new, "approve", awaiting="integration",
+                   **_complete_task(store, tx, data, new))
         else:
             tx.set(new, "approve", awaiting="human")
+    if new.state == S.INTEGRATING:
+        return _outcome("Task approved. State: Integrating — ferrus merges it into the target "
+                        "branch once the checks pass on the merged result. Your review is "
+                        "done; stop here.", new.state)
     if new.state == S.AWAITING_CONFIRMATION:
         return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
                         "rejects it now ([hq] human_review is on). Your review is done; stop "
@@ -6452,16 +6636,19 @@ def op_human_approve(store, caller, via="cli"):
     _require_human(caller, "approve")
     before = store.read_state()
     commit = None
-    if before.state == S.AWAITING_CONFIRMATION:
+    if before.state == S.AWAITING_CONFIRMATION and store.task is None:
         commit = _commit_before_complete(store, caller, before, "approve", _git_config(store))
     with store.transaction(caller.agent_id) as tx:
         data = tx.state
         if data.state != S.AWAITING_CONFIRMATION:
             raise _nothing_to_confirm(data, "approve")
-        new = t_human_approve(data, store.clock())
+        new = t_human_approve(data, store.clock(), integrate=store.task is not None)
         detail = _complete_task(store, tx, data, new)
         _record_commit(new, data, commit, detail)
         tx.set(new, "human_approve", by=human_name(), via=via, **detail)
+    if new.state == S.INTEGRATING:
+        return _outcome("Approved. State: Integrating — it is merged once the checks pass on "
+                        "the merged result.", new.state, **detail)
     text = "Approved. State: Complete."
     if detail.get("milestone_completed"):
         text += " Milestone %s of %s is ticked." % (detail["milestone_completed"], data.task_spec)
@@ -6898,8 +7085,8 @@ def _run_gate(store, caller, action):
     config = store.config()
     if not config.checks.commands:
         return data, None, config
-    run = run_checks(store.root, config.checks, store.path("logs"), data.check_retries + 1,
-                     config.limits.max_feedback_lines, caller.cancel)
+    run = run_checks(store.workdir, config.checks, store.path("logs"), data.check_retries + 1,
+                     config.limits.max_feedback_lines, caller.cancel, store.root)
     if run.cancelled:
         raise FerrusError("The check run was cancelled; the state is unchanged.")
     return data, run, config
@@ -7131,7 +7318,7 @@ def kept_changes_note(store, data):
         return ""
     notes = []
     with contextlib.suppress(FerrusError):
-        files = task_diff(store.root, None, task_diff_exclusions(store), patch=False).files
+        files = task_diff(store.workdir, None, task_diff_exclusions(store), patch=False).files
         if files:
             notes.append("Uncommitted changes are kept: %d file%s in the work tree %s "
                          "from HEAD (`git status` shows them). To drop them, see \"Dropping "
@@ -7238,8 +7425,271 @@ def op_run_checks_only(store, cancel=None):
     config = store.config()
     if not config.checks.commands:
         return None, config
-    return run_checks(store.root, config.checks, store.path("logs"), 0,
-                      config.limits.max_feedback_lines, cancel), config
+    return run_checks(store.workdir, config.checks, store.path("logs"), 0,
+                      config.limits.max_feedback_lines, cancel, store.root), config
+
+
+def op_integrated(store, caller, **detail):
+    """Integrating → Complete: the merge queue fast-forwarded the target branch to the
+    task's work, with the checks green on that very commit."""
+    with store.transaction(caller.agent_id) as tx:
+        tx.set(t_integrated(tx.state, store.clock()), "integrated", **detail)
+    return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
+
+
+def op_integration_failed(store, caller, notes, **detail):
+    """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
+    target branch or a red check on the merged result, told to the executor as review
+    notes.  It counts as a review cycle."""
+    limits = store.config().limits
+    with store.transaction(caller.agent_id) as tx:
+        new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles)
+        tx.write("REVIEW.md", notes)
+        tx.set(new, "integration_failed", **detail)
+    return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
+
+
+# -- the task queue (ARCHITECTURE.md, 'Parallel tasks') ------------------------------------
+#
+# `ferrus task add`, the supervisor's enqueue_task and HQ's /task add put a task in the
+# queue: .ferrus/tasks/<id>/ with its TASK.md and task.json (title, origin, status, and
+# once it runs, its worktree and branch).  The orchestrator takes queued tasks in order;
+# with [parallel] max_tasks = 1 it runs each as the project's own task, in the checkout,
+# exactly as `ferrus run --task` does; with more, each in its own worktree, with its own
+# STATE.json beside its task.json.
+
+QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
+    "queued", "running", "merged", "done", "failed", "cancelled")
+# Statuses of a task that no orchestrator will take up again.
+ENDED_STATUSES = (MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS)
+TASK_TITLE_CHARS = 72
+
+
+def task_title(description):
+    """A task's title: the first non-blank line of its description, shortened."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "")
+    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
+        else title
+
+
+def queued_task_ids(store):
+    """Every task of the queue, oldest first (ids start with their creation time)."""
+    try:
+        names = os.listdir(store.path(TASKS_DIR))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(name for name in names if _TASK_ID_RE.match(name)
+                  and os.path.isfile(task_record_path(store.dir, name)))
+
+
+_TASK_ID_RE = re.compile(r"^t-[0-9]{8}T[0-9]{6}-[0-9a-f]{6}$")
+
+
+def task_records(store):
+    """[(task id, its task.json)] of the queue, oldest first."""
+    return [(task, read_task_record(store.dir, task)) for task in queued_task_ids(store)]
+
+
+def require_task_id(store, task):
+    """The id of the queue's task that ``task`` names — its whole id, or the end of it
+    (at least 4 characters, as the task's lines show it: ``3fa2c1``) when only one task's
+    id ends so — else a FerrusError that says what does."""
+    known = queued_task_ids(store)
+    if isinstance(task, str) and task in known:
+        return task
+    matches = [name for name in known if isinstance(task, str) and len(task) >= 4
+               and name.endswith(task)]
+    if len(matches) == 1:
+        return matches[0]
+    raise FerrusError("%s task %s in the queue" % ("more than one" if matches else "no",
+                                                   str(task)[:80]),
+                      "`ferrus tasks` lists them%s" % (
+                          " (the newest is %s)" % known[-1] if known else ""))
+
+
+def short_task_id(task):
+    """What the lines of a parallel run show for a task: the random end of its id."""
+    return task.rsplit("-", 1)[-1] if task else ""
+
+
+def write_task_record(store, task, record):
+    """Replace a task's task.json; call it holding the project lock."""
+    atomic_write(task_record_path(store.dir, task), pretty_json(record))
+
+
+def update_task(store, caller, task, event, changes, **detail):
+    """Change a task's task.json and journal ``event`` about it, in one transaction."""
+    with store.transaction(caller.agent_id) as tx:
+        record = read_task_record(store.dir, task)
+        record.update(changes)
+        write_task_record(store, task, record)
+        tx.set(tx.state, event, **detail)
+        tx.journal_task_id = task
+    return record
+
+
+def _milestone_taken(store, spec, milestone):
+    """The queued or running task that implements ``milestone`` of ``spec``, if any."""
+    for task, record in task_records(store):
+        origin = record.get("origin") or {}
+        if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS) and \
+                origin.get("spec") == spec and \
+                origin.get("milestone") == milestone:
+            return task
+    data = store.project_state()
+    if data.state in ACTIVE_STATES and data.task_spec == spec and \
+            data.task_milestone == milestone:
+        return data.task_id
+    return None
+
+
+def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent=None):
+    """Put a task in the queue.  ``spec`` and ``milestone`` name the milestone it
+    implements; ``agent`` the executor agent that should take it (a supervisor that
+    splits a milestone as team lead names one; [parallel] delegates says which may)."""
+    _nonblank(description, "Cannot queue the task: the description is empty.")
+    require_utf8(description, "the task description")
+    known = BUILTIN_AGENTS + tuple(store.config().agents.custom) if agent is not None else ()
+    if agent is not None and agent not in known:
+        raise FerrusError("Cannot queue the task: %r is not an agent ferrus knows" % agent,
+                          "use one of %s" % ", ".join(known))
+    if milestone is not None:
+        if spec is None:
+            raise FerrusError("Cannot queue the task: a milestone needs its spec")
+        taken = _milestone_taken(store, spec, milestone)
+        if taken:
+            raise FerrusError("Cannot queue the task: milestone %s of %s is already task %s"
+                              % (milestone, spec, taken), "`ferrus tasks` lists the queue")
+    store.require()
+    task = new_id("t")
+    origin = {"by": caller.agent_id}
+    if spec is not None:
+        origin["spec"] = spec
+    if milestone is not None:
+        origin["milestone"] = milestone
+    if caller.is_agent and caller.role == "supervisor":
+        # A supervisor that splits work into tasks acts as team lead: the delegation gate
+        # checks where each of its tasks went.
+        origin["delegated_by"] = caller.agent_id
+    record = {"id": task, "title": task_title(description), "status": QUEUED_STATUS,
+              "created_at": format_timestamp(store.clock()), "origin": origin}
+    if agent is not None:
+        record["agent"] = agent
+    folder = store.path(TASKS_DIR, task)
+    os.makedirs(folder, exist_ok=True)
+    atomic_write(os.path.join(folder, "TASK.md"), description)
+    update_task(store, caller, task, "enqueue_task", record, title=record["title"],
+                **{key: value for key, value in origin.items() if key != "by"})
+    return _outcome("Task %s queued: %s" % (task, record["title"]), None, task_id=task,
+                    title=record["title"])
+
+
+def op_enqueue_milestone(store, caller, spec, milestone_id):
+    """Queue the task that implements one milestone (it must be ready: unchecked and
+    every milestone it depends on done)."""
+    path = os.path.join(store.root, spec)
+    if not os.path.isfile(path):
+        raise FerrusError("Cannot queue milestone %s: there is no spec %s" % (milestone_id, spec),
+                          "`ferrus status` names the specs; paths are relative to the project")
+    text = read_text(path)
+    milestones = parse_spec(text)
+    chosen = next((m for m in milestones if milestone_id in (m.id, m.marker)), None)
+    if chosen is None:
+        raise FerrusError("Cannot queue milestone %s: %s has no such milestone" % (
+            milestone_id, spec), "its milestones are %s" % (
+            ", ".join(m.id for m in milestones) or "none"))
+    if chosen.completed:
+        raise FerrusError("Cannot queue milestone %s: it is already complete" % chosen.id,
+                          "untick its box in %s to do it again" % spec)
+    waits = unmet_dependencies(chosen, milestones)
+    if waits:
+        raise FerrusError("Cannot queue milestone %s: it depends on %s, not complete yet" % (
+            chosen.id, ", ".join(waits)), "queue what it depends on first")
+    rel = os.path.relpath(path, store.root).replace(os.sep, "/")
+    return op_enqueue_task(store, caller, milestone_task_text(rel, text, chosen), rel, chosen.id)
+
+
+def op_enqueue_ready(store, caller, spec):
+    """Queue every ready milestone of ``spec`` that no task implements yet."""
+    path = os.path.join(store.root, spec)
+    if not os.path.isfile(path):
+        raise FerrusError("there is no spec %s" % spec, "paths are relative to the project")
+    rel = os.path.relpath(path, store.root).replace(os.sep, "/")
+    queued = []
+    for milestone in parse_spec(read_text(path)):
+        if not milestone.completed and not unmet_dependencies(
+                milestone, parse_spec(read_text(path))) and \
+                not _milestone_taken(store, rel, milestone.id):
+            queued.append(op_enqueue_milestone(store, caller, rel, milestone.id).data["task_id"])
+    if not queued:
+        return _outcome("No milestone of %s is ready to queue (each is done, waits for "
+                        "another, or is a task already)." % rel, None, queued=[])
+    return _outcome("Queued %d task%s: %s" % (len(queued), "" if len(queued) == 1 else "s",
+                                              ", ".join(queued)), None, queued=queued)
+
+
+def op_cancel_task(store, caller, task):
+    """Take a task out of the queue, or stop a running one: it is never taken up again.
+    The orchestrator running it stops its agents and removes its worktree; with none
+    running, `ferrus task cancel` removes it itself (see cancel_worktree)."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
+        raise FerrusError("task %s is already %s" % (task, record["status"]),
+                          "its work is on the target branch; nothing to cancel")
+    if record.get("status") == CANCELLED_STATUS:
+        return _outcome("Task %s was already cancelled." % task, None, task_id=task)
+    task_store = store.for_task(task)
+    if task_store.exists():
+        with task_store.transaction(caller.agent_id) as tx:
+            new = t_force_reset(tx.state, store.clock())
+            new.task_id = tx.state.task_id
+            tx.set(new, "cancel_task")
+            record = read_task_record(store.dir, task)
+            record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
+            write_task_record(store, task, record)
+    elif record.get("store") == "project":
+        data = store.project_state()
+        if data.task_id == task and data.state in ACTIVE_STATES:
+            op_force_reset(store, caller)
+        update_task(store, caller, task, "cancel_task",
+                    {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
+    else:
+        update_task(store, caller, task, "cancel_task",
+                    {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
+    return _outcome("Task %s cancelled." % task, None, task_id=task)
+
+
+def task_rows(store):
+    """One dict per task of the queue for `ferrus tasks`, HQ's board and `ferrus status`:
+    id, title, status, state, agent, worktree, branch, age, tokens, last event."""
+    rows = []
+    now = store.clock()
+    project = store.project_state() if store.exists() else None
+    for task, record in task_records(store):
+        row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
+               "state": None, "agent": record.get("agent"),
+               "worktree": record.get("worktree"), "branch": record.get("branch"),
+               "origin": record.get("origin") or {}, "created_at": record.get("created_at")}
+        task_store = store.for_task(task)
+        data = None
+        if record.get("store") == "project":
+            data = project if project is not None and project.task_id == task else None
+        elif os.path.isfile(task_store.task_path(STATE_FILE)):
+            with contextlib.suppress(FerrusError):
+                data = task_store.read_state()
+        if data is not None:
+            row["state"] = data.state.value
+            row["review_cycles"] = data.review_cycles
+            row["failure_reason"] = data.failure_reason
+        with contextlib.suppress(ValueError, TypeError):
+            row["age_secs"] = max(0.0, (now - parse_timestamp(record.get("created_at")))
+                                  .total_seconds())
+        if record.get("integration"):
+            row["integration"] = record["integration"]
+        rows.append(row)
+    return rows
 
 
 # ============================================================================
@@ -7685,6 +8135,22 @@ TOOLS = (
          (Param("description", "string", "The whole task in Markdown: outcome, constraints, "
                                          "acceptance criteria."),),
          dict(_TEXT_OUT, task_id="string", base="object", warnings="array")),
+    Tool("enqueue_task", "Queue task",
+         "Put a task in the queue that `ferrus run` and HQ work through (several at once, each "
+         "in its own git worktree, with [parallel] max_tasks above 1). Use it to split a "
+         "milestone into independent tasks as team lead: each should change different files. "
+         "Confirm the tasks with the user first.", SUP,
+         lambda st, c, description, spec=None, milestone=None, agent=None: op_enqueue_task(
+             st, c, description, spec, milestone, agent),
+         (Param("description", "string", "The whole task in Markdown: outcome, constraints, "
+                                         "acceptance criteria."),
+          Param("spec", "string", "Optional: the spec (path relative to the project) whose "
+                                  "milestone this task implements.", required=False),
+          Param("milestone", "string", "Optional: that milestone's ID.", required=False),
+          Param("agent", "string", "Optional: the executor agent to hand it to (e.g. "
+                                   "claude-code, codex); [parallel] delegates says which may "
+                                   "be used.", required=False)),
+         dict(_TEXT_OUT, task_id="string", title="string")),
     Tool("create_spec", "Create spec",
          "Save an approved feature specification (Markdown following ferrus://spec_template) "
          "into the spec directory and select its first ready milestone when no task is running.",
@@ -7838,9 +8304,11 @@ class ResourceNotFound(FerrusError):
 
 def open_in_ferrus_dir(store, *parts):
     """An open binary file object for .ferrus/<parts> (see open_inside): raises
-    ResourceNotFound for what ferrus refuses to read, or OSError."""
+    ResourceNotFound for what ferrus refuses to read, or OSError.  A task's own files
+    (STATE.json, TASK.md, ...) are those of the store's task."""
+    base = store.task_dir if len(parts) == 1 and parts[0] in TASK_FILES else store.path()
     try:
-        return open_inside(store.path(), *parts)
+        return open_inside(base, *parts)
     except UnsafePath as err:
         raise ResourceNotFound(err.message, err.hint) from err
 
@@ -8040,6 +8508,20 @@ def session_from_environment(value=None):
         raise UsageError("the agent session %r is not a valid id" % value[:80],
                          "use letters, digits, '.', '_' and '-' (at most 64), as HQ does")
     return value
+
+
+def session_id_for_task(task):
+    """A new agent session id for an agent of parallel task ``task``.  The session id is
+    what reaches the agent's MCP server with every agent CLI (FERRUS_SESSION, see
+    Launch), so naming the task in it tells the server its task at launch, with
+    nothing to register per task."""
+    return "%s.%s" % (task, new_id("s"))
+
+
+def session_task(session):
+    """The parallel task an agent session works for (None for the project's own)."""
+    task, dot, rest = (session or "").partition(".")
+    return task if dot and _TASK_ID_RE.match(task) and rest.startswith("s-") else None
 
 
 class FerrusMcpServer:
@@ -8621,6 +9103,10 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     session = session_from_environment(session)
     store = Store(root)
     store.require()
+    task = session_task(session)
+    if task is not None and os.path.isfile(task_record_path(store.dir, task)):
+        # An agent of a parallel task: every tool call works on that task alone.
+        store = store.for_task(task)
     report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
@@ -10078,6 +10564,26 @@ def _hollow(value):
     return False
 
 
+# What an agent CLI started in a parallel task's worktree reads from its working folder to
+# find ferrus (Claude Code gets its --mcp-config by absolute path and Codex its server as
+# -c settings, so theirs need no copy).  diff_exclusions keeps them out of every diff and
+# commit.
+WORKTREE_AGENT_FILES = (".qwen/settings.json", ".gemini/settings.json",
+                        ".claude/settings.local.json")
+
+
+def copy_agent_configuration(root, worktree):
+    """Copy the project's agent registration files into a task's worktree, so an agent
+    started there reaches the same ferrus (its servers' -C names the project)."""
+    for relative in WORKTREE_AGENT_FILES:
+        source = os.path.join(root, *relative.split("/"))
+        if not os.path.isfile(source):
+            continue
+        target = os.path.join(worktree, *relative.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic_write(target, read_text(source))
+
+
 def remove_emptied_registration_files(root, report):
     """After unregister: delete the registration files left with nothing in them (and
     their .gitignore lines and emptied folders); a file with anything else stays."""
@@ -11265,10 +11771,18 @@ def stop_orphaned_agents(store):
         with contextlib.suppress(FerrusError):
             with store.lock():
                 edit_json_file(path, mark)
-    if sessions:
-        released = op_release_sessions(store, sessions)
-        if released:
-            notes.append("freed the task's lease, held by the stopped %s" % released)
+    by_task = {}
+    for session in sessions:
+        by_task.setdefault(session_task(session), []).append(session)
+    for task, stopped in sorted(by_task.items(), key=lambda item: item[0] or ""):
+        task_store = store if task is None else store.for_task(task)
+        if task is not None and not task_store.exists():
+            continue
+        with contextlib.suppress(FerrusError):
+            released = op_release_sessions(task_store, stopped)
+            if released:
+                notes.append("freed the %s lease, held by the stopped %s" % (
+                    "task's" if task is None else "task %s's" % task, released))
     return notes
 
 
@@ -11296,8 +11810,10 @@ class HqController:
     HEARTBEAT_SECS = 60.0
     CHECK_SCAN_EVERY = 0.25
 
-    def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None):
+    def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None,
+                 executor_agent=None):
         self.store = store
+        self.executor_agent = executor_agent    # a parallel task's own executor agent
         self._out = emit
         self.clock = clock
         self.last_activity = clock()
@@ -11390,6 +11906,8 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
+                if self.store.task is not None and entry.get("task_id") != self.store.task:
+                    continue            # another parallel task's: its own controller shows it
                 # Complete is reached by the reviewer's approve, or by the human's
                 # confirmation when [hq] human_review is on.
                 if entry.get("to") == S.COMPLETE.value and entry.get("from") != S.COMPLETE.value \
@@ -11610,7 +12128,7 @@ class HqController:
             # last words; they carry its usage and cost, so it gets a moment to exit.
             # While the human decides, too, no agent has anything more to do.
             self.finishing_since = time.monotonic() if data.state in (
-                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION) else None
+                S.COMPLETE, S.FAILED, S.AWAITING_CONFIRMATION, S.INTEGRATING) else None
             self.last_state = data.state
         if self.finishing_since is not None and (
                 not self.running() or
@@ -11755,15 +12273,18 @@ class HqController:
             self._step(slot, SessionEvent("FatalError", err.full_text()))
             return
         stamp = utc_now().strftime("%Y%m%dT%H%M%S")
-        log_path = self.store.path("logs", "%s_%s_%d.log" % (slot.name, stamp,
-                                                              slot.session.session_seq))
+        log_path = self.store.path("logs", "%s%s_%s_%d.log" % (
+            self.store.task + "_" if self.store.task else "", slot.name, stamp,
+            slot.session.session_seq))
         # The agent's `ferrus serve` inherits this id and puts it in its lease holder id,
-        # so a lease names this one session, not just <role>:<agent>:<index>.
-        slot.session_id = new_id("s")
+        # so a lease names this one session, not just <role>:<agent>:<index>; an agent of
+        # a parallel task finds its task in it.
+        slot.session_id = session_id_for_task(self.store.task) if self.store.task \
+            else new_id("s")
         launch = dataclasses.replace(launch, env=dict(launch.env,
                                                       **{SESSION_ENV: slot.session_id}))
         try:
-            slot.process = AgentProcess(launch, self.store.root, log_path, parse_line)
+            slot.process = AgentProcess(launch, self.store.workdir, log_path, parse_line)
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
@@ -11785,9 +12306,19 @@ class HqController:
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
             slot.name, slot.process.pid, self.store.relpath(log_path))))
 
+    def agent_choice(self, role, config=None):
+        """The agent (and model) that plays ``role`` here: [hq.<role>], or for a parallel
+        task's executor the agent its queue record names."""
+        config = config or self.store.config()
+        choice = getattr(config, role)
+        wanted = self.executor_agent if role == "executor" else None
+        if wanted and (choice is None or choice.agent != wanted):
+            return AgentChoice(agent=wanted)
+        return choice
+
     def _launch_with_adapter(self, slot):
         config = self.store.config().require_hq()
-        choice = getattr(config, slot.role)
+        choice = self.agent_choice(slot.role, config)
         if choice is None:
             raise FerrusError("no [hq.%s] agent in ferrus.toml" % slot.role,
                               "ferrus register --%s <agent>" % slot.role)
@@ -11979,7 +12510,7 @@ class HqController:
     def _open_record(self, slot, launch, log_path, pid):
         agent, model = "unknown", ""
         with contextlib.suppress(FerrusError):
-            choice = getattr(self.store.config(), slot.role)
+            choice = self.agent_choice(slot.role)
             if choice is not None:
                 agent, model = choice.agent, choice.model or ""
         slot.record = open_session_record(
@@ -12016,16 +12547,19 @@ class HqController:
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
         path = self.store.path("agents.json")
         process = slot.process
+        name = "%s %s" % (self.store.task, slot.name) if self.store.task else slot.name
 
         def update(data):
             agents = data.setdefault("agents", [])
-            entry = next((a for a in agents if a.get("name") == slot.name), None)
+            entry = next((a for a in agents if a.get("name") == name), None)
             if entry is None:
-                entry = {"name": slot.name}
+                entry = {"name": name}
+                if self.store.task:
+                    entry["task"] = self.store.task
                 agents.append(entry)
             choice = None
             with contextlib.suppress(FerrusError):
-                choice = getattr(self.store.config(), slot.role)
+                choice = self.agent_choice(slot.role)
             # agent_type is required by upstream's reader of this file.
             entry.update(role=slot.role, status=status,
                          agent_type=choice.agent if choice else entry.get("agent_type", "unknown"),
@@ -12121,6 +12655,628 @@ RUN_OUTPUT_MODES = ("lines", "quiet", "json")
 QUIET_EVENTS = ("tool_call", "heartbeat", "check_started", "session")
 
 
+# -- parallel tasks: the queue worked through the phase machine ------------------------------
+#
+# ParallelRunner drives up to [parallel] max_tasks tasks of the queue at once, each in its
+# own git worktree, with one HqController per task over that task's store, so each task's
+# sessions, leases, gates and messages are exactly those of a single task.  The phase machine
+# (Capacity gates) says what the runner does next; the controllers are polled in every phase,
+# so agents already at work never wait for it.  .ferrus/parallel.json keeps the phase, the
+# batch and its dispatch records across a crash: the next run goes from P0 straight back to
+# the phase that was interrupted (ARCHITECTURE.md, 'Parallel tasks', has the mapping).
+
+PARALLEL_RUN_FILE = "parallel.json"
+ORCHESTRATOR = Caller("hq", "ferrus")
+# How long an integration that waits (the target's checkout is dirty) waits between tries.
+INTEGRATION_RETRY_SECS = 5.0
+
+
+def read_parallel_run(store):
+    """.ferrus/parallel.json as a dict ({} when there is none or it is damaged)."""
+    try:
+        data = json.loads(read_text(store.path(PARALLEL_RUN_FILE), default="") or "{}")
+    except (ValueError, OSError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class ParallelRunner:
+    """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
+
+    ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
+    ``ask``/``review`` answer questions and confirmations as in run_loop (None: nobody
+    here can)."""
+
+    def __init__(self, store, emit, max_tasks=None, clock=time.monotonic, launcher=None,
+                 bell=None, ask=None, review=None):
+        self.store = store
+        self._out = emit
+        config = store.config()
+        self.parallel = config.parallel
+        self.max_tasks = max_tasks or self.parallel.max_tasks
+        self.clock = clock
+        self.launcher = launcher
+        self.bell = bell
+        self.ask, self.review = ask, review
+        self.controllers = {}          # task -> HqController of a task in flight
+        self.machine = PhaseMachine()
+        self.batch = []                # the tasks P1 chose for this cycle
+        self.dispatched = []           # DispatchRecords of this cycle
+        self.target = None             # the branch tasks merge into
+        self.repo = None
+        self.worktree_dir = None
+        self.integration = None        # {"task", "thread", "result"} while one runs
+        self.retry_at = None           # when a waiting integration is tried again
+        self.waiting_said = None
+        self.ended = collections.OrderedDict()   # task -> status, for the report
+        self.waiting_human = set()
+        self.checkpoint = None
+        self.finished = False
+        self.tasks_completed = 0
+
+    # -- messages --------------------------------------------------------------------------
+
+    def emit(self, message):
+        if not message.event:
+            message.event = "run"
+        self._out(message)
+
+    def note(self, text, level="info", **data):
+        self.emit(HqMessage(level, "ferrus run: " + text, "run", data))
+
+    def _task_emitter(self, task):
+        prefix = "[%s] " % short_task_id(task)
+
+        def emit(message):
+            message.text = prefix + message.text
+            message.data = dict(message.data or {}, task_id=task)
+            self._out(message)
+        return emit
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def _save(self):
+        record = {"phase": self.machine.phase, "target": self.target, "batch": self.batch,
+                  "dispatch": [dataclasses.asdict(r) for r in self.dispatched],
+                  "ended": self.finished, "pid": os.getpid(),
+                  "updated_at": format_timestamp(self.store.clock())}
+        with self.store.lock():
+            atomic_write(self.store.path(PARALLEL_RUN_FILE), pretty_json(record))
+
+    def signals(self):
+        """The run's usage: every task's sessions, calls, turns and tokens, summed; the
+        largest context any running agent holds."""
+        totals = collections.Counter()
+        context = 0
+        for controller in self.controllers.values():
+            signals = controller.signals()
+            for name in ("tool_calls", "sessions", "tokens_used", "turns"):
+                totals[name] += getattr(signals, name)
+            totals["parallel_agents"] += len(controller.running())
+            context = max(context, signals.context_tokens_used)
+        return Signals(tasks_completed=self.tasks_completed, context_tokens_used=context,
+                       context_tokens_max=self.store.config().capacity.context_window,
+                       **totals)
+
+    def advance(self, target):
+        """One phase transition: the gate decides, the journal records it (GateRecord)."""
+        try:
+            _, record = self.machine.transition(target, self.signals(),
+                                                self.store.config().capacity)
+        except ShutdownRequired as stop:
+            self._journal_phase(stop.record)
+            self.checkpoint = stop.record
+            if stop.action == EMERGENCY_STOP:
+                for controller in self.controllers.values():
+                    controller.stop_all()
+            self.note("capacity %s before %s: %s reached its limit; %s" % (
+                stop.action, phase_label(target), stop.record.get("signal") or "a signal",
+                "every agent was stopped" if stop.action == EMERGENCY_STOP
+                else "nothing new starts"), "error", checkpoint=stop.record)
+            self._save()
+            return False
+        self._journal_phase(record)
+        self._save()
+        return True
+
+    def _journal_phase(self, record):
+        with contextlib.suppress(FerrusError, OSError):
+            self.store.append_event("ferrus", "phase", record, task_id="")
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def start(self):
+        """P0: preflight, and the recovery of whatever a crashed run left."""
+        try:
+            self.repo = git_repository(self.store.root)
+        except GitUnavailable as err:
+            raise FerrusError("parallel tasks need a git repository: %s" % err.message,
+                              "run `git init` and commit once, or run one task at a time "
+                              "([parallel] max_tasks = 1)") from err
+        if self.repo.operation_in_progress():
+            raise FerrusError("a %s is in progress in the checkout"
+                              % self.repo.operation_in_progress(),
+                              "finish or abort it first: tasks merge into the target branch")
+        previous = read_parallel_run(self.store)
+        self.target = self.parallel.target or previous.get("target") if not \
+            previous.get("ended") else self.parallel.target
+        self.target = self.target or current_branch(self.store.root)
+        if not self.target:
+            raise FerrusError("parallel tasks need a target branch, and HEAD is detached",
+                              "check out the branch the tasks should merge into, or set "
+                              "[parallel] target")
+        if target_head(self.store.root, self.target) is None:
+            raise FerrusError("the target branch %s has no commit" % self.target,
+                              "commit once (parallel tasks start from the target's head)")
+        self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
+        project = self.store.project_state()
+        if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
+            raise FerrusError("a task is in flight in the checkout itself (state %s)"
+                              % project.state, "finish it with `ferrus run --resume` (or "
+                              "`ferrus reset` it) before running tasks in parallel")
+        resumed = []
+        for task, record in task_records(self.store):
+            if record.get("status") == RUNNING_STATUS and record.get("worktree"):
+                resumed.append(task)
+                self._adopt(task)
+        if resumed:
+            self.note("resuming %d task%s a previous run left: %s" % (
+                len(resumed), "" if len(resumed) == 1 else "s",
+                ", ".join(short_task_id(t) for t in resumed)))
+        interrupted = previous.get("phase") if not previous.get("ended") else None
+        if isinstance(interrupted, int) and 1 <= interrupted <= 7:
+            self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
+            self.dispatched = [DispatchRecord(**r) for r in previous.get("dispatch") or []
+                               if isinstance(r, dict)]
+            self.machine.set_recovery_target(interrupted)
+            self.note("the previous run stopped in %s; going on from there"
+                      % phase_label(interrupted))
+            return self.advance(interrupted)
+        return self.advance(1)
+
+    def step(self):
+        """Poll every task's controller, then do what the current phase needs."""
+        for task, controller in list(self.controllers.items()):
+            controller.poll()
+            self._watch_task(task, controller)
+        if self.checkpoint or self.finished:
+            return
+        phase = self.machine.phase
+        if phase == 1:
+            self._plan()
+        elif phase == 2:
+            self._prepare()
+        elif phase == 3:
+            self._dispatch()
+        elif phase == 4:
+            self._collect()
+        elif phase == 5:
+            self._integrate()
+        elif phase == 6:
+            self._report()
+        elif phase == 7:
+            self._cleanup()
+
+    # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
+
+    def queued(self):
+        return [task for task, record in task_records(self.store)
+                if record.get("status") == QUEUED_STATUS]
+
+    def free_slots(self):
+        return max(0, self.max_tasks - len(self.controllers))
+
+    def _plan(self):
+        self.batch = self.queued()[:self.free_slots()]
+        self.dispatched = []
+        self.advance(2)
+
+    def _prepare(self):
+        for task in list(self.batch):
+            if task not in self.controllers and not self._prepare_task(task):
+                self.batch.remove(task)
+        self.advance(3)
+
+    def _prepare_task(self, task):
+        """The task's worktree and branch from the target's head, ferrus's agent
+        configuration copied into it, and its state created (Executing).  Idempotent, so
+        a run that crashed half-way through it simply does it again."""
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
+            return False
+        path = record.get("worktree") or os.path.join(self.worktree_dir, task)
+        branch = record.get("branch") or "ferrus/%s" % task
+        try:
+            start = record.get("base") or target_head(self.store.root, self.target)
+            update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
+                "status": RUNNING_STATUS, "worktree": path, "branch": branch, "base": start,
+                "target": self.target, "store": "worktree",
+                "started_at": record.get("started_at") or format_timestamp(self.store.clock())},
+                worktree=path, branch=branch, base=start[:12])
+            create_task_worktree(self.store.root, path, branch, start)
+            copy_agent_configuration(self.store.root, path)
+            task_store = self.store.for_task(task)
+            if not task_store.exists():
+                atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
+            if task_store.read_state().state == S.IDLE:
+                origin = record.get("origin") or {}
+                op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
+                               origin=(origin.get("spec"), origin.get("milestone")),
+                               task_id=task)
+        except FerrusError as err:
+            self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
+                           err.full_text())
+            return False
+        return True
+
+    def _adopt(self, task):
+        record = read_task_record(self.store.dir, task)
+        task_store = self.store.for_task(task)
+        if not task_store.exists():
+            return None
+        controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
+                                  launcher=self.launcher, bell=self.bell,
+                                  executor_agent=record.get("agent"))
+        self.controllers[task] = controller
+        return controller
+
+    def _dispatch(self):
+        # P4 → P3 comes back here while queued tasks and free slots remain: those are
+        # chosen and prepared now (P1 and P2 for them, inside this phase).
+        if self.machine.phase == 3 and not self.batch:
+            for task in self.queued()[:self.free_slots()]:
+                if self._prepare_task(task):
+                    self.batch.append(task)
+        for task in self.batch:
+            if task in self.controllers:
+                continue
+            controller = self._adopt(task)
+            if controller is None:
+                continue
+            choice = controller.agent_choice("executor")
+            self.dispatched.append(DispatchRecord(task_id=task, role="executor",
+                                                  agent=choice.agent if choice else "",
+                                                  session_id=""))
+            self.note("dispatched task %s (%s) to %s in %s" % (
+                short_task_id(task), read_task_record(self.store.dir, task).get("title", ""),
+                choice.agent if choice else "no agent", controller.store.workdir),
+                task_id=task)
+        self._run_dispatch_gates()
+        self.batch = []
+        self.advance(4)
+
+    def _run_dispatch_gates(self):
+        """Coverage, batch size and delegation before P4 (see 'Dispatch gates'): a task a
+        gate refuses is failed (delegation) or goes back to the queue (batch size)."""
+        records = {task: record for task, record in task_records(self.store)}
+        allowed = list(self.parallel.delegates)
+        if not allowed:
+            with contextlib.suppress(FerrusError):
+                executor = self.store.config().executor
+                allowed = [executor.agent] if executor else []
+        while True:
+            try:
+                run_dispatch_gates(list(self.batch), self.dispatched,
+                                   [(t, records.get(t, {}).get("origin") or {})
+                                    for t in self.batch], self.max_tasks, allowed)
+                return
+            except DispatchGateError as refused:
+                with contextlib.suppress(FerrusError, OSError):
+                    self.store.append_event("ferrus", "dispatch_gate", {
+                        "gate": refused.gate, "tasks": list(refused.tasks),
+                        "reason": refused.message}, task_id="")
+                self.note("dispatch gate %s: %s" % (refused.gate, refused.message), "error")
+                for task in refused.tasks:
+                    if task in self.batch:
+                        self.batch.remove(task)
+                    self.dispatched = [r for r in self.dispatched if r.task_id != task]
+                    if refused.gate == "batch":
+                        self._stop_controller(task)
+                        update_task(self.store, ORCHESTRATOR, task, "requeue_task",
+                                    {"status": QUEUED_STATUS}, reason="batch size")
+                    else:
+                        self._end_task(task, FAILED_STATUS, "dispatch gate %s: %s" % (
+                            refused.gate, refused.message))
+                if not refused.tasks:
+                    return
+
+    # -- P4 collect --------------------------------------------------------------------------
+
+    def _watch_task(self, task, controller):
+        """What a task's state asks of the runner: a question or confirmation for the
+        human, an end (failed or cancelled) to record."""
+        try:
+            data = controller.store.read_state()
+        except FerrusError:
+            return
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") == CANCELLED_STATUS or data.state == S.IDLE:
+            self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if data.state == S.FAILED:
+            self._end_task(task, FAILED_STATUS, data.failure_reason)
+            return
+        if data.state == S.AWAITING_HUMAN and controller.shown_question:
+            answer = self.ask(controller.shown_question) if self.ask else None
+            if answer is None:
+                self.waiting_human.add(task)
+            elif answer.strip():
+                op_answer(controller.store, HUMAN, answer)
+        elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+            decision = self.review(confirmation_summary(controller.store, data)) \
+                if self.review else None
+            if decision is None:
+                self.waiting_human.add(task)
+            else:
+                verdict, notes = decision
+                with contextlib.suppress(FerrusError):
+                    if verdict == "approve":
+                        op_human_approve(controller.store, HUMAN, via="run")
+                    else:
+                        op_human_reject(controller.store, HUMAN, notes, via="run")
+        else:
+            self.waiting_human.discard(task)
+
+    def integrating(self):
+        """Tasks approved and waiting for the merge queue, the longest-waiting first."""
+        waiting = []
+        for task, controller in self.controllers.items():
+            with contextlib.suppress(FerrusError):
+                data = controller.store.read_state()
+                if data.state in (S.INTEGRATING, S.COMPLETE):
+                    waiting.append((data.state_entered_at or "", task))
+        return [task for _, task in sorted(waiting)]
+
+    def _collect(self):
+        if self.integrating():
+            self.advance(5)
+        elif self.queued() and self.free_slots():
+            self.advance(3)
+        elif not self.controllers:
+            self.advance(5)        # nothing left: P5 has nothing to merge and reports
+
+    def stuck_on_human(self):
+        """Every task still in flight waits for a human nobody here can be."""
+        return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
+            not self.queued()
+
+    # -- P5 integrate: the merge queue -----------------------------------------------------
+
+    def _integrate(self):
+        if self.integration is not None:
+            if self.integration["thread"].is_alive():
+                return
+            self._finish_integration(self.integration)
+            self.integration = None
+            return
+        if self.retry_at is not None and self.clock() < self.retry_at:
+            return
+        self.retry_at = None
+        waiting = self.integrating()
+        if waiting:
+            self._start_integration(waiting[0])
+            return
+        self.advance(1 if self.queued() or self.controllers else 6)
+
+    def _start_integration(self, task):
+        controller = self.controllers[task]
+        task_store = controller.store
+        data = task_store.read_state()
+        if data.state == S.COMPLETE:          # integrated before a crash: only clean up
+            self._merged(task, None)
+            return
+        record = read_task_record(self.store.dir, task)
+        pending = record.get("integration") or {}
+        head = target_head(self.store.root, self.target)
+        if pending.get("candidate") and head == pending["candidate"]:
+            # The target was fast-forwarded, and the run stopped before it said so.
+            op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
+            self._merged(task, head)
+            return
+        job = {"task": task, "thread": None, "result": None, "error": None}
+        config = self.store.config()
+        message = task_commit_message(task, task_store.read_file("TASK.md"),
+                                      task_store.read_file("SUBMISSION.md"))
+
+        def work():
+            try:
+                built = prepare_integration(task_store.workdir, self.target,
+                                            self.parallel.integrate, message,
+                                            task_diff_exclusions(task_store))
+                checks = None
+                if built.status == "ready" and config.checks.commands:
+                    checks = run_checks(task_store.workdir, config.checks,
+                                        self.store.path("logs"), 0,
+                                        config.limits.max_feedback_lines, None,
+                                        self.store.root)
+                job["result"] = (built, checks)
+            except FerrusError as err:
+                job["error"] = err
+        self.note("integrating task %s into %s (%s, then the checks on the result)" % (
+            short_task_id(task), self.target, self.parallel.integrate), task_id=task)
+        job["thread"] = threading.Thread(target=work, daemon=True,
+                                         name="ferrus-integrate-%s" % short_task_id(task))
+        job["thread"].start()
+        self.integration = job
+
+    def _finish_integration(self, job):
+        task = job["task"]
+        controller = self.controllers.get(task)
+        if controller is None:
+            return
+        task_store = controller.store
+        if job["error"] is not None:
+            self._send_back(task, "ferrus could not integrate your work: %s" %
+                            job["error"].full_text(), cause="error")
+            return
+        built, checks = job["result"]
+        if built.status == "conflict":
+            self._send_back(task, "Your work conflicts with the target branch %s, which "
+                            "moved on since your task started (other tasks were merged into "
+                            "it). Your work so far is committed on your branch. Bring the "
+                            "branch up to date: run `git %s %s` in your working folder, "
+                            "resolve the conflicts keeping both sides' intent, then check and "
+                            "submit again.\n\n%s" % (self.target, self.parallel.integrate,
+                                                     self.target, built.text),
+                            cause="conflict", files=list(built.conflicts))
+            return
+        if checks is not None and not checks.passed:
+            self._send_back(task, "Your work merged with the target branch %s cleanly, but "
+                            "the checks fail on the merged result (they passed on your work "
+                            "alone, so it is the combination).\n\n%s" % (
+                                self.target, checks.report(
+                                    self.store.config().limits.max_feedback_lines)),
+                            cause="checks", failed=[r.command for r in checks.failed])
+            return
+        update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
+            "integration": {"candidate": built.head, "target_head": built.target_head}},
+            candidate=(built.head or "")[:12])
+        moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
+        status = moved.status if hasattr(moved, "status") else moved
+        if status == "done":
+            op_integrated(task_store, ORCHESTRATOR, commit=(built.head or "")[:12],
+                          target=self.target)
+            self._merged(task, built.head)
+        elif status == "moved":
+            self.note("the target %s moved during the integration of %s; integrating again"
+                      % (self.target, short_task_id(task)), task_id=task)
+        else:
+            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
+                "changes" % self.target
+            if why != self.waiting_said:
+                self.waiting_said = why
+                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
+                          "ferrus never overwrites your work)" % (short_task_id(task), why),
+                          "warning", task_id=task)
+            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+
+    def _send_back(self, task, notes, **detail):
+        task_store = self.controllers[task].store
+        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, **detail)
+        self.note("task %s goes back to its executor: %s" % (
+            short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
+                                  "checks": "the checks fail on the merged result"}.get(
+                detail.get("cause"), "its integration failed")),
+            "warning", task_id=task, state=outcome.state)
+
+    def _merged(self, task, head):
+        self.tasks_completed += 1
+        self.waiting_said = None
+        self._end_task(task, MERGED_STATUS, None, head=head)
+
+    # -- a task's end ---------------------------------------------------------------------
+
+    def _stop_controller(self, task):
+        controller = self.controllers.pop(task, None)
+        if controller is not None:
+            controller.shutdown()
+
+    def _end_task(self, task, status, reason, head=None):
+        """Record how a task ended; a merged or cancelled task's worktree and branch go,
+        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        record = read_task_record(self.store.dir, task)
+        if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
+            changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
+            if reason:
+                changes["reason"] = reason
+            if head:
+                changes["merged_commit"] = head
+            detail = {"status": status}
+            if reason:
+                detail["reason"] = reason[:500]
+            update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
+        if status in (MERGED_STATUS, CANCELLED_STATUS) and record.get("worktree"):
+            with contextlib.suppress(FerrusError):
+                remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+        self.ended[task] = status
+        title = record.get("title", "")
+        if status == MERGED_STATUS:
+            self.note("task %s merged into %s%s: %s" % (
+                short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
+                task_id=task, status=status)
+        elif status == FAILED_STATUS:
+            self.note("task %s failed: %s (its worktree %s is kept; `ferrus task cancel %s` "
+                      "removes it)" % (short_task_id(task), failure_summary(reason or ""),
+                                       record.get("worktree") or "-", short_task_id(task)),
+                      "error", task_id=task, status=status)
+        else:
+            self.note("task %s cancelled" % short_task_id(task), "warning", task_id=task,
+                      status=status)
+
+    # -- P6 report, P7 cleanup -------------------------------------------------------------
+
+    def _report(self):
+        counts = collections.Counter(self.ended.values())
+        parts = ["%d %s" % (counts[s], s) for s in (MERGED_STATUS, FAILED_STATUS,
+                                                    CANCELLED_STATUS) if counts[s]]
+        self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
+        self.advance(7)
+
+    def _cleanup(self):
+        with contextlib.suppress(FerrusError):
+            prune_worktrees(self.store.root)
+        if self.queued():
+            self.advance(1)
+            return
+        self.finished = True
+        self._save()
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def exit_code(self):
+        if self.checkpoint:
+            return RUN_CHECKPOINT
+        if any(status == FAILED_STATUS for status in self.ended.values()):
+            return RUN_FAILED
+        if self.waiting_human:
+            return RUN_NEEDS_HUMAN
+        return RUN_COMPLETE
+
+    def shutdown(self):
+        """Stop every agent (the tasks stay as they are, for the next run to resume)."""
+        if self.integration is not None:
+            self.integration["thread"].join(timeout=5)
+        for task in list(self.controllers):
+            self.controllers.pop(task).shutdown()
+
+
+def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review=None,
+                 clock=time.monotonic, poll_interval=0.02, launcher=None, mode="lines",
+                 bell=None):
+    """`ferrus run --parallel N`: work the queue until it is empty.  Exit codes as
+    run_loop's: 0 every task merged, 1 one failed, 3 timeout or capacity checkpoint, 4 a
+    task waits for a human nobody here can be."""
+    out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, mode)
+    if launcher is None:
+        require_headless_agents(store)
+    runner = ParallelRunner(store, show, max_tasks, clock=clock, launcher=launcher, bell=bell,
+                            ask=ask, review=review)
+    started = clock()
+    try:
+        runner.start()
+        while not runner.finished and not runner.checkpoint:
+            runner.step()
+            if runner.stuck_on_human():
+                runner.note("every task in flight waits for a human (answer with HQ, "
+                            "`ferrus approve`, or `ferrus run --parallel` in a terminal)",
+                            exit=RUN_NEEDS_HUMAN)
+                return RUN_NEEDS_HUMAN
+            if timeout is not None and clock() - started >= timeout:
+                runner.note("timed out after %s in %s" % (
+                    format_duration(timeout), phase_label(runner.machine.phase)),
+                    exit=RUN_TIMEOUT)
+                return RUN_TIMEOUT
+            time.sleep(poll_interval)
+        code = runner.exit_code()
+        runner.note("done: exit %d" % code, exit=code)
+        return code
+    finally:
+        runner.shutdown()
+
+
 def run_printer(out, mode="lines"):
     """``show(message)`` for `ferrus run`: a line per message, fewer with "quiet", one
     JSON object per message with "json" (for CI logs and other programs)."""
@@ -12151,7 +13307,7 @@ def require_headless_agents(store):
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None, mode="lines", bell=None):
+             review=None, mode="lines", bell=None, task_id=None):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
@@ -12199,7 +13355,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
         # may have staged.
-        created = op_create_task(store, HUMAN, task, origin=origin or (None, None))
+        created = op_create_task(store, HUMAN, task, origin=origin or (None, None),
+                                 task_id=task_id)
         for warning in created.data.get("warnings", ()):
             out("ferrus run: warning: %s" % warning)
         if created.data.get("branch"):
@@ -12283,6 +13440,54 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
             note("task %s used %s" % (task_id, format_usage(used)), task_id=task_id,
                  usage=used)
+
+
+def run_queue(store, out=None, **run_options):
+    """`ferrus run` with tasks queued and [parallel] max_tasks = 1: each queued task in
+    turn, as the project's own task in the checkout (exactly `ferrus run --task`).  A
+    failed task does not stop the queue; the exit code is the worst of the runs."""
+    out = out or (lambda text: say(text, flush=True))
+    worst = RUN_COMPLETE
+    for task, record in task_records(store):
+        # A queued task an earlier run took up in the checkout: resumed, or recorded.
+        if record.get("status") != RUNNING_STATUS or record.get("store") != "project":
+            continue
+        data = store.project_state()
+        code = None
+        if data.task_id == task and data.state in ACTIVE_STATES:
+            out("ferrus run: resuming task %s from the queue" % short_task_id(task))
+            code = run_loop(store, None, resume=True, out=out, **run_options)
+        elif data.task_id == task and data.state in (S.COMPLETE, S.FAILED):
+            code = RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
+        if code is None or code in (RUN_COMPLETE, RUN_FAILED):
+            status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+            update_task(store, HUMAN, task, "task_" + status, {
+                "status": status, "ended_at": format_timestamp(store.clock())})
+        if code not in (None, RUN_COMPLETE, RUN_FAILED):
+            return code
+        worst = max(worst, code or RUN_FAILED)
+    while True:
+        queued = [(task, record) for task, record in task_records(store)
+                  if record.get("status") == QUEUED_STATUS]
+        if not queued:
+            return worst
+        task, record = queued[0]
+        origin = record.get("origin") or {}
+        out("ferrus run: task %s from the queue (%d left after it): %s" % (
+            short_task_id(task), len(queued) - 1, record.get("title", "")))
+        update_task(store, HUMAN, task, "dispatch_task", {
+            "status": RUNNING_STATUS, "store": "project",
+            "started_at": format_timestamp(store.clock())})
+        code = run_loop(store, read_text(os.path.join(store.path(TASKS_DIR, task), "TASK.md")),
+                        out=out, origin=(origin.get("spec"), origin.get("milestone")),
+                        reset=True, task_id=task, **run_options)
+        status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+        if code in (RUN_COMPLETE, RUN_FAILED):
+            update_task(store, HUMAN, task, "task_" + status, {
+                "status": status, "ended_at": format_timestamp(store.clock())})
+        if code not in (RUN_COMPLETE, RUN_FAILED):
+            return code            # a question, a timeout or a checkpoint: stop here
+        worst = max(worst, code)
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,
@@ -15874,6 +17079,72 @@ def cmd_diff(args, root):
     return 0
 
 
+def cmd_task(args, root):
+    store = Store(root).require()
+    caller = human_caller()
+    if args.task_command == "cancel":
+        say(op_cancel_task(store, caller, args.id).text)
+        return 0
+    sources = [name for name in ("text", "file", "milestone", "ready")
+               if getattr(args, name)]
+    if len(sources) != 1:
+        raise UsageError("say what to queue: TEXT, --file F, --milestone SPEC ID or --ready SPEC "
+                         "(one of them)", 'ferrus task add "Add a --verbose flag"')
+    if args.milestone or args.ready:
+        if args.agent:
+            raise UsageError("--agent goes with a task given as TEXT or --file")
+        outcome = op_enqueue_milestone(store, caller, *args.milestone) if args.milestone \
+            else op_enqueue_ready(store, caller, args.ready)
+    else:
+        text = " ".join(args.text)
+        if args.file:
+            try:
+                text = sys.stdin.read() if args.file == "-" else read_text(args.file)
+            except OSError as err:
+                raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
+                                  "give the path of a text file holding the task, or - for "
+                                  "stdin") from err
+        outcome = op_enqueue_task(store, caller, text, agent=args.agent)
+    say(outcome.text)
+    return 0
+
+
+def format_task_row(row, now_width=None):
+    """One line of `ferrus tasks`: id, state, agent, age, title."""
+    state = row["state"] if row["status"] == RUNNING_STATUS and row["state"] else row["status"]
+    age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
+    return "%-25s %-12s %-12s %7s  %s" % (row["id"], state, row.get("agent") or "-", age,
+                                         row["title"])
+
+
+def cmd_tasks(args, root):
+    store = Store(root).require()
+    rows = task_rows(store)
+    records = read_session_records(store)
+    for row in rows:
+        used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
+        row["tokens"] = used["input_tokens"] + used["output_tokens"]
+        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
+        row["agent"] = row.get("agent") or next(
+            (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
+             and r.get("role") == "executor"), None)
+    if args.json:
+        print(json_for_terminal(compact_json({"tasks": rows})))
+        return 0
+    if not rows:
+        say("The queue is empty: `ferrus task add TEXT` queues a task.")
+        return 0
+    say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
+    for row in rows:
+        line = format_task_row(row)
+        if row.get("tokens"):
+            line += "  (%s tok)" % compact_count(row["tokens"])
+        say(line)
+        if row.get("worktree") and row["status"] == RUNNING_STATUS:
+            say("%25s worktree %s" % ("", row["worktree"]))
+    return 0
+
+
 def cmd_journal(args, root):
     store = Store(root).require()
     say(op_rotate_journal(store, HUMAN).text)
@@ -16118,14 +17389,35 @@ def cmd_run(args, root):
     if args.until_done and task is not None:
         raise UsageError("--until-done works through spec milestones; it cannot follow --task",
                          "use `ferrus run --until-done` (or `--milestone ID --until-done`)")
+    if args.parallel is not None and not 1 <= args.parallel <= 64:
+        raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
+                         % args.parallel, "ferrus run --parallel 3")
+    parallel = args.parallel or store.config().parallel.max_tasks
+    if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
+        raise UsageError("tasks run in parallel come from the queue",
+                         "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
+                         "SPEC), then `ferrus run --parallel N`; a failed or interrupted task "
+                         "is resumed by the next run")
     with OrchestratorLock(store, "ferrus run") as held:
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
+        if parallel > 1:
+            if task is not None:
+                require_utf8(task, "the task description")
+                show(HqMessage("info", "ferrus run: " + op_enqueue_task(
+                    store, human_caller(), task).text, "run"))
+            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+                                mode=mode, bell=bell)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
                                   args.timeout, args.resume, args.reset, ask=ask, review=review,
                                   mode=mode, bell=bell)
+        if task is None and not args.resume and any(
+                record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+                for _, record in task_records(store)):
+            return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
+                             bell=bell)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
                         review=review, mode=mode, bell=bell)
 
@@ -16289,6 +17581,27 @@ def build_parser():
     p.add_argument("paths", nargs="*", metavar="PATH", help="only these files or folders")
     p.set_defaults(run=cmd_diff)
 
+    p = sub.add_parser("task", help="queue a task, or cancel one (parallel tasks)")
+    commands = p.add_subparsers(dest="task_command", metavar="COMMAND")
+    commands.required = True
+    add = commands.add_parser("add", help="put a task in the queue `ferrus run` works through")
+    add.add_argument("text", nargs="*", metavar="TEXT", help="the task, in words")
+    add.add_argument("--file", metavar="F", help="the task from this file (- for stdin)")
+    add.add_argument("--milestone", nargs=2, metavar=("SPEC", "ID"),
+                     help="the task that implements this milestone of this spec")
+    add.add_argument("--ready", metavar="SPEC",
+                     help="one task for every ready milestone of this spec")
+    add.add_argument("--agent", metavar="AGENT",
+                     help="the executor agent for this task (default: [hq.executor])")
+    cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
+                                                "worktree and branch are removed")
+    cancel.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
+    p.set_defaults(run=cmd_task)
+
+    p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")
+    p.add_argument("--json", action="store_true", help="one JSON object with every task")
+    p.set_defaults(run=cmd_tasks)
+
     p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
     commands = p.add_subparsers(dest="journal_command", metavar="COMMAND")
     commands.required = True
@@ -16342,6 +17655,10 @@ def build_parser():
                             "next ready one; approving it ticks its box")
     p.add_argument("--until-done", action="store_true",
                    help="after each milestone, take the next ready one until none is left")
+    p.add_argument("--parallel", type=int, metavar="N",
+                   help="work the task queue (`ferrus task add`) N tasks at a time, each in "
+                        "its own git worktree, merged when the checks pass on the result "
+                        "(default: [parallel] max_tasks)")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
     p.add_argument("--resume", action="store_true", help="continue the task in flight")
     p.add_argument("--reset", action="store_true",

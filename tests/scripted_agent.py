@@ -14,11 +14,16 @@ tools its prompt asks for.  What it decides is steered by the environment:
   SCRIPTED_DIR       a directory for its memory between sessions (flag files)
   SCRIPTED_QUESTION  the question `ask` sends (default: a question about a colour)
 
+The executor writes work.txt, or, when the task has lines `WRITE <file>: <text>`, those
+files; review notes that say `git rebase BRANCH` (or `git merge BRANCH`) make it do that
+first, its own side winning each conflict.
+
 Usage: scripted_agent.py ROLE MCP_CONFIG
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -144,8 +149,23 @@ def main():
                     handle.write(answer["answer"])
             if "slow-executor" in behavior:
                 time.sleep(30)
-            with open("work.txt", "a") as handle:
-                handle.write("work\n")
+            update = re.search(r"`git (rebase|merge) ([^`\s]+)`", claimed.get("review") or "")
+            if update:
+                # Told to bring its branch up to date with the target: do it, this side
+                # winning every conflict (a parallel task's scripted resolution).
+                command = ["git", "rebase", "-X", "theirs", update.group(2)] \
+                    if update.group(1) == "rebase" else \
+                    ["git", "merge", "-X", "ours", "--no-edit", update.group(2)]
+                subprocess.run(command, check=True, stdout=sys.stderr)
+            writes = re.findall(r"^WRITE ([^:\n]+): (.*)$", claimed.get("task") or "", re.M)
+            for name, text in writes:
+                # A task that says what to write, file by file (parallel tasks each
+                # change their own files).
+                with open(name, "w") as handle:
+                    handle.write(text + "\n")
+            if not writes:
+                with open("work.txt", "a") as handle:
+                    handle.write("work\n")
             mcp.call("check")
             mcp.call("submit", content="Did the work.")
     finally:

@@ -34,12 +34,12 @@ from mcp_client import (McpError, McpProcess, InProcessMcp, modern_meta, tool_js
 LEGACY_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 STRUCTURED_VERSIONS = ("2025-06-18", "2025-11-25")
 
-SUPERVISOR_TOOLS = ["create_task", "create_spec", "wait_for_review", "review_pending", "approve",
+SUPERVISOR_TOOLS = ["create_task", "enqueue_task", "create_spec", "wait_for_review", "review_pending", "approve",
                     "reject", "respond_consult", "wait_for_answer", "ask_human", "answer",
                     "status", "reset", "heartbeat"]
 EXECUTOR_TOOLS = ["wait_for_task", "check", "consult", "submit", "wait_for_consult",
                   "wait_for_answer", "ask_human", "answer", "status", "heartbeat"]
-ALL_TOOLS = ["create_task", "create_spec", "wait_for_review", "review_pending", "approve",
+ALL_TOOLS = ["create_task", "enqueue_task", "create_spec", "wait_for_review", "review_pending", "approve",
              "reject", "respond_consult", "wait_for_task", "check", "consult", "submit",
              "wait_for_consult", "wait_for_answer", "ask_human", "answer", "status", "reset",
              "heartbeat"]

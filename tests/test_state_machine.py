@@ -26,6 +26,8 @@ def apply(action, data):
         "reject": lambda d: ferrus.t_reject(d, NOW, 3),
         "human_approve": lambda d: ferrus.t_human_approve(d, NOW),
         "human_reject": lambda d: ferrus.t_human_reject(d, NOW, 3),
+        "integrated": lambda d: ferrus.t_integrated(d, NOW),
+        "integration_failed": lambda d: ferrus.t_integration_failed(d, NOW, 3),
         "ask_human": lambda d: ferrus.t_ask_human(d, NOW, "executor:x:1"),
         "answer": lambda d: ferrus.t_answer(d, NOW),
         "heartbeat": lambda d: _require(d, "heartbeat"),
