@@ -156,7 +156,8 @@ def test_claude_codex_and_gemini_tool_calls_carry_their_argument():
     gemini = ferrus.GeminiCli(ferrus.Config())
     events = gemini.parse_line(json.dumps({"type": "tool_use", "tool_name": "read_file",
                                            "parameters": {"absolute_path": "/a/b.py"}}))
-    assert [(e.name, e.text) for e in events] == [("read_file", "/a/b.py")]
+    assert [(e.name, e.text) for e in events if e.kind == "tool_call"] == [("read_file",
+                                                                            "/a/b.py")]
     assert ferrus.tool_summary({"x": "y" * 300}).endswith("…")
 
 
