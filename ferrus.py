@@ -5315,7 +5315,11 @@ def _resume_task_worktree(root, path, branch, start_commit, failure):
                        % (path, branch), hint_taken)
     branch_head = target_head(root, branch)
     if branch_head is None:
-        raise failure                                     # not a question of leftovers
+        if failure is not None:
+            raise failure                                 # not a question of leftovers
+        run_git(root, ["worktree", "add", "-q", "--no-track", "-b", branch, path,
+                       start_commit + "^{commit}"])       # the path is free now
+        return {"path": path, "branch": branch, "base": _commit_id(root, start_commit)}
     start = _commit_id(root, start_commit)
     if not ours and not _is_ancestor(root, branch_head, start):
         raise GitError("branch %s already exists, with commits %s does not have"
@@ -5362,27 +5366,31 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
     and a worktree git refuses to remove because its folder is damaged is deleted and
     pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
     did).  Raises GitError for a path that is not a linked worktree of this repository
-    (its files are left alone) or a branch checked out somewhere else."""
+    or is the worktree of another branch (its files are left alone), or a branch
+    checked out somewhere else."""
     path = os.path.abspath(path)
     removed = branch_deleted = False
-    try:
-        run_git(root, ["worktree", "remove", "--force", "--force", path])
-        removed = True
-    except GitError:
-        entries = _worktree_entries(root)
-        entry = next((e for e in entries if _same_path(e["path"], path)), None)
-        if entry is not None and entry is entries[0]:
+    entries = _worktree_entries(root)
+    entry = next((e for e in entries if _same_path(e["path"], path)), None)
+    if entry is not None:
+        if entry is entries[0]:
             raise GitError("%s is the repository's main checkout, not a task worktree"
-                           % path, "ferrus removes only the worktrees it made") from None
-        if entry is not None:
-            _discard_worktree(root, path)
-            removed = True
-        elif _folder_has_files(path):
-            raise GitError("%s is not a worktree of this repository" % path,
-                           "ferrus deletes only worktrees it made; remove that folder "
-                           "by hand if it is not wanted") from None
-        elif os.path.isdir(path):
-            os.rmdir(path)                 # the empty folder of an interrupted `worktree add`
+                           % path, "ferrus removes only the worktrees it made")
+        if entry["branch"] not in (None, branch):
+            # Someone else's worktree, or a mix-up of records: its work is not ours to drop.
+            raise GitError("%s is the worktree of branch %s, not of %s" % (
+                path, entry["branch"], branch), "ferrus removes only the worktrees it made")
+        try:
+            run_git(root, ["worktree", "remove", "--force", "--force", path])
+        except GitError:
+            _discard_worktree(root, path)         # damaged: git cannot remove it itself
+        removed = True
+    elif _folder_has_files(path):
+        raise GitError("%s is not a worktree of this repository" % path,
+                       "ferrus deletes only worktrees it made; remove that folder by hand "
+                       "if it is not wanted")
+    elif os.path.isdir(path):
+        os.rmdir(path)                     # the empty folder of an interrupted `worktree add`
     if delete_branch:
         try:
             run_git(root, ["branch", "-D", "-q", branch])
@@ -5883,8 +5891,21 @@ def _checkout_blockers(checkout, old_head, new_head):
         elif entry.startswith(("? ", "! ")):
             local.append(entry[2:])
     touched_set = set(touched)
-    blocking = sorted(p for p in local if p in touched_set or any(
-        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched))
+    blocking = {p for p in local if p in touched_set or any(
+        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched)}
+    # A file (untracked or ignored) where the update needs a folder, which the status
+    # above, asked only about the paths themselves, does not list.
+    for path in touched:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in touched_set:
+                break
+            full = os.path.join(checkout, *parts[:depth])
+            if os.path.islink(full) or os.path.isfile(full):
+                blocking.add(folder)
+                break
+    blocking = sorted(blocking)
     if not blocking:
         return None
     return FastForward("dirty", old_head, blocking, "your checkout %s has uncommitted changes "

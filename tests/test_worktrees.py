@@ -289,6 +289,16 @@ def test_remove_leaves_folders_that_are_not_worktrees_and_the_main_checkout(repo
     assert os.path.exists(os.path.join(repo, "app.py")) and "main" in branches(repo)
 
 
+def test_remove_leaves_the_worktree_of_another_branch(repo, wt_dir, tmp_path):
+    theirs = str(tmp_path / "users-own-worktree")
+    git(repo, "worktree", "add", "-q", "-b", "feature", theirs)
+    write(theirs, "draft.txt", "uncommitted work\n")
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.remove_task_worktree(repo, theirs, "ferrus/t-1")
+    assert "worktree of branch feature, not of ferrus/t-1" in caught.value.message
+    assert os.path.exists(os.path.join(theirs, "draft.txt")) and "feature" in branches(repo)
+
+
 def test_remove_will_not_delete_a_branch_checked_out_in_the_users_checkout(repo, wt_dir):
     git(repo, "checkout", "-q", "-b", "ferrus/t-1")
     with pytest.raises(ferrus.GitError):
@@ -654,6 +664,15 @@ def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, t
     os.unlink(os.path.join(repo, "new.py"))
     git(repo, "checkout", "--", "app.py")
     assert ferrus.fast_forward_target(repo, "main", old, result.head).status == "done"
+
+
+def test_a_file_where_the_task_makes_a_folder_waits_too(repo, task):
+    write(task, "docs/guide.md", "# Guide\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, "docs", "my notes, in a file called docs\n")
+    dirty = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (dirty.status, dirty.files) == ("dirty", ["docs"])
+    assert open(os.path.join(repo, "docs")).read() == "my notes, in a file called docs\n"
 
 
 def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task):
