@@ -7639,19 +7639,20 @@ def op_enqueue_ready(store, caller, spec):
                                               ", ".join(queued)), None, queued=queued)
 
 
-def op_cancel_task(store, caller, task):
+def op_cancel_task(store, caller, task, remove_worktree=False):
     """Take a task out of the queue, or stop a running one: it is never taken up again.
-    The orchestrator running it stops its agents and removes its worktree; with none
-    running, `ferrus task cancel` removes it itself (see cancel_worktree)."""
+    The orchestrator running it stops its agents and removes its worktree and branch;
+    with ``remove_worktree`` (no orchestrator will: none runs, or the task is not in its
+    hands, as a failed task's kept worktree is not) they are removed here."""
     task = require_task_id(store, task)
     record = read_task_record(store.dir, task)
     if record.get("status") in (MERGED_STATUS, DONE_STATUS):
         raise FerrusError("task %s is already %s" % (task, record["status"]),
                           "its work is on the target branch; nothing to cancel")
-    if record.get("status") == CANCELLED_STATUS:
-        return _outcome("Task %s was already cancelled." % task, None, task_id=task)
     task_store = store.for_task(task)
-    if task_store.exists():
+    if record.get("status") == CANCELLED_STATUS:
+        text = "Task %s was already cancelled." % task
+    elif task_store.exists():
         with task_store.transaction(caller.agent_id) as tx:
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
@@ -7659,16 +7660,47 @@ def op_cancel_task(store, caller, task):
             record = read_task_record(store.dir, task)
             record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
             write_task_record(store, task, record)
+        text = "Task %s cancelled." % task
     elif record.get("store") == "project":
         data = store.project_state()
         if data.task_id == task and data.state in ACTIVE_STATES:
             op_force_reset(store, caller)
         update_task(store, caller, task, "cancel_task",
                     {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
+        text = "Task %s cancelled." % task
     else:
         update_task(store, caller, task, "cancel_task",
                     {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
-    return _outcome("Task %s cancelled." % task, None, task_id=task)
+        text = "Task %s cancelled." % task
+    removed = {}
+    if remove_worktree:
+        said, removed = _remove_task_leftovers(store, read_task_record(store.dir, task))
+        text += said
+    return _outcome(text, None, task_id=task, removed=removed)
+
+
+def _remove_task_leftovers(store, record):
+    """(text, what was removed) for a cancelled task's worktree and branch."""
+    worktree, branch = record.get("worktree"), record.get("branch")
+    if record.get("store") == "project" or not worktree or not branch:
+        return "", {}
+    try:
+        head = target_head(store.root, branch)
+        done = remove_task_worktree(store.root, worktree, branch)
+    except GitUnavailable:
+        return "", {}
+    except FerrusError as err:
+        return (" Its worktree %s and branch %s stay: %s (`ferrus doctor --fix` removes them "
+                "once that is fixed)." % (worktree, branch, err.message)), {}
+    parts, removed = [], {}
+    if done["removed"]:
+        parts.append("its worktree %s" % worktree)
+        removed["worktree"] = worktree
+    if done["branch_deleted"]:
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
+            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        removed["branch"] = branch
+    return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
 def task_rows(store):
@@ -11746,9 +11778,10 @@ def _stop_process_group(pid, grace=2.0):
             return
 
 
-def stop_orphaned_agents(store):
-    """Stop the agents a dead orchestrator left running and free the leases of their
-    sessions; returns what was done, one line each.
+def stop_orphaned_agents(store, task=None):
+    """Stop the agents a dead orchestrator left running (only parallel task ``task``'s,
+    when given) and free the leases of their sessions; returns what was done, one line
+    each.
 
     HQ's agents cannot be adopted — their output pipes died with their orchestrator, so
     nobody could read what they report — so they are stopped; the task state in
@@ -11760,7 +11793,8 @@ def stop_orphaned_agents(store):
     try:
         registry = json.loads(read_text(path) or "{}")
         entries = [e for e in registry.get("agents") or []
-                   if isinstance(e, dict) and e.get("status") == "running"]
+                   if isinstance(e, dict) and e.get("status") == "running"
+                   and (task is None or session_task(e.get("session")) == task)]
     except (ValueError, OSError, AttributeError) as err:
         return ["could not read %s/agents.json (%s): agents a previous orchestrator started "
                 "may still be running" % (FERRUS_DIR, err)]
@@ -11776,7 +11810,8 @@ def stop_orphaned_agents(store):
     if entries:
         def mark(data):
             for entry in data.get("agents") or []:
-                if isinstance(entry, dict) and entry.get("status") == "running":
+                if isinstance(entry, dict) and entry.get("status") == "running" and (
+                        task is None or session_task(entry.get("session")) == task):
                     entry.update(status="suspended", pid=None)
         with contextlib.suppress(FerrusError):
             with store.lock():
@@ -11784,15 +11819,15 @@ def stop_orphaned_agents(store):
     by_task = {}
     for session in sessions:
         by_task.setdefault(session_task(session), []).append(session)
-    for task, stopped in sorted(by_task.items(), key=lambda item: item[0] or ""):
-        task_store = store if task is None else store.for_task(task)
-        if task is not None and not task_store.exists():
+    for owner, stopped in sorted(by_task.items(), key=lambda item: item[0] or ""):
+        task_store = store if owner is None else store.for_task(owner)
+        if owner is not None and not task_store.exists():
             continue
         with contextlib.suppress(FerrusError):
             released = op_release_sessions(task_store, stopped)
             if released:
                 notes.append("freed the %s lease, held by the stopped %s" % (
-                    "task's" if task is None else "task %s's" % task, released))
+                    "task's" if owner is None else "task %s's" % owner, released))
     return notes
 
 
@@ -17343,7 +17378,17 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        say(op_cancel_task(store, caller, args.id).text)
+        task = require_task_id(store, args.id)
+        running = read_task_record(store.dir, task).get("status") == RUNNING_STATUS
+        runner = live_parallel_run(store) if running else None
+        if running and running_orchestrator(store) is None:
+            # A dead orchestrator may have left the task's agents at work in its worktree.
+            for note in stop_orphaned_agents(store, task):
+                say(note)
+        say(op_cancel_task(store, caller, task, remove_worktree=runner is None).text)
+        if runner is not None:
+            say("The running %s stops its agents and removes its worktree and branch."
+                % describe_orchestrator(runner))
         return 0
     sources = [name for name in ("text", "file", "milestone", "ready")
                if getattr(args, name)]
