@@ -5438,6 +5438,14 @@ def list_task_worktrees(root, branch_prefix):
     return sorted(found, key=lambda row: (row["branch"], row["path"] or ""))
 
 
+def worktree_changes(path, exclude):
+    """The paths with uncommitted changes (untracked files included) in the checkout at
+    ``path``, leaving out ``exclude`` (ferrus's own files) — or GitError."""
+    out = run_git(path, ["status", "--porcelain=v2", "-z", "--ignore-submodules=dirty"]
+                  + _pathspecs(exclude))
+    return _parse_status_v2(out)[2]
+
+
 def target_head(root, branch):
     """The commit branch ``branch`` is at, or None when there is no such branch."""
     out = run_git(root, ["rev-parse", "-q", "--verify", "refs/heads/%s^{commit}" % branch],
@@ -7458,6 +7466,8 @@ def op_integration_failed(store, caller, notes, **detail):
 # exactly as `ferrus run --task` does; with more, each in its own worktree, with its own
 # STATE.json beside its task.json.
 
+# A parallel task's branch is this + its id (doctor finds leftovers by it).
+TASK_BRANCH_PREFIX = "ferrus/"
 QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
     "queued", "running", "merged", "done", "failed", "cancelled")
 # Statuses of a task that no orchestrator will take up again.
@@ -12680,6 +12690,16 @@ def read_parallel_run(store):
     return data if isinstance(data, dict) else {}
 
 
+def live_parallel_run(store):
+    """The orchestrator record of the `ferrus run --parallel` working this project now
+    (it holds the orchestrator lock and wrote parallel.json), else None."""
+    holder = running_orchestrator(store)
+    run = read_parallel_run(store)
+    if holder is None or run.get("ended") or holder.get("pid") != run.get("pid"):
+        return None
+    return holder
+
+
 class ParallelRunner:
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
@@ -12885,7 +12905,7 @@ class ParallelRunner:
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
-        branch = record.get("branch") or "ferrus/%s" % task
+        branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
@@ -15123,7 +15143,7 @@ class Finding:
     problem: str
     repair: str
     fix: "object | None" = None     # callable applying the safe repair, if there is one
-    severity: str = "error"          # error | warning
+    severity: str = "error"          # error | warning | info (worth knowing, not wrong)
 
 
 def doctor_findings(root):
@@ -15160,7 +15180,11 @@ def doctor_findings(root):
                 "Idle state whose rev continues the journal", lambda: _rebuild_state(store)))
     findings.extend(_journal_findings(store, data))
     if data is not None:
-        findings.extend(_content_findings(store, data))
+        # While STATE.json mirrors a parallel task, the content files are that task's.
+        mirrored = data.extra.get(PARALLEL_MIRROR_KEY)
+        findings.extend(_content_findings(
+            store.for_task(mirrored) if isinstance(mirrored, str) and _TASK_ID_RE.match(
+                mirrored) else store, data))
     for path, record in orphaned_check_records(store.dir):
         what = ("check `%s` started %s by ferrus pid %s, which is gone" % (
             record.get("command", "?"), record.get("started_at", "?"), record.get("owner_pid"))
@@ -15172,6 +15196,7 @@ def doctor_findings(root):
             lambda: [log.info("%s", m) for m in end_orphaned_checks(store.dir)],
             severity="warning"))
     findings.extend(_record_findings(store))
+    findings.extend(parallel_task_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
     for folder in ("usage", CHECK_PROCESS_DIR):
@@ -15222,6 +15247,241 @@ def _record_findings(store):
                 "keep it as %s.corrupt-<time>" % name,
                 lambda record_path=record_path: _set_aside(record_path), severity="warning"))
     return findings
+
+
+# -- doctor: parallel tasks' records, worktrees and branches -----------------------------
+#
+# A parallel task leaves .ferrus/tasks/<id>/ (task.json, its STATE.json), a worktree under
+# the worktree folder and a branch ferrus/<id>.  The runner removes a merged or cancelled
+# task's worktree and branch and keeps a failed one's; whatever a crash, a deleted record
+# or a hand-made change left beyond that is found here.
+
+def parallel_task_findings(store):
+    """Damaged task records and task states, RUNNING tasks whose worktree is gone,
+    leftover worktrees and branches, and a parallel run that stopped part way."""
+    findings = []
+    records = {}
+    for task in queued_task_ids(store):
+        record, problem = _read_task_json(store, task)
+        records[task] = record
+        if problem:
+            findings.append(Finding(
+                "%s/%s/%s/%s is damaged (%s): the queue cannot tell what became of task %s"
+                % (FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE, problem, task),
+                "keep it as %s.corrupt-<time> and write a new record from what is left (its "
+                "TASK.md, state and worktree)" % TASK_RECORD_FILE,
+                lambda task=task: _rebuild_task_record(store, task), severity="warning"))
+            continue
+        task_store = store.for_task(task)
+        if os.path.isfile(task_store.task_path(STATE_FILE)):
+            try:
+                task_store.read_state()
+            except StateCorrupt as err:
+                findings.append(Finding(
+                    "task %s: %s" % (task, err.message),
+                    "keep it as %s.corrupt-<time>%s" % (STATE_FILE, (
+                        " and mark the task failed (its worktree is kept for a look)"
+                        if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS) else "")),
+                    lambda task=task: _rebuild_task_state(store, task), severity="warning"))
+    findings.extend(_task_worktree_findings(store, records))
+    findings.extend(_parallel_run_findings(store, records))
+    return findings
+
+
+def _read_task_json(store, task):
+    """(record, None) or ({}, what is wrong with it)."""
+    try:
+        record = json.loads(read_text(task_record_path(store.dir, task)))
+    except (OSError, ValueError) as err:
+        return {}, terminal_safe(str(err))[:120]
+    if not isinstance(record, dict):
+        return {}, "not a JSON object"
+    return record, None
+
+
+def _task_branch_rows(store):
+    """(worktree folder, list_task_worktrees rows, problem): the rows are [] without git."""
+    try:
+        parallel = store.config().parallel
+    except FerrusError:
+        parallel = ParallelConfig()
+    try:
+        try:
+            folder = default_worktree_dir(store.root, parallel.worktree_dir)
+        except GitUnavailable:
+            raise
+        except FerrusError:            # a refused worktree_dir: config_findings says why
+            folder = default_worktree_dir(store.root)
+        return folder, list_task_worktrees(store.root, TASK_BRANCH_PREFIX), None
+    except GitUnavailable:
+        return None, [], None
+    except FerrusError as err:
+        return None, [], err.message
+
+
+def _task_worktree_findings(store, records):
+    folder, rows, problem = _task_branch_rows(store)
+    if problem:
+        return [Finding("cannot list the task worktrees: %s" % problem,
+                        "check the repository with `git worktree list`", severity="warning")]
+    findings = []
+    try:
+        single_task_branch = store.config().git.branch_for
+    except FerrusError:
+        single_task_branch = GitConfig().branch_for
+    for row in rows:
+        task = row["branch"][len(TASK_BRANCH_PREFIX):]
+        if row["main"] or not _TASK_ID_RE.match(task):
+            continue                       # the user's own checkout, or not a task's branch
+        record = records.get(task)
+        if task in records and not record:
+            continue                       # a damaged record: reported above
+        path = row["path"]
+        if path is not None and not (
+                _relative_inside(os.path.realpath(path), folder) not in (None, "")
+                or (record and record.get("worktree")
+                    and _same_path(path, record["worktree"]))):
+            continue                       # checked out by hand somewhere else
+        status = record.get("status") if record else None
+        if status in (QUEUED_STATUS, RUNNING_STATUS):
+            continue                       # in the queue's hands (a gone worktree: below)
+        if status == FAILED_STATUS and path is not None and row["exists"]:
+            findings.append(Finding(
+                "task %s failed; its worktree %s (branch %s) is kept for a look"
+                % (task, path, row["branch"]),
+                "`ferrus task cancel %s` removes them" % short_task_id(task), severity="info"))
+            continue
+        if record is None and path is None and single_task_branch(task) == row["branch"]:
+            continue                       # [git] branch made it for a task in the checkout
+        findings.append(_orphan_finding(store, task, row, status, folder))
+    for task, record in records.items():
+        worktree = record.get("worktree")
+        if record.get("status") == RUNNING_STATUS and record.get("store") != "project" and \
+                worktree and not os.path.isdir(worktree):
+            branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+            kept = any(row["branch"] == branch for row in rows)
+            findings.append(Finding(
+                "task %s is running, but its worktree %s is gone: its agents cannot work "
+                "and it cannot be merged" % (task, worktree),
+                "`ferrus task cancel %s` ends it (and deletes its branch)%s" % (
+                    short_task_id(task),
+                    "; to keep its commits, first `git branch keep-%s %s`" % (
+                        short_task_id(task), branch) if kept else "")))
+    return findings
+
+
+def _orphan_finding(store, task, row, status, folder):
+    """A worktree or branch of a task that is merged, cancelled or unknown."""
+    why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
+           CANCELLED_STATUS: "task %s was cancelled" % task}.get(
+        status, "task %s is %s" % (task, status))
+    what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
+            else "branch %s" % row["branch"])
+    if row["path"] and not row["exists"]:
+        what += ", whose folder is gone,"
+    back = " (it was at %s: `git branch %s %s` brings it back)" % (
+        row["head"][:12], row["branch"], row["head"][:12]) if row["head"] else ""
+    path = row["path"] or os.path.join(folder or store.root, task)
+    if status is None and row["path"] and row["exists"]:
+        try:
+            changed = worktree_changes(row["path"], task_diff_exclusions(store))
+        except FerrusError:
+            changed = []
+        if changed:
+            return Finding(
+                "leftover %s: %s, and it has uncommitted changes (%s)" % (
+                    what, why, ", ".join(map(display_path, changed[:5]))),
+                "look at them there; when they are not wanted, `git worktree remove --force "
+                "%s` and `git branch -D %s`" % (row["path"], row["branch"]), severity="warning")
+    return Finding("leftover %s: %s" % (what, why),
+                   "remove %s%s" % ("the worktree and its branch" if row["path"]
+                                    else "the branch", back),
+                   lambda: remove_task_worktree(store.root, path, row["branch"]),
+                   severity="warning")
+
+
+def _parallel_run_findings(store, records):
+    path = store.path(PARALLEL_RUN_FILE)
+    if not os.path.exists(path):
+        return []
+    try:
+        run = json.loads(read_text(path))
+        if not isinstance(run, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return [Finding("%s/%s is damaged (%s): the next parallel run starts from P1 instead "
+                        "of the phase the last one stopped in" % (
+                            FERRUS_DIR, PARALLEL_RUN_FILE, terminal_safe(str(err))[:120]),
+                        "keep it as %s.corrupt-<time>" % PARALLEL_RUN_FILE,
+                        lambda: _set_aside(path), severity="warning")]
+    if run.get("ended") or live_parallel_run(store) is not None:
+        return []
+    where = phase_label(run.get("phase"))
+    pending = [task for task, record in records.items()
+               if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)]
+    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped in %s without finishing" % (
+        FERRUS_DIR, PARALLEL_RUN_FILE, run.get("pid", "?"), run.get("updated_at", "?"), where)
+    if pending:
+        return [Finding(text, "nothing to repair: the next `ferrus run --parallel` goes on "
+                              "from there with the %d task(s) left" % len(pending),
+                        severity="info")]
+    return [Finding(text + "; no task is left for it", "delete it",
+                    lambda: os.unlink(path), severity="info")]
+
+
+def _rebuild_task_record(store, task):
+    """A task.json set aside, and a new one from what is left: the title from TASK.md,
+    the worktree and branch git knows, and a status that loses nothing — queued when
+    nothing ever ran, else failed (its worktree is kept for a look)."""
+    task_store = store.for_task(task)
+    branch = TASK_BRANCH_PREFIX + task
+    _, rows, _ = _task_branch_rows(store)
+    row = next((r for r in rows if r["branch"] == branch and r["path"]), None)
+    started = os.path.isfile(task_store.task_path(STATE_FILE)) or any(
+        r["branch"] == branch for r in rows)
+    with store.lock():
+        path = task_record_path(store.dir, task)
+        record, problem = _read_task_json(store, task)
+        if not problem:
+            return                          # repaired meanwhile
+        description = task_store.read_file("TASK.md")
+        record = {"id": task, "title": task_title(description) or "(unknown: %s was damaged)"
+                  % TASK_RECORD_FILE, "status": QUEUED_STATUS if description and not started
+                  else FAILED_STATUS, "origin": {"by": "doctor"}}
+        if record["status"] == FAILED_STATUS:
+            record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
+            record["ended_at"] = format_timestamp(store.clock())
+        if started:
+            record.update(branch=branch, store="worktree")
+        if row is not None:
+            record["worktree"] = row["path"]
+        _set_aside(path, pretty_json(record))
+
+
+def _rebuild_task_state(store, task):
+    """A task's STATE.json set aside; a task still in the queue's hands is failed (the
+    runner keeps its worktree), with a fresh state saying why."""
+    task_store = store.for_task(task)
+    state_path = task_store.task_path(STATE_FILE)
+    reason = "its %s was damaged; doctor kept it as %s.corrupt-<time>" % (STATE_FILE,
+                                                                         STATE_FILE)
+    with store.lock():
+        try:
+            task_store.read_state()
+            return                          # repaired meanwhile
+        except StateCorrupt:
+            pass
+        now = format_timestamp(store.clock())
+        fresh = StateData(state=S.FAILED, failure_reason=reason, task_id=task,
+                          rev=store.last_journal_seq(), updated_at=now, owner_pid=os.getpid(),
+                          state_entered_at=now)
+        _set_aside(state_path, fresh.to_json())
+    with task_store.transaction("doctor") as tx:
+        tx.set(tx.state, "doctor", note=reason)
+        record = read_task_record(store.dir, task)
+        if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
+            record.update(status=FAILED_STATUS, reason=reason, ended_at=now)
+            write_task_record(store, task, record)
 
 
 def _set_aside(path, replacement=None):
@@ -17227,8 +17487,7 @@ def cmd_doctor(args, root):
         return 0
     remaining = repaired = 0
     for finding in findings:
-        mark = "error" if finding.severity == "error" else "warning"
-        say("%s: %s" % (mark, finding.problem))
+        say("%s: %s" % (finding.severity, finding.problem))
         if args.fix and finding.fix is not None:
             try:
                 finding.fix()
@@ -17243,7 +17502,7 @@ def cmd_doctor(args, root):
             say("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
-    warnings = sum(1 for finding in findings if finding.severity != "error")
+    warnings = sum(1 for finding in findings if finding.severity == "warning")
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
@@ -17257,7 +17516,8 @@ def cmd_doctor(args, root):
             say("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
     if not remaining:
-        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
+        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings
+            if warnings else "ferrus doctor: everything is consistent (see the notes above).")
     return 1 if remaining else 0
 
 
