@@ -767,3 +767,21 @@ def test_only_a_fast_forward_is_allowed(repo, task):
     with pytest.raises(ferrus.GitError) as caught:
         ferrus.fast_forward_target(repo, "main", old, side)
     assert "not a fast-forward" in caught.value.message and rev(repo) == old
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a shell-script git wrapper")
+def test_a_git_older_than_2_36_lists_worktrees_without_nul(repo, wt_dir, tmp_path,
+                                                            monkeypatch):
+    real = shutil.which("git")
+    bin_dir = tmp_path / "old-git"
+    write(str(bin_dir), "git", '#!/bin/sh\nfor arg in "$@"; do\n  if [ "$arg" = "-z" ] && '
+          'echo "$*" | grep -q "worktree list"; then\n    echo "error: unknown switch '
+          '\\`z\'" >&2; exit 129\n  fi\ndone\nexec "%s" "$@"\n' % real)
+    os.chmod(str(bin_dir / "git"), 0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setattr(ferrus, "_WORKTREE_LIST_NUL", [])
+    path = os.path.join(wt_dir, "t-1")
+    ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
+    assert [r["path"] for r in ferrus.list_task_worktrees(repo, "ferrus/")] == [path]
+    assert ferrus._WORKTREE_LIST_NUL == [False]
+    assert ferrus.remove_task_worktree(repo, path, "ferrus/t-1")["removed"]
