@@ -5315,7 +5315,11 @@ def _resume_task_worktree(root, path, branch, start_commit, failure):
                        % (path, branch), hint_taken)
     branch_head = target_head(root, branch)
     if branch_head is None:
-        raise failure                                     # not a question of leftovers
+        if failure is not None:
+            raise failure                                 # not a question of leftovers
+        run_git(root, ["worktree", "add", "-q", "--no-track", "-b", branch, path,
+                       start_commit + "^{commit}"])       # the path is free now
+        return {"path": path, "branch": branch, "base": _commit_id(root, start_commit)}
     start = _commit_id(root, start_commit)
     if not ours and not _is_ancestor(root, branch_head, start):
         raise GitError("branch %s already exists, with commits %s does not have"
@@ -5362,27 +5366,31 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
     and a worktree git refuses to remove because its folder is damaged is deleted and
     pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
     did).  Raises GitError for a path that is not a linked worktree of this repository
-    (its files are left alone) or a branch checked out somewhere else."""
+    or is the worktree of another branch (its files are left alone), or a branch
+    checked out somewhere else."""
     path = os.path.abspath(path)
     removed = branch_deleted = False
-    try:
-        run_git(root, ["worktree", "remove", "--force", "--force", path])
-        removed = True
-    except GitError:
-        entries = _worktree_entries(root)
-        entry = next((e for e in entries if _same_path(e["path"], path)), None)
-        if entry is not None and entry is entries[0]:
+    entries = _worktree_entries(root)
+    entry = next((e for e in entries if _same_path(e["path"], path)), None)
+    if entry is not None:
+        if entry is entries[0]:
             raise GitError("%s is the repository's main checkout, not a task worktree"
-                           % path, "ferrus removes only the worktrees it made") from None
-        if entry is not None:
-            _discard_worktree(root, path)
-            removed = True
-        elif _folder_has_files(path):
-            raise GitError("%s is not a worktree of this repository" % path,
-                           "ferrus deletes only worktrees it made; remove that folder "
-                           "by hand if it is not wanted") from None
-        elif os.path.isdir(path):
-            os.rmdir(path)                 # the empty folder of an interrupted `worktree add`
+                           % path, "ferrus removes only the worktrees it made")
+        if entry["branch"] not in (None, branch):
+            # Someone else's worktree, or a mix-up of records: its work is not ours to drop.
+            raise GitError("%s is the worktree of branch %s, not of %s" % (
+                path, entry["branch"], branch), "ferrus removes only the worktrees it made")
+        try:
+            run_git(root, ["worktree", "remove", "--force", "--force", path])
+        except GitError:
+            _discard_worktree(root, path)         # damaged: git cannot remove it itself
+        removed = True
+    elif _folder_has_files(path):
+        raise GitError("%s is not a worktree of this repository" % path,
+                       "ferrus deletes only worktrees it made; remove that folder by hand "
+                       "if it is not wanted")
+    elif os.path.isdir(path):
+        os.rmdir(path)                     # the empty folder of an interrupted `worktree add`
     if delete_branch:
         try:
             run_git(root, ["branch", "-D", "-q", branch])
@@ -5428,6 +5436,14 @@ def list_task_worktrees(root, branch_prefix):
                "prunable": None, "locked": None, "main": False, "rebasing": False}
               for name, commit in heads.items()]
     return sorted(found, key=lambda row: (row["branch"], row["path"] or ""))
+
+
+def worktree_changes(path, exclude):
+    """The paths with uncommitted changes (untracked files included) in the checkout at
+    ``path``, leaving out ``exclude`` (ferrus's own files) — or GitError."""
+    out = run_git(path, ["status", "--porcelain=v2", "-z", "--ignore-submodules=dirty"]
+                  + _pathspecs(exclude))
+    return _parse_status_v2(out)[2]
 
 
 def target_head(root, branch):
@@ -5883,8 +5899,21 @@ def _checkout_blockers(checkout, old_head, new_head):
         elif entry.startswith(("? ", "! ")):
             local.append(entry[2:])
     touched_set = set(touched)
-    blocking = sorted(p for p in local if p in touched_set or any(
-        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched))
+    blocking = {p for p in local if p in touched_set or any(
+        p.startswith(t + "/") for t in touched) or any(t.startswith(p + "/") for t in touched)}
+    # A file (untracked or ignored) where the update needs a folder, which the status
+    # above, asked only about the paths themselves, does not list.
+    for path in touched:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in touched_set:
+                break
+            full = os.path.join(checkout, *parts[:depth])
+            if os.path.islink(full) or os.path.isfile(full):
+                blocking.add(folder)
+                break
+    blocking = sorted(blocking)
     if not blocking:
         return None
     return FastForward("dirty", old_head, blocking, "your checkout %s has uncommitted changes "
@@ -7437,6 +7466,8 @@ def op_integration_failed(store, caller, notes, **detail):
 # exactly as `ferrus run --task` does; with more, each in its own worktree, with its own
 # STATE.json beside its task.json.
 
+# A parallel task's branch is this + its id (doctor finds leftovers by it).
+TASK_BRANCH_PREFIX = "ferrus/"
 QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
     "queued", "running", "merged", "done", "failed", "cancelled")
 # Statuses of a task that no orchestrator will take up again.
@@ -7608,19 +7639,20 @@ def op_enqueue_ready(store, caller, spec):
                                               ", ".join(queued)), None, queued=queued)
 
 
-def op_cancel_task(store, caller, task):
+def op_cancel_task(store, caller, task, remove_worktree=False):
     """Take a task out of the queue, or stop a running one: it is never taken up again.
-    The orchestrator running it stops its agents and removes its worktree; with none
-    running, `ferrus task cancel` removes it itself (see cancel_worktree)."""
+    The orchestrator running it stops its agents and removes its worktree and branch;
+    with ``remove_worktree`` (no orchestrator will: none runs, or the task is not in its
+    hands, as a failed task's kept worktree is not) they are removed here."""
     task = require_task_id(store, task)
     record = read_task_record(store.dir, task)
     if record.get("status") in (MERGED_STATUS, DONE_STATUS):
         raise FerrusError("task %s is already %s" % (task, record["status"]),
                           "its work is on the target branch; nothing to cancel")
-    if record.get("status") == CANCELLED_STATUS:
-        return _outcome("Task %s was already cancelled." % task, None, task_id=task)
     task_store = store.for_task(task)
-    if task_store.exists():
+    if record.get("status") == CANCELLED_STATUS:
+        text = "Task %s was already cancelled." % task
+    elif task_store.exists():
         with task_store.transaction(caller.agent_id) as tx:
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
@@ -7628,16 +7660,47 @@ def op_cancel_task(store, caller, task):
             record = read_task_record(store.dir, task)
             record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
             write_task_record(store, task, record)
+        text = "Task %s cancelled." % task
     elif record.get("store") == "project":
         data = store.project_state()
         if data.task_id == task and data.state in ACTIVE_STATES:
             op_force_reset(store, caller)
         update_task(store, caller, task, "cancel_task",
                     {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
+        text = "Task %s cancelled." % task
     else:
         update_task(store, caller, task, "cancel_task",
                     {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
-    return _outcome("Task %s cancelled." % task, None, task_id=task)
+        text = "Task %s cancelled." % task
+    removed = {}
+    if remove_worktree:
+        said, removed = _remove_task_leftovers(store, read_task_record(store.dir, task))
+        text += said
+    return _outcome(text, None, task_id=task, removed=removed)
+
+
+def _remove_task_leftovers(store, record):
+    """(text, what was removed) for a cancelled task's worktree and branch."""
+    worktree, branch = record.get("worktree"), record.get("branch")
+    if record.get("store") == "project" or not worktree or not branch:
+        return "", {}
+    try:
+        head = target_head(store.root, branch)
+        done = remove_task_worktree(store.root, worktree, branch)
+    except GitUnavailable:
+        return "", {}
+    except FerrusError as err:
+        return (" Its worktree %s and branch %s stay: %s (`ferrus doctor --fix` removes them "
+                "once that is fixed)." % (worktree, branch, err.message)), {}
+    parts, removed = [], {}
+    if done["removed"]:
+        parts.append("its worktree %s" % worktree)
+        removed["worktree"] = worktree
+    if done["branch_deleted"]:
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
+            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        removed["branch"] = branch
+    return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
 def task_rows(store):
@@ -11715,9 +11778,10 @@ def _stop_process_group(pid, grace=2.0):
             return
 
 
-def stop_orphaned_agents(store):
-    """Stop the agents a dead orchestrator left running and free the leases of their
-    sessions; returns what was done, one line each.
+def stop_orphaned_agents(store, task=None):
+    """Stop the agents a dead orchestrator left running (only parallel task ``task``'s,
+    when given) and free the leases of their sessions; returns what was done, one line
+    each.
 
     HQ's agents cannot be adopted — their output pipes died with their orchestrator, so
     nobody could read what they report — so they are stopped; the task state in
@@ -11729,7 +11793,8 @@ def stop_orphaned_agents(store):
     try:
         registry = json.loads(read_text(path) or "{}")
         entries = [e for e in registry.get("agents") or []
-                   if isinstance(e, dict) and e.get("status") == "running"]
+                   if isinstance(e, dict) and e.get("status") == "running"
+                   and (task is None or session_task(e.get("session")) == task)]
     except (ValueError, OSError, AttributeError) as err:
         return ["could not read %s/agents.json (%s): agents a previous orchestrator started "
                 "may still be running" % (FERRUS_DIR, err)]
@@ -11745,7 +11810,8 @@ def stop_orphaned_agents(store):
     if entries:
         def mark(data):
             for entry in data.get("agents") or []:
-                if isinstance(entry, dict) and entry.get("status") == "running":
+                if isinstance(entry, dict) and entry.get("status") == "running" and (
+                        task is None or session_task(entry.get("session")) == task):
                     entry.update(status="suspended", pid=None)
         with contextlib.suppress(FerrusError):
             with store.lock():
@@ -11753,15 +11819,15 @@ def stop_orphaned_agents(store):
     by_task = {}
     for session in sessions:
         by_task.setdefault(session_task(session), []).append(session)
-    for task, stopped in sorted(by_task.items(), key=lambda item: item[0] or ""):
-        task_store = store if task is None else store.for_task(task)
-        if task is not None and not task_store.exists():
+    for owner, stopped in sorted(by_task.items(), key=lambda item: item[0] or ""):
+        task_store = store if owner is None else store.for_task(owner)
+        if owner is not None and not task_store.exists():
             continue
         with contextlib.suppress(FerrusError):
             released = op_release_sessions(task_store, stopped)
             if released:
                 notes.append("freed the %s lease, held by the stopped %s" % (
-                    "task's" if task is None else "task %s's" % task, released))
+                    "task's" if owner is None else "task %s's" % owner, released))
     return notes
 
 
@@ -12659,6 +12725,16 @@ def read_parallel_run(store):
     return data if isinstance(data, dict) else {}
 
 
+def live_parallel_run(store):
+    """The orchestrator record of the `ferrus run --parallel` working this project now
+    (it holds the orchestrator lock and wrote parallel.json), else None."""
+    holder = running_orchestrator(store)
+    run = read_parallel_run(store)
+    if holder is None or run.get("ended") or holder.get("pid") != run.get("pid"):
+        return None
+    return holder
+
+
 class ParallelRunner:
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
@@ -12866,7 +12942,7 @@ class ParallelRunner:
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
-        branch = record.get("branch") or "ferrus/%s" % task
+        branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
@@ -15107,7 +15183,7 @@ class Finding:
     problem: str
     repair: str
     fix: "object | None" = None     # callable applying the safe repair, if there is one
-    severity: str = "error"          # error | warning
+    severity: str = "error"          # error | warning | info (worth knowing, not wrong)
 
 
 def doctor_findings(root):
@@ -15144,7 +15220,11 @@ def doctor_findings(root):
                 "Idle state whose rev continues the journal", lambda: _rebuild_state(store)))
     findings.extend(_journal_findings(store, data))
     if data is not None:
-        findings.extend(_content_findings(store, data))
+        # While STATE.json mirrors a parallel task, the content files are that task's.
+        mirrored = data.extra.get(PARALLEL_MIRROR_KEY)
+        findings.extend(_content_findings(
+            store.for_task(mirrored) if isinstance(mirrored, str) and _TASK_ID_RE.match(
+                mirrored) else store, data))
     for path, record in orphaned_check_records(store.dir):
         what = ("check `%s` started %s by ferrus pid %s, which is gone" % (
             record.get("command", "?"), record.get("started_at", "?"), record.get("owner_pid"))
@@ -15156,6 +15236,7 @@ def doctor_findings(root):
             lambda: [log.info("%s", m) for m in end_orphaned_checks(store.dir)],
             severity="warning"))
     findings.extend(_record_findings(store))
+    findings.extend(parallel_task_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
     for folder in ("usage", CHECK_PROCESS_DIR):
@@ -15206,6 +15287,241 @@ def _record_findings(store):
                 "keep it as %s.corrupt-<time>" % name,
                 lambda record_path=record_path: _set_aside(record_path), severity="warning"))
     return findings
+
+
+# -- doctor: parallel tasks' records, worktrees and branches -----------------------------
+#
+# A parallel task leaves .ferrus/tasks/<id>/ (task.json, its STATE.json), a worktree under
+# the worktree folder and a branch ferrus/<id>.  The runner removes a merged or cancelled
+# task's worktree and branch and keeps a failed one's; whatever a crash, a deleted record
+# or a hand-made change left beyond that is found here.
+
+def parallel_task_findings(store):
+    """Damaged task records and task states, RUNNING tasks whose worktree is gone,
+    leftover worktrees and branches, and a parallel run that stopped part way."""
+    findings = []
+    records = {}
+    for task in queued_task_ids(store):
+        record, problem = _read_task_json(store, task)
+        records[task] = record
+        if problem:
+            findings.append(Finding(
+                "%s/%s/%s/%s is damaged (%s): the queue cannot tell what became of task %s"
+                % (FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE, problem, task),
+                "keep it as %s.corrupt-<time> and write a new record from what is left (its "
+                "TASK.md, state and worktree)" % TASK_RECORD_FILE,
+                lambda task=task: _rebuild_task_record(store, task), severity="warning"))
+            continue
+        task_store = store.for_task(task)
+        if os.path.isfile(task_store.task_path(STATE_FILE)):
+            try:
+                task_store.read_state()
+            except StateCorrupt as err:
+                findings.append(Finding(
+                    "task %s: %s" % (task, err.message),
+                    "keep it as %s.corrupt-<time>%s" % (STATE_FILE, (
+                        " and mark the task failed (its worktree is kept for a look)"
+                        if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS) else "")),
+                    lambda task=task: _rebuild_task_state(store, task), severity="warning"))
+    findings.extend(_task_worktree_findings(store, records))
+    findings.extend(_parallel_run_findings(store, records))
+    return findings
+
+
+def _read_task_json(store, task):
+    """(record, None) or ({}, what is wrong with it)."""
+    try:
+        record = json.loads(read_text(task_record_path(store.dir, task)))
+    except (OSError, ValueError) as err:
+        return {}, terminal_safe(str(err))[:120]
+    if not isinstance(record, dict):
+        return {}, "not a JSON object"
+    return record, None
+
+
+def _task_branch_rows(store):
+    """(worktree folder, list_task_worktrees rows, problem): the rows are [] without git."""
+    try:
+        parallel = store.config().parallel
+    except FerrusError:
+        parallel = ParallelConfig()
+    try:
+        try:
+            folder = default_worktree_dir(store.root, parallel.worktree_dir)
+        except GitUnavailable:
+            raise
+        except FerrusError:            # a refused worktree_dir: config_findings says why
+            folder = default_worktree_dir(store.root)
+        return folder, list_task_worktrees(store.root, TASK_BRANCH_PREFIX), None
+    except GitUnavailable:
+        return None, [], None
+    except FerrusError as err:
+        return None, [], err.message
+
+
+def _task_worktree_findings(store, records):
+    folder, rows, problem = _task_branch_rows(store)
+    if problem:
+        return [Finding("cannot list the task worktrees: %s" % problem,
+                        "check the repository with `git worktree list`", severity="warning")]
+    findings = []
+    try:
+        single_task_branch = store.config().git.branch_for
+    except FerrusError:
+        single_task_branch = GitConfig().branch_for
+    for row in rows:
+        task = row["branch"][len(TASK_BRANCH_PREFIX):]
+        if row["main"] or not _TASK_ID_RE.match(task):
+            continue                       # the user's own checkout, or not a task's branch
+        record = records.get(task)
+        if task in records and not record:
+            continue                       # a damaged record: reported above
+        path = row["path"]
+        if path is not None and not (
+                _relative_inside(os.path.realpath(path), folder) not in (None, "")
+                or (record and record.get("worktree")
+                    and _same_path(path, record["worktree"]))):
+            continue                       # checked out by hand somewhere else
+        status = record.get("status") if record else None
+        if status in (QUEUED_STATUS, RUNNING_STATUS):
+            continue                       # in the queue's hands (a gone worktree: below)
+        if status == FAILED_STATUS and path is not None and row["exists"]:
+            findings.append(Finding(
+                "task %s failed; its worktree %s (branch %s) is kept for a look"
+                % (task, path, row["branch"]),
+                "`ferrus task cancel %s` removes them" % short_task_id(task), severity="info"))
+            continue
+        if record is None and path is None and single_task_branch(task) == row["branch"]:
+            continue                       # [git] branch made it for a task in the checkout
+        findings.append(_orphan_finding(store, task, row, status, folder))
+    for task, record in records.items():
+        worktree = record.get("worktree")
+        if record.get("status") == RUNNING_STATUS and record.get("store") != "project" and \
+                worktree and not os.path.isdir(worktree):
+            branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+            kept = any(row["branch"] == branch for row in rows)
+            findings.append(Finding(
+                "task %s is running, but its worktree %s is gone: its agents cannot work "
+                "and it cannot be merged" % (task, worktree),
+                "`ferrus task cancel %s` ends it (and deletes its branch)%s" % (
+                    short_task_id(task),
+                    "; to keep its commits, first `git branch keep-%s %s`" % (
+                        short_task_id(task), branch) if kept else "")))
+    return findings
+
+
+def _orphan_finding(store, task, row, status, folder):
+    """A worktree or branch of a task that is merged, cancelled or unknown."""
+    why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
+           CANCELLED_STATUS: "task %s was cancelled" % task}.get(
+        status, "task %s is %s" % (task, status))
+    what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
+            else "branch %s" % row["branch"])
+    if row["path"] and not row["exists"]:
+        what += ", whose folder is gone,"
+    back = " (it was at %s: `git branch %s %s` brings it back)" % (
+        row["head"][:12], row["branch"], row["head"][:12]) if row["head"] else ""
+    path = row["path"] or os.path.join(folder or store.root, task)
+    if status is None and row["path"] and row["exists"]:
+        try:
+            changed = worktree_changes(row["path"], task_diff_exclusions(store))
+        except FerrusError:
+            changed = []
+        if changed:
+            return Finding(
+                "leftover %s: %s, and it has uncommitted changes (%s)" % (
+                    what, why, ", ".join(map(display_path, changed[:5]))),
+                "look at them there; when they are not wanted, `git worktree remove --force "
+                "%s` and `git branch -D %s`" % (row["path"], row["branch"]), severity="warning")
+    return Finding("leftover %s: %s" % (what, why),
+                   "remove %s%s" % ("the worktree and its branch" if row["path"]
+                                    else "the branch", back),
+                   lambda: remove_task_worktree(store.root, path, row["branch"]),
+                   severity="warning")
+
+
+def _parallel_run_findings(store, records):
+    path = store.path(PARALLEL_RUN_FILE)
+    if not os.path.exists(path):
+        return []
+    try:
+        run = json.loads(read_text(path))
+        if not isinstance(run, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return [Finding("%s/%s is damaged (%s): the next parallel run starts from P1 instead "
+                        "of the phase the last one stopped in" % (
+                            FERRUS_DIR, PARALLEL_RUN_FILE, terminal_safe(str(err))[:120]),
+                        "keep it as %s.corrupt-<time>" % PARALLEL_RUN_FILE,
+                        lambda: _set_aside(path), severity="warning")]
+    if run.get("ended") or live_parallel_run(store) is not None:
+        return []
+    where = phase_label(run.get("phase"))
+    pending = [task for task, record in records.items()
+               if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)]
+    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped in %s without finishing" % (
+        FERRUS_DIR, PARALLEL_RUN_FILE, run.get("pid", "?"), run.get("updated_at", "?"), where)
+    if pending:
+        return [Finding(text, "nothing to repair: the next `ferrus run --parallel` goes on "
+                              "from there with the %d task(s) left" % len(pending),
+                        severity="info")]
+    return [Finding(text + "; no task is left for it", "delete it",
+                    lambda: os.unlink(path), severity="info")]
+
+
+def _rebuild_task_record(store, task):
+    """A task.json set aside, and a new one from what is left: the title from TASK.md,
+    the worktree and branch git knows, and a status that loses nothing — queued when
+    nothing ever ran, else failed (its worktree is kept for a look)."""
+    task_store = store.for_task(task)
+    branch = TASK_BRANCH_PREFIX + task
+    _, rows, _ = _task_branch_rows(store)
+    row = next((r for r in rows if r["branch"] == branch and r["path"]), None)
+    started = os.path.isfile(task_store.task_path(STATE_FILE)) or any(
+        r["branch"] == branch for r in rows)
+    with store.lock():
+        path = task_record_path(store.dir, task)
+        record, problem = _read_task_json(store, task)
+        if not problem:
+            return                          # repaired meanwhile
+        description = task_store.read_file("TASK.md")
+        record = {"id": task, "title": task_title(description) or "(unknown: %s was damaged)"
+                  % TASK_RECORD_FILE, "status": QUEUED_STATUS if description and not started
+                  else FAILED_STATUS, "origin": {"by": "doctor"}}
+        if record["status"] == FAILED_STATUS:
+            record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
+            record["ended_at"] = format_timestamp(store.clock())
+        if started:
+            record.update(branch=branch, store="worktree")
+        if row is not None:
+            record["worktree"] = row["path"]
+        _set_aside(path, pretty_json(record))
+
+
+def _rebuild_task_state(store, task):
+    """A task's STATE.json set aside; a task still in the queue's hands is failed (the
+    runner keeps its worktree), with a fresh state saying why."""
+    task_store = store.for_task(task)
+    state_path = task_store.task_path(STATE_FILE)
+    reason = "its %s was damaged; doctor kept it as %s.corrupt-<time>" % (STATE_FILE,
+                                                                         STATE_FILE)
+    with store.lock():
+        try:
+            task_store.read_state()
+            return                          # repaired meanwhile
+        except StateCorrupt:
+            pass
+        now = format_timestamp(store.clock())
+        fresh = StateData(state=S.FAILED, failure_reason=reason, task_id=task,
+                          rev=store.last_journal_seq(), updated_at=now, owner_pid=os.getpid(),
+                          state_entered_at=now)
+        _set_aside(state_path, fresh.to_json())
+    with task_store.transaction("doctor") as tx:
+        tx.set(tx.state, "doctor", note=reason)
+        record = read_task_record(store.dir, task)
+        if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
+            record.update(status=FAILED_STATUS, reason=reason, ended_at=now)
+            write_task_record(store, task, record)
 
 
 def _set_aside(path, replacement=None):
@@ -17067,7 +17383,17 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        say(op_cancel_task(store, caller, args.id).text)
+        task = require_task_id(store, args.id)
+        running = read_task_record(store.dir, task).get("status") == RUNNING_STATUS
+        runner = live_parallel_run(store) if running else None
+        if running and running_orchestrator(store) is None:
+            # A dead orchestrator may have left the task's agents at work in its worktree.
+            for note in stop_orphaned_agents(store, task):
+                say(note)
+        say(op_cancel_task(store, caller, task, remove_worktree=runner is None).text)
+        if runner is not None:
+            say("The running %s stops its agents and removes its worktree and branch."
+                % describe_orchestrator(runner))
         return 0
     sources = [name for name in ("text", "file", "milestone", "ready")
                if getattr(args, name)]
@@ -17211,8 +17537,7 @@ def cmd_doctor(args, root):
         return 0
     remaining = repaired = 0
     for finding in findings:
-        mark = "error" if finding.severity == "error" else "warning"
-        say("%s: %s" % (mark, finding.problem))
+        say("%s: %s" % (finding.severity, finding.problem))
         if args.fix and finding.fix is not None:
             try:
                 finding.fix()
@@ -17227,7 +17552,7 @@ def cmd_doctor(args, root):
             say("  what to do: %s" % finding.repair)
         if finding.severity == "error":
             remaining += 1
-    warnings = sum(1 for finding in findings if finding.severity != "error")
+    warnings = sum(1 for finding in findings if finding.severity == "warning")
     if args.fix:
         # Fixes can reveal or resolve others; report what is still wrong.
         left = [f for f in doctor_findings(root) if f.severity == "error"]
@@ -17241,7 +17566,8 @@ def cmd_doctor(args, root):
             say("ferrus doctor: there was no error to repair (%d warning(s) above)." % warnings)
         return 1 if left else 0
     if not remaining:
-        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings)
+        say("ferrus doctor: everything is consistent, with %d warning(s) above." % warnings
+            if warnings else "ferrus doctor: everything is consistent (see the notes above).")
     return 1 if remaining else 0
 
 

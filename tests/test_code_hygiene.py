@@ -11,8 +11,9 @@ FERRUS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 # Names other programs call although ferrus.py itself does not.
 CALLED_FROM_OUTSIDE = {
     "BuildBackend",     # pyproject.toml's build-backend: pip calls its hooks
-    # The parallel runner's phase machine and dispatch gates, until that runner calls them.
-    "PhaseMachine", "DispatchRecord", "run_dispatch_gates",
+    # Git's worktree and integration plumbing for parallel tasks, until that runner calls it.
+    "default_worktree_dir", "create_task_worktree", "remove_task_worktree",
+    "list_task_worktrees", "prepare_integration", "fast_forward_target",
 }
 
 

@@ -4,8 +4,10 @@ Every test builds a real git repository in a temporary folder (git is required).
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -287,6 +289,16 @@ def test_remove_leaves_folders_that_are_not_worktrees_and_the_main_checkout(repo
         ferrus.remove_task_worktree(repo, repo, "main")
     assert "main checkout" in caught.value.message
     assert os.path.exists(os.path.join(repo, "app.py")) and "main" in branches(repo)
+
+
+def test_remove_leaves_the_worktree_of_another_branch(repo, wt_dir, tmp_path):
+    theirs = str(tmp_path / "users-own-worktree")
+    git(repo, "worktree", "add", "-q", "-b", "feature", theirs)
+    write(theirs, "draft.txt", "uncommitted work\n")
+    with pytest.raises(ferrus.GitError) as caught:
+        ferrus.remove_task_worktree(repo, theirs, "ferrus/t-1")
+    assert "worktree of branch feature, not of ferrus/t-1" in caught.value.message
+    assert os.path.exists(os.path.join(theirs, "draft.txt")) and "feature" in branches(repo)
 
 
 def test_remove_will_not_delete_a_branch_checked_out_in_the_users_checkout(repo, wt_dir):
@@ -583,6 +595,42 @@ def test_a_rebase_left_by_a_killed_integration_is_undone_first(repo, task):
     assert in_progress(task) is None and git(task, "status", "--porcelain").stdout == ""
 
 
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="needs process groups")
+def test_sigkill_in_the_middle_of_a_rebase_then_integrate_again(repo, task, tmp_path):
+    flag, ready = str(tmp_path / "stall-once"), str(tmp_path / "stalled")
+    open(flag, "w").close()
+    hook = os.path.join(repo, ".git", "hooks", "prepare-commit-msg")
+    # Runs for each commit the rebase replays: the first time, it stalls there.
+    write(os.path.dirname(hook), "prepare-commit-msg",
+          '#!/bin/sh\nif [ -d "$(git rev-parse --git-dir)/rebase-merge" ] && [ -f "%s" ]; '
+          'then rm -f "%s"; : > "%s"; sleep 60; fi\n' % (flag, flag, ready))
+    os.chmod(hook, 0o755)
+    write(task, "feature.py", "x = 1\n")
+    write(repo, "other.py", "z = 3\n")
+    target = commit_all(repo, "main moves")
+    runner = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, %r); import ferrus; "
+         "ferrus.prepare_integration(%r, 'main', 'rebase', 't-1', ferrus.diff_exclusions())"
+         % (os.path.dirname(os.path.abspath(ferrus.__file__)), task)],
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and runner.poll() is None:
+            assert time.monotonic() < deadline, "the rebase never reached the hook"
+            time.sleep(0.02)
+        assert runner.poll() is None
+    finally:
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait()
+    assert in_progress(task) == "rebase"                      # killed half way
+    assert rev(repo) == target
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert result.status == "ready" and result.target_head == target
+    assert in_progress(task) is None and git(task, "status", "--porcelain").stdout == ""
+    assert files_at(task, "HEAD") == [".gitignore", "app.py", "feature.py", "other.py"]
+    assert ferrus.fast_forward_target(repo, "main", target, result.head).status == "done"
+
+
 def test_a_rebase_ferrus_did_not_start_is_left_alone(repo, task):
     edit_the_same_line(repo, task)
     commit_all(task, "task")
@@ -656,6 +704,15 @@ def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, t
     assert ferrus.fast_forward_target(repo, "main", old, result.head).status == "done"
 
 
+def test_a_file_where_the_task_makes_a_folder_waits_too(repo, task):
+    write(task, "docs/guide.md", "# Guide\n")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    write(repo, "docs", "my notes, in a file called docs\n")
+    dirty = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
+    assert (dirty.status, dirty.files) == ("dirty", ["docs"])
+    assert open(os.path.join(repo, "docs")).read() == "my notes, in a file called docs\n"
+
+
 def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task):
     write(task, "feature.py", "x = 1\n")
     result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
@@ -710,3 +767,21 @@ def test_only_a_fast_forward_is_allowed(repo, task):
     with pytest.raises(ferrus.GitError) as caught:
         ferrus.fast_forward_target(repo, "main", old, side)
     assert "not a fast-forward" in caught.value.message and rev(repo) == old
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a shell-script git wrapper")
+def test_a_git_older_than_2_36_lists_worktrees_without_nul(repo, wt_dir, tmp_path,
+                                                            monkeypatch):
+    real = shutil.which("git")
+    bin_dir = tmp_path / "old-git"
+    write(str(bin_dir), "git", '#!/bin/sh\nfor arg in "$@"; do\n  if [ "$arg" = "-z" ] && '
+          'echo "$*" | grep -q "worktree list"; then\n    echo "error: unknown switch '
+          '\\`z\'" >&2; exit 129\n  fi\ndone\nexec "%s" "$@"\n' % real)
+    os.chmod(str(bin_dir / "git"), 0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setattr(ferrus, "_WORKTREE_LIST_NUL", [])
+    path = os.path.join(wt_dir, "t-1")
+    ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
+    assert [r["path"] for r in ferrus.list_task_worktrees(repo, "ferrus/")] == [path]
+    assert ferrus._WORKTREE_LIST_NUL == [False]
+    assert ferrus.remove_task_worktree(repo, path, "ferrus/t-1")["removed"]

@@ -1,0 +1,153 @@
+"""`ferrus task cancel` on parallel tasks, with real git repositories: with no
+orchestrator it removes the task's worktree and branch itself (a failed task's kept one
+too) and stops the agents a dead orchestrator left at work on it; with a running
+`ferrus run --parallel` the runner does it, and a cancel from another shell reaches it."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ferrus
+from conftest import SCRIPTED_AGENT, custom_agent_config, set_config
+from test_parallel_doctor import branches, cli, git, set_status, start_task
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+S = ferrus.TaskState
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository with ferrus initialised, the scripted agent in both roles (each
+    session of it stays at work a while), everything committed on main."""
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv("GIT_%s_NAME" % name, "t")
+        monkeypatch.setenv("GIT_%s_EMAIL" % name, "t@example.com")
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "slow-executor")
+    git(root, "init", "-q")
+    ferrus.init_project(str(root), report=lambda m: None)
+    set_config(root, '[checks]\ncommands = ["true"]\n\n[limits]\nwait_timeout_secs = 5\n'
+               + custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
+                                                  "{mcp_config}"]))
+    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
+                                       "executor": ("scripted", None)}, report=lambda m: None)
+    with open(os.path.join(str(root), "README.md"), "w") as handle:
+        handle.write("hello\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "start")
+    return str(root)
+
+
+def test_cancel_with_no_orchestrator_removes_the_worktree_and_branch(repo):
+    store = ferrus.Store(repo)
+    task, path, branch = start_task(store)
+    head = ferrus.target_head(repo, branch)
+    out = cli(repo, "task", "cancel", ferrus.short_task_id(task))
+    assert out.returncode == 0, out.stderr
+    assert "Task %s cancelled. Removed its worktree %s and its branch %s" % (
+        task, path, branch) in out.stdout
+    assert "`git branch %s %s` brings it back" % (branch, head[:12]) in out.stdout
+    assert not os.path.exists(path) and branch not in branches(repo)
+    assert ferrus.read_task_record(store.dir, task)["status"] == "cancelled"
+    assert store.for_task(task).read_state().state == S.IDLE
+
+
+def test_cancel_removes_a_failed_tasks_kept_worktree_even_while_a_run_goes_on(repo):
+    store = ferrus.Store(repo)
+    failed, failed_path, failed_branch = start_task(store, "Failed one.")
+    set_status(store, failed, "failed")
+    running, running_path, running_branch = start_task(store, "Running one.")
+    with ferrus.OrchestratorLock(store, "ferrus run"):
+        ferrus.atomic_write(store.path("parallel.json"), json.dumps(
+            {"phase": 4, "pid": os.getpid(), "ended": False}))
+        # the failed task is in nobody's hands: cancel removes its worktree itself
+        out = cli(repo, "task", "cancel", failed).stdout
+        assert "Removed its worktree %s" % failed_path in out
+        assert not os.path.exists(failed_path) and failed_branch not in branches(repo)
+        # the running one is the run's to stop: cancel leaves its worktree to it
+        out = cli(repo, "task", "cancel", running).stdout
+        assert "Task %s cancelled." % running in out and "Removed" not in out
+        assert "The running ferrus run (pid %d" % os.getpid() in out
+        assert "stops its agents and removes its worktree and branch" in out
+        assert os.path.isdir(running_path)
+    # the run is gone and left it: cancelling again cleans up
+    out = cli(repo, "task", "cancel", running).stdout
+    assert "was already cancelled. Removed its worktree %s" % running_path in out
+    assert sorted(branches(repo)) == ["main"]
+
+
+def test_cancel_stops_the_agents_a_dead_orchestrator_left_on_that_task_only(repo):
+    store = ferrus.Store(repo)
+    task, path, branch = start_task(store, "Mine.")
+    other, _, _ = start_task(store, "Another.")
+    agents = []
+    for owner in (task, other):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+        agents.append(proc)
+        with store.lock():
+            ferrus.edit_json_file(store.path("agents.json"), lambda data, proc=proc, owner=owner:
+                                  data.setdefault("agents", []).append({
+                                      "name": "executor", "pid": proc.pid, "status": "running",
+                                      "session": ferrus.session_id_for_task(owner)}))
+    try:
+        out = cli(repo, "task", "cancel", task)
+        assert out.returncode == 0, out.stderr
+        assert "stopped the executor (pid %d)" % agents[0].pid in out.stdout
+        assert agents[0].wait(timeout=30) is not None
+        assert agents[1].poll() is None                 # another task's agent is not touched
+        entries = json.loads(open(store.path("agents.json")).read())["agents"]
+        assert [e["status"] for e in entries] == ["suspended", "running"]
+    finally:
+        for proc in agents:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def step_until(runner, condition, what, limit=120.0):
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "gave up waiting for " + what
+        runner.step()
+        time.sleep(0.02)
+
+
+def test_a_cancel_from_another_shell_reaches_the_running_parallel_run(repo):
+    store = ferrus.Store(repo)
+    task = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Take your time.").data["task_id"]
+    lines = []
+    with ferrus.OrchestratorLock(store, "ferrus run"):
+        runner = ferrus.ParallelRunner(store, lambda message: lines.append(message.text), 2)
+        try:
+            runner.start()
+            # the executor is at work in the task's worktree (it holds the task's lease)
+            step_until(runner, lambda: task in runner.controllers and
+                       runner.controllers[task].store.read_state().claimed_by,
+                       "the executor to claim the task")
+            agent = runner.controllers[task].running()[0].process
+            record = ferrus.read_task_record(store.dir, task)
+            assert os.path.isdir(record["worktree"])
+            out = cli(repo, "task", "cancel", ferrus.short_task_id(task))
+            assert out.returncode == 0, out.stderr
+            assert "stops its agents and removes its worktree" in out.stdout
+            step_until(runner, lambda: task not in runner.controllers, "the run to end the task")
+            assert runner.ended[task] == "cancelled"
+        finally:
+            runner.shutdown()
+    assert not os.path.exists(record["worktree"])
+    assert record["branch"] not in branches(repo)
+    assert agent.proc.poll() is not None                # its agent was stopped
+    assert any("task %s cancelled" % ferrus.short_task_id(task) in line for line in lines)
+    assert ferrus.read_task_record(store.dir, task)["status"] == "cancelled"
