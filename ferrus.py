@@ -3806,7 +3806,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
     handle = CappedLog(result.log_path_abs, max_log_bytes)
     record = CheckProcessRecord(
         process_dir or os.path.join(os.path.dirname(os.path.abspath(log_dir)), CHECK_PROCESS_DIR),
-        os.path.basename(result.log_path_abs)[:-len(".log")], result.command)
+        os.path.basename(result.log_path_abs)[:-len(".log")], result.command, root)
     try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
@@ -4084,7 +4084,7 @@ def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, g
 class CheckProcessRecord:
     """The pid file of one running check command, and how to end its processes."""
 
-    def __init__(self, directory, check_id, command):
+    def __init__(self, directory, check_id, command, cwd=None):
         self.path = os.path.join(directory, check_id + ".json")
         self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
@@ -4092,6 +4092,9 @@ class CheckProcessRecord:
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
                      "owner_pid": os.getpid(), "owner_start": _own_start(),
                      "started_at": format_timestamp(utc_now())}
+        if cwd is not None:
+            # Whose check it is: parallel tasks run theirs in their own worktrees.
+            self.data["cwd"] = os.path.abspath(cwd)
         with _ACTIVE_CHECKS_LOCK:
             _ACTIVE_CHECKS.add(self)
         self._save(directory)
@@ -7554,6 +7557,31 @@ def _milestone_taken(store, spec, milestone):
     return None
 
 
+def new_queued_task_folder(store):
+    """Create the folder of a new queued task and return its id.  The queue's order is
+    its ids' order, so the id sorts after every task made before it — also within the
+    same second, where a random suffix alone would put them in any order.  Taken under
+    the store's lock, so two processes queueing at once get distinct, ordered ids."""
+    tasks_dir = store.path(TASKS_DIR)
+    with store.lock():
+        while True:
+            stamp = "t-" + utc_now().strftime("%Y%m%dT%H%M%S") + "-"
+            try:
+                names = os.listdir(tasks_dir)
+            except (FileNotFoundError, NotADirectoryError):
+                names = []
+            last = max((int(name[len(stamp):], 16) for name in names
+                        if name.startswith(stamp) and _TASK_ID_RE.match(name)), default=-1)
+            if last < 0xffffff:
+                # Still a random part (ids stay hard to guess), above every earlier one.
+                low = last + 1
+                high = min(0xffffff, low + 0xfff)
+                task = "%s%06x" % (stamp, low + int(random_hex(2), 16) % (high - low + 1))
+                os.makedirs(os.path.join(tasks_dir, task))
+                return task
+            time.sleep(0.05)     # the second's ids are used up: the next second has room
+
+
 def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent=None):
     """Put a task in the queue.  ``spec`` and ``milestone`` name the milestone it
     implements; ``agent`` the executor agent that should take it (a supervisor that
@@ -7572,7 +7600,7 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
             raise FerrusError("Cannot queue the task: milestone %s of %s is already task %s"
                               % (milestone, spec, taken), "`ferrus tasks` lists the queue")
     store.require()
-    task = new_id("t")
+    task = new_queued_task_folder(store)
     origin = {"by": caller.agent_id}
     if spec is not None:
         origin["spec"] = spec
@@ -7586,9 +7614,7 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
               "created_at": format_timestamp(store.clock()), "origin": origin}
     if agent is not None:
         record["agent"] = agent
-    folder = store.path(TASKS_DIR, task)
-    os.makedirs(folder, exist_ok=True)
-    atomic_write(os.path.join(folder, "TASK.md"), description)
+    atomic_write(store.path(TASKS_DIR, task, "TASK.md"), description)
     update_task(store, caller, task, "enqueue_task", record, title=record["title"],
                 **{key: value for key, value in origin.items() if key != "by"})
     return _outcome("Task %s queued: %s" % (task, record["title"]), None, task_id=task,
@@ -11387,9 +11413,12 @@ def check_log_tail(store, log_path, count=8, chunk=16384):
 
 
 def running_check_commands(store):
-    """{check id: command} of the check commands running right now, from their pid
-    files in .ferrus/check-processes/ (whoever started them)."""
+    """{check id: command} of the check commands running right now for ``store``'s task,
+    from their pid files in .ferrus/check-processes/ (whoever started them): those run
+    in its working folder, so a parallel task never shows another task's checks (a pid
+    file that names no folder counts for every task)."""
     directory = store.path(CHECK_PROCESS_DIR)
+    workdir = os.path.normcase(os.path.abspath(store.workdir))
     running = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
@@ -11397,6 +11426,9 @@ def running_check_commands(store):
                 continue
             with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
                 record = json.loads(read_text(os.path.join(directory, name)))
+                cwd = record.get("cwd")
+                if isinstance(cwd, str) and os.path.normcase(cwd) != workdir:
+                    continue
                 running[name[:-5]] = str(record["command"])
     return running
 
