@@ -12934,8 +12934,10 @@ class ParallelRunner:
         interrupted = previous.get("phase") if not previous.get("ended") else None
         if isinstance(interrupted, int) and 1 <= interrupted <= 7:
             self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
-            self.dispatched = [DispatchRecord(**r) for r in previous.get("dispatch") or []
-                               if isinstance(r, dict)]
+            self.dispatched = []
+            for saved in previous.get("dispatch") or []:
+                with contextlib.suppress(TypeError):     # a damaged record: dispatch again
+                    self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
             self.note("the previous run stopped in %s; going on from there"
                       % phase_label(interrupted))
@@ -13036,9 +13038,10 @@ class ParallelRunner:
                 if self._prepare_task(task):
                     self.batch.append(task)
         for task in self.batch:
-            if task in self.controllers:
+            if any(record.task_id == task for record in self.dispatched):
                 continue
-            controller = self._adopt(task)
+            # A task a crashed run dispatched was taken up again at start-up.
+            controller = self.controllers.get(task) or self._adopt(task)
             if controller is None:
                 continue
             choice = controller.agent_choice("executor")
@@ -13055,7 +13058,7 @@ class ParallelRunner:
 
     def _run_dispatch_gates(self):
         """Coverage, batch size and delegation before P4 (see 'Dispatch gates'): a task a
-        gate refuses is failed (delegation) or goes back to the queue (batch size)."""
+        gate refuses is failed (delegation) or goes back to the queue (coverage, batch)."""
         records = {task: record for task, record in task_records(self.store)}
         allowed = list(self.parallel.delegates)
         if not allowed:
@@ -13078,10 +13081,12 @@ class ParallelRunner:
                     if task in self.batch:
                         self.batch.remove(task)
                     self.dispatched = [r for r in self.dispatched if r.task_id != task]
-                    if refused.gate == "batch":
+                    if refused.gate in ("batch", "coverage"):
+                        # Not dispatched (or one too many): back to the queue, to be
+                        # chosen again when a slot is free.
                         self._stop_controller(task)
                         update_task(self.store, ORCHESTRATOR, task, "requeue_task",
-                                    {"status": QUEUED_STATUS}, reason="batch size")
+                                    {"status": QUEUED_STATUS}, reason=refused.gate)
                     else:
                         self._end_task(task, FAILED_STATUS, "dispatch gate %s: %s" % (
                             refused.gate, refused.message))
@@ -13265,7 +13270,7 @@ class ParallelRunner:
             short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
                                   "checks": "the checks fail on the merged result"}.get(
                 detail.get("cause"), "its integration failed")),
-            "warning", task_id=task, state=outcome.state)
+            "warning", task_id=task, state=outcome.data["state"])
 
     def _merged(self, task, head):
         self.tasks_completed += 1
@@ -13324,7 +13329,7 @@ class ParallelRunner:
 
     def _cleanup(self):
         with contextlib.suppress(FerrusError):
-            prune_worktrees(self.store.root)
+            run_git(self.store.root, ["worktree", "prune"])
         if self.queued():
             self.advance(1)
             return
@@ -17777,7 +17782,12 @@ def cmd_run(args, root):
     if args.parallel is not None and not 1 <= args.parallel <= 64:
         raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
                          % args.parallel, "ferrus run --parallel 3")
-    parallel = args.parallel or store.config().parallel.max_tasks
+    parallel = args.parallel
+    if parallel is None:
+        # A ferrus.toml that does not load is reported by the run itself, as ever.
+        with contextlib.suppress(FerrusError):
+            parallel = store.config().parallel.max_tasks
+    parallel = parallel or 1
     if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "

@@ -1,0 +1,343 @@
+"""Parallel tasks end to end with scripted agents and real git repositories: the queue
+worked N at a time, each task in its own worktree and branch, integrated through the merge
+queue only when the checks pass on the merged result (ferrus run --parallel N)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ferrus
+from conftest import custom_agent_config, set_config, SCRIPTED_AGENT
+
+S = ferrus.TaskState
+
+
+def git(root, *args, check=True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
+                          env=env, capture_output=True, text=True, check=check)
+
+
+def parallel_config(checks, extra=""):
+    return ("[checks]\ncommands = %s\n\n[limits]\nwait_timeout_secs = 5\n"
+            "max_review_cycles = 3\n\n" % json.dumps(checks) + extra +
+            custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
+                                             "{mcp_config}"]))
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository with ferrus initialised, the scripted agent in both roles, and
+    everything committed on main (the user's checkout, clean)."""
+    root = tmp_path / "project"
+    root.mkdir()
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@example.com")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@example.com")
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    git(root, "init", "-q")
+    ferrus.init_project(str(root), report=lambda m: None)
+    return root
+
+
+def setup(root, checks, extra=""):
+    set_config(root, parallel_config(checks, extra))
+    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
+                                       "executor": ("scripted", None)}, report=lambda m: None)
+    with open(os.path.join(str(root), "README.md"), "w") as handle:
+        handle.write("hello\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "start")
+    return ferrus.Store(str(root))
+
+
+def run(store, n, timeout=240, **kwargs):
+    lines = []
+    code = ferrus.run_parallel(store, n, timeout=timeout, out=lines.append, **kwargs)
+    return code, lines
+
+
+def enqueue(store, text):
+    return ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
+
+
+def committed(root, rev="main"):
+    return sorted(git(root, "ls-tree", "-r", "--name-only", rev).stdout.split())
+
+
+def statuses(store):
+    return {row["id"]: row["status"] for row in ferrus.task_rows(store)}
+
+
+def test_three_tasks_in_parallel_are_all_integrated_with_the_checks_green(repo):
+    store = setup(repo, ["test -f README.md"])
+    tasks = [enqueue(store, "Add %s.\n\nWRITE %s.txt: %s\n" % (name, name, name))
+             for name in ("alpha", "beta", "gamma")]
+    code, lines = run(store, 3)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged" for task in tasks}
+    files = committed(repo)
+    for name in ("alpha", "beta", "gamma"):
+        assert "%s.txt" % name in files
+        assert open(os.path.join(str(repo), "%s.txt" % name)).read() == name + "\n"
+    # the user's checkout followed the target, and is clean
+    assert git(repo, "status", "--porcelain", "--untracked-files=no").stdout == ""
+    # every worktree and branch of a merged task is gone
+    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b]
+    for task in tasks:
+        record = ferrus.read_task_record(store.dir, task)
+        assert not os.path.exists(record["worktree"])
+        assert store.for_task(task).read_state().state == S.COMPLETE
+    text = "\n".join(lines)
+    # per-task lines carry the task's short id; the three ran at once
+    for task in tasks:
+        assert "[%s]" % ferrus.short_task_id(task) in text
+    entries = store.read_journal()
+    assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+    phases = [e["detail"]["phase"] for e in entries if e["event"] == "phase"]
+    assert phases[:4] == [1, 2, 3, 4] and phases[-2:] == [6, 7]
+    for entry in entries:
+        if entry["event"] == "phase":
+            for field in ("tier", "action", "tool_calls", "turns", "tasks_completed",
+                          "context_tokens_used", "context_tokens_max"):
+                assert field in entry["detail"]
+    # three executors ran at the same time: each started before any task was approved
+    first_approve = min(e["seq"] for e in entries if e["event"] == "approve")
+    creates = [e for e in entries if e["event"] == "create_task"]
+    assert len(creates) == 3 and all(e["seq"] < first_approve for e in creates)
+
+
+def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrates(repo):
+    store = setup(repo, ["test -f README.md"])
+    first = enqueue(store, "Greeting one.\n\nWRITE greeting.txt: hello from one\n")
+    second = enqueue(store, "Greeting two.\n\nWRITE greeting.txt: hello from two\n")
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {first: "merged", second: "merged"}
+    entries = store.read_journal()
+    failed = [e for e in entries if e["event"] == "integration_failed"]
+    assert len(failed) == 1 and failed[0]["detail"]["cause"] == "conflict"
+    assert failed[0]["to"] == "Addressing" and "greeting.txt" in failed[0]["detail"]["files"]
+    loser = failed[0]["task_id"]
+    assert "conflicts with" in "\n".join(lines)
+    # the loser's executor was told the cause; its side won the scripted resolution
+    assert store.for_task(loser).read_state().review_cycles == 1
+    assert open(os.path.join(str(repo), "greeting.txt")).read() == \
+        "hello from %s\n" % ("one" if loser == first else "two")
+
+
+def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back(repo):
+    # The check fails when both files exist: each task alone passes it.
+    store = setup(repo, ["test ! -f left.txt || test ! -f right.txt"])
+    left = enqueue(store, "Left.\n\nWRITE left.txt: left\n")
+    right = enqueue(store, "Right.\n\nWRITE right.txt: right\n")
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_FAILED, "\n".join(lines)
+    result = statuses(store)
+    merged = [t for t, s in result.items() if s == "merged"]
+    failed = [t for t, s in result.items() if s == "failed"]
+    assert len(merged) == 1 and len(failed) == 1
+    entries = store.read_journal()
+    causes = [e["detail"]["cause"] for e in entries if e["event"] == "integration_failed"]
+    assert causes and set(causes) == {"checks"}
+    # the target never went red: exactly one of the files is on it
+    files = committed(repo)
+    assert ("left.txt" in files) != ("right.txt" in files)
+    # the failed task's worktree is kept for a look
+    record = ferrus.read_task_record(store.dir, failed[0])
+    assert os.path.isdir(record["worktree"])
+
+
+def test_max_tasks_one_queue_in_parallel_mode_takes_one_at_a_time(repo):
+    store = setup(repo, ["test -f README.md"])
+    tasks = [enqueue(store, "Task %d.\n\nWRITE f%d.txt: %d\n" % (i, i, i)) for i in range(2)]
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE
+    assert all(status == "merged" for status in statuses(store).values())
+
+
+# -- dispatch gates in a run ---------------------------------------------------------------
+
+def test_a_task_split_off_by_a_team_lead_to_an_agent_the_topology_refuses_fails(repo):
+    store = setup(repo, ["test -f README.md"], '[parallel]\ndelegates = ["scripted"]\n\n')
+    lead = ferrus.Caller("supervisor", "supervisor:scripted:0/s-lead")
+    ok = ferrus.op_enqueue_task(store, lead, "Fine.\n\nWRITE ok.txt: ok\n").data["task_id"]
+    refused = ferrus.op_enqueue_task(store, lead, "Elsewhere.\n\nWRITE no.txt: no\n",
+                                     agent="codex").data["task_id"]
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_FAILED
+    assert statuses(store) == {ok: "merged", refused: "failed"}
+    record = ferrus.read_task_record(store.dir, refused)
+    assert "dispatch gate delegation" in record["reason"] and "codex" in record["reason"]
+    gates = [e for e in store.read_journal() if e["event"] == "dispatch_gate"]
+    assert gates[0]["detail"]["gate"] == "delegation" and gates[0]["detail"]["tasks"] == [refused]
+    assert "no.txt" not in committed(repo)
+
+
+def crash_state(store, phase, batch, dispatched=()):
+    """.ferrus/parallel.json as a run killed in ``phase`` leaves it."""
+    ferrus.atomic_write(store.path(ferrus.PARALLEL_RUN_FILE), json.dumps({
+        "phase": phase, "target": "main", "batch": list(batch),
+        "dispatch": [dict(task_id=t, role="executor", agent="scripted", session_id="")
+                     for t in dispatched], "ended": False, "pid": 1}))
+
+
+def test_a_batch_larger_than_the_run_allows_sends_the_rest_back_to_the_queue(repo):
+    store = setup(repo, ["test -f README.md"])
+    tasks = [enqueue(store, "T%d.\n\nWRITE t%d.txt: %d\n" % (i, i, i)) for i in range(3)]
+    # A run with 3 slots was killed after it prepared its batch; this one has 2 slots.
+    runner = ferrus.ParallelRunner(store, lambda m: None, 3)
+    runner.start()
+    runner.step()          # P1: the batch of 3
+    runner.step()          # P2: prepared
+    crash_state(store, 3, tasks)
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert all(status == "merged" for status in statuses(store).values())
+    gates = [e["detail"] for e in store.read_journal() if e["event"] == "dispatch_gate"]
+    assert gates and gates[0]["gate"] == "batch" and gates[0]["tasks"] == tasks[2:]
+    requeued = [e["task_id"] for e in store.read_journal() if e["event"] == "requeue_task"]
+    assert requeued == tasks[2:]
+
+
+def test_a_task_chosen_but_never_prepared_is_not_dispatched_and_goes_back_to_the_queue(repo):
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    crash_state(store, 3, [task])          # chosen, but its worktree was never made
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    gates = [e["detail"] for e in store.read_journal() if e["event"] == "dispatch_gate"]
+    assert gates[0]["gate"] == "coverage" and gates[0]["tasks"] == [task]
+    assert statuses(store) == {task: "merged"}
+
+
+# -- restart safety ------------------------------------------------------------------------
+
+def phases_of(store):
+    return [(e["detail"]["from_phase"], e["detail"]["phase"]) for e in store.read_journal()
+            if e["event"] == "phase"]
+
+
+def test_after_a_crash_P0_goes_only_to_the_interrupted_phase(repo):
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    runner = ferrus.ParallelRunner(store, lambda m: None, 2)
+    runner.start()
+    runner.step()          # P1 → P2
+    runner.step()          # P2 → P3: prepared, not dispatched
+    assert runner.machine.phase == 3
+    del runner             # killed here: nothing shut down
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    moves = phases_of(store)
+    resumed = moves.index((0, 3))
+    assert (0, 1) not in moves[resumed:]
+    assert statuses(store) == {task: "merged"}
+    # the machine itself refuses any other way out of P0 after a crash
+    machine = ferrus.PhaseMachine.resumed({"phase": 5})
+    with pytest.raises(ferrus.InvalidPhaseTransition):
+        machine.transition(1, ferrus.Signals(), ferrus.CapacityConfig())
+
+
+def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    runner = ferrus.ParallelRunner(store, lambda m: None, 1)
+    runner.start()
+    # run until the target moved, then "crash" before the task is told
+    real = ferrus.op_integrated
+    import threading
+    crashed = threading.Event()
+
+    def crash(*args, **kwargs):
+        crashed.set()
+        raise KeyboardInterrupt("killed")
+    ferrus.op_integrated = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(3000):
+                runner.step()
+                import time
+                time.sleep(0.01)
+    finally:
+        ferrus.op_integrated = real
+        for controller in runner.controllers.values():
+            controller.shutdown()
+    assert crashed.is_set()
+    head = git(repo, "rev-parse", "main").stdout.strip()
+    assert store.for_task(task).read_state().state == S.INTEGRATING
+    code, lines = run(store, 1)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert git(repo, "rev-parse", "main").stdout.strip() == head     # not merged again
+    assert statuses(store) == {task: "merged"}
+    assert git(repo, "log", "--oneline", "main").stdout.count("T.") == 1
+
+
+def run_cli_until(repo, event_test, env_extra=None, timeout=120):
+    """Start `ferrus run --parallel 2` and SIGKILL it (and only it) once the journal
+    holds an entry ``event_test`` accepts."""
+    import signal
+    import time
+    env = dict(os.environ, **(env_extra or {}))
+    proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "run", "--parallel", "2"],
+                            cwd=str(repo), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    store = ferrus.Store(str(repo))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if any(event_test(e) for e in store.read_journal(limit=400)):
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                return
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.02)
+        raise AssertionError("the run never reached the point to kill it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+
+
+def assert_all_merged_and_tidy(repo, store, tasks):
+    assert statuses(store) == {task: "merged" for task in tasks}
+    files = committed(repo)
+    for task in tasks:
+        assert store.for_task(task).read_state().state == S.COMPLETE
+    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b]
+    listed = git(repo, "worktree", "list", "--porcelain").stdout
+    assert listed.count("worktree ") == 1, listed
+    return files
+
+
+@pytest.mark.parametrize("point", ["collect", "integrate"])
+def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
+    checks = ["sleep 1", "test -f README.md"] if point == "integrate" else ["test -f README.md"]
+    store = setup(repo, checks)
+    tasks = [enqueue(store, "T%d.\n\nWRITE k%d.txt: %d\n" % (i, i, i)) for i in range(2)]
+    if point == "collect":
+        def reached(entry):
+            return entry["event"] == "phase" and entry["detail"]["phase"] == 4
+    else:
+        def reached(entry):      # the candidate is checked, the target not yet moved
+            return entry["event"] == "integration_ready"
+    run_cli_until(repo, reached)
+    before = git(repo, "rev-parse", "main").stdout.strip()
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    files = assert_all_merged_and_tidy(repo, store, tasks)
+    assert "k0.txt" in files and "k1.txt" in files
+    # the dead run's agents were stopped before anything started again
+    assert any("previous" in line or "resuming" in line for line in lines), "\n".join(lines)
+    moves = phases_of(store)
+    assert (0, 4 if point == "collect" else 5) in moves
+    # the target only moved forward, to checked merges
+    assert git(repo, "merge-base", "--is-ancestor", before, "main", check=False).returncode == 0
