@@ -7581,10 +7581,14 @@ def write_task_record(store, task, record):
     atomic_write(task_record_path(store.dir, task), pretty_json(record))
 
 
-def update_task(store, caller, task, event, changes, **detail):
-    """Change a task's task.json and journal ``event`` about it, in one transaction."""
+def update_task(store, caller, task, event, changes, only_from=None, **detail):
+    """Change a task's task.json and journal ``event`` about it, in one transaction.
+    With ``only_from`` (statuses) a task whose status is none of them is left as it is
+    (None is returned): a cancel from another shell may have come first."""
     with store.transaction(caller.agent_id) as tx:
         record = read_task_record(store.dir, task)
+        if only_from is not None and record.get("status") not in only_from:
+            return None
         record.update(changes)
         write_task_record(store, task, record)
         tx.set(tx.state, event, **detail)
@@ -12998,11 +13002,14 @@ class ParallelRunner:
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
-            update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                "status": RUNNING_STATUS, "worktree": path, "branch": branch, "base": start,
-                "target": self.target, "store": "worktree",
-                "started_at": record.get("started_at") or format_timestamp(self.store.clock())},
-                worktree=path, branch=branch, base=start[:12])
+            if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
+                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "base": start, "target": self.target, "store": "worktree",
+                    "started_at": record.get("started_at") or format_timestamp(
+                        self.store.clock())},
+                    only_from=(QUEUED_STATUS, RUNNING_STATUS),
+                    worktree=path, branch=branch, base=start[:12]) is None:
+                return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
             copy_agent_configuration(self.store.root, path)
             task_store = self.store.for_task(task)
