@@ -3544,17 +3544,19 @@ def is_story(entry):
     return not is_bookkeeping(entry)
 
 
-def journal_story(store, count, everything=False):
+def journal_story(store, count, everything=False, task=None):
     """The last ``count`` journal entries, oldest first, bookkeeping left out unless
-    ``everything``.  At most 20 entries per wanted one (and 500) are looked at, so a
+    ``everything``, only those about ``task`` when it is given.  At most 20 entries per
+    wanted one (and 500; 50 and 5,000 for one task of several) are looked at, so a
     journal of a million heartbeats costs what a short one does; fewer may come back."""
-    if everything:
+    if everything and task is None:
         return store.read_journal(limit=count)
+    scan = 20 * count + 500 if task is None else 50 * count + 5000
     entries = []
-    for entry in itertools.islice(store.journal_entries_backwards(), 20 * count + 500):
+    for entry in itertools.islice(store.journal_entries_backwards(), scan):
         if len(entries) >= count:
             break
-        if is_story(entry):
+        if (everything or is_story(entry)) and (task is None or entry.get("task_id") == task):
             entries.append(entry)
     entries.reverse()
     return entries
@@ -7524,6 +7526,57 @@ def require_task_id(store, task):
 def short_task_id(task):
     """What the lines of a parallel run show for a task: the random end of its id."""
     return task.rsplit("-", 1)[-1] if task else ""
+
+
+def resolve_task_ref(store, ref):
+    """The task id a command's ``--task`` names: ``current`` (the task in STATE.json), a
+    task of the queue (its id or unique end), or any id a task of the checkout had."""
+    if ref == "current":
+        return store.read_state().task_id
+    try:
+        return require_task_id(store, ref)
+    except FerrusError:
+        if isinstance(ref, str) and _TASK_ID_RE.match(ref):
+            return ref
+        raise
+
+
+def task_store_of(store, task):
+    """The store holding the state of queue task ``task`` (its id or unique end): its
+    own, or the project's for a task run in the checkout while it is the current one —
+    else a FerrusError saying why there is none."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    if record.get("store") == "project":
+        if store.project_state().task_id == task:
+            return store
+        raise FerrusError("task %s ran in the checkout and is no longer its current task"
+                          % task, "`ferrus log --task %s` shows what happened to it"
+                          % short_task_id(task))
+    task_store = store.for_task(task)
+    if not task_store.exists():
+        raise FerrusError("task %s has not started yet (it is %s)" % (
+            task, record.get("status") or QUEUED_STATUS),
+            "`ferrus run --parallel N` starts the queue's tasks")
+    return task_store
+
+
+def stores_awaiting_confirmation(store):
+    """[(task id, store)] of every task waiting in AwaitingConfirmation for the human:
+    the checkout's own task and each parallel task."""
+    waiting = []
+    project = store.project_state()
+    if project.state == S.AWAITING_CONFIRMATION and not project.extra.get(PARALLEL_MIRROR_KEY):
+        waiting.append((project.task_id, store))
+    for task, record in task_records(store):
+        if record.get("status") != RUNNING_STATUS or record.get("store") == "project":
+            continue
+        task_store = store.for_task(task)
+        with contextlib.suppress(FerrusError):
+            if task_store.exists() and task_store.read_state().state == \
+                    S.AWAITING_CONFIRMATION:
+                waiting.append((task, task_store))
+    return waiting
 
 
 def write_task_record(store, task, record):
@@ -17221,11 +17274,16 @@ def cmd_status(args, root):
 
 def cmd_log(args, root):
     store = Store(root).require()
-    wanted = None if getattr(args, "all", False) else is_story
+    everything = getattr(args, "all", False)
+    task = resolve_task_ref(store, args.task) if getattr(args, "task", None) else None
+
+    def wanted(entry):
+        return (everything or is_story(entry)) and (task is None or
+                                                    entry.get("task_id") == task)
     if args.n is None:
-        entries = (e for e in store.journal_entries() if wanted is None or wanted(e))
+        entries = (e for e in store.journal_entries() if wanted(e))
     else:
-        entries = journal_story(store, args.n, everything=wanted is None)
+        entries = journal_story(store, args.n, everything=everything, task=task)
     color = _color_enabled(sys.stdout)
 
     def line(entry):
@@ -17236,7 +17294,10 @@ def cmd_log(args, root):
         last = entry["seq"]
     if not last and not args.follow and not args.json:
         print("(the journal is empty: nothing has happened yet)" if not store.last_journal_seq()
-              else "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
+              else "(no entry about task %s%s)" % (task, "" if everything else
+                                                    "; `--all` adds the bookkeeping ones")
+              if task else
+              "(nothing but bookkeeping entries lately; `ferrus log --all` shows them)")
     if not args.follow:
         return 0
     last = max(last, store.last_journal_seq())
@@ -17246,7 +17307,7 @@ def cmd_log(args, root):
             stamp = store.state_stamp()
             store.wait_for_change(stamp, time.monotonic() + 1.0, poll=0.05)
             for entry in store.read_journal(after_seq=last):
-                if wanted is None or wanted(entry):
+                if wanted(entry):
                     print(line(entry))
                 last = entry["seq"]
             sys.stdout.flush()
@@ -17309,7 +17370,7 @@ def cmd_sessions(args, root):
             print(terminal_safe("    " + line))
         return 0
     if args.task:
-        task = store.read_state().task_id if args.task == "current" else args.task
+        task = resolve_task_ref(store, args.task)
         records = [r for r in records if r.get("task_id") == task]
     if args.pipeline:
         records = [r for r in records if str(r.get("pipeline") or "").startswith(args.pipeline)]
@@ -17384,6 +17445,8 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
+    if args.task:
+        store = task_store_of(store, args.task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.
@@ -17518,8 +17581,23 @@ def human_caller():
     return Caller("agent", "agent/%s" % session) if session else HUMAN
 
 
+def confirmation_store(store, task, verb):
+    """The store of the task ``ferrus approve/reject`` acts on: ``--task`` names it; else
+    the one task waiting for a confirmation; with none, the checkout's (the operation then
+    says why there is nothing to confirm)."""
+    if task:
+        return task_store_of(store, task)
+    waiting = stores_awaiting_confirmation(store)
+    if len(waiting) > 1:
+        raise UsageError("%d tasks wait for your confirmation: %s" % (len(waiting), ", ".join(
+            "%s (%s)" % (short_task_id(t), read_task_record(store.dir, t).get("title") or t)
+            for t, _ in waiting)), "name one: `ferrus %s --task %s`" % (
+                verb, short_task_id(waiting[0][0])))
+    return waiting[0][1] if waiting else store
+
+
 def cmd_approve(args, root):
-    store = Store(root).require()
+    store = confirmation_store(Store(root).require(), args.task, "approve")
     caller = human_caller()
     data = store.read_state()
     if data.state != S.AWAITING_CONFIRMATION or caller.is_agent:
@@ -17536,7 +17614,7 @@ def cmd_approve(args, root):
 
 
 def cmd_reject(args, root):
-    store = Store(root).require()
+    store = confirmation_store(Store(root).require(), args.task, "reject")
     notes = " ".join(args.notes)
     if args.file:
         if notes:
@@ -17597,6 +17675,8 @@ def cmd_doctor(args, root):
 def cmd_check(args, root):
     store = Store(root).require()
     report_orphaned_checks(store)
+    if args.task:
+        store = task_store_of(store, args.task)
     if args.force:
         run, config = op_run_checks_only(store)
         if run is None:
@@ -17896,6 +17976,8 @@ def build_parser():
     p.add_argument("--all", "-a", action="store_true",
                    help="also the bookkeeping entries (agent sessions, leases, heartbeats, "
                         "capacity checks that let work go on)")
+    p.add_argument("--task", metavar="ID", help="only the entries about this task (a queue "
+                                                 "task's id or its end; `current`)")
     p.set_defaults(run=cmd_log)
 
     p = sub.add_parser("sessions", help="every agent session: role, agent, outcome, usage, log")
@@ -17917,6 +17999,7 @@ def build_parser():
     p.add_argument("--stat", action="store_true", help="only the files changed and their counts")
     p.add_argument("--json", action="store_true", help="the diff's data as one JSON object")
     p.add_argument("paths", nargs="*", metavar="PATH", help="only these files or folders")
+    p.add_argument("--task", metavar="ID", help="a parallel task's diff, in its worktree")
     p.set_defaults(run=cmd_diff)
 
     p = sub.add_parser("task", help="queue a task, or cancel one (parallel tasks)")
@@ -17953,12 +18036,16 @@ def build_parser():
     p = sub.add_parser("approve", help="confirm the reviewer's approval ([hq] human_review)")
     p.add_argument("--yes", "-y", action="store_true",
                    help="approve without showing the summary and asking first")
+    p.add_argument("--task", metavar="ID", help="the parallel task to approve (needed when "
+                                                 "more than one waits)")
     p.set_defaults(run=cmd_approve)
 
     p = sub.add_parser("reject", help="send a task the reviewer approved back to the executor "
                                       "([hq] human_review)")
     p.add_argument("notes", nargs="*", metavar="NOTES", help="what must change (review notes)")
     p.add_argument("--file", "-F", metavar="F", help="read the notes from file F (- for stdin)")
+    p.add_argument("--task", metavar="ID", help="the parallel task to send back (needed when "
+                                                 "more than one waits)")
     p.set_defaults(run=cmd_reject)
 
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
@@ -17968,6 +18055,7 @@ def build_parser():
     p = sub.add_parser("check", help="run the check gate ([checks] commands)")
     p.add_argument("--force", action="store_true",
                    help="run the checks in any state and change nothing")
+    p.add_argument("--task", metavar="ID", help="a parallel task's checks, in its worktree")
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("register", help="configure agent CLIs to reach this ferrus")
