@@ -1551,6 +1551,9 @@ class ParallelConfig:
     target: str = ""               # the branch tasks merge into; "" = the one checked out
     worktree_dir: str = ""         # "" = <repository>.ferrus-worktrees beside the repository
     delegates: list = dataclasses.field(default_factory=list)  # agents a team lead may use
+    # Shell commands run in each new worktree before its agents start (it holds only what
+    # git tracks: install dependencies, link a virtualenv...); a failure fails the task.
+    setup: list = dataclasses.field(default_factory=list)
 
 
 def _check_parallel(path, parallel):
@@ -13016,6 +13019,7 @@ class ParallelRunner:
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
+                self._set_up_worktree(task, path)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13025,6 +13029,25 @@ class ParallelRunner:
                            err.full_text())
             return False
         return True
+
+    def _set_up_worktree(self, task, path):
+        """[parallel] setup in the new worktree, with the check runner (logs, timeouts,
+        process groups); raises FerrusError naming the failed command."""
+        if not self.parallel.setup:
+            return
+        config = self.store.config()
+        setup = dataclasses.replace(config.checks, commands=list(self.parallel.setup),
+                                    parallel=False, fail_fast=True)
+        run = run_checks(path, setup, self.store.path("logs"), 0,
+                         config.limits.max_feedback_lines, None, self.store.root)
+        if not run.passed:
+            failed = run.failed[0] if run.failed else None
+            raise FerrusError("[parallel] setup failed in its worktree: `%s`%s, log %s" % (
+                failed.command if failed else "?", _status_note(failed) if failed else "",
+                failed.log_path if failed else run.log_path),
+                "fix the command (it runs in the new worktree, which holds only what git "
+                "tracks), then `ferrus task cancel %s` and queue the task again"
+                % short_task_id(task))
 
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
