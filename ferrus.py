@@ -1551,6 +1551,9 @@ class ParallelConfig:
     target: str = ""               # the branch tasks merge into; "" = the one checked out
     worktree_dir: str = ""         # "" = <repository>.ferrus-worktrees beside the repository
     delegates: list = dataclasses.field(default_factory=list)  # agents a team lead may use
+    # Shell commands run in each new worktree before its agents start (it holds only what
+    # git tracks: install dependencies, link a virtualenv...); a failure fails the task.
+    setup: list = dataclasses.field(default_factory=list)
 
 
 def _check_parallel(path, parallel):
@@ -7578,10 +7581,14 @@ def write_task_record(store, task, record):
     atomic_write(task_record_path(store.dir, task), pretty_json(record))
 
 
-def update_task(store, caller, task, event, changes, **detail):
-    """Change a task's task.json and journal ``event`` about it, in one transaction."""
+def update_task(store, caller, task, event, changes, only_from=None, **detail):
+    """Change a task's task.json and journal ``event`` about it, in one transaction.
+    With ``only_from`` (statuses) a task whose status is none of them is left as it is
+    (None is returned): a cancel from another shell may have come first."""
     with store.transaction(caller.agent_id) as tx:
         record = read_task_record(store.dir, task)
+        if only_from is not None and record.get("status") not in only_from:
+            return None
         record.update(changes)
         write_task_record(store, task, record)
         tx.set(tx.state, event, **detail)
@@ -12995,17 +13002,21 @@ class ParallelRunner:
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
-            update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                "status": RUNNING_STATUS, "worktree": path, "branch": branch, "base": start,
-                "target": self.target, "store": "worktree",
-                "started_at": record.get("started_at") or format_timestamp(self.store.clock())},
-                worktree=path, branch=branch, base=start[:12])
+            if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
+                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "base": start, "target": self.target, "store": "worktree",
+                    "started_at": record.get("started_at") or format_timestamp(
+                        self.store.clock())},
+                    only_from=(QUEUED_STATUS, RUNNING_STATUS),
+                    worktree=path, branch=branch, base=start[:12]) is None:
+                return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
             copy_agent_configuration(self.store.root, path)
             task_store = self.store.for_task(task)
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
+                self._set_up_worktree(task, path)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13015,6 +13026,25 @@ class ParallelRunner:
                            err.full_text())
             return False
         return True
+
+    def _set_up_worktree(self, task, path):
+        """[parallel] setup in the new worktree, with the check runner (logs, timeouts,
+        process groups); raises FerrusError naming the failed command."""
+        if not self.parallel.setup:
+            return
+        config = self.store.config()
+        setup = dataclasses.replace(config.checks, commands=list(self.parallel.setup),
+                                    parallel=False, fail_fast=True)
+        run = run_checks(path, setup, self.store.path("logs"), 0,
+                         config.limits.max_feedback_lines, None, self.store.root)
+        if not run.passed:
+            failed = run.failed[0] if run.failed else None
+            raise FerrusError("[parallel] setup failed in its worktree: `%s`%s, log %s" % (
+                failed.command if failed else "?", _status_note(failed) if failed else "",
+                failed.log_path if failed else run.log_path),
+                "fix the command (it runs in the new worktree, which holds only what git "
+                "tracks), then `ferrus task cancel %s` and queue the task again"
+                % short_task_id(task))
 
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
