@@ -5474,8 +5474,10 @@ def target_head(root, branch):
 INTEGRATION_NOTE = "ferrus-integration"
 # How much prepare_integration says about a conflict (the executor reads it in REVIEW.md).
 CONFLICT_TEXT_CHARS = 4096
-# Lines of one side of a conflicting hunk shown before the rest is left out.
+# Lines of one side of a conflicting hunk shown before the rest is left out, and the
+# characters of one line (a minified file's line can be the whole file).
 CONFLICT_SIDE_LINES = 12
+CONFLICT_LINE_CHARS = 200
 INTEGRATION_MODES = ("rebase", "merge")
 
 
@@ -5732,6 +5734,8 @@ def _conflict_text(worktree, conflicts, target_branch, target, mode):
             parts.append("%s, line %d:\n  the task's side:\n%s\n  %s's side (at %s):\n%s"
                          % (display_path(path), line_number, _side_lines(task),
                             target_branch, target[:12], _side_lines(other)))
+    if len(parts[0]) > CONFLICT_TEXT_CHARS // 2:               # thousands of files
+        parts[0] = parts[0][:CONFLICT_TEXT_CHARS // 2] + " [...]"
     text = ""
     for index, part in enumerate(parts):
         candidate = text + ("\n\n" if text else "") + part
@@ -5775,7 +5779,9 @@ def _conflict_hunks(path):
 
 
 def _side_lines(lines):
-    shown = ["    | " + line for line in lines[:CONFLICT_SIDE_LINES]]
+    shown = ["    | " + (line if len(line) <= CONFLICT_LINE_CHARS else
+                         line[:CONFLICT_LINE_CHARS] + " [...]")
+             for line in lines[:CONFLICT_SIDE_LINES]]
     if len(lines) > CONFLICT_SIDE_LINES:
         shown.append("    [... %d more lines]" % (len(lines) - CONFLICT_SIDE_LINES))
     return "\n".join(shown) if shown else "    (nothing: the lines are removed)"
