@@ -7631,31 +7631,6 @@ def _milestone_taken(store, spec, milestone):
     return None
 
 
-def new_queued_task_folder(store):
-    """Create the folder of a new queued task and return its id.  The queue's order is
-    its ids' order, so the id sorts after every task made before it — also within the
-    same second, where a random suffix alone would put them in any order.  Taken under
-    the store's lock, so two processes queueing at once get distinct, ordered ids."""
-    tasks_dir = store.path(TASKS_DIR)
-    with store.lock():
-        while True:
-            stamp = "t-" + utc_now().strftime("%Y%m%dT%H%M%S") + "-"
-            try:
-                names = os.listdir(tasks_dir)
-            except (FileNotFoundError, NotADirectoryError):
-                names = []
-            last = max((int(name[len(stamp):], 16) for name in names
-                        if name.startswith(stamp) and _TASK_ID_RE.match(name)), default=-1)
-            if last < 0xffffff:
-                # Still a random part (ids stay hard to guess), above every earlier one.
-                low = last + 1
-                high = min(0xffffff, low + 0xfff)
-                task = "%s%06x" % (stamp, low + int(random_hex(2), 16) % (high - low + 1))
-                os.makedirs(os.path.join(tasks_dir, task))
-                return task
-            time.sleep(0.05)     # the second's ids are used up: the next second has room
-
-
 def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent=None):
     """Put a task in the queue.  ``spec`` and ``milestone`` name the milestone it
     implements; ``agent`` the executor agent that should take it (a supervisor that
@@ -7674,7 +7649,7 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
             raise FerrusError("Cannot queue the task: milestone %s of %s is already task %s"
                               % (milestone, spec, taken), "`ferrus tasks` lists the queue")
     store.require()
-    task = new_queued_task_folder(store)
+    task = new_id("t")
     origin = {"by": caller.agent_id}
     if spec is not None:
         origin["spec"] = spec
@@ -7688,7 +7663,9 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
               "created_at": format_timestamp(store.clock()), "origin": origin}
     if agent is not None:
         record["agent"] = agent
-    atomic_write(store.path(TASKS_DIR, task, "TASK.md"), description)
+    folder = store.path(TASKS_DIR, task)
+    os.makedirs(folder, exist_ok=True)
+    atomic_write(os.path.join(folder, "TASK.md"), description)
     update_task(store, caller, task, "enqueue_task", record, title=record["title"],
                 **{key: value for key, value in origin.items() if key != "by"})
     return _outcome("Task %s queued: %s" % (task, record["title"]), None, task_id=task,
