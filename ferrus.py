@@ -12928,6 +12928,8 @@ class ParallelRunner:
         self.checkpoint = None
         self.finished = False
         self.tasks_completed = 0
+        self._seen = None              # what step() last judged the tasks by
+        self._queued = None            # (state stamp, queued task ids)
 
     # -- messages --------------------------------------------------------------------------
 
@@ -13062,9 +13064,19 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for task, controller in list(self.controllers.items()):
+        for controller in list(self.controllers.values()):
             controller.poll()
-            self._watch_task(task, controller)
+        # What the tasks' states ask of the runner changes only with a commit (or with a
+        # question a controller has just shown): the task files are read only then, so a
+        # long queue costs nothing while the agents work.
+        seen = (self.store.state_stamp(), tuple(
+            (task, c.shown_question, c.shown_confirmation)
+            for task, c in self.controllers.items()))
+        if seen != self._seen:
+            self._seen = seen
+            self._queued = None
+            for task, controller in list(self.controllers.items()):
+                self._watch_task(task, controller)
         if self.checkpoint or self.finished:
             return
         phase = self.machine.phase
@@ -13086,8 +13098,12 @@ class ParallelRunner:
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
     def queued(self):
-        return [task for task, record in task_records(self.store)
-                if record.get("status") == QUEUED_STATUS]
+        """The queued tasks, oldest first (read again after each commit only)."""
+        if self._queued is None or self._queued[0] != self.store.state_stamp():
+            self._queued = (self.store.state_stamp(), [
+                task for task, record in task_records(self.store)
+                if record.get("status") == QUEUED_STATUS])
+        return list(self._queued[1])
 
     def free_slots(self):
         return max(0, self.max_tasks - len(self.controllers))
