@@ -341,3 +341,19 @@ def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
     assert (0, 4 if point == "collect" else 5) in moves
     # the target only moved forward, to checked merges
     assert git(repo, "merge-base", "--is-ancestor", before, "main", check=False).returncode == 0
+
+
+def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(repo):
+    with open(os.path.join(str(repo), ".gitignore"), "a") as handle:
+        handle.write("built.flag\n")
+    store = setup(repo, ["test -f built.flag"], '[parallel]\nsetup = ["touch built.flag"]\n\n')
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert "built.flag" not in committed(repo) and "t.txt" in committed(repo)
+    set_config(repo, parallel_config(["true"], '[parallel]\nsetup = ["exit 7"]\n\n'))
+    broken = enqueue(store, "U.\n\nWRITE u.txt: u\n")
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_FAILED
+    reason = ferrus.read_task_record(store.dir, broken)["reason"]
+    assert "[parallel] setup failed" in reason and "exit 7" in reason

@@ -151,3 +151,25 @@ def test_a_cancel_from_another_shell_reaches_the_running_parallel_run(repo):
     assert agent.proc.poll() is not None                # its agent was stopped
     assert any("task %s cancelled" % ferrus.short_task_id(task) in line for line in lines)
     assert ferrus.read_task_record(store.dir, task)["status"] == "cancelled"
+
+
+def test_a_cancel_that_lands_while_the_run_prepares_the_task_is_not_undone(repo, monkeypatch):
+    store = ferrus.Store(repo)
+    task = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Never mind.").data["task_id"]
+    runner = ferrus.ParallelRunner(store, lambda message: None, 2)
+    runner.start()
+    real = ferrus.target_head
+
+    def cancel_first(root, branch):
+        # another shell cancels between the run's read of the record and its update
+        monkeypatch.setattr(ferrus, "target_head", real)
+        ferrus.op_cancel_task(store, ferrus.HUMAN, task)
+        return real(root, branch)
+    monkeypatch.setattr(ferrus, "target_head", cancel_first)
+    try:
+        assert runner._prepare_task(task) is False
+    finally:
+        runner.shutdown()
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "cancelled" and "worktree" not in record
+    assert branches(repo) == ["main"]

@@ -259,6 +259,14 @@ def test_remove_deletes_the_worktree_its_changes_and_its_branch(repo, wt_dir):
         done, removed=False, branch_deleted=False)
 
 
+def test_remove_without_a_branch_name_removes_only_the_worktree(repo, wt_dir):
+    path = os.path.join(wt_dir, "t-1")
+    ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
+    done = ferrus.remove_task_worktree(repo, path, None)
+    assert done["removed"] and not done["branch_deleted"]
+    assert "ferrus/t-1" in branches(repo) and not os.path.exists(path)
+
+
 def test_remove_can_keep_the_branch(repo, wt_dir):
     path = os.path.join(wt_dir, "t-1")
     ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
@@ -527,6 +535,15 @@ def test_a_long_conflict_is_cut_to_a_few_kib(repo, task):
     assert result.status == "conflict" and len(result.conflicts) == 40
     assert len(result.text) <= ferrus.CONFLICT_TEXT_CHARS + 200
     assert "more lines]" in result.text and "left out" in result.text
+
+
+def test_a_conflict_in_a_minified_file_shows_its_lines_cut(repo, task):
+    write(task, "bundle.min.js", "var task=1;" * 2000 + "\n")
+    write(repo, "bundle.min.js", "var main=2;" * 2000 + "\n")
+    commit_all(repo, "main builds the bundle")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert result.conflicts == ["bundle.min.js"] and len(result.text) < 1000
+    assert "var task=1;" in result.text and "var main=2;" in result.text
 
 
 def test_a_hook_that_refuses_the_commit_leaves_the_work_in_place(repo, task):
