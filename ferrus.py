@@ -7777,13 +7777,16 @@ def _remove_task_leftovers(store, record):
     return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
-def task_rows(store):
+def task_rows(store, tasks=None):
     """One dict per task of the queue for `ferrus tasks`, HQ's board and `ferrus status`:
-    id, title, status, state, agent, worktree, branch, age, tokens, last event."""
+    id, title, status, state, agent, worktree, branch, age, tokens, last event.  Only the
+    ``tasks`` given (ids), when they are."""
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    for task, record in task_records(store):
+    records = task_records(store) if tasks is None else [
+        (task, read_task_record(store.dir, task)) for task in tasks]
+    for task, record in records:
         row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
@@ -16160,6 +16163,9 @@ class TaskBoard:
         self.cursor = store.last_journal_seq()
         self.last = None          # task -> its newest story entry (None until first asked)
         self.agents = {}          # task -> the agent its executor's entries name
+        # Tasks that ended before HQ started never come back on the board: after one
+        # look their records are not read again (a long history costs nothing).
+        self.settled = set()
         self.cached, self.due = [], 0.0
 
     def _follow(self):
@@ -16189,9 +16195,13 @@ class TaskBoard:
             return self.cached
         self.due = now + self.REFRESH_SECS
         try:
-            rows = [row for row in task_rows(self.store) if self._shown(row)]
+            rows = task_rows(self.store, [task for task in queued_task_ids(self.store)
+                                          if task not in self.settled])
         except (FerrusError, OSError):
             return self.cached
+        self.settled.update(row["id"] for row in rows if row.get("status") in ENDED_STATUSES
+                            and not self._shown(row))
+        rows = [row for row in rows if self._shown(row)]
         if self.last is None:
             self.last = last_task_events(self.store, [row["id"] for row in rows])
         self._follow()
@@ -17440,8 +17450,8 @@ class CursesHq(HqShell):
                     compact_count(used["input_tokens"] + used["output_tokens"]),
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
-        if self.attached:
-            parts.append("task %s (/attach alone returns)" % short_task_id(self.attached))
+        if self.attached:            # right after its state, where a narrow screen keeps it
+            parts.insert(2, "▸%s" % short_task_id(self.attached))
         slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%s)" % count_tool_calls(controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
