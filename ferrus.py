@@ -3811,7 +3811,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
     handle = CappedLog(result.log_path_abs, max_log_bytes)
     record = CheckProcessRecord(
         process_dir or os.path.join(os.path.dirname(os.path.abspath(log_dir)), CHECK_PROCESS_DIR),
-        os.path.basename(result.log_path_abs)[:-len(".log")], result.command)
+        os.path.basename(result.log_path_abs)[:-len(".log")], result.command, root)
     try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
@@ -4089,7 +4089,7 @@ def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, g
 class CheckProcessRecord:
     """The pid file of one running check command, and how to end its processes."""
 
-    def __init__(self, directory, check_id, command):
+    def __init__(self, directory, check_id, command, cwd=None):
         self.path = os.path.join(directory, check_id + ".json")
         self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
@@ -4097,6 +4097,9 @@ class CheckProcessRecord:
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
                      "owner_pid": os.getpid(), "owner_start": _own_start(),
                      "started_at": format_timestamp(utc_now())}
+        if cwd is not None:
+            # Whose check it is: parallel tasks run theirs in their own worktrees.
+            self.data["cwd"] = os.path.abspath(cwd)
         with _ACTIVE_CHECKS_LOCK:
             _ACTIVE_CHECKS.add(self)
         self._save(directory)
@@ -11516,9 +11519,12 @@ def check_log_tail(store, log_path, count=8, chunk=16384):
 
 
 def running_check_commands(store):
-    """{check id: command} of the check commands running right now, from their pid
-    files in .ferrus/check-processes/ (whoever started them)."""
+    """{check id: command} of the check commands running right now for ``store``'s task,
+    from their pid files in .ferrus/check-processes/ (whoever started them): those run
+    in its working folder, so a parallel task never shows another task's checks (a pid
+    file that names no folder counts for every task)."""
     directory = store.path(CHECK_PROCESS_DIR)
+    workdir = os.path.normcase(os.path.abspath(store.workdir))
     running = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
@@ -11526,6 +11532,9 @@ def running_check_commands(store):
                 continue
             with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
                 record = json.loads(read_text(os.path.join(directory, name)))
+                cwd = record.get("cwd")
+                if isinstance(cwd, str) and os.path.normcase(cwd) != workdir:
+                    continue
                 running[name[:-5]] = str(record["command"])
     return running
 
@@ -12922,6 +12931,8 @@ class ParallelRunner:
         self.checkpoint = None
         self.finished = False
         self.tasks_completed = 0
+        self._seen = None              # what step() last judged the tasks by
+        self._queued = None            # (state stamp, queued task ids)
 
     # -- messages --------------------------------------------------------------------------
 
@@ -13056,9 +13067,19 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for task, controller in list(self.controllers.items()):
+        for controller in list(self.controllers.values()):
             controller.poll()
-            self._watch_task(task, controller)
+        # What the tasks' states ask of the runner changes only with a commit (or with a
+        # question a controller has just shown): the task files are read only then, so a
+        # long queue costs nothing while the agents work.
+        seen = (self.store.state_stamp(), tuple(
+            (task, c.shown_question, c.shown_confirmation)
+            for task, c in self.controllers.items()))
+        if seen != self._seen:
+            self._seen = seen
+            self._queued = None
+            for task, controller in list(self.controllers.items()):
+                self._watch_task(task, controller)
         if self.checkpoint or self.finished:
             return
         phase = self.machine.phase
@@ -13080,8 +13101,12 @@ class ParallelRunner:
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
     def queued(self):
-        return [task for task, record in task_records(self.store)
-                if record.get("status") == QUEUED_STATUS]
+        """The queued tasks, oldest first (read again after each commit only)."""
+        if self._queued is None or self._queued[0] != self.store.state_stamp():
+            self._queued = (self.store.state_stamp(), [
+                task for task, record in task_records(self.store)
+                if record.get("status") == QUEUED_STATUS])
+        return list(self._queued[1])
 
     def free_slots(self):
         return max(0, self.max_tasks - len(self.controllers))
