@@ -16278,7 +16278,8 @@ HQ_COMMANDS = (
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
     ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
-                    "merged through the check gate (default [parallel] max_tasks)"),
+                    "merged through the check gate (default [parallel] max_tasks), until "
+                    "/stop"),
     ("/plan", "", "a free planning session with the supervisor"),
     ("/spec", "", "draft and save a specification with the supervisor"),
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
@@ -16298,7 +16299,7 @@ HQ_COMMANDS = (
     ("/review", "", "start the reviewer again"),
     ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
     ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
-    ("/stop", "", "stop every agent session"),
+    ("/stop", "", "stop every agent session (and the parallel run of /run)"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
      "file-driven pipelines (workflows.json), followed in the background"),
@@ -16339,20 +16340,33 @@ class HqShell:
         self.clock = clock
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
         self.runner = None          # the ParallelRunner of /run while it works the queue
+        self.run_width = None       # how many at a time /run asked for, until /stop
+        self.next_queue_look = 0.0
         self.attached = None        # the task /attach ID follows
         self.hidden = 0             # other tasks' lines left out while attached
         self.board = TaskBoard(store)
 
+    QUEUE_LOOK_SECS = 1.0       # after /run, how often an empty queue is looked at again
+
     def poll(self):
-        """One step of everything HQ drives: the project's task, then the parallel run."""
+        """One step of everything HQ drives: the project's task, then the parallel run —
+        which, after /run and until /stop, starts again when tasks are queued."""
         self.controller.poll()
         runner = self.runner
         if runner is None:
+            if self.run_width and self.clock() >= self.next_queue_look:
+                self.next_queue_look = self.clock() + self.QUEUE_LOOK_SECS
+                if any(row.get("status") == QUEUED_STATUS for row in self.board.rows()):
+                    try:
+                        self.start_run(self.run_width)
+                    except FerrusError as err:
+                        self.show(HqMessage("error", "the parallel run cannot start: %s "
+                                            "(/run tries again)" % err.full_text(), "run"))
             return
         try:
             runner.step()
         except FerrusError as err:
-            self.runner = None
+            self.runner = self.run_width = None
             runner.shutdown()
             self.show(HqMessage("error", "the parallel run stopped: %s (/run starts it again)"
                                 % err.full_text(), "run"))
@@ -16360,8 +16374,9 @@ class HqShell:
         if runner.finished:
             self.runner = None
             runner.shutdown()
-            self.show(HqMessage("info", "The queue is done: /task add queues more, /run works "
-                                        "them.", "run"))
+            self.show(HqMessage("info", "The queue is done; what is queued next is worked "
+                                        "%d at a time too (/stop ends the run)."
+                                % self.run_width, "run"))
 
     def shutdown(self):
         """HQ leaves: every agent it started stops (the tasks stay as they are)."""
@@ -16653,7 +16668,7 @@ class HqShell:
         rows = self.board.rows(force=True)
         if rows:
             self.write("tasks: %s — /tasks shows the board%s" % (
-                self.board.summary(rows), "" if self.runner is not None else
+                self.board.summary(rows), "" if self.runner is not None or self.run_width else
                 ", /run works the queue" if any(row.get("status") in (
                     QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
 
@@ -16866,6 +16881,17 @@ class HqShell:
         self.controller.restart_slots()
 
     def cmd_stop(self, rest):
+        if self.runner is not None or self.run_width:
+            # The parallel run ends; its tasks stay in flight for the next /run.
+            if self.runner is not None and self.runner.controllers and not self.confirm(
+                    "Stop the parallel run and its agents (%d task%s in flight)?" % (
+                        len(self.runner.controllers),
+                        "" if len(self.runner.controllers) == 1 else "s")):
+                return
+            runner, self.runner, self.run_width = self.runner, None, None
+            if runner is not None:
+                runner.shutdown()
+            self.write("The parallel run is stopped; /run resumes its tasks.")
         if self.controller.running() and self.confirm("Stop every agent session?"):
             self.controller.stop_all()
             self.controller.paused = True
@@ -16909,6 +16935,8 @@ class HqShell:
             self.write(self.board.line(row, attached=self.attached))
         self.write("%s%s" % (self.board.summary(rows), "; the run works %d at a time" %
                              self.runner.max_tasks if self.runner is not None else
+                             "; the run takes queued tasks %d at a time" % self.run_width
+                             if self.run_width else
                              "; /run works the queue" if any(row.get("status") in (
                                  QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
 
@@ -16931,9 +16959,10 @@ class HqShell:
         else:
             outcome = op_enqueue_task(self.store, HUMAN, rest)
         self.write(outcome.text)
-        if self.runner is not None:
+        if self.runner is not None or self.run_width:
             self.write("The run takes it up when a slot is free (%d at a time)."
-                       % self.runner.max_tasks)
+                       % (self.runner.max_tasks if self.runner is not None else
+                          self.run_width))
         elif outcome.data.get("task_id") or outcome.data.get("queued"):
             self.write("/run works the queue (%s)." % self.run_width_text())
 
@@ -16950,12 +16979,16 @@ class HqShell:
             raise UsageError("usage: /run [N] — work the queue N tasks at a time (1 to 64; "
                              "default [parallel] max_tasks)")
         width = int(words[0]) if words else self.store.config().parallel.max_tasks
-        if self.runner is not None:
+        if self.runner is not None or self.run_width:
+            if self.runner is None:
+                self.run_width = width
+                self.write("Tasks queued from now on are worked %d at a time." % width)
+                return
             if not words or width == self.runner.max_tasks:
                 raise FerrusError("the queue is being worked already (%d at a time)"
                                   % self.runner.max_tasks, "/tasks shows the board; /run N "
                                                             "changes how many at a time")
-            self.runner.max_tasks = width
+            self.runner.max_tasks = self.run_width = width
             self.write("The run now works %d task%s at a time." % (width, "" if width == 1
                                                                   else "s"))
             return
@@ -16963,20 +16996,29 @@ class HqShell:
             raise FerrusError("[parallel] max_tasks is 1: a task at a time, in the checkout",
                               "/run N works the queue N at a time, each task in its own git "
                               "worktree (`ferrus run` works it one by one in the checkout)")
+        require_headless_agents(self.store)
         if not any(record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
                    for _, record in task_records(self.store)):
-            raise FerrusError("the queue is empty", "/task add TEXT queues a task")
-        require_headless_agents(self.store)
+            self.run_width = width
+            self.write("The queue is empty: tasks queued from now on (/task add, the "
+                       "supervisor's enqueue_task) are worked %d at a time; /stop ends the "
+                       "run." % width)
+            return
+        self.start_run(width)
+        self.write("Working the queue %d at a time, each task in its own worktree: /tasks "
+                   "shows the board, /attach ID follows one task; /stop ends the run." % width)
+
+    def start_run(self, width):
+        """A ParallelRunner over the queue (P0: it resumes what a previous run left)."""
         runner = ParallelRunner(self.store, self._runner_emit, width, clock=self.clock,
                                 bell=self.ring_bell)
         try:
             runner.start()
         except BaseException:
             runner.shutdown()
+            self.run_width = None
             raise
-        self.runner = runner
-        self.write("Working the queue %d at a time, each task in its own worktree: /tasks "
-                   "shows the board, /attach ID follows one task." % width)
+        self.runner, self.run_width = runner, width
 
     def cmd_task(self, rest):
         verb, _, more = rest.partition(" ")
@@ -17446,7 +17488,8 @@ class CursesHq(HqShell):
                 self.board.summary() or "none"), \
                 "run: %s, %d at a time" % (phase_label(runner.machine.phase),
                                            runner.max_tasks) if runner is not None else \
-                "no run: /run works the queue"
+                "run: waiting for queued tasks, %d at a time" % self.run_width \
+                if self.run_width else "no run: /run works the queue"
         retries = cycles = "?"
         with contextlib.suppress(FerrusError):
             limits = self.store.config().limits

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import ferrus
 from conftest import FERRUS_PY, set_config
@@ -22,6 +23,16 @@ def short(task):
 def git(root, *args):
     return subprocess.run(["git", "-C", str(root)] + list(args), check=True,
                           capture_output=True, text=True).stdout
+
+
+def exact_line(shell, since, line, timeout=30):
+    """HQ's output from ``since`` up to a line that is exactly ``line``."""
+    deadline = time.monotonic() + timeout
+    while line not in shell.out[since:]:
+        assert time.monotonic() < deadline, "no line %r in:\n%s" % (line, "\n".join(shell.out))
+        time.sleep(0.05)
+    out = shell.out[since:]
+    return out[:out.index(line) + 1]
 
 
 class ResumingHq(PipedHq):
@@ -78,21 +89,28 @@ def test_hq_runs_two_parallel_tasks_to_integration(scripted, hq, tmp_path):  # n
                    for line in shown), shown
     assert any(line.startswith("[%s]" % short(first)) for line in shown), shown
     assert question
+    shell.wait_for("The queue is done; what is queued next is worked 2 at a time too", mark,
+                   timeout=90)
+    # The run goes on with what is queued after it (until /stop).
+    mark = shell.send("/task add WRITE gamma.txt: gamma")
+    shell.wait_for("The run takes it up when a slot is free (2 at a time).", mark)
+    shell.wait_for("merged into main", mark, timeout=90)
     shell.wait_for("The queue is done", mark, timeout=90)
+    shell.command("/stop", "The parallel run is stopped; /run resumes its tasks.")
 
-    out = shell.command("/tasks", "2 merged")
+    out = exact_line(shell, shell.send("/tasks"), "3 merged")   # (a short id may end in 3)
     out = out[out.index(ferrus.TaskBoard.HEADER):]
-    assert sorted(line.split()[1] for line in out[1:3]) == ["merged", "merged"]
-    assert all(line.split()[2] == "scripted" for line in out[1:3])
+    assert [line.split()[1] for line in out[1:4]] == ["merged"] * 3
+    assert all(line.split()[2] == "scripted" for line in out[1:4])
     out = shell.command("/status %s" % short(second), "merged into main at")
     out = shell.command("/diff %s" % short(second), "git show")
     assert out[-2].startswith("error: task %s is merged at " % short(second))
     shell.quit()
     # Both tasks' files (and the answer the asking one wrote) are on main, checked.
     files = git(root, "ls-tree", "--name-only", "main").split()
-    assert {"alpha.txt", "beta.txt", "answer.txt"} <= set(files)
+    assert {"alpha.txt", "beta.txt", "gamma.txt", "answer.txt"} <= set(files)
     assert git(root, "show", "main:answer.txt") == "blue"
-    assert git(root, "rev-list", "--count", "%s..main" % base).strip() == "2"
+    assert git(root, "rev-list", "--count", "%s..main" % base).strip() == "3"
     assert [ferrus.read_task_record(scripted.dir, t)["status"] for t in (first, second)] == [
         "merged", "merged"]
     assert asking in (first, second)
