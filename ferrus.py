@@ -5367,7 +5367,7 @@ def _make_writable_and_retry(function, path, exc_info):
 def remove_task_worktree(root, path, branch, delete_branch=True):
     """Remove the task worktree at ``path`` — its uncommitted changes with it — and
     (``delete_branch``) its branch, merged or not: the caller decides when a task's
-    work is no longer wanted.  Idempotent: a worktree or branch already gone is fine,
+    work is no longer wanted.  ``branch`` None: the worktree only, whatever its branch.  Idempotent: a worktree or branch already gone is fine,
     and a worktree git refuses to remove because its folder is damaged is deleted and
     pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
     did).  Raises GitError for a path that is not a linked worktree of this repository
@@ -5381,7 +5381,7 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
         if entry is entries[0]:
             raise GitError("%s is the repository's main checkout, not a task worktree"
                            % path, "ferrus removes only the worktrees it made")
-        if entry["branch"] not in (None, branch):
+        if entry["branch"] is not None and branch is not None and entry["branch"] != branch:
             # Someone else's worktree, or a mix-up of records: its work is not ours to drop.
             raise GitError("%s is the worktree of branch %s, not of %s" % (
                 path, entry["branch"], branch), "ferrus removes only the worktrees it made")
@@ -5396,7 +5396,7 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
                        "if it is not wanted")
     elif os.path.isdir(path):
         os.rmdir(path)                     # the empty folder of an interrupted `worktree add`
-    if delete_branch:
+    if delete_branch and branch:
         try:
             run_git(root, ["branch", "-D", "-q", branch])
             branch_deleted = True
@@ -5732,9 +5732,6 @@ def _conflict_text(worktree, conflicts, target_branch, target, mode):
             parts.append("%s, line %d:\n  the task's side:\n%s\n  %s's side (at %s):\n%s"
                          % (display_path(path), line_number, _side_lines(task),
                             target_branch, target[:12], _side_lines(other)))
-    parts.append("To resolve: bring %s into the task's branch (`git merge %s` in the task's "
-                 "worktree), make the files above hold both sides' intent, and commit."
-                 % (target_branch, target_branch))
     text = ""
     for index, part in enumerate(parts):
         candidate = text + ("\n\n" if text else "") + part

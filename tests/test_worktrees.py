@@ -259,6 +259,14 @@ def test_remove_deletes_the_worktree_its_changes_and_its_branch(repo, wt_dir):
         done, removed=False, branch_deleted=False)
 
 
+def test_remove_without_a_branch_name_removes_only_the_worktree(repo, wt_dir):
+    path = os.path.join(wt_dir, "t-1")
+    ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
+    done = ferrus.remove_task_worktree(repo, path, None)
+    assert done["removed"] and not done["branch_deleted"]
+    assert "ferrus/t-1" in branches(repo) and not os.path.exists(path)
+
+
 def test_remove_can_keep_the_branch(repo, wt_dir):
     path = os.path.join(wt_dir, "t-1")
     ferrus.create_task_worktree(repo, path, "ferrus/t-1", rev(repo))
