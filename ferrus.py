@@ -3811,7 +3811,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
     handle = CappedLog(result.log_path_abs, max_log_bytes)
     record = CheckProcessRecord(
         process_dir or os.path.join(os.path.dirname(os.path.abspath(log_dir)), CHECK_PROCESS_DIR),
-        os.path.basename(result.log_path_abs)[:-len(".log")], result.command)
+        os.path.basename(result.log_path_abs)[:-len(".log")], result.command, root)
     try:
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
@@ -4089,7 +4089,7 @@ def end_check_processes(marker, leader_pid=None, leader_start=None, pgid=None, g
 class CheckProcessRecord:
     """The pid file of one running check command, and how to end its processes."""
 
-    def __init__(self, directory, check_id, command):
+    def __init__(self, directory, check_id, command, cwd=None):
         self.path = os.path.join(directory, check_id + ".json")
         self.marker = "%s-%s" % (check_id, random_hex(8))
         self.proc = None
@@ -4097,6 +4097,9 @@ class CheckProcessRecord:
         self.data = {"check_id": check_id, "marker": self.marker, "command": command,
                      "owner_pid": os.getpid(), "owner_start": _own_start(),
                      "started_at": format_timestamp(utc_now())}
+        if cwd is not None:
+            # Whose check it is: parallel tasks run theirs in their own worktrees.
+            self.data["cwd"] = os.path.abspath(cwd)
         with _ACTIVE_CHECKS_LOCK:
             _ACTIVE_CHECKS.add(self)
         self._save(directory)
@@ -5474,8 +5477,10 @@ def target_head(root, branch):
 INTEGRATION_NOTE = "ferrus-integration"
 # How much prepare_integration says about a conflict (the executor reads it in REVIEW.md).
 CONFLICT_TEXT_CHARS = 4096
-# Lines of one side of a conflicting hunk shown before the rest is left out.
+# Lines of one side of a conflicting hunk shown before the rest is left out, and the
+# characters of one line (a minified file's line can be the whole file).
 CONFLICT_SIDE_LINES = 12
+CONFLICT_LINE_CHARS = 200
 INTEGRATION_MODES = ("rebase", "merge")
 
 
@@ -5732,6 +5737,8 @@ def _conflict_text(worktree, conflicts, target_branch, target, mode):
             parts.append("%s, line %d:\n  the task's side:\n%s\n  %s's side (at %s):\n%s"
                          % (display_path(path), line_number, _side_lines(task),
                             target_branch, target[:12], _side_lines(other)))
+    if len(parts[0]) > CONFLICT_TEXT_CHARS // 2:               # thousands of files
+        parts[0] = parts[0][:CONFLICT_TEXT_CHARS // 2] + " [...]"
     text = ""
     for index, part in enumerate(parts):
         candidate = text + ("\n\n" if text else "") + part
@@ -5775,7 +5782,9 @@ def _conflict_hunks(path):
 
 
 def _side_lines(lines):
-    shown = ["    | " + line for line in lines[:CONFLICT_SIDE_LINES]]
+    shown = ["    | " + (line if len(line) <= CONFLICT_LINE_CHARS else
+                         line[:CONFLICT_LINE_CHARS] + " [...]")
+             for line in lines[:CONFLICT_SIDE_LINES]]
     if len(lines) > CONFLICT_SIDE_LINES:
         shown.append("    [... %d more lines]" % (len(lines) - CONFLICT_SIDE_LINES))
     return "\n".join(shown) if shown else "    (nothing: the lines are removed)"
@@ -7498,9 +7507,20 @@ def queued_task_ids(store):
 _TASK_ID_RE = re.compile(r"^t-[0-9]{8}T[0-9]{6}-[0-9a-f]{6}$")
 
 
+def queued_order(record):
+    """Sort key of a task's record or task_rows row by when it was queued (timestamps
+    compared as times, not as text: "10:00:00Z" is before "10:00:00.001Z")."""
+    with contextlib.suppress(ValueError, TypeError):
+        return parse_timestamp(record.get("created_at")).timestamp()
+    return 0.0
+
+
 def task_records(store):
-    """[(task id, its task.json)] of the queue, oldest first."""
-    return [(task, read_task_record(store.dir, task)) for task in queued_task_ids(store)]
+    """[(task id, its task.json)] of the queue, oldest first: an id orders tasks only by
+    the second they were queued in (then by its random end), so tasks queued within one
+    second are ordered by their records' created_at."""
+    records = [(task, read_task_record(store.dir, task)) for task in queued_task_ids(store)]
+    return sorted(records, key=lambda item: (item[0][:17], queued_order(item[1])))
 
 
 def require_task_id(store, task):
@@ -7760,17 +7780,21 @@ def _remove_task_leftovers(store, record):
     return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
-def task_rows(store):
+def task_rows(store, tasks=None):
     """One dict per task of the queue for `ferrus tasks`, HQ's board and `ferrus status`:
-    id, title, status, state, agent, worktree, branch, age, tokens, last event."""
+    id, title, status, state, agent, worktree, branch, age, tokens, last event.  Only the
+    ``tasks`` given (ids), when they are."""
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    for task, record in task_records(store):
+    records = task_records(store) if tasks is None else [
+        (task, read_task_record(store.dir, task)) for task in tasks]
+    for task, record in records:
         row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
-               "origin": record.get("origin") or {}, "created_at": record.get("created_at")}
+               "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
+               "started_at": record.get("started_at"), "ended_at": record.get("ended_at")}
         task_store = store.for_task(task)
         data = None
         if record.get("store") == "project":
@@ -7789,6 +7813,57 @@ def task_rows(store):
             row["integration"] = record["integration"]
         rows.append(row)
     return rows
+
+
+# How far back the last event of each task is looked for: a bounded read of the journal's
+# end, so a long journal costs what a short one does (an older task shows no last event).
+TASK_EVENT_SCAN = 3000
+
+
+def last_task_events(store, tasks, scan=TASK_EVENT_SCAN):
+    """{task: its newest journal entry that tells what happened} for the ``tasks`` that
+    have one among the journal's last ``scan`` entries (bookkeeping left out)."""
+    wanted, found = set(tasks), {}
+    for entry in itertools.islice(store.journal_entries_backwards(), scan):
+        if len(found) == len(wanted):
+            break
+        task = entry.get("task_id")
+        if task in wanted and task not in found and is_story(entry):
+            found[task] = entry
+    return found
+
+
+def describe_task_event(entry, now=None):
+    """A journal entry in a few words for a task's line: ``submit → Reviewing``,
+    ``check passed``, ``task merged`` (and how long ago, given ``now``)."""
+    if not entry:
+        return "-"
+    what = str(entry.get("event") or "?").replace("_", " ")
+    if entry.get("from") != entry.get("to") and entry.get("to"):
+        what += " → %s" % entry["to"]
+    if now is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            what += " (%s ago)" % format_duration(
+                (now - parse_timestamp(entry.get("time"))).total_seconds())
+    return what
+
+
+def task_elapsed(row, now):
+    """How long a task of task_rows has been at it: since it started (or was queued) until
+    now or its end; None when its record has no usable time."""
+    record_start = row.get("started_at") or row.get("created_at")
+    try:
+        start = parse_timestamp(record_start)
+        end = parse_timestamp(row["ended_at"]) if row.get("ended_at") else now
+    except (ValueError, TypeError):
+        return None
+    return max(0.0, (end - start).total_seconds())
+
+
+def task_state_word(row):
+    """A task's place in one word: its state while it runs, else its queue status."""
+    return row["state"] if row.get("status") == RUNNING_STATUS and row.get("state") \
+        else row.get("status") or "?"
 
 
 # ============================================================================
@@ -11444,9 +11519,12 @@ def check_log_tail(store, log_path, count=8, chunk=16384):
 
 
 def running_check_commands(store):
-    """{check id: command} of the check commands running right now, from their pid
-    files in .ferrus/check-processes/ (whoever started them)."""
+    """{check id: command} of the check commands running right now for ``store``'s task,
+    from their pid files in .ferrus/check-processes/ (whoever started them): those run
+    in its working folder, so a parallel task never shows another task's checks (a pid
+    file that names no folder counts for every task)."""
     directory = store.path(CHECK_PROCESS_DIR)
+    workdir = os.path.normcase(os.path.abspath(store.workdir))
     running = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
@@ -11454,6 +11532,9 @@ def running_check_commands(store):
                 continue
             with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
                 record = json.loads(read_text(os.path.join(directory, name)))
+                cwd = record.get("cwd")
+                if isinstance(cwd, str) and os.path.normcase(cwd) != workdir:
+                    continue
                 running[name[:-5]] = str(record["command"])
     return running
 
@@ -11945,6 +12026,8 @@ class HqController:
         # The state found at start-up is shown by describe_state(), with its own time; only
         # states reached while this controller runs are announced ("Task complete.").
         self.last_state = self.store.read_state().state
+        self._parallel_tasks = set()  # ids of tasks known to run in parallel
+        self.mirrored = False         # the project's state mirrors a parallel task
 
     def emit(self, message):
         if not message.event:
@@ -11958,8 +12041,26 @@ class HqController:
         """The task HQ would resume agents for, if any.  A task waiting for the human's
         confirmation needs no agent, so there is nothing to ask: HQ shows it at once."""
         data = self.store.read_state()
-        return data if data.state in ACTIVE_STATES and \
-            data.state != S.AWAITING_CONFIRMATION else None
+        return data if data.state in ACTIVE_STATES and not self.mirrors_parallel_task(data) \
+            and data.state != S.AWAITING_CONFIRMATION else None
+
+    def mirrors_parallel_task(self, data):
+        """The project's STATE.json shows a parallel task (see Store): that task's own
+        controller drives it in its worktree, so the project's has nothing to do."""
+        return self.store.task is None and bool(data.extra.get(PARALLEL_MIRROR_KEY))
+
+    def _of_parallel_task(self, task):
+        """Whether journal entries about ``task`` belong to a parallel task (one with a
+        store of its own), which its own controller shows, not the project's."""
+        if not task or self.store.task is not None:
+            return False
+        if task in self._parallel_tasks:
+            return True
+        # Only a yes is kept: a queued task gets its store when it starts.
+        if os.path.isfile(self.store.path(TASKS_DIR, task, STATE_FILE)):
+            self._parallel_tasks.add(task)
+            return True
+        return False
 
     def describe_state(self):
         data = self.store.read_state()
@@ -12008,7 +12109,8 @@ class HqController:
         for entry in entries:
             if entry["seq"] > self.cursor:
                 self.cursor = entry["seq"]
-                if self.store.task is not None and entry.get("task_id") != self.store.task:
+                if self.store.task is not None and entry.get("task_id") != self.store.task \
+                        or self._of_parallel_task(entry.get("task_id")):
                     continue            # another parallel task's: its own controller shows it
                 # Complete is reached by the reviewer's approve, or by the human's
                 # confirmation when [hq] human_review is on.
@@ -12130,8 +12232,8 @@ class HqController:
         """A check command that starts is shown at once (its result comes with the
         journal entry); its pid file in .ferrus/check-processes/ says it runs."""
         now = self.clock()
-        if now < self._next_check_scan:
-            return
+        if now < self._next_check_scan or self.mirrored:
+            return                    # a parallel task's checks are its controller's
         self._next_check_scan = now + self.CHECK_SCAN_EVERY
         running = running_check_commands(self.store)
         for check_id, command in running.items():
@@ -12198,6 +12300,10 @@ class HqController:
     def reconcile(self):
         data = self.store.read_state()
         self.catch_up(data.rev)
+        self.mirrored = self.mirrors_parallel_task(data)
+        if self.mirrored:
+            self.last_state = data.state
+            return
         if data.state == S.AWAITING_HUMAN:
             question = self.store.read_file("QUESTION.md").strip()
             if question and question != self.shown_question:
@@ -12825,6 +12931,8 @@ class ParallelRunner:
         self.checkpoint = None
         self.finished = False
         self.tasks_completed = 0
+        self._seen = None              # what step() last judged the tasks by
+        self._queued = None            # (state stamp, queued task ids)
 
     # -- messages --------------------------------------------------------------------------
 
@@ -12895,6 +13003,15 @@ class ParallelRunner:
         with contextlib.suppress(FerrusError, OSError):
             self.store.append_event("ferrus", "phase", record, task_id="")
 
+    def continue_after_checkpoint(self):
+        """HQ's /continue after a capacity checkpoint: the budget counts again from here
+        (every task's, and the run's completed tasks), and the refused phase is tried
+        again at the next step."""
+        self.checkpoint = None
+        self.tasks_completed = 0
+        for controller in self.controllers.values():
+            controller.continue_after_checkpoint()
+
     # -- the loop ------------------------------------------------------------------------
 
     def start(self):
@@ -12950,9 +13067,19 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for task, controller in list(self.controllers.items()):
+        for controller in list(self.controllers.values()):
             controller.poll()
-            self._watch_task(task, controller)
+        # What the tasks' states ask of the runner changes only with a commit (or with a
+        # question a controller has just shown): the task files are read only then, so a
+        # long queue costs nothing while the agents work.
+        seen = (self.store.state_stamp(), tuple(
+            (task, c.shown_question, c.shown_confirmation)
+            for task, c in self.controllers.items()))
+        if seen != self._seen:
+            self._seen = seen
+            self._queued = None
+            for task, controller in list(self.controllers.items()):
+                self._watch_task(task, controller)
         if self.checkpoint or self.finished:
             return
         phase = self.machine.phase
@@ -12974,8 +13101,12 @@ class ParallelRunner:
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
     def queued(self):
-        return [task for task, record in task_records(self.store)
-                if record.get("status") == QUEUED_STATUS]
+        """The queued tasks, oldest first (read again after each commit only)."""
+        if self._queued is None or self._queued[0] != self.store.state_stamp():
+            self._queued = (self.store.state_stamp(), [
+                task for task, record in task_records(self.store)
+                if record.get("status") == QUEUED_STATUS])
+        return list(self._queued[1])
 
     def free_slots(self):
         return max(0, self.max_tasks - len(self.controllers))
@@ -16039,18 +16170,128 @@ def hq_cmd_pipeline(shell, rest):
     pipeline_command(shell.store, args, shell.write, follow, bell=shell.ring_bell)
 
 
+class TaskBoard:
+    """The tasks of the queue at a glance, for HQ: one row per task that is queued or
+    running, or ended since HQ started (older ones are `ferrus tasks`' to list), with its
+    state, agent, elapsed time and last event.
+
+    The last events come from the journal: the tasks' newest entries are looked up once,
+    then HQ's reading of the journal keeps them current (only what was appended since is
+    read), so the board costs the same however long the journal is."""
+
+    REFRESH_SECS = 0.25       # rows are rebuilt at most this often (8 tasks: 16 small reads)
+
+    def __init__(self, store):
+        self.store = store
+        self.opened_at = store.clock()
+        self.position = store.journal_position()
+        self.cursor = store.last_journal_seq()
+        self.last = None          # task -> its newest story entry (None until first asked)
+        self.agents = {}          # task -> the agent its executor's entries name
+        # Tasks that ended before HQ started never come back on the board: after one
+        # look their records are not read again (a long history costs nothing).
+        self.settled = set()
+        self.cached, self.due = [], 0.0
+
+    def _follow(self):
+        entries, self.position = self.store.journal_since(self.position, after_seq=self.cursor)
+        for entry in entries:
+            self.cursor = max(self.cursor, entry["seq"])
+            task = entry.get("task_id")
+            if task and is_story(entry):
+                self.last[task] = entry
+                # An agent's actor id is role:agent:index (then its session).
+                actor = str(entry.get("actor") or "").split(":")
+                if actor[0] == "executor" and len(actor) > 2:
+                    self.agents[task] = actor[1]
+
+    def _shown(self, row):
+        if row.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
+            return True
+        with contextlib.suppress(ValueError, TypeError):
+            return parse_timestamp(row.get("ended_at")) >= self.opened_at
+        return False
+
+    def rows(self, force=False):
+        """task_rows of the tasks on the board, running first, then queued, then ended,
+        each with its ``last_event`` entry and ``elapsed`` seconds."""
+        now = time.monotonic()
+        if not force and now < self.due:
+            return self.cached
+        self.due = now + self.REFRESH_SECS
+        try:
+            rows = task_rows(self.store, [task for task in queued_task_ids(self.store)
+                                          if task not in self.settled])
+        except (FerrusError, OSError):
+            return self.cached
+        self.settled.update(row["id"] for row in rows if row.get("status") in ENDED_STATUSES
+                            and not self._shown(row))
+        rows = [row for row in rows if self._shown(row)]
+        if self.last is None:
+            self.last = last_task_events(self.store, [row["id"] for row in rows])
+        self._follow()
+        executor = None
+        with contextlib.suppress(FerrusError):
+            executor = self.store.config().executor
+        wall = self.store.clock()
+        order = {RUNNING_STATUS: 0, QUEUED_STATUS: 1}
+        for row in rows:
+            row["last_event"] = self.last.get(row["id"])
+            row["elapsed"] = task_elapsed(row, wall)
+            row["agent"] = row.get("agent") or self.agents.get(row["id"]) or (
+                executor.agent if executor and row.get("status") == RUNNING_STATUS else None)
+        self.cached = sorted(rows, key=lambda row: (order.get(row.get("status"), 2),
+                                                    queued_order(row)))
+        return self.cached
+
+    def summary(self, rows=None):
+        """``2 running, 1 queued, 1 merged`` (the board's rows by status)."""
+        counts = collections.Counter(row.get("status") for row in
+                                     (self.rows() if rows is None else rows))
+        return ", ".join("%d %s" % (counts[status], status) for status in (
+            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
+            CANCELLED_STATUS) if counts[status])
+
+    def line(self, row, width=None, attached=None):
+        """One task's row: short id, state, agent, elapsed, last event (cut to ``width``)."""
+        elapsed = row.get("elapsed")
+        text = "%s%-6s %-13s %-10s %7s  %s" % (
+            "▸" if row["id"] == attached else " ", short_task_id(row["id"]),
+            task_state_word(row), (row.get("agent") or "-")[:10],
+            format_duration(elapsed) if elapsed is not None else "?",
+            row.get("title", "") if row.get("status") == QUEUED_STATUS else
+            describe_task_event(row.get("last_event"), self.store.clock()))
+        text = terminal_safe(text)
+        if width is not None and len(text) > width:
+            text = text[:max(1, width - 1)] + "…"
+        return text
+
+    HEADER = " TASK   STATE         AGENT      ELAPSED  LAST EVENT"
+
+
 HQ_COMMANDS = (
     ("/task", "[TEXT | --manual]", "define a task with the supervisor (or create TEXT directly) "
                                    "and run the loop"),
+    ("/task add", "TEXT | --milestone SPEC ID | --ready SPEC",
+     "queue a task (or a spec's milestone, or every ready one) for /run"),
+    ("/task cancel", "ID", "drop a queued task, or stop a running one"),
+    ("/tasks", "", "the task board: each queued, running and recently ended task with its "
+                   "state, agent, elapsed time and last event"),
+    ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
+                    "merged through the check gate (default [parallel] max_tasks)"),
     ("/plan", "", "a free planning session with the supervisor"),
     ("/spec", "", "draft and save a specification with the supervisor"),
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
     ("/reset-spec", "", "clear the spec selection"),
-    ("/status", "", "state, counters, lease, and each agent session"),
-    ("/log", "[N] [--all]", "the last N journal entries (default 20); --all also shows "
-                            "bookkeeping (sessions, leases, heartbeats)"),
+    ("/status", "[ID]", "state, counters, lease, and each agent session (of task ID, or "
+                        "the attached task)"),
+    ("/log", "[ID] [N] [--all]", "the last N journal entries (default 20), of task ID or the "
+                                 "attached one only; --all also shows bookkeeping (sessions, "
+                                 "leases, heartbeats)"),
     ("/agents", "", "installed agents and their registration"),
-    ("/attach", "ROLE", "show the live log of a running agent (a key returns)"),
+    ("/attach", "ID | ROLE", "follow task ID (only its lines; /status, /log, /diff show it; "
+                             "/attach alone detaches), or show the live log of a running "
+                             "agent (a key returns)"),
     ("/tell", "ROLE MESSAGE", "interrupt an agent; its next session starts with MESSAGE"),
     ("/check", "[--force]", "run the check gate"),
     ("/resume", "", "resume the task in flight (restarts stopped agents)"),
@@ -16061,7 +16302,8 @@ HQ_COMMANDS = (
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
      "file-driven pipelines (workflows.json), followed in the background"),
-    ("/diff", "[--stat] [PATH]", "the task's changes since its base (git)"),
+    ("/diff", "[ID] [--stat] [PATH]", "the task's changes since its base (git); of task ID "
+                                      "or the attached one"),
     ("/reset", "", "return to Idle (asks first)"),
     ("/supervisor", "", "an interactive supervisor session"),
     ("/executor", "", "an interactive executor session"),
@@ -16079,8 +16321,12 @@ class HqShell:
     This class is the plain front end (it works without curses, on Windows and
     with piped stdin).  Another front end subclasses it and overrides only the
     terminal parts: ``show``/``write`` (output), ``run`` (the input loop that
-    calls ``handle`` per line and ``controller.poll`` between keys), ``confirm``,
-    ``interactive`` (handing the terminal to an agent) and ``cmd_attach``."""
+    calls ``handle`` per line and ``poll`` between keys), ``confirm``,
+    ``interactive`` (handing the terminal to an agent) and ``attach_agent``.
+
+    Parallel tasks (`/run`) are worked by a ParallelRunner, the one `ferrus run
+    --parallel` uses, polled beside the project's own controller; `/attach ID` makes one
+    task the focus of the output and of /status, /log and /diff."""
 
     def __init__(self, store, stdin=None, stdout=None, resume=None, clock=time.monotonic):
         self.store = store
@@ -16090,7 +16336,53 @@ class HqShell:
         self.lines = collections.deque()
         self.held = None            # messages queued while an interactive agent has the terminal
         self.done = False
+        self.clock = clock
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+        self.runner = None          # the ParallelRunner of /run while it works the queue
+        self.attached = None        # the task /attach ID follows
+        self.hidden = 0             # other tasks' lines left out while attached
+        self.board = TaskBoard(store)
+
+    def poll(self):
+        """One step of everything HQ drives: the project's task, then the parallel run."""
+        self.controller.poll()
+        runner = self.runner
+        if runner is None:
+            return
+        try:
+            runner.step()
+        except FerrusError as err:
+            self.runner = None
+            runner.shutdown()
+            self.show(HqMessage("error", "the parallel run stopped: %s (/run starts it again)"
+                                % err.full_text(), "run"))
+            return
+        if runner.finished:
+            self.runner = None
+            runner.shutdown()
+            self.show(HqMessage("info", "The queue is done: /task add queues more, /run works "
+                                        "them.", "run"))
+
+    def shutdown(self):
+        """HQ leaves: every agent it started stops (the tasks stay as they are)."""
+        try:
+            if self.runner is not None:
+                self.runner.shutdown()
+        finally:
+            self.controller.shutdown()
+
+    def _runner_emit(self, message):
+        """The parallel run's lines: in HQ its own notes say "queue:", not "ferrus run:"."""
+        if message.text.startswith("ferrus run: "):
+            message.text = "queue: " + message.text[len("ferrus run: "):]
+        self.show(message)
+
+    def hides(self, message):
+        """While attached to a task, the lines of other tasks are left out (a question or
+        a confirmation is still shown: someone must answer it)."""
+        task = (message.data or {}).get("task_id") if isinstance(message.data, dict) else None
+        return bool(self.attached and task and task != self.attached and
+                    message.kind not in ("question", "confirm"))
 
     def ring_bell(self):
         """[notify] bell: only on a terminal (a pipe would get a stray BEL byte)."""
@@ -16101,6 +16393,9 @@ class HqShell:
     def show(self, message):
         if self.held is not None:
             self.held.append(message)
+            return
+        if self.hides(message):
+            self.hidden += 1
             return
         prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}.get(message.kind, "")
         if message.kind == "question":
@@ -16131,10 +16426,14 @@ class HqShell:
             else:
                 self.controller.paused = not self.resume
                 self.write("Resuming it." if self.resume else "Not resuming (use /resume).")
+        try:
+            self.parallel_tasks_in_flight()
+        except FerrusError as err:
+            self.write("error: %s" % err.full_text())
         threading.Thread(target=self._reader, daemon=True).start()
         try:
             while not self.done:
-                self.controller.poll()
+                self.poll()
                 while self.lines and not self.done:
                     line = self.lines.popleft()
                     if line is None:
@@ -16144,12 +16443,17 @@ class HqShell:
                     self.handle(line)
                 time.sleep(0.02)
         finally:
-            self.controller.shutdown()
+            self.shutdown()
         return 0
 
     def _say_input_ended(self):
         """Plain HQ ends with its input (a pipe, a file); say what that leaves behind, as
         the agents it stops would otherwise vanish without a word."""
+        if self.runner is not None and self.runner.controllers:
+            self.write("Input ended: HQ leaves and stops the agents of %d parallel task%s; "
+                       "they stay in flight: `ferrus run` or /run in `ferrus hq` goes on with "
+                       "them." % (len(self.runner.controllers),
+                                  "" if len(self.runner.controllers) == 1 else "s"))
         data = self.controller.task_in_flight()
         if data is None:
             return
@@ -16195,8 +16499,68 @@ class HqShell:
         except FerrusError as err:
             self.write("error: %s" % err.message + ("\nhint: %s" % err.hint if err.hint else ""))
 
+    # -- parallel tasks ----------------------------------------------------------------
+
+    def parallel_tasks_in_flight(self):
+        """At start-up: parallel tasks a previous run left in flight are resumed with
+        --resume, else HQ says how to resume them."""
+        running = [task for task, record in task_records(self.store)
+                   if record.get("status") == RUNNING_STATUS and record.get("worktree")]
+        if not running:
+            return
+        what = "%d parallel task%s in flight (%s)" % (
+            len(running), " is" if len(running) == 1 else "s are",
+            ", ".join(short_task_id(task) for task in running))
+        if self.resume:
+            self.write(what + "; resuming.")
+            self.cmd_run("")
+        else:
+            self.write(what + "; /run resumes them, /tasks shows the board.")
+
+    def running_task_ids(self):
+        """The parallel tasks with a store of their own that have not ended."""
+        return [task for task, record in task_records(self.store)
+                if record.get("status") == RUNNING_STATUS and
+                self.store.for_task(task).exists()]
+
+    def task_controller(self, task):
+        """The controller driving ``task`` in this HQ's run, if one does."""
+        return self.runner.controllers.get(task) if self.runner is not None else None
+
+    def human_target(self, states):
+        """The store a human's answer or verdict is for: the attached task's, else the only
+        parallel task in one of ``states``, else the project's."""
+        if self.attached and self.store.for_task(self.attached).exists():
+            with contextlib.suppress(FerrusError):
+                if self.store.for_task(self.attached).read_state().state in states:
+                    return self.store.for_task(self.attached)
+        waiting = []
+        for task in self.running_task_ids():
+            with contextlib.suppress(FerrusError):
+                if self.store.for_task(task).read_state().state in states:
+                    waiting.append(task)
+        if len(waiting) > 1:
+            raise FerrusError("tasks %s all wait for you" % ", ".join(
+                short_task_id(task) for task in waiting), "/attach ID picks the task, then "
+                                                          "answer (or /approve, /reject NOTES)")
+        return self.store.for_task(waiting[0]) if waiting else self.store
+
+    def task_word(self, word):
+        """The task ``word`` names (its id or the end of it, as lines show it), or None
+        when it names none."""
+        if not word or len(word) < 4 or word.startswith("-"):
+            return None
+        with contextlib.suppress(FerrusError):
+            return require_task_id(self.store, word)
+        return None
+
     def answer(self, text):
-        data = self.store.read_state()
+        try:
+            store = self.human_target((S.AWAITING_HUMAN, S.AWAITING_CONFIRMATION))
+        except FerrusError as err:
+            self.write("error: %s\nhint: %s" % (err.message, err.hint))
+            return
+        data = store.read_state()
         if data.state == S.AWAITING_CONFIRMATION:
             self.write("error: the reviewer's approval waits for you: /approve, or /reject "
                        "NOTES (a plain line answers only an agent's question)")
@@ -16205,13 +16569,13 @@ class HqShell:
             self.write("error: commands start with '/' (try /help); nobody is waiting for an "
                        "answer (state %s)" % data.state)
             return
-        op_answer(self.store, HUMAN, text)
+        op_answer(store, HUMAN, text)
         self.write("Answer recorded; the agent continues.")
 
     def confirm(self, question):
         self.write(question + " [y/N]")
         while not self.lines:
-            self.controller.poll()
+            self.poll()
             time.sleep(0.02)
         reply = self.lines.popleft()
         if reply is None:
@@ -16243,9 +16607,13 @@ class HqShell:
     def busy_agents(self):
         """The slots whose agents would lose work if HQ quit now, as "executor, reviewer";
         agents that only finish after the task ended have no work left to lose."""
-        if self.controller.finishing_since is not None:
-            return ""
-        return ", ".join(slot.name for slot in self.controller.running())
+        busy = [slot.name for slot in self.controller.running()] \
+            if self.controller.finishing_since is None else []
+        if self.runner is not None:
+            busy += ["%s of %s" % (slot.name, short_task_id(task))
+                     for task, controller in self.runner.controllers.items()
+                     if controller.finishing_since is None for slot in controller.running()]
+        return ", ".join(busy)
 
     def quit_unless_declined(self):
         busy = self.busy_agents()
@@ -16256,6 +16624,13 @@ class HqShell:
         self.quit_unless_declined()
 
     def cmd_status(self, rest):
+        task = self.task_word(rest) or (None if rest else self.attached)
+        if rest and task is None:
+            raise UsageError("usage: /status [ID] — no task %s in the queue (/tasks lists them)"
+                             % rest)
+        if task is not None:
+            self.task_status(task)
+            return
         self.write(self.controller.describe_state())
         capacity = capacity_status(self.store, self.store.read_state())
         if capacity:
@@ -16275,26 +16650,97 @@ class HqShell:
                 self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
             self.write(confirmation_summary(self.store, data))
+        rows = self.board.rows(force=True)
+        if rows:
+            self.write("tasks: %s — /tasks shows the board%s" % (
+                self.board.summary(rows), "" if self.runner is not None else
+                ", /run works the queue" if any(row.get("status") in (
+                    QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
+
+    def task_status(self, task):
+        """/status of one task of the queue: where it stands, its agents and sessions."""
+        record = read_task_record(self.store.dir, task)
+        task_store = self.store.for_task(task)
+        rows = [row for row in task_rows(self.store) if row["id"] == task]
+        row = rows[0] if rows else {"id": task, "status": record.get("status")}
+        elapsed = task_elapsed(row, self.store.clock())
+        self.write("Task %s: %s — %s%s" % (
+            short_task_id(task), record.get("title", ""), task_state_word(row),
+            ", for %s" % format_duration(elapsed) if elapsed is not None else ""))
+        if task_store.exists():
+            data = task_store.read_state()
+            self.write("check retries %d, review cycles %d" % (data.check_retries,
+                                                              data.review_cycles))
+            if data.failure_reason:
+                self.write("failure: %s" % failure_summary(data.failure_reason))
+        if record.get("worktree"):
+            self.write("worktree %s, branch %s" % (record["worktree"], record.get("branch")))
+        if record.get("merged_commit"):
+            self.write("merged into %s at %s" % (record.get("target") or "the target",
+                                                 record["merged_commit"][:12]))
+        if record.get("reason") and not task_store.exists():
+            self.write("reason: %s" % failure_summary(record["reason"]))
+        controller = self.task_controller(task)
+        if controller is not None:
+            for slot in controller.slots.values():
+                self.write("  " + slot.describe(controller.tool_calls_of(slot)))
+        elif record.get("status") == RUNNING_STATUS:
+            self.write("  no agent of it runs here (/run resumes it)")
+        sessions = [r for r in read_session_records(self.store) if r.get("task_id") == task]
+        if sessions:
+            self.write("usage: %s" % format_usage(usage_summary(sessions)))
+            for session in sessions[-STATUS_SESSIONS_SHOWN:]:
+                self.write("  " + terminal_safe(describe_session(session)))
+        if task_store.exists() and task_store.read_state().state == S.AWAITING_CONFIRMATION:
+            self.write(confirmation_summary(task_store, task_store.read_state()))
 
     def cmd_log(self, rest):
         words = rest.split()
         everything = "--all" in words
-        numbers = [w for w in words if w != "--all"]
-        if len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
-            raise UsageError("usage: /log [N] [--all]")
+        named = [w for w in words if w != "--all" and self.task_word(w)]
+        numbers = [w for w in words if w != "--all" and w not in named]
+        if len(named) > 1 or len(numbers) > 1 or (numbers and not numbers[0].isdigit()):
+            raise UsageError("usage: /log [ID] [N] [--all] — ID is a task of the queue "
+                             "(/tasks lists them)")
         count = int(numbers[0]) if numbers else 20
-        entries = journal_story(self.store, count, everything)
+        task = self.task_word(named[0]) if named else self.attached
+        entries = journal_story(self.store, count, everything, task=task)
         for entry in entries:
             self.write(format_event(entry))
         if not entries:
             self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
                                                                 "bookkeeping entries"))
 
+    def diff_store(self, task):
+        """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
+        task of the queue has none to show."""
+        if task is None:
+            return self.store
+        record = read_task_record(self.store.dir, task)
+        status = record.get("status")
+        if status == MERGED_STATUS:
+            raise FerrusError("task %s is merged%s" % (
+                short_task_id(task), " at %s" % record["merged_commit"][:12]
+                if record.get("merged_commit") else ""),
+                "`git show %s` shows what it changed" % (
+                    record.get("merged_commit", "")[:12] or record.get("target") or "HEAD"))
+        if record.get("store") != "project" and not self.store.for_task(task).exists():
+            raise FerrusError("task %s is %s: it has no work yet" % (
+                short_task_id(task), status or "not started"), "/tasks shows the board")
+        task_store = task_store_of(self.store, task)
+        if task_store is not self.store and not os.path.isdir(task_store.workdir):
+            raise FerrusError("task %s's worktree %s is gone" % (
+                short_task_id(task), task_store.workdir),
+                "`ferrus doctor` lists orphaned tasks and worktrees")
+        return task_store
+
     def cmd_diff(self, rest):
         words = rest.split()
         stat_only = "--stat" in words
-        paths = [w for w in words if w != "--stat"] or None
-        outcome = op_diff(self.store, HUMAN, stat_only=stat_only, paths=paths)
+        named = [w for w in words if w != "--stat" and self.task_word(w)][:1]
+        paths = [w for w in words if w != "--stat" and w not in named] or None
+        store = self.diff_store(self.task_word(named[0]) if named else self.attached)
+        outcome = op_diff(store, HUMAN, stat_only=stat_only, paths=paths)
         if not outcome.data.get("available"):
             self.write(outcome.text + ("\nhint: %s" % outcome.data["hint"]
                                        if outcome.data.get("hint") else ""))
@@ -16318,10 +16764,41 @@ class HqShell:
                 self.write("  warning: %s (%s)" % (warning["warning"], warning["hint"]))
 
     def cmd_attach(self, rest):
-        slot = self.controller.slots.get(rest)
+        if rest in SLOT_ROLES:
+            self.attach_agent(rest)
+            return
+        if not rest:
+            if self.attached is None:
+                raise UsageError("usage: /attach ID (follow a task) or /attach ROLE (an "
+                                 "agent's live log); /tasks lists the tasks")
+            self.write("Detached from task %s%s; every task's lines are shown again." % (
+                short_task_id(self.attached), " (%d of other tasks' lines were left out; "
+                "/log shows what happened)" % self.hidden if self.hidden else ""))
+            self.attached, self.hidden = None, 0
+            return
+        task = self.task_word(rest)
+        if task is None:
+            raise UsageError("no task or agent role %r (tasks: /tasks lists them; roles: %s)"
+                             % (rest, ", ".join(SLOT_ROLES)))
+        record = read_task_record(self.store.dir, task)
+        self.attached, self.hidden = task, 0
+        self.write("Following task %s (%s): only its lines are shown; /status, /log and /diff "
+                   "show it; /attach alone shows every task again." % (
+                       short_task_id(task), record.get("title", "")))
+        for entry in journal_story(self.store, 5, task=task):
+            self.write(format_event(entry))
+
+    def focus_controller(self):
+        """The controller of the attached task when this HQ runs it, else the project's."""
+        return (self.task_controller(self.attached) if self.attached else None) or \
+            self.controller
+
+    def attach_agent(self, rest):
+        controller = self.focus_controller()
+        slot = controller.slots.get(rest)
         if slot is None or slot.process is None:
             raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
-                s.name for s in self.controller.running()) or "none"))
+                s.name for s in controller.running()) or "none"))
         self.write("--- %s (Enter returns) ---" % self.store.relpath(slot.process.log_path))
         with open(slot.process.log_path, "r", encoding="utf-8", errors="replace") as handle:
             self.write(handle.read()[-4000:].rstrip())
@@ -16329,7 +16806,7 @@ class HqShell:
                 chunk = handle.read()
                 if chunk:
                     self.write(chunk.rstrip())
-                self.controller.poll()
+                self.poll()
                 time.sleep(0.1)
         if self.lines and self.lines[0] is not None:
             self.lines.popleft()
@@ -16369,13 +16846,15 @@ class HqShell:
         if rest:
             raise UsageError("usage: /approve (it takes no arguments; /reject NOTES sends the "
                              "task back)")
-        self.write(op_human_approve(self.store, HUMAN, via="hq").text)
+        self.write(op_human_approve(self.human_target((S.AWAITING_CONFIRMATION,)), HUMAN,
+                                    via="hq").text)
 
     def cmd_reject(self, rest):
         if not rest:
             raise UsageError("usage: /reject NOTES — say what must change; the executor gets "
                              "them as review notes")
-        self.write(op_human_reject(self.store, HUMAN, rest, via="hq").text)
+        self.write(op_human_reject(self.human_target((S.AWAITING_CONFIRMATION,)), HUMAN, rest,
+                                   via="hq").text)
 
     def cmd_review(self, rest):
         state = self.store.read_state().state
@@ -16396,10 +16875,14 @@ class HqShell:
         hq_cmd_pipeline(self, rest)
 
     def cmd_continue(self, rest):
-        if not self.controller.checkpoint:
+        runner = self.runner if self.runner is not None and self.runner.checkpoint else None
+        if not self.controller.checkpoint and runner is None:
             raise FerrusError("there is no capacity checkpoint to continue from")
-        self.controller.continue_after_checkpoint()
-        self.controller.paused = False
+        if self.controller.checkpoint:
+            self.controller.continue_after_checkpoint()
+            self.controller.paused = False
+        if runner is not None:
+            runner.continue_after_checkpoint()
         self.write("Continuing; the capacity budget counts again from now.")
 
     def cmd_reset(self, rest):
@@ -16413,8 +16896,102 @@ class HqShell:
         self.controller.stop_all()
         self.write(op_force_reset(self.store, HUMAN).text)
 
+    def cmd_tasks(self, rest):
+        rows = self.board.rows(force=True)
+        if not rows:
+            ended = len(task_records(self.store))
+            self.write("No task is queued or running%s: /task add TEXT queues one." % (
+                " (%d ended before HQ started: `ferrus tasks` lists them)" % ended
+                if ended else ""))
+            return
+        self.write(TaskBoard.HEADER)
+        for row in rows:
+            self.write(self.board.line(row, attached=self.attached))
+        self.write("%s%s" % (self.board.summary(rows), "; the run works %d at a time" %
+                             self.runner.max_tasks if self.runner is not None else
+                             "; /run works the queue" if any(row.get("status") in (
+                                 QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
+
+    def task_add(self, rest):
+        """/task add TEXT | --milestone SPEC ID | --ready SPEC: queue work for /run."""
+        words = rest.split()
+        usage = UsageError("usage: /task add TEXT | --milestone SPEC ID | --ready SPEC")
+        if not words:
+            raise usage
+        if words[0] == "--milestone":
+            if len(words) != 3:
+                raise usage
+            outcome = op_enqueue_milestone(self.store, HUMAN, words[1], words[2])
+        elif words[0] == "--ready":
+            if len(words) != 2:
+                raise usage
+            outcome = op_enqueue_ready(self.store, HUMAN, words[1])
+        elif words[0].startswith("--"):
+            raise usage
+        else:
+            outcome = op_enqueue_task(self.store, HUMAN, rest)
+        self.write(outcome.text)
+        if self.runner is not None:
+            self.write("The run takes it up when a slot is free (%d at a time)."
+                       % self.runner.max_tasks)
+        elif outcome.data.get("task_id") or outcome.data.get("queued"):
+            self.write("/run works the queue (%s)." % self.run_width_text())
+
+    def run_width_text(self):
+        width = 1
+        with contextlib.suppress(FerrusError):
+            width = self.store.config().parallel.max_tasks
+        return "%d at a time, [parallel] max_tasks" % width if width > 1 else \
+            "/run N: N at a time, each task in its own git worktree"
+
+    def cmd_run(self, rest):
+        words = rest.split()
+        if len(words) > 1 or (words and not (words[0].isdigit() and 1 <= int(words[0]) <= 64)):
+            raise UsageError("usage: /run [N] — work the queue N tasks at a time (1 to 64; "
+                             "default [parallel] max_tasks)")
+        width = int(words[0]) if words else self.store.config().parallel.max_tasks
+        if self.runner is not None:
+            if not words or width == self.runner.max_tasks:
+                raise FerrusError("the queue is being worked already (%d at a time)"
+                                  % self.runner.max_tasks, "/tasks shows the board; /run N "
+                                                            "changes how many at a time")
+            self.runner.max_tasks = width
+            self.write("The run now works %d task%s at a time." % (width, "" if width == 1
+                                                                  else "s"))
+            return
+        if width < 2 and not words:
+            raise FerrusError("[parallel] max_tasks is 1: a task at a time, in the checkout",
+                              "/run N works the queue N at a time, each task in its own git "
+                              "worktree (`ferrus run` works it one by one in the checkout)")
+        if not any(record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+                   for _, record in task_records(self.store)):
+            raise FerrusError("the queue is empty", "/task add TEXT queues a task")
+        require_headless_agents(self.store)
+        runner = ParallelRunner(self.store, self._runner_emit, width, clock=self.clock,
+                                bell=self.ring_bell)
+        try:
+            runner.start()
+        except BaseException:
+            runner.shutdown()
+            raise
+        self.runner = runner
+        self.write("Working the queue %d at a time, each task in its own worktree: /tasks "
+                   "shows the board, /attach ID follows one task." % width)
+
     def cmd_task(self, rest):
+        verb, _, more = rest.partition(" ")
+        if verb == "add":
+            self.task_add(more.strip())
+            return
+        if verb == "cancel":
+            if not more.strip() or len(more.split()) != 1:
+                raise UsageError("usage: /task cancel ID (/tasks lists the tasks)")
+            self.write(op_cancel_task(self.store, HUMAN, more.strip()).text)
+            return
         data = self.store.read_state()
+        if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
+            raise FerrusError("parallel tasks are in flight, so the checkout takes no task of "
+                              "its own now", "/task add TEXT queues it for the run")
         if data.state in ACTIVE_STATES:
             raise FerrusError("a task is in flight (%s)" % data.state, "/resume or /reset first")
         if data.state == S.FAILED and not self.confirm(
@@ -16548,7 +17125,7 @@ class HqShell:
             previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
         try:
             while proc.poll() is None:
-                self.controller.poll()
+                self.poll()
                 time.sleep(0.05)
         finally:
             if previous is not None:
@@ -16570,7 +17147,7 @@ _CURSES_COLORS = {"transition": "CYAN", "warning": "YELLOW", "error": "RED",
                   "Executing": "CYAN", "Addressing": "YELLOW", "Consultation": "MAGENTA",
                   "AwaitingHuman": "YELLOW", "AwaitingConfirmation": "YELLOW",
                   "Reviewing": "BLUE", "Complete": "GREEN",
-                  "Failed": "RED"}
+                  "Failed": "RED", "Integrating": "BLUE", "merged": "GREEN", "failed": "RED"}
 _CURSES_KEYS_HELP = ("Enter send · Alt+Enter/Ctrl+J newline · Tab complete · ↑↓ history · "
                      "PgUp/PgDn scroll · Ctrl+C twice quits")
 
@@ -16631,6 +17208,9 @@ class CursesHq(HqShell):
             self.held.append(message)
             return
         stamp = time.strftime("%H:%M:%S ")
+        # Every line is kept with its task: /attach ID shows one task's, and detaching
+        # brings the others back.
+        task = message.data.get("task_id") if isinstance(message.data, dict) else None
         if message.kind == "question":
             self.add("question", "%s[AWAITING YOUR ANSWER]\n%s\nType your answer and press "
                                  "Enter." % (stamp, message.text))
@@ -16638,17 +17218,17 @@ class CursesHq(HqShell):
             self.add("question", "%s[AWAITING YOUR CONFIRMATION]\n%s" % (stamp, message.text))
         else:
             prefix = {"warning": "warning: ", "error": "error: ", "agent": "• "}
-            self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text)
+            self.add(message.kind, stamp + prefix.get(message.kind, "") + message.text, task)
         self.status_due = 0                  # a message usually means the state moved
 
     def write(self, text):
         self.add("error" if text.startswith("error:") else "output", text)
 
-    def add(self, kind, text):
+    def add(self, kind, text, task=None):
         for line in terminal_safe(text).expandtabs().split("\n"):
-            self.transcript.append((kind, line))
-            if self.scroll:                  # a scrolled-back view stays where it is
-                self.scroll += 1
+            self.transcript.append((kind, line, task))
+            if self.scroll and (self.attached is None or task in (None, self.attached)):
+                self.scroll += 1             # a scrolled-back view stays where it is
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -16664,7 +17244,7 @@ class CursesHq(HqShell):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self.controller.shutdown()
+            self.shutdown()
 
     def _main(self, scr):
         curses = self.curses
@@ -16684,8 +17264,12 @@ class CursesHq(HqShell):
                                                        % data.state))
             self.write("Not resuming; /resume continues the task later."
                        if self.controller.paused else "Resuming it.")
+        try:
+            self.parallel_tasks_in_flight()
+        except FerrusError as err:
+            self.write("error: %s" % err.full_text())
         while not self.done:
-            self.controller.poll()           # reactions go on while the user types
+            self.poll()                      # reactions go on while the user types
             self.draw()
             key = self.getkey(50)
             while key is not None and not self.done:     # pasted text: take it all at once
@@ -16764,8 +17348,12 @@ class CursesHq(HqShell):
         """Command names for the first word; slot or role names after some commands."""
         if not head:
             return [name for name, _, _ in HQ_COMMANDS if name.startswith(word)]
-        words = {"/attach": tuple(self.controller.slots), "/tell": tuple(self.controller.slots),
-                 "/model": ROLES}.get(head.split()[0], ()) if head.count(" ") == 1 else ()
+        tasks = tuple(short_task_id(row["id"]) for row in self.board.rows())
+        words = {"/attach": tuple(self.controller.slots) + tasks,
+                 "/tell": tuple(self.controller.slots), "/model": ROLES,
+                 "/log": tasks, "/diff": tasks, "/status": tasks,
+                 "/task": ("add", "cancel")}.get(head.split()[0], ()) \
+            if head.count(" ") == 1 else ()
         return [w for w in words if w.startswith(word)]
 
     def complete(self, step):
@@ -16838,11 +17426,27 @@ class CursesHq(HqShell):
 
     def status_lines(self):
         """(state, the state line, the agents line): times, counters against their limits,
-        spec and milestone; then each slot's session state."""
+        spec and milestone; then each slot's session state.  Of the attached task when
+        there is one; while parallel tasks run unattached, how many do what."""
+        store, controller = self.store, self.controller
+        if self.attached:
+            store, controller = self.store.for_task(self.attached), \
+                self.task_controller(self.attached)
+            if not store.exists():
+                record = read_task_record(self.store.dir, self.attached)
+                return "", "ferrus HQ │ task %s %s │ /attach alone returns to every task" % (
+                    short_task_id(self.attached), record.get("status", "gone")), ""
         try:
-            data, now = self.store.read_state(), self.store.clock()
+            data, now = store.read_state(), self.store.clock()
         except FerrusError as err:
             return "", "ferrus HQ │ state unreadable: %s" % err, ""
+        if not self.attached and self.controller.mirrors_parallel_task(data):
+            runner = self.runner
+            return "", "ferrus HQ │ tasks: %s │ /attach ID follows one" % (
+                self.board.summary() or "none"), \
+                "run: %s, %d at a time" % (phase_label(runner.machine.phase),
+                                           runner.max_tasks) if runner is not None else \
+                "no run: /run works the queue"
         retries = cycles = "?"
         with contextlib.suppress(FerrusError):
             limits = self.store.config().limits
@@ -16860,9 +17464,9 @@ class CursesHq(HqShell):
         if data.selected_spec:
             parts.append("spec %s · %s" % (spec_display_name(data.selected_spec),
                                            data.selected_milestone or "none left"))
-        if self.controller.paused and data.state in ACTIVE_STATES:
+        if controller is not None and controller.paused and data.state in ACTIVE_STATES:
             parts.append("PAUSED (/resume)")
-        if self.controller.checkpoint:
+        if controller is not None and controller.checkpoint:
             parts.append("CAPACITY CHECKPOINT (/continue)")
         if data.task_id:
             used = task_usage(self.store, data.task_id)
@@ -16871,17 +17475,38 @@ class CursesHq(HqShell):
                     compact_count(used["input_tokens"] + used["output_tokens"]),
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
+        if self.attached:            # right after its state, where a narrow screen keeps it
+            parts.insert(2, "▸%s" % short_task_id(self.attached))
         slots = ["%s %s%s" % (slot.name, slot.label(),
-                              " (%s)" % count_tool_calls(self.controller.tool_calls_of(slot))
+                              " (%s)" % count_tool_calls(controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")
-                 for slot in self.controller.slots.values()]
-        return data.state.value, " │ ".join(parts), " · ".join(slots)
+                 for slot in (controller.slots.values() if controller is not None else ())]
+        return data.state.value, " │ ".join(parts), " · ".join(slots) if controller is not None \
+            else "no agent of this task runs here (/run resumes it)"
+
+    def board_rows(self, height, width):
+        """The task board's screen rows, (text, attr): a header, then one row per task,
+        as many as fit in about half of what is left of the screen."""
+        rows = self.board.rows()
+        if not rows:
+            return []
+        room = max(2, min(12, (height - 8) // 2))
+        shown = rows if len(rows) <= room else rows[:room - 1]
+        out = [("tasks: %s — /tasks lists them, /attach ID follows one" % self.board.summary(rows),
+                self.curses.A_BOLD)]
+        for row in shown:
+            out.append((self.board.line(row, width, self.attached),
+                        self.attrs[task_state_word(row)] |
+                        (self.curses.A_BOLD if row["id"] == self.attached else 0)))
+        if len(shown) < len(rows):
+            out.append(("  … %d more (/tasks)" % (len(rows) - len(shown)), self.curses.A_DIM))
+        return out
 
     def _tail(self, entries, height, width):
         """The screen rows of the newest entries, ``self.scroll`` rows back from the end."""
         import textwrap
         rows = []
-        for kind, line in reversed(entries):
+        for kind, line, *_ in reversed(entries):
             wrapped = (textwrap.wrap(line, width, subsequent_indent="  ", drop_whitespace=False)
                        if width > 8 else [line[:max(1, width)]]) or [""]
             rows.extend((kind, row) for row in reversed(wrapped))
@@ -16910,9 +17535,11 @@ class CursesHq(HqShell):
             return "  ".join("[%s]" % o if i == index else o for i, o in enumerate(options))
         if self.scroll:
             return "scrolled back %d lines — PgDn returns" % self.scroll
-        name = self.buffer.split(" ", 1)[0]
+        typed = self.buffer.split()
+        # The longest command the input starts with: "/task add …" is not "/task …".
         return next(("%s — %s" % (("%s %s" % (command, args)).strip(), what)
-                     for command, args, what in HQ_COMMANDS if command == name),
+                     for command, args, what in sorted(HQ_COMMANDS, key=lambda c: -len(c[0]))
+                     if typed[:len(command.split())] == command.split()),
                     _CURSES_KEYS_HELP)
 
     def put(self, row, col, text, attr=0):
@@ -16929,7 +17556,10 @@ class CursesHq(HqShell):
         rows, (cursor_row, cursor_col) = self._input_rows(width)
         keep = max(1, min(len(rows), height // 3))
         first = max(0, min(cursor_row - keep + 1, len(rows) - keep))
-        top, bottom = 2, height - keep - 1           # the transcript's rows; then the hint
+        # The task board goes above the transcript: at 80 columns a side pane would leave
+        # neither the board's rows nor the transcript's lines room enough to read.
+        board = self.board_rows(height, width) if height >= 12 else []
+        top, bottom = 2 + len(board), height - keep - 1   # the transcript's rows; the hint
         self.scr.erase()
         self.put(0, 0, line.ljust(width), curses.A_REVERSE)
         self.put(0, len("ferrus HQ │ "), state, curses.A_REVERSE | self.attrs[state])
@@ -16938,6 +17568,8 @@ class CursesHq(HqShell):
                      curses.A_BOLD | self.attrs["question"])
         else:
             self.put(1, 0, agents)
+        for i, (text, attr) in enumerate(board):
+            self.put(2 + i, 0, text, attr)
         if self.selected is not None:                # a selection dialog
             size = max(1, bottom - top)
             first_option = max(0, min(self.selected - size // 2, len(self.view) - size))
@@ -16947,6 +17579,9 @@ class CursesHq(HqShell):
         else:
             entries = self.transcript if self.view is None else [
                 line if isinstance(line, tuple) else ("agent", line) for line in self.view]
+            if self.view is None and self.attached:  # one task's lines, and HQ's own
+                entries = [entry for entry in entries if entry[2] in (None, self.attached)
+                           or entry[0] == "question"]
             for i, (kind, text) in enumerate(self._tail(entries, bottom - top, width)):
                 self.put(top + i, 0, text, self.attrs[kind])
         self.put(bottom, 0, self.hint(), curses.A_DIM)
@@ -16968,7 +17603,7 @@ class CursesHq(HqShell):
         self.banner = banner
         try:
             while not self.done:
-                self.controller.poll()
+                self.poll()
                 self.draw()
                 key = self.getkey(50)
                 result = ... if key is None else react(key)
@@ -17053,12 +17688,13 @@ class CursesHq(HqShell):
             self.view, self.scroll = None, saved_scroll
         self.write("(%s: %d lines shown in the pager)" % (title, len(lines)))
 
-    def cmd_attach(self, rest):
+    def attach_agent(self, rest):
         """The agent's live log in the transcript area until a key is pressed."""
-        slot = self.controller.slots.get(rest)
+        controller = self.focus_controller()
+        slot = controller.slots.get(rest)
         if slot is None or slot.process is None:
             raise UsageError("no running agent called %r (running: %s)" % (rest, ", ".join(
-                s.name for s in self.controller.running()) or "none"))
+                s.name for s in controller.running()) or "none"))
         process, lines, pending = slot.process, collections.deque(maxlen=5000), ""
         self.view, self.banner = lines, "attached to the %s — %s — any key returns" % (
             rest, self.store.relpath(process.log_path))
@@ -17072,7 +17708,7 @@ class CursesHq(HqShell):
                     if exited:
                         lines.extend(([pending] if pending else []) + ["[the agent exited]"])
                         process = None
-                    self.controller.poll()
+                    self.poll()
                     self.draw()
             if process is None:
                 self._modal(self.banner, lambda key: True)   # still until a key
@@ -17170,9 +17806,11 @@ def cmd_status(args, root):
         if config.hq_problem:
             notes.append(config.hq_problem.message)
     orchestrator = running_orchestrator(store)
-    task_records = [r for r in read_session_records(store)
-                    if data.task_id and r.get("task_id") == data.task_id]
+    sessions = read_session_records(store)
+    task_records = [r for r in sessions if data.task_id and r.get("task_id") == data.task_id]
+    queue = status_task_rows(store, sessions)
     if args.json:
+        info["tasks"] = queue
         info["orchestrator"] = orchestrator
         info["usage"] = usage_summary(task_records)
         info["sessions"] = [session_brief(r) for r in task_records]
@@ -17273,7 +17911,62 @@ def cmd_status(args, root):
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
         print("\n" + terminal_safe(confirmation_summary(store, data)))
+    for line in describe_queue(queue):
+        say(line)
     return 0
+
+
+# `ferrus status` lists every task that has not ended and the last few that have; the
+# rest are `ferrus tasks`'.
+STATUS_ENDED_TASKS_SHOWN = 5
+
+
+def status_task_rows(store, sessions):
+    """The queue for `ferrus status`: task_rows with each task's short id, its executor's
+    agent (from its session ``sessions`` when the task did not name one) and last event
+    (its newest journal entry that tells what happened, as an object)."""
+    rows = sorted(task_rows(store), key=queued_order)
+    if not rows:
+        return rows
+    last = last_task_events(store, [row["id"] for row in rows])
+    executors = {record.get("task_id"): record.get("agent") for record in sessions
+                 if record.get("role") == "executor"}
+    now = store.clock()
+    for row in rows:
+        row["agent"] = row.get("agent") or executors.get(row["id"])
+        entry = last.get(row["id"])
+        row["short_id"] = short_task_id(row["id"])
+        row["elapsed_secs"] = task_elapsed(row, now)
+        row["last_event"] = None if entry is None else {
+            key: entry.get(key) for key in ("seq", "time", "event", "from", "to", "actor")}
+    return rows
+
+
+def describe_queue(rows):
+    """The lines `ferrus status` ends with: one per task (short id, state, agent, age,
+    title; the worktree of a running one), the ended ones beyond the last few counted."""
+    if not rows:
+        return []
+    ended = [row for row in rows if row.get("status") in ENDED_STATUSES]
+    shown_ended = ended[-STATUS_ENDED_TASKS_SHOWN:]
+    counts = collections.Counter(row.get("status") for row in rows)
+    lines = ["", "tasks  %s (`ferrus tasks` lists them)" % ", ".join(
+        "%d %s" % (counts[status], status) for status in (
+            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
+            CANCELLED_STATUS) if counts[status])]
+    if len(ended) > len(shown_ended):
+        lines.append("  … %d ended earlier" % (len(ended) - len(shown_ended)))
+    for row in rows:
+        if row.get("status") in ENDED_STATUSES and row not in shown_ended:
+            continue
+        age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
+        lines.append("  %-6s %-13s %-10s %7s  %s" % (
+            row["short_id"], task_state_word(row), (row.get("agent") or "-")[:10], age,
+            row.get("title", "")))
+        if row.get("status") == RUNNING_STATUS and row.get("worktree"):
+            lines.append("  %-6s worktree %s%s" % ("", row["worktree"], " (branch %s)" % (
+                row["branch"]) if row.get("branch") else ""))
+    return lines
 
 
 def cmd_log(args, root):

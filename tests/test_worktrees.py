@@ -537,6 +537,15 @@ def test_a_long_conflict_is_cut_to_a_few_kib(repo, task):
     assert "more lines]" in result.text and "left out" in result.text
 
 
+def test_a_conflict_in_a_minified_file_shows_its_lines_cut(repo, task):
+    write(task, "bundle.min.js", "var task=1;" * 2000 + "\n")
+    write(repo, "bundle.min.js", "var main=2;" * 2000 + "\n")
+    commit_all(repo, "main builds the bundle")
+    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    assert result.conflicts == ["bundle.min.js"] and len(result.text) < 1000
+    assert "var task=1;" in result.text and "var main=2;" in result.text
+
+
 def test_a_hook_that_refuses_the_commit_leaves_the_work_in_place(repo, task):
     hooks = os.path.join(repo, ".git", "hooks")
     write(hooks, "pre-commit", "#!/bin/sh\necho 'lint: feature.py is not formatted' >&2\n"

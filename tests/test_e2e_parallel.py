@@ -1,0 +1,217 @@
+"""Parallel tasks with real agent CLIs: each agent, started in its task's git worktree,
+reaches ferrus and works on its own task only.
+
+Claude Code runs two queued tasks to integration through `ferrus run --parallel 2`
+(as a user runs it).  Codex, Qwen Code and Gemini CLI each run one parallel task as
+executor, started in the task's worktree, until the task is submitted for review.  The
+models behind the CLIs are scripted (tests/fake_anthropic.py, tests/fake_models.py);
+the CLIs, their MCP connections, ferrus and git are real.  Each test skips when its CLI
+is not installed.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import ferrus
+from conftest import set_config
+from fake_anthropic import FakeAnthropic, claude_env, find_agent, last_tool_results, text, \
+    tool_use
+
+pytestmark = pytest.mark.e2e
+
+# Every NAME.txt in the project holds NAME: true alone and after any merge of the tasks.
+CHECK = ("python3 -c \"import pathlib, sys; sys.exit(any(p.read_text().strip() != p.stem "
+         "for p in pathlib.Path('.').glob('*.txt')))\"")
+
+CONFIG = """
+[checks]
+commands = [%s]
+
+[limits]
+wait_timeout_secs = 20
+""" % json.dumps(CHECK)
+
+# The task text says what to write; the scripted model reads it from wait_for_task's result.
+WRITE = re.compile(r"WRITE (\w+\.txt): (\w+)")
+
+
+def ferrus_cli(root, *args, env=None, timeout=60):
+    return subprocess.run([sys.executable, ferrus.FERRUS_FILE] + list(args), cwd=str(root),
+                          env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def git(root, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
+                          env=env, capture_output=True, text=True, check=True).stdout
+
+
+def repository(project, agent, env):
+    """``project`` as a git repository, ``agent`` registered in both roles (as a user
+    does it), everything committed on main."""
+    git(project, "init", "-q")
+    # The agents run with an isolated HOME: the repository names its committer itself.
+    git(project, "config", "user.name", "Test User")
+    git(project, "config", "user.email", "test@example.com")
+    set_config(project, CONFIG)
+    registered = ferrus_cli(project, "register", "--supervisor", agent, "--executor", agent,
+                            env=env)
+    assert registered.returncode == 0, registered.stderr
+    (project / "README.md").write_text("hello\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "before the tasks")
+
+
+def add_task(project, name, env=None):
+    added = ferrus_cli(project, "task", "add", "Add %s.txt.\n\nWRITE %s.txt: %s" % (
+        name, name, name), env=env)
+    assert added.returncode == 0, added.stderr
+    return re.search(r"Task (t-\S+) queued", added.stdout).group(1)
+
+
+def session_of(actor):
+    """The agent session an actor id names (``role:agent:index/session``), or None."""
+    return actor.partition("/")[2] or None
+
+
+def agent_entries_by_task(store, tasks):
+    """The journal entries agents made, per task; each must belong to the task its
+    agent's session names (a tool call never touches another task)."""
+    by_task = {task: [] for task in tasks}
+    for entry in store.read_journal():
+        session = session_of(entry.get("actor", ""))
+        if not session:
+            continue
+        assert ferrus.session_task(session) == entry["task_id"], entry
+        by_task[entry["task_id"]].append(entry)
+    return by_task
+
+
+# -- Claude Code: two tasks to integration ----------------------------------------------------
+
+def system_text(request):
+    system = request.get("system")
+    if isinstance(system, list):
+        return "\n".join(block.get("text", "") for block in system if isinstance(block, dict))
+    return str(system or "")
+
+
+def all_tool_results(request):
+    """The text of every tool result in the conversation so far, in order."""
+    out = []
+    for message in request.get("messages") or []:
+        content = message.get("content")
+        if message.get("role") != "user" or not isinstance(content, list):
+            continue
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                body = block.get("content")
+                if isinstance(body, list):
+                    body = "\n".join(part.get("text", "") for part in body
+                                     if isinstance(part, dict))
+                out.append(str(body or ""))
+    return out
+
+
+class TwoTasks:
+    """The model behind every `claude -p` of the run.  Which role a process plays shows
+    in the ferrus tools it is offered; which task, in what wait_for_task / wait_for_review
+    returned (the task text), and where its worktree is, in Claude's own system prompt.
+    The executor writes the file its task names there, checks and submits; the reviewer
+    approves only a diff that holds its task's file and nothing of the other task."""
+
+    def __init__(self):
+        self.seen = []           # (role, task id, working directory, the task's file)
+
+    def __call__(self, request):
+        names = [tool.get("name", "") for tool in request.get("tools") or []]
+        role = "executor" if any(n.startswith("mcp__ferrus-executor-1__") for n in names) \
+            else "supervisor"
+        server = "mcp__ferrus-%s-1__" % role
+        done = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+        results = all_tool_results(request)
+        if done == 0:
+            return [tool_use(server + ("wait_for_task" if role == "executor"
+                                       else "wait_for_review"), {})]
+        found = WRITE.search(results[0]) if results else None
+        if not found:
+            return [text("No task reached me: %s" % (results[:1],))]
+        name, content = found.groups()
+        workdir = re.search(r"Primary working directory: (\S+)", system_text(request)).group(1)
+        if done == 1:
+            task = re.search(r'"task_id": ?"([^"]+)"', results[0])
+            self.seen.append((role, task.group(1) if task else None, workdir, name))
+        if role == "executor":
+            steps = [tool_use("Write", {"file_path": os.path.join(workdir, name),
+                                        "content": content + "\n"}),
+                     tool_use(server + "check", {}),
+                     tool_use(server + "submit", {"content": "Wrote %s." % name})]
+        else:
+            diff = json.loads(results[0]).get("diff", "") if results[0].startswith("{") \
+                else results[0]
+            others = [n for n in ("alpha.txt", "beta.txt") if n != name]
+            verdict = ("approve", {}) if "+++ b/%s" % name in diff and not any(
+                "b/" + other in diff for other in others) else \
+                ("reject", {"notes": "the diff is not this task's: %s" % diff[:400]})
+            steps = [tool_use(server + verdict[0], verdict[1])]
+        index = done - 1
+        return [steps[index]] if index < len(steps) else [text("Done.")]
+
+
+def test_two_tasks_in_parallel_with_real_claude_are_both_integrated(project, tmp_path):
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    home = tmp_path / "home"
+    home.mkdir()
+    model = TwoTasks()
+    with FakeAnthropic(model) as fake:
+        env = claude_env(fake, str(home))
+        repository(project, "claude-code", env)
+        tasks = [add_task(project, name, env) for name in ("alpha", "beta")]
+        result = ferrus_cli(project, "run", "--parallel", "2", "--timeout", "240", env=env,
+                            timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:] + fake.describe()
+    assert "report: 2 merged" in output
+
+    # Both merged, both files on main with their content, the checks green there.
+    rows = {row["id"]: row for row in json.loads(ferrus_cli(project, "tasks", "--json").stdout)
+            ["tasks"]}
+    assert {task: rows[task]["status"] for task in tasks} == {task: "merged" for task in tasks}
+    for name in ("alpha", "beta"):
+        assert git(project, "show", "main:%s.txt" % name) == name + "\n"
+    assert subprocess.run(CHECK, shell=True, cwd=str(project)).returncode == 0
+    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    # Worktrees and branches gone.
+    assert git(project, "branch", "--list", "ferrus/*").strip() == ""
+    assert git(project, "worktree", "list", "--porcelain").count("worktree ") == 1
+    store = ferrus.Store(str(project))
+    worktrees = {task: ferrus.read_task_record(store.dir, task)["worktree"] for task in tasks}
+    assert not any(os.path.exists(path) for path in worktrees.values())
+    # Each claude ran in its own task's worktree and was handed that task: the executor
+    # and the reviewer of the task that adds alpha.txt, and those of beta.txt.
+    names = {task: re.search(r"\w+\.txt", rows[task]["title"]).group() for task in tasks}
+    assert sorted(model.seen) == sorted((role, task, worktrees[task], names[task])
+                                        for task in tasks for role in ("executor", "supervisor"))
+    # Every tool call landed on the task of the session that made it, and on no other.
+    by_task = agent_entries_by_task(store, tasks)
+    for task in tasks:
+        moves = [(e["event"], e["actor"].split("/")[0]) for e in by_task[task]]
+        assert moves == [("claim", "executor:claude-code:1"),
+                         ("check_passed", "executor:claude-code:1"),
+                         ("submit", "executor:claude-code:1"),
+                         ("claim", "supervisor:claude-code:1"),
+                         ("approve", "supervisor:claude-code:1")], moves
+        assert store.for_task(task).read_state().state == ferrus.S.COMPLETE
+    # The merge queue moved main to each task's checked commit, one after the other.
+    merged = [e["detail"]["commit"] for e in store.read_journal() if e["event"] == "integrated"]
+    history = git(project, "log", "--format=%H", "main")
+    assert len(merged) == 2 and all(commit in history for commit in merged)
