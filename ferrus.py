@@ -5233,8 +5233,8 @@ def _fork_point(root, branch_head, start_commit):
     if not out:
         raise GitError("the branch's commit %s shares no history with %s"
                        % (branch_head[:12], start_commit),
-                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
-                       "start the task again")
+                       "`ferrus task cancel ID` removes the task's worktree and branch; "
+                       "then queue the task again")
     return os.fsdecode(out)
 
 
@@ -13462,7 +13462,7 @@ class ParallelRunner:
 
     def _end_task(self, task, status, reason, head=None):
         """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
         self._stop_controller(task)
         self.waiting_human.discard(task)
         record = read_task_record(self.store.dir, task)
