@@ -3165,7 +3165,8 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            worktree = read_task_record(self.dir, self.task).get("worktree")
+            record = read_task_record(self.dir, self.task)
+            worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 
@@ -13131,10 +13132,14 @@ class ParallelRunner:
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+        # A project in a subfolder of its repository works in that subfolder of the worktree.
+        inside = os.path.relpath(self.store.root, self.repo.toplevel)
+        workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                    "branch": branch,
                     "base": start, "target": self.target, "store": "worktree",
                     "started_at": record.get("started_at") or format_timestamp(
                         self.store.clock())},
@@ -13142,12 +13147,12 @@ class ParallelRunner:
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
-            copy_agent_configuration(self.store.root, path)
+            copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, path)
+                self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13363,6 +13368,10 @@ class ParallelRunner:
                 job["result"] = (built, checks)
             except FerrusError as err:
                 job["error"] = err
+            except Exception as err:    # never lose the task: say what broke, and wait
+                log.debug("integration of %s failed", task, exc_info=True)
+                job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
+                    task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
         self.note("integrating task %s into %s (%s, then the checks on the result)" % (
             short_task_id(task), self.target, self.parallel.integrate), task_id=task)
         job["thread"] = threading.Thread(target=work, daemon=True,
@@ -13376,9 +13385,14 @@ class ParallelRunner:
         if controller is None:
             return
         task_store = controller.store
-        if job["error"] is not None:
+        if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
-                            job["error"].full_text(), cause="error")
+                            job["error"].full_text(), cause="refused")
+            return
+        if job["error"] is not None:
+            # Not the executor's to fix (no git identity, a damaged repository): the task
+            # waits, Integrating, and the run says what to do.
+            self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
         if built.status == "conflict":
@@ -13412,14 +13426,18 @@ class ParallelRunner:
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
-                "changes" % self.target
-            if why != self.waiting_said:
-                self.waiting_said = why
-                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
-                          "ferrus never overwrites your work)" % (short_task_id(task), why),
-                          "warning", task_id=task)
-            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
+                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
+                          "changes" % self.target))
+
+    def _wait(self, task, why):
+        """The integration of ``task`` cannot go on now: say why (once) and try again in
+        INTEGRATION_RETRY_SECS."""
+        if why != self.waiting_said:
+            self.waiting_said = why
+            self.note("task %s is ready to merge, and waits: %s" % (short_task_id(task), why),
+                      "warning", task_id=task)
+        self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
     def _send_back(self, task, notes, **detail):
         task_store = self.controllers[task].store
