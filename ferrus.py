@@ -3165,7 +3165,8 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            worktree = read_task_record(self.dir, self.task).get("worktree")
+            record = read_task_record(self.dir, self.task)
+            worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 
@@ -5232,8 +5233,8 @@ def _fork_point(root, branch_head, start_commit):
     if not out:
         raise GitError("the branch's commit %s shares no history with %s"
                        % (branch_head[:12], start_commit),
-                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
-                       "start the task again")
+                       "`ferrus task cancel ID` removes the task's worktree and branch; "
+                       "then queue the task again")
     return os.fsdecode(out)
 
 
@@ -7780,13 +7781,16 @@ def _remove_task_leftovers(store, record):
     return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
-def task_rows(store):
+def task_rows(store, tasks=None):
     """One dict per task of the queue for `ferrus tasks`, HQ's board and `ferrus status`:
-    id, title, status, state, agent, worktree, branch, age, tokens, last event."""
+    id, title, status, state, agent, worktree, branch, age, tokens, last event.  Only the
+    ``tasks`` given (ids), when they are."""
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    for task, record in task_records(store):
+    records = task_records(store) if tasks is None else [
+        (task, read_task_record(store.dir, task)) for task in tasks]
+    for task, record in records:
         row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
@@ -13133,10 +13137,14 @@ class ParallelRunner:
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+        # A project in a subfolder of its repository works in that subfolder of the worktree.
+        inside = os.path.relpath(self.store.root, self.repo.toplevel)
+        workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                    "branch": branch,
                     "base": start, "target": self.target, "store": "worktree",
                     "started_at": record.get("started_at") or format_timestamp(
                         self.store.clock())},
@@ -13144,12 +13152,12 @@ class ParallelRunner:
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
-            copy_agent_configuration(self.store.root, path)
+            copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, path)
+                self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13365,6 +13373,10 @@ class ParallelRunner:
                 job["result"] = (built, checks)
             except FerrusError as err:
                 job["error"] = err
+            except Exception as err:    # never lose the task: say what broke, and wait
+                log.debug("integration of %s failed", task, exc_info=True)
+                job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
+                    task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
         self.note("integrating task %s into %s (%s, then the checks on the result)" % (
             short_task_id(task), self.target, self.parallel.integrate), task_id=task)
         job["thread"] = threading.Thread(target=work, daemon=True,
@@ -13378,9 +13390,14 @@ class ParallelRunner:
         if controller is None:
             return
         task_store = controller.store
-        if job["error"] is not None:
+        if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
-                            job["error"].full_text(), cause="error")
+                            job["error"].full_text(), cause="refused")
+            return
+        if job["error"] is not None:
+            # Not the executor's to fix (no git identity, a damaged repository): the task
+            # waits, Integrating, and the run says what to do.
+            self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
         if built.status == "conflict":
@@ -13414,14 +13431,18 @@ class ParallelRunner:
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
-                "changes" % self.target
-            if why != self.waiting_said:
-                self.waiting_said = why
-                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
-                          "ferrus never overwrites your work)" % (short_task_id(task), why),
-                          "warning", task_id=task)
-            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
+                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
+                          "changes" % self.target))
+
+    def _wait(self, task, why):
+        """The integration of ``task`` cannot go on now: say why (once) and try again in
+        INTEGRATION_RETRY_SECS."""
+        if why != self.waiting_said:
+            self.waiting_said = why
+            self.note("task %s is ready to merge, and waits: %s" % (short_task_id(task), why),
+                      "warning", task_id=task)
+        self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
     def _send_back(self, task, notes, **detail):
         task_store = self.controllers[task].store
@@ -13446,7 +13467,7 @@ class ParallelRunner:
 
     def _end_task(self, task, status, reason, head=None):
         """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
         self._stop_controller(task)
         self.waiting_human.discard(task)
         record = read_task_record(self.store.dir, task)
@@ -16190,6 +16211,9 @@ class TaskBoard:
         self.cursor = store.last_journal_seq()
         self.last = None          # task -> its newest story entry (None until first asked)
         self.agents = {}          # task -> the agent its executor's entries name
+        # Tasks that ended before HQ started never come back on the board: after one
+        # look their records are not read again (a long history costs nothing).
+        self.settled = set()
         self.cached, self.due = [], 0.0
 
     def _follow(self):
@@ -16219,9 +16243,13 @@ class TaskBoard:
             return self.cached
         self.due = now + self.REFRESH_SECS
         try:
-            rows = [row for row in task_rows(self.store) if self._shown(row)]
+            rows = task_rows(self.store, [task for task in queued_task_ids(self.store)
+                                          if task not in self.settled])
         except (FerrusError, OSError):
             return self.cached
+        self.settled.update(row["id"] for row in rows if row.get("status") in ENDED_STATUSES
+                            and not self._shown(row))
+        rows = [row for row in rows if self._shown(row)]
         if self.last is None:
             self.last = last_task_events(self.store, [row["id"] for row in rows])
         self._follow()
@@ -17470,8 +17498,8 @@ class CursesHq(HqShell):
                     compact_count(used["input_tokens"] + used["output_tokens"]),
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
-        if self.attached:
-            parts.append("task %s (/attach alone returns)" % short_task_id(self.attached))
+        if self.attached:            # right after its state, where a narrow screen keeps it
+            parts.insert(2, "▸%s" % short_task_id(self.attached))
         slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%s)" % count_tool_calls(controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")

@@ -13,8 +13,10 @@ available" when that fails.  See bench/README.md.
 """
 
 import argparse
+import collections
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -30,6 +32,11 @@ import sys
 import tempfile
 import threading
 import time
+
+try:
+    import resource                    # POSIX: the CPU time of the parallel run
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -1185,6 +1192,473 @@ def fig_diff_stat(bench, fig):
               % ms(max(pings)), "never blocked (≤ 100 ms)", max(pings) <= 0.1)
 
 
+# -- parallel tasks ----------------------------------------------------------------------------
+
+PARALLEL_TASKS = 8
+PARALLEL_CHECK = "test -f README.md"      # the checks the tests of parallel runs use
+
+
+def _parallel_project(bench, name, checks, extra=""):
+    """A git repository with ferrus initialised, every change committed on main, and the
+    custom agent ``instant`` as executor and reviewer (its argv is never run: the
+    bench's launcher starts the agents, see _InstantAgents)."""
+    if shutil.which("git") is None:
+        raise BenchError("git is not installed")
+    root = bench.project(name)
+    with open(os.path.join(root, "ferrus.toml"), "w", encoding="utf-8") as handle:
+        handle.write("[checks]\ncommands = %s\n\n[limits]\nwait_timeout_secs = 5\n"
+                     "max_review_cycles = 1000\n\n%s"
+                     '[agents.custom.instant]\ninteractive = ["instant-agent", "{role}", '
+                     '"{mcp_config}"]\nheadless = ["instant-agent", "{role}", "{mcp_config}"]\n'
+                     'prompt = "stdin"\n\n[hq.supervisor]\nagent = "instant"\n\n'
+                     '[hq.executor]\nagent = "instant"\n' % (json.dumps(list(checks)), extra))
+    bench.ferrus.register_agents(root, {"supervisor": ("instant", None),
+                                        "executor": ("instant", None)},
+                                 report=lambda message: None)
+    with open(os.path.join(root, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write("hello\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "start")
+    return root
+
+
+def _fifo_stub(bench, name):
+    """(argv, path): a stand-in agent process, `cat FIFO`, that ends when the writer
+    the bench opens on the FIFO is closed."""
+    path = os.path.join(bench.tmp, "fifo-%s" % name)
+    os.mkfifo(path)
+    return ["cat", path], path
+
+
+class _InstantAgents:
+    """Agents whose own time is next to nothing: a thread of the bench plays each agent
+    session ferrus starts.  The launcher ferrus calls gives it a stub process (`cat` on a
+    FIFO, which ferrus supervises as it would an agent CLI); the thread starts the
+    `ferrus serve` that the MCP configuration ferrus wrote for the role names, in the
+    task's worktree with the session id ferrus gave the stub (as an agent CLI would), makes
+    the scripted agent's tool calls (executor: wait_for_task, write the task's
+    `WRITE name: text` files, check, submit; reviewer: wait_for_review, approve), then
+    closes the FIFO so the stub exits.  Only the file writes are the agent's own work;
+    their time is kept per task so it can be subtracted."""
+
+    def __init__(self, bench, root):
+        self.bench = bench
+        self.root = root
+        self.ferrus = bench.ferrus
+        self.store = bench.store(root)
+        self.lock = threading.Lock()
+        self.count = itertools.count()
+        self.own = collections.defaultdict(float)    # task -> seconds of the agents' own work
+        self.failures = []
+        self.threads = []
+
+    def launcher(self, slot):
+        argv, fifo = _fifo_stub(self.bench, "agent-%d" % next(self.count))
+        thread = threading.Thread(target=self._play, args=(slot, fifo), daemon=True,
+                                  name="bench-agent-%s" % slot.name)
+        thread.start()
+        self.threads.append(thread)
+        return self.ferrus.Launch(argv=argv), (lambda line: [])
+
+    def _play(self, slot, fifo):
+        try:
+            # Opening blocks until the stub has the FIFO open: by then ferrus has started
+            # it and named its session (which carries the task's id).
+            with open(fifo, "w"):
+                self._session(slot)
+        except Exception as err:     # reported by the figure
+            with self.lock:
+                self.failures.append("%s agent: %s: %s" % (slot.name, type(err).__name__, err))
+
+    def _session(self, slot):
+        ferrus = self.ferrus
+        session = slot.session_id
+        task = ferrus.session_task(session)
+        record = ferrus.read_task_record(self.store.dir, task)
+        with open(os.path.join(self.root, ".ferrus", "mcp-%s.json" % slot.role),
+                  encoding="utf-8") as handle:
+            server = list(json.load(handle)["mcpServers"].values())[0]
+        env = dict(os.environ, **{ferrus.SESSION_ENV: session})
+        conn = McpConnection([server["command"]] + list(server["args"]), self.bench.registry,
+                             cwd=record["worktree"], env=env,
+                             label="ferrus serve for %s" % slot.name)
+        try:
+            conn.initialize(timeout=60)
+            if slot.name == "reviewer":
+                self._until(conn, "wait_for_review", "claimed")
+                conn.call_tool("approve", timeout=60)
+            elif slot.name == "executor":
+                claimed = self._until(conn, "wait_for_task", "claimed")
+                started = time.perf_counter()
+                writes = re.findall(r"^WRITE ([^:\n]+): (.*)$", claimed.get("task") or "",
+                                    re.M)
+                for name, text in writes:
+                    with open(os.path.join(record["worktree"], name), "w",
+                              encoding="utf-8") as handle:
+                        handle.write(text + "\n")
+                with self.lock:
+                    self.own[task] += time.perf_counter() - started
+                conn.call_tool("check", timeout=60)
+                conn.call_tool("submit", {"content": "Did the work."}, timeout=60)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _until(conn, tool, status):
+        for _ in range(100):
+            result, _ = conn.call_tool(tool, timeout=60)
+            data = structured(result)
+            if data.get("status") == status:
+                return data
+        raise BenchError("%s never answered %s" % (tool, status))
+
+    def join(self):
+        for thread in self.threads:
+            thread.join(30)
+
+
+def _overlap(start, end, intervals):
+    """Seconds of [start, end] covered by the union of ``intervals``."""
+    covered, cursor = 0.0, start
+    for low, high in sorted(intervals):
+        low, high = max(low, cursor), min(high, end)
+        if high > low:
+            covered += high - low
+            cursor = high
+    return covered
+
+
+def _journal_intact(entries, tasks):
+    """(ok, words): seq runs 1..N with none twice, and each task's milestones
+    (prepared, created, submitted, approved, integrated, merged) appear exactly once."""
+    seqs = [entry.get("seq") for entry in entries]
+    gapless = seqs == list(range(1, len(seqs) + 1))
+    counts = collections.Counter((entry.get("task_id"), entry.get("event")) for entry in entries)
+    wanted = ("prepare_task", "create_task", "submit", "approve", "integrated", "task_merged")
+    odd = ["%s %s ×%d" % (task[-6:], event, counts[(task, event)]) for task in tasks
+           for event in wanted if counts[(task, event)] != 1]
+    words = "journal seq 1..%d %s" % (len(seqs), "gapless, none twice" if gapless else
+                                      "NOT contiguous")
+    words += "; each task's %d milestones once" % len(wanted) if not odd else \
+        "; milestones lost or doubled: %s" % ", ".join(odd[:4])
+    return gapless and not odd, words
+
+
+def parallel_run_once(bench, label):
+    """One `ferrus run --parallel 8` (run_parallel in this process) of 8 queued tasks, each
+    writing its own file, worked by _InstantAgents: per task, ferrus's own time and the
+    steps it went through; for the run, the wall and CPU time, git processes, whether
+    every task merged and whether the journal is intact."""
+    ferrus = bench.ferrus
+    n = PARALLEL_TASKS
+    root = _parallel_project(bench, "parallel-%s" % label, [PARALLEL_CHECK])
+    store = bench.store(root)
+    tasks = [ferrus.op_enqueue_task(store, ferrus.HUMAN, "Add file %d.\n\nWRITE file%d.txt: %d\n"
+                                    % (i, i, i)).data["task_id"] for i in range(n)]
+    agents = _InstantAgents(bench, root)
+    # Stamps taken around ferrus's own functions (in this process: the runner's thread and
+    # its integration thread), keyed by the task's worktree folder (named after the task).
+    stamps = collections.defaultdict(dict)
+    git_runs = [0]
+    originals = {name: getattr(ferrus, name) for name in
+                 ("prepare_integration", "remove_task_worktree", "_git_argv")}
+
+    def prepare_integration(workdir, *args, **kwargs):
+        stamps[os.path.basename(workdir)]["integrate"] = time.time()
+        return originals["prepare_integration"](workdir, *args, **kwargs)
+
+    def remove_task_worktree(root_, worktree, *args, **kwargs):
+        try:
+            return originals["remove_task_worktree"](root_, worktree, *args, **kwargs)
+        finally:
+            stamps[os.path.basename(worktree)]["end"] = time.time()
+
+    def git_argv(args):
+        git_runs[0] += 1
+        return originals["_git_argv"](args)
+
+    lines = []
+    ferrus.prepare_integration = prepare_integration
+    ferrus.remove_task_worktree = remove_task_worktree
+    ferrus._git_argv = git_argv
+    def cpu_times():
+        if resource is None:
+            return (0.0, 0.0)
+        return tuple(usage.ru_utime + usage.ru_stime for usage in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    cpu_before = cpu_times()
+    started = time.time()
+    try:
+        code = ferrus.run_parallel(store, n, timeout=300, out=lines.append,
+                                   launcher=agents.launcher)
+    finally:
+        for name, value in originals.items():
+            setattr(ferrus, name, value)
+    wall = time.time() - started
+    agents.join()
+    cpu_self, cpu_children = [after - before for before, after in
+                              zip(cpu_before, cpu_times())]
+    if agents.failures:
+        raise BenchError(agents.failures[0])
+    status = {row["id"]: row["status"] for row in ferrus.task_rows(store)}
+    merged = [task for task in tasks if status.get(task) == "merged"]
+    if code != 0 or len(merged) != n:
+        tail = " | ".join(line for line in lines[-6:])
+        raise BenchError("the run exited %s with %d of %d merged: %s" % (code, len(merged),
+                                                                        n, tail[-400:]))
+    entries = store.read_journal()
+
+    def entry_time(task, event, slot=None):
+        for entry in entries:
+            if entry.get("task_id") == task and entry.get("event") == event and (
+                    slot is None or (entry.get("detail") or {}).get("slot") == slot and
+                    entry["detail"].get("to") == "Running"):
+                return ferrus.parse_timestamp(entry["time"]).timestamp()
+        raise BenchError("no %s entry for task %s in the journal" % (event, task))
+
+    spans = {}
+    for task in tasks:
+        mark = stamps[task]
+        if "integrate" not in mark or "end" not in mark:
+            raise BenchError("task %s was merged without the integration being seen" % task)
+        spans[task] = {"start": entry_time(task, "prepare_task"),
+                       "created": entry_time(task, "create_task"),
+                       "executor": entry_time(task, "session", "executor"),
+                       "claimed": entry_time(task, "claim"),
+                       "submitted": entry_time(task, "submit"),
+                       "reviewer": entry_time(task, "session", "reviewer"),
+                       "approved": entry_time(task, "approve"),
+                       "integrate": mark["integrate"], "end": mark["end"]}
+    latency, overhead, waits = [], [], []
+    for task, span in spans.items():
+        # Waiting in the merge queue while other tasks are integrated is their time
+        # (integrations are one at a time), not this task's.
+        others = [(s["integrate"], s["end"]) for t, s in spans.items() if t != task]
+        wait = _overlap(span["approved"], span["integrate"], others)
+        total = span["end"] - span["start"]
+        latency.append(total)
+        waits.append(wait)
+        overhead.append(total - wait - agents.own[task])
+    files_ok = all(os.path.exists(os.path.join(root, "file%d.txt" % i)) for i in range(n))
+    intact, journal_words = _journal_intact(entries, tasks)
+    return {"overhead": overhead, "latency": latency, "waits": waits, "spans": spans,
+            "agents_own": sum(agents.own.values()), "wall": wall, "cpu_self": cpu_self,
+            "cpu_children": cpu_children, "git_processes": git_runs[0],
+            "merged": len(merged), "ok": len(merged) == n and files_ok and intact,
+            "journal": journal_words, "entries": len(entries)}
+
+
+def fig_parallel_overhead(bench, fig):
+    """8 tasks run with --parallel 8 by instant agents: ferrus's own time per task."""
+    if not hasattr(bench.ferrus, "run_parallel"):
+        fig.na("this ferrus has no parallel tasks", "≤ 1 s median per task")
+        return
+    if shutil.which("git") is None or not hasattr(os, "mkfifo"):
+        fig.na("needs git and FIFOs (not on this platform)", "≤ 1 s median per task")
+        return
+    n = PARALLEL_TASKS
+    runs = [parallel_run_once(bench, str(number)) for number in range(bench.reps(3, 1))]
+    overhead = [value for run in runs for value in run["overhead"]]
+    latency = [value for run in runs for value in run["latency"]]
+    waits = [value for run in runs for value in run["waits"]]
+    spans = [span for run in runs for span in run["spans"].values()]
+    med, p90 = median(overhead), percentile(overhead, 90)
+    fig.values.update({"tasks": n, "runs": len(runs), "overhead_median_s": med,
+                       "overhead_p90_s": p90, "overhead_s": overhead, "latency_s": latency,
+                       "queue_wait_s": waits,
+                       "wall_s": [run["wall"] for run in runs],
+                       "git_processes": [run["git_processes"] for run in runs],
+                       "journal_entries": [run["entries"] for run in runs]})
+    fig.check("ferrus's own time per task: median %s, p90 %s (%d runs of %d tasks, "
+              "--parallel %d)" % (ms(med), ms(p90), len(runs), n, n),
+              "≤ 1 s median per task", med <= 1.0)
+    worst = next((run for run in runs if not run["ok"]), runs[-1])
+    fig.check("%d of %d merged in every run, every file on main; %s" % (
+        min(run["merged"] for run in runs), n, worst["journal"]),
+        "all merged, 0 lost", all(run["ok"] for run in runs))
+    fig.info("(info) dispatch → merged per task: median %s, p90 %s, of which waiting for the "
+             "merge queue: median %s; agents' own work: %s per run" % (
+                 ms(median(latency)), ms(percentile(latency, 90)), ms(median(waits)),
+                 ms(median([run["agents_own"] for run in runs]))))
+    # Where a task's time goes, step by step (the medians over the tasks).
+    steps = (("prepared", "start", "created"), ("dispatched", "created", "executor"),
+             ("executor's server up, claimed", "executor", "claimed"),
+             ("check + submit", "claimed", "submitted"),
+             ("reviewer started", "submitted", "reviewer"),
+             ("reviewer's server up, approved", "reviewer", "approved"),
+             ("to the merge queue", "approved", "integrate"),
+             ("integrated + cleaned up", "integrate", "end"))
+    breakdown = [(label, median([s[b] - s[a] for s in spans])) for label, a, b in steps]
+    fig.values["steps_median_s"] = dict(breakdown)
+    fig.info("(info) steps (medians): " + ", ".join(
+        "%s %s" % (label, ms(value)) for label, value in breakdown[:4]))
+    fig.info("                        " + ", ".join(
+        "%s %s" % (label, ms(value)) for label, value in breakdown[4:]))
+    wall = median([run["wall"] for run in runs])
+    cpu_self = median([run["cpu_self"] for run in runs])
+    cpu_children = median([run["cpu_children"] for run in runs])
+    git_runs = median([run["git_processes"] for run in runs])
+    fig.values.update({"cpu_runner_s": cpu_self, "cpu_children_s": cpu_children})
+    fig.info("(info) a run (medians): %s wall (%s per task); CPU %s in the runner's process "
+             "(runner, agents' threads), %s in child processes (%d `ferrus serve`, git, "
+             "checks); %d git processes in the runner (%.1f per task)" % (
+                 ms(wall), ms(wall / n), ms(cpu_self), ms(cpu_children), 2 * n,
+                 git_runs, git_runs / n))
+
+
+def measure_hq_reaction_parallel(bench, active, rounds):
+    """Seconds from a committed `submit` of one of ``active`` parallel tasks to the
+    ParallelRunner's controller for that task spawning its reviewer, and the runner's
+    step times while nothing happens.
+
+    The runner (ferrus.ParallelRunner, polled as run_parallel polls it: step, then sleep
+    20 ms) runs in a thread with ``active`` tasks in flight, one HqController each.  Every
+    executor is a stub that keeps running (`sleep`), so all tasks stay active; each
+    reviewer is a stub on a FIFO that the bench ends once the round is over.  A round,
+    taking the tasks in turn from a separate Store: claim as the executor, submit (the
+    check is `true`), time from the commit to the "started the reviewer" message of
+    that task, then claim as the reviewer, reject (back to Addressing) and end the
+    reviewer stub."""
+    ferrus = bench.ferrus
+    root = _parallel_project(bench, "hq-parallel-%d" % active, ["true"])
+    store = bench.store(root)
+    tasks = [ferrus.op_enqueue_task(store, ferrus.HUMAN, "Task %d." % i).data["task_id"]
+             for i in range(active)]
+    lock = threading.Lock()
+    started = collections.defaultdict(list)        # (task, slot) -> spawn stamps
+    release = {}                                    # task -> Event ending its reviewer stub
+    sleeper = ["sleep", "600"]
+
+    def launcher(slot):
+        if slot.name != "reviewer":
+            return ferrus.Launch(argv=list(sleeper)), (lambda line: [])
+        argv, fifo = _fifo_stub(bench, "hq-%d-%d" % (active, len(release) + 1000 *
+                                                     random.randrange(10 ** 6)))
+        done = threading.Event()
+
+        def hold():
+            with open(fifo, "w"):
+                task = ferrus.session_task(slot.session_id)
+                with lock:
+                    release[task] = done
+                done.wait(60)
+        threading.Thread(target=hold, daemon=True, name="bench-reviewer-stub").start()
+        return ferrus.Launch(argv=argv), (lambda line: [])
+
+    def emit(message):
+        text = message.text or ""
+        task = (message.data or {}).get("task_id")
+        if message.kind == "agent" and task and "started the " in text:
+            slot = "reviewer" if "started the reviewer" in text else \
+                "executor" if "started the executor" in text else None
+            if slot:
+                with lock:
+                    started[(task, slot)].append(time.perf_counter())
+
+    runner = ferrus.ParallelRunner(store, emit, active, launcher=launcher)
+    stop = threading.Event()
+    failure, step_times = [], []
+    quiet = threading.Event()          # set while the bench wants idle step times
+
+    def loop():
+        try:
+            runner.start()
+            while not stop.is_set():
+                began = time.perf_counter()
+                runner.step()
+                if quiet.is_set():
+                    step_times.append(time.perf_counter() - began)
+                stop.wait(HQ_POLL_INTERVAL)
+        except Exception as err:  # reported by the main thread
+            failure.append("the runner failed: %s: %s" % (type(err).__name__, err))
+
+    def wait_for(what, condition, limit=30):
+        deadline = time.monotonic() + limit
+        while not condition():
+            if failure:
+                raise BenchError(failure[0])
+            if time.monotonic() > deadline:
+                raise BenchError("%s did not happen within %d s" % (what, limit))
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=loop, daemon=True, name="bench-parallel-runner")
+    thread.start()
+    latencies = []
+    executor = ferrus.Caller("executor", "executor:bench:0")
+    reviewer = ferrus.Caller("supervisor", "supervisor:bench:0")
+    try:
+        wait_for("%d executors starting" % active,
+                 lambda: all(started.get((t, "executor")) for t in tasks), 60)
+        wait_for("phase P4 (collect)", lambda: runner.machine.phase == 4)
+        # Idle: every task in flight, nothing new in the journal.
+        time.sleep(0.2)
+        quiet.set()
+        time.sleep(15 * HQ_POLL_INTERVAL)
+        quiet.clear()
+        idle = median(list(step_times))
+        task_stores = {task: bench.store(root).for_task(task) for task in tasks}
+        for round_no in range(rounds + 1):           # round 0 is a warm-up
+            task = tasks[round_no % active]
+            task_store = task_stores[task]
+            ferrus.op_wait_for_task(task_store, executor)
+            time.sleep(random.random() * HQ_POLL_INTERVAL)
+            with lock:
+                seen = len(started[(task, "reviewer")])
+            ferrus.op_submit(task_store, executor, "Done.")
+            committed = time.perf_counter()
+            wait_for("the reviewer of task %s starting" % task,
+                     lambda: len(started[(task, "reviewer")]) > seen, 10)
+            if round_no:
+                latencies.append(started[(task, "reviewer")][seen] - committed)
+            ferrus.op_wait_for_review(task_store, reviewer)
+            ferrus.op_reject(task_store, reviewer, "Once more.")
+            wait_for("the reviewer stub of task %s" % task, lambda: task in release, 10)
+            with lock:
+                release.pop(task).set()
+            controller = runner.controllers[task]
+            wait_for("the reviewer of task %s ending" % task,
+                     lambda: controller.slots["reviewer"].process is None, 10)
+    finally:
+        stop.set()
+        thread.join(10)
+        runner.shutdown()
+        with lock:
+            for done in release.values():
+                done.set()
+    if failure:
+        raise BenchError(failure[0])
+    return latencies, idle
+
+
+def fig_hq_reaction_8_active(bench, fig):
+    """submit -> the reviewer spawned, with 8 parallel tasks in flight (8 controllers)."""
+    if not hasattr(bench.ferrus, "ParallelRunner"):
+        fig.na("this ferrus has no parallel tasks", "≤ 50 ms median")
+        return
+    if shutil.which("git") is None or not hasattr(os, "mkfifo"):
+        fig.na("needs git and FIFOs (not on this platform)", "≤ 50 ms median")
+        return
+    rounds = bench.reps(32, 8)
+    latencies, idle = measure_hq_reaction_parallel(bench, PARALLEL_TASKS, rounds)
+    med = median(latencies)
+    fig.values.update({"active": PARALLEL_TASKS, "median_s": med,
+                       "p99_s": percentile(latencies, 99), "idle_step_s": idle,
+                       "samples": latencies})
+    fig.check("median %s, p99 %s (%d rounds, %d tasks active)" % (
+        ms(med), ms(percentile(latencies, 99)), len(latencies), PARALLEL_TASKS),
+        "≤ 50 ms median", med <= 0.050)
+    fig.info("(one ParallelRunner polls the %d tasks' controllers every %.0f ms, as `ferrus run "
+             "--parallel` does; agents are stubs; an idle step over all %d takes %s)" % (
+                 PARALLEL_TASKS, HQ_POLL_INTERVAL * 1000, PARALLEL_TASKS, ms(idle)))
+    one, one_idle = measure_hq_reaction_parallel(bench, 1, bench.reps(12, 4))
+    fig.values.update({"one_active_median_s": median(one), "one_active_idle_step_s": one_idle})
+    fig.info("(info) the same with 1 task active: median %s, idle step %s" % (
+        ms(median(one)), ms(one_idle)))
+
+
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
     ("status_from_shell", fig_status_from_shell),
@@ -1198,6 +1672,8 @@ FIGURES = (
     ("ping_under_waits", fig_ping_under_waits),
     ("journal_scale", fig_journal_scale),
     ("diff_stat", fig_diff_stat),
+    ("parallel_overhead", fig_parallel_overhead),
+    ("hq_reaction_8_active", fig_hq_reaction_8_active),
 )
 
 
