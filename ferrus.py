@@ -17009,7 +17009,12 @@ class HqShell:
         if verb == "cancel":
             if not more.strip() or len(more.split()) != 1:
                 raise UsageError("usage: /task cancel ID (/tasks lists the tasks)")
-            self.write(op_cancel_task(self.store, HUMAN, more.strip()).text)
+            task = require_task_id(self.store, more.strip())
+            # The runner of /run removes the worktree of a task it works; any other (a
+            # failed task's kept one, or none of /run's) goes here.
+            in_runner = self.runner is not None and task in self.runner.controllers
+            self.write(op_cancel_task(self.store, HUMAN, task,
+                                      remove_worktree=not in_runner).text)
             return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
