@@ -10739,10 +10739,15 @@ def _hollow(value):
     return False
 
 
-# What an agent CLI started in a parallel task's worktree reads from its working folder to
-# find ferrus (Claude Code gets its --mcp-config by absolute path and Codex its server as
-# -c settings, so theirs need no copy).  diff_exclusions keeps them out of every diff and
-# commit.
+# What an agent CLI started in a parallel task's worktree reads from its working folder.
+# Its task reaches ferrus as FERRUS_SESSION (the session id starts with the task id),
+# which the ferrus server inherits from the CLI (Codex passes only the variables its
+# env_vars lists).  The server itself comes by absolute path or on the command line for
+# Claude Code (--mcp-config), Codex (-c) and Qwen Code (--mcp-config JSON); Gemini CLI
+# has no such flag and reads .gemini/settings.json from the folder it starts in, so
+# without its copy an agent in a worktree has no ferrus tools.  The other copies keep
+# the project's settings for interactive sessions there (Claude's allows ferrus's
+# tools).  diff_exclusions keeps them out of every diff and commit.
 WORKTREE_AGENT_FILES = (".qwen/settings.json", ".gemini/settings.json",
                         ".claude/settings.local.json")
 
