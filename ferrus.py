@@ -3165,7 +3165,8 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            worktree = read_task_record(self.dir, self.task).get("worktree")
+            record = read_task_record(self.dir, self.task)
+            worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 
@@ -5232,8 +5233,8 @@ def _fork_point(root, branch_head, start_commit):
     if not out:
         raise GitError("the branch's commit %s shares no history with %s"
                        % (branch_head[:12], start_commit),
-                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
-                       "start the task again")
+                       "`ferrus task cancel ID` removes the task's worktree and branch; "
+                       "then queue the task again")
     return os.fsdecode(out)
 
 
@@ -10738,10 +10739,15 @@ def _hollow(value):
     return False
 
 
-# What an agent CLI started in a parallel task's worktree reads from its working folder to
-# find ferrus (Claude Code gets its --mcp-config by absolute path and Codex its server as
-# -c settings, so theirs need no copy).  diff_exclusions keeps them out of every diff and
-# commit.
+# What an agent CLI started in a parallel task's worktree reads from its working folder.
+# Its task reaches ferrus as FERRUS_SESSION (the session id starts with the task id),
+# which the ferrus server inherits from the CLI (Codex passes only the variables its
+# env_vars lists).  The server itself comes by absolute path or on the command line for
+# Claude Code (--mcp-config), Codex (-c) and Qwen Code (--mcp-config JSON); Gemini CLI
+# has no such flag and reads .gemini/settings.json from the folder it starts in, so
+# without its copy an agent in a worktree has no ferrus tools.  The other copies keep
+# the project's settings for interactive sessions there (Claude's allows ferrus's
+# tools).  diff_exclusions keeps them out of every diff and commit.
 WORKTREE_AGENT_FILES = (".qwen/settings.json", ".gemini/settings.json",
                         ".claude/settings.local.json")
 
@@ -13131,10 +13137,14 @@ class ParallelRunner:
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+        # A project in a subfolder of its repository works in that subfolder of the worktree.
+        inside = os.path.relpath(self.store.root, self.repo.toplevel)
+        workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                    "branch": branch,
                     "base": start, "target": self.target, "store": "worktree",
                     "started_at": record.get("started_at") or format_timestamp(
                         self.store.clock())},
@@ -13142,12 +13152,12 @@ class ParallelRunner:
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
-            copy_agent_configuration(self.store.root, path)
+            copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, path)
+                self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13363,6 +13373,10 @@ class ParallelRunner:
                 job["result"] = (built, checks)
             except FerrusError as err:
                 job["error"] = err
+            except Exception as err:    # never lose the task: say what broke, and wait
+                log.debug("integration of %s failed", task, exc_info=True)
+                job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
+                    task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
         self.note("integrating task %s into %s (%s, then the checks on the result)" % (
             short_task_id(task), self.target, self.parallel.integrate), task_id=task)
         job["thread"] = threading.Thread(target=work, daemon=True,
@@ -13376,9 +13390,14 @@ class ParallelRunner:
         if controller is None:
             return
         task_store = controller.store
-        if job["error"] is not None:
+        if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
-                            job["error"].full_text(), cause="error")
+                            job["error"].full_text(), cause="refused")
+            return
+        if job["error"] is not None:
+            # Not the executor's to fix (no git identity, a damaged repository): the task
+            # waits, Integrating, and the run says what to do.
+            self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
         if built.status == "conflict":
@@ -13412,14 +13431,18 @@ class ParallelRunner:
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
-                "changes" % self.target
-            if why != self.waiting_said:
-                self.waiting_said = why
-                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
-                          "ferrus never overwrites your work)" % (short_task_id(task), why),
-                          "warning", task_id=task)
-            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
+                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
+                          "changes" % self.target))
+
+    def _wait(self, task, why):
+        """The integration of ``task`` cannot go on now: say why (once) and try again in
+        INTEGRATION_RETRY_SECS."""
+        if why != self.waiting_said:
+            self.waiting_said = why
+            self.note("task %s is ready to merge, and waits: %s" % (short_task_id(task), why),
+                      "warning", task_id=task)
+        self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
     def _send_back(self, task, notes, **detail):
         task_store = self.controllers[task].store
@@ -13444,7 +13467,7 @@ class ParallelRunner:
 
     def _end_task(self, task, status, reason, head=None):
         """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
         self._stop_controller(task)
         self.waiting_human.discard(task)
         record = read_task_record(self.store.dir, task)
@@ -17028,7 +17051,12 @@ class HqShell:
         if verb == "cancel":
             if not more.strip() or len(more.split()) != 1:
                 raise UsageError("usage: /task cancel ID (/tasks lists the tasks)")
-            self.write(op_cancel_task(self.store, HUMAN, more.strip()).text)
+            task = require_task_id(self.store, more.strip())
+            # The runner of /run removes the worktree of a task it works; any other (a
+            # failed task's kept one, or none of /run's) goes here.
+            in_runner = self.runner is not None and task in self.runner.controllers
+            self.write(op_cancel_task(self.store, HUMAN, task,
+                                      remove_worktree=not in_runner).text)
             return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
