@@ -38,8 +38,8 @@ commands = [%s]
 wait_timeout_secs = 20
 """ % json.dumps(CHECK)
 
-# The task text says what to write; the scripted model reads it from wait_for_task's result.
-WRITE = re.compile(r"WRITE (\w+\.txt): (\w+)")
+# The task says what to write; the scripted model reads it from wait_for_task's result.
+TASK_TEXT = re.compile(r"Create (\w+\.txt) containing (\w+)")
 
 
 def ferrus_cli(root, *args, env=None, timeout=60):
@@ -73,8 +73,8 @@ def repository(project, agent, env):
 
 
 def add_task(project, name, env=None):
-    added = ferrus_cli(project, "task", "add", "Add %s.txt.\n\nWRITE %s.txt: %s" % (
-        name, name, name), env=env)
+    added = ferrus_cli(project, "task", "add", "Create %s.txt containing %s." % (name, name),
+                       env=env)
     assert added.returncode == 0, added.stderr
     return re.search(r"Task (t-\S+) queued", added.stdout).group(1)
 
@@ -143,7 +143,7 @@ class TwoTasks:
         if done == 0:
             return [tool_use(server + ("wait_for_task" if role == "executor"
                                        else "wait_for_review"), {})]
-        found = WRITE.search(results[0]) if results else None
+        found = TASK_TEXT.search(results[0]) if results else None
         if not found:
             return [text("No task reached me: %s" % (results[:1],))]
         name, content = found.groups()
@@ -217,7 +217,7 @@ class TwoTasksOffline:
                 return call("tool_search", {"query": "select:" + names, "max_results": 20})
             return call(first)
         handed = calls[0][1]
-        found = WRITE.search(handed)
+        found = TASK_TEXT.search(handed)
         if not found:
             return say("No task reached me: %s" % handed[:300])
         name, content = found.groups()
