@@ -3165,7 +3165,8 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            worktree = read_task_record(self.dir, self.task).get("worktree")
+            record = read_task_record(self.dir, self.task)
+            worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 
@@ -5232,8 +5233,8 @@ def _fork_point(root, branch_head, start_commit):
     if not out:
         raise GitError("the branch's commit %s shares no history with %s"
                        % (branch_head[:12], start_commit),
-                       "remove the worktree and its branch (`ferrus doctor --fix`), then "
-                       "start the task again")
+                       "`ferrus task cancel ID` removes the task's worktree and branch; "
+                       "then queue the task again")
     return os.fsdecode(out)
 
 
@@ -7780,13 +7781,16 @@ def _remove_task_leftovers(store, record):
     return (" Removed %s." % " and ".join(parts) if parts else ""), removed
 
 
-def task_rows(store):
+def task_rows(store, tasks=None):
     """One dict per task of the queue for `ferrus tasks`, HQ's board and `ferrus status`:
-    id, title, status, state, agent, worktree, branch, age, tokens, last event."""
+    id, title, status, state, agent, worktree, branch, age, tokens, last event.  Only the
+    ``tasks`` given (ids), when they are."""
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    for task, record in task_records(store):
+    records = task_records(store) if tasks is None else [
+        (task, read_task_record(store.dir, task)) for task in tasks]
+    for task, record in records:
         row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
@@ -10735,10 +10739,15 @@ def _hollow(value):
     return False
 
 
-# What an agent CLI started in a parallel task's worktree reads from its working folder to
-# find ferrus (Claude Code gets its --mcp-config by absolute path and Codex its server as
-# -c settings, so theirs need no copy).  diff_exclusions keeps them out of every diff and
-# commit.
+# What an agent CLI started in a parallel task's worktree reads from its working folder.
+# Its task reaches ferrus as FERRUS_SESSION (the session id starts with the task id),
+# which the ferrus server inherits from the CLI (Codex passes only the variables its
+# env_vars lists).  The server itself comes by absolute path or on the command line for
+# Claude Code (--mcp-config), Codex (-c) and Qwen Code (--mcp-config JSON); Gemini CLI
+# has no such flag and reads .gemini/settings.json from the folder it starts in, so
+# without its copy an agent in a worktree has no ferrus tools.  The other copies keep
+# the project's settings for interactive sessions there (Claude's allows ferrus's
+# tools).  diff_exclusions keeps them out of every diff and commit.
 WORKTREE_AGENT_FILES = (".qwen/settings.json", ".gemini/settings.json",
                         ".claude/settings.local.json")
 
@@ -13153,10 +13162,14 @@ class ParallelRunner:
             return False
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
+        # A project in a subfolder of its repository works in that subfolder of the worktree.
+        inside = os.path.relpath(self.store.root, self.repo.toplevel)
+        workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
             if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "branch": branch,
+                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                    "branch": branch,
                     "base": start, "target": self.target, "store": "worktree",
                     "started_at": record.get("started_at") or format_timestamp(
                         self.store.clock())},
@@ -13164,12 +13177,12 @@ class ParallelRunner:
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
-            copy_agent_configuration(self.store.root, path)
+            copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             if not task_store.exists():
                 atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, path)
+                self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
@@ -13385,6 +13398,10 @@ class ParallelRunner:
                 job["result"] = (built, checks)
             except FerrusError as err:
                 job["error"] = err
+            except Exception as err:    # never lose the task: say what broke, and wait
+                log.debug("integration of %s failed", task, exc_info=True)
+                job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
+                    task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
         self.note("integrating task %s into %s (%s, then the checks on the result)" % (
             short_task_id(task), self.target, self.parallel.integrate), task_id=task)
         job["thread"] = threading.Thread(target=work, daemon=True,
@@ -13398,9 +13415,14 @@ class ParallelRunner:
         if controller is None:
             return
         task_store = controller.store
-        if job["error"] is not None:
+        if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
-                            job["error"].full_text(), cause="error")
+                            job["error"].full_text(), cause="refused")
+            return
+        if job["error"] is not None:
+            # Not the executor's to fix (no git identity, a damaged repository): the task
+            # waits, Integrating, and the run says what to do.
+            self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
         if built.status == "conflict":
@@ -13434,14 +13456,18 @@ class ParallelRunner:
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            why = getattr(moved, "text", None) or "the checkout of %s has uncommitted " \
-                "changes" % self.target
-            if why != self.waiting_said:
-                self.waiting_said = why
-                self.note("task %s is ready to merge, and waits: %s (commit or stash them; "
-                          "ferrus never overwrites your work)" % (short_task_id(task), why),
-                          "warning", task_id=task)
-            self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
+            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
+                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
+                          "changes" % self.target))
+
+    def _wait(self, task, why):
+        """The integration of ``task`` cannot go on now: say why (once) and try again in
+        INTEGRATION_RETRY_SECS."""
+        if why != self.waiting_said:
+            self.waiting_said = why
+            self.note("task %s is ready to merge, and waits: %s" % (short_task_id(task), why),
+                      "warning", task_id=task)
+        self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
     def _send_back(self, task, notes, **detail):
         task_store = self.controllers[task].store
@@ -13466,7 +13492,7 @@ class ParallelRunner:
 
     def _end_task(self, task, status, reason, head=None):
         """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel` or `doctor --fix`)."""
+        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
         self._stop_controller(task)
         self.waiting_human.discard(task)
         record = read_task_record(self.store.dir, task)
@@ -16210,6 +16236,9 @@ class TaskBoard:
         self.cursor = store.last_journal_seq()
         self.last = None          # task -> its newest story entry (None until first asked)
         self.agents = {}          # task -> the agent its executor's entries name
+        # Tasks that ended before HQ started never come back on the board: after one
+        # look their records are not read again (a long history costs nothing).
+        self.settled = set()
         self.cached, self.due = [], 0.0
 
     def _follow(self):
@@ -16239,9 +16268,13 @@ class TaskBoard:
             return self.cached
         self.due = now + self.REFRESH_SECS
         try:
-            rows = [row for row in task_rows(self.store) if self._shown(row)]
+            rows = task_rows(self.store, [task for task in queued_task_ids(self.store)
+                                          if task not in self.settled])
         except (FerrusError, OSError):
             return self.cached
+        self.settled.update(row["id"] for row in rows if row.get("status") in ENDED_STATUSES
+                            and not self._shown(row))
+        rows = [row for row in rows if self._shown(row)]
         if self.last is None:
             self.last = last_task_events(self.store, [row["id"] for row in rows])
         self._follow()
@@ -16293,7 +16326,8 @@ HQ_COMMANDS = (
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
     ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
-                    "merged through the check gate (default [parallel] max_tasks)"),
+                    "merged through the check gate (default [parallel] max_tasks), until "
+                    "/stop"),
     ("/plan", "", "a free planning session with the supervisor"),
     ("/spec", "", "draft and save a specification with the supervisor"),
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
@@ -16313,7 +16347,7 @@ HQ_COMMANDS = (
     ("/review", "", "start the reviewer again"),
     ("/approve", "", "confirm the reviewer's approval ([hq] human_review)"),
     ("/reject", "NOTES", "send the approved task back to the executor with NOTES"),
-    ("/stop", "", "stop every agent session"),
+    ("/stop", "", "stop every agent session (and the parallel run of /run)"),
     ("/continue", "", "go on after a capacity checkpoint (the budget counts again from now)"),
     ("/pipeline", "list|init|run NAME TOPIC|status [RUN]|resume|continue|retry|cancel RUN",
      "file-driven pipelines (workflows.json), followed in the background"),
@@ -16354,20 +16388,33 @@ class HqShell:
         self.clock = clock
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
         self.runner = None          # the ParallelRunner of /run while it works the queue
+        self.run_width = None       # how many at a time /run asked for, until /stop
+        self.next_queue_look = 0.0
         self.attached = None        # the task /attach ID follows
         self.hidden = 0             # other tasks' lines left out while attached
         self.board = TaskBoard(store)
 
+    QUEUE_LOOK_SECS = 1.0       # after /run, how often an empty queue is looked at again
+
     def poll(self):
-        """One step of everything HQ drives: the project's task, then the parallel run."""
+        """One step of everything HQ drives: the project's task, then the parallel run —
+        which, after /run and until /stop, starts again when tasks are queued."""
         self.controller.poll()
         runner = self.runner
         if runner is None:
+            if self.run_width and self.clock() >= self.next_queue_look:
+                self.next_queue_look = self.clock() + self.QUEUE_LOOK_SECS
+                if any(row.get("status") == QUEUED_STATUS for row in self.board.rows()):
+                    try:
+                        self.start_run(self.run_width)
+                    except FerrusError as err:
+                        self.show(HqMessage("error", "the parallel run cannot start: %s "
+                                            "(/run tries again)" % err.full_text(), "run"))
             return
         try:
             runner.step()
         except FerrusError as err:
-            self.runner = None
+            self.runner = self.run_width = None
             runner.shutdown()
             self.show(HqMessage("error", "the parallel run stopped: %s (/run starts it again)"
                                 % err.full_text(), "run"))
@@ -16375,8 +16422,9 @@ class HqShell:
         if runner.finished:
             self.runner = None
             runner.shutdown()
-            self.show(HqMessage("info", "The queue is done: /task add queues more, /run works "
-                                        "them.", "run"))
+            self.show(HqMessage("info", "The queue is done; what is queued next is worked "
+                                        "%d at a time too (/stop ends the run)."
+                                % self.run_width, "run"))
 
     def shutdown(self):
         """HQ leaves: every agent it started stops (the tasks stay as they are)."""
@@ -16668,7 +16716,7 @@ class HqShell:
         rows = self.board.rows(force=True)
         if rows:
             self.write("tasks: %s — /tasks shows the board%s" % (
-                self.board.summary(rows), "" if self.runner is not None else
+                self.board.summary(rows), "" if self.runner is not None or self.run_width else
                 ", /run works the queue" if any(row.get("status") in (
                     QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
 
@@ -16881,6 +16929,17 @@ class HqShell:
         self.controller.restart_slots()
 
     def cmd_stop(self, rest):
+        if self.runner is not None or self.run_width:
+            # The parallel run ends; its tasks stay in flight for the next /run.
+            if self.runner is not None and self.runner.controllers and not self.confirm(
+                    "Stop the parallel run and its agents (%d task%s in flight)?" % (
+                        len(self.runner.controllers),
+                        "" if len(self.runner.controllers) == 1 else "s")):
+                return
+            runner, self.runner, self.run_width = self.runner, None, None
+            if runner is not None:
+                runner.shutdown()
+            self.write("The parallel run is stopped; /run resumes its tasks.")
         if self.controller.running() and self.confirm("Stop every agent session?"):
             self.controller.stop_all()
             self.controller.paused = True
@@ -16924,6 +16983,8 @@ class HqShell:
             self.write(self.board.line(row, attached=self.attached))
         self.write("%s%s" % (self.board.summary(rows), "; the run works %d at a time" %
                              self.runner.max_tasks if self.runner is not None else
+                             "; the run takes queued tasks %d at a time" % self.run_width
+                             if self.run_width else
                              "; /run works the queue" if any(row.get("status") in (
                                  QUEUED_STATUS, RUNNING_STATUS) for row in rows) else ""))
 
@@ -16946,9 +17007,10 @@ class HqShell:
         else:
             outcome = op_enqueue_task(self.store, HUMAN, rest)
         self.write(outcome.text)
-        if self.runner is not None:
+        if self.runner is not None or self.run_width:
             self.write("The run takes it up when a slot is free (%d at a time)."
-                       % self.runner.max_tasks)
+                       % (self.runner.max_tasks if self.runner is not None else
+                          self.run_width))
         elif outcome.data.get("task_id") or outcome.data.get("queued"):
             self.write("/run works the queue (%s)." % self.run_width_text())
 
@@ -16965,12 +17027,16 @@ class HqShell:
             raise UsageError("usage: /run [N] — work the queue N tasks at a time (1 to 64; "
                              "default [parallel] max_tasks)")
         width = int(words[0]) if words else self.store.config().parallel.max_tasks
-        if self.runner is not None:
+        if self.runner is not None or self.run_width:
+            if self.runner is None:
+                self.run_width = width
+                self.write("Tasks queued from now on are worked %d at a time." % width)
+                return
             if not words or width == self.runner.max_tasks:
                 raise FerrusError("the queue is being worked already (%d at a time)"
                                   % self.runner.max_tasks, "/tasks shows the board; /run N "
                                                             "changes how many at a time")
-            self.runner.max_tasks = width
+            self.runner.max_tasks = self.run_width = width
             self.write("The run now works %d task%s at a time." % (width, "" if width == 1
                                                                   else "s"))
             return
@@ -16978,20 +17044,29 @@ class HqShell:
             raise FerrusError("[parallel] max_tasks is 1: a task at a time, in the checkout",
                               "/run N works the queue N at a time, each task in its own git "
                               "worktree (`ferrus run` works it one by one in the checkout)")
+        require_headless_agents(self.store)
         if not any(record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
                    for _, record in task_records(self.store)):
-            raise FerrusError("the queue is empty", "/task add TEXT queues a task")
-        require_headless_agents(self.store)
+            self.run_width = width
+            self.write("The queue is empty: tasks queued from now on (/task add, the "
+                       "supervisor's enqueue_task) are worked %d at a time; /stop ends the "
+                       "run." % width)
+            return
+        self.start_run(width)
+        self.write("Working the queue %d at a time, each task in its own worktree: /tasks "
+                   "shows the board, /attach ID follows one task; /stop ends the run." % width)
+
+    def start_run(self, width):
+        """A ParallelRunner over the queue (P0: it resumes what a previous run left)."""
         runner = ParallelRunner(self.store, self._runner_emit, width, clock=self.clock,
                                 bell=self.ring_bell)
         try:
             runner.start()
         except BaseException:
             runner.shutdown()
+            self.run_width = None
             raise
-        self.runner = runner
-        self.write("Working the queue %d at a time, each task in its own worktree: /tasks "
-                   "shows the board, /attach ID follows one task." % width)
+        self.runner, self.run_width = runner, width
 
     def cmd_task(self, rest):
         verb, _, more = rest.partition(" ")
@@ -17001,7 +17076,12 @@ class HqShell:
         if verb == "cancel":
             if not more.strip() or len(more.split()) != 1:
                 raise UsageError("usage: /task cancel ID (/tasks lists the tasks)")
-            self.write(op_cancel_task(self.store, HUMAN, more.strip()).text)
+            task = require_task_id(self.store, more.strip())
+            # The runner of /run removes the worktree of a task it works; any other (a
+            # failed task's kept one, or none of /run's) goes here.
+            in_runner = self.runner is not None and task in self.runner.controllers
+            self.write(op_cancel_task(self.store, HUMAN, task,
+                                      remove_worktree=not in_runner).text)
             return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
@@ -17461,7 +17541,8 @@ class CursesHq(HqShell):
                 self.board.summary() or "none"), \
                 "run: %s, %d at a time" % (phase_label(runner.machine.phase),
                                            runner.max_tasks) if runner is not None else \
-                "no run: /run works the queue"
+                "run: waiting for queued tasks, %d at a time" % self.run_width \
+                if self.run_width else "no run: /run works the queue"
         retries = cycles = "?"
         with contextlib.suppress(FerrusError):
             limits = self.store.config().limits
@@ -17490,8 +17571,8 @@ class CursesHq(HqShell):
                     compact_count(used["input_tokens"] + used["output_tokens"]),
                     " $%.2f%s" % (used["cost_usd"], "+?" if used["cost_unknown"] else "")
                     if used["cost_usd"] is not None else ""))
-        if self.attached:
-            parts.append("task %s (/attach alone returns)" % short_task_id(self.attached))
+        if self.attached:            # right after its state, where a narrow screen keeps it
+            parts.insert(2, "▸%s" % short_task_id(self.attached))
         slots = ["%s %s%s" % (slot.name, slot.label(),
                               " (%s)" % count_tool_calls(controller.tool_calls_of(slot))
                               if slot.session.state in (SS.RUNNING, SS.INTERRUPTING) else "")

@@ -1,12 +1,13 @@
 """Parallel tasks with real agent CLIs: each agent, started in its task's git worktree,
 reaches ferrus and works on its own task only.
 
-Claude Code runs two queued tasks to integration through `ferrus run --parallel 2`
-(as a user runs it).  Codex, Qwen Code and Gemini CLI each run one parallel task as
-executor, started in the task's worktree, until the task is submitted for review.  The
-models behind the CLIs are scripted (tests/fake_anthropic.py, tests/fake_models.py);
-the CLIs, their MCP connections, ferrus and git are real.  Each test skips when its CLI
-is not installed.
+With each of Claude Code, Codex, Qwen Code and Gemini CLI as executor and reviewer,
+`ferrus run --parallel 2` (run as a user runs it) takes two queued tasks, each writing
+its own file, to integration.  The models behind the CLIs are scripted
+(tests/fake_anthropic.py, tests/fake_models.py) and decide per task from the task text
+that wait_for_task / wait_for_review hand them; the CLIs, their MCP connections, ferrus
+and git are real.  What reaches each CLI's ferrus server is in ferrus.py, at
+WORKTREE_AGENT_FILES.  Each test skips when its CLI is not installed.
 """
 
 import json
@@ -19,8 +20,9 @@ import pytest
 
 import ferrus
 from conftest import set_config
-from fake_anthropic import FakeAnthropic, claude_env, find_agent, last_tool_results, text, \
-    tool_use
+from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
+from fake_models import FakeModels, agent_env, call, say
+from test_e2e_offline_agents import AGENTS, offline_setup
 
 pytestmark = pytest.mark.e2e
 
@@ -36,8 +38,8 @@ commands = [%s]
 wait_timeout_secs = 20
 """ % json.dumps(CHECK)
 
-# The task text says what to write; the scripted model reads it from wait_for_task's result.
-WRITE = re.compile(r"WRITE (\w+\.txt): (\w+)")
+# The task says what to write; the scripted model reads it from wait_for_task's result.
+TASK_TEXT = re.compile(r"Create (\w+\.txt) containing (\w+)")
 
 
 def ferrus_cli(root, *args, env=None, timeout=60):
@@ -71,8 +73,8 @@ def repository(project, agent, env):
 
 
 def add_task(project, name, env=None):
-    added = ferrus_cli(project, "task", "add", "Add %s.txt.\n\nWRITE %s.txt: %s" % (
-        name, name, name), env=env)
+    added = ferrus_cli(project, "task", "add", "Create %s.txt containing %s." % (name, name),
+                       env=env)
     assert added.returncode == 0, added.stderr
     return re.search(r"Task (t-\S+) queued", added.stdout).group(1)
 
@@ -141,7 +143,7 @@ class TwoTasks:
         if done == 0:
             return [tool_use(server + ("wait_for_task" if role == "executor"
                                        else "wait_for_review"), {})]
-        found = WRITE.search(results[0]) if results else None
+        found = TASK_TEXT.search(results[0]) if results else None
         if not found:
             return [text("No task reached me: %s" % (results[:1],))]
         name, content = found.groups()
@@ -180,9 +182,97 @@ def test_two_tasks_in_parallel_with_real_claude_are_both_integrated(project, tmp
                             timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:] + fake.describe()
-    assert "report: 2 merged" in output
+    assert_both_merged_each_on_its_own(project, tasks, model.seen, "claude-code", output)
 
-    # Both merged, both files on main with their content, the checks green there.
+
+# -- Codex, Qwen Code, Gemini CLI: each in its task's worktree -------------------------------
+
+
+WORKTREE = re.compile(r"/[^\s\"'\\\\<>]*\.ferrus-worktrees/t-[0-9]{8}T[0-9]{6}-[0-9a-f]{6}")
+
+
+class TwoTasksOffline:
+    """The model behind every Codex, Qwen Code or Gemini CLI process of the run, as
+    TwoTasks is for Claude: the role shows in the prompt, the task in what wait_for_task
+    or wait_for_review returned, the working folder in what the CLI tells its model about
+    its environment.  The executor writes its task's file with the CLI's own tool."""
+
+    def __init__(self):
+        self.seen = []           # (role, task id, working folder the CLI named, file)
+
+    def __call__(self, conversation):
+        prompt = conversation.prompt
+        if "You are the ferrus" not in prompt:
+            return say("OK")            # the CLI's own helpers (Qwen's memory agent, ...)
+        role = "executor" if "You are the ferrus executor" in prompt else "supervisor"
+        calls = [(name, output) for name, _, output in conversation.calls
+                 if name != "tool_search"]
+        first = "wait_for_task" if role == "executor" else "wait_for_review"
+        if not calls:
+            if not conversation.offers(first) and conversation.offers("tool_search"):
+                # Qwen Code offers MCP tools only after the model asks for them by name.
+                names = ",".join("mcp__%s__%s" % (ferrus.server_key(role), tool) for tool in
+                                 ("wait_for_task", "check", "submit", "wait_for_review",
+                                  "approve", "reject"))
+                return call("tool_search", {"query": "select:" + names, "max_results": 20})
+            return call(first)
+        handed = calls[0][1]
+        found = TASK_TEXT.search(handed)
+        if not found:
+            return say("No task reached me: %s" % handed[:300])
+        name, content = found.groups()
+        if len(calls) == 1:
+            task = re.search(r'task_id\\?": ?\\?"(t-[^"\\]+)', handed)
+            folder = WORKTREE.search(json.dumps(conversation.body))
+            self.seen.append((role, task.group(1) if task else None,
+                              folder.group() if folder else None, name))
+        if role == "supervisor":
+            if len(calls) > 1:
+                return say("Done.")
+            mine = "b/" + name in handed and not any(
+                "b/" + other in handed for other in ("alpha.txt", "beta.txt") if other != name)
+            return call("approve") if mine else call("reject", {"notes": "not this task's diff"})
+        steps = ["write", "check", "submit"]
+        if len(calls) > len(steps):
+            return say("Done.")
+        step = steps[len(calls) - 1]
+        if step == "check":
+            return call("check")
+        if step == "submit":
+            return call("submit", {"content": "Wrote %s." % name})
+        if conversation.offers("write_file"):           # Qwen Code, Gemini CLI
+            folder = WORKTREE.search(json.dumps(conversation.body))
+            return call("write_file", {"file_path": os.path.join(folder.group(), name),
+                                       "content": content + "\n"})
+        return call("exec_command", {"cmd": "printf '%s\\n' > %s" % (content, name)})  # Codex
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_two_tasks_in_parallel_with_each_real_cli_reach_their_own_tasks(agent, project,
+                                                                         tmp_path):
+    binary = find_agent(AGENTS[agent])
+    if not binary:
+        pytest.skip("%s is not installed (npm install %s)" % (
+            AGENTS[agent], ferrus.ADAPTERS[agent].package))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = agent_env(home)
+    repository(project, agent, env)
+    tasks = [add_task(project, name, env) for name in ("alpha", "beta")]
+    model = TwoTasksOffline()
+    with FakeModels(model) as fake:
+        env.update(offline_setup(agent, fake, home))
+        result = ferrus_cli(project, "run", "--parallel", "2", "--timeout", "240", env=env,
+                            timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:] + fake.describe()
+    assert_both_merged_each_on_its_own(project, tasks, model.seen, agent, output)
+
+
+def assert_both_merged_each_on_its_own(project, tasks, seen, agent, output):
+    assert "report: 2 merged" in output
+    # Both merged, both files on main with their content, the checks green there, the
+    # user's checkout clean.
     rows = {row["id"]: row for row in json.loads(ferrus_cli(project, "tasks", "--json").stdout)
             ["tasks"]}
     assert {task: rows[task]["status"] for task in tasks} == {task: "merged" for task in tasks}
@@ -196,20 +286,21 @@ def test_two_tasks_in_parallel_with_real_claude_are_both_integrated(project, tmp
     store = ferrus.Store(str(project))
     worktrees = {task: ferrus.read_task_record(store.dir, task)["worktree"] for task in tasks}
     assert not any(os.path.exists(path) for path in worktrees.values())
-    # Each claude ran in its own task's worktree and was handed that task: the executor
-    # and the reviewer of the task that adds alpha.txt, and those of beta.txt.
+    # Each CLI ran in its own task's worktree (it told its model so) and was handed that
+    # task: the executor and the reviewer of the task that adds alpha.txt, and beta.txt's.
     names = {task: re.search(r"\w+\.txt", rows[task]["title"]).group() for task in tasks}
-    assert sorted(model.seen) == sorted((role, task, worktrees[task], names[task])
-                                        for task in tasks for role in ("executor", "supervisor"))
-    # Every tool call landed on the task of the session that made it, and on no other.
+    assert sorted(seen) == sorted((role, task, worktrees[task], names[task])
+                                  for task in tasks for role in ("executor", "supervisor"))
+    # Every tool call landed on the task of the session that made it, and on no other:
+    # FERRUS_SESSION reached each CLI's ferrus server.
     by_task = agent_entries_by_task(store, tasks)
     for task in tasks:
         moves = [(e["event"], e["actor"].split("/")[0]) for e in by_task[task]]
-        assert moves == [("claim", "executor:claude-code:1"),
-                         ("check_passed", "executor:claude-code:1"),
-                         ("submit", "executor:claude-code:1"),
-                         ("claim", "supervisor:claude-code:1"),
-                         ("approve", "supervisor:claude-code:1")], moves
+        assert moves == [("claim", "executor:%s:1" % agent),
+                         ("check_passed", "executor:%s:1" % agent),
+                         ("submit", "executor:%s:1" % agent),
+                         ("claim", "supervisor:%s:1" % agent),
+                         ("approve", "supervisor:%s:1" % agent)], moves
         assert store.for_task(task).read_state().state == ferrus.S.COMPLETE
     # The merge queue moved main to each task's checked commit, one after the other.
     merged = [e["detail"]["commit"] for e in store.read_journal() if e["event"] == "integrated"]

@@ -173,3 +173,15 @@ def test_a_cancel_that_lands_while_the_run_prepares_the_task_is_not_undone(repo,
     record = ferrus.read_task_record(store.dir, task)
     assert record["status"] == "cancelled" and "worktree" not in record
     assert branches(repo) == ["main"]
+
+
+def test_hq_task_cancel_removes_a_failed_tasks_kept_worktree(repo):
+    store = ferrus.Store(repo)
+    task, path, branch = start_task(store)
+    set_status(store, task, "failed")
+    proc = subprocess.run([sys.executable, ferrus.__file__, "hq", "--no-tui"], cwd=repo,
+                          input="/task cancel %s\n/quit\n" % ferrus.short_task_id(task),
+                          text=True, capture_output=True, timeout=120)
+    assert "Task %s cancelled. Removed its worktree %s and its branch %s" % (
+        task, path, branch) in proc.stdout, proc.stdout + proc.stderr
+    assert not os.path.exists(path) and branch not in branches(repo)
