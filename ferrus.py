@@ -13335,7 +13335,8 @@ class ParallelRunner:
 
     def _collect(self):
         if self.integrating():
-            self.advance(5)
+            if self.advance(5):
+                self._integrate()      # an approved task enters the merge queue at once
         elif self.queued() and self.free_slots():
             self.advance(3)
         elif not self.controllers:

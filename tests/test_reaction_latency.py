@@ -92,3 +92,13 @@ def test_a_phase_is_saved_for_recovery_before_the_journal_shows_it(store):
     runner._journal_phase = spy
     assert runner.advance(1) and runner.advance(2)
     assert saved_when_journaled == [(1, 1), (2, 2)]
+
+
+def test_an_approved_task_enters_the_merge_queue_in_the_step_that_sees_it(store):
+    runner = ferrus.ParallelRunner(store, lambda message: None, 2)
+    assert runner.advance(1) and runner.advance(2) and runner.advance(3) and runner.advance(4)
+    started = []
+    runner.integrating = lambda: ["t-approved"]
+    runner._start_integration = started.append
+    runner._collect()
+    assert runner.machine.phase == 5 and started == ["t-approved"]
