@@ -12832,7 +12832,10 @@ class HqController:
     def stop_all(self, quiet=False):
         for slot in self.slots.values():
             running = slot.process is not None
-            self._step(slot, SessionEvent("OperatorStop"))
+            # An idle slot (nothing running, nothing pending) has nothing to stop: it only
+            # starts afresh below, without a journal entry (an fsynced commit) saying so.
+            if running or slot.state not in (SS.INITIALIZING, SS.SESSION_COMPLETE):
+                self._step(slot, SessionEvent("OperatorStop"))
             if running and not quiet:
                 self.emit(HqMessage("info", "stopped the %s" % slot.name))
             # A stopped slot starts afresh the next time its role is needed.

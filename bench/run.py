@@ -1223,10 +1223,13 @@ def _parallel_project(bench, name, checks, extra=""):
     return root
 
 
+_FIFO_NUMBERS = itertools.count(1)
+
+
 def _fifo_stub(bench, name):
     """(argv, path): a stand-in agent process, `cat FIFO`, that ends when the writer
     the bench opens on the FIFO is closed."""
-    path = os.path.join(bench.tmp, "fifo-%s" % name)
+    path = os.path.join(bench.tmp, "fifo-%s-%d" % (name, next(_FIFO_NUMBERS)))
     os.mkfifo(path)
     return ["cat", path], path
 
@@ -1248,14 +1251,13 @@ class _InstantAgents:
         self.ferrus = bench.ferrus
         self.store = bench.store(root)
         self.lock = threading.Lock()
-        self.count = itertools.count()
         self.own = collections.defaultdict(float)    # task -> seconds of the agents' own work
         self.sessions = collections.defaultdict(float)   # task -> seconds agents were up
         self.failures = []
         self.threads = []
 
     def launcher(self, slot):
-        argv, fifo = _fifo_stub(self.bench, "agent-%d" % next(self.count))
+        argv, fifo = _fifo_stub(self.bench, "agent")
         thread = threading.Thread(target=self._play, args=(slot, fifo), daemon=True,
                                   name="bench-agent-%s" % slot.name)
         thread.start()
@@ -1547,8 +1549,7 @@ def measure_hq_reaction_parallel(bench, active, rounds):
     def launcher(slot):
         if slot.name != "reviewer":
             return ferrus.Launch(argv=list(sleeper)), (lambda line: [])
-        argv, fifo = _fifo_stub(bench, "hq-%d-%d" % (active, len(release) + 1000 *
-                                                     random.randrange(10 ** 6)))
+        argv, fifo = _fifo_stub(bench, "reviewer")
         done = threading.Event()
 
         def hold():

@@ -102,3 +102,24 @@ def test_an_approved_task_enters_the_merge_queue_in_the_step_that_sees_it(store)
     runner._start_integration = started.append
     runner._collect()
     assert runner.machine.phase == 5 and started == ["t-approved"]
+
+
+def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
+
+    def launcher(slot):
+        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
+            (lambda line: [])
+
+    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    try:
+        controller.poll()
+        before = len(session_moves(store))
+        controller.stop_all()
+        # The running executor's stop is journaled; the idle reviewer and consultant
+        # only start afresh.
+        assert session_moves(store)[before:] == [("executor", "Running", "Stopped")]
+        assert all(slot.state == SS.INITIALIZING and slot.process is None
+                   for slot in controller.slots.values())
+    finally:
+        controller.shutdown()
