@@ -12360,7 +12360,9 @@ class HqController:
         The agent is started first and the session's moves are journaled after it (in
         their order): each is an fsynced commit, and an agent that waits for three of
         them reacts that much later (ARCHITECTURE.md, 'Session state machine')."""
-        self._deferred_moves = []
+        held = self._deferred_moves is not None      # held for a whole step already
+        if not held:
+            self._deferred_moves = []
         try:
             session = slot.session
             if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
@@ -12374,10 +12376,20 @@ class HqController:
             if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
                 self._spawn(slot)
         finally:
-            moves, self._deferred_moves = self._deferred_moves, None
-            for move in moves:
-                with contextlib.suppress(FerrusError, OSError):
-                    self._commit_session_move(move)
+            if not held:
+                self.release_session_moves()
+
+    def hold_session_moves(self):
+        """Journal session moves only at release_session_moves(): a runner polling several
+        controllers starts every agent a step needs before it commits their moves."""
+        if self._deferred_moves is None:
+            self._deferred_moves = []
+
+    def release_session_moves(self):
+        moves, self._deferred_moves = self._deferred_moves or [], None
+        for move in moves:
+            with contextlib.suppress(FerrusError, OSError):
+                self._commit_session_move(move)
 
     # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
@@ -12388,7 +12400,9 @@ class HqController:
             self._save_counts(slot, force=True)
         tokens, turns = self._task_tokens_and_turns(task)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_of(data),
+                          sessions=self.sessions_of(data) + sum(
+                              1 for move in self._deferred_moves or ()
+                              if move["to"] == SS.RUNNING.value),   # started, not yet journaled
                           tasks_completed=self.tasks_completed,
                           tokens_used=tokens, turns=turns,
                           parallel_agents=len(self.running()) + extra_parallel)
@@ -13101,8 +13115,15 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for controller in list(self.controllers.values()):
-            controller.poll()
+        polled = list(self.controllers.values())
+        try:
+            for controller in polled:
+                controller.hold_session_moves()
+            for controller in polled:
+                controller.poll()
+        finally:
+            for controller in polled:
+                controller.release_session_moves()
         # What the tasks' states ask of the runner changes only with a commit (or with a
         # question a controller has just shown): the task files are read only then, so a
         # long queue costs nothing while the agents work.
