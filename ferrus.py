@@ -12012,6 +12012,7 @@ class HqController:
         self.launcher = launcher or self._launch_with_adapter
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
+        self._deferred_moves = None   # session moves journaled once _advance is done
         # Entries from before this HQ started are not shown again, and none is read:
         # start-up costs the same whatever the journal's length.
         self.journal_offset = store.journal_position()
@@ -12354,18 +12355,29 @@ class HqController:
             self._advance(self.slots[name], prompt, data)
 
     def _advance(self, slot, prompt, data):
-        """Move a needed slot forward through its session machine towards Running."""
-        session = slot.session
-        if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
-            self._step(slot, SessionEvent("WorktreeReady"))
-        if slot.session.state == SS.BUILDING_PROMPT:
-            text = prompt
-            if slot.session.urgent:
-                text += "\n\nURGENT message from the operator (act on it first):\n" + \
-                    slot.session.urgent
-            self._step(slot, SessionEvent("PromptReady", text))
-        if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
-            self._spawn(slot)
+        """Move a needed slot forward through its session machine towards Running.
+
+        The agent is started first and the session's moves are journaled after it (in
+        their order): each is an fsynced commit, and an agent that waits for three of
+        them reacts that much later (ARCHITECTURE.md, 'Session state machine')."""
+        self._deferred_moves = []
+        try:
+            session = slot.session
+            if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
+                self._step(slot, SessionEvent("WorktreeReady"))
+            if slot.session.state == SS.BUILDING_PROMPT:
+                text = prompt
+                if slot.session.urgent:
+                    text += "\n\nURGENT message from the operator (act on it first):\n" + \
+                        slot.session.urgent
+                self._step(slot, SessionEvent("PromptReady", text))
+            if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
+                self._spawn(slot)
+        finally:
+            moves, self._deferred_moves = self._deferred_moves, None
+            for move in moves:
+                with contextlib.suppress(FerrusError, OSError):
+                    self._commit_session_move(move)
 
     # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
@@ -12514,11 +12526,12 @@ class HqController:
         slot.timer = self.clock() + self.limits.timeout_secs
         slot.tool_calls = slot.events_shown = 0
         slot.started_at = self.clock()
+        # Said as soon as the process exists; its records follow.
+        self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
+            slot.name, slot.process.pid, self.store.relpath(log_path))))
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
-        self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
-            slot.name, slot.process.pid, self.store.relpath(log_path))))
 
     def agent_choice(self, role, config=None):
         """The agent (and model) that plays ``role`` here: [hq.<role>], or for a parallel
@@ -12665,19 +12678,29 @@ class HqController:
         elif isinstance(effect, tuple) and effect[0] == LOG_FATAL:
             self.emit(HqMessage("error", "the %s is stopped: %s" % (slot.name, effect[1])))
         if slot.session.state != before:
+            if self._deferred_moves is not None:      # journaled once the agent started
+                self._deferred_moves.append(self._session_move(slot, before, event))
+                return
             with contextlib.suppress(FerrusError, OSError):
                 self._journal_session(slot, before, event)
 
     def _journal_session(self, slot, before, event):
+        self._commit_session_move(self._session_move(slot, before, event))
+
+    @staticmethod
+    def _session_move(slot, before, event):
+        """A session's move as its journal entry's detail, taken when it happens."""
+        return {"slot": slot.name, "from": before.value, "to": slot.session.state.value,
+                "seq": slot.session.session_seq, "trigger": event.kind,
+                "pid": slot.process.pid if slot.process else None}
+
+    def _commit_session_move(self, move):
         """Journal a session's move; a start also counts in STATE.json, so the sessions
         a task had are known after a restart without reading the journal."""
         with self.store.transaction("hq") as tx:
             tx.set(tx.state, "session")
-            tx.detail.update({
-                "slot": slot.name, "from": before.value, "to": slot.session.state.value,
-                "seq": slot.session.session_seq, "trigger": event.kind,
-                "pid": slot.process.pid if slot.process else None})
-            if slot.session.state == SS.RUNNING:
+            tx.detail.update(move)
+            if move["to"] == SS.RUNNING.value:
                 tx.state.extra[TASK_SESSIONS_KEY] = {"task_id": tx.state.task_id,
                                                      "sessions": self.sessions_of(tx.state) + 1}
 
@@ -13001,8 +13024,10 @@ class ParallelRunner:
                 else "nothing new starts"), "error", checkpoint=stop.record)
             self._save()
             return False
-        self._journal_phase(record)
+        # parallel.json first, the journal line last (as a commit writes STATE.json before
+        # its line): whoever reads the new phase in the journal finds it saved for recovery.
         self._save()
+        self._journal_phase(record)
         return True
 
     def _journal_phase(self, record):
@@ -13329,7 +13354,7 @@ class ParallelRunner:
                 return
             self._finish_integration(self.integration)
             self.integration = None
-            return
+            # The next task in the queue starts now, not a step (eight polls) later.
         if self.retry_at is not None and self.clock() < self.retry_at:
             return
         self.retry_at = None
