@@ -16904,7 +16904,7 @@ class HqShell:
         role, _, message = rest.partition(" ")
         if not message.strip():
             raise UsageError("usage: /tell ROLE MESSAGE (roles: executor, reviewer, consultant)")
-        self.controller.tell(role, message.strip())
+        self.driving()[1].tell(role, message.strip())
 
     def cmd_check(self, rest):
         if rest == "--force":
@@ -16922,12 +16922,29 @@ class HqShell:
                 raise FerrusError(err.message, "/check --force runs the checks in any state "
                                   "and changes nothing") from err
 
-    def cmd_resume(self, rest):
+    def driving(self):
+        """(store, controller) of the task whose agents /resume, /review and /tell mean:
+        the attached task's, run by this HQ, else the checkout's own."""
+        if self.attached:
+            controller = self.task_controller(self.attached)
+            if controller is None:
+                raise FerrusError("no agent of task %s runs here" % short_task_id(self.attached),
+                                  "/run works the queue, and resumes it")
+            return controller.store, controller
         data = self.store.read_state()
+        if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
+            raise FerrusError("the checkout's state shows parallel task %s, whose agents are "
+                              "its own" % short_task_id(data.extra[PARALLEL_MIRROR_KEY]),
+                              "/attach ID first (/tasks lists the tasks)")
+        return self.store, self.controller
+
+    def cmd_resume(self, rest):
+        store, controller = self.driving()
+        data = store.read_state()
         if data.state not in ACTIVE_STATES:
             raise FerrusError("nothing to resume: the state is %s" % data.state,
                               "start a task with /task")
-        self.controller.restart_slots()
+        controller.restart_slots()
         self.write("Resuming the task (%s)." % data.state)
 
     def cmd_approve(self, rest):
@@ -16945,13 +16962,14 @@ class HqShell:
                                    via="hq").text)
 
     def cmd_review(self, rest):
-        state = self.store.read_state().state
+        store, controller = self.driving()
+        state = store.read_state().state
         if state == S.AWAITING_CONFIRMATION:
             raise FerrusError("the reviewer already approved; the task waits for you",
                               "/approve, or /reject NOTES")
         if state != S.REVIEWING:
             raise FerrusError("there is no submission to review")
-        self.controller.restart_slots()
+        controller.restart_slots()
 
     def cmd_stop(self, rest):
         if self.runner is not None or self.run_width:

@@ -274,3 +274,25 @@ def test_status_counts_old_ended_tasks_instead_of_listing_them(store, clock):
 
 def test_status_without_tasks_is_unchanged(store):
     assert ferrus.describe_queue(ferrus.status_task_rows(store, [])) == []
+
+
+def test_agent_commands_mean_the_attached_task_and_never_a_mirrored_one(store):
+    task = queue(store, "In a worktree")
+    start(store, task)
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(), stdout=out)
+    try:
+        # The checkout's STATE.json mirrors the task: /resume must not restart the
+        # checkout's own agents for it (it said "Resuming the task (Executing).").
+        for command in ("/resume", "/review", "/tell executor hurry"):
+            shell.handle(command)
+            assert out.getvalue().splitlines()[-2:] == [
+                "error: the checkout's state shows parallel task %s, whose agents are its own"
+                % short(task), "hint: /attach ID first (/tasks lists the tasks)"], command
+        shell.handle("/attach %s" % short(task))
+        shell.handle("/resume")
+        assert out.getvalue().splitlines()[-2:] == [
+            "error: no agent of task %s runs here" % short(task),
+            "hint: /run works the queue, and resumes it"]
+    finally:
+        shell.shutdown()
