@@ -13172,15 +13172,49 @@ class ParallelRunner:
         self.advance(2)
 
     def _prepare(self):
-        for task in list(self.batch):
-            if task not in self.controllers and not self._prepare_task(task):
+        todo = [task for task in self.batch if task not in self.controllers]
+        for task, ready in zip(todo, self._prepare_side_by_side(todo)):
+            if not ready:
                 self.batch.remove(task)
         self.advance(3)
 
-    def _prepare_task(self, task):
+    def _prepare_side_by_side(self, tasks):
+        """_prepare_task for each of ``tasks``, all at once: each has its own worktree,
+        [parallel] setup and store, so the batch waits for the slowest, not for the sum
+        (the git processes, setup commands and fsyncs overlap).  A task that cannot be
+        prepared is failed here, in the runner's thread."""
+        if len(tasks) < 2:
+            return [self._prepare_task(task) for task in tasks]
+        results = [None] * len(tasks)
+
+        def prepare(index, task):
+            try:
+                results[index] = self._prepare_task(task, fail=False)
+            except BaseException as err:       # handed to the runner's thread below
+                results[index] = err
+        threads = [threading.Thread(target=prepare, args=(index, task), daemon=True,
+                                    name="ferrus-prepare-%s" % short_task_id(task))
+                   for index, task in enumerate(tasks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ready = []
+        for task, result in zip(tasks, results):
+            if isinstance(result, FerrusError):
+                self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
+                               result.full_text())
+                result = False
+            elif isinstance(result, BaseException):
+                raise result
+            ready.append(bool(result))
+        return ready
+
+    def _prepare_task(self, task, fail=True):
         """The task's worktree and branch from the target's head, ferrus's agent
         configuration copied into it, and its state created (Executing).  Idempotent, so
-        a run that crashed half-way through it simply does it again."""
+        a run that crashed half-way through it simply does it again.  A FerrusError fails
+        the task (or, with ``fail`` False, is raised for the caller to do that)."""
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
@@ -13212,6 +13246,8 @@ class ParallelRunner:
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
         except FerrusError as err:
+            if not fail:
+                raise
             self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
                            err.full_text())
             return False
