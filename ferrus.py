@@ -13074,6 +13074,7 @@ class ParallelRunner:
             raise FerrusError("a task is in flight in the checkout itself (state %s)"
                               % project.state, "finish it with `ferrus run --resume` (or "
                               "`ferrus reset` it) before running tasks in parallel")
+        self._remove_leftovers()
         resumed = []
         for task, record in task_records(self.store):
             if record.get("status") == RUNNING_STATUS and record.get("worktree"):
@@ -13095,6 +13096,24 @@ class ParallelRunner:
                       % phase_label(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
+
+    def _remove_leftovers(self):
+        """The worktree and branch of a task that was merged or cancelled just before a
+        run died (recorded, not yet removed): removed now, so nothing leaks."""
+        records = dict(task_records(self.store))
+        with contextlib.suppress(FerrusError):
+            for row in list_task_worktrees(self.store.root, TASK_BRANCH_PREFIX):
+                task = (row.get("branch") or "")[len(TASK_BRANCH_PREFIX):]
+                record = records.get(task) or {}
+                if row.get("main") or record.get("status") not in (MERGED_STATUS,
+                                                                   CANCELLED_STATUS):
+                    continue
+                try:
+                    remove_task_worktree(self.store.root, row.get("path") or
+                                         record.get("worktree"), row["branch"])
+                except FerrusError as err:
+                    self.note("could not remove the worktree of finished task %s: %s"
+                              % (short_task_id(task), err.message), "warning", task_id=task)
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
@@ -13507,8 +13526,13 @@ class ParallelRunner:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
         if status in (MERGED_STATUS, CANCELLED_STATUS) and record.get("worktree"):
-            with contextlib.suppress(FerrusError):
+            try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+            except FerrusError as err:
+                self.note("could not remove task %s's worktree %s: %s (`ferrus doctor --fix` "
+                          "removes what a finished task leaves)" % (
+                              short_task_id(task), record["worktree"], err.message),
+                          "warning", task_id=task)
         self.ended[task] = status
         title = record.get("title", "")
         if status == MERGED_STATUS:
