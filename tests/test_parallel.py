@@ -307,12 +307,13 @@ def run_cli_until(repo, event_test, env_extra=None, timeout=120):
         proc.stdout.close()
 
 
-def assert_all_merged_and_tidy(repo, store, tasks):
-    assert statuses(store) == {task: "merged" for task in tasks}
+def assert_all_merged_and_tidy(repo, store, tasks, lines=()):
+    assert statuses(store) == {task: "merged" for task in tasks}, "\n".join(lines)
     files = committed(repo)
     for task in tasks:
         assert store.for_task(task).read_state().state == S.COMPLETE
-    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b]
+    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b], \
+        "\n".join(lines)
     listed = git(repo, "worktree", "list", "--porcelain").stdout
     assert listed.count("worktree ") == 1, listed
     return files
@@ -334,7 +335,7 @@ def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
     before = git(repo, "rev-parse", "main").stdout.strip()
     code, lines = run(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
-    files = assert_all_merged_and_tidy(repo, store, tasks)
+    files = assert_all_merged_and_tidy(repo, store, tasks, lines)
     assert "k0.txt" in files and "k1.txt" in files
     # the dead run's agents were stopped before anything started again
     assert any("previous" in line or "resuming" in line for line in lines), "\n".join(lines)
