@@ -13960,13 +13960,31 @@ def run_queue(store, out=None, **run_options):
             code = run_loop(store, None, resume=True, out=out, **run_options)
         elif data.task_id == task and data.state in (S.COMPLETE, S.FAILED):
             code = RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
+        elif not _created_since_taken(store, task):
+            # The run that took it stopped before the task began: it was never worked on.
+            _put_back_in_queue(store, task, "the run that took it stopped before it began")
+            out("ferrus run: task %s was taken by a run that stopped before it began; it is "
+                "back in the queue" % short_task_id(task))
+            continue
         if code is None or code in (RUN_COMPLETE, RUN_FAILED):
             status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
-            update_task(store, HUMAN, task, "task_" + status, {
-                "status": status, "ended_at": format_timestamp(store.clock())})
+            changes = {"status": status, "ended_at": format_timestamp(store.clock())}
+            if code is None:
+                changes["reason"] = (
+                    "it ran in the checkout, which now holds %s (state %s); `ferrus log` "
+                    "shows what happened to it" % (
+                        "task %s" % data.task_id if data.task_id else "no task", data.state))
+            elif code == RUN_FAILED and data.failure_reason:
+                changes["reason"] = data.failure_reason
+            update_task(store, HUMAN, task, "task_" + status, changes)
         if code not in (None, RUN_COMPLETE, RUN_FAILED):
             return code
         worst = max(worst, code or RUN_FAILED)
+    # What would stop a run before its task starts (a ferrus.toml that does not load, an
+    # agent that cannot start) is found before a task is taken: it must not use one up.
+    store.config()
+    if run_options.get("launcher") is None:
+        require_headless_agents(store)
     while True:
         queued = [(task, record) for task, record in task_records(store)
                   if record.get("status") == QUEUED_STATUS]
@@ -13979,16 +13997,57 @@ def run_queue(store, out=None, **run_options):
         update_task(store, HUMAN, task, "dispatch_task", {
             "status": RUNNING_STATUS, "store": "project",
             "started_at": format_timestamp(store.clock())})
-        code = run_loop(store, read_text(os.path.join(store.path(TASKS_DIR, task), "TASK.md")),
-                        out=out, origin=(origin.get("spec"), origin.get("milestone")),
-                        reset=True, task_id=task, **run_options)
+        try:
+            code = run_loop(store, read_text(os.path.join(store.path(TASKS_DIR, task),
+                                                          "TASK.md")),
+                            out=out, origin=(origin.get("spec"), origin.get("milestone")),
+                            reset=True, task_id=task, **run_options)
+        except BaseException as err:
+            # Refused (or interrupted) before the task began in the checkout: it goes back
+            # to the queue, not used up.  One that began stays running: the next run
+            # resumes it.
+            with contextlib.suppress(Exception):
+                if store.project_state().task_id != task:
+                    _put_back_in_queue(store, task, "the run stopped before it began: %s" % (
+                        err.message if isinstance(err, FerrusError)
+                        else type(err).__name__))
+            raise
         status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
         if code in (RUN_COMPLETE, RUN_FAILED):
-            update_task(store, HUMAN, task, "task_" + status, {
-                "status": status, "ended_at": format_timestamp(store.clock())})
+            changes = {"status": status, "ended_at": format_timestamp(store.clock())}
+            reason = store.project_state().failure_reason
+            if code == RUN_FAILED and reason:
+                changes["reason"] = reason
+            update_task(store, HUMAN, task, "task_" + status, changes)
         if code not in (RUN_COMPLETE, RUN_FAILED):
             return code            # a question, a timeout or a checkpoint: stop here
         worst = max(worst, code)
+
+
+def _created_since_taken(store, task):
+    """Whether queue task ``task`` began in the checkout (a create_task entry for it)
+    after the run that took it (its dispatch_task entry): the journal is read back to
+    that entry only."""
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") == task and entry.get("event") == "create_task":
+            return True
+        if entry.get("task_id") == task and entry.get("event") == "dispatch_task":
+            return False
+    return False
+
+
+def _put_back_in_queue(store, task, why):
+    """A queue task taken for the checkout that never began there: queued again."""
+    with store.transaction(HUMAN.agent_id) as tx:
+        record = read_task_record(store.dir, task)
+        if record.get("status") != RUNNING_STATUS:
+            return
+        for key in ("store", "started_at", "ended_at", "reason"):
+            record.pop(key, None)
+        record["status"] = QUEUED_STATUS
+        write_task_record(store, task, record)
+        tx.set(tx.state, "requeue_task", reason=why[:500])
+        tx.journal_task_id = task
 
 
 def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=False,

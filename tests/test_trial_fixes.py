@@ -1,0 +1,128 @@
+"""What the adversary trial of parallel tasks found outside the parallel runner: a queue
+task used up by a config error, `ferrus serve` for an unknown task, `ferrus task retry`,
+the plain views of a mirrored task, control characters in commit messages, the default
+[parallel] block and doctor's [parallel] checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ferrus
+from conftest import SCRIPTED_AGENT, custom_agent_config, run_cli, set_config
+
+S = ferrus.TaskState
+
+
+def git(root, *args, check=True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
+                          env=env, capture_output=True, text=True, check=check)
+
+
+def config_text(checks, extra=""):
+    return ("[checks]\ncommands = %s\n%s\n[limits]\nwait_timeout_secs = 5\n"
+            "max_review_cycles = 3\n\n" % (json.dumps(checks), extra) +
+            custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
+                                             "{mcp_config}"]))
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository with ferrus initialised, the scripted agent in both roles, and
+    everything committed on main."""
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv("GIT_%s_NAME" % name, "t")
+        monkeypatch.setenv("GIT_%s_EMAIL" % name, "t@example.com")
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
+    git(root, "init", "-q")
+    ferrus.init_project(str(root), report=lambda m: None)
+    set_config(root, config_text(["test -f README.md"]))
+    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
+                                       "executor": ("scripted", None)}, report=lambda m: None)
+    (root / "README.md").write_text("hello\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "start")
+    return root
+
+
+def enqueue(store, text):
+    return ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
+
+
+def statuses(store):
+    return {row["id"]: row["status"] for row in ferrus.task_rows(store)}
+
+
+def events(store, task=None):
+    return [e["event"] for e in store.read_journal() if task is None or e["task_id"] == task]
+
+
+# -- 1. a config error at `ferrus run` does not use up a queued task ----------------------
+
+def test_a_config_that_does_not_load_takes_no_task_from_the_queue(repo):
+    store = ferrus.Store(str(repo))
+    first = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    second = enqueue(store, "Two.\n\nWRITE two.txt: two\n")
+    set_config(repo, config_text(["test -f README.md"], 'timeout_secs = "soon"\n'))
+    lines = []
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.run_queue(store, out=lines.append)
+    assert "timeout_secs" in refused.value.message
+    assert statuses(store) == {first: "queued", second: "queued"}
+    assert "dispatch_task" not in events(store)
+    set_config(repo, config_text(["test -f README.md"]))
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {first: "done", second: "done"}
+
+
+def test_a_run_that_raises_before_its_task_began_puts_the_task_back(repo, monkeypatch):
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+
+    def refused(*args, **kwargs):
+        raise ferrus.FerrusError("the agents would not start")
+    monkeypatch.setattr(ferrus, "run_loop", refused)
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.run_queue(store, out=lambda line: None)
+    assert statuses(store) == {task: "queued"}
+    entry = [e for e in store.read_journal() if e["event"] == "requeue_task"][-1]
+    assert entry["task_id"] == task and "would not start" in entry["detail"]["reason"]
+    record = ferrus.read_task_record(store.dir, task)
+    assert "store" not in record and "started_at" not in record
+
+
+def test_a_task_left_running_without_a_state_is_recovered_not_failed(repo):
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    # What a run killed between taking the task and creating it leaves behind.
+    ferrus.update_task(store, ferrus.HUMAN, task, "dispatch_task",
+                       {"status": "running", "store": "project"})
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "back in the queue" in text
+    assert statuses(store) == {task: "done"}
+    assert (repo / "one.txt").read_text() == "one\n"
+
+
+def test_a_task_replaced_in_the_checkout_is_failed_with_a_reason(repo):
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    ferrus.update_task(store, ferrus.HUMAN, task, "dispatch_task",
+                       {"status": "running", "store": "project"})
+    ferrus.op_create_task(store, ferrus.HUMAN, "One.", task_id=task)
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    ferrus.op_create_task(store, ferrus.HUMAN, "Something else.")
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    ferrus.run_queue(store, out=lambda line: None)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "failed" and "`ferrus log`" in record["reason"]
