@@ -9351,9 +9351,22 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     store = Store(root)
     store.require()
     task = session_task(session)
-    if task is not None and os.path.isfile(task_record_path(store.dir, task)):
-        # An agent of a parallel task: every tool call works on that task alone.
+    if task is not None:
+        # An agent of a parallel task: every tool call works on that task alone — never
+        # on the checkout's own task, which the server would serve without it.
+        if not os.path.isfile(task_record_path(store.dir, task)):
+            raise FerrusError("session %s names task %s, which is not a task of this "
+                              "project (no %s/%s/%s/%s)" % (
+                                  session, task, FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE),
+                              "agents of parallel tasks are started by `ferrus run "
+                              "--parallel` or HQ; `ferrus tasks` lists the tasks (a session "
+                              "of the project's own task has no task id before its dot)")
         store = store.for_task(task)
+        if not store.exists():
+            raise FerrusError("session %s names task %s, which has not started (it has no "
+                              "%s yet)" % (session, task, STATE_FILE),
+                              "`ferrus run --parallel N` or HQ starts the queue's tasks "
+                              "and their agents")
     report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.

@@ -126,3 +126,26 @@ def test_a_task_replaced_in_the_checkout_is_failed_with_a_reason(repo):
     ferrus.run_queue(store, out=lambda line: None)
     record = ferrus.read_task_record(store.dir, task)
     assert record["status"] == "failed" and "`ferrus log`" in record["reason"]
+
+
+# -- 2. `ferrus serve` for a session of a task that is not there ------------------------
+
+def test_serve_refuses_a_session_of_an_unknown_or_unstarted_task(project):
+    request = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}) + "\n"
+    unknown = "t-20260101T000000-abcdef"
+    done = run_cli("serve", "--role", "executor", "--session", unknown + ".s-1", cwd=project,
+                   input=request)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "not a task of this project" in done.stderr and "hint:" in done.stderr
+    store = ferrus.Store(str(project))
+    queued = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Later.").data["task_id"]
+    done = run_cli("serve", "--role", "executor", cwd=project, input=request,
+                   env={"FERRUS_SESSION": queued + ".s-2"})
+    assert done.returncode == 1 and done.stdout == ""
+    assert "has not started" in done.stderr
+    # the project's own session is served as before
+    done = run_cli("serve", "--role", "executor", "--session", "s-3", cwd=project,
+                   input=request)
+    assert done.returncode == 0 and '"result"' in done.stdout
