@@ -113,6 +113,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
+    "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
@@ -7755,6 +7756,59 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
         said, removed = _remove_task_leftovers(store, read_task_record(store.dir, task))
         text += said
     return _outcome(text, None, task_id=task, removed=removed)
+
+
+# What a task's record says about one attempt at it: dropped when it is queued again.
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+
+
+def op_retry_task(store, caller, task):
+    """Put a failed (or cancelled) task back in the queue: the next `ferrus run` takes it
+    up again.  A parallel task goes on in its kept worktree and branch, with the work done
+    so far (its state is reset to Idle, so the run creates it afresh, Executing); one whose
+    worktree is gone starts again from the target's head."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    status = record.get("status") or QUEUED_STATUS
+    if status in (MERGED_STATUS, DONE_STATUS):
+        raise FerrusError("task %s is already %s" % (task, status),
+                          "its work is on the target branch; `ferrus task add` queues "
+                          "more work")
+    if status not in (FAILED_STATUS, CANCELLED_STATUS):
+        raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
+                          % (task, status), "`ferrus tasks` lists the tasks and their states")
+    worktree = record.get("worktree")
+    kept = bool(worktree) and os.path.isdir(worktree)
+
+    def requeued():
+        fresh = dict(read_task_record(store.dir, task), status=QUEUED_STATUS)
+        for key in _ATTEMPT_KEYS:
+            fresh.pop(key, None)
+        if fresh.get("store") == "project" or not kept:
+            # Run in the checkout, or its worktree is gone: it starts as a new task.
+            for key in ("store", "started_at", "worktree", "workdir", "branch", "base",
+                        "target"):
+                fresh.pop(key, None)
+        return fresh
+    task_store = store.for_task(task)
+    detail = {"was": status, "worktree": worktree if kept else None}
+    if task_store.exists():
+        with task_store.transaction(caller.agent_id) as tx:
+            new = t_force_reset(tx.state, store.clock())
+            new.task_id = tx.state.task_id
+            tx.set(new, "retry_task", **detail)
+            tx.journal_task_id = task
+            write_task_record(store, task, requeued())
+    else:
+        with store.transaction(caller.agent_id) as tx:
+            write_task_record(store, task, requeued())
+            tx.set(tx.state, "retry_task", **detail)
+            tx.journal_task_id = task
+    text = "Task %s is queued again%s." % (task, (
+        "; it goes on in its kept worktree %s with the work done so far" % worktree)
+        if kept and record.get("store") != "project" else "")
+    return _outcome(text + " `ferrus run` (or HQ /run) takes it up.", None, task_id=task,
+                    worktree=worktree if kept else None)
 
 
 def _remove_task_leftovers(store, record):
@@ -16419,6 +16473,7 @@ HQ_COMMANDS = (
     ("/task add", "TEXT | --milestone SPEC ID | --ready SPEC",
      "queue a task (or a spec's milestone, or every ready one) for /run"),
     ("/task cancel", "ID", "drop a queued task, or stop a running one"),
+    ("/task retry", "ID", "queue a failed or cancelled task again (in its kept worktree)"),
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
     ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
@@ -17197,6 +17252,11 @@ class HqShell:
             self.write(op_cancel_task(self.store, HUMAN, task,
                                       remove_worktree=not in_runner).text)
             return
+        if verb == "retry":
+            if not more.strip() or len(more.split()) != 1:
+                raise UsageError("usage: /task retry ID (/tasks lists the tasks)")
+            self.write(op_retry_task(self.store, HUMAN, more.strip()).text)
+            return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
             raise FerrusError("parallel tasks are in flight, so the checkout takes no task of "
@@ -17561,7 +17621,7 @@ class CursesHq(HqShell):
         words = {"/attach": tuple(self.controller.slots) + tasks,
                  "/tell": tuple(self.controller.slots), "/model": ROLES,
                  "/log": tasks, "/diff": tasks, "/status": tasks,
-                 "/task": ("add", "cancel")}.get(head.split()[0], ()) \
+                 "/task": ("add", "cancel", "retry")}.get(head.split()[0], ()) \
             if head.count(" ") == 1 else ()
         return [w for w in words if w.startswith(word)]
 
@@ -18388,6 +18448,9 @@ def cmd_task(args, root):
             say("The running %s stops its agents and removes its worktree and branch."
                 % describe_orchestrator(runner))
         return 0
+    if args.task_command == "retry":
+        say(op_retry_task(store, caller, args.id).text)
+        return 0
     sources = [name for name in ("text", "file", "milestone", "ready")
                if getattr(args, name)]
     if len(sources) != 1:
@@ -18721,8 +18784,9 @@ def cmd_run(args, root):
     if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
-                         "SPEC), then `ferrus run --parallel N`; a failed or interrupted task "
-                         "is resumed by the next run")
+                         "SPEC), then `ferrus run --parallel N`; an interrupted task is "
+                         "resumed by the next run, a failed one once `ferrus task retry ID` "
+                         "queues it again")
     with OrchestratorLock(store, "ferrus run") as held:
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
@@ -18909,7 +18973,7 @@ def build_parser():
     p.add_argument("--task", metavar="ID", help="a parallel task's diff, in its worktree")
     p.set_defaults(run=cmd_diff)
 
-    p = sub.add_parser("task", help="queue a task, or cancel one (parallel tasks)")
+    p = sub.add_parser("task", help="queue a task, cancel or retry one (parallel tasks)")
     commands = p.add_subparsers(dest="task_command", metavar="COMMAND")
     commands.required = True
     add = commands.add_parser("add", help="put a task in the queue `ferrus run` works through")
@@ -18924,6 +18988,9 @@ def build_parser():
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
                                                 "worktree and branch are removed")
     cancel.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
+    retry = commands.add_parser("retry", help="queue a failed or cancelled task again; it "
+                                              "goes on in its kept worktree")
+    retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
     p.set_defaults(run=cmd_task)
 
     p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")

@@ -149,3 +149,69 @@ def test_serve_refuses_a_session_of_an_unknown_or_unstarted_task(project):
     done = run_cli("serve", "--role", "executor", "--session", "s-3", cwd=project,
                    input=request)
     assert done.returncode == 0 and '"result"' in done.stdout
+
+
+# -- 3. `ferrus task retry ID` ----------------------------------------------------------
+
+def committed(root, rev="main"):
+    return sorted(git(root, "ls-tree", "-r", "--name-only", rev).stdout.split())
+
+
+def test_a_failed_task_is_retried_in_its_kept_worktree_and_merged(repo, tmp_path):
+    # [parallel] setup fails until the flag file exists: the task fails after its
+    # worktree was made, which is kept.
+    flag = tmp_path / "ready"
+    set_config(repo, config_text(["test -f README.md"],
+                                 "\n[parallel]\nsetup = [%s]\n" % json.dumps(
+                                     "test -f '%s'" % flag)))
+    git(repo, "commit", "-qam", "setup")
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    lines = []
+    assert ferrus.run_parallel(store, 2, timeout=240, out=lines.append) == ferrus.RUN_FAILED
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "failed" and "setup failed" in record["reason"]
+    worktree = record["worktree"]
+    assert os.path.isdir(worktree)
+    # work done so far in the kept worktree
+    with open(os.path.join(worktree, "early.txt"), "w") as handle:
+        handle.write("early\n")
+    flag.write_text("")
+    done = run_cli("task", "retry", ferrus.short_task_id(task), cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert "queued again" in done.stdout and worktree in done.stdout
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "queued" and "reason" not in record
+    assert record["worktree"] == worktree and record["branch"] == "ferrus/" + task
+    assert store.for_task(task).read_state().state == S.IDLE
+    retried = [e for e in store.read_journal() if e["event"] == "retry_task"]
+    assert retried[-1]["task_id"] == task and retried[-1]["detail"]["was"] == "failed"
+    lines = []
+    code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged"}
+    files = committed(repo)
+    assert "alpha.txt" in files and "early.txt" in files
+
+
+def test_retry_refuses_tasks_that_did_not_fail_and_works_from_hq(repo):
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "Queued.\n\nWRITE q.txt: q\n")
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.op_retry_task(store, ferrus.HUMAN, task)
+    assert "is queued, not failed or cancelled" in refused.value.message
+    ferrus.op_cancel_task(store, ferrus.HUMAN, task, remove_worktree=True)
+    import io
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(), stdout=out)
+    try:
+        shell.handle("/task retry %s" % ferrus.short_task_id(task))
+        shell.handle("/task retry")
+    finally:
+        shell.shutdown()
+    assert "queued again" in out.getvalue()
+    assert "usage: /task retry ID" in out.getvalue()
+    assert statuses(store) == {task: "queued"}
+    ferrus.update_task(store, ferrus.HUMAN, task, "task_merged", {"status": "merged"})
+    done = run_cli("task", "retry", task, cwd=repo)
+    assert done.returncode == 1 and "already merged" in done.stderr
