@@ -5463,6 +5463,78 @@ def target_head(root, branch):
     return os.fsdecode(out).strip() or None
 
 
+# -- git: a conflict handed to the executor as files to edit -----------------------------
+#
+# A real agent cannot be trusted to run git (its CLI's permissions often forbid it, and a
+# sandboxed one cannot write the repository's .git folder), but every executor can edit
+# files.  So when a task conflicts with the target, ferrus itself brings the task's branch
+# up to date: one commit on top of the target's head holding the task's work merged with
+# it, git's conflict markers left in the conflicted files for the executor to resolve.
+# That commit never reaches the target as it is: once the executor resolved the markers,
+# the integration squashes the branch into one commit on the target (squash_onto).
+
+CONFLICT_MARKER = re.compile(rb"^(?:<{7}|>{7})(?: |\r?$)", re.M)
+CONFLICT_SCAN_BYTES = 8 * 1024 * 1024
+
+
+def merge_leaving_conflicts(worktree, target_branch, message):
+    """Merge ``target_branch``'s head into the task's branch in ``worktree`` (its top
+    level) and commit the result as one commit on top of that head, conflict markers
+    included; the worktree is then clean on the task's branch.  Returns (the target head
+    it was built on, the conflicted paths relative to the worktree).  No hooks run (the
+    commit only carries the conflict to the executor).  Raises GitError."""
+    target = target_head(worktree, target_branch)
+    if target is None:
+        raise GitError("there is no branch %s to bring the task up to date with"
+                       % target_branch, "name an existing target branch")
+    run_git(worktree, ["merge", "--no-commit", "--no-ff", target], ok=(0, 1),
+            timeout=GIT_COMMIT_TIMEOUT_SECS)
+    try:
+        unmerged = os.fsdecode(run_git(worktree, ["diff", "--name-only", "-z",
+                                                  "--diff-filter=U"]))
+        paths = [path for path in unmerged.split("\0") if path]
+        if paths:
+            run_git(worktree, ["add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul"],
+                    stdin=nul_list(paths))
+        tree = os.fsdecode(run_git(worktree, ["write-tree"])).strip()
+        commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", target, "-m",
+                                                message])).strip()
+    except GitError:
+        run_git(worktree, ["merge", "--abort"], ok=(0, 128))
+        raise
+    # Forget the merge (index and files stay as they are), then put the branch on the
+    # new commit, whose tree they already are.
+    run_git(worktree, ["merge", "--quit"])
+    run_git(worktree, ["update-ref", "-m", "ferrus: the target merged in, conflicts left "
+                       "for the executor", "HEAD", commit])
+    return target, paths
+
+
+def conflict_markers_left(worktree, paths):
+    """Which of ``paths`` (relative to the worktree) still hold a conflict marker line."""
+    left = []
+    for path in paths:
+        try:
+            with open(os.path.join(worktree, *path.split("/")), "rb") as handle:
+                if CONFLICT_MARKER.search(handle.read(CONFLICT_SCAN_BYTES)):
+                    left.append(path)
+        except OSError:
+            continue            # removed or unreadable: no marker to worry about
+    return left
+
+
+def squash_onto(worktree, onto, message):
+    """The task's branch as ONE commit on top of ``onto`` with the tree it has now (the
+    work after a conflict the executor resolved); returns that commit.  The worktree
+    stays clean: only the branch moves."""
+    tree = os.fsdecode(run_git(worktree, ["rev-parse", "HEAD^{tree}"])).strip()
+    commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", onto, "-m",
+                                            message])).strip()
+    run_git(worktree, ["update-ref", "-m", "ferrus: the task squashed onto its target",
+                       "HEAD", commit])
+    return commit
+
+
 # -- git: integrating a task into the target branch (the merge queue's git half) --------
 #
 # An approved task's worktree is committed, then rebased onto (or merged with) the target
@@ -13020,6 +13092,7 @@ class ParallelRunner:
         self.repo = None
         self.worktree_dir = None
         self.integration = None        # {"task", "thread", "result"} while one runs
+        self.held_candidate = None     # (task, Integration) checked, waiting to fast-forward
         self.retry_at = None           # when a waiting integration is tried again
         self.waiting_said = None
         self.ended = collections.OrderedDict()   # task -> status, for the report
@@ -13133,8 +13206,12 @@ class ParallelRunner:
                               "check out the branch the tasks should merge into, or set "
                               "[parallel] target")
         if target_head(self.store.root, self.target) is None:
-            raise FerrusError("the target branch %s has no commit" % self.target,
-                              "commit once (parallel tasks start from the target's head)")
+            if current_branch(self.store.root) == self.target:
+                raise FerrusError("the target branch %s has no commit yet" % self.target,
+                                  "commit once (parallel tasks start from the target's head)")
+            raise FerrusError("there is no branch %s to merge tasks into" % self.target,
+                              "create it, or set [parallel] target to an existing branch "
+                              "(\"\" = the branch checked out)")
         self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
         project = self.store.project_state()
         if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
@@ -13190,7 +13267,8 @@ class ParallelRunner:
         # question a controller has just shown): the task files are read only then, so a
         # long queue costs nothing while the agents work.
         seen = (self.store.state_stamp(), tuple(
-            (task, c.shown_question, c.shown_confirmation)
+            (task, c.shown_question, c.shown_confirmation,
+             tuple(slot.state for slot in c.slots.values()))
             for task, c in self.controllers.items()))
         if seen != self._seen:
             self._seen = seen
@@ -13303,6 +13381,19 @@ class ParallelRunner:
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return None
+        if record.get("worktree") and not os.path.isdir(task_store.workdir):
+            # Its folder was deleted: put the worktree back on the task's branch (the work
+            # committed there is kept; what was only in the folder is gone).
+            try:
+                create_task_worktree(self.store.root, record["worktree"], record["branch"],
+                                     record.get("base"))
+                copy_agent_configuration(self.store.root, task_store.workdir)
+            except (FerrusError, KeyError) as err:
+                self._end_task(task, FAILED_STATUS, "its worktree %s is gone and could not "
+                               "be made again: %s" % (record.get("worktree"), err))
+                return None
+            self.note("task %s's worktree was gone; made it again from its branch %s" % (
+                short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"))
@@ -13388,6 +13479,13 @@ class ParallelRunner:
         if data.state == S.FAILED:
             self._end_task(task, FAILED_STATUS, data.failure_reason)
             return
+        stopped = [slot.name for slot in controller.slots.values() if slot.state == SS.STOPPED]
+        if stopped and not controller.running():
+            # As `ferrus run` gives up on its task: no agent will move this one any more.
+            self._end_task(task, FAILED_STATUS, "its %s is stopped (the reason is above); "
+                           "once that is fixed, `ferrus task retry %s` queues it again" % (
+                               " and ".join(stopped), short_task_id(task)))
+            return
         if data.state == S.AWAITING_HUMAN and controller.shown_question:
             answer = self.ask(controller.shown_question) if self.ask else None
             if answer is None:
@@ -13465,16 +13563,41 @@ class ParallelRunner:
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
             return
+        held = self.held_candidate
+        if held is not None and held[0] == task and head == held[1].target_head:
+            # Only the fast-forward waited (your checkout was in the way): the candidate
+            # and its checks still hold, so try just that again.
+            self._fast_forward(task, held[1])
+            return
+        self.held_candidate = None
         job = {"task": task, "thread": None, "result": None, "error": None}
         config = self.store.config()
         message = task_commit_message(task, task_store.read_file("TASK.md"),
                                       task_store.read_file("SUBMISSION.md"))
+        top = record.get("worktree") or task_store.workdir
+        conflicts = [p for p in record.get("conflicts") or [] if isinstance(p, str)]
+        config_file = os.path.relpath(os.path.join(self.store.root, CONFIG_FILE),
+                                      self.repo.toplevel).replace(os.sep, "/")
 
         def work():
             try:
+                left = conflict_markers_left(top, conflicts)
+                if left:
+                    job["result"] = ("markers", left)
+                    return
                 built = prepare_integration(task_store.workdir, self.target,
                                             self.parallel.integrate, message,
                                             task_diff_exclusions(task_store))
+                if built.status == "ready" and record.get("conflict_base"):
+                    # After a conflict the branch holds ferrus's merge: one clean commit
+                    # on the target instead.
+                    built = dataclasses.replace(built, head=squash_onto(
+                        top, built.target_head, message))
+                if built.status == "ready" and run_git(top, [
+                        "diff", "--name-only", built.target_head, built.head, "--",
+                        ":(top)" + config_file]).strip():
+                    job["result"] = ("config", built)
+                    return
                 checks = None
                 if built.status == "ready" and config.checks.commands:
                     checks = run_checks(task_store.workdir, config.checks,
@@ -13482,6 +13605,10 @@ class ParallelRunner:
                                         config.limits.max_feedback_lines, None,
                                         self.store.root)
                 job["result"] = (built, checks)
+                if built.status == "conflict":
+                    job["merged"] = merge_leaving_conflicts(top, self.target, (
+                        "ferrus: %s merged into task %s, its conflicts left for the "
+                        "executor" % (self.target, short_task_id(task))))
             except FerrusError as err:
                 job["error"] = err
             except Exception as err:    # never lose the task: say what broke, and wait
@@ -13500,7 +13627,6 @@ class ParallelRunner:
         controller = self.controllers.get(task)
         if controller is None:
             return
-        task_store = controller.store
         if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
                             job["error"].full_text(), cause="refused")
@@ -13511,14 +13637,36 @@ class ParallelRunner:
             self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
+        if built == "markers":
+            self._send_back(task, "git's conflict markers are still in %s. Edit each of "
+                            "those files: keep both sides' intent and remove every marker "
+                            "line (<<<<<<<, =======, >>>>>>>), then check and submit again."
+                            % ", ".join(checks), cause="markers", files=list(checks))
+            return
+        if built == "config":
+            self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
+                            "checks that judge your work, the agents): a task may not change "
+                            "it. Undo that change (only the user edits it), then check and "
+                            "submit again." % CONFIG_FILE, cause="config")
+            return
         if built.status == "conflict":
+            merged = job.get("merged")
+            if merged is None:
+                self._wait(task, "it conflicts with %s, and ferrus could not merge %s into "
+                           "its branch for the executor" % (self.target, self.target))
+                return
+            base, paths = merged
+            update_task(self.store, ORCHESTRATOR, task, "conflict_handed_over",
+                        {"conflicts": paths, "conflict_base": base}, files=paths)
             self._send_back(task, "Your work conflicts with the target branch %s, which "
                             "moved on since your task started (other tasks were merged into "
-                            "it). Your work so far is committed on your branch. Bring the "
-                            "branch up to date: run `git %s %s` in your working folder, "
-                            "resolve the conflicts keeping both sides' intent, then check and "
-                            "submit again.\n\n%s" % (self.target, self.parallel.integrate,
-                                                     self.target, built.text),
+                            "it). ferrus has brought your branch up to date with it: the "
+                            "files below now hold both sides of each conflict between git's "
+                            "markers (<<<<<<< your side, =======, >>>>>>> the target's side). "
+                            "Edit them to keep both sides' intent and remove every marker "
+                            "line; do not run git yourself. Then check and submit again.\n\n"
+                            "Conflicted files: %s\n\n%s" % (
+                                self.target, ", ".join(paths) or "(none left)", built.text),
                             cause="conflict", files=list(built.conflicts))
             return
         if checks is not None and not checks.passed:
@@ -13532,19 +13680,24 @@ class ParallelRunner:
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
             candidate=(built.head or "")[:12])
+        self._fast_forward(task, built)
+
+    def _fast_forward(self, task, built):
+        """Move the target to the checked candidate, or hold it while something of the
+        user's is in the way."""
         moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
-        status = moved.status if hasattr(moved, "status") else moved
-        if status == "done":
-            op_integrated(task_store, ORCHESTRATOR, commit=(built.head or "")[:12],
-                          target=self.target)
+        self.held_candidate = None
+        if moved.status == "done":
+            op_integrated(self.controllers[task].store, ORCHESTRATOR,
+                          commit=(built.head or "")[:12], target=self.target)
             self._merged(task, built.head)
-        elif status == "moved":
+        elif moved.status == "moved":
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
-                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
-                          "changes" % self.target))
+            self.held_candidate = (task, built)
+            self._wait(task, moved.text + (" (commit or stash them; ferrus never overwrites "
+                                           "your work)" if moved.files else ""))
 
     def _wait(self, task, why):
         """The integration of ``task`` cannot go on now: say why (once) and try again in
@@ -13683,6 +13836,11 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
         code = runner.exit_code()
         runner.note("done: exit %d" % code, exit=code)
         return code
+    except KeyboardInterrupt:
+        runner.note("interrupted in %s: the agents are stopped, every task stays as it is; "
+                    "`ferrus run --parallel %d` goes on with them" % (
+                        phase_label(runner.machine.phase), runner.max_tasks), "warning")
+        raise
     finally:
         runner.shutdown()
 
