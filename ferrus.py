@@ -6557,7 +6557,12 @@ COMMIT_BODY_CHARS = 4000
 
 def task_commit_message(task_id, description, submission):
     """The commit message of a task: its title (the description's first line), the
-    submission notes, and a ``Ferrus-Task`` trailer."""
+    submission notes, and a ``Ferrus-Task`` trailer.  Controls (an ESC or a BEL in a
+    title an agent or a queue wrote) are shown in caret notation, never stored raw in the
+    history where `git log` would print them to a terminal."""
+    description, submission = (
+        terminal_safe(text.replace("\r\n", "\n").replace("\r", "\n"))
+        for text in (description, submission))
     title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
                   if line.strip().lstrip("#").strip()), "") or "ferrus task %s" % task_id
     if len(title) > 72:

@@ -215,3 +215,20 @@ def test_retry_refuses_tasks_that_did_not_fail_and_works_from_hq(repo):
     ferrus.update_task(store, ferrus.HUMAN, task, "task_merged", {"status": "merged"})
     done = run_cli("task", "retry", task, cwd=repo)
     assert done.returncode == 1 and "already merged" in done.stderr
+
+
+# -- 5. controls in commit messages -----------------------------------------------------
+
+def test_commit_messages_carry_no_raw_control_characters(repo):
+    message = ferrus.task_commit_message("t-1", "Red \x1b[31mtitle\x07 \x9b2J\r\nmore",
+                                         "notes\x1b]52;c;eA==\x07\r\nline two\ttab\x7f")
+    assert not any(ch in message for ch in "\x1b\x07\x9b\x7f\r")
+    assert message.startswith("Red ^[[31mtitle^G \\x9b2J\n\nnotes^[]52;c;eA==^G\nline two\ttab^?")
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "Bell \x07 and \x1b[2J escape\n\nWRITE bell.txt: bell\n")
+    lines = []
+    assert ferrus.run_parallel(store, 1, timeout=240, out=lines.append) == \
+        ferrus.RUN_COMPLETE, "\n".join(lines)
+    log = git(repo, "log", "-1", "--format=%B", "main").stdout
+    assert "Ferrus-Task: %s" % task in log
+    assert "\x1b" not in log and "\x07" not in log and "Bell ^G and ^[[2J escape" in log
