@@ -15532,6 +15532,16 @@ bell = true            # the terminal bell in HQ and `ferrus run`
 desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
 command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
 
+[parallel]
+# Several queued tasks at once, each in its own git worktree and branch, merged into the
+# target only when the checks pass on the result (`ferrus task add`, `ferrus run --parallel N`).
+max_tasks = 1          # 1: queued tasks run one at a time in the checkout
+integrate = "rebase"   # "merge": merge the target into the task's branch instead
+target = ""            # the branch tasks merge into; "" = the branch checked out
+worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repository
+delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
+setup = []             # e.g. ["npm ci"]: run in each new worktree before its agents start
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default

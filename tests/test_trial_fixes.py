@@ -232,3 +232,20 @@ def test_commit_messages_carry_no_raw_control_characters(repo):
     log = git(repo, "log", "-1", "--format=%B", "main").stdout
     assert "Ferrus-Task: %s" % task in log
     assert "\x1b" not in log and "\x07" not in log and "Bell ^G and ^[[2J escape" in log
+
+
+# -- 6. `ferrus init` writes a [parallel] block -------------------------------------------
+
+def test_the_default_config_has_a_parallel_block_at_the_defaults(tmp_path):
+    text = ferrus.default_config_text()
+    assert "\n[parallel]\n" in text
+    parsed = ferrus.parse_toml(text)["parallel"]
+    defaults = ferrus.ParallelConfig()
+    assert set(parsed) == {field.name for field in ferrus.dataclasses.fields(defaults)}
+    for key, value in parsed.items():
+        assert value == getattr(defaults, key), key
+    root = tmp_path / "fresh"
+    root.mkdir()
+    ferrus.init_project(str(root), report=lambda m: None)
+    config = ferrus.load_config(str(root))
+    assert config.parallel == defaults and not config.unknown_keys
