@@ -15932,7 +15932,7 @@ def _task_branch_rows(store):
             folder = default_worktree_dir(store.root, parallel.worktree_dir)
         except GitUnavailable:
             raise
-        except FerrusError:            # a refused worktree_dir: config_findings says why
+        except FerrusError:            # a refused worktree_dir: _parallel_config_findings says why
             folder = default_worktree_dir(store.root)
         return folder, list_task_worktrees(store.root, TASK_BRANCH_PREFIX), None
     except GitUnavailable:
@@ -16136,6 +16136,39 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    if not any(problem.message.startswith("%s: [parallel" % CONFIG_FILE)
+               for problem in problems):
+        findings.extend(_parallel_config_findings(root, config.parallel))
+    return findings
+
+
+def _parallel_config_findings(root, parallel):
+    """What `ferrus run --parallel` would refuse in [parallel], found by the same checks:
+    a worktree_dir inside the repository (not git-ignored, the repository itself, its
+    .git folder) and a target branch that does not exist.  An error when max_tasks makes
+    every `ferrus run` parallel, else a warning (only --parallel N would refuse)."""
+    severity = "error" if parallel.max_tasks > 1 else "warning"
+    findings = []
+    try:
+        default_worktree_dir(root, parallel.worktree_dir)
+    except GitUnavailable:
+        return findings             # no repository: nothing to check against
+    except FerrusError as err:
+        findings.append(Finding("%s (`ferrus run --parallel` refuses it)" % err.message,
+                                err.hint or "fix [parallel] worktree_dir in ferrus.toml",
+                                severity=severity))
+    if parallel.target:
+        try:
+            head = target_head(root, parallel.target)
+        except FerrusError:
+            head = ""               # git could not say: not reported as missing
+        if head is None:
+            findings.append(Finding(
+                "%s: [parallel] target = %s names no branch of the repository "
+                "(`ferrus run --parallel` refuses it)" % (CONFIG_FILE,
+                                                          json.dumps(parallel.target)),
+                "create the branch, or set target to an existing one (\"\" = the branch "
+                "checked out)", severity=severity))
     return findings
 
 

@@ -249,3 +249,27 @@ def test_the_default_config_has_a_parallel_block_at_the_defaults(tmp_path):
     ferrus.init_project(str(root), report=lambda m: None)
     config = ferrus.load_config(str(root))
     assert config.parallel == defaults and not config.unknown_keys
+
+
+# -- 7. doctor reports the [parallel] settings `ferrus run --parallel` refuses ----------------
+
+def test_doctor_reports_a_worktree_dir_inside_the_repository_and_a_missing_target(repo):
+    base = config_text(["test -f README.md"])
+    set_config(repo, base + '\n[parallel]\nworktree_dir = "trees"\ntarget = "nope"\n')
+    findings = {f.problem: f for f in ferrus.doctor_findings(str(repo))}
+    inside = [f for p, f in findings.items() if "worktree_dir" in p]
+    target = [f for p, f in findings.items() if "target" in p and "nope" in p]
+    assert len(inside) == 1 and "not git-ignored" in inside[0].problem
+    assert "/trees/" in inside[0].repair and inside[0].severity == "warning"
+    assert len(target) == 1 and target[0].severity == "warning"
+    # with max_tasks > 1 every `ferrus run` is parallel: both are errors
+    set_config(repo, base + '\n[parallel]\nmax_tasks = 2\nworktree_dir = "trees"\n'
+               'target = "nope"\n')
+    done = run_cli("doctor", cwd=repo)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "worktree_dir" in done.stdout + done.stderr and '"nope"' in done.stdout + done.stderr
+    # ignored, and an existing branch: nothing to report
+    (repo / ".gitignore").write_text("/trees/\n")
+    git(repo, "branch", "nope")
+    assert not [f for f in ferrus.doctor_findings(str(repo))
+                if "[parallel]" in f.problem]
