@@ -113,6 +113,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
+    "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
@@ -6556,7 +6557,12 @@ COMMIT_BODY_CHARS = 4000
 
 def task_commit_message(task_id, description, submission):
     """The commit message of a task: its title (the description's first line), the
-    submission notes, and a ``Ferrus-Task`` trailer."""
+    submission notes, and a ``Ferrus-Task`` trailer.  Controls (an ESC or a BEL in a
+    title an agent or a queue wrote) are shown in caret notation, never stored raw in the
+    history where `git log` would print them to a terminal."""
+    description, submission = (
+        terminal_safe(text.replace("\r\n", "\n").replace("\r", "\n"))
+        for text in (description, submission))
     title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
                   if line.strip().lstrip("#").strip()), "") or "ferrus task %s" % task_id
     if len(title) > 72:
@@ -7827,6 +7833,59 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
         said, removed = _remove_task_leftovers(store, read_task_record(store.dir, task))
         text += said
     return _outcome(text, None, task_id=task, removed=removed)
+
+
+# What a task's record says about one attempt at it: dropped when it is queued again.
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+
+
+def op_retry_task(store, caller, task):
+    """Put a failed (or cancelled) task back in the queue: the next `ferrus run` takes it
+    up again.  A parallel task goes on in its kept worktree and branch, with the work done
+    so far (its state is reset to Idle, so the run creates it afresh, Executing); one whose
+    worktree is gone starts again from the target's head."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    status = record.get("status") or QUEUED_STATUS
+    if status in (MERGED_STATUS, DONE_STATUS):
+        raise FerrusError("task %s is already %s" % (task, status),
+                          "its work is on the target branch; `ferrus task add` queues "
+                          "more work")
+    if status not in (FAILED_STATUS, CANCELLED_STATUS):
+        raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
+                          % (task, status), "`ferrus tasks` lists the tasks and their states")
+    worktree = record.get("worktree")
+    kept = bool(worktree) and os.path.isdir(worktree)
+
+    def requeued():
+        fresh = dict(read_task_record(store.dir, task), status=QUEUED_STATUS)
+        for key in _ATTEMPT_KEYS:
+            fresh.pop(key, None)
+        if fresh.get("store") == "project" or not kept:
+            # Run in the checkout, or its worktree is gone: it starts as a new task.
+            for key in ("store", "started_at", "worktree", "workdir", "branch", "base",
+                        "target"):
+                fresh.pop(key, None)
+        return fresh
+    task_store = store.for_task(task)
+    detail = {"was": status, "worktree": worktree if kept else None}
+    if task_store.exists():
+        with task_store.transaction(caller.agent_id) as tx:
+            new = t_force_reset(tx.state, store.clock())
+            new.task_id = tx.state.task_id
+            tx.set(new, "retry_task", **detail)
+            tx.journal_task_id = task
+            write_task_record(store, task, requeued())
+    else:
+        with store.transaction(caller.agent_id) as tx:
+            write_task_record(store, task, requeued())
+            tx.set(tx.state, "retry_task", **detail)
+            tx.journal_task_id = task
+    text = "Task %s is queued again%s." % (task, (
+        "; it goes on in its kept worktree %s with the work done so far" % worktree)
+        if kept and record.get("store") != "project" else "")
+    return _outcome(text + " `ferrus run` (or HQ /run) takes it up.", None, task_id=task,
+                    worktree=worktree if kept else None)
 
 
 def _remove_task_leftovers(store, record):
@@ -15473,6 +15532,16 @@ bell = true            # the terminal bell in HQ and `ferrus run`
 desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
 command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
 
+[parallel]
+# Several queued tasks at once, each in its own git worktree and branch, merged into the
+# target only when the checks pass on the result (`ferrus task add`, `ferrus run --parallel N`).
+max_tasks = 1          # 1: queued tasks run one at a time in the checkout
+integrate = "rebase"   # "merge": merge the target into the task's branch instead
+target = ""            # the branch tasks merge into; "" = the branch checked out
+worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repository
+delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
+setup = []             # e.g. ["npm ci"]: run in each new worktree before its agents start
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default
@@ -15863,7 +15932,7 @@ def _task_branch_rows(store):
             folder = default_worktree_dir(store.root, parallel.worktree_dir)
         except GitUnavailable:
             raise
-        except FerrusError:            # a refused worktree_dir: config_findings says why
+        except FerrusError:            # a refused worktree_dir: _parallel_config_findings says why
             folder = default_worktree_dir(store.root)
         return folder, list_task_worktrees(store.root, TASK_BRANCH_PREFIX), None
     except GitUnavailable:
@@ -16067,6 +16136,39 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    if not any(problem.message.startswith("%s: [parallel" % CONFIG_FILE)
+               for problem in problems):
+        findings.extend(_parallel_config_findings(root, config.parallel))
+    return findings
+
+
+def _parallel_config_findings(root, parallel):
+    """What `ferrus run --parallel` would refuse in [parallel], found by the same checks:
+    a worktree_dir inside the repository (not git-ignored, the repository itself, its
+    .git folder) and a target branch that does not exist.  An error when max_tasks makes
+    every `ferrus run` parallel, else a warning (only --parallel N would refuse)."""
+    severity = "error" if parallel.max_tasks > 1 else "warning"
+    findings = []
+    try:
+        default_worktree_dir(root, parallel.worktree_dir)
+    except GitUnavailable:
+        return findings             # no repository: nothing to check against
+    except FerrusError as err:
+        findings.append(Finding("%s (`ferrus run --parallel` refuses it)" % err.message,
+                                err.hint or "fix [parallel] worktree_dir in ferrus.toml",
+                                severity=severity))
+    if parallel.target:
+        try:
+            head = target_head(root, parallel.target)
+        except FerrusError:
+            head = ""               # git could not say: not reported as missing
+        if head is None:
+            findings.append(Finding(
+                "%s: [parallel] target = %s names no branch of the repository "
+                "(`ferrus run --parallel` refuses it)" % (CONFIG_FILE,
+                                                          json.dumps(parallel.target)),
+                "create the branch, or set target to an existing one (\"\" = the branch "
+                "checked out)", severity=severity))
     return findings
 
 
@@ -16577,6 +16679,7 @@ HQ_COMMANDS = (
     ("/task add", "TEXT | --milestone SPEC ID | --ready SPEC",
      "queue a task (or a spec's milestone, or every ready one) for /run"),
     ("/task cancel", "ID", "drop a queued task, or stop a running one"),
+    ("/task retry", "ID", "queue a failed or cancelled task again (in its kept worktree)"),
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
     ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
@@ -17355,6 +17458,11 @@ class HqShell:
             self.write(op_cancel_task(self.store, HUMAN, task,
                                       remove_worktree=not in_runner).text)
             return
+        if verb == "retry":
+            if not more.strip() or len(more.split()) != 1:
+                raise UsageError("usage: /task retry ID (/tasks lists the tasks)")
+            self.write(op_retry_task(self.store, HUMAN, more.strip()).text)
+            return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
             raise FerrusError("parallel tasks are in flight, so the checkout takes no task of "
@@ -17719,7 +17827,7 @@ class CursesHq(HqShell):
         words = {"/attach": tuple(self.controller.slots) + tasks,
                  "/tell": tuple(self.controller.slots), "/model": ROLES,
                  "/log": tasks, "/diff": tasks, "/status": tasks,
-                 "/task": ("add", "cancel")}.get(head.split()[0], ()) \
+                 "/task": ("add", "cancel", "retry")}.get(head.split()[0], ()) \
             if head.count(" ") == 1 else ()
         return [w for w in words if w.startswith(word)]
 
@@ -18546,6 +18654,9 @@ def cmd_task(args, root):
             say("The running %s stops its agents and removes its worktree and branch."
                 % describe_orchestrator(runner))
         return 0
+    if args.task_command == "retry":
+        say(op_retry_task(store, caller, args.id).text)
+        return 0
     sources = [name for name in ("text", "file", "milestone", "ready")
                if getattr(args, name)]
     if len(sources) != 1:
@@ -18879,8 +18990,9 @@ def cmd_run(args, root):
     if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
-                         "SPEC), then `ferrus run --parallel N`; a failed or interrupted task "
-                         "is resumed by the next run")
+                         "SPEC), then `ferrus run --parallel N`; an interrupted task is "
+                         "resumed by the next run, a failed one once `ferrus task retry ID` "
+                         "queues it again")
     with OrchestratorLock(store, "ferrus run") as held:
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
@@ -19067,7 +19179,7 @@ def build_parser():
     p.add_argument("--task", metavar="ID", help="a parallel task's diff, in its worktree")
     p.set_defaults(run=cmd_diff)
 
-    p = sub.add_parser("task", help="queue a task, or cancel one (parallel tasks)")
+    p = sub.add_parser("task", help="queue a task, cancel or retry one (parallel tasks)")
     commands = p.add_subparsers(dest="task_command", metavar="COMMAND")
     commands.required = True
     add = commands.add_parser("add", help="put a task in the queue `ferrus run` works through")
@@ -19082,6 +19194,9 @@ def build_parser():
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
                                                 "worktree and branch are removed")
     cancel.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
+    retry = commands.add_parser("retry", help="queue a failed or cancelled task again; it "
+                                              "goes on in its kept worktree")
+    retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
     p.set_defaults(run=cmd_task)
 
     p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")
