@@ -113,6 +113,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
+    "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
@@ -5462,6 +5463,78 @@ def target_head(root, branch):
     return os.fsdecode(out).strip() or None
 
 
+# -- git: a conflict handed to the executor as files to edit -----------------------------
+#
+# A real agent cannot be trusted to run git (its CLI's permissions often forbid it, and a
+# sandboxed one cannot write the repository's .git folder), but every executor can edit
+# files.  So when a task conflicts with the target, ferrus itself brings the task's branch
+# up to date: one commit on top of the target's head holding the task's work merged with
+# it, git's conflict markers left in the conflicted files for the executor to resolve.
+# That commit never reaches the target as it is: once the executor resolved the markers,
+# the integration squashes the branch into one commit on the target (squash_onto).
+
+CONFLICT_MARKER = re.compile(rb"^(?:<{7}|>{7})(?: |\r?$)", re.M)
+CONFLICT_SCAN_BYTES = 8 * 1024 * 1024
+
+
+def merge_leaving_conflicts(worktree, target_branch, message):
+    """Merge ``target_branch``'s head into the task's branch in ``worktree`` (its top
+    level) and commit the result as one commit on top of that head, conflict markers
+    included; the worktree is then clean on the task's branch.  Returns (the target head
+    it was built on, the conflicted paths relative to the worktree).  No hooks run (the
+    commit only carries the conflict to the executor).  Raises GitError."""
+    target = target_head(worktree, target_branch)
+    if target is None:
+        raise GitError("there is no branch %s to bring the task up to date with"
+                       % target_branch, "name an existing target branch")
+    run_git(worktree, ["merge", "--no-commit", "--no-ff", target], ok=(0, 1),
+            timeout=GIT_COMMIT_TIMEOUT_SECS)
+    try:
+        unmerged = os.fsdecode(run_git(worktree, ["diff", "--name-only", "-z",
+                                                  "--diff-filter=U"]))
+        paths = [path for path in unmerged.split("\0") if path]
+        if paths:
+            run_git(worktree, ["add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul"],
+                    stdin=nul_list(paths))
+        tree = os.fsdecode(run_git(worktree, ["write-tree"])).strip()
+        commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", target, "-m",
+                                                message])).strip()
+    except GitError:
+        run_git(worktree, ["merge", "--abort"], ok=(0, 128))
+        raise
+    # Forget the merge (index and files stay as they are), then put the branch on the
+    # new commit, whose tree they already are.
+    run_git(worktree, ["merge", "--quit"])
+    run_git(worktree, ["update-ref", "-m", "ferrus: the target merged in, conflicts left "
+                       "for the executor", "HEAD", commit])
+    return target, paths
+
+
+def conflict_markers_left(worktree, paths):
+    """Which of ``paths`` (relative to the worktree) still hold a conflict marker line."""
+    left = []
+    for path in paths:
+        try:
+            with open(os.path.join(worktree, *path.split("/")), "rb") as handle:
+                if CONFLICT_MARKER.search(handle.read(CONFLICT_SCAN_BYTES)):
+                    left.append(path)
+        except OSError:
+            continue            # removed or unreadable: no marker to worry about
+    return left
+
+
+def squash_onto(worktree, onto, message):
+    """The task's branch as ONE commit on top of ``onto`` with the tree it has now (the
+    work after a conflict the executor resolved); returns that commit.  The worktree
+    stays clean: only the branch moves."""
+    tree = os.fsdecode(run_git(worktree, ["rev-parse", "HEAD^{tree}"])).strip()
+    commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", onto, "-m",
+                                            message])).strip()
+    run_git(worktree, ["update-ref", "-m", "ferrus: the task squashed onto its target",
+                       "HEAD", commit])
+    return commit
+
+
 # -- git: integrating a task into the target branch (the merge queue's git half) --------
 #
 # An approved task's worktree is committed, then rebased onto (or merged with) the target
@@ -6484,7 +6557,12 @@ COMMIT_BODY_CHARS = 4000
 
 def task_commit_message(task_id, description, submission):
     """The commit message of a task: its title (the description's first line), the
-    submission notes, and a ``Ferrus-Task`` trailer."""
+    submission notes, and a ``Ferrus-Task`` trailer.  Controls (an ESC or a BEL in a
+    title an agent or a queue wrote) are shown in caret notation, never stored raw in the
+    history where `git log` would print them to a terminal."""
+    description, submission = (
+        terminal_safe(text.replace("\r\n", "\n").replace("\r", "\n"))
+        for text in (description, submission))
     title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
                   if line.strip().lstrip("#").strip()), "") or "ferrus task %s" % task_id
     if len(title) > 72:
@@ -7755,6 +7833,59 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
         said, removed = _remove_task_leftovers(store, read_task_record(store.dir, task))
         text += said
     return _outcome(text, None, task_id=task, removed=removed)
+
+
+# What a task's record says about one attempt at it: dropped when it is queued again.
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+
+
+def op_retry_task(store, caller, task):
+    """Put a failed (or cancelled) task back in the queue: the next `ferrus run` takes it
+    up again.  A parallel task goes on in its kept worktree and branch, with the work done
+    so far (its state is reset to Idle, so the run creates it afresh, Executing); one whose
+    worktree is gone starts again from the target's head."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    status = record.get("status") or QUEUED_STATUS
+    if status in (MERGED_STATUS, DONE_STATUS):
+        raise FerrusError("task %s is already %s" % (task, status),
+                          "its work is on the target branch; `ferrus task add` queues "
+                          "more work")
+    if status not in (FAILED_STATUS, CANCELLED_STATUS):
+        raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
+                          % (task, status), "`ferrus tasks` lists the tasks and their states")
+    worktree = record.get("worktree")
+    kept = bool(worktree) and os.path.isdir(worktree)
+
+    def requeued():
+        fresh = dict(read_task_record(store.dir, task), status=QUEUED_STATUS)
+        for key in _ATTEMPT_KEYS:
+            fresh.pop(key, None)
+        if fresh.get("store") == "project" or not kept:
+            # Run in the checkout, or its worktree is gone: it starts as a new task.
+            for key in ("store", "started_at", "worktree", "workdir", "branch", "base",
+                        "target"):
+                fresh.pop(key, None)
+        return fresh
+    task_store = store.for_task(task)
+    detail = {"was": status, "worktree": worktree if kept else None}
+    if task_store.exists():
+        with task_store.transaction(caller.agent_id) as tx:
+            new = t_force_reset(tx.state, store.clock())
+            new.task_id = tx.state.task_id
+            tx.set(new, "retry_task", **detail)
+            tx.journal_task_id = task
+            write_task_record(store, task, requeued())
+    else:
+        with store.transaction(caller.agent_id) as tx:
+            write_task_record(store, task, requeued())
+            tx.set(tx.state, "retry_task", **detail)
+            tx.journal_task_id = task
+    text = "Task %s is queued again%s." % (task, (
+        "; it goes on in its kept worktree %s with the work done so far" % worktree)
+        if kept and record.get("store") != "project" else "")
+    return _outcome(text + " `ferrus run` (or HQ /run) takes it up.", None, task_id=task,
+                    worktree=worktree if kept else None)
 
 
 def _remove_task_leftovers(store, record):
@@ -9279,9 +9410,22 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     store = Store(root)
     store.require()
     task = session_task(session)
-    if task is not None and os.path.isfile(task_record_path(store.dir, task)):
-        # An agent of a parallel task: every tool call works on that task alone.
+    if task is not None:
+        # An agent of a parallel task: every tool call works on that task alone — never
+        # on the checkout's own task, which the server would serve without it.
+        if not os.path.isfile(task_record_path(store.dir, task)):
+            raise FerrusError("session %s names task %s, which is not a task of this "
+                              "project (no %s/%s/%s/%s)" % (
+                                  session, task, FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE),
+                              "agents of parallel tasks are started by `ferrus run "
+                              "--parallel` or HQ; `ferrus tasks` lists the tasks (a session "
+                              "of the project's own task has no task id before its dot)")
         store = store.for_task(task)
+        if not store.exists():
+            raise FerrusError("session %s names task %s, which has not started (it has no "
+                              "%s yet)" % (session, task, STATE_FILE),
+                              "`ferrus run --parallel N` or HQ starts the queue's tasks "
+                              "and their agents")
     report_orphaned_checks(store)
     writer = sys.stdout.buffer
     # Only protocol bytes may reach stdout: anything printed by accident goes to stderr.
@@ -12970,6 +13114,7 @@ class ParallelRunner:
         self.repo = None
         self.worktree_dir = None
         self.integration = None        # {"task", "thread", "result"} while one runs
+        self.held_candidate = None     # (task, Integration) checked, waiting to fast-forward
         self.retry_at = None           # when a waiting integration is tried again
         self.waiting_said = None
         self.ended = collections.OrderedDict()   # task -> status, for the report
@@ -13083,8 +13228,12 @@ class ParallelRunner:
                               "check out the branch the tasks should merge into, or set "
                               "[parallel] target")
         if target_head(self.store.root, self.target) is None:
-            raise FerrusError("the target branch %s has no commit" % self.target,
-                              "commit once (parallel tasks start from the target's head)")
+            if current_branch(self.store.root) == self.target:
+                raise FerrusError("the target branch %s has no commit yet" % self.target,
+                                  "commit once (parallel tasks start from the target's head)")
+            raise FerrusError("there is no branch %s to merge tasks into" % self.target,
+                              "create it, or set [parallel] target to an existing branch "
+                              "(\"\" = the branch checked out)")
         self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
         project = self.store.project_state()
         if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
@@ -13147,7 +13296,8 @@ class ParallelRunner:
         # question a controller has just shown): the task files are read only then, so a
         # long queue costs nothing while the agents work.
         seen = (self.store.state_stamp(), tuple(
-            (task, c.shown_question, c.shown_confirmation)
+            (task, c.shown_question, c.shown_confirmation,
+             tuple(slot.state for slot in c.slots.values()))
             for task, c in self.controllers.items()))
         if seen != self._seen:
             self._seen = seen
@@ -13296,6 +13446,19 @@ class ParallelRunner:
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return None
+        if record.get("worktree") and not os.path.isdir(task_store.workdir):
+            # Its folder was deleted: put the worktree back on the task's branch (the work
+            # committed there is kept; what was only in the folder is gone).
+            try:
+                create_task_worktree(self.store.root, record["worktree"], record["branch"],
+                                     record.get("base"))
+                copy_agent_configuration(self.store.root, task_store.workdir)
+            except (FerrusError, KeyError) as err:
+                self._end_task(task, FAILED_STATUS, "its worktree %s is gone and could not "
+                               "be made again: %s" % (record.get("worktree"), err))
+                return None
+            self.note("task %s's worktree was gone; made it again from its branch %s" % (
+                short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"))
@@ -13381,6 +13544,13 @@ class ParallelRunner:
         if data.state == S.FAILED:
             self._end_task(task, FAILED_STATUS, data.failure_reason)
             return
+        stopped = [slot.name for slot in controller.slots.values() if slot.state == SS.STOPPED]
+        if stopped and not controller.running():
+            # As `ferrus run` gives up on its task: no agent will move this one any more.
+            self._end_task(task, FAILED_STATUS, "its %s is stopped (the reason is above); "
+                           "once that is fixed, `ferrus task retry %s` queues it again" % (
+                               " and ".join(stopped), short_task_id(task)))
+            return
         if data.state == S.AWAITING_HUMAN and controller.shown_question:
             answer = self.ask(controller.shown_question) if self.ask else None
             if answer is None:
@@ -13459,16 +13629,41 @@ class ParallelRunner:
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
             return
+        held = self.held_candidate
+        if held is not None and held[0] == task and head == held[1].target_head:
+            # Only the fast-forward waited (your checkout was in the way): the candidate
+            # and its checks still hold, so try just that again.
+            self._fast_forward(task, held[1])
+            return
+        self.held_candidate = None
         job = {"task": task, "thread": None, "result": None, "error": None}
         config = self.store.config()
         message = task_commit_message(task, task_store.read_file("TASK.md"),
                                       task_store.read_file("SUBMISSION.md"))
+        top = record.get("worktree") or task_store.workdir
+        conflicts = [p for p in record.get("conflicts") or [] if isinstance(p, str)]
+        config_file = os.path.relpath(os.path.join(self.store.root, CONFIG_FILE),
+                                      self.repo.toplevel).replace(os.sep, "/")
 
         def work():
             try:
+                left = conflict_markers_left(top, conflicts)
+                if left:
+                    job["result"] = ("markers", left)
+                    return
                 built = prepare_integration(task_store.workdir, self.target,
                                             self.parallel.integrate, message,
                                             task_diff_exclusions(task_store))
+                if built.status == "ready" and record.get("conflict_base"):
+                    # After a conflict the branch holds ferrus's merge: one clean commit
+                    # on the target instead.
+                    built = dataclasses.replace(built, head=squash_onto(
+                        top, built.target_head, message))
+                if built.status == "ready" and run_git(top, [
+                        "diff", "--name-only", built.target_head, built.head, "--",
+                        ":(top)" + config_file]).strip():
+                    job["result"] = ("config", built)
+                    return
                 checks = None
                 if built.status == "ready" and config.checks.commands:
                     checks = run_checks(task_store.workdir, config.checks,
@@ -13476,6 +13671,10 @@ class ParallelRunner:
                                         config.limits.max_feedback_lines, None,
                                         self.store.root)
                 job["result"] = (built, checks)
+                if built.status == "conflict":
+                    job["merged"] = merge_leaving_conflicts(top, self.target, (
+                        "ferrus: %s merged into task %s, its conflicts left for the "
+                        "executor" % (self.target, short_task_id(task))))
             except FerrusError as err:
                 job["error"] = err
             except Exception as err:    # never lose the task: say what broke, and wait
@@ -13494,7 +13693,6 @@ class ParallelRunner:
         controller = self.controllers.get(task)
         if controller is None:
             return
-        task_store = controller.store
         if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
                             job["error"].full_text(), cause="refused")
@@ -13505,14 +13703,36 @@ class ParallelRunner:
             self._wait(task, job["error"].full_text())
             return
         built, checks = job["result"]
+        if built == "markers":
+            self._send_back(task, "git's conflict markers are still in %s. Edit each of "
+                            "those files: keep both sides' intent and remove every marker "
+                            "line (<<<<<<<, =======, >>>>>>>), then check and submit again."
+                            % ", ".join(checks), cause="markers", files=list(checks))
+            return
+        if built == "config":
+            self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
+                            "checks that judge your work, the agents): a task may not change "
+                            "it. Undo that change (only the user edits it), then check and "
+                            "submit again." % CONFIG_FILE, cause="config")
+            return
         if built.status == "conflict":
+            merged = job.get("merged")
+            if merged is None:
+                self._wait(task, "it conflicts with %s, and ferrus could not merge %s into "
+                           "its branch for the executor" % (self.target, self.target))
+                return
+            base, paths = merged
+            update_task(self.store, ORCHESTRATOR, task, "conflict_handed_over",
+                        {"conflicts": paths, "conflict_base": base}, files=paths)
             self._send_back(task, "Your work conflicts with the target branch %s, which "
                             "moved on since your task started (other tasks were merged into "
-                            "it). Your work so far is committed on your branch. Bring the "
-                            "branch up to date: run `git %s %s` in your working folder, "
-                            "resolve the conflicts keeping both sides' intent, then check and "
-                            "submit again.\n\n%s" % (self.target, self.parallel.integrate,
-                                                     self.target, built.text),
+                            "it). ferrus has brought your branch up to date with it: the "
+                            "files below now hold both sides of each conflict between git's "
+                            "markers (<<<<<<< your side, =======, >>>>>>> the target's side). "
+                            "Edit them to keep both sides' intent and remove every marker "
+                            "line; do not run git yourself. Then check and submit again.\n\n"
+                            "Conflicted files: %s\n\n%s" % (
+                                self.target, ", ".join(paths) or "(none left)", built.text),
                             cause="conflict", files=list(built.conflicts))
             return
         if checks is not None and not checks.passed:
@@ -13526,19 +13746,24 @@ class ParallelRunner:
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
             candidate=(built.head or "")[:12])
+        self._fast_forward(task, built)
+
+    def _fast_forward(self, task, built):
+        """Move the target to the checked candidate, or hold it while something of the
+        user's is in the way."""
         moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
-        status = moved.status if hasattr(moved, "status") else moved
-        if status == "done":
-            op_integrated(task_store, ORCHESTRATOR, commit=(built.head or "")[:12],
-                          target=self.target)
+        self.held_candidate = None
+        if moved.status == "done":
+            op_integrated(self.controllers[task].store, ORCHESTRATOR,
+                          commit=(built.head or "")[:12], target=self.target)
             self._merged(task, built.head)
-        elif status == "moved":
+        elif moved.status == "moved":
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
         else:
-            self._wait(task, "%s (commit or stash them; ferrus never overwrites your work)"
-                       % (getattr(moved, "text", None) or "the checkout of %s has uncommitted "
-                          "changes" % self.target))
+            self.held_candidate = (task, built)
+            self._wait(task, moved.text + (" (commit or stash them; ferrus never overwrites "
+                                           "your work)" if moved.files else ""))
 
     def _wait(self, task, why):
         """The integration of ``task`` cannot go on now: say why (once) and try again in
@@ -13677,6 +13902,11 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
         code = runner.exit_code()
         runner.note("done: exit %d" % code, exit=code)
         return code
+    except KeyboardInterrupt:
+        runner.note("interrupted in %s: the agents are stopped, every task stays as it is; "
+                    "`ferrus run --parallel %d` goes on with them" % (
+                        phase_label(runner.machine.phase), runner.max_tasks), "warning")
+        raise
     finally:
         runner.shutdown()
 
@@ -15363,6 +15593,16 @@ bell = true            # the terminal bell in HQ and `ferrus run`
 desktop = false        # also a desktop notification (notify-send, osascript, PowerShell)
 command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https://ntfy.sh/TOPIC"]
 
+[parallel]
+# Several queued tasks at once, each in its own git worktree and branch, merged into the
+# target only when the checks pass on the result (`ferrus task add`, `ferrus run --parallel N`).
+max_tasks = 1          # 1: queued tasks run one at a time in the checkout
+integrate = "rebase"   # "merge": merge the target into the task's branch instead
+target = ""            # the branch tasks merge into; "" = the branch checked out
+worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repository
+delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
+setup = []             # e.g. ["npm ci"]: run in each new worktree before its agents start
+
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
 model = ""             # empty: the agent's own default
@@ -15753,7 +15993,7 @@ def _task_branch_rows(store):
             folder = default_worktree_dir(store.root, parallel.worktree_dir)
         except GitUnavailable:
             raise
-        except FerrusError:            # a refused worktree_dir: config_findings says why
+        except FerrusError:            # a refused worktree_dir: _parallel_config_findings says why
             folder = default_worktree_dir(store.root)
         return folder, list_task_worktrees(store.root, TASK_BRANCH_PREFIX), None
     except GitUnavailable:
@@ -15957,6 +16197,39 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    if not any(problem.message.startswith("%s: [parallel" % CONFIG_FILE)
+               for problem in problems):
+        findings.extend(_parallel_config_findings(root, config.parallel))
+    return findings
+
+
+def _parallel_config_findings(root, parallel):
+    """What `ferrus run --parallel` would refuse in [parallel], found by the same checks:
+    a worktree_dir inside the repository (not git-ignored, the repository itself, its
+    .git folder) and a target branch that does not exist.  An error when max_tasks makes
+    every `ferrus run` parallel, else a warning (only --parallel N would refuse)."""
+    severity = "error" if parallel.max_tasks > 1 else "warning"
+    findings = []
+    try:
+        default_worktree_dir(root, parallel.worktree_dir)
+    except GitUnavailable:
+        return findings             # no repository: nothing to check against
+    except FerrusError as err:
+        findings.append(Finding("%s (`ferrus run --parallel` refuses it)" % err.message,
+                                err.hint or "fix [parallel] worktree_dir in ferrus.toml",
+                                severity=severity))
+    if parallel.target:
+        try:
+            head = target_head(root, parallel.target)
+        except FerrusError:
+            head = ""               # git could not say: not reported as missing
+        if head is None:
+            findings.append(Finding(
+                "%s: [parallel] target = %s names no branch of the repository "
+                "(`ferrus run --parallel` refuses it)" % (CONFIG_FILE,
+                                                          json.dumps(parallel.target)),
+                "create the branch, or set target to an existing one (\"\" = the branch "
+                "checked out)", severity=severity))
     return findings
 
 
@@ -16467,6 +16740,7 @@ HQ_COMMANDS = (
     ("/task add", "TEXT | --milestone SPEC ID | --ready SPEC",
      "queue a task (or a spec's milestone, or every ready one) for /run"),
     ("/task cancel", "ID", "drop a queued task, or stop a running one"),
+    ("/task retry", "ID", "queue a failed or cancelled task again (in its kept worktree)"),
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
     ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
@@ -17245,6 +17519,11 @@ class HqShell:
             self.write(op_cancel_task(self.store, HUMAN, task,
                                       remove_worktree=not in_runner).text)
             return
+        if verb == "retry":
+            if not more.strip() or len(more.split()) != 1:
+                raise UsageError("usage: /task retry ID (/tasks lists the tasks)")
+            self.write(op_retry_task(self.store, HUMAN, more.strip()).text)
+            return
         data = self.store.read_state()
         if self.controller.mirrors_parallel_task(data) and data.state in ACTIVE_STATES:
             raise FerrusError("parallel tasks are in flight, so the checkout takes no task of "
@@ -17609,7 +17888,7 @@ class CursesHq(HqShell):
         words = {"/attach": tuple(self.controller.slots) + tasks,
                  "/tell": tuple(self.controller.slots), "/model": ROLES,
                  "/log": tasks, "/diff": tasks, "/status": tasks,
-                 "/task": ("add", "cancel")}.get(head.split()[0], ()) \
+                 "/task": ("add", "cancel", "retry")}.get(head.split()[0], ()) \
             if head.count(" ") == 1 else ()
         return [w for w in words if w.startswith(word)]
 
@@ -18436,6 +18715,9 @@ def cmd_task(args, root):
             say("The running %s stops its agents and removes its worktree and branch."
                 % describe_orchestrator(runner))
         return 0
+    if args.task_command == "retry":
+        say(op_retry_task(store, caller, args.id).text)
+        return 0
     sources = [name for name in ("text", "file", "milestone", "ready")
                if getattr(args, name)]
     if len(sources) != 1:
@@ -18769,8 +19051,9 @@ def cmd_run(args, root):
     if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
-                         "SPEC), then `ferrus run --parallel N`; a failed or interrupted task "
-                         "is resumed by the next run")
+                         "SPEC), then `ferrus run --parallel N`; an interrupted task is "
+                         "resumed by the next run, a failed one once `ferrus task retry ID` "
+                         "queues it again")
     with OrchestratorLock(store, "ferrus run") as held:
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
@@ -18957,7 +19240,7 @@ def build_parser():
     p.add_argument("--task", metavar="ID", help="a parallel task's diff, in its worktree")
     p.set_defaults(run=cmd_diff)
 
-    p = sub.add_parser("task", help="queue a task, or cancel one (parallel tasks)")
+    p = sub.add_parser("task", help="queue a task, cancel or retry one (parallel tasks)")
     commands = p.add_subparsers(dest="task_command", metavar="COMMAND")
     commands.required = True
     add = commands.add_parser("add", help="put a task in the queue `ferrus run` works through")
@@ -18972,6 +19255,9 @@ def build_parser():
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
                                                 "worktree and branch are removed")
     cancel.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
+    retry = commands.add_parser("retry", help="queue a failed or cancelled task again; it "
+                                              "goes on in its kept worktree")
+    retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
     p.set_defaults(run=cmd_task)
 
     p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")

@@ -131,6 +131,14 @@ def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrat
     assert store.for_task(loser).read_state().review_cycles == 1
     assert open(os.path.join(str(repo), "greeting.txt")).read() == \
         "hello from %s\n" % ("one" if loser == first else "two")
+    # ferrus merged the target into the loser's branch itself, markers for the executor
+    # to edit (no agent has to run git), and none of that reached the target
+    handed = [e for e in entries if e["event"] == "conflict_handed_over"]
+    assert handed and handed[0]["task_id"] == loser and handed[0]["detail"]["files"] == \
+        ["greeting.txt"]
+    history = git(repo, "log", "-p", "main").stdout
+    assert "<<<<<<<" not in history and ">>>>>>>" not in history
+    assert "ferrus: main merged into" not in git(repo, "log", "--format=%s", "main").stdout
 
 
 def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back(repo):
@@ -404,3 +412,43 @@ def test_without_a_git_identity_the_integration_waits_and_says_why(repo, monkeyp
     code, lines = run(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert "t.txt" in committed(repo)
+
+
+def test_a_task_that_changes_ferrus_toml_is_never_merged(repo):
+    store = setup(repo, ["test -f README.md"])
+    before = open(os.path.join(str(repo), "ferrus.toml")).read()
+    task = enqueue(store, "Loosen the checks.\n\nWRITE ferrus.toml: [checks]\n")
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_FAILED, "\n".join(lines)
+    causes = [e["detail"]["cause"] for e in store.read_journal()
+              if e["event"] == "integration_failed"]
+    assert causes and set(causes) == {"config"}
+    assert open(os.path.join(str(repo), "ferrus.toml")).read() == before
+    assert git(repo, "show", "main:ferrus.toml").stdout == before
+
+
+def test_a_task_whose_executor_is_stopped_fails_and_the_run_ends(repo, monkeypatch):
+    store = setup(repo, ["test -f README.md"],
+                  "[sessions]\nmax_consecutive_errors = 1\n\n")
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "crash-executor")
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    code, lines = run(store, 2, timeout=120)
+    assert code == ferrus.RUN_FAILED, "\n".join(lines)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "failed" and "executor is stopped" in record["reason"]
+
+
+def test_a_running_tasks_deleted_worktree_is_made_again_from_its_branch(repo):
+    import shutil
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    runner = ferrus.ParallelRunner(store, lambda m: None, 2)
+    runner.start()
+    runner.step()
+    runner.step()          # prepared, not dispatched: then the run died
+    record = ferrus.read_task_record(store.dir, task)
+    shutil.rmtree(record["worktree"])
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert "made it again" in "\n".join(lines)
+    assert statuses(store) == {task: "merged"}
