@@ -6826,8 +6826,11 @@ def confirmation_summary(store, data=None):
         cycles += "/%d" % limits.max_review_cycles
         if data.review_cycles + 1 >= limits.max_review_cycles:
             cycles += " — a rejection now fails the task"
-    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
-                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    # A parallel task is named: with several waiting, a plain `ferrus approve` refuses.
+    named = " --task %s" % short_task_id(store.task) if store.task else ""
+    parts.append("Approve: `ferrus approve%s` or /approve in HQ.  Reject: `ferrus reject%s "
+                 "NOTES` or /reject NOTES in HQ: the executor gets your notes (%s)."
+                 % (named, named, cycles))
     return "\n\n".join(parts)
 
 
@@ -7654,6 +7657,55 @@ def task_store_of(store, task):
         raise FerrusError("task %s has not started yet (it is %s)" % (
             task, record.get("status") or QUEUED_STATUS),
             "`ferrus run --parallel N` starts the queue's tasks")
+    return task_store
+
+
+def foreground_task(store):
+    """The parallel task the project's STATE.json mirrors (see ARCHITECTURE.md, 'Parallel
+    tasks'), or None while the file holds the checkout's own task."""
+    task = store.project_state().extra.get(PARALLEL_MIRROR_KEY)
+    if isinstance(task, str) and _TASK_ID_RE.match(task) and \
+            os.path.isfile(task_record_path(store.dir, task)):
+        return task
+    return None
+
+
+def foreground_store(store):
+    """The store the plain views (`ferrus status`, `ferrus diff`, HQ's /status and /diff)
+    read for the foreground task: the mirrored parallel task's own — its question, review
+    and submission files, its worktree — else the project's.  The mirror copies only the
+    state; reading the checkout's files for a parallel task would show another task's."""
+    task = foreground_task(store)
+    if task is None:
+        return store
+    task_store = store.for_task(task)
+    return task_store if task_store.exists() else store
+
+
+def diff_store_of(store, task):
+    """The store whose diff shows queue task ``task``'s work, or a FerrusError saying why
+    there is none to show: merged (its work is on the target, at its merged commit),
+    not started, or its worktree gone."""
+    record = read_task_record(store.dir, task)
+    status = record.get("status")
+    if status == MERGED_STATUS:
+        merged = record.get("merged_commit") or ""
+        raise FerrusError("task %s is merged%s%s; its worktree and branch were removed" % (
+            short_task_id(task), " at %s" % merged[:12] if merged else "",
+            " into %s" % record["target"] if record.get("target") else ""),
+            "`git show %s` shows what it changed" % (merged[:12] or record.get("target")
+                                                     or "HEAD"))
+    if record.get("store") != "project" and not store.for_task(task).exists():
+        raise FerrusError("task %s is %s: it has no work yet" % (
+            short_task_id(task), status or "not started"),
+            "`ferrus tasks` lists the tasks (/tasks in HQ)")
+    task_store = task_store_of(store, task)
+    if task_store is not store and not os.path.isdir(task_store.workdir):
+        raise FerrusError("task %s's worktree %s is gone%s" % (
+            short_task_id(task), task_store.workdir,
+            " (it was cancelled)" if status == CANCELLED_STATUS else ""),
+            "`ferrus log --task %s` shows what happened to it; `ferrus doctor` lists "
+            "orphaned tasks and worktrees" % short_task_id(task))
     return task_store
 
 
@@ -17069,7 +17121,8 @@ class HqShell:
             for record in records[-STATUS_SESSIONS_SHOWN:]:
                 self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
-            self.write(confirmation_summary(self.store, data))
+            # The mirrored parallel task's own files, when STATE.json mirrors one.
+            self.write(confirmation_summary(foreground_store(self.store), data))
         rows = self.board.rows(force=True)
         if rows:
             self.write("tasks: %s — /tasks shows the board%s" % (
@@ -17135,24 +17188,8 @@ class HqShell:
         """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
         task of the queue has none to show."""
         if task is None:
-            return self.store
-        record = read_task_record(self.store.dir, task)
-        status = record.get("status")
-        if status == MERGED_STATUS:
-            raise FerrusError("task %s is merged%s" % (
-                short_task_id(task), " at %s" % record["merged_commit"][:12]
-                if record.get("merged_commit") else ""),
-                "`git show %s` shows what it changed" % (
-                    record.get("merged_commit", "")[:12] or record.get("target") or "HEAD"))
-        if record.get("store") != "project" and not self.store.for_task(task).exists():
-            raise FerrusError("task %s is %s: it has no work yet" % (
-                short_task_id(task), status or "not started"), "/tasks shows the board")
-        task_store = task_store_of(self.store, task)
-        if task_store is not self.store and not os.path.isdir(task_store.workdir):
-            raise FerrusError("task %s's worktree %s is gone" % (
-                short_task_id(task), task_store.workdir),
-                "`ferrus doctor` lists orphaned tasks and worktrees")
-        return task_store
+            task = foreground_task(self.store)      # the parallel task the state mirrors
+        return self.store if task is None else diff_store_of(self.store, task)
 
     def cmd_diff(self, rest):
         words = rest.split()
@@ -18266,6 +18303,10 @@ def cmd_init(args, root):
 def cmd_status(args, root):
     store = Store(root).require()
     data = store.read_state()
+    # While STATE.json mirrors a parallel task, that task's own files and worktree are
+    # what the rows below describe (the checkout's would be another task's, or none).
+    view = foreground_store(store)
+    record = read_task_record(store.dir, view.task) if view.task else {}
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
@@ -18287,6 +18328,7 @@ def cmd_status(args, root):
     queue = status_task_rows(store, sessions)
     if args.json:
         info["tasks"] = queue
+        info["parallel_task"] = view.task       # the parallel task STATE.json mirrors
         info["orchestrator"] = orchestrator
         info["usage"] = usage_summary(task_records)
         info["sessions"] = [session_brief(r) for r in task_records]
@@ -18303,12 +18345,25 @@ def cmd_status(args, root):
         rows[0] = ("state", rows[0][1] + "  (for %s)" % format_duration(info["seconds_in_state"]))
     if data.paused_state:
         rows.append(("paused from", data.paused_state.value))
-    rows.append(("task", data.task_id or "-"))
+    rows.append(("task", (data.task_id or "-") + (
+        "  (parallel task, %s; `ferrus tasks` lists every task)" % (
+            "merged" if record.get("status") == MERGED_STATUS else
+            "in its worktree %s" % record["worktree"] if record.get("worktree") and
+            os.path.isdir(record["worktree"]) else record.get("status") or "queued")
+        if view.task else "")))
     if data.task_started_at:
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    if data.task_base:
+    if view.task and record.get("status") in (MERGED_STATUS, CANCELLED_STATUS):
+        # Its branch and worktree are gone: the base would name a branch that is no more.
+        merged = record.get("merged_commit") or ""
+        rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
+            record.get("target") or "the target", " at %s" % merged[:12] if merged else "",
+            " (`git show %s` shows what it changed)" % merged[:12] if merged else "")
+            if record["status"] == MERGED_STATUS else
+            "cancelled; its worktree and branch were removed"))
+    elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
                                                                 "changes since)"))
     if config:
@@ -18325,13 +18380,17 @@ def cmd_status(args, root):
         rows.append(("failure", failure_summary(data.failure_reason)))
     if data.state == S.AWAITING_HUMAN:
         # Whoever comes back later must see what was asked, not only that something was.
-        asked = first_lines(store.read_file("QUESTION.md"), 4)
+        asked = first_lines(view.read_file("QUESTION.md"), 4)
         rows += [("question" if index == 0 else "", terminal_safe(line))
                  for index, line in enumerate(asked or ["(QUESTION.md is empty)"])]
-        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
+        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --parallel N` in a terminal"
+                     if view.task else
+                     "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
     elif data.state == S.AWAITING_CONFIRMATION:
-        rows.append(("your word", "the reviewer approved: `ferrus approve`, or `ferrus "
-                                  "reject NOTES` (`ferrus approve` shows the summary first)"))
+        named = " --task %s" % short_task_id(view.task) if view.task else ""
+        rows.append(("your word", "the reviewer approved: `ferrus approve%s`, or `ferrus "
+                                  "reject%s NOTES` (`ferrus approve%s` shows the summary first)"
+                     % (named, named, named)))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
@@ -18386,7 +18445,7 @@ def cmd_status(args, root):
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
-        print("\n" + terminal_safe(confirmation_summary(store, data)))
+        print("\n" + terminal_safe(confirmation_summary(view, data)))
     for line in describe_queue(queue):
         say(line)
     return 0
@@ -18618,8 +18677,10 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    if args.task:
-        store = task_store_of(store, args.task)
+    # Without --task: the parallel task the checkout's STATE.json mirrors, if it does.
+    task = require_task_id(store, args.task) if args.task else foreground_task(store)
+    if task is not None:
+        store = diff_store_of(store, task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.
