@@ -7661,8 +7661,8 @@ def task_store_of(store, task):
 
 
 def foreground_task(store):
-    """The parallel task the project's STATE.json mirrors (see ARCHITECTURE.md, 'Parallel
-    tasks'), or None while the file holds the checkout's own task."""
+    """The parallel task the project's STATE.json mirrors (see ARCHITECTURE.md,
+    'Parallel tasks'), or None while the file holds the checkout's own task."""
     task = store.project_state().extra.get(PARALLEL_MIRROR_KEY)
     if isinstance(task, str) and _TASK_ID_RE.match(task) and \
             os.path.isfile(task_record_path(store.dir, task)):
