@@ -12556,7 +12556,9 @@ class HqController:
         The agent is started first and the session's moves are journaled after it (in
         their order): each is an fsynced commit, and an agent that waits for three of
         them reacts that much later (ARCHITECTURE.md, 'Session state machine')."""
-        self._deferred_moves = []
+        held = self._deferred_moves is not None      # held for a whole step already
+        if not held:
+            self._deferred_moves = []
         try:
             session = slot.session
             if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
@@ -12570,10 +12572,20 @@ class HqController:
             if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
                 self._spawn(slot)
         finally:
-            moves, self._deferred_moves = self._deferred_moves, None
-            for move in moves:
-                with contextlib.suppress(FerrusError, OSError):
-                    self._commit_session_move(move)
+            if not held:
+                self.release_session_moves()
+
+    def hold_session_moves(self):
+        """Journal session moves only at release_session_moves(): a runner polling several
+        controllers starts every agent a step needs before it commits their moves."""
+        if self._deferred_moves is None:
+            self._deferred_moves = []
+
+    def release_session_moves(self):
+        moves, self._deferred_moves = self._deferred_moves or [], None
+        for move in moves:
+            with contextlib.suppress(FerrusError, OSError):
+                self._commit_session_move(move)
 
     # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
@@ -12584,7 +12596,9 @@ class HqController:
             self._save_counts(slot, force=True)
         tokens, turns = self._task_tokens_and_turns(task)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_of(data),
+                          sessions=self.sessions_of(data) + sum(
+                              1 for move in self._deferred_moves or ()
+                              if move["to"] == SS.RUNNING.value),   # started, not yet journaled
                           tasks_completed=self.tasks_completed,
                           tokens_used=tokens, turns=turns,
                           parallel_agents=len(self.running()) + extra_parallel)
@@ -13028,7 +13042,10 @@ class HqController:
     def stop_all(self, quiet=False):
         for slot in self.slots.values():
             running = slot.process is not None
-            self._step(slot, SessionEvent("OperatorStop"))
+            # An idle slot (nothing running, nothing pending) has nothing to stop: it only
+            # starts afresh below, without a journal entry (an fsynced commit) saying so.
+            if running or slot.state not in (SS.INITIALIZING, SS.SESSION_COMPLETE):
+                self._step(slot, SessionEvent("OperatorStop"))
             if running and not quiet:
                 self.emit(HqMessage("info", "stopped the %s" % slot.name))
             # A stopped slot starts afresh the next time its role is needed.
@@ -13318,8 +13335,15 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for controller in list(self.controllers.values()):
-            controller.poll()
+        polled = list(self.controllers.values())
+        try:
+            for controller in polled:
+                controller.hold_session_moves()
+            for controller in polled:
+                controller.poll()
+        finally:
+            for controller in polled:
+                controller.release_session_moves()
         # What the tasks' states ask of the runner changes only with a commit (or with a
         # question a controller has just shown): the task files are read only then, so a
         # long queue costs nothing while the agents work.
@@ -13369,15 +13393,49 @@ class ParallelRunner:
         self.advance(2)
 
     def _prepare(self):
-        for task in list(self.batch):
-            if task not in self.controllers and not self._prepare_task(task):
+        todo = [task for task in self.batch if task not in self.controllers]
+        for task, ready in zip(todo, self._prepare_side_by_side(todo)):
+            if not ready:
                 self.batch.remove(task)
         self.advance(3)
 
-    def _prepare_task(self, task):
+    def _prepare_side_by_side(self, tasks):
+        """_prepare_task for each of ``tasks``, all at once: each has its own worktree,
+        [parallel] setup and store, so the batch waits for the slowest, not for the sum
+        (the git processes, setup commands and fsyncs overlap).  A task that cannot be
+        prepared is failed here, in the runner's thread."""
+        if len(tasks) < 2:
+            return [self._prepare_task(task) for task in tasks]
+        results = [None] * len(tasks)
+
+        def prepare(index, task):
+            try:
+                results[index] = self._prepare_task(task, fail=False)
+            except BaseException as err:       # handed to the runner's thread below
+                results[index] = err
+        threads = [threading.Thread(target=prepare, args=(index, task), daemon=True,
+                                    name="ferrus-prepare-%s" % short_task_id(task))
+                   for index, task in enumerate(tasks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ready = []
+        for task, result in zip(tasks, results):
+            if isinstance(result, FerrusError):
+                self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
+                               result.full_text())
+                result = False
+            elif isinstance(result, BaseException):
+                raise result
+            ready.append(bool(result))
+        return ready
+
+    def _prepare_task(self, task, fail=True):
         """The task's worktree and branch from the target's head, ferrus's agent
         configuration copied into it, and its state created (Executing).  Idempotent, so
-        a run that crashed half-way through it simply does it again."""
+        a run that crashed half-way through it simply does it again.  A FerrusError fails
+        the task (or, with ``fail`` False, is raised for the caller to do that)."""
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
@@ -13409,6 +13467,8 @@ class ParallelRunner:
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
         except FerrusError as err:
+            if not fail:
+                raise
             self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
                            err.full_text())
             return False
@@ -13576,7 +13636,8 @@ class ParallelRunner:
 
     def _collect(self):
         if self.integrating():
-            self.advance(5)
+            if self.advance(5):
+                self._integrate()      # an approved task enters the merge queue at once
         elif self.queued() and self.free_slots():
             self.advance(3)
         elif not self.controllers:
