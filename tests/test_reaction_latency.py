@@ -155,6 +155,7 @@ def test_a_runner_step_starts_every_agent_before_it_journals_their_moves(store):
         def __init__(self, name):
             self.name = name
             self.shown_question = self.shown_confirmation = None
+            self.slots = {}
 
         def hold_session_moves(self):
             calls.append(("hold", self.name))
