@@ -6837,8 +6837,11 @@ def confirmation_summary(store, data=None):
         cycles += "/%d" % limits.max_review_cycles
         if data.review_cycles + 1 >= limits.max_review_cycles:
             cycles += " — a rejection now fails the task"
-    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
-                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    # A parallel task is named: with several waiting, a plain `ferrus approve` refuses.
+    named = " --task %s" % short_task_id(store.task) if store.task else ""
+    parts.append("Approve: `ferrus approve%s` or /approve in HQ.  Reject: `ferrus reject%s "
+                 "NOTES` or /reject NOTES in HQ: the executor gets your notes (%s)."
+                 % (named, named, cycles))
     return "\n\n".join(parts)
 
 
@@ -7669,6 +7672,55 @@ def task_store_of(store, task):
         raise FerrusError("task %s has not started yet (it is %s)" % (
             task, record.get("status") or QUEUED_STATUS),
             "`ferrus run --parallel N` starts the queue's tasks")
+    return task_store
+
+
+def foreground_task(store):
+    """The parallel task the project's STATE.json mirrors (see ARCHITECTURE.md,
+    'Parallel tasks'), or None while the file holds the checkout's own task."""
+    task = store.project_state().extra.get(PARALLEL_MIRROR_KEY)
+    if isinstance(task, str) and _TASK_ID_RE.match(task) and \
+            os.path.isfile(task_record_path(store.dir, task)):
+        return task
+    return None
+
+
+def foreground_store(store):
+    """The store the plain views (`ferrus status`, `ferrus diff`, HQ's /status and /diff)
+    read for the foreground task: the mirrored parallel task's own — its question, review
+    and submission files, its worktree — else the project's.  The mirror copies only the
+    state; reading the checkout's files for a parallel task would show another task's."""
+    task = foreground_task(store)
+    if task is None:
+        return store
+    task_store = store.for_task(task)
+    return task_store if task_store.exists() else store
+
+
+def diff_store_of(store, task):
+    """The store whose diff shows queue task ``task``'s work, or a FerrusError saying why
+    there is none to show: merged (its work is on the target, at its merged commit),
+    not started, or its worktree gone."""
+    record = read_task_record(store.dir, task)
+    status = record.get("status")
+    if status == MERGED_STATUS:
+        merged = record.get("merged_commit") or ""
+        raise FerrusError("task %s is merged%s%s; its worktree and branch were removed" % (
+            short_task_id(task), " at %s" % merged[:12] if merged else "",
+            " into %s" % record["target"] if record.get("target") else ""),
+            "`git show %s` shows what it changed" % (merged[:12] or record.get("target")
+                                                     or "HEAD"))
+    if record.get("store") != "project" and not store.for_task(task).exists():
+        raise FerrusError("task %s is %s: it has no work yet" % (
+            short_task_id(task), status or "not started"),
+            "`ferrus tasks` lists the tasks (/tasks in HQ)")
+    task_store = task_store_of(store, task)
+    if task_store is not store and not os.path.isdir(task_store.workdir):
+        raise FerrusError("task %s's worktree %s is gone%s" % (
+            short_task_id(task), task_store.workdir,
+            " (it was cancelled)" if status == CANCELLED_STATUS else ""),
+            "`ferrus log --task %s` shows what happened to it; `ferrus doctor` lists "
+            "orphaned tasks and worktrees" % short_task_id(task))
     return task_store
 
 
@@ -12519,7 +12571,9 @@ class HqController:
         The agent is started first and the session's moves are journaled after it (in
         their order): each is an fsynced commit, and an agent that waits for three of
         them reacts that much later (ARCHITECTURE.md, 'Session state machine')."""
-        self._deferred_moves = []
+        held = self._deferred_moves is not None      # held for a whole step already
+        if not held:
+            self._deferred_moves = []
         try:
             session = slot.session
             if session.state in (SS.INITIALIZING, SS.SESSION_COMPLETE):
@@ -12533,10 +12587,20 @@ class HqController:
             if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
                 self._spawn(slot)
         finally:
-            moves, self._deferred_moves = self._deferred_moves, None
-            for move in moves:
-                with contextlib.suppress(FerrusError, OSError):
-                    self._commit_session_move(move)
+            if not held:
+                self.release_session_moves()
+
+    def hold_session_moves(self):
+        """Journal session moves only at release_session_moves(): a runner polling several
+        controllers starts every agent a step needs before it commits their moves."""
+        if self._deferred_moves is None:
+            self._deferred_moves = []
+
+    def release_session_moves(self):
+        moves, self._deferred_moves = self._deferred_moves or [], None
+        for move in moves:
+            with contextlib.suppress(FerrusError, OSError):
+                self._commit_session_move(move)
 
     # -- capacity gates (ARCHITECTURE.md, 'Capacity gates') --------------------------
 
@@ -12547,7 +12611,9 @@ class HqController:
             self._save_counts(slot, force=True)
         tokens, turns = self._task_tokens_and_turns(task)
         current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_of(data),
+                          sessions=self.sessions_of(data) + sum(
+                              1 for move in self._deferred_moves or ()
+                              if move["to"] == SS.RUNNING.value),   # started, not yet journaled
                           tasks_completed=self.tasks_completed,
                           tokens_used=tokens, turns=turns,
                           parallel_agents=len(self.running()) + extra_parallel)
@@ -12991,7 +13057,10 @@ class HqController:
     def stop_all(self, quiet=False):
         for slot in self.slots.values():
             running = slot.process is not None
-            self._step(slot, SessionEvent("OperatorStop"))
+            # An idle slot (nothing running, nothing pending) has nothing to stop: it only
+            # starts afresh below, without a journal entry (an fsynced commit) saying so.
+            if running or slot.state not in (SS.INITIALIZING, SS.SESSION_COMPLETE):
+                self._step(slot, SessionEvent("OperatorStop"))
             if running and not quiet:
                 self.emit(HqMessage("info", "stopped the %s" % slot.name))
             # A stopped slot starts afresh the next time its role is needed.
@@ -13281,8 +13350,15 @@ class ParallelRunner:
 
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
-        for controller in list(self.controllers.values()):
-            controller.poll()
+        polled = list(self.controllers.values())
+        try:
+            for controller in polled:
+                controller.hold_session_moves()
+            for controller in polled:
+                controller.poll()
+        finally:
+            for controller in polled:
+                controller.release_session_moves()
         # What the tasks' states ask of the runner changes only with a commit (or with a
         # question a controller has just shown): the task files are read only then, so a
         # long queue costs nothing while the agents work.
@@ -13332,15 +13408,49 @@ class ParallelRunner:
         self.advance(2)
 
     def _prepare(self):
-        for task in list(self.batch):
-            if task not in self.controllers and not self._prepare_task(task):
+        todo = [task for task in self.batch if task not in self.controllers]
+        for task, ready in zip(todo, self._prepare_side_by_side(todo)):
+            if not ready:
                 self.batch.remove(task)
         self.advance(3)
 
-    def _prepare_task(self, task):
+    def _prepare_side_by_side(self, tasks):
+        """_prepare_task for each of ``tasks``, all at once: each has its own worktree,
+        [parallel] setup and store, so the batch waits for the slowest, not for the sum
+        (the git processes, setup commands and fsyncs overlap).  A task that cannot be
+        prepared is failed here, in the runner's thread."""
+        if len(tasks) < 2:
+            return [self._prepare_task(task) for task in tasks]
+        results = [None] * len(tasks)
+
+        def prepare(index, task):
+            try:
+                results[index] = self._prepare_task(task, fail=False)
+            except BaseException as err:       # handed to the runner's thread below
+                results[index] = err
+        threads = [threading.Thread(target=prepare, args=(index, task), daemon=True,
+                                    name="ferrus-prepare-%s" % short_task_id(task))
+                   for index, task in enumerate(tasks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ready = []
+        for task, result in zip(tasks, results):
+            if isinstance(result, FerrusError):
+                self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
+                               result.full_text())
+                result = False
+            elif isinstance(result, BaseException):
+                raise result
+            ready.append(bool(result))
+        return ready
+
+    def _prepare_task(self, task, fail=True):
         """The task's worktree and branch from the target's head, ferrus's agent
         configuration copied into it, and its state created (Executing).  Idempotent, so
-        a run that crashed half-way through it simply does it again."""
+        a run that crashed half-way through it simply does it again.  A FerrusError fails
+        the task (or, with ``fail`` False, is raised for the caller to do that)."""
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
@@ -13372,6 +13482,8 @@ class ParallelRunner:
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
         except FerrusError as err:
+            if not fail:
+                raise
             self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
                            err.full_text())
             return False
@@ -13539,7 +13651,8 @@ class ParallelRunner:
 
     def _collect(self):
         if self.integrating():
-            self.advance(5)
+            if self.advance(5):
+                self._integrate()      # an approved task enters the merge queue at once
         elif self.queued() and self.free_slots():
             self.advance(3)
         elif not self.controllers:
@@ -17088,7 +17201,8 @@ class HqShell:
             for record in records[-STATUS_SESSIONS_SHOWN:]:
                 self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
-            self.write(confirmation_summary(self.store, data))
+            # The mirrored parallel task's own files, when STATE.json mirrors one.
+            self.write(confirmation_summary(foreground_store(self.store), data))
         rows = self.board.rows(force=True)
         if rows:
             self.write("tasks: %s — /tasks shows the board%s" % (
@@ -17154,24 +17268,8 @@ class HqShell:
         """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
         task of the queue has none to show."""
         if task is None:
-            return self.store
-        record = read_task_record(self.store.dir, task)
-        status = record.get("status")
-        if status == MERGED_STATUS:
-            raise FerrusError("task %s is merged%s" % (
-                short_task_id(task), " at %s" % record["merged_commit"][:12]
-                if record.get("merged_commit") else ""),
-                "`git show %s` shows what it changed" % (
-                    record.get("merged_commit", "")[:12] or record.get("target") or "HEAD"))
-        if record.get("store") != "project" and not self.store.for_task(task).exists():
-            raise FerrusError("task %s is %s: it has no work yet" % (
-                short_task_id(task), status or "not started"), "/tasks shows the board")
-        task_store = task_store_of(self.store, task)
-        if task_store is not self.store and not os.path.isdir(task_store.workdir):
-            raise FerrusError("task %s's worktree %s is gone" % (
-                short_task_id(task), task_store.workdir),
-                "`ferrus doctor` lists orphaned tasks and worktrees")
-        return task_store
+            task = foreground_task(self.store)      # the parallel task the state mirrors
+        return self.store if task is None else diff_store_of(self.store, task)
 
     def cmd_diff(self, rest):
         words = rest.split()
@@ -18285,6 +18383,10 @@ def cmd_init(args, root):
 def cmd_status(args, root):
     store = Store(root).require()
     data = store.read_state()
+    # While STATE.json mirrors a parallel task, that task's own files and worktree are
+    # what the rows below describe (the checkout's would be another task's, or none).
+    view = foreground_store(store)
+    record = read_task_record(store.dir, view.task) if view.task else {}
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
@@ -18306,6 +18408,7 @@ def cmd_status(args, root):
     queue = status_task_rows(store, sessions)
     if args.json:
         info["tasks"] = queue
+        info["parallel_task"] = view.task       # the parallel task STATE.json mirrors
         info["orchestrator"] = orchestrator
         info["usage"] = usage_summary(task_records)
         info["sessions"] = [session_brief(r) for r in task_records]
@@ -18322,12 +18425,25 @@ def cmd_status(args, root):
         rows[0] = ("state", rows[0][1] + "  (for %s)" % format_duration(info["seconds_in_state"]))
     if data.paused_state:
         rows.append(("paused from", data.paused_state.value))
-    rows.append(("task", data.task_id or "-"))
+    rows.append(("task", (data.task_id or "-") + (
+        "  (parallel task, %s; `ferrus tasks` lists every task)" % (
+            "merged" if record.get("status") == MERGED_STATUS else
+            "in its worktree %s" % record["worktree"] if record.get("worktree") and
+            os.path.isdir(record["worktree"]) else record.get("status") or "queued")
+        if view.task else "")))
     if data.task_started_at:
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    if data.task_base:
+    if view.task and record.get("status") in (MERGED_STATUS, CANCELLED_STATUS):
+        # Its branch and worktree are gone: the base would name a branch that is no more.
+        merged = record.get("merged_commit") or ""
+        rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
+            record.get("target") or "the target", " at %s" % merged[:12] if merged else "",
+            " (`git show %s` shows what it changed)" % merged[:12] if merged else "")
+            if record["status"] == MERGED_STATUS else
+            "cancelled; its worktree and branch were removed"))
+    elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
                                                                 "changes since)"))
     if config:
@@ -18344,13 +18460,17 @@ def cmd_status(args, root):
         rows.append(("failure", failure_summary(data.failure_reason)))
     if data.state == S.AWAITING_HUMAN:
         # Whoever comes back later must see what was asked, not only that something was.
-        asked = first_lines(store.read_file("QUESTION.md"), 4)
+        asked = first_lines(view.read_file("QUESTION.md"), 4)
         rows += [("question" if index == 0 else "", terminal_safe(line))
                  for index, line in enumerate(asked or ["(QUESTION.md is empty)"])]
-        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
+        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --parallel N` in a terminal"
+                     if view.task else
+                     "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
     elif data.state == S.AWAITING_CONFIRMATION:
-        rows.append(("your word", "the reviewer approved: `ferrus approve`, or `ferrus "
-                                  "reject NOTES` (`ferrus approve` shows the summary first)"))
+        named = " --task %s" % short_task_id(view.task) if view.task else ""
+        rows.append(("your word", "the reviewer approved: `ferrus approve%s`, or `ferrus "
+                                  "reject%s NOTES` (`ferrus approve%s` shows the summary first)"
+                     % (named, named, named)))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
@@ -18405,7 +18525,7 @@ def cmd_status(args, root):
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
-        print("\n" + terminal_safe(confirmation_summary(store, data)))
+        print("\n" + terminal_safe(confirmation_summary(view, data)))
     for line in describe_queue(queue):
         say(line)
     return 0
@@ -18637,8 +18757,10 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    if args.task:
-        store = task_store_of(store, args.task)
+    # Without --task: the parallel task the checkout's STATE.json mirrors, if it does.
+    task = require_task_id(store, args.task) if args.task else foreground_task(store)
+    if task is not None:
+        store = diff_store_of(store, task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.

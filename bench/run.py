@@ -1223,10 +1223,13 @@ def _parallel_project(bench, name, checks, extra=""):
     return root
 
 
+_FIFO_NUMBERS = itertools.count(1)
+
+
 def _fifo_stub(bench, name):
     """(argv, path): a stand-in agent process, `cat FIFO`, that ends when the writer
     the bench opens on the FIFO is closed."""
-    path = os.path.join(bench.tmp, "fifo-%s" % name)
+    path = os.path.join(bench.tmp, "fifo-%s-%d" % (name, next(_FIFO_NUMBERS)))
     os.mkfifo(path)
     return ["cat", path], path
 
@@ -1248,13 +1251,13 @@ class _InstantAgents:
         self.ferrus = bench.ferrus
         self.store = bench.store(root)
         self.lock = threading.Lock()
-        self.count = itertools.count()
         self.own = collections.defaultdict(float)    # task -> seconds of the agents' own work
+        self.sessions = collections.defaultdict(float)   # task -> seconds agents were up
         self.failures = []
         self.threads = []
 
     def launcher(self, slot):
-        argv, fifo = _fifo_stub(self.bench, "agent-%d" % next(self.count))
+        argv, fifo = _fifo_stub(self.bench, "agent")
         thread = threading.Thread(target=self._play, args=(slot, fifo), daemon=True,
                                   name="bench-agent-%s" % slot.name)
         thread.start()
@@ -1266,7 +1269,10 @@ class _InstantAgents:
             # Opening blocks until the stub has the FIFO open: by then ferrus has started
             # it and named its session (which carries the task's id).
             with open(fifo, "w"):
-                self._session(slot)
+                began = time.perf_counter()
+                task = self._session(slot)
+                with self.lock:
+                    self.sessions[task] += time.perf_counter() - began
         except Exception as err:     # reported by the figure
             with self.lock:
                 self.failures.append("%s agent: %s: %s" % (slot.name, type(err).__name__, err))
@@ -1303,6 +1309,7 @@ class _InstantAgents:
                 conn.call_tool("submit", {"content": "Did the work."}, timeout=60)
         finally:
             conn.close()
+        return task
 
     @staticmethod
     def _until(conn, tool, status):
@@ -1432,7 +1439,7 @@ def parallel_run_once(bench, label):
                        "reviewer": entry_time(task, "session", "reviewer"),
                        "approved": entry_time(task, "approve"),
                        "integrate": mark["integrate"], "end": mark["end"]}
-    latency, overhead, waits = [], [], []
+    latency, overhead, waits, outside = [], [], [], []
     for task, span in spans.items():
         # Waiting in the merge queue while other tasks are integrated is their time
         # (integrations are one at a time), not this task's.
@@ -1442,9 +1449,11 @@ def parallel_run_once(bench, label):
         latency.append(total)
         waits.append(wait)
         overhead.append(total - wait - agents.own[task])
+        outside.append(total - wait - agents.sessions[task])
     files_ok = all(os.path.exists(os.path.join(root, "file%d.txt" % i)) for i in range(n))
     intact, journal_words = _journal_intact(entries, tasks)
     return {"overhead": overhead, "latency": latency, "waits": waits, "spans": spans,
+            "outside": outside,
             "agents_own": sum(agents.own.values()), "wall": wall, "cpu_self": cpu_self,
             "cpu_children": cpu_children, "git_processes": git_runs[0],
             "merged": len(merged), "ok": len(merged) == n and files_ok and intact,
@@ -1464,6 +1473,7 @@ def fig_parallel_overhead(bench, fig):
     overhead = [value for run in runs for value in run["overhead"]]
     latency = [value for run in runs for value in run["latency"]]
     waits = [value for run in runs for value in run["waits"]]
+    outside = [value for run in runs for value in run["outside"]]
     spans = [span for run in runs for span in run["spans"].values()]
     med, p90 = median(overhead), percentile(overhead, 90)
     fig.values.update({"tasks": n, "runs": len(runs), "overhead_median_s": med,
@@ -1483,6 +1493,10 @@ def fig_parallel_overhead(bench, fig):
              "merge queue: median %s; agents' own work: %s per run" % (
                  ms(median(latency)), ms(percentile(latency, 90)), ms(median(waits)),
                  ms(median([run["agents_own"] for run in runs]))))
+    fig.values["outside_sessions_s"] = outside
+    fig.info("(info) the same without the agents' sessions (from each stub's start to its end, "
+             "their `ferrus serve` and tool calls included): median %s, p90 %s" % (
+                 ms(median(outside)), ms(percentile(outside, 90))))
     # Where a task's time goes, step by step (the medians over the tasks).
     steps = (("prepared", "start", "created"), ("dispatched", "created", "executor"),
              ("executor's server up, claimed", "executor", "claimed"),
@@ -1535,8 +1549,7 @@ def measure_hq_reaction_parallel(bench, active, rounds):
     def launcher(slot):
         if slot.name != "reviewer":
             return ferrus.Launch(argv=list(sleeper)), (lambda line: [])
-        argv, fifo = _fifo_stub(bench, "hq-%d-%d" % (active, len(release) + 1000 *
-                                                     random.randrange(10 ** 6)))
+        argv, fifo = _fifo_stub(bench, "reviewer")
         done = threading.Event()
 
         def hold():

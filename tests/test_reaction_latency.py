@@ -92,3 +92,84 @@ def test_a_phase_is_saved_for_recovery_before_the_journal_shows_it(store):
     runner._journal_phase = spy
     assert runner.advance(1) and runner.advance(2)
     assert saved_when_journaled == [(1, 1), (2, 2)]
+
+
+def test_an_approved_task_enters_the_merge_queue_in_the_step_that_sees_it(store):
+    runner = ferrus.ParallelRunner(store, lambda message: None, 2)
+    assert runner.advance(1) and runner.advance(2) and runner.advance(3) and runner.advance(4)
+    started = []
+    runner.integrating = lambda: ["t-approved"]
+    runner._start_integration = started.append
+    runner._collect()
+    assert runner.machine.phase == 5 and started == ["t-approved"]
+
+
+def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
+
+    def launcher(slot):
+        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
+            (lambda line: [])
+
+    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    try:
+        controller.poll()
+        before = len(session_moves(store))
+        controller.stop_all()
+        # The running executor's stop is journaled; the idle reviewer and consultant
+        # only start afresh.
+        assert session_moves(store)[before:] == [("executor", "Running", "Stopped")]
+        assert all(slot.state == SS.INITIALIZING and slot.process is None
+                   for slot in controller.slots.values())
+    finally:
+        controller.shutdown()
+
+
+def test_held_session_moves_wait_for_the_release_and_still_count_as_sessions(store):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
+    launched = []
+
+    def launcher(slot):
+        launched.append(slot.name)
+        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
+            (lambda line: [])
+
+    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    try:
+        controller.hold_session_moves()
+        controller.poll()
+        assert launched == ["executor"] and session_moves(store) == []
+        assert controller.signals().sessions == 1      # the gate counts the started one
+        controller.release_session_moves()
+        assert [to for _, _, to in session_moves(store)] == ["BuildingPrompt", "Spawning",
+                                                             "Running"]
+        assert controller.signals().sessions == 1
+    finally:
+        controller.shutdown()
+
+
+def test_a_runner_step_starts_every_agent_before_it_journals_their_moves(store):
+    calls = []
+
+    class Controller:
+        def __init__(self, name):
+            self.name = name
+            self.shown_question = self.shown_confirmation = None
+            self.slots = {}
+
+        def hold_session_moves(self):
+            calls.append(("hold", self.name))
+
+        def poll(self):
+            calls.append(("poll", self.name))
+
+        def release_session_moves(self):
+            calls.append(("release", self.name))
+
+    runner = ferrus.ParallelRunner(store, lambda message: None, 2)
+    runner.controllers = {"t-a": Controller("a"), "t-b": Controller("b")}
+    runner._watch_task = lambda task, controller: None
+    runner.finished = True                 # only the polling part of the step
+    runner.step()
+    assert calls == [("hold", "a"), ("hold", "b"), ("poll", "a"), ("poll", "b"),
+                     ("release", "a"), ("release", "b")]
