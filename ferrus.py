@@ -2382,11 +2382,18 @@ def t_integrated(data, now):
     return _enter(data.copy(), S.COMPLETE, now)
 
 
-def t_integration_failed(data, now, max_cycles):
+def t_integration_failed(data, now, max_cycles, onto=None):
     """A conflict or a red check on the merged result is a review cycle: the executor
-    gets the cause as review notes."""
+    gets the cause as review notes.  ``onto`` is the target's head the merge queue left
+    the task's branch on (rebased onto it, or merged with it for the executor to resolve
+    a conflict): the task's diff is measured from there on, so its reviewer sees the
+    task's own work, not what other tasks brought to the target meanwhile."""
     _require("integration_failed", data)
-    return _send_back(data, now, max_cycles)
+    data = _send_back(data, now, max_cycles)
+    if onto and data.task_base and data.task_base.get("git"):
+        data.task_base = dict(data.task_base, commit=onto, dirty=[], dirty_count=0,
+                              onto_target=True)
+    return data
 
 
 def t_reject(data, now, max_cycles):
@@ -4837,7 +4844,11 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             raise GitError("the task's base commit %s is no longer in the repository"
                            % start[:12], "its history was rewritten; `git diff` against "
                            "another commit shows the changes by hand")
-        if start and head and head != start:
+        if start and head and head != start and base.get("onto_target"):
+            notes.append("the merge queue put the task's branch on the target's head %s "
+                         "(HEAD %s): the diff is the task's work on top of it"
+                         % (start[:12], head[:12]))
+        elif start and head and head != start:
             notes.append("HEAD has moved since the task was created (base %s, HEAD %s): "
                          "commits made since are part of the diff" % (start[:12], head[:12]))
         if base.get("dirty_count"):
@@ -6826,8 +6837,11 @@ def confirmation_summary(store, data=None):
         cycles += "/%d" % limits.max_review_cycles
         if data.review_cycles + 1 >= limits.max_review_cycles:
             cycles += " — a rejection now fails the task"
-    parts.append("Approve: `ferrus approve` or /approve in HQ.  Reject: `ferrus reject NOTES` "
-                 "or /reject NOTES in HQ: the executor gets your notes (%s)." % cycles)
+    # A parallel task is named: with several waiting, a plain `ferrus approve` refuses.
+    named = " --task %s" % short_task_id(store.task) if store.task else ""
+    parts.append("Approve: `ferrus approve%s` or /approve in HQ.  Reject: `ferrus reject%s "
+                 "NOTES` or /reject NOTES in HQ: the executor gets your notes (%s)."
+                 % (named, named, cycles))
     return "\n\n".join(parts)
 
 
@@ -7535,13 +7549,17 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
-def op_integration_failed(store, caller, notes, **detail):
+def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
-    notes.  It counts as a review cycle."""
+    notes.  It counts as a review cycle.  ``onto``: the target head the task's branch
+    was left on, its diff's base from now on (see t_integration_failed)."""
     limits = store.config().limits
+    if onto:
+        detail["onto"] = onto[:12]
     with store.transaction(caller.agent_id) as tx:
-        new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles)
+        new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
+                                   onto)
         tx.write("REVIEW.md", notes)
         tx.set(new, "integration_failed", **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
@@ -7654,6 +7672,55 @@ def task_store_of(store, task):
         raise FerrusError("task %s has not started yet (it is %s)" % (
             task, record.get("status") or QUEUED_STATUS),
             "`ferrus run --parallel N` starts the queue's tasks")
+    return task_store
+
+
+def foreground_task(store):
+    """The parallel task the project's STATE.json mirrors (see ARCHITECTURE.md,
+    'Parallel tasks'), or None while the file holds the checkout's own task."""
+    task = store.project_state().extra.get(PARALLEL_MIRROR_KEY)
+    if isinstance(task, str) and _TASK_ID_RE.match(task) and \
+            os.path.isfile(task_record_path(store.dir, task)):
+        return task
+    return None
+
+
+def foreground_store(store):
+    """The store the plain views (`ferrus status`, `ferrus diff`, HQ's /status and /diff)
+    read for the foreground task: the mirrored parallel task's own — its question, review
+    and submission files, its worktree — else the project's.  The mirror copies only the
+    state; reading the checkout's files for a parallel task would show another task's."""
+    task = foreground_task(store)
+    if task is None:
+        return store
+    task_store = store.for_task(task)
+    return task_store if task_store.exists() else store
+
+
+def diff_store_of(store, task):
+    """The store whose diff shows queue task ``task``'s work, or a FerrusError saying why
+    there is none to show: merged (its work is on the target, at its merged commit),
+    not started, or its worktree gone."""
+    record = read_task_record(store.dir, task)
+    status = record.get("status")
+    if status == MERGED_STATUS:
+        merged = record.get("merged_commit") or ""
+        raise FerrusError("task %s is merged%s%s; its worktree and branch were removed" % (
+            short_task_id(task), " at %s" % merged[:12] if merged else "",
+            " into %s" % record["target"] if record.get("target") else ""),
+            "`git show %s` shows what it changed" % (merged[:12] or record.get("target")
+                                                     or "HEAD"))
+    if record.get("store") != "project" and not store.for_task(task).exists():
+        raise FerrusError("task %s is %s: it has no work yet" % (
+            short_task_id(task), status or "not started"),
+            "`ferrus tasks` lists the tasks (/tasks in HQ)")
+    task_store = task_store_of(store, task)
+    if task_store is not store and not os.path.isdir(task_store.workdir):
+        raise FerrusError("task %s's worktree %s is gone%s" % (
+            short_task_id(task), task_store.workdir,
+            " (it was cancelled)" if status == CANCELLED_STATUS else ""),
+            "`ferrus log --task %s` shows what happened to it; `ferrus doctor` lists "
+            "orphaned tasks and worktrees" % short_task_id(task))
     return task_store
 
 
@@ -13713,7 +13780,8 @@ class ParallelRunner:
             self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
                             "checks that judge your work, the agents): a task may not change "
                             "it. Undo that change (only the user edits it), then check and "
-                            "submit again." % CONFIG_FILE, cause="config")
+                            "submit again." % CONFIG_FILE, cause="config",
+                            onto=checks.target_head)
             return
         if built.status == "conflict":
             merged = job.get("merged")
@@ -13733,7 +13801,7 @@ class ParallelRunner:
                             "line; do not run git yourself. Then check and submit again.\n\n"
                             "Conflicted files: %s\n\n%s" % (
                                 self.target, ", ".join(paths) or "(none left)", built.text),
-                            cause="conflict", files=list(built.conflicts))
+                            cause="conflict", files=list(built.conflicts), onto=base)
             return
         if checks is not None and not checks.passed:
             self._send_back(task, "Your work merged with the target branch %s cleanly, but "
@@ -13741,7 +13809,8 @@ class ParallelRunner:
                             "alone, so it is the combination).\n\n%s" % (
                                 self.target, checks.report(
                                     self.store.config().limits.max_feedback_lines)),
-                            cause="checks", failed=[r.command for r in checks.failed])
+                            cause="checks", failed=[r.command for r in checks.failed],
+                            onto=built.target_head)
             return
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
@@ -13774,9 +13843,11 @@ class ParallelRunner:
                       "warning", task_id=task)
         self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
-    def _send_back(self, task, notes, **detail):
+    def _send_back(self, task, notes, onto=None, **detail):
+        """``onto``: the target head the task's branch now sits on (None when the branch
+        did not move)."""
         task_store = self.controllers[task].store
-        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, **detail)
+        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, onto, **detail)
         self.note("task %s goes back to its executor: %s" % (
             short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
                                   "checks": "the checks fail on the merged result"}.get(
@@ -17130,7 +17201,8 @@ class HqShell:
             for record in records[-STATUS_SESSIONS_SHOWN:]:
                 self.write("  " + terminal_safe(describe_session(record)))
         if data.state == S.AWAITING_CONFIRMATION:
-            self.write(confirmation_summary(self.store, data))
+            # The mirrored parallel task's own files, when STATE.json mirrors one.
+            self.write(confirmation_summary(foreground_store(self.store), data))
         rows = self.board.rows(force=True)
         if rows:
             self.write("tasks: %s — /tasks shows the board%s" % (
@@ -17196,24 +17268,8 @@ class HqShell:
         """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
         task of the queue has none to show."""
         if task is None:
-            return self.store
-        record = read_task_record(self.store.dir, task)
-        status = record.get("status")
-        if status == MERGED_STATUS:
-            raise FerrusError("task %s is merged%s" % (
-                short_task_id(task), " at %s" % record["merged_commit"][:12]
-                if record.get("merged_commit") else ""),
-                "`git show %s` shows what it changed" % (
-                    record.get("merged_commit", "")[:12] or record.get("target") or "HEAD"))
-        if record.get("store") != "project" and not self.store.for_task(task).exists():
-            raise FerrusError("task %s is %s: it has no work yet" % (
-                short_task_id(task), status or "not started"), "/tasks shows the board")
-        task_store = task_store_of(self.store, task)
-        if task_store is not self.store and not os.path.isdir(task_store.workdir):
-            raise FerrusError("task %s's worktree %s is gone" % (
-                short_task_id(task), task_store.workdir),
-                "`ferrus doctor` lists orphaned tasks and worktrees")
-        return task_store
+            task = foreground_task(self.store)      # the parallel task the state mirrors
+        return self.store if task is None else diff_store_of(self.store, task)
 
     def cmd_diff(self, rest):
         words = rest.split()
@@ -18327,6 +18383,10 @@ def cmd_init(args, root):
 def cmd_status(args, root):
     store = Store(root).require()
     data = store.read_state()
+    # While STATE.json mirrors a parallel task, that task's own files and worktree are
+    # what the rows below describe (the checkout's would be another task's, or none).
+    view = foreground_store(store)
+    record = read_task_record(store.dir, view.task) if view.task else {}
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
@@ -18348,6 +18408,7 @@ def cmd_status(args, root):
     queue = status_task_rows(store, sessions)
     if args.json:
         info["tasks"] = queue
+        info["parallel_task"] = view.task       # the parallel task STATE.json mirrors
         info["orchestrator"] = orchestrator
         info["usage"] = usage_summary(task_records)
         info["sessions"] = [session_brief(r) for r in task_records]
@@ -18364,12 +18425,25 @@ def cmd_status(args, root):
         rows[0] = ("state", rows[0][1] + "  (for %s)" % format_duration(info["seconds_in_state"]))
     if data.paused_state:
         rows.append(("paused from", data.paused_state.value))
-    rows.append(("task", data.task_id or "-"))
+    rows.append(("task", (data.task_id or "-") + (
+        "  (parallel task, %s; `ferrus tasks` lists every task)" % (
+            "merged" if record.get("status") == MERGED_STATUS else
+            "in its worktree %s" % record["worktree"] if record.get("worktree") and
+            os.path.isdir(record["worktree"]) else record.get("status") or "queued")
+        if view.task else "")))
     if data.task_started_at:
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    if data.task_base:
+    if view.task and record.get("status") in (MERGED_STATUS, CANCELLED_STATUS):
+        # Its branch and worktree are gone: the base would name a branch that is no more.
+        merged = record.get("merged_commit") or ""
+        rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
+            record.get("target") or "the target", " at %s" % merged[:12] if merged else "",
+            " (`git show %s` shows what it changed)" % merged[:12] if merged else "")
+            if record["status"] == MERGED_STATUS else
+            "cancelled; its worktree and branch were removed"))
+    elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
                                                                 "changes since)"))
     if config:
@@ -18386,13 +18460,17 @@ def cmd_status(args, root):
         rows.append(("failure", failure_summary(data.failure_reason)))
     if data.state == S.AWAITING_HUMAN:
         # Whoever comes back later must see what was asked, not only that something was.
-        asked = first_lines(store.read_file("QUESTION.md"), 4)
+        asked = first_lines(view.read_file("QUESTION.md"), 4)
         rows += [("question" if index == 0 else "", terminal_safe(line))
                  for index, line in enumerate(asked or ["(QUESTION.md is empty)"])]
-        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
+        rows.append(("answer", "in HQ (`ferrus`), or `ferrus run --parallel N` in a terminal"
+                     if view.task else
+                     "in HQ (`ferrus`), or `ferrus run --resume` in a terminal"))
     elif data.state == S.AWAITING_CONFIRMATION:
-        rows.append(("your word", "the reviewer approved: `ferrus approve`, or `ferrus "
-                                  "reject NOTES` (`ferrus approve` shows the summary first)"))
+        named = " --task %s" % short_task_id(view.task) if view.task else ""
+        rows.append(("your word", "the reviewer approved: `ferrus approve%s`, or `ferrus "
+                                  "reject%s NOTES` (`ferrus approve%s` shows the summary first)"
+                     % (named, named, named)))
     if data.task_commit:
         said = describe_task_commit(data.task_commit).splitlines()
         rows += [("git commit" if index == 0 else "", line) for index, line in enumerate(said)]
@@ -18447,7 +18525,7 @@ def cmd_status(args, root):
         print("%s  %s" % (label.rjust(width),
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
-        print("\n" + terminal_safe(confirmation_summary(store, data)))
+        print("\n" + terminal_safe(confirmation_summary(view, data)))
     for line in describe_queue(queue):
         say(line)
     return 0
@@ -18679,8 +18757,10 @@ def cmd_usage(args, root):
 
 def cmd_diff(args, root):
     store = Store(root).require()
-    if args.task:
-        store = task_store_of(store, args.task)
+    # Without --task: the parallel task the checkout's STATE.json mirrors, if it does.
+    task = require_task_id(store, args.task) if args.task else foreground_task(store)
+    if task is not None:
+        store = diff_store_of(store, task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.

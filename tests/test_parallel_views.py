@@ -67,7 +67,9 @@ def test_diff_and_check_of_a_task_are_taken_in_its_worktree(repo):
     out = cli(repo, "diff", "--stat", "--task", ferrus.short_task_id(task))
     assert out.returncode == 0, out.stderr
     assert "feature.txt" in out.stdout and "Task %s diff" % task in out.stdout
-    assert "feature.txt" not in cli(repo, "diff", "--stat").stdout
+    # STATE.json mirrors the task: the plain diff is that task's too, not the checkout's
+    plain = cli(repo, "diff", "--stat").stdout
+    assert "feature.txt" in plain and "Task %s diff" % task in plain
     checked = cli(repo, "check", "--force", "--task", ferrus.short_task_id(task))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "All checks passed" in checked.stdout
@@ -79,7 +81,7 @@ def test_diff_and_check_of_a_task_are_taken_in_its_worktree(repo):
         [task]
     queued = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Later.").data["task_id"]
     early = cli(repo, "diff", "--task", queued)
-    assert early.returncode == 1 and "has not started yet (it is queued)" in early.stderr
+    assert early.returncode == 1 and "is queued: it has no work yet" in early.stderr
 
 
 def test_approve_and_reject_find_the_waiting_parallel_task(repo):

@@ -273,3 +273,48 @@ def test_doctor_reports_a_worktree_dir_inside_the_repository_and_a_missing_targe
     git(repo, "branch", "nope")
     assert not [f for f in ferrus.doctor_findings(str(repo))
                 if "[parallel]" in f.problem]
+
+
+# -- 4. the plain views of a task STATE.json mirrors --------------------------------------
+
+def test_plain_status_and_diff_show_the_mirrored_parallel_task(repo, monkeypatch):
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    (repo / "mine.txt").write_text("the user's own change\n")
+    lines = []
+    code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
+    assert code == ferrus.RUN_NEEDS_HUMAN, "\n".join(lines)
+    assert store.project_state().extra["mirrors_task"] == task
+    assert ferrus.foreground_store(store).task == task
+    done = run_cli("status", cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert "question  Which colour should the button be?" in done.stdout
+    assert "QUESTION.md is empty" not in done.stdout
+    assert "run --resume" not in done.stdout and "`ferrus run --parallel N`" in done.stdout
+    assert "(parallel task, in its worktree" in done.stdout
+    status = json.loads(run_cli("status", "--json", cwd=repo).stdout)
+    assert status["parallel_task"] == task
+    # the task's diff, in its worktree: never the user's own change in the checkout
+    worktree = ferrus.read_task_record(store.dir, task)["worktree"]
+    with open(os.path.join(worktree, "wip.txt"), "w") as handle:
+        handle.write("work in progress\n")
+    done = run_cli("diff", "--stat", cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert "wip.txt" in done.stdout and "mine.txt" not in done.stdout
+    # answered, the run goes on and merges it: the views say so, not its deleted branch
+    ferrus.op_answer(store.for_task(task), ferrus.HUMAN, "blue")
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
+    code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    merged = ferrus.read_task_record(store.dir, task)["merged_commit"]
+    done = run_cli("status", cwd=repo)
+    assert "merged into main at %s" % merged[:12] in done.stdout
+    assert "on branch ferrus/" not in done.stdout
+    for args in (("diff",), ("diff", "--task", ferrus.short_task_id(task))):
+        done = run_cli(*args, cwd=repo)
+        assert done.returncode == 1
+        assert "task %s is merged at %s into main" % (ferrus.short_task_id(task),
+                                                      merged[:12]) in done.stderr
+        assert "git show %s" % merged[:12] in done.stderr
+        assert "not in a git repository" not in done.stderr
