@@ -1198,7 +1198,7 @@ PARALLEL_TASKS = 8
 PARALLEL_CHECK = "test -f README.md"      # the checks the tests of parallel runs use
 
 
-def _parallel_project(bench, name, checks, extra=""):
+def _parallel_project(bench, name, checks):
     """A git repository with ferrus initialised, every change committed on main, and the
     custom agent ``instant`` as executor and reviewer (its argv is never run: the
     bench's launcher starts the agents, see _InstantAgents)."""
@@ -1207,11 +1207,11 @@ def _parallel_project(bench, name, checks, extra=""):
     root = bench.project(name)
     with open(os.path.join(root, "ferrus.toml"), "w", encoding="utf-8") as handle:
         handle.write("[checks]\ncommands = %s\n\n[limits]\nwait_timeout_secs = 5\n"
-                     "max_review_cycles = 1000\n\n%s"
+                     "max_review_cycles = 1000\n\n"
                      '[agents.custom.instant]\ninteractive = ["instant-agent", "{role}", '
                      '"{mcp_config}"]\nheadless = ["instant-agent", "{role}", "{mcp_config}"]\n'
                      'prompt = "stdin"\n\n[hq.supervisor]\nagent = "instant"\n\n'
-                     '[hq.executor]\nagent = "instant"\n' % (json.dumps(list(checks)), extra))
+                     '[hq.executor]\nagent = "instant"\n' % json.dumps(list(checks)))
     bench.ferrus.register_agents(root, {"supervisor": ("instant", None),
                                         "executor": ("instant", None)},
                                  report=lambda message: None)
@@ -1243,7 +1243,8 @@ class _InstantAgents:
     the scripted agent's tool calls (executor: wait_for_task, write the task's
     `WRITE name: text` files, check, submit; reviewer: wait_for_review, approve), then
     closes the FIFO so the stub exits.  Only the file writes are the agent's own work;
-    their time is kept per task so it can be subtracted."""
+    their time is kept per task so it can be subtracted, and so is each session's whole
+    life (the stub's start to its end) for the figure without the agents' sessions."""
 
     def __init__(self, bench, root):
         self.bench = bench
