@@ -2382,11 +2382,18 @@ def t_integrated(data, now):
     return _enter(data.copy(), S.COMPLETE, now)
 
 
-def t_integration_failed(data, now, max_cycles):
+def t_integration_failed(data, now, max_cycles, onto=None):
     """A conflict or a red check on the merged result is a review cycle: the executor
-    gets the cause as review notes."""
+    gets the cause as review notes.  ``onto`` is the target's head the merge queue left
+    the task's branch on (rebased onto it, or merged with it for the executor to resolve
+    a conflict): the task's diff is measured from there on, so its reviewer sees the
+    task's own work, not what other tasks brought to the target meanwhile."""
     _require("integration_failed", data)
-    return _send_back(data, now, max_cycles)
+    data = _send_back(data, now, max_cycles)
+    if onto and data.task_base and data.task_base.get("git"):
+        data.task_base = dict(data.task_base, commit=onto, dirty=[], dirty_count=0,
+                              onto_target=True)
+    return data
 
 
 def t_reject(data, now, max_cycles):
@@ -4837,7 +4844,11 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
             raise GitError("the task's base commit %s is no longer in the repository"
                            % start[:12], "its history was rewritten; `git diff` against "
                            "another commit shows the changes by hand")
-        if start and head and head != start:
+        if start and head and head != start and base.get("onto_target"):
+            notes.append("the merge queue put the task's branch on the target's head %s "
+                         "(HEAD %s): the diff is the task's work on top of it"
+                         % (start[:12], head[:12]))
+        elif start and head and head != start:
             notes.append("HEAD has moved since the task was created (base %s, HEAD %s): "
                          "commits made since are part of the diff" % (start[:12], head[:12]))
         if base.get("dirty_count"):
@@ -7538,13 +7549,17 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
-def op_integration_failed(store, caller, notes, **detail):
+def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
-    notes.  It counts as a review cycle."""
+    notes.  It counts as a review cycle.  ``onto``: the target head the task's branch
+    was left on, its diff's base from now on (see t_integration_failed)."""
     limits = store.config().limits
+    if onto:
+        detail["onto"] = onto[:12]
     with store.transaction(caller.agent_id) as tx:
-        new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles)
+        new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
+                                   onto)
         tx.write("REVIEW.md", notes)
         tx.set(new, "integration_failed", **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
@@ -13765,7 +13780,8 @@ class ParallelRunner:
             self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
                             "checks that judge your work, the agents): a task may not change "
                             "it. Undo that change (only the user edits it), then check and "
-                            "submit again." % CONFIG_FILE, cause="config")
+                            "submit again." % CONFIG_FILE, cause="config",
+                            onto=checks.target_head)
             return
         if built.status == "conflict":
             merged = job.get("merged")
@@ -13785,7 +13801,7 @@ class ParallelRunner:
                             "line; do not run git yourself. Then check and submit again.\n\n"
                             "Conflicted files: %s\n\n%s" % (
                                 self.target, ", ".join(paths) or "(none left)", built.text),
-                            cause="conflict", files=list(built.conflicts))
+                            cause="conflict", files=list(built.conflicts), onto=base)
             return
         if checks is not None and not checks.passed:
             self._send_back(task, "Your work merged with the target branch %s cleanly, but "
@@ -13793,7 +13809,8 @@ class ParallelRunner:
                             "alone, so it is the combination).\n\n%s" % (
                                 self.target, checks.report(
                                     self.store.config().limits.max_feedback_lines)),
-                            cause="checks", failed=[r.command for r in checks.failed])
+                            cause="checks", failed=[r.command for r in checks.failed],
+                            onto=built.target_head)
             return
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
@@ -13826,9 +13843,11 @@ class ParallelRunner:
                       "warning", task_id=task)
         self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
-    def _send_back(self, task, notes, **detail):
+    def _send_back(self, task, notes, onto=None, **detail):
+        """``onto``: the target head the task's branch now sits on (None when the branch
+        did not move)."""
         task_store = self.controllers[task].store
-        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, **detail)
+        outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, onto, **detail)
         self.note("task %s goes back to its executor: %s" % (
             short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
                                   "checks": "the checks fail on the merged result"}.get(

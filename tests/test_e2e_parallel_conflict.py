@@ -97,6 +97,7 @@ class SameLines:
     def __init__(self):
         self.resolutions = []     # (task id, file, what Read showed, what was written)
         self.rounds = []          # (role, task id, state wait_for_task/_review returned)
+        self.reviewed = []        # (task id, the diff its reviewer was shown)
 
     def __call__(self, request):
         names = [tool.get("name", "") for tool in request.get("tools") or []]
@@ -122,6 +123,7 @@ class SameLines:
             if since:
                 return [text("Done.")]
             diff = task.get("diff", "")
+            self.reviewed.append((task.get("task_id"), diff))
             if "+" + line in diff and "<<<<<<<" not in diff and ">>>>>>>" not in diff:
                 return [tool_use(server + "approve", {})]
             return [tool_use(server + "reject", {"notes": "the diff lacks '%s' or holds a "
@@ -214,6 +216,14 @@ def test_a_conflict_between_two_parallel_tasks_is_resolved_by_real_claude(projec
     assert (task, name) == (second, "greeting.txt")
     assert "<<<<<<<" in shown and ">>>>>>>" in shown, repr(shown)
     assert sorted(written.splitlines()) == sorted(["hello from alpha", "hello from beta"])
+
+    # Its reviewer was shown its own work on top of the target (the line it adds), not the
+    # first task's line the target already had.
+    diffs = [diff for task, diff in model.reviewed if task == second]
+    assert len(diffs) == 2
+    assert "+hello from %s" % tasks[second] in diffs[1], diffs[1]
+    assert "+hello from %s" % tasks[first] not in diffs[1], diffs[1]
+    assert "HEAD has moved since the task was created" not in diffs[1], diffs[1]
 
     # The target holds both sides' lines, the checks pass there, and no marker (nor
     # ferrus's own merge commit) is anywhere in its history.
