@@ -16103,7 +16103,8 @@ def _task_worktree_findings(store, records):
             findings.append(Finding(
                 "task %s failed; its worktree %s (branch %s) is kept for a look"
                 % (task, path, row["branch"]),
-                "`ferrus task cancel %s` removes them" % short_task_id(task), severity="info"))
+                "`ferrus task cancel %s` removes them (`ferrus task retry %s` goes on in "
+                "them instead)" % (short_task_id(task), short_task_id(task)), severity="info"))
             continue
         if record is None and path is None and single_task_branch(task) == row["branch"]:
             continue                       # [git] branch made it for a task in the checkout

@@ -1607,9 +1607,9 @@ def measure_hq_reaction_parallel(bench, active, rounds):
                  lambda: all(started.get((t, "executor")) for t in tasks), 60)
         wait_for("phase P4 (collect)", lambda: runner.machine.phase == 4)
         # Idle: every task in flight, nothing new in the journal.
-        time.sleep(0.2)
+        time.sleep(0.5)
         quiet.set()
-        time.sleep(15 * HQ_POLL_INTERVAL)
+        time.sleep(50 * HQ_POLL_INTERVAL)
         quiet.clear()
         idle = median(list(step_times))
         task_stores = {task: bench.store(root).for_task(task) for task in tasks}
