@@ -13897,10 +13897,11 @@ class ParallelRunner:
                 short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
                 task_id=task, status=status)
         elif status == FAILED_STATUS:
-            self.note("task %s failed: %s (its worktree %s is kept; `ferrus task cancel %s` "
-                      "removes it)" % (short_task_id(task), failure_summary(reason or ""),
-                                       record.get("worktree") or "-", short_task_id(task)),
-                      "error", task_id=task, status=status)
+            self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
+                      "queues it again to go on there, `ferrus task cancel %s` removes it)"
+                      % (short_task_id(task), failure_summary(reason or ""),
+                         record.get("worktree") or "-", short_task_id(task),
+                         short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled" % short_task_id(task), "warning", task_id=task,
                       status=status)
