@@ -13897,10 +13897,11 @@ class ParallelRunner:
                 short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
                 task_id=task, status=status)
         elif status == FAILED_STATUS:
-            self.note("task %s failed: %s (its worktree %s is kept; `ferrus task cancel %s` "
-                      "removes it)" % (short_task_id(task), failure_summary(reason or ""),
-                                       record.get("worktree") or "-", short_task_id(task)),
-                      "error", task_id=task, status=status)
+            self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
+                      "queues it again to go on there, `ferrus task cancel %s` removes it)"
+                      % (short_task_id(task), failure_summary(reason or ""),
+                         record.get("worktree") or "-", short_task_id(task),
+                         short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled" % short_task_id(task), "warning", task_id=task,
                       status=status)
@@ -16103,7 +16104,8 @@ def _task_worktree_findings(store, records):
             findings.append(Finding(
                 "task %s failed; its worktree %s (branch %s) is kept for a look"
                 % (task, path, row["branch"]),
-                "`ferrus task cancel %s` removes them" % short_task_id(task), severity="info"))
+                "`ferrus task cancel %s` removes them (`ferrus task retry %s` goes on in "
+                "them instead)" % (short_task_id(task), short_task_id(task)), severity="info"))
             continue
         if record is None and path is None and single_task_branch(task) == row["branch"]:
             continue                       # [git] branch made it for a task in the checkout

@@ -4,8 +4,10 @@ itself (git's conflict markers left in the file), and its executor -- a real `cl
 that can only edit files -- resolves the conflict with its Read and Write tools, checks and
 submits again; both tasks are merged and no marker ever reaches the target.
 
-The model behind the CLI is scripted (tests/fake_anthropic.py); the CLI, its MCP
-connection to ferrus, ferrus and git are real.  Skips when `claude` is not installed.
+The same with Codex, Qwen Code and Gemini CLI, each resolving the conflict with its own
+tools.  The models behind the CLIs are scripted (tests/fake_anthropic.py,
+tests/fake_models.py); the CLIs, their MCP connections to ferrus, ferrus and git are
+real.  Each test skips when its CLI is not installed.
 """
 
 import json
@@ -17,7 +19,9 @@ import pytest
 import ferrus
 from conftest import set_config
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
-from test_e2e_parallel import ferrus_cli, git, system_text
+from fake_models import FakeModels, agent_env, call, say
+from test_e2e_offline_agents import AGENTS, offline_setup
+from test_e2e_parallel import WORKTREE, ferrus_cli, git, system_text
 
 pytestmark = pytest.mark.e2e
 
@@ -159,36 +163,34 @@ class SameLines:
         return {"file_path": path, "content": content}
 
 
-def test_a_conflict_between_two_parallel_tasks_is_resolved_by_real_claude(project, tmp_path):
-    if not find_agent("claude"):
-        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
-    home = tmp_path / "home"
-    home.mkdir()
-    model = SameLines()
-    with FakeAnthropic(model) as fake:
-        env = claude_env(fake, str(home))
-        git(project, "init", "-q")
-        git(project, "config", "user.name", "Test User")
-        git(project, "config", "user.email", "test@example.com")
-        set_config(project, CONFIG)
-        registered = ferrus_cli(project, "register", "--supervisor", "claude-code",
-                                "--executor", "claude-code", env=env)
-        assert registered.returncode == 0, registered.stderr
-        (project / "greeting.txt").write_text("hello\n")
-        git(project, "add", "-A")
-        git(project, "commit", "-qm", "before the tasks")
-        tasks = {}
-        for name in ("alpha", "beta"):
-            added = ferrus_cli(project, "task", "add", "Replace the line of greeting.txt "
-                               "with: hello from %s" % name, env=env)
-            assert added.returncode == 0, added.stderr
-            tasks[re.search(r"Task (t-\S+) queued", added.stdout).group(1)] = name
-        result = ferrus_cli(project, "run", "--parallel", "2", "--timeout", "300", env=env,
-                            timeout=360)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:] + fake.describe()
-    assert "report: 2 merged" in output, output[-4000:]
+def conflicting_tasks(project, agent, env):
+    """``project`` as a git repository with greeting.txt on main, ``agent`` registered in
+    both roles, and two queued tasks that each rewrite greeting.txt's line: {id: name}."""
+    git(project, "init", "-q")
+    # The agents run with an isolated HOME: the repository names its committer itself.
+    git(project, "config", "user.name", "Test User")
+    git(project, "config", "user.email", "test@example.com")
+    set_config(project, CONFIG)
+    registered = ferrus_cli(project, "register", "--supervisor", agent, "--executor", agent,
+                            env=env)
+    assert registered.returncode == 0, registered.stderr
+    (project / "greeting.txt").write_text("hello\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "before the tasks")
+    tasks = {}
+    for name in ("alpha", "beta"):
+        added = ferrus_cli(project, "task", "add", "Replace the line of greeting.txt with: "
+                           "hello from %s" % name, env=env)
+        assert added.returncode == 0, added.stderr
+        tasks[re.search(r"Task (t-\S+) queued", added.stdout).group(1)] = name
+    return tasks
 
+
+def assert_resolved_and_merged(project, tasks, output):
+    """Both tasks merged, the second after one conflict handed over to its executor, the
+    target holding both lines and never a marker, nothing left behind.  Returns the id of
+    the task that conflicted."""
+    assert "report: 2 merged" in output, output[-4000:]
     rows = {row["id"]: row for row in json.loads(ferrus_cli(project, "tasks", "--json").stdout)
             ["tasks"]}
     assert {task: rows[task]["status"] for task in tasks} == {task: "merged" for task in tasks}
@@ -208,6 +210,39 @@ def test_a_conflict_between_two_parallel_tasks_is_resolved_by_real_claude(projec
     assert store.for_task(second).read_state().review_cycles == 1
     assert store.for_task(first).read_state().review_cycles == 0
 
+    # The target holds both sides' lines, the checks pass there, and no marker (nor
+    # ferrus's own merge commit) is anywhere in its history.
+    on_main = git(project, "show", "main:greeting.txt")
+    assert sorted(on_main.splitlines()) == sorted(["hello from alpha", "hello from beta"])
+    history = git(project, "log", "-p", "main")
+    assert "<<<<<<<" not in history and ">>>>>>>" not in history and "=======" not in history
+    assert "ferrus: main merged into" not in git(project, "log", "--format=%s", "main")
+    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+
+    # Worktrees and branches gone.
+    assert git(project, "branch", "--list", "ferrus/*").strip() == ""
+    assert git(project, "worktree", "list", "--porcelain").count("worktree ") == 1
+    for task in tasks:
+        assert not os.path.exists(ferrus.read_task_record(store.dir, task)["worktree"])
+    return second
+
+
+def test_a_conflict_between_two_parallel_tasks_is_resolved_by_real_claude(project, tmp_path):
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    home = tmp_path / "home"
+    home.mkdir()
+    model = SameLines()
+    with FakeAnthropic(model) as fake:
+        env = claude_env(fake, str(home))
+        tasks = conflicting_tasks(project, "claude-code", env)
+        result = ferrus_cli(project, "run", "--parallel", "2", "--timeout", "300", env=env,
+                            timeout=360)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:] + fake.describe()
+    second = assert_resolved_and_merged(project, tasks, output)
+    first = next(task for task in tasks if task != second)
+
     # Its executor was handed the conflict as review notes, saw the markers with its Read
     # tool, and wrote the file back with both sides' lines.
     assert ("executor", second, "Addressing") in model.rounds
@@ -225,17 +260,139 @@ def test_a_conflict_between_two_parallel_tasks_is_resolved_by_real_claude(projec
     assert "+hello from %s" % tasks[first] not in diffs[1], diffs[1]
     assert "HEAD has moved since the task was created" not in diffs[1], diffs[1]
 
-    # The target holds both sides' lines, the checks pass there, and no marker (nor
-    # ferrus's own merge commit) is anywhere in its history.
-    on_main = git(project, "show", "main:greeting.txt")
-    assert sorted(on_main.splitlines()) == sorted(["hello from alpha", "hello from beta"])
-    history = git(project, "log", "-p", "main")
-    assert "<<<<<<<" not in history and ">>>>>>>" not in history and "=======" not in history
-    assert "ferrus: main merged into" not in git(project, "log", "--format=%s", "main")
-    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
 
-    # Worktrees and branches gone.
-    assert git(project, "branch", "--list", "ferrus/*").strip() == ""
-    assert git(project, "worktree", "list", "--porcelain").count("worktree ") == 1
-    for task in tasks:
-        assert not os.path.exists(ferrus.read_task_record(store.dir, task)["worktree"])
+# -- Codex, Qwen Code, Gemini CLI: the same conflict, resolved with each CLI's own tools -----
+
+
+def parameters_of(body, tool):
+    """The parameter names the CLI declares for its tool ``tool`` (whatever the wire
+    protocol nests them in)."""
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            named = node.get("name") == tool or (node.get("function") or {}).get("name") == tool
+            schema = node.get("parameters") or node.get("parametersJsonSchema") or \
+                (node.get("function") or {}).get("parameters")
+            if named and isinstance(schema, dict):
+                return list(schema.get("properties") or {})
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return []
+
+
+def both_sides(shown):
+    """The conflicted file as a tool's output showed it (between its first marker line and
+    its last), each side's lines kept, the marker lines left out."""
+    try:
+        shown = json.loads(shown).get("output", shown)      # Gemini CLI wraps it in JSON
+    except (ValueError, AttributeError):
+        pass
+    lines = shown.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("<<<<<<<")]
+    ends = [i for i, line in enumerate(lines) if line.lstrip().startswith(">>>>>>>")]
+    if not starts or not ends:
+        return None
+    kept = [line.strip() for line in lines[starts[0]:ends[-1] + 1]
+            if not MARKER_LINE.match(line.strip())]
+    return "".join(line + "\n" for line in kept)
+
+
+class SameLinesOffline:
+    """SameLines for Codex, Qwen Code and Gemini CLI: the executor writes its line into
+    greeting.txt with the CLI's own tools (Codex's shell, the others' write_file); handed
+    review notes naming conflicted files, it reads greeting.txt (Codex: cat, the others:
+    read_file) and writes it back with both sides' lines and no marker."""
+
+    def __init__(self):
+        self.resolutions = []     # (task id, what the read showed, what was written)
+        self.reviewed = []        # (task id, what wait_for_review returned)
+
+    def __call__(self, conversation):
+        prompt = conversation.prompt
+        if "You are the ferrus" not in prompt:
+            return say("OK")            # the CLI's own helpers (Qwen's memory agent, ...)
+        role = "executor" if "You are the ferrus executor" in prompt else "supervisor"
+        calls = [(name, output) for name, _, output in conversation.calls
+                 if name != "tool_search"]
+        first = "wait_for_task" if role == "executor" else "wait_for_review"
+        if not calls:
+            if not conversation.offers(first) and conversation.offers("tool_search"):
+                # Qwen Code offers MCP tools only after the model asks for them by name.
+                names = ",".join("mcp__%s__%s" % (ferrus.server_key(role), tool) for tool in
+                                 ("wait_for_task", "check", "submit", "wait_for_review",
+                                  "approve", "reject"))
+                return call("tool_search", {"query": "select:" + names, "max_results": 20})
+            return call(first)
+        handed_text = calls[0][1]
+        found = TASK_TEXT.search(handed_text)
+        if not found:
+            return say("No task reached me: %s" % handed_text[:300])
+        line = found.group(1)
+        task = re.search(r'task_id\\?": ?\\?"(t-[^"\\]+)', handed_text)
+        if role == "supervisor":
+            if len(calls) > 1:
+                return say("Done.")
+            self.reviewed.append((task.group(1) if task else None, handed_text))
+            clean = not re.search(r"(?:^|\n|\\n)\+(?:<{7}|>{7})", handed_text)
+            return call("approve") if "+" + line in handed_text and clean else \
+                call("reject", {"notes": "the diff lacks '%s' or holds a marker" % line})
+        conflicted = "Conflicted files: greeting.txt" in handed_text
+        # Qwen Code, like Claude Code, writes over a file only after reading it.
+        steps = ["read", "write", "check", "submit"]
+        if len(calls) > len(steps):
+            return say("Done.")
+        step = steps[len(calls) - 1]
+        if step in ("check", "submit"):
+            return call("check") if step == "check" else call("submit", {
+                "content": "greeting.txt says '%s'%s." % (
+                    line, ", both sides of the conflict kept" if conflicted else "")})
+        folder = WORKTREE.search(json.dumps(conversation.body)).group() \
+            if conversation.offers("write_file") else None
+        if step == "read":
+            if folder is None:                                              # Codex
+                return call("exec_command", {"cmd": "cat greeting.txt"})
+            tool = conversation.tool("read_file")
+            key = "absolute_path" if "absolute_path" in parameters_of(
+                conversation.body, tool) else "file_path"
+            return call("read_file", {key: os.path.join(folder, "greeting.txt")})
+        content = line + "\n"
+        if conflicted:
+            content = both_sides(calls[-1][1])
+            if content is None:
+                return say("The read showed no conflict: %s" % calls[-1][1][:300])
+            self.resolutions.append((task.group(1) if task else None, calls[-1][1], content))
+        if folder is None:                                                  # Codex
+            return call("exec_command", {"cmd": "printf '%s' > greeting.txt"
+                                         % content.replace("\n", "\\n")})
+        return call("write_file", {"file_path": os.path.join(folder, "greeting.txt"),
+                                   "content": content})
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_a_conflict_between_two_parallel_tasks_is_resolved_by_each_real_cli(agent, project,
+                                                                              tmp_path):
+    binary = find_agent(AGENTS[agent])
+    if not binary:
+        pytest.skip("%s is not installed (npm install %s)" % (
+            AGENTS[agent], ferrus.ADAPTERS[agent].package))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = agent_env(home)
+    tasks = conflicting_tasks(project, agent, env)
+    model = SameLinesOffline()
+    with FakeModels(model) as fake:
+        env.update(offline_setup(agent, fake, home))
+        result = ferrus_cli(project, "run", "--parallel", "2", "--timeout", "300", env=env,
+                            timeout=360)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:] + fake.describe()
+    second = assert_resolved_and_merged(project, tasks, output)
+    assert [(task, "<<<<<<<" in shown, sorted(written.splitlines()))
+            for task, shown, written in model.resolutions] == \
+        [(second, True, ["hello from alpha", "hello from beta"])]
+    first = next(task for task in tasks if task != second)
+    last_review = [shown for task, shown in model.reviewed if task == second][-1]
+    assert "+hello from %s" % tasks[second] in last_review
+    assert "+hello from %s" % tasks[first] not in last_review, last_review

@@ -318,3 +318,18 @@ def test_plain_status_and_diff_show_the_mirrored_parallel_task(repo, monkeypatch
                                                       merged[:12]) in done.stderr
         assert "git show %s" % merged[:12] in done.stderr
         assert "not in a git repository" not in done.stderr
+
+
+def test_retrying_a_task_that_ran_in_the_checkout_queues_it_afresh(repo):
+    store = ferrus.Store(str(repo))
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    ferrus.update_task(store, ferrus.HUMAN, task, "task_failed", {
+        "status": "failed", "store": "project", "started_at": "2026-01-01T00:00:00Z",
+        "ended_at": "2026-01-01T00:01:00Z", "reason": "too many check failures"})
+    ferrus.op_retry_task(store, ferrus.HUMAN, task)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "queued"
+    assert not {"store", "started_at", "ended_at", "reason"} & set(record)
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "done"}
