@@ -13773,8 +13773,9 @@ class ParallelRunner:
         if built == "markers":
             self._send_back(task, "git's conflict markers are still in %s. Edit each of "
                             "those files: keep both sides' intent and remove every marker "
-                            "line (<<<<<<<, =======, >>>>>>>), then check and submit again."
-                            % ", ".join(checks), cause="markers", files=list(checks))
+                            "line (the lines of seven <, = or > signs), then check and "
+                            "submit again." % ", ".join(checks), cause="markers",
+                            files=list(checks))
             return
         if built == "config":
             self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
@@ -13796,7 +13797,8 @@ class ParallelRunner:
                             "moved on since your task started (other tasks were merged into "
                             "it). ferrus has brought your branch up to date with it: the "
                             "files below now hold both sides of each conflict between git's "
-                            "markers (<<<<<<< your side, =======, >>>>>>> the target's side). "
+                            "markers (a line of seven < signs, your side, a line of seven = "
+                            "signs, the target's side, a line of seven > signs). "
                             "Edit them to keep both sides' intent and remove every marker "
                             "line; do not run git yourself. Then check and submit again.\n\n"
                             "Conflicted files: %s\n\n%s" % (
