@@ -13213,10 +13213,12 @@ class ParallelRunner:
 
     # -- persistence -----------------------------------------------------------------------
 
-    def _save(self):
+    def _save(self, working=True):
+        """``working`` False: this process no longer works the queue (HQ's /stop), so a
+        cancel from another shell cleans up after itself (see live_parallel_run)."""
         record = {"phase": self.machine.phase, "target": self.target, "batch": self.batch,
                   "dispatch": [dataclasses.asdict(r) for r in self.dispatched],
-                  "ended": self.finished, "pid": os.getpid(),
+                  "ended": self.finished, "pid": os.getpid() if working else None,
                   "updated_at": format_timestamp(self.store.clock())}
         with self.store.lock():
             atomic_write(self.store.path(PARALLEL_RUN_FILE), pretty_json(record))
@@ -13511,8 +13513,8 @@ class ParallelRunner:
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
         task_store = self.store.for_task(task)
-        if not task_store.exists():
-            return None
+        if not task_store.exists() or record.get("status") != RUNNING_STATUS:
+            return None             # cancelled (or ended) since it was chosen
         if record.get("worktree") and not os.path.isdir(task_store.workdir):
             # Its folder was deleted: put the worktree back on the task's branch (the work
             # committed there is kept; what was only in the folder is gone).
@@ -13624,6 +13626,8 @@ class ParallelRunner:
                 self.waiting_human.add(task)
             elif answer.strip():
                 op_answer(controller.store, HUMAN, answer)
+            else:
+                self._seen = None        # no answer yet: ask again at the next step
         elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
             decision = self.review(confirmation_summary(controller.store, data)) \
                 if self.review else None
@@ -13661,7 +13665,7 @@ class ParallelRunner:
     def stuck_on_human(self):
         """Every task still in flight waits for a human nobody here can be."""
         return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
-            not self.queued()
+            not (self.queued() and self.free_slots())
 
     # -- P5 integrate: the merge queue -----------------------------------------------------
 
@@ -13703,7 +13707,8 @@ class ParallelRunner:
             self._fast_forward(task, held[1])
             return
         self.held_candidate = None
-        job = {"task": task, "thread": None, "result": None, "error": None}
+        job = {"task": task, "thread": None, "result": None, "error": None,
+               "cancel": threading.Event()}
         config = self.store.config()
         message = task_commit_message(task, task_store.read_file("TASK.md"),
                                       task_store.read_file("SUBMISSION.md"))
@@ -13735,7 +13740,7 @@ class ParallelRunner:
                 if built.status == "ready" and config.checks.commands:
                     checks = run_checks(task_store.workdir, config.checks,
                                         self.store.path("logs"), 0,
-                                        config.limits.max_feedback_lines, None,
+                                        config.limits.max_feedback_lines, job["cancel"],
                                         self.store.root)
                 job["result"] = (built, checks)
                 if built.status == "conflict":
@@ -13871,6 +13876,8 @@ class ParallelRunner:
     def _end_task(self, task, status, reason, head=None):
         """Record how a task ended; a merged or cancelled task's worktree and branch go,
         a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
+        if self.integration is not None and self.integration["task"] == task:
+            self._stop_integration()        # its checks run in the worktree about to go
         self._stop_controller(task)
         self.waiting_human.discard(task)
         record = read_task_record(self.store.dir, task)
@@ -13939,10 +13946,20 @@ class ParallelRunner:
 
     def shutdown(self):
         """Stop every agent (the tasks stay as they are, for the next run to resume)."""
-        if self.integration is not None:
-            self.integration["thread"].join(timeout=5)
+        self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        if self.target is not None and not self.finished:
+            with contextlib.suppress(FerrusError, OSError):
+                self._save(working=False)
+
+    def _stop_integration(self):
+        """End the integration under way: its checks are stopped, its thread waited for
+        (an integration cut short is undone by the next one)."""
+        job, self.integration = self.integration, None
+        if job is not None and job["thread"] is not None:
+            job["cancel"].set()
+            job["thread"].join(timeout=30)
 
 
 def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review=None,
@@ -14201,9 +14218,11 @@ def run_queue(store, out=None, **run_options):
         origin = record.get("origin") or {}
         out("ferrus run: task %s from the queue (%d left after it): %s" % (
             short_task_id(task), len(queued) - 1, record.get("title", "")))
-        update_task(store, HUMAN, task, "dispatch_task", {
-            "status": RUNNING_STATUS, "store": "project",
-            "started_at": format_timestamp(store.clock())})
+        if update_task(store, HUMAN, task, "dispatch_task", {
+                "status": RUNNING_STATUS, "store": "project",
+                "started_at": format_timestamp(store.clock())},
+                only_from=(QUEUED_STATUS,)) is None:
+            continue                # cancelled from another shell since it was read
         try:
             code = run_loop(store, read_text(os.path.join(store.path(TASKS_DIR, task),
                                                           "TASK.md")),
@@ -14225,7 +14244,9 @@ def run_queue(store, out=None, **run_options):
             reason = store.project_state().failure_reason
             if code == RUN_FAILED and reason:
                 changes["reason"] = reason
-            update_task(store, HUMAN, task, "task_" + status, changes)
+            # A cancel from another shell meanwhile stays a cancel.
+            update_task(store, HUMAN, task, "task_" + status, changes,
+                        only_from=(RUNNING_STATUS,))
         if code not in (RUN_COMPLETE, RUN_FAILED):
             return code            # a question, a timeout or a checkpoint: stop here
         worst = max(worst, code)

@@ -452,3 +452,61 @@ def test_a_running_tasks_deleted_worktree_is_made_again_from_its_branch(repo):
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert "made it again" in "\n".join(lines)
     assert statuses(store) == {task: "merged"}
+
+
+def test_without_a_human_here_a_full_run_waiting_for_confirmations_exits_4(repo):
+    store = setup(repo, ["test -f README.md"], "[hq]\nhuman_review = true\n\n")
+    tasks = [enqueue(store, "T%d.\n\nWRITE w%d.txt: %d\n" % (i, i, i)) for i in range(3)]
+    code, lines = run(store, 2, timeout=120)
+    assert code == ferrus.RUN_NEEDS_HUMAN, "\n".join(lines)
+    assert sorted(statuses(store).values()) == ["queued", "running", "running"]
+
+
+def test_an_empty_answer_asks_again(repo, monkeypatch):
+    store = setup(repo, ["test -f README.md"])
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    answers = iter(["", "blue"])
+    asked = []
+
+    def ask(question):
+        asked.append(question)
+        return next(answers)
+    code, lines = run(store, 2, timeout=120, ask=ask)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert len(asked) == 2 and statuses(store) == {task: "merged"}
+
+
+def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_goes(repo):
+    import time
+    # Slow only in the integration, where the task's commit ("T.") is HEAD.
+    store = setup(repo, ["if [ \"$(git log -1 --format=%s)\" = T. ]; then sleep 60; fi"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    runner = ferrus.ParallelRunner(store, lambda m: None, 2)
+    runner.start()
+    deadline = time.monotonic() + 90
+    while runner.integration is None and time.monotonic() < deadline:
+        runner.step()
+        time.sleep(0.01)
+    assert runner.integration is not None
+    time.sleep(1)                                   # its checks are running now
+    assert runner.integration["thread"].is_alive()
+    started = time.monotonic()
+    ferrus.op_cancel_task(store, ferrus.HUMAN, task)
+    runner.step()
+    assert runner.integration is None and time.monotonic() - started < 30
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "cancelled" and not os.path.exists(record["worktree"])
+    runner.shutdown()
+
+
+def test_a_stopped_runner_no_longer_claims_the_queue(repo):
+    store = setup(repo, ["test -f README.md"])
+    enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    runner = ferrus.ParallelRunner(store, lambda m: None, 2)
+    runner.start()
+    runner.step()
+    assert ferrus.read_parallel_run(store)["pid"] == os.getpid()
+    runner.shutdown()                   # HQ's /stop: a cancel elsewhere must clean up itself
+    saved = ferrus.read_parallel_run(store)
+    assert saved["pid"] is None and not saved["ended"] and saved["phase"] == 2
