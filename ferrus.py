@@ -7810,10 +7810,18 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
     if agent is not None:
         record["agent"] = agent
     folder = store.path(TASKS_DIR, task)
-    os.makedirs(folder, exist_ok=True)
-    atomic_write(os.path.join(folder, "TASK.md"), description)
-    update_task(store, caller, task, "enqueue_task", record, title=record["title"],
-                **{key: value for key, value in origin.items() if key != "by"})
+    with store.transaction(caller.agent_id) as tx:
+        # Checked again under the lock: two shells queuing one milestone get one task.
+        taken = _milestone_taken(store, spec, milestone) if milestone is not None else None
+        if taken:
+            raise FerrusError("Cannot queue the task: milestone %s of %s is already task %s"
+                              % (milestone, spec, taken), "`ferrus tasks` lists the queue")
+        os.makedirs(folder, exist_ok=True)
+        atomic_write(os.path.join(folder, "TASK.md"), description)
+        write_task_record(store, task, record)
+        tx.set(tx.state, "enqueue_task", title=record["title"],
+               **{key: value for key, value in origin.items() if key != "by"})
+        tx.journal_task_id = task
     return _outcome("Task %s queued: %s" % (task, record["title"]), None, task_id=task,
                     title=record["title"])
 
@@ -7862,6 +7870,12 @@ def op_enqueue_ready(store, caller, spec):
                                               ", ".join(queued)), None, queued=queued)
 
 
+def _refuse_ended(task, record):
+    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
+        raise FerrusError("task %s is already %s" % (task, record["status"]),
+                          "its work is on the target branch; nothing to cancel")
+
+
 def op_cancel_task(store, caller, task, remove_worktree=False):
     """Take a task out of the queue, or stop a running one: it is never taken up again.
     The orchestrator running it stops its agents and removes its worktree and branch;
@@ -7869,31 +7883,29 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
     hands, as a failed task's kept worktree is not) they are removed here."""
     task = require_task_id(store, task)
     record = read_task_record(store.dir, task)
-    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, record["status"]),
-                          "its work is on the target branch; nothing to cancel")
+    _refuse_ended(task, record)
     task_store = store.for_task(task)
     if record.get("status") == CANCELLED_STATUS:
         text = "Task %s was already cancelled." % task
     elif task_store.exists():
         with task_store.transaction(caller.agent_id) as tx:
+            record = read_task_record(store.dir, task)
+            _refuse_ended(task, record)         # merged meanwhile, under our feet
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
             tx.set(new, "cancel_task")
-            record = read_task_record(store.dir, task)
             record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
             write_task_record(store, task, record)
         text = "Task %s cancelled." % task
-    elif record.get("store") == "project":
-        data = store.project_state()
-        if data.task_id == task and data.state in ACTIVE_STATES:
-            op_force_reset(store, caller)
-        update_task(store, caller, task, "cancel_task",
-                    {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
-        text = "Task %s cancelled." % task
     else:
-        update_task(store, caller, task, "cancel_task",
-                    {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())})
+        if record.get("store") == "project":
+            data = store.project_state()
+            if data.task_id == task and data.state in ACTIVE_STATES:
+                op_force_reset(store, caller)
+        if update_task(store, caller, task, "cancel_task",
+                       {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())},
+                       only_from=(QUEUED_STATUS, RUNNING_STATUS, FAILED_STATUS)) is None:
+            _refuse_ended(task, read_task_record(store.dir, task))
         text = "Task %s cancelled." % task
     removed = {}
     if remove_worktree:
@@ -7925,7 +7937,12 @@ def op_retry_task(store, caller, task):
     kept = bool(worktree) and os.path.isdir(worktree)
 
     def requeued():
-        fresh = dict(read_task_record(store.dir, task), status=QUEUED_STATUS)
+        now = read_task_record(store.dir, task)
+        if now.get("status") != status:
+            # Retried (or changed) by someone else since it was read: leave it be.
+            raise FerrusError("task %s is %s now, not %s: someone else changed it" % (
+                task, now.get("status"), status), "`ferrus tasks` shows where it stands")
+        fresh = dict(now, status=QUEUED_STATUS)
         for key in _ATTEMPT_KEYS:
             fresh.pop(key, None)
         if fresh.get("store") == "project" or not kept:

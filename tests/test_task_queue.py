@@ -189,3 +189,36 @@ def test_the_supervisor_queues_tasks_as_team_lead(project):
     record = ferrus.read_task_record(store.dir, task)
     assert record["origin"]["delegated_by"] == "supervisor:claude-code:0/s-1"
     assert record["agent"] == "codex"
+
+
+def test_two_shells_queuing_one_milestone_get_one_task(project):
+    import concurrent.futures
+    os.makedirs(os.path.join(str(project), "docs", "specs"), exist_ok=True)
+    with open(os.path.join(str(project), "docs", "specs", "f.md"), "w") as handle:
+        handle.write(SPEC)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: cli(project, "task", "add", "--milestone",
+                                              "docs/specs/f.md", "left", check=False),
+                                range(4)))
+    assert sorted(r.returncode for r in results) == [0, 1, 1, 1]
+    assert [row["origin"]["milestone"] for row in
+            json.loads(cli(project, "tasks", "--json").stdout)["tasks"]] == ["left"]
+
+
+def test_a_cancel_never_turns_a_merged_task_into_a_cancelled_one(project, monkeypatch):
+    store = ferrus.Store(str(project))
+    task = ferrus.op_enqueue_task(store, ferrus.HUMAN, "T.").data["task_id"]
+    real = ferrus.read_task_record
+    seen = []
+
+    def merged_meanwhile(ferrus_dir, name):
+        record = real(ferrus_dir, name)
+        if not seen:       # the first look says queued; then it is merged elsewhere
+            seen.append(1)
+            ferrus.write_task_record(store, name, dict(record, status="merged"))
+        return record
+    monkeypatch.setattr(ferrus, "read_task_record", merged_meanwhile)
+    with pytest.raises(ferrus.FerrusError) as err:
+        ferrus.op_cancel_task(store, ferrus.HUMAN, task)
+    assert "already merged" in err.value.message
+    assert real(store.dir, task)["status"] == "merged"
