@@ -7787,13 +7787,8 @@ def op_enqueue_task(store, caller, description, spec=None, milestone=None, agent
     if agent is not None and agent not in known:
         raise FerrusError("Cannot queue the task: %r is not an agent ferrus knows" % agent,
                           "use one of %s" % ", ".join(known))
-    if milestone is not None:
-        if spec is None:
-            raise FerrusError("Cannot queue the task: a milestone needs its spec")
-        taken = _milestone_taken(store, spec, milestone)
-        if taken:
-            raise FerrusError("Cannot queue the task: milestone %s of %s is already task %s"
-                              % (milestone, spec, taken), "`ferrus tasks` lists the queue")
+    if milestone is not None and spec is None:
+        raise FerrusError("Cannot queue the task: a milestone needs its spec")
     store.require()
     task = new_id("t")
     origin = {"by": caller.agent_id}
@@ -13208,6 +13203,7 @@ class ParallelRunner:
         self.tasks_completed = 0
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
+        self._integrating = None       # (state stamp, controllers, tasks to integrate)
 
     # -- messages --------------------------------------------------------------------------
 
@@ -13661,7 +13657,15 @@ class ParallelRunner:
             self.waiting_human.discard(task)
 
     def integrating(self):
-        """Tasks approved and waiting for the merge queue, the longest-waiting first."""
+        """Tasks approved and waiting for the merge queue, the longest-waiting first
+        (read again after each commit only: it is asked on every step)."""
+        stamp = self.store.state_stamp()
+        if self._integrating is None or self._integrating[0] != stamp or \
+                self._integrating[1] != set(self.controllers):
+            self._integrating = (stamp, set(self.controllers), self._read_integrating())
+        return list(self._integrating[2])
+
+    def _read_integrating(self):
         waiting = []
         for task, controller in self.controllers.items():
             with contextlib.suppress(FerrusError):
@@ -14184,6 +14188,16 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                  usage=used)
 
 
+def _record_checkout_end(store, task, code, reason):
+    """A queued task run in the checkout ended with exit ``code``: done, or failed with
+    ``reason``.  A cancel from another shell meanwhile stays a cancel."""
+    status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+    changes = {"status": status, "ended_at": format_timestamp(store.clock())}
+    if status == FAILED_STATUS and reason:
+        changes["reason"] = reason
+    update_task(store, HUMAN, task, "task_" + status, changes, only_from=(RUNNING_STATUS,))
+
+
 def run_queue(store, out=None, **run_options):
     """`ferrus run` with tasks queued and [parallel] max_tasks = 1: each queued task in
     turn, as the project's own task in the checkout (exactly `ferrus run --task`).  A
@@ -14207,17 +14221,13 @@ def run_queue(store, out=None, **run_options):
             out("ferrus run: task %s was taken by a run that stopped before it began; it is "
                 "back in the queue" % short_task_id(task))
             continue
-        if code is None or code in (RUN_COMPLETE, RUN_FAILED):
-            status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
-            changes = {"status": status, "ended_at": format_timestamp(store.clock())}
-            if code is None:
-                changes["reason"] = (
-                    "it ran in the checkout, which now holds %s (state %s); `ferrus log` "
-                    "shows what happened to it" % (
-                        "task %s" % data.task_id if data.task_id else "no task", data.state))
-            elif code == RUN_FAILED and data.failure_reason:
-                changes["reason"] = data.failure_reason
-            update_task(store, HUMAN, task, "task_" + status, changes)
+        if code is None:
+            _record_checkout_end(store, task, RUN_FAILED, (
+                "it ran in the checkout, which now holds %s (state %s); `ferrus log` shows "
+                "what happened to it" % ("task %s" % data.task_id if data.task_id
+                                         else "no task", data.state)))
+        elif code in (RUN_COMPLETE, RUN_FAILED):
+            _record_checkout_end(store, task, code, data.failure_reason)
         if code not in (None, RUN_COMPLETE, RUN_FAILED):
             return code
         worst = max(worst, code or RUN_FAILED)
@@ -14255,15 +14265,8 @@ def run_queue(store, out=None, **run_options):
                         err.message if isinstance(err, FerrusError)
                         else type(err).__name__))
             raise
-        status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
         if code in (RUN_COMPLETE, RUN_FAILED):
-            changes = {"status": status, "ended_at": format_timestamp(store.clock())}
-            reason = store.project_state().failure_reason
-            if code == RUN_FAILED and reason:
-                changes["reason"] = reason
-            # A cancel from another shell meanwhile stays a cancel.
-            update_task(store, HUMAN, task, "task_" + status, changes,
-                        only_from=(RUNNING_STATUS,))
+            _record_checkout_end(store, task, code, store.project_state().failure_reason)
         if code not in (RUN_COMPLETE, RUN_FAILED):
             return code            # a question, a timeout or a checkpoint: stop here
         worst = max(worst, code)
