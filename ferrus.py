@@ -79,6 +79,8 @@ import datetime as _dt
 import difflib
 import enum
 import errno
+import fnmatch
+import functools
 import getpass
 import itertools
 import json
@@ -1555,12 +1557,24 @@ class ParallelConfig:
     # Shell commands run in each new worktree before its agents start (it holds only what
     # git tracks: install dependencies, link a virtualenv...); a failure fails the task.
     setup: list = dataclasses.field(default_factory=list)
+    # What the target gains per task: one squashed commit, or a commit per submission
+    # (each checked; a red one is folded into the next).
+    history: str = "squash"
+    # fnmatch patterns of more paths that, changed by a task, need a human's confirmation
+    # (besides GUARDED_NAMES and GUARDED_FOLDERS).
+    guarded: list = dataclasses.field(default_factory=list)
+
+
+HISTORY_MODES = ("squash", "linear")
 
 
 def _check_parallel(path, parallel):
     if parallel.integrate not in INTEGRATION_MODES:
         raise _config_error(path, "parallel.integrate", 'must be "rebase" or "merge"',
                             parallel.integrate)
+    if parallel.history not in HISTORY_MODES:
+        raise _config_error(path, "parallel.history", 'must be "squash" or "linear"',
+                            parallel.history)
 
 
 # The tables _fill_section reads straight into their dataclass, in file order.
@@ -2115,6 +2129,9 @@ class StateData:
     # What [git] commit = "on_approve" did when the task was approved: the commit, or
     # why there is none (see commit_task_changes).
     task_commit: "dict | None" = None
+    # A parallel task's last submission as ferrus recorded it (see snapshot_worktree):
+    # {"commit", "base", "n"} — what its reviewer reads and the merge gate merges.
+    task_submitted: "dict | None" = None
     extra: dict = dataclasses.field(default_factory=dict)
 
     def copy(self):
@@ -2130,7 +2147,8 @@ class StateData:
                 continue
             out[name] = value.value if isinstance(value, TaskState) else value
         for name in ("rev", "task_id", "state_entered_at", "task_started_at",
-                     "consult_paused_state", "question_from", "task_base", "task_commit"):
+                     "consult_paused_state", "question_from", "task_base", "task_commit",
+                     "task_submitted"):
             value = getattr(self, name)
             # rev 0 means "never written by this ferrus": an upstream file stays as it was.
             if value is not None and not (name == "rev" and value == 0):
@@ -2184,7 +2202,7 @@ def _coerce_state_field(key, value):
         if key in ("state",) or key in _STATE_INT_FIELDS:
             raise ValueError("must not be null")
         return None
-    if key in ("task_base", "task_commit"):
+    if key in ("task_base", "task_commit", "task_submitted"):
         if not isinstance(value, dict):
             raise ValueError("must be an object, got %r" % (value,))
         return value
@@ -2300,7 +2318,7 @@ def t_create_task(data, now, task_id, base=None):
     data.paused_state = data.consult_paused_state = data.question_from = None
     data.task_id = task_id
     data.task_base = base
-    data.task_commit = None
+    data.task_commit = data.task_submitted = None
     data.task_started_at = format_timestamp(now)
     return _enter(data, S.EXECUTING, now)
 
@@ -2339,9 +2357,12 @@ def failure_summary(reason):
     return summary
 
 
-def t_submit(data, now):
+def t_submit(data, now, submitted=None):
+    """``submitted``: the submission ferrus recorded as a commit (parallel tasks)."""
     _require("submit", data)
     data = clear_lease(data)
+    if submitted is not None:
+        data.task_submitted = submitted
     return _enter(data, S.REVIEWING, now)
 
 
@@ -4360,18 +4381,36 @@ class GitError(FerrusError):
     """A git command failed or gave an answer ferrus cannot use."""
 
 
-def _git_env(index_file=None):
+def _git_env(index_file=None, extra=None):
     # A hook or a wrapper may have exported GIT_DIR & co. for another repository:
     # the project's repository is the one its root is in, nothing else.
     env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARS}
     env.update(GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0", GIT_PAGER="cat")
+    env.update(extra or {})
     if index_file:
         env["GIT_INDEX_FILE"] = index_file
     return env
 
 
-def _git_argv(args):
-    return ["git", "-c", "core.quotePath=false", "-c", "core.fsmonitor=false"] + list(args)
+def _git_argv(args, pinned=None, hooks=False):
+    argv = ["git", "-c", "core.quotePath=false", "-c", "core.fsmonitor=false"]
+    if not hooks:
+        # ferrus's own plumbing runs no hook: a hook is the user's word on their own
+        # commits and checkouts (see run_git's ``hooks``), and a relative core.hooksPath
+        # can name files a task wrote.
+        argv += ["-c", "core.hooksPath=" + os.devnull]
+    if pinned is not None:
+        argv += pinned.git_options()
+    return argv + list(args)
+
+
+def _git_site(where):
+    """(working directory, TaskCheckout or None) of a git call made at ``where``: a path
+    (the user's own checkout, where git finds its repository as usual) or a
+    TaskCheckout (a task's worktree: its git folder and work tree named explicitly)."""
+    if isinstance(where, TaskCheckout):
+        return where.cwd, where
+    return where, None
 
 
 def _git_failure(args, code, stderr):
@@ -4381,11 +4420,17 @@ def _git_failure(args, code, stderr):
                     "run the same git command in the project to see what git needs")
 
 
-def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, ok=(0,)):
-    """stdout (bytes) of ``git <args>`` run in ``root``.  Raises GitUnavailable when git
-    is not installed, GitError when it fails, times out or exits outside ``ok``."""
+def run_git(root, args, timeout=GIT_TIMEOUT_SECS, index_file=None, stdin=None, ok=(0,),
+            env=None, hooks=False):
+    """stdout (bytes) of ``git <args>`` run in ``root`` (a path, or a task's
+    TaskCheckout); ``env`` adds variables; ``hooks``: the repository's hooks run (only
+    for what ferrus does in the user's own checkout on the user's behalf: [git] branch
+    and commit).  Raises GitUnavailable when git is not installed, GitError when it
+    fails, times out or exits outside ``ok``."""
+    cwd, pinned = _git_site(root)
     try:
-        proc = subprocess.run(_git_argv(args), cwd=root, env=_git_env(index_file),
+        proc = subprocess.run(_git_argv(args, pinned, hooks and pinned is None), cwd=cwd,
+                              env=_git_env(index_file, env),
                               input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               stdin=None if stdin is not None else subprocess.DEVNULL,
                               timeout=timeout)
@@ -4406,8 +4451,9 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     ``head_bytes`` and the last ``tail_bytes`` are kept, however much git prints
     (``tail`` is empty when the whole output fits in ``head``)."""
     errors = tempfile.TemporaryFile()
+    cwd, pinned = _git_site(root)
     try:
-        proc = subprocess.Popen(_git_argv(args), cwd=root, env=_git_env(index_file),
+        proc = subprocess.Popen(_git_argv(args, pinned), cwd=cwd, env=_git_env(index_file),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
     except FileNotFoundError:
         errors.close()
@@ -4514,7 +4560,10 @@ def _inside_dot_git_tree(root):
 
 
 def git_repository(root):
-    """The GitRepository ``root`` is in.  Raises GitUnavailable when there is none."""
+    """The GitRepository ``root`` is in (a path, or a task's TaskCheckout, whose
+    repository is named, not looked for).  Raises GitUnavailable when there is none."""
+    if isinstance(root, TaskCheckout):
+        return GitRepository(root=root, toplevel=root.work_tree, git_dir=root.git_dir)
     if not _inside_dot_git_tree(root):
         raise GitUnavailable("%s is not in a git repository" % root,
                              "run `git init` and commit your files to get task diffs; "
@@ -4531,6 +4580,171 @@ def git_repository(root):
                              "run ferrus in a checkout with a work tree")
     return GitRepository(root=root, toplevel=os.path.normpath(lines[0]),
                          git_dir=os.path.normpath(lines[1]))
+
+
+# -- git: a task's worktree is hostile ground ----------------------------------------------
+#
+# The executor owns every file of its worktree, the .git file that tells git where the
+# worktree's repository is included: rewritten, it would make git commit into the user's
+# checkout, or read a configuration the agent wrote (whose filter and hook commands git
+# runs).  So ferrus never lets git discover a task's repository: every call on a task's
+# worktree names its git folder and work tree (TaskCheckout), taken from the repository's
+# own records of its worktrees (.git/worktrees/*/gitdir, which the agent's edit rights do
+# not reach), and refuses a worktree whose .git no longer points there.  Those calls also
+# run with no hooks, no filters, no merge drivers and no fsmonitor, whatever the task's
+# files say: git runs nothing the task wrote.
+
+
+class TamperedWorktree(GitError):
+    """A task's worktree no longer points to the git folder ferrus made it with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCheckout:
+    """A task's worktree as ferrus made it: its work tree (top folder), its git folder
+    inside the repository's .git, and the folder git runs in (the project's subfolder of
+    the worktree, or its top)."""
+
+    work_tree: str
+    git_dir: str
+    common_dir: str
+    cwd: str
+    overrides: tuple = ()      # -c settings that switch off what would run commands
+
+    def git_options(self):
+        return ["--git-dir=" + self.git_dir, "--work-tree=" + self.work_tree] + list(
+            self.overrides)
+
+
+def _read_first_line(path, limit=4096):
+    with open(path, "rb") as handle:
+        return handle.read(limit).split(b"\n", 1)[0].strip().decode("utf-8", "surrogateescape")
+
+
+def _worktree_admin_dirs(common_dir):
+    """{worktree's .git path (real, normalised): its git folder} from the repository's
+    own records (<common dir>/worktrees/<name>/gitdir), for every linked worktree."""
+    found = {}
+    folder = os.path.join(common_dir, "worktrees")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return found
+    for name in names:
+        admin = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            pointer = _read_first_line(os.path.join(admin, "gitdir"))
+            if pointer:
+                pointer = os.path.join(admin, pointer) if not os.path.isabs(pointer) else pointer
+                found[os.path.normcase(os.path.realpath(pointer))] = admin
+    return found
+
+
+def worktree_admin_dir(common_dir, work_tree):
+    """The git folder the repository keeps for its linked worktree at ``work_tree``, or
+    None when it keeps none."""
+    dot_git = os.path.normcase(os.path.realpath(os.path.join(work_tree, ".git")))
+    return _worktree_admin_dirs(common_dir).get(dot_git)
+
+
+# {checkout path: its common dir}, asked of git once per process and path.
+_COMMON_GIT_DIRS = {}
+
+
+def common_git_dir(root):
+    """The repository's own .git folder (its common dir) for the checkout at ``root``."""
+    key = os.path.abspath(root)
+    found = _COMMON_GIT_DIRS.get(key)
+    if found is None or not os.path.isdir(found):
+        git_repository(root)               # GitUnavailable outside any repository
+        out = os.fsdecode(run_git(root, ["rev-parse", "--git-common-dir"])).strip()
+        # Relative to where git ran (before git 2.31's --path-format there is no other way).
+        found = _COMMON_GIT_DIRS[key] = os.path.normpath(os.path.join(key, out))
+    return found
+
+
+# -c settings for every git call on a task's worktree, by common dir: hooks, filters and
+# merge drivers the repository's configuration defines are switched off (they would run
+# commands on the task's files, or commands the task's files are: a relative
+# core.hooksPath or filter command names a file of the worktree).
+_PINNED_OVERRIDES = {}
+
+
+def _pinned_overrides(common_dir):
+    cached = _PINNED_OVERRIDES.get(common_dir)
+    if cached is not None:
+        return cached
+    overrides = ["-c", "gc.auto=0",
+                 "-c", "maintenance.auto=false", "-c", "submodule.recurse=false"]
+    out = b""
+    with contextlib.suppress(GitError):
+        out = run_git(common_dir, ["--git-dir=" + common_dir, "config", "-z",
+                                   "--get-regexp", r"^(filter|merge)\..+\."], ok=(0, 1))
+    seen = set()
+    for entry in os.fsdecode(out).split("\0"):
+        key = entry.split("\n", 1)[0]
+        section, _, rest = key.partition(".")
+        name, _, variable = rest.rpartition(".")
+        if not name or "=" in name or (section, name) in seen:
+            continue
+        seen.add((section, name))
+        if section == "filter":
+            for variable in ("clean", "smudge", "process"):
+                overrides += ["-c", "filter.%s.%s=" % (name, variable)]
+            overrides += ["-c", "filter.%s.required=false" % name]
+        elif section == "merge":
+            # A custom merge driver that always reports a conflict: ferrus then hands the
+            # file to the executor instead of running the driver.
+            overrides += ["-c", "merge.%s.driver=false" % name]
+    result = tuple(overrides)
+    _PINNED_OVERRIDES[common_dir] = result
+    return result
+
+
+def task_checkout(root, work_tree, cwd=None, verify=True):
+    """The TaskCheckout of the linked worktree at ``work_tree`` of the repository the
+    user's checkout ``root`` is in; ``cwd`` is where git runs (default: the work tree).
+
+    Raises TamperedWorktree when the worktree's .git is not the one-line file git wrote,
+    pointing to the git folder the repository keeps for that worktree (an agent rewrote
+    it, replaced it with a folder, or deleted it) — unless ``verify`` is False (only to
+    save the files of a worktree about to go) — and GitError when the repository keeps
+    no such worktree at all."""
+    work_tree = os.path.abspath(work_tree)
+    common = common_git_dir(root)
+    admin = worktree_admin_dir(common, work_tree)
+    if admin is None:
+        raise GitError("%s is not a worktree of the repository at %s" % (work_tree, root),
+                       "`git worktree list` there shows its worktrees; `ferrus doctor` "
+                       "finds tasks whose worktree is missing")
+    dot_git = os.path.join(work_tree, ".git")
+    problem = None
+    try:
+        if not verify:
+            pass            # saving a tampered worktree's files: git reads no .git anyway
+        elif os.path.islink(dot_git) or not os.path.isfile(dot_git):
+            problem = "it is no longer a file" if os.path.lexists(dot_git) else "it is gone"
+        else:
+            line = _read_first_line(dot_git)
+            pointer = line[len("gitdir:"):].strip() if line.startswith("gitdir:") else None
+            if pointer is None:
+                problem = "it no longer names a git folder"
+            else:
+                pointed = os.path.join(work_tree, pointer) if not os.path.isabs(pointer) \
+                    else pointer
+                if not _same_path(pointed, admin):
+                    problem = "it points to %s" % display_path(pointer)
+    except OSError as err:
+        problem = "it cannot be read (%s)" % err.strerror
+    if problem:
+        raise TamperedWorktree(
+            "the task's worktree %s has a .git that ferrus did not write: %s, where "
+            "ferrus made it point to %s" % (work_tree, problem, admin),
+            "nothing of the task was committed; its files are kept for a look, and "
+            "`ferrus task cancel ID` removes them")
+    return TaskCheckout(work_tree=work_tree, git_dir=admin, common_dir=common,
+                        cwd=os.path.abspath(cwd) if cwd else work_tree,
+                        overrides=_pinned_overrides(common))
 
 
 _PATH_NEEDS_QUOTES = re.compile(r'[\x00-\x1f\x7f"\\]')
@@ -4818,19 +5032,23 @@ def _stat_files(root, compare, specs, options, notes):
     """[ChangedFile] of the diff without its patch, the untracked files counted here as
     git would count them.  A stat asks for nothing else, and this is its fast path."""
     files, untracked = _list_changes(root, compare, specs, options, notes)
-    files += [_new_file_numstat(root, rel) for rel in untracked]
+    folder = _git_site(root)[0]
+    files += [_new_file_numstat(folder, rel) for rel in untracked]
     files.sort(key=lambda changed: changed.path.encode("utf-8", "surrogateescape"))
     return files
 
 
 def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024,
-              tail_bytes=32 * 1024):
+              tail_bytes=32 * 1024, to=None):
     """The TaskDiff of the working tree against ``base`` (from record_task_base; None
     compares with HEAD), untracked files included and ``exclude`` left out; ``paths``
-    narrows it to those project-relative paths.  Raises GitUnavailable (no diff can be
-    made here) or GitError."""
+    narrows it to those project-relative paths.  ``to``: the commit of a recorded
+    submission, diffed instead of the working tree.  Raises GitUnavailable (no diff can
+    be made here) or GitError."""
     repo = git_repository(root)
     notes = []
+    if to is not None:
+        return _commit_diff(root, base, exclude, patch, paths, head_bytes, tail_bytes, to)
     head = repo.head()
     if base and not base.get("git", True):
         # No base could be taken then (no repository yet, git missing or failing).
@@ -4875,20 +5093,7 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
                         files=_stat_files(root, compare, specs, options, notes))
     # A private copy of the index: untracked files are added to it as intent-to-add,
     # so that one `git diff` shows them as new files; the user's index is untouched.
-    fd, index_file = tempfile.mkstemp(prefix="ferrus-diff-", suffix=".index", dir=repo.git_dir)
-    try:
-        with os.fdopen(fd, "wb") as copy:
-            with contextlib.suppress(FileNotFoundError):
-                with open(os.path.join(repo.git_dir, "index"), "rb") as original:
-                    shutil.copyfileobj(original, copy, 1 << 20)
-                    written = os.fstat(original.fileno())
-                    copy.flush()
-                    # The copy keeps the index's own time: git trusts an entry's cached
-                    # stat only when the file is older than the index, so a newer copy
-                    # would hide a same-size edit made in the second of the last commit.
-                    os.utime(index_file, ns=(written.st_atime_ns, written.st_mtime_ns))
-        if os.path.getsize(index_file) == 0:
-            os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
+    with private_index(repo.git_dir) as index_file:
         untracked = [p for p in os.fsdecode(run_git(
             root, ["ls-files", "-z", "--others", "--exclude-standard"] + specs,
             index_file=index_file)).split("\0") if p]
@@ -4907,9 +5112,165 @@ def task_diff(root, base, exclude, patch=True, paths=None, head_bytes=192 * 1024
                                                                          total)
             diff.patch_bytes = total
         return diff
+
+
+def _commit_diff(root, base, exclude, patch, paths, head_bytes, tail_bytes, to):
+    """task_diff of a recorded submission: base → the commit ``to``."""
+    start = (base or {}).get("commit")
+    if not start:
+        raise GitError("the submission has no base commit to compare with",
+                       "`ferrus doctor` checks the task's records")
+    notes = []
+    if base.get("onto_target"):
+        notes.append("the merge queue put the task on the target's head %s: the diff is "
+                     "the task's work on top of it" % start[:12])
+    specs = _pathspecs(exclude, paths)
+    compare = [start, to]
+    files = _parse_numstat(run_git(root, ["diff", "-z", "--numstat"] + DIFF_OPTIONS + compare
+                                   + specs))
+    diff = TaskDiff(base=base, files=files, notes=notes)
+    if patch and files:
+        raw_head, raw_tail, total = stream_git(
+            root, ["diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/"]
+            + DIFF_OPTIONS + compare + specs, head_bytes, tail_bytes)
+        diff.patch_head, diff.patch_tail, diff.patch_cut = _cut_lines(raw_head, raw_tail, total)
+        diff.patch_bytes = total
+    return diff
+
+
+@contextlib.contextmanager
+def private_index(git_dir):
+    """The path of a private copy of the index of the checkout whose git folder is
+    ``git_dir``, deleted afterwards: git commands given it (index_file=) stage, diff
+    and write trees without touching the real index."""
+    fd, index_file = tempfile.mkstemp(prefix="ferrus-", suffix=".index", dir=git_dir)
+    try:
+        with os.fdopen(fd, "wb") as copy:
+            with contextlib.suppress(FileNotFoundError):
+                with open(os.path.join(git_dir, "index"), "rb") as original:
+                    shutil.copyfileobj(original, copy, 1 << 20)
+                    written = os.fstat(original.fileno())
+                    copy.flush()
+                    # The copy keeps the index's own time: git trusts an entry's cached
+                    # stat only when the file is older than the index, so a newer copy
+                    # would hide a same-size edit made in the second of the last commit.
+                    os.utime(index_file, ns=(written.st_atime_ns, written.st_mtime_ns))
+        if os.path.getsize(index_file) == 0:
+            os.unlink(index_file)            # git reads a missing index as empty, not a 0-byte one
+        yield index_file
     finally:
         with contextlib.suppress(OSError):
             os.unlink(index_file)
+
+
+# -- git: a submission recorded as a commit ---------------------------------------------
+#
+# What the reviewer of a parallel task reads and what the merge gate merges are one and
+# the same commit: at submit, ferrus records the worktree's files as a commit on the
+# task's base (snapshot_worktree) and keeps it under refs/ferrus/<task>/; later edits in
+# the worktree (a process the executor left behind) change nothing of it.  The commit is
+# built from the files alone, with a private index, so neither the executor's own
+# commits nor its index decide what it holds, and ferrus's own files (the exclusions of
+# every diff) are always as the base has them: whatever reaches the target is in the
+# reviewer's diff.
+
+# A task's refs: each submission, and the work a cancel or a hand-over saved.
+TASK_REF_PREFIX = "refs/ferrus/"
+# Snapshot commits are ferrus's own bookkeeping, never the target's history (the merge
+# gate makes the commits the target gains, in the user's name): a fixed identity, so a
+# repository without one configured can still record a submission.
+SNAPSHOT_IDENTITY = {"GIT_AUTHOR_NAME": "ferrus", "GIT_AUTHOR_EMAIL": "ferrus@localhost",
+                     "GIT_COMMITTER_NAME": "ferrus", "GIT_COMMITTER_EMAIL": "ferrus@localhost"}
+
+
+def task_ref(task, name):
+    """The ref ``name`` (submit-3, saved-20261127T101500) of task ``task``."""
+    return "%s%s/%s" % (TASK_REF_PREFIX, task, name)
+
+
+def snapshot_worktree(checkout, base, exclude, message):
+    """The commit (not yet on any ref) of the files of the task's worktree: the tree of
+    ``base`` with every path of the project folder (``checkout.cwd``) as the worktree
+    has it — tracked or untracked, .gitignore honoured — except ``exclude`` (ferrus's own
+    files), which stay as ``base`` has them, as does everything outside the project
+    folder.  Its parent is ``base``.  The worktree, its index and its branch are left as
+    they are."""
+    with private_index(checkout.git_dir) as index_file:
+        # Everything as the base has it first (the executor may have committed or staged
+        # anything), keeping the cached stat data of the files that did not change.
+        run_git(checkout, ["reset", "-q", base, "--", ":/"], index_file=index_file)
+        run_git(checkout, ["add", "-A"] + _pathspecs(exclude), index_file=index_file,
+                ok=(0, 1))
+        if exclude:
+            run_git(checkout, ["reset", "-q", base, "--"] +
+                    [":(literal)" + path for path in exclude], index_file=index_file)
+        tree = os.fsdecode(run_git(checkout, ["write-tree"], index_file=index_file)).strip()
+    return commit_tree(checkout, tree, [base], message, SNAPSHOT_IDENTITY)
+
+
+def commit_tree(where, tree, parents, message, identity=None):
+    """A new commit of ``tree`` with ``parents`` and ``message`` (git commit-tree; no
+    hook runs, no ref moves).  ``identity``: author and committer variables, else the
+    repository's user.name and user.email."""
+    args = ["commit-tree", tree]
+    for parent in parents:
+        args += ["-p", parent]
+    try:
+        out = run_git(where, args, stdin=message.encode("utf-8", "surrogateescape"),
+                      env=identity)
+    except GitError as err:
+        if identity is None and _no_identity(where):
+            raise GitError(err.message, "git does not know who commits here: set `git "
+                           "config user.name \"Your Name\"` and `git config user.email "
+                           "you@example.com` in the repository, then try again") from None
+        raise
+    return os.fsdecode(out).strip()
+
+
+def _no_identity(where):
+    try:
+        run_git(where, ["var", "GIT_COMMITTER_IDENT"])
+        return False
+    except GitError:
+        return True
+
+
+def commit_parent(where, commit):
+    """The first parent of ``commit`` (None for a root commit)."""
+    out = run_git(where, ["rev-parse", "-q", "--verify", commit + "^1"], ok=(0, 1))
+    return os.fsdecode(out).strip() or None
+
+
+def commit_message(where, commit):
+    """The whole message of ``commit``."""
+    return os.fsdecode(run_git(where, ["show", "-s", "--format=%B", commit])).rstrip("\n")
+
+
+def set_task_ref(root, ref, commit):
+    """Point ``ref`` at ``commit`` (in the repository of the user's checkout ``root``)."""
+    run_git(root, ["update-ref", "-m", "ferrus", ref, commit])
+
+
+def task_refs(root, task):
+    """{name: commit} of the refs under refs/ferrus/<task>/ (submit-N, saved-...)."""
+    prefix = task_ref(task, "")
+    out = os.fsdecode(run_git(root, ["for-each-ref", "--format=%(objectname) %(refname)",
+                                     prefix]))
+    refs = {}
+    for line in out.splitlines():
+        commit, _, ref = line.partition(" ")
+        if ref.startswith(prefix):
+            refs[ref[len(prefix):]] = commit
+    return refs
+
+
+def delete_task_refs(root, task, keep=("saved-",)):
+    """Remove the task's refs but those whose name starts with one of ``keep`` (the work
+    a cancel saved stays until the user drops it)."""
+    lines = ["delete %s\n" % task_ref(task, name)
+             for name in task_refs(root, task) if not name.startswith(tuple(keep))]
+    if lines:
+        run_git(root, ["update-ref", "--stdin"], stdin="".join(lines).encode("utf-8"))
 
 
 # -- git: the task's branch and its commit ([git] branch, [git] commit) -------------------
@@ -4957,7 +5318,7 @@ def create_task_branch(root, name, base):
         raise GitError("branch %s already exists" % name,
                        "ferrus never moves an existing branch: rename it (`git branch -m %s "
                        "NEW`) or delete it, then create the task again%s" % (name, hint_off))
-    run_git(root, ["checkout", "-q", "-b", name])
+    run_git(root, ["checkout", "-q", "-b", name], hooks=True)
     return base.get("branch")
 
 
@@ -5053,7 +5414,8 @@ def commit_task_changes(root, base, exclude, message, timeout=GIT_COMMIT_TIMEOUT
         try:
             run_git(root, ["--literal-pathspecs", "commit", "-q", "--cleanup=whitespace",
                            "-F", message_file, "--pathspec-from-file=-",
-                           "--pathspec-file-nul"], stdin=nul_list(paths), timeout=timeout)
+                           "--pathspec-file-nul"], stdin=nul_list(paths), timeout=timeout,
+                    hooks=True)
         except GitError as err:
             if added:
                 with contextlib.suppress(FerrusError):
@@ -5210,22 +5572,6 @@ def _same_path(one, other):
     return os.path.normcase(os.path.realpath(one)) == os.path.normcase(os.path.realpath(other))
 
 
-def _worktree_git_dir(path):
-    """The git folder of the checkout at ``path`` (its .git folder, or the folder its
-    .git file points to, as in a linked worktree), or None when it has neither."""
-    dot_git = os.path.join(path, ".git")
-    if os.path.isdir(dot_git):
-        return dot_git
-    try:
-        with open(dot_git, encoding="utf-8", errors="surrogateescape") as handle:
-            line = handle.readline().strip()
-    except OSError:
-        return None
-    if not line.startswith("gitdir:"):
-        return None
-    return os.path.normpath(os.path.join(path, line[len("gitdir:"):].strip()))
-
-
 def _rebasing_branch(git_dir):
     """The branch a rebase in progress in this checkout rewrites, or None."""
     for name in ("rebase-merge", "rebase-apply"):
@@ -5321,7 +5667,8 @@ def _resume_task_worktree(root, path, branch, start_commit, failure):
         run_git(root, ["worktree", "prune"])              # its folder is gone
     ours = at_path is not None
     if ours:
-        git_dir = _worktree_git_dir(path) if os.path.isdir(path) else None
+        git_dir = worktree_admin_dir(common_git_dir(root), path) if os.path.isdir(path) \
+            else None
         if git_dir and os.path.exists(os.path.join(git_dir, "index")):
             # Complete: git writes a worktree's index once its checkout is done.
             if at_path["locked"] is not None and os.path.isdir(git_dir):
@@ -5440,10 +5787,11 @@ def list_task_worktrees(root, branch_prefix):
         if name.startswith(branch_prefix):
             heads[name] = commit
     found = []
+    git_dirs = _entry_git_dirs(root, entries)
     for index, entry in enumerate(entries):
         branch, rebasing = entry["branch"], False
         if branch is None and not entry["bare"]:
-            git_dir = _worktree_git_dir(entry["path"])
+            git_dir = git_dirs[index]
             branch = _rebasing_branch(git_dir) if git_dir else None
             rebasing = branch is not None
         if branch is None or not branch.startswith(branch_prefix):
@@ -5459,10 +5807,11 @@ def list_task_worktrees(root, branch_prefix):
     return sorted(found, key=lambda row: (row["branch"], row["path"] or ""))
 
 
-def worktree_changes(path, exclude):
+def worktree_changes(where, exclude):
     """The paths with uncommitted changes (untracked files included) in the checkout at
-    ``path``, leaving out ``exclude`` (ferrus's own files) — or GitError."""
-    out = run_git(path, ["status", "--porcelain=v2", "-z", "--ignore-submodules=dirty"]
+    ``where`` (a task's TaskCheckout), leaving out ``exclude`` (ferrus's own files) — or
+    GitError."""
+    out = run_git(where, ["status", "--porcelain=v2", "-z", "--ignore-submodules=dirty"]
                   + _pathspecs(exclude))
     return _parse_status_v2(out)[2]
 
@@ -5474,310 +5823,204 @@ def target_head(root, branch):
     return os.fsdecode(out).strip() or None
 
 
-# -- git: a conflict handed to the executor as files to edit -----------------------------
+# -- git: the merge gate's own clean checkout ---------------------------------------------
 #
-# A real agent cannot be trusted to run git (its CLI's permissions often forbid it, and a
-# sandboxed one cannot write the repository's .git folder), but every executor can edit
-# files.  So when a task conflicts with the target, ferrus itself brings the task's branch
-# up to date: one commit on top of the target's head holding the task's work merged with
-# it, git's conflict markers left in the conflicted files for the executor to resolve.
-# That commit never reaches the target as it is: once the executor resolved the markers,
-# the integration squashes the branch into one commit on the target (squash_onto).
+# The merge gate never works in a task's worktree: the executor owns it (and whatever it
+# left running there may still write to it), and its git-ignored files — a build, a
+# cache, a file a test reads — would make the checks pass where a clean checkout of the
+# target fails.  It builds each candidate in a checkout of its own, a detached worktree
+# beside the tasks' (gate_checkout), cleaned of every untracked and ignored file before
+# each use: the candidate is the target's head with the task's submitted commit applied
+# (a three-way merge from the task's base, as a rebase would make it), committed as one
+# commit on the target — the commit the checks then run on and the target moves to.
+# Nothing there needs undoing after a crash: the next use resets it.  A conflict is
+# handed to the executor as files to edit (a real agent cannot be trusted to run git,
+# and a sandboxed one cannot write the repository's .git folder, but every executor can
+# edit files): ferrus commits the merge with git's markers left in the conflicted files
+# on top of the target's head, and the task's worktree is moved there.
 
+# The gate's folder in the worktree folder (task worktrees are named by their ids, t-...).
+GATE_FOLDER = "ferrus-gate"
 CONFLICT_MARKER = re.compile(rb"^(?:<{7}|>{7})(?: |\r?$)", re.M)
-CONFLICT_SCAN_BYTES = 8 * 1024 * 1024
-
-
-def merge_leaving_conflicts(worktree, target_branch, message):
-    """Merge ``target_branch``'s head into the task's branch in ``worktree`` (its top
-    level) and commit the result as one commit on top of that head, conflict markers
-    included; the worktree is then clean on the task's branch.  Returns (the target head
-    it was built on, the conflicted paths relative to the worktree).  No hooks run (the
-    commit only carries the conflict to the executor).  Raises GitError."""
-    target = target_head(worktree, target_branch)
-    if target is None:
-        raise GitError("there is no branch %s to bring the task up to date with"
-                       % target_branch, "name an existing target branch")
-    run_git(worktree, ["merge", "--no-commit", "--no-ff", target], ok=(0, 1),
-            timeout=GIT_COMMIT_TIMEOUT_SECS)
-    try:
-        unmerged = os.fsdecode(run_git(worktree, ["diff", "--name-only", "-z",
-                                                  "--diff-filter=U"]))
-        paths = [path for path in unmerged.split("\0") if path]
-        if paths:
-            run_git(worktree, ["add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul"],
-                    stdin=nul_list(paths))
-        tree = os.fsdecode(run_git(worktree, ["write-tree"])).strip()
-        commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", target, "-m",
-                                                message])).strip()
-    except GitError:
-        run_git(worktree, ["merge", "--abort"], ok=(0, 128))
-        raise
-    # Forget the merge (index and files stay as they are), then put the branch on the
-    # new commit, whose tree they already are.
-    run_git(worktree, ["merge", "--quit"])
-    run_git(worktree, ["update-ref", "-m", "ferrus: the target merged in, conflicts left "
-                       "for the executor", "HEAD", commit])
-    return target, paths
-
-
-def conflict_markers_left(worktree, paths):
-    """Which of ``paths`` (relative to the worktree) still hold a conflict marker line."""
-    left = []
-    for path in paths:
-        try:
-            with open(os.path.join(worktree, *path.split("/")), "rb") as handle:
-                if CONFLICT_MARKER.search(handle.read(CONFLICT_SCAN_BYTES)):
-                    left.append(path)
-        except OSError:
-            continue            # removed or unreadable: no marker to worry about
-    return left
-
-
-def squash_onto(worktree, onto, message):
-    """The task's branch as ONE commit on top of ``onto`` with the tree it has now (the
-    work after a conflict the executor resolved); returns that commit.  The worktree
-    stays clean: only the branch moves."""
-    tree = os.fsdecode(run_git(worktree, ["rev-parse", "HEAD^{tree}"])).strip()
-    commit = os.fsdecode(run_git(worktree, ["commit-tree", tree, "-p", onto, "-m",
-                                            message])).strip()
-    run_git(worktree, ["update-ref", "-m", "ferrus: the task squashed onto its target",
-                       "HEAD", commit])
-    return commit
-
-
-# -- git: integrating a task into the target branch (the merge queue's git half) --------
-#
-# An approved task's worktree is committed, then rebased onto (or merged with) the target
-# branch's current head; the orchestrator runs the checks on that candidate and, when
-# they pass, fast_forward_target moves the target to it.  A conflict is undone at once
-# (the worktree goes back to the task's own commit) and described for the executor.  A
-# crash part way is undone by the next prepare_integration: it leaves a note in the
-# worktree's git folder while it works, so a rebase or merge found in progress there is
-# known to be its own.  The target only ever moves by an atomic compare-and-swap of its
-# ref (or `git merge --ff-only` where it is checked out), so it is at its old head or at
-# the checked candidate, never in between.
-
-# The note prepare_integration keeps in the worktree's git folder while it works.
-INTEGRATION_NOTE = "ferrus-integration"
-# How much prepare_integration says about a conflict (the executor reads it in REVIEW.md).
+# How much build_candidate says about a conflict (the executor reads it in REVIEW.md).
 CONFLICT_TEXT_CHARS = 4096
 # Lines of one side of a conflicting hunk shown before the rest is left out, and the
 # characters of one line (a minified file's line can be the whole file).
 CONFLICT_SIDE_LINES = 12
 CONFLICT_LINE_CHARS = 200
-INTEGRATION_MODES = ("rebase", "merge")
+
+
+def gate_checkout(root, worktree_dir, start):
+    """ferrus's clean checkout for the merge gate: a detached worktree at
+    ``<worktree_dir>/ferrus-gate`` of the repository of the user's checkout ``root``,
+    made (at ``start``) when missing, and made again when damaged or tampered with (the
+    checks run the tasks' code there).  Returns its TaskCheckout."""
+    path = os.path.join(worktree_dir, GATE_FOLDER)
+    try:
+        gate = task_checkout(root, path)
+    except GitError:
+        common = common_git_dir(root)
+        if worktree_admin_dir(common, path) is None and _folder_has_files(path):
+            raise GitError("%s is in the way of the merge gate's checkout" % path,
+                           "ferrus keeps its clean checkout there: move that folder away"
+                           ) from None
+        _discard_worktree(root, path)
+        os.makedirs(worktree_dir, exist_ok=True)
+        run_git(root, ["worktree", "add", "-q", "--detach", "--no-checkout", path,
+                       start + "^{commit}"])
+        gate = task_checkout(root, path)
+    return gate
+
+
+def reset_gate(gate, commit):
+    """The gate's checkout at ``commit`` exactly: every file as the commit has it, no
+    untracked or ignored file left, no operation in progress."""
+    run_git(gate, ["reset", "-q", "--hard", commit + "^{commit}"])
+    run_git(gate, ["clean", "-ffdxq", "--", ":/"])
 
 
 @dataclasses.dataclass
 class Integration:
-    """A task's worktree made into a candidate for the target branch."""
+    """A task's submitted work made into a candidate for the target branch."""
 
     status: str            # "ready", "conflict", or "empty" (nothing the target lacks)
-    head: str              # ready: the candidate; conflict: the task's own commit, as before
+    head: str              # ready: the candidate; conflict: the hand-over commit; empty:
+                           # the target's head
     target_head: str       # the target's head it was built on
     conflicts: list = dataclasses.field(default_factory=list)   # conflicting paths
     text: str = ""         # what happened, for people (a conflict's files and hunks)
-    committed: bool = False   # the task's uncommitted changes were committed first
+    # ready: the commits to check, in order (the last is the candidate); with merge
+    # history the task's own commit comes before the merge.
+    commits: list = dataclasses.field(default_factory=list)
 
 
-class IntegrationRefused(GitError):
-    """A hook refused the task's commit, rebase or merge (its words are in the message):
-    something whoever works on the task can fix, unlike a broken repository."""
+def build_candidate(gate, target_branch, target, steps, history="squash", edit=None):
+    """Build, in the gate's checkout, the commit(s) that would put a task's work on
+    ``target`` (the head of ``target_branch``).
+
+    ``steps``: [(commit, message)] in order — each a commit whose parent is where its
+    changes start (a submission's snapshot on the task's base); "squash" and "merge"
+    histories take one step.  Each is applied by a three-way merge onto what the steps
+    before made.  "squash"/"linear": a commit per step on top of ``target``, in the
+    user's name; "merge": the task's commit on its own base, then a merge commit on
+    ``target`` with it as second parent.  ``edit()``, called before the last commit,
+    may change files in the gate (ferrus ticking a spec milestone) and returns their
+    absolute paths.
+
+    Returns an Integration: "ready" with the commits to check, "empty" when the target
+    has every change already, "conflict" with the conflicting paths, a text for the
+    executor and the hand-over commit (the target's head with the task's work merged
+    in, git's markers left in the conflicted files).  Raises GitError (no identity to
+    commit with, a damaged repository)."""
+    reset_gate(gate, target)
+    target_tree = _tree_of(gate, target)
+    made, parent = [], target
+    for index, (commit, message) in enumerate(steps):
+        try:
+            run_git(gate, ["cherry-pick", "--no-commit", commit], timeout=GIT_COMMIT_TIMEOUT_SECS)
+        except GitError as err:
+            conflicts = _conflicting_stages(gate)
+            if not conflicts:
+                raise GitError("applying the task's work onto %s failed: %s" % (
+                    target_branch, err.message), "run `git cherry-pick --no-commit %s` in a "
+                    "checkout of %s to see what git needs" % (commit[:12], target_branch)
+                    ) from None
+            return _hand_over(gate, target_branch, target, steps, conflicts)
+        if edit is not None and index == len(steps) - 1:
+            changed = edit()
+            if changed:
+                run_git(gate, ["add", "--"] + [":(literal)" + os.path.relpath(
+                    p, gate.work_tree).replace(os.sep, "/") for p in changed])
+        tree = os.fsdecode(run_git(gate, ["write-tree"])).strip()
+        if history == "merge":
+            base = _first_parent(gate, commit)
+            own = commit_tree(gate, tree if base == target else _tree_of(gate, commit),
+                              [base], message)
+            if tree == target_tree:
+                break
+            merged = commit_tree(gate, tree, [target, own], "Merge task work into %s\n\n%s"
+                                 % (target_branch, message))
+            made = [own, merged] if base != target else [own]
+            parent = made[-1]
+            break
+        if tree == _tree_of(gate, parent):
+            continue                      # this step changes nothing the target lacks
+        parent = commit_tree(gate, tree, [parent], message)
+        made.append(parent)
+        run_git(gate, ["update-ref", "--no-deref", "HEAD", parent])
+    if not made or _tree_of(gate, made[-1]) == target_tree:
+        reset_gate(gate, target)
+        return Integration("empty", target, target, [], "the task changes nothing that %s "
+                           "(at %s) does not already have" % (target_branch, target[:12]))
+    return Integration("ready", made[-1], target, [], "the task's work applied to %s at %s"
+                       % (target_branch, target[:12]), commits=made)
 
 
-def prepare_integration(worktree, target_branch, mode, message, exclude,
-                        timeout=GIT_COMMIT_TIMEOUT_SECS):
-    """Make the task's worktree a candidate for ``target_branch``.
-
-    (1) Everything the task changed under ``worktree`` (tracked and untracked, .gitignore
-    honoured, ``exclude`` — ferrus's registration files — never, even when staged) is
-    committed with ``message``, the user's hooks run; nothing to commit is fine.
-    (2) ``mode`` "rebase" rebases the task's branch onto the target's current head,
-    "merge" merges that head into it.  (3) A conflict is aborted at once — the worktree
-    is back on the task's commit — and returned with the conflicting paths and a short
-    text (the files and the hunks of each side, at most CONFLICT_TEXT_CHARS).
-
-    Returns an Integration.  Raises IntegrationRefused when a hook refuses, GitError when
-    git has no identity to commit with (ferrus does not invent one: the commits land on
-    the user's branch in the user's name), when the worktree is in a git operation ferrus
-    did not start, or when git fails otherwise; the worktree is then on the task's
-    branch with its work intact.  Safe to call again after a crash at any point: an
-    integration cut short is undone first.  Conflicting paths are relative to the
-    repository's top level."""
-    if mode not in INTEGRATION_MODES:
-        raise FerrusError("integrate = %s is no integration mode" % json.dumps(mode),
-                          'use "rebase" or "merge"')
-    if not message.strip():
-        raise FerrusError("the task's commit needs a message", "pass the task's title")
-    git_dir = _worktree_git_dir(worktree) or os.fsdecode(run_git(
-        worktree, ["rev-parse", "--absolute-git-dir"])).strip()
-    _undo_interrupted_integration(worktree, git_dir)
-    branch = _head_branch(git_dir)
-    if branch is None:
-        raise GitError("the task's worktree %s is on a detached HEAD, not its branch"
-                       % worktree, "`git switch <the task's branch>` there, then try again")
-    target = target_head(worktree, target_branch)
-    if target is None:
-        raise GitError("there is no branch %s to integrate into" % target_branch,
-                       "create it, or name another target branch")
-    note = os.path.join(git_dir, INTEGRATION_NOTE)
-    atomic_write(note, json.dumps({"pid": os.getpid(), "start": _own_start(),
-                                   "branch": branch, "target": target}).encode("utf-8"),
-                 durable=False)
-    try:
-        committed = _commit_worktree(worktree, git_dir, exclude, message, timeout)
-        conflict = _rebase_or_merge(worktree, git_dir, branch, target_branch, target, mode,
-                                    timeout)
-        out = os.fsdecode(run_git(worktree, ["rev-parse", "HEAD", "HEAD^{tree}",
-                                             target + "^{tree}"])).split()
-        head, tree, target_tree = out[0], out[1], out[2]
-        if conflict:
-            paths, text = conflict
-            return Integration("conflict", head, target, paths, text, committed)
-        if head == target or tree == target_tree:
-            return Integration("empty", head, target, [], "the task changes nothing that %s "
-                               "(at %s) does not already have" % (target_branch, target[:12]),
-                               committed)
-        done = ("rebased onto" if mode == "rebase" else "merged with")
-        return Integration("ready", head, target, [], "the task's branch %s is %s %s at %s"
-                           % (branch, done, target_branch, target[:12]), committed)
-    finally:
-        if _operation_in(git_dir) is None:
-            with contextlib.suppress(OSError):
-                os.unlink(note)
+def rechain(gate, target, trees_and_messages):
+    """Commits of the given trees, each on the one before, the first on ``target``: a
+    linear history with some of build_candidate's commits folded into the next."""
+    parent = target
+    for tree, message in trees_and_messages:
+        parent = commit_tree(gate, tree, [parent], message)
+    return parent
 
 
-def _head_branch(git_dir):
-    """The branch a checkout's HEAD is on (read from its git folder), or None."""
-    try:
-        with open(os.path.join(git_dir, "HEAD"), encoding="utf-8",
-                  errors="surrogateescape") as handle:
-            ref = handle.read().strip()
-    except OSError:
-        return None
-    return ref[len("ref: refs/heads/"):] if ref.startswith("ref: refs/heads/") else None
+def _tree_of(where, commit):
+    return os.fsdecode(run_git(where, ["rev-parse", commit + "^{tree}"])).strip()
 
 
-def _operation_in(git_dir):
-    """The git operation left unfinished in the checkout of ``git_dir``, or None."""
-    return GitRepository(root=git_dir, toplevel=git_dir, git_dir=git_dir
-                         ).operation_in_progress()
+def _first_parent(where, commit):
+    return os.fsdecode(run_git(where, ["rev-parse", commit + "^1"])).strip()
 
 
-def _undo_interrupted_integration(worktree, git_dir):
-    """Abort the rebase or merge a killed prepare_integration left in the worktree, with
-    the lock files of the git it ran; refuse an operation somebody else started, and an
-    integration another live process is running."""
-    note = os.path.join(git_dir, INTEGRATION_NOTE)
-    operation = _operation_in(git_dir)
-    if not os.path.exists(note):
-        if operation:
-            raise GitError("a git %s is in progress in the task's worktree %s, and ferrus "
-                           "did not start it" % (operation, worktree),
-                           "finish it or abort it there (%s), then integrate again"
-                           % _finish_or_abort(operation))
-        return
-    left = {}
-    with contextlib.suppress(OSError, ValueError):
-        with open(note, encoding="utf-8") as handle:
-            left = json.loads(handle.read())
-    pid = left.get("pid") if isinstance(left, dict) else None
-    if (isinstance(pid, int) and pid != os.getpid() and pid_alive(pid)
-            and process_start(pid) == left.get("start")):
-        raise GitError("another ferrus process (pid %d) is integrating %s" % (pid, worktree),
-                       "let it finish; only one orchestrator runs per project")
-    # The git that ferrus ran there was killed with it: its locks are stale.
-    for lock in ("index.lock", "HEAD.lock"):
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(git_dir, lock))
-    if operation in INTEGRATION_MODES:
-        run_git(worktree, [operation, "--abort"])
-    elif operation:
-        raise GitError("a git %s is in progress in the task's worktree %s" % (operation,
-                       worktree), "finish it or abort it there (%s), then integrate again"
-                       % _finish_or_abort(operation))
-    with contextlib.suppress(OSError):
-        os.unlink(note)
+def _hand_over(gate, target_branch, target, steps, conflicts):
+    """The "conflict" Integration: the task's whole work (its last step) merged into
+    ``target`` with the markers left, committed on ``target`` for the executor."""
+    if len(steps) > 1:                   # linear: one merge of the task's last snapshot
+        reset_gate(gate, target)
+        with contextlib.suppress(GitError):
+            run_git(gate, ["cherry-pick", "--no-commit", steps[-1][0]],
+                    timeout=GIT_COMMIT_TIMEOUT_SECS)
+        conflicts = _conflicting_stages(gate) or conflicts
+    text = _conflict_text(gate, conflicts, target_branch, target)
+    run_git(gate, ["add", "-A", "--", ":/"])
+    tree = os.fsdecode(run_git(gate, ["write-tree"])).strip()
+    handover = commit_tree(gate, tree, [target], "ferrus: %s merged into the task's work, "
+                           "its conflicts left for the executor" % target_branch,
+                           SNAPSHOT_IDENTITY)
+    reset_gate(gate, target)
+    return Integration("conflict", handover, target,
+                       sorted(conflicts, key=lambda p: p.encode("utf-8", "surrogateescape")),
+                       text)
 
 
-def _commit_worktree(worktree, git_dir, exclude, message, timeout):
-    """Commit the task's changes under ``worktree`` (not ``exclude``); False when there
-    was nothing to commit.  Raises IntegrationRefused when git commit refuses."""
-    specs = _pathspecs(exclude)
-    # Exit 1: everything was added, but an excluded path is also git-ignored (.ferrus/),
-    # which `git add` reports even for an exclusion.
-    run_git(worktree, ["add", "-A"] + specs, ok=(0, 1))
-    fd, message_file = tempfile.mkstemp(prefix="ferrus-commit-", suffix=".txt", dir=git_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(message)
-        # Only the paths under `specs` are committed, so an excluded file an agent
-        # staged by hand stays out of it.
-        run_git(worktree, ["commit", "-q", "--cleanup=whitespace", "-F", message_file]
-                + specs, timeout=timeout)
-        return True
-    except GitError as err:
-        if not run_git(worktree, ["diff", "--cached", "--name-only", "-z", "HEAD"] + specs):
-            return False                                  # nothing to commit
-        raise _integration_failure(worktree, err, "commit") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(message_file)
+def markers_left(root, commit, paths):
+    """Which of ``paths`` (relative to the repository's top) still hold a conflict
+    marker line in ``commit``."""
+    if not paths:
+        return []
+    out = run_git(root, ["grep", "-I", "-l", "-z", "-E", "^(<{7}|>{7})( |$)", commit, "--"]
+                  + [":(top,literal)" + p for p in paths], ok=(0, 1))
+    prefix = commit + ":"
+    return sorted(entry[len(prefix):] if entry.startswith(prefix) else entry
+                  for entry in os.fsdecode(out).split("\0") if entry)
 
 
-def _rebase_or_merge(worktree, git_dir, branch, target_branch, target, mode, timeout):
-    """Rebase the task's branch onto ``target`` or merge it in.  None when that worked;
-    (paths, text) of a conflict, after aborting it; GitError when git failed."""
-    if _is_ancestor(worktree, target, "HEAD"):
-        # The branch has the target already: nothing to rebase (the usual case when the
-        # target did not move), or an executor resolved a conflict by merging the target
-        # in — which a rebase would undo, replaying the task's commits into the same
-        # conflict again.
-        return None
-    if mode == "rebase":
-        # The user's rebase settings that would move other branches or reorder commits
-        # do not apply here; local changes left (excluded tracked files) are carried.
-        args = ["-c", "rebase.updateRefs=false", "-c", "rebase.autoSquash=false",
-                "-c", "rebase.backend=merge", "rebase", "-q", "--autostash", target]
-    else:
-        args = ["merge", "-q", "--no-edit", "--ff", "-m",
-                "Merge branch '%s' (at %s) into %s" % (target_branch, target[:12], branch),
-                target]
-    try:
-        run_git(worktree, args, timeout=timeout)
-        return None
-    except GitError as err:
-        failure = err
-    conflicts = _conflicting_stages(worktree) if _operation_in(git_dir) else {}
-    text = _conflict_text(worktree, conflicts, target_branch, target, mode) if conflicts else ""
-    if _operation_in(git_dir):
-        run_git(worktree, [mode, "--abort"])
-    if conflicts:
-        return sorted(conflicts, key=lambda p: p.encode("utf-8", "surrogateescape")), text
-    raise _integration_failure(worktree, failure, mode) from None
+def changed_paths(root, old, new, paths=None):
+    """The paths (relative to the repository's top) that differ between two commits,
+    optionally only among ``paths`` (git pathspecs from the top)."""
+    out = run_git(root, ["diff", "--name-only", "-z", "--no-renames", old, new, "--"]
+                  + ([":(top)" + p for p in paths] if paths else [":/"]))
+    return [p for p in os.fsdecode(out).split("\0") if p]
 
 
-def _integration_failure(worktree, err, command):
-    """The error for a refused git commit, rebase or merge in a task's worktree (after
-    it was undone): no identity (GitError), a hook (IntegrationRefused), or else."""
-    said = err.message
-    if len(said) > GIT_FAILURE_CHARS:
-        said = said[:GIT_FAILURE_CHARS] + " [...]"
-    try:
-        run_git(worktree, ["var", "GIT_COMMITTER_IDENT"])
-    except GitError:
-        return GitError(said, "git does not know who commits here: set `git config "
-                        "user.name \"Your Name\"` and `git config user.email "
-                        "you@example.com` in the repository, then integrate the task again")
-    if "hook" in said.lower() or command == "commit":
-        return IntegrationRefused(said, "a hook refuses it, most likely (its words are "
-                                  "above): fix what it says in the task's worktree %s, "
-                                  "then integrate the task again" % worktree)
-    return GitError(said, "the task's worktree %s is back on its own commit; run `git %s` "
-                    "there to see what git needs" % (worktree, command))
-
-
+def move_task_worktree(checkout, branch, commit):
+    """Put the task's branch, index and files at ``commit`` (untracked files stay).  The
+    caller saved what the worktree held first (save it with snapshot_worktree)."""
+    # The executor may have switched its worktree to another branch — even the target:
+    # HEAD is put back on the task's own branch before anything moves.
+    run_git(checkout, ["symbolic-ref", "HEAD", "refs/heads/" + branch])
+    run_git(checkout, ["reset", "-q", "--hard", commit + "^{commit}"])
 def _conflicting_stages(worktree):
     """{path: set of stages present} for each conflicted path (`git ls-files -u`)."""
     stages = {}
@@ -5789,19 +6032,18 @@ def _conflicting_stages(worktree):
     return stages
 
 
-def _conflict_text(worktree, conflicts, target_branch, target, mode):
+def _conflict_text(gate, conflicts, target_branch, target):
     """The conflicting files and, for text files, each side of every conflicting hunk:
     what the executor needs to make the task fit the target, at most
     CONFLICT_TEXT_CHARS."""
-    # A rebase replays the task's commits onto the target ("theirs" is the task); a
-    # merge brings the target into the task's branch ("ours" is the task).
-    task_stage, target_stage = ("3", "2") if mode == "rebase" else ("2", "3")
+    # The task's work is applied onto the target: "ours" is the target, "theirs" the task.
+    task_stage, target_stage = "3", "2"
     target_label = "%s (at %s)" % (target_branch, target[:12])
     names = sorted(conflicts, key=lambda p: p.encode("utf-8", "surrogateescape"))
-    parts = ["%s the task onto %s (at %s) conflicts in %d file%s: %s" % (
-        "Rebasing" if mode == "rebase" else "Merging", target_branch, target[:12],
-        len(names), "" if len(names) == 1 else "s", ", ".join(map(display_path, names)))]
-    top = os.fsdecode(run_git(worktree, ["rev-parse", "--show-toplevel"])).strip()
+    parts = ["Applying the task's work onto %s (at %s) conflicts in %d file%s: %s" % (
+        target_branch, target[:12], len(names), "" if len(names) == 1 else "s",
+        ", ".join(map(display_path, names)))]
+    top = gate.work_tree
     for path in names:
         stages = conflicts[path]
         if task_stage not in stages:
@@ -5818,7 +6060,7 @@ def _conflict_text(worktree, conflicts, target_branch, target, mode):
                          "file, or a file type or mode change)" % display_path(path))
             continue
         for line_number, ours, theirs in hunks:
-            task, other = (theirs, ours) if task_stage == "3" else (ours, theirs)
+            task, other = theirs, ours
             parts.append("%s, line %d:\n  the task's side:\n%s\n  %s's side (at %s):\n%s"
                          % (display_path(path), line_number, _side_lines(task),
                             target_branch, target[:12], _side_lines(other)))
@@ -5829,8 +6071,8 @@ def _conflict_text(worktree, conflicts, target_branch, target, mode):
         candidate = text + ("\n\n" if text else "") + part
         if len(candidate) > CONFLICT_TEXT_CHARS:
             left = len(parts) - index
-            return text + "\n\n[... %d more conflicting part%s left out; `git diff` in the " \
-                "worktree during the rebase or merge shows them all]" % (
+            return text + "\n\n[... %d more conflicting part%s left out; the files in your " \
+                "worktree hold them all between git's markers]" % (
                     left, "" if left == 1 else "s")
         text = candidate
     return text
@@ -5876,6 +6118,9 @@ def _side_lines(lines):
 
 
 @dataclasses.dataclass
+
+
+@dataclasses.dataclass
 class FastForward:
     """What fast_forward_target did to the target branch."""
 
@@ -5901,12 +6146,13 @@ def fast_forward_target(root, target_branch, old_head, new_head):
     target's ref at ``old_head`` or ``new_head``.  Raises GitError when ``new_head`` does
     not descend from ``old_head`` or git fails otherwise."""
     entries = _worktree_entries(root)
+    git_dirs = _entry_git_dirs(root, entries)
     holder = None
-    for entry in entries:
+    for index, entry in enumerate(entries):
         if entry["branch"] == target_branch:
             holder = entry
         elif entry["branch"] is None and not entry["bare"]:
-            git_dir = _worktree_git_dir(entry["path"])
+            git_dir = git_dirs[index]
             if git_dir and _rebasing_branch(git_dir) == target_branch:
                 return FastForward("dirty", old_head, [], "a rebase of %s is in progress in "
                                    "%s: waiting until it is finished or aborted"
@@ -5942,11 +6188,14 @@ def fast_forward_target(root, target_branch, old_head, new_head):
         return FastForward("done", new_head, [], "%s moved from %s to %s" % (
             target_branch, old_head[:12], new_head[:12]))
     checkout = holder["path"]
-    blocked = _checkout_blockers(checkout, old_head, new_head)
+    # The target checked out in a linked worktree (a task's, if its executor switched it
+    # there): git is told which repository, as for every task worktree.
+    where = checkout if holder is entries[0] else task_checkout(root, checkout)
+    blocked = _checkout_blockers(where, old_head, new_head)
     if blocked:
         return blocked
     try:
-        run_git(checkout, ["merge", "--ff-only", "-q", new_head])
+        run_git(where, ["merge", "--ff-only", "-q", new_head])
     except GitError as err:
         current = target_head(root, target_branch)
         if current == new_head:
@@ -5954,7 +6203,7 @@ def fast_forward_target(root, target_branch, old_head, new_head):
                 target_branch, new_head[:12]), checkout)
         if current != old_head:
             return _moved(target_branch, current, old_head, checkout)
-        blocked = _checkout_blockers(checkout, old_head, new_head)
+        blocked = _checkout_blockers(where, old_head, new_head)
         if blocked:
             return blocked
         raise GitError("updating %s in your checkout %s failed: %s" % (
@@ -5962,6 +6211,22 @@ def fast_forward_target(root, target_branch, old_head, new_head):
             "see what git needs" % new_head[:12]) from None
     return FastForward("done", new_head, [], "%s moved from %s to %s (checked out in %s)" % (
         target_branch, old_head[:12], new_head[:12], checkout), checkout)
+
+
+def _entry_git_dirs(root, entries):
+    """The git folder of each of ``entries`` (from _worktree_entries, the main checkout
+    first), from the repository's own records — never from a worktree's .git file,
+    which the agent working there may have rewritten."""
+    common = common_git_dir(root)
+    admins = _worktree_admin_dirs(common)
+    dirs = []
+    for index, entry in enumerate(entries):
+        if index == 0:
+            dirs.append(None if entry["bare"] else common)
+        else:
+            dot_git = os.path.normcase(os.path.realpath(os.path.join(entry["path"], ".git")))
+            dirs.append(admins.get(dot_git))
+    return dirs
 
 
 def _moved(target_branch, current, old_head, where):
@@ -5975,18 +6240,20 @@ def _checkout_blockers(checkout, old_head, new_head):
     """A "dirty" FastForward when the checkout cannot take the update untouched: a git
     operation in progress, or local changes (also untracked or ignored files) at paths
     the update writes; else None."""
-    git_dir = _worktree_git_dir(checkout)
-    operation = _operation_in(git_dir) if git_dir else None
+    where = checkout                    # a path, or a linked worktree's TaskCheckout
+    repo = git_repository(where)
+    operation = repo.operation_in_progress()
+    checkout = repo.toplevel
     if operation:
         return FastForward("dirty", old_head, [], "a git %s is in progress in your checkout "
                            "%s: waiting until it is finished" % (operation, checkout), checkout)
-    touched = [p for p in os.fsdecode(run_git(checkout, [
+    touched = [p for p in os.fsdecode(run_git(where, [
         "diff", "--name-only", "-z", "--no-renames", old_head, new_head])).split("\0") if p]
     if not touched:
         return None
     # Past a few thousand paths the command line could be too long: ask about them all.
     specs = (["--"] + [":(literal)" + p for p in touched]) if len(touched) <= 2000 else []
-    out = run_git(checkout, ["status", "--porcelain=v2", "-z", "--untracked-files=all",
+    out = run_git(where, ["status", "--porcelain=v2", "-z", "--untracked-files=all",
                              "--ignored=matching", "--no-renames"] + specs)
     local = []
     for entry in os.fsdecode(out).split("\0"):
@@ -6350,7 +6617,7 @@ def op_create_task(store, caller, description, origin=None, task_id=None):
     task has its worktree's branch instead).  ``task_id``: the queue's id for the task."""
     _nonblank(description, "Cannot create task: the description is empty.")
     # git runs before the lock is taken (it can take a moment in a big repository).
-    base, warnings = record_task_base(store.workdir, task_diff_exclusions(store))
+    base, warnings = record_task_base(task_git_site(store), task_diff_exclusions(store))
     git_config = _git_config(store)
     if store.task is not None:
         git_config = dataclasses.replace(git_config, branch="")
@@ -6424,6 +6691,35 @@ def task_diff_exclusions(store):
     return diff_exclusions(agents_path)
 
 
+def task_git_site(store):
+    """Where git works on the code of ``store``'s task: the user's checkout (a path) for
+    the project's own task; for a parallel task, its worktree as ferrus made it (a
+    TaskCheckout — TamperedWorktree when its .git was rewritten)."""
+    if store.task is None:
+        return store.workdir
+    worktree = read_task_record(store.dir, store.task).get("worktree")
+    if not isinstance(worktree, str) or not worktree:
+        return store.workdir
+    try:
+        return task_checkout(store.root, worktree, cwd=store.workdir)
+    except GitUnavailable:
+        return store.workdir           # no repository at all: no diff, as without git
+
+
+# The states in which a parallel task's diff is its recorded submission, not its worktree.
+SUBMITTED_STATES = (S.REVIEWING, S.AWAITING_CONFIRMATION, S.INTEGRATING, S.COMPLETE)
+
+
+def submission_under_review(store, data):
+    """The recorded submission (see snapshot_worktree) ``data``'s diff is, or None: a
+    parallel task's from its submit until it is sent back."""
+    submitted = data.task_submitted
+    if store.task is None or data.state not in SUBMITTED_STATES or not isinstance(
+            submitted, dict) or not isinstance(submitted.get("commit"), str):
+        return None
+    return submitted
+
+
 def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 1024,
             tail_bytes=32 * 1024, more_hint="Read one file's diff with ferrus://diff/<path> "
                                              "(or `ferrus diff PATH`)."):
@@ -6431,15 +6727,26 @@ def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 10
     outside a repository, the outcome says why there is no diff (it is not an error)."""
     data = store.read_state()
     base = data.task_base
+    submitted = submission_under_review(store, data)
     try:
-        diff = task_diff(store.workdir, base, task_diff_exclusions(store), patch=not stat_only,
-                         paths=paths, head_bytes=head_bytes, tail_bytes=tail_bytes)
+        if submitted:
+            base = dict(base or {}, git=True, commit=submitted.get("base"))
+            diff = task_diff(store.root, base, task_diff_exclusions(store),
+                             patch=not stat_only, paths=paths, head_bytes=head_bytes,
+                             tail_bytes=tail_bytes, to=submitted["commit"])
+        else:
+            diff = task_diff(task_git_site(store), base, task_diff_exclusions(store),
+                             patch=not stat_only, paths=paths, head_bytes=head_bytes,
+                             tail_bytes=tail_bytes)
     except GitUnavailable as err:
         return _outcome("No diff: %s." % err.message.rstrip("."), data.state, available=False,
                         reason=err.message, hint=err.hint)
-    title = "Task %s diff: %s → working tree" % (data.task_id or "(none)", describe_base(
-        diff.base) if diff.base else "HEAD")
+    title = "Task %s diff: %s → %s" % (data.task_id or "(none)", describe_base(
+        diff.base) if diff.base else "HEAD", "submission %s (%s)" % (
+            submitted.get("n", "?"), submitted["commit"][:12]) if submitted else "working tree")
     parts = [title]
+    if submitted and submitted.get("guarded"):
+        parts.append("warning: %s" % guarded_warning(submitted["guarded"]))
     parts += ["note: %s" % note for note in diff.notes]
     parts += ["", diff.stat_text()]
     if not stat_only and diff.files:
@@ -6447,6 +6754,8 @@ def op_diff(store, caller=None, stat_only=False, paths=None, head_bytes=192 * 10
     added, deleted = diff.totals()
     return _outcome("\n".join(parts), data.state, available=True, task_id=data.task_id,
                     base=diff.base, notes=diff.notes,
+                    submission=submitted["commit"] if submitted else None,
+                    guarded=list(submitted.get("guarded") or []) if submitted else [],
                     files=[changed.to_json() for changed in diff.files],
                     insertions=added, deletions=deleted,
                     patch_bytes=diff.patch_bytes, patch_cut=list(diff.patch_cut or ()) or None)
@@ -6537,12 +6846,11 @@ def _complete_task(store, tx, data, new):
     move the selection on.  Returns the journal detail."""
     detail = {}
     # The milestone tick is a content file written before STATE.json, and it
-    # is idempotent, so a failed commit can simply be approved again.
-    if data.task_spec and data.task_milestone:
-        # A parallel task ticks the spec in its worktree: the tick is merged with its work.
-        path = os.path.join(store.workdir, data.task_spec)
-        if not os.path.isfile(path):
-            path = os.path.join(store.root, data.task_spec)
+    # is idempotent, so a failed commit can simply be approved again.  A parallel task's
+    # tick is made by the merge gate, in the commit that merges its work
+    # (ParallelRunner._milestone_tick): its worktree is the executor's, not ferrus's.
+    if data.task_spec and data.task_milestone and store.task is None:
+        path = os.path.join(store.root, data.task_spec)
         if os.path.isfile(path):
             text = read_text(path)
             milestones = parse_spec(text)
@@ -6566,22 +6874,62 @@ def _complete_task(store, tx, data, new):
 COMMIT_BODY_CHARS = 4000
 
 
-def task_commit_message(task_id, description, submission):
+# The longest commit subject line; a longer title is wrapped into the body.
+COMMIT_SUBJECT_CHARS = 72
+
+
+def fold_commit_messages(messages):
+    """One message for a commit that also holds the commits of ``messages[:-1]`` (each
+    red in the gate on its own): the last message, with the others' bodies before its
+    trailer."""
+    last = messages[-1]
+    if len(messages) == 1:
+        return last
+    text, trailer = last, ""
+    at = last.rfind("\n\nFerrus-Task:")
+    if at >= 0:
+        text, trailer = last[:at], last[at:]
+    earlier = []
+    for message in messages[:-1]:
+        body = message.partition("\n\n")[2]
+        body = body[:body.rfind("Ferrus-Task:")] if "Ferrus-Task:" in body else body
+        earlier.append("%s\n%s" % (message.partition("\n")[0], body.strip()))
+    return "%s\n\nAlso holds the earlier submission%s, whose commit alone failed the "\
+        "checks:\n\n%s%s" % (text.rstrip(), "" if len(earlier) == 1 else "s",
+                              "\n\n".join(earlier), trailer or "\n")
+
+
+def task_commit_message(task_id, description, submissions, part=None):
     """The commit message of a task: its title (the description's first line), the
-    submission notes, and a ``Ferrus-Task`` trailer.  Controls (an ESC or a BEL in a
-    title an agent or a queue wrote) are shown in caret notation, never stored raw in the
-    history where `git log` would print them to a terminal."""
-    description, submission = (
-        terminal_safe(text.replace("\r\n", "\n").replace("\r", "\n"))
-        for text in (description, submission))
+    summary of each submission (``submissions``: one text, or a list in order), and a
+    ``Ferrus-Task`` trailer; ``part`` (k, n) numbers one of a linear history's commits.
+    A title longer than a subject line is cut at a word and given whole in the body —
+    never shortened with "...".  Controls (an ESC or a BEL in a title an agent or a
+    queue wrote) are shown in caret notation, never stored raw in the history where
+    `git log` would print them to a terminal."""
+    if isinstance(submissions, str):
+        submissions = [submissions]
+    clean = [terminal_safe(text.replace("\r\n", "\n").replace("\r", "\n")).strip()
+             for text in [description] + list(submissions)]
+    description, summaries = clean[0], [text for text in clean[1:] if text]
     title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
                   if line.strip().lstrip("#").strip()), "") or "ferrus task %s" % task_id
-    if len(title) > 72:
-        title = title[:69].rstrip() + "..."
-    body = submission.strip()
-    if len(body) > COMMIT_BODY_CHARS:
-        body = body[:COMMIT_BODY_CHARS].rstrip() + "\n[...]"
-    return "%s\n\n%s%sFerrus-Task: %s\n" % (title, body, "\n\n" if body else "", task_id)
+    suffix = " (%d/%d)" % part if part else ""
+    room = COMMIT_SUBJECT_CHARS - len(suffix)
+    body = []
+    if len(title) > room:
+        cut = title.rfind(" ", 0, room + 1)
+        subject = title[:cut if cut > room // 2 else room].rstrip()
+        body.append(title)
+    else:
+        subject = title
+    for index, summary in enumerate(summaries):
+        if len(summary) > COMMIT_BODY_CHARS:
+            summary = summary[:COMMIT_BODY_CHARS].rstrip() + "\n[...]"
+        body.append("Submission %d:\n%s" % (index + 1, summary) if len(summaries) > 1
+                    else summary)
+    return "%s%s\n\n%s%sFerrus-Task: %s\n" % (subject, suffix, "\n\n".join(body),
+                                              "\n\n" if body else "", task_id)
 
 
 def commit_on_approve(store, data):
@@ -6648,7 +6996,8 @@ def op_approve(store, caller, notes=None):
     if notes is not None and not isinstance(notes, str):
         raise FerrusError("Cannot approve: notes must be text.")
     config = store.config()
-    human_review = config.human_review
+    guarded = (store.read_state().task_submitted or {}).get("guarded") if store.task else None
+    human_review = config.human_review or bool(guarded)
     commit = None
     if not human_review and store.task is None:
         before = store.read_state()
@@ -6682,8 +7031,9 @@ def op_approve(store, caller, notes=None):
                         "done; stop here.", new.state)
     if new.state == S.AWAITING_CONFIRMATION:
         return _outcome("Approval recorded. State: AwaitingConfirmation — a human confirms or "
-                        "rejects it now ([hq] human_review is on). Your review is done; stop "
-                        "here.", new.state)
+                        "rejects it now (%s). Your review is done; stop here." % (
+                            "[hq] human_review is on" if config.human_review else
+                            guarded_warning(guarded)), new.state)
     text = "Task approved. State: Complete. Well done!"
     if new.task_commit:
         text += "\n" + describe_task_commit(new.task_commit)
@@ -7245,6 +7595,7 @@ GATE_TEXTS = {
 
 def _gate_operation(store, caller, action, content=None):
     """check and submit: run the gate unlocked, then apply its result in a transaction."""
+    submitted = _record_submission(store, caller, content) if action == "submit" else None
     snapshot, run, config = _run_gate(store, caller, action)
     limits = config.limits
     passed = run is None or run.passed
@@ -7254,7 +7605,15 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            tx.set(t_submit(t_check_passed(tx.state, now), now), "submit", log=log_path)
+            detail = {"log": log_path}
+            if submitted is not None:
+                submitted["n"] = ((tx.state.task_submitted or {}).get("n") or 0) + 1
+                set_task_ref(store.root, task_ref(store.task, "submit-%d" % submitted["n"]),
+                             submitted["commit"])
+                detail.update(submission=submitted["commit"][:12], n=submitted["n"])
+                if submitted.get("guarded"):
+                    detail["guarded"] = submitted["guarded"][:GUARDED_SHOWN]
+            tx.set(t_submit(t_check_passed(tx.state, now), now, submitted), "submit", **detail)
         elif passed:
             tx.set(t_check_passed(tx.state, now), "check_passed", log=log_path)
         else:
@@ -7276,6 +7635,79 @@ def _gate_operation(store, caller, action, content=None):
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
+
+
+def _record_submission(store, caller, summary):
+    """A parallel task's worktree recorded as a commit on its base before the submit's
+    checks run (see snapshot_worktree): {"commit", "base", "guarded"}.  None for the
+    project's own task, or when the state or lease refuses the submit anyway (the gate
+    then says why).  Raises TamperedWorktree: nothing is recorded from a worktree whose
+    .git was rewritten."""
+    if store.task is None:
+        return None
+    data = store.read_state()
+    base = (data.task_base or {}).get("commit")
+    if data.state not in WORK_STATES or not base:
+        return None
+    _guard_lease(store, data, caller, "submit")
+    checkout = task_git_site(store)
+    if not isinstance(checkout, TaskCheckout):
+        return None
+    commit = snapshot_worktree(checkout, base, task_diff_exclusions(store),
+                               (summary or "").strip() or "(no summary)")
+    changed = changed_paths(store.root, base, commit)
+    try:
+        extra = store.config().parallel.guarded
+    except FerrusError:
+        extra = []
+    return {"commit": commit, "base": base, "guarded": guarded_paths(
+        [_project_relative(store, path) for path in changed], extra)}
+
+
+def _project_relative(store, path):
+    """A path relative to the repository's top, made relative to the project folder."""
+    top = read_task_record(store.dir, store.task).get("worktree") if store.task else None
+    if top and store.workdir != top:
+        inside = os.path.relpath(store.workdir, top).replace(os.sep, "/")
+        if path.startswith(inside + "/"):
+            return path[len(inside) + 1:]
+    return path
+
+
+# Files that instruct or configure agents, or that tools run by themselves (hooks, CI,
+# direnv, an editor's tasks): a task changing one merges only once a human confirmed it,
+# whatever [hq] human_review says — an agent must not be able to rewrite the next
+# agents' instructions, or plant code that runs outside the check gate, unseen.
+GUARDED_NAMES = ("CLAUDE.md", "CLAUDE.local.md", "AGENTS.md", "GEMINI.md", "QWEN.md",
+                 ".cursorrules", ".windsurfrules", ".clinerules", "copilot-instructions.md",
+                 ".mcp.json", ".envrc", ".gitattributes", ".gitmodules",
+                 ".pre-commit-config.yaml")
+GUARDED_FOLDERS = (".claude", ".codex", ".gemini", ".qwen", ".cursor", ".githooks", ".husky",
+                   ".vscode", ".github/workflows")
+GUARDED_SHOWN = 20
+
+
+def guarded_paths(paths, extra_patterns=()):
+    """Those of ``paths`` (project-relative, /-separated) that instruct or configure
+    agents, or run by themselves (GUARDED_NAMES, GUARDED_FOLDERS, and the fnmatch
+    patterns of [parallel] guarded)."""
+    found = []
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        if (name in GUARDED_NAMES
+                or any(path == folder or path.startswith(folder + "/")
+                       for folder in GUARDED_FOLDERS)
+                or any(fnmatch.fnmatchcase(path, pattern) for pattern in extra_patterns)):
+            found.append(path)
+    return found
+
+
+def guarded_warning(paths):
+    shown = ", ".join(map(display_path, paths[:GUARDED_SHOWN]))
+    more = len(paths) - GUARDED_SHOWN
+    return ("this submission changes files that instruct or configure agents, or that run "
+            "by themselves (%s%s): a human must confirm it before it is merged"
+            % (shown, " and %d more" % more if more > 0 else ""))
 
 
 def check_summary(result):
@@ -7430,7 +7862,8 @@ def kept_changes_note(store, data):
         return ""
     notes = []
     with contextlib.suppress(FerrusError):
-        files = task_diff(store.workdir, None, task_diff_exclusions(store), patch=False).files
+        files = task_diff(task_git_site(store), None, task_diff_exclusions(store),
+                          patch=False).files
         if files:
             notes.append("Uncommitted changes are kept: %d file%s in the work tree %s "
                          "from HEAD (`git status` shows them). To drop them, see \"Dropping "
@@ -7871,11 +8304,12 @@ def _refuse_ended(task, record):
                           "its work is on the target branch; nothing to cancel")
 
 
-def op_cancel_task(store, caller, task, remove_worktree=False):
+def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
     """Take a task out of the queue, or stop a running one: it is never taken up again.
     The orchestrator running it stops its agents and removes its worktree and branch;
     with ``remove_worktree`` (no orchestrator will: none runs, or the task is not in its
-    hands, as a failed task's kept worktree is not) they are removed here."""
+    hands, as a failed task's kept worktree is not) they are removed here.  Either way
+    its work is saved first (save_task_work), unless ``discard``."""
     task = require_task_id(store, task)
     record = read_task_record(store.dir, task)
     _refuse_ended(task, record)
@@ -7888,8 +8322,10 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
             _refuse_ended(task, record)         # merged meanwhile, under our feet
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
-            tx.set(new, "cancel_task")
+            tx.set(new, "cancel_task", **({"discard": True} if discard else {}))
             record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
+            if discard:
+                record["discard"] = True
             write_task_record(store, task, record)
         text = "Task %s cancelled." % task
     else:
@@ -7897,8 +8333,10 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
             data = store.project_state()
             if data.task_id == task and data.state in ACTIVE_STATES:
                 op_force_reset(store, caller)
-        if update_task(store, caller, task, "cancel_task",
-                       {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())},
+        changes = {"status": CANCELLED_STATUS, "ended_at": format_timestamp(store.clock())}
+        if discard:
+            changes["discard"] = True
+        if update_task(store, caller, task, "cancel_task", changes,
                        only_from=(QUEUED_STATUS, RUNNING_STATUS, FAILED_STATUS)) is None:
             _refuse_ended(task, read_task_record(store.dir, task))
         text = "Task %s cancelled." % task
@@ -7938,13 +8376,20 @@ def op_retry_task(store, caller, task):
             raise FerrusError("task %s is %s now, not %s: someone else changed it" % (
                 task, now.get("status"), status), "`ferrus tasks` shows where it stands")
         fresh = dict(now, status=QUEUED_STATUS)
-        for key in _ATTEMPT_KEYS:
+        for key in _ATTEMPT_KEYS + ("discard",):
             fresh.pop(key, None)
+        saved = fresh.pop("saved", None)
         if fresh.get("store") == "project" or not kept:
-            # Run in the checkout, or its worktree is gone: it starts as a new task.
+            # Run in the checkout, or its worktree is gone: it starts as a new task —
+            # from the work a cancel saved, when there is some.
             for key in ("store", "started_at", "worktree", "workdir", "branch", "base",
-                        "target"):
+                        "target", "resume_from"):
                 fresh.pop(key, None)
+            if isinstance(saved, dict) and isinstance(saved.get("commit"), str) and \
+                    fresh.get("store") != "project":
+                with contextlib.suppress(FerrusError):
+                    fresh["base"] = commit_parent(store.root, saved["commit"])
+                    fresh["resume_from"] = saved["commit"]
         return fresh
     task_store = store.for_task(task)
     detail = {"was": status, "worktree": worktree if kept else None}
@@ -7960,18 +8405,66 @@ def op_retry_task(store, caller, task):
             write_task_record(store, task, requeued())
             tx.set(tx.state, "retry_task", **detail)
             tx.journal_task_id = task
+    saved = record.get("saved") if isinstance(record.get("saved"), dict) else {}
     text = "Task %s is queued again%s." % (task, (
         "; it goes on in its kept worktree %s with the work done so far" % worktree)
-        if kept and record.get("store") != "project" else "")
+        if kept and record.get("store") != "project" else
+        "; it goes on from its saved work (%s)" % saved["ref"]
+        if not kept and saved.get("ref") else "")
     return _outcome(text + " `ferrus run` (or HQ /run) takes it up.", None, task_id=task,
                     worktree=worktree if kept else None)
 
 
+def save_task_work(store, task, record):
+    """Before a task's worktree goes: its files recorded as a commit on the task's base
+    under refs/ferrus/<task>/saved-<id> (see snapshot_worktree), unless they hold
+    nothing the base lacks.  Returns (text for people, {"ref", "commit"} or None).
+    Raises FerrusError when the work exists and cannot be saved (then the worktree must
+    stay)."""
+    worktree = record.get("worktree")
+    if record.get("store") == "project" or not isinstance(worktree, str) or not \
+            os.path.isdir(worktree):
+        return "", None
+    task_store = store.for_task(task)
+    base = record.get("base")
+    with contextlib.suppress(FerrusError):
+        base = (task_store.read_state().task_base or {}).get("commit") or base
+    if not isinstance(base, str) or not base:
+        return "", None
+    checkout = task_checkout(store.root, worktree, cwd=task_store.workdir, verify=False)
+    commit = snapshot_worktree(checkout, base, task_diff_exclusions(task_store),
+                               "ferrus: the work of task %s, saved before its worktree was "
+                               "removed" % task)
+    if _tree_of(store.root, commit) == _tree_of(store.root, base):
+        return "", None
+    ref = task_ref(task, new_id("saved"))
+    set_task_ref(store.root, ref, commit)
+    update_task(store, HUMAN, task, "task_work_saved", {"saved": {"ref": ref,
+                                                                  "commit": commit}},
+                ref=ref)
+    short = short_task_id(task)
+    return (" Its work is saved: `git branch ferrus-saved-%s %s` makes a branch of it, "
+            "`ferrus task retry %s` goes on from it." % (short, ref, short),
+            {"ref": ref, "commit": commit})
+
+
 def _remove_task_leftovers(store, record):
-    """(text, what was removed) for a cancelled task's worktree and branch."""
+    """(text, what was removed) for a cancelled task's worktree and branch, its work
+    saved first (see save_task_work) unless it was cancelled with --discard."""
     worktree, branch = record.get("worktree"), record.get("branch")
     if record.get("store") == "project" or not worktree or not branch:
         return "", {}
+    saved_text = ""
+    if not record.get("discard"):
+        try:
+            saved_text, _ = save_task_work(store, record.get("id") or os.path.basename(
+                worktree), record)
+        except GitUnavailable:
+            return "", {}
+        except FerrusError as err:
+            return (" Its worktree %s stays: its work could not be saved (%s); look at it "
+                    "there, or `ferrus task cancel --discard` drops it." % (
+                        worktree, err.message)), {}
     try:
         head = target_head(store.root, branch)
         done = remove_task_worktree(store.root, worktree, branch)
@@ -7988,7 +8481,7 @@ def _remove_task_leftovers(store, record):
         parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
             branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
         removed["branch"] = branch
-    return (" Removed %s." % " and ".join(parts) if parts else ""), removed
+    return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
 
 
 def task_rows(store, tasks=None):
@@ -13496,6 +13989,14 @@ class ParallelRunner:
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
+            resume = read_task_record(self.store.dir, task).get("resume_from")
+            if isinstance(resume, str) and resume:
+                # Retried after a cancel saved its work: the files go back as they were
+                # (idempotent: `restore` makes them the saved commit's, however often).
+                run_git(task_git_site(task_store), ["restore", "--source=" + resume,
+                                                    "--worktree", "--", ":/"])
+                update_task(self.store, ORCHESTRATOR, task, "task_work_restored",
+                            {"resume_from": None}, commit=resume[:12])
         except FerrusError as err:
             if not fail:
                 raise
@@ -13505,8 +14006,15 @@ class ParallelRunner:
         return True
 
     def _set_up_worktree(self, task, path):
-        """[parallel] setup in the new worktree, with the check runner (logs, timeouts,
-        process groups); raises FerrusError naming the failed command."""
+        """[parallel] setup in the new worktree; raises FerrusError naming the failed
+        command."""
+        self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
+                        "which holds only what git tracks), then `ferrus task cancel %s` and "
+                        "queue the task again" % short_task_id(task))
+
+    def _run_setup(self, path, where, hint):
+        """[parallel] setup in ``path``, with the check runner (logs, timeouts, process
+        groups); raises FerrusError naming the failed command and ``where`` it ran."""
         if not self.parallel.setup:
             return
         config = self.store.config()
@@ -13516,12 +14024,9 @@ class ParallelRunner:
                          config.limits.max_feedback_lines, None, self.store.root)
         if not run.passed:
             failed = run.failed[0] if run.failed else None
-            raise FerrusError("[parallel] setup failed in its worktree: `%s`%s, log %s" % (
-                failed.command if failed else "?", _status_note(failed) if failed else "",
-                failed.log_path if failed else run.log_path),
-                "fix the command (it runs in the new worktree, which holds only what git "
-                "tracks), then `ferrus task cancel %s` and queue the task again"
-                % short_task_id(task))
+            raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
+                where, failed.command if failed else "?", _status_note(failed) if failed
+                else "", failed.log_path if failed else run.log_path), hint)
 
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
@@ -13623,6 +14128,13 @@ class ParallelRunner:
         if record.get("status") == CANCELLED_STATUS or data.state == S.IDLE:
             self._end_task(task, CANCELLED_STATUS, None)
             return
+        try:
+            task_git_site(controller.store)
+        except TamperedWorktree as err:
+            self._end_task(task, FAILED_STATUS, "tampered: %s" % err.full_text())
+            return
+        except FerrusError:
+            pass                 # a worktree gone or git failing: said where it matters
         if data.state == S.FAILED:
             self._end_task(task, FAILED_STATUS, data.failure_reason)
             return
@@ -13728,113 +14240,235 @@ class ParallelRunner:
             self._fast_forward(task, held[1])
             return
         self.held_candidate = None
+        submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+        if not isinstance(submitted.get("commit"), str) or not isinstance(
+                submitted.get("base"), str):
+            # Approved without a recorded submission (a task an older ferrus took to
+            # review): what would merge was never fixed, so it is submitted again.
+            self._send_back(task, "ferrus has no record of the submission your reviewer "
+                            "approved, so it cannot tell what to merge. Check and submit "
+                            "your work again.", cause="unrecorded")
+            return
         job = {"task": task, "thread": None, "result": None, "error": None,
                "cancel": threading.Event()}
-        config = self.store.config()
-        message = task_commit_message(task, task_store.read_file("TASK.md"),
-                                      task_store.read_file("SUBMISSION.md"))
-        top = record.get("worktree") or task_store.workdir
-        conflicts = [p for p in record.get("conflicts") or [] if isinstance(p, str)]
-        config_file = os.path.relpath(os.path.join(self.store.root, CONFIG_FILE),
-                                      self.repo.toplevel).replace(os.sep, "/")
-
-        def work():
-            try:
-                left = conflict_markers_left(top, conflicts)
-                if left:
-                    job["result"] = ("markers", left)
-                    return
-                built = prepare_integration(task_store.workdir, self.target,
-                                            self.parallel.integrate, message,
-                                            task_diff_exclusions(task_store))
-                if built.status == "ready" and record.get("conflict_base"):
-                    # After a conflict the branch holds ferrus's merge: one clean commit
-                    # on the target instead.
-                    built = dataclasses.replace(built, head=squash_onto(
-                        top, built.target_head, message))
-                if built.status == "ready" and run_git(top, [
-                        "diff", "--name-only", built.target_head, built.head, "--",
-                        ":(top)" + config_file]).strip():
-                    job["result"] = ("config", built)
-                    return
-                checks = None
-                if built.status == "ready" and config.checks.commands:
-                    checks = run_checks(task_store.workdir, config.checks,
-                                        self.store.path("logs"), 0,
-                                        config.limits.max_feedback_lines, job["cancel"],
-                                        self.store.root)
-                job["result"] = (built, checks)
-                if built.status == "conflict":
-                    job["merged"] = merge_leaving_conflicts(top, self.target, (
-                        "ferrus: %s merged into task %s, its conflicts left for the "
-                        "executor" % (self.target, short_task_id(task))))
-            except FerrusError as err:
-                job["error"] = err
-            except Exception as err:    # never lose the task: say what broke, and wait
-                log.debug("integration of %s failed", task, exc_info=True)
-                job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
-                    task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
-        self.note("integrating task %s into %s (%s, then the checks on the result)" % (
-            short_task_id(task), self.target, self.parallel.integrate), task_id=task)
+        work = functools.partial(self._integration_work, job, task, task_store, data,
+                                 record, submitted, head)
+        self.note("integrating task %s into %s (its submitted work onto %s's head, then the "
+                  "checks in a clean checkout)" % (short_task_id(task), self.target,
+                                                   self.target), task_id=task)
         job["thread"] = threading.Thread(target=work, daemon=True,
                                          name="ferrus-integrate-%s" % short_task_id(task))
         job["thread"].start()
         self.integration = job
+
+    def _integration_work(self, job, task, task_store, data, record, submitted, target):
+        """The merge queue's git work and checks for one task, on a thread of its own:
+        the task's submitted commit built onto the target in the gate's clean checkout
+        (see build_candidate), checked there; a conflict or a red result moves the
+        task's worktree to what the executor must fix.  Leaves job["result"] (what
+        happened, the Integration, the check run) or job["error"]."""
+        try:
+            root = self.store.root
+            if target is None:
+                raise GitError("there is no branch %s to integrate into" % self.target,
+                               "create it, or set [parallel] target to an existing branch")
+            # The task's worktree as ferrus made it, or the task fails as tampered (its
+            # submission, not its worktree, is what merges: a deleted folder stops nothing).
+            checkout = task_git_site(task_store) if os.path.isdir(task_store.workdir) \
+                else None
+            conflicts = [p for p in record.get("conflicts") or [] if isinstance(p, str)]
+            left = markers_left(root, submitted["commit"], conflicts)
+            if left:
+                job["result"] = ("markers", left, None)
+                return
+            gate = gate_checkout(root, self.worktree_dir, target)
+            steps = self._integration_steps(task, task_store, data, submitted)
+            built = build_candidate(gate, self.target, target, steps, self._history(),
+                                    edit=self._milestone_tick(data, self._gate_project(gate)))
+            if built.status == "conflict":
+                self._move_worktree(task, checkout, submitted, built.head)
+                job["result"] = ("conflict", built, None)
+                return
+            if built.status == "ready" and changed_paths(root, target, built.head,
+                                                         [self._config_path()]):
+                job["result"] = ("config", built, None)
+                return
+            checks = None
+            if built.status == "ready":
+                built, checks = self._check_candidate(gate, built, steps, job["cancel"])
+            if checks is not None and not checks.passed:
+                self._move_worktree(task, checkout, submitted, built.head)
+            job["result"] = ("built", built, checks)
+        except FerrusError as err:
+            job["error"] = err
+        except Exception as err:    # never lose the task: say what broke, and wait
+            log.debug("integration of %s failed", task, exc_info=True)
+            job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
+                task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
+
+    def _history(self):
+        return "merge" if self.parallel.integrate == "merge" else self.parallel.history
+
+    def _config_path(self):
+        """ferrus.toml relative to the repository's top (ferrus's own configuration: a
+        task may not change the checks that judge it)."""
+        return os.path.relpath(os.path.join(self.store.root, CONFIG_FILE),
+                               self.repo.toplevel).replace(os.sep, "/")
+
+    def _integration_steps(self, task, task_store, data, submitted):
+        """[(commit, message)] for build_candidate: the approved submission, or with
+        linear history every submission on the same base, each a commit on the one
+        before (their messages say what each submission was)."""
+        root = self.store.root
+        description = task_store.read_file("TASK.md")
+        refs = task_refs(root, task)
+        numbered = sorted((int(name[len("submit-"):]), commit) for name, commit in refs.items()
+                          if re.fullmatch(r"submit-[0-9]+", name))
+        upto = submitted.get("n") if isinstance(submitted.get("n"), int) else None
+        same_base = [(n, commit) for n, commit in numbered
+                     if (upto is None or n <= upto) and commit_parent(root, commit)
+                     == submitted["base"]]
+        if not same_base or same_base[-1][1] != submitted["commit"]:
+            same_base = [(upto or 0, submitted["commit"])]
+        summaries = [commit_message(root, commit) for _, commit in same_base]
+        if self._history() != "linear" or len(same_base) == 1:
+            return [(submitted["commit"], task_commit_message(task, description, summaries))]
+        steps, parent = [], submitted["base"]
+        for index, (n, commit) in enumerate(same_base):
+            parent = commit_tree(root, _tree_of(root, commit), [parent], summaries[index],
+                                 SNAPSHOT_IDENTITY)
+            steps.append((parent, task_commit_message(
+                task, description, [summaries[index]], part=(index + 1, len(same_base)))))
+        return steps
+
+    def _gate_project(self, gate):
+        """The project's folder in the gate's checkout (a subfolder of the repository
+        in a monorepo), where the checks and [parallel] setup run."""
+        inside = os.path.relpath(self.store.root, self.repo.toplevel)
+        return os.path.normpath(os.path.join(gate.work_tree, inside))
+
+    def _milestone_tick(self, data, folder):
+        """build_candidate's ``edit``: the task's spec milestone ticked in the candidate
+        (the tick merges with the work it marks), or None."""
+        if not (data.task_spec and data.task_milestone):
+            return None
+
+        def tick():
+            path = os.path.join(folder, data.task_spec)
+            if not os.path.isfile(path):
+                return []
+            text = read_text(path)
+            match = next((m for m in parse_spec(text) if m.id == data.task_milestone), None)
+            if match is None or match.completed:
+                return []
+            atomic_write(path, mark_milestone_complete(text, match), durable=False)
+            return [path]
+        return tick
+
+    def _check_candidate(self, gate, built, steps, cancel):
+        """(Integration, CheckRun) of the candidate's checks in the gate's clean checkout:
+        each commit it adds is checked; with linear history a red one before the last is
+        folded into the next (every commit the target gains is green).  The run is the
+        last commit's (None without check commands)."""
+        config = self.store.config()
+        if not config.checks.commands:
+            return built, None
+        verdicts = []
+        for commit in built.commits:
+            reset_gate(gate, commit)
+            self._set_up_gate(gate)
+            run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
+                             0, config.limits.max_feedback_lines, cancel, self.store.root)
+            verdicts.append(run)
+            if run.cancelled or (not run.passed and self._history() != "linear"):
+                return built, run
+        last = verdicts[-1]
+        red = [index for index, run in enumerate(verdicts[:-1]) if not run.passed]
+        if last.passed and red and self._history() == "linear":
+            kept, folded = [], []
+            for index, commit in enumerate(built.commits):
+                folded.append(steps[index][1])
+                if index in red:
+                    continue
+                kept.append((_tree_of(gate, commit), fold_commit_messages(folded)))
+                folded = []
+            head = rechain(gate, built.target_head, kept)
+            built = dataclasses.replace(built, head=head, commits=[head])
+        return built, last
+
+    def _set_up_gate(self, gate):
+        """[parallel] setup in the gate's checkout (it holds only the candidate's files)."""
+        self._run_setup(self._gate_project(gate), "the merge gate's checkout %s"
+                        % gate.work_tree, "fix the command (it runs in a clean checkout of "
+                        "the candidate, which holds only what git tracks); the task waits and "
+                        "is integrated again")
+
+    def _move_worktree(self, task, checkout, submitted, commit):
+        """Put the task's worktree at ``commit`` (what its executor must fix), after
+        saving what it held if that is more than its last submission.  A worktree that
+        is gone is made again from its branch when the task is taken up (see _adopt)."""
+        if not isinstance(checkout, TaskCheckout):
+            return
+        record = read_task_record(self.store.dir, task)
+        exclude = task_diff_exclusions(self.store.for_task(task))
+        held = snapshot_worktree(checkout, submitted["base"], exclude,
+                                 "ferrus: the worktree of task %s before the merge queue "
+                                 "moved it" % task)
+        if _tree_of(self.store.root, held) != _tree_of(self.store.root, submitted["commit"]):
+            set_task_ref(self.store.root, task_ref(task, new_id("saved")), held)
+        move_task_worktree(checkout, record.get("branch") or TASK_BRANCH_PREFIX + task, commit)
 
     def _finish_integration(self, job):
         task = job["task"]
         controller = self.controllers.get(task)
         if controller is None:
             return
-        if isinstance(job["error"], IntegrationRefused):
-            self._send_back(task, "ferrus could not integrate your work: %s" %
-                            job["error"].full_text(), cause="refused")
+        error = job["error"]
+        if isinstance(error, TamperedWorktree):
+            self._end_task(task, FAILED_STATUS, "tampered: %s" % error.full_text())
             return
-        if job["error"] is not None:
+        if error is not None:
             # Not the executor's to fix (no git identity, a damaged repository): the task
             # waits, Integrating, and the run says what to do.
-            self._wait(task, job["error"].full_text())
+            self._wait(task, error.full_text())
             return
-        built, checks = job["result"]
-        if built == "markers":
+        what, built, checks = job["result"]
+        if what == "markers":
             self._send_back(task, "git's conflict markers are still in %s. Edit each of "
                             "those files: keep both sides' intent and remove every marker "
                             "line (the lines of seven <, = or > signs), then check and "
-                            "submit again." % ", ".join(checks), cause="markers",
-                            files=list(checks))
+                            "submit again." % ", ".join(built), cause="markers",
+                            files=list(built))
             return
-        if built == "config":
+        if what == "config":
             self._send_back(task, "Your work changes %s, ferrus's own configuration (the "
                             "checks that judge your work, the agents): a task may not change "
                             "it. Undo that change (only the user edits it), then check and "
-                            "submit again." % CONFIG_FILE, cause="config",
-                            onto=checks.target_head)
+                            "submit again." % CONFIG_FILE, cause="config")
             return
-        if built.status == "conflict":
-            merged = job.get("merged")
-            if merged is None:
-                self._wait(task, "it conflicts with %s, and ferrus could not merge %s into "
-                           "its branch for the executor" % (self.target, self.target))
-                return
-            base, paths = merged
+        if what == "conflict":
             update_task(self.store, ORCHESTRATOR, task, "conflict_handed_over",
-                        {"conflicts": paths, "conflict_base": base}, files=paths)
+                        {"conflicts": built.conflicts, "conflict_base": built.target_head},
+                        files=built.conflicts)
             self._send_back(task, "Your work conflicts with the target branch %s, which "
                             "moved on since your task started (other tasks were merged into "
-                            "it). ferrus has brought your branch up to date with it: the "
+                            "it). ferrus has brought your worktree up to date with it: the "
                             "files below now hold both sides of each conflict between git's "
-                            "markers (a line of seven < signs, your side, a line of seven = "
-                            "signs, the target's side, a line of seven > signs). "
+                            "markers (a line of seven < signs, the target's side, a line of "
+                            "seven = signs, your side, a line of seven > signs). "
                             "Edit them to keep both sides' intent and remove every marker "
                             "line; do not run git yourself. Then check and submit again.\n\n"
                             "Conflicted files: %s\n\n%s" % (
-                                self.target, ", ".join(paths) or "(none left)", built.text),
-                            cause="conflict", files=list(built.conflicts), onto=base)
+                                self.target, ", ".join(built.conflicts) or "(none left)",
+                                built.text),
+                            cause="conflict", files=list(built.conflicts),
+                            onto=built.target_head)
             return
         if checks is not None and not checks.passed:
-            self._send_back(task, "Your work merged with the target branch %s cleanly, but "
-                            "the checks fail on the merged result (they passed on your work "
-                            "alone, so it is the combination).\n\n%s" % (
+            self._send_back(task, "Your work applies to the target branch %s cleanly, but "
+                            "the checks fail on the result in a clean checkout (your worktree "
+                            "now holds that result: the target's latest work with yours on "
+                            "top).\n\n%s" % (
                                 self.target, checks.report(
                                     self.store.config().limits.max_feedback_lines)),
                             cause="checks", failed=[r.command for r in checks.failed],
@@ -13912,7 +14546,11 @@ class ParallelRunner:
             if reason:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
-        if status in (MERGED_STATUS, CANCELLED_STATUS) and record.get("worktree"):
+        if status == MERGED_STATUS:
+            with contextlib.suppress(FerrusError):
+                delete_task_refs(self.store.root, task)   # the target holds its work now
+        said = ""
+        if status == MERGED_STATUS and record.get("worktree"):
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
             except FerrusError as err:
@@ -13920,6 +14558,10 @@ class ParallelRunner:
                           "removes what a finished task leaves)" % (
                               short_task_id(task), record["worktree"], err.message),
                           "warning", task_id=task)
+        elif status == CANCELLED_STATUS:
+            # Its work is saved first (unless cancelled with --discard).
+            said = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
+                                                                       task))[0]
         self.ended[task] = status
         title = record.get("title", "")
         if status == MERGED_STATUS:
@@ -13933,8 +14575,8 @@ class ParallelRunner:
                          record.get("worktree") or "-", short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
-            self.note("task %s cancelled" % short_task_id(task), "warning", task_id=task,
-                      status=status)
+            self.note("task %s cancelled.%s" % (short_task_id(task), said), "warning",
+                      task_id=task, status=status)
 
     # -- P6 report, P7 cleanup -------------------------------------------------------------
 
@@ -13951,6 +14593,10 @@ class ParallelRunner:
         if self.queued():
             self.advance(1)
             return
+        # The queue is done: the gate's checkout goes too (the next run makes it again).
+        with contextlib.suppress(FerrusError, OSError):
+            remove_task_worktree(self.store.root, os.path.join(self.worktree_dir, GATE_FOLDER),
+                                 None)
         self.finished = True
         self._save()
 
@@ -15712,11 +16358,13 @@ command = []           # e.g. ["curl", "-s", "-d", "{event}: {summary}", "https:
 # Several queued tasks at once, each in its own git worktree and branch, merged into the
 # target only when the checks pass on the result (`ferrus task add`, `ferrus run --parallel N`).
 max_tasks = 1          # 1: queued tasks run one at a time in the checkout
-integrate = "rebase"   # "merge": merge the target into the task's branch instead
+integrate = "rebase"   # "merge": the task's own commit and a merge commit on the target
+history = "squash"     # one commit per task; "linear": a checked commit per submission
 target = ""            # the branch tasks merge into; "" = the branch checked out
 worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repository
 delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
-setup = []             # e.g. ["npm ci"]: run in each new worktree before its agents start
+setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
+guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
@@ -16183,7 +16831,8 @@ def _orphan_finding(store, task, row, status, folder):
     path = row["path"] or os.path.join(folder or store.root, task)
     if status is None and row["path"] and row["exists"]:
         try:
-            changed = worktree_changes(row["path"], task_diff_exclusions(store))
+            changed = worktree_changes(task_checkout(store.root, row["path"]),
+                                       task_diff_exclusions(store))
         except FerrusError:
             changed = []
         if changed:
@@ -17614,6 +18263,11 @@ class HqShell:
             if not more.strip() or len(more.split()) != 1:
                 raise UsageError("usage: /task cancel ID (/tasks lists the tasks)")
             task = require_task_id(self.store, more.strip())
+            if read_task_record(self.store.dir, task).get("status") == RUNNING_STATUS and \
+                    not self.confirm("Task %s is running: cancel it (its work is saved "
+                                     "first)?" % short_task_id(task)):
+                self.write("Nothing changed.")
+                return
             # The runner of /run removes the worktree of a task it works; any other (a
             # failed task's kept one, or none of /run's) goes here.
             in_runner = self.runner is not None and task in self.runner.controllers
@@ -18829,13 +19483,25 @@ def cmd_task(args, root):
     caller = human_caller()
     if args.task_command == "cancel":
         task = require_task_id(store, args.id)
-        running = read_task_record(store.dir, task).get("status") == RUNNING_STATUS
+        record = read_task_record(store.dir, task)
+        running = record.get("status") == RUNNING_STATUS
+        if not args.yes and (running or (args.discard and record.get("worktree"))):
+            state = ""
+            with contextlib.suppress(FerrusError):
+                state = " (%s)" % store.for_task(task).read_state().state
+            if not confirm("Task %s is %s%s: cancel it%s?" % (
+                    short_task_id(task), record.get("status"), state,
+                    " and DROP the work in its worktree" if args.discard else
+                    " (its work is saved first)")):
+                say("Nothing changed.")
+                return 1
         runner = live_parallel_run(store) if running else None
         if running and running_orchestrator(store) is None:
             # A dead orchestrator may have left the task's agents at work in its worktree.
             for note in stop_orphaned_agents(store, task):
                 say(note)
-        say(op_cancel_task(store, caller, task, remove_worktree=runner is None).text)
+        say(op_cancel_task(store, caller, task, remove_worktree=runner is None,
+                           discard=args.discard).text)
         if runner is not None:
             say("The running %s stops its agents and removes its worktree and branch."
                 % describe_orchestrator(runner))
@@ -19378,8 +20044,13 @@ def build_parser():
     add.add_argument("--agent", metavar="AGENT",
                      help="the executor agent for this task (default: [hq.executor])")
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
-                                                "worktree and branch are removed")
+                                                "work is saved, then its worktree and branch "
+                                                "are removed")
     cancel.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
+    cancel.add_argument("--yes", "-y", action="store_true",
+                        help="do not ask before stopping a running task")
+    cancel.add_argument("--discard", action="store_true",
+                        help="drop the work in its worktree instead of saving it")
     retry = commands.add_parser("retry", help="queue a failed or cancelled task again; it "
                                               "goes on in its kept worktree")
     retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")

@@ -16,7 +16,10 @@ tools its prompt asks for.  What it decides is steered by the environment:
 
 The executor writes work.txt, or, when the task has lines `WRITE <file>: <text>`, those
 files; review notes that say `git rebase BRANCH` (or `git merge BRANCH`) make it do that
-first, its own side winning each conflict.
+first, its own side winning each conflict.  A hostile executor is played by task lines
+`SHELL <command>` (run in its worktree before it checks and submits: anything its edit
+rights allow) and `AFTER-SUBMIT <command>` (left running after it submitted, as a
+process an agent forgot: it runs half a second later).
 
 Usage: scripted_agent.py ROLE MCP_CONFIG
 """
@@ -166,8 +169,13 @@ def main():
             if not writes:
                 with open("work.txt", "a") as handle:
                     handle.write("work\n")
+            for command in re.findall(r"^SHELL (.+)$", claimed.get("task") or "", re.M):
+                subprocess.run(["sh", "-c", command], stdout=sys.stderr, stderr=sys.stderr)
             mcp.call("check")
             mcp.call("submit", content="Did the work.")
+            for command in re.findall(r"^AFTER-SUBMIT (.+)$", claimed.get("task") or "", re.M):
+                subprocess.Popen(["sh", "-c", "sleep 0.5; " + command], start_new_session=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
         mcp.close()
     return 0

@@ -53,7 +53,7 @@ def test_cancel_with_no_orchestrator_removes_the_worktree_and_branch(repo):
     store = ferrus.Store(repo)
     task, path, branch = start_task(store)
     head = ferrus.target_head(repo, branch)
-    out = cli(repo, "task", "cancel", ferrus.short_task_id(task))
+    out = cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task))
     assert out.returncode == 0, out.stderr
     assert "Task %s cancelled. Removed its worktree %s and its branch %s" % (
         task, path, branch) in out.stdout
@@ -61,6 +61,58 @@ def test_cancel_with_no_orchestrator_removes_the_worktree_and_branch(repo):
     assert not os.path.exists(path) and branch not in branches(repo)
     assert ferrus.read_task_record(store.dir, task)["status"] == "cancelled"
     assert store.for_task(task).read_state().state == S.IDLE
+
+
+def test_cancel_saves_the_work_and_retry_goes_on_from_it(repo):
+    store = ferrus.Store(repo)
+    task, path, branch = start_task(store)
+    with open(os.path.join(path, "work.py"), "w") as handle:
+        handle.write("half done = 1\n")
+    os.unlink(os.path.join(path, "README.md"))
+    asked = cli(repo, "task", "cancel", ferrus.short_task_id(task))
+    assert asked.returncode == 2 and "pass --yes" in asked.stderr     # no terminal to ask
+    assert os.path.isdir(path)
+    out = cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task))
+    assert out.returncode == 0, out.stderr
+    record = ferrus.read_task_record(store.dir, task)
+    ref = record["saved"]["ref"]
+    assert ref.startswith("refs/ferrus/%s/saved-" % task)
+    command = "git branch ferrus-saved-%s %s" % (ferrus.short_task_id(task), ref)
+    assert "Its work is saved: `%s`" % command in out.stdout
+    assert not os.path.exists(path)
+    # The one command it names brings the work back.
+    subprocess.run(command.split(), cwd=repo, check=True)
+    assert git(repo, "show", "ferrus-saved-%s:work.py" % ferrus.short_task_id(task)
+               ).stdout == "half done = 1\n"
+    assert "README.md" not in git(repo, "ls-tree", "--name-only", ref).stdout
+    # Retried, the task goes on from it.
+    assert "goes on from its saved work" in cli(repo, "task", "retry", task).stdout
+    runner = ferrus.ParallelRunner(store, lambda m: None, 1)
+    runner.start()
+    assert runner._prepare_task(task)
+    again = ferrus.read_task_record(store.dir, task)["worktree"]
+    assert open(os.path.join(again, "work.py")).read() == "half done = 1\n"
+    assert not os.path.exists(os.path.join(again, "README.md"))
+    assert "work.py" in ferrus.op_diff(store.for_task(task), ferrus.HUMAN).text
+    runner.shutdown()
+
+
+def test_cancel_with_discard_drops_the_work(repo):
+    store = ferrus.Store(repo)
+    task, path, _ = start_task(store)
+    with open(os.path.join(path, "work.py"), "w") as handle:
+        handle.write("x = 1\n")
+    out = cli(repo, "task", "cancel", "--yes", "--discard", ferrus.short_task_id(task))
+    assert out.returncode == 0, out.stderr
+    assert "saved" not in out.stdout and not os.path.exists(path)
+    assert ferrus.task_refs(repo, task) == {}
+
+
+def test_cancel_of_a_task_without_work_saves_nothing(repo):
+    store = ferrus.Store(repo)
+    task, path, _ = start_task(store)
+    out = cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task))
+    assert "saved" not in out.stdout and ferrus.task_refs(repo, task) == {}
 
 
 def test_cancel_removes_a_failed_tasks_kept_worktree_even_while_a_run_goes_on(repo):
@@ -76,13 +128,13 @@ def test_cancel_removes_a_failed_tasks_kept_worktree_even_while_a_run_goes_on(re
         assert "Removed its worktree %s" % failed_path in out
         assert not os.path.exists(failed_path) and failed_branch not in branches(repo)
         # the running one is the run's to stop: cancel leaves its worktree to it
-        out = cli(repo, "task", "cancel", running).stdout
+        out = cli(repo, "task", "cancel", "--yes", running).stdout
         assert "Task %s cancelled." % running in out and "Removed" not in out
         assert "The running ferrus run (pid %d" % os.getpid() in out
         assert "stops its agents and removes its worktree and branch" in out
         assert os.path.isdir(running_path)
     # the run is gone and left it: cancelling again cleans up
-    out = cli(repo, "task", "cancel", running).stdout
+    out = cli(repo, "task", "cancel", "--yes", running).stdout
     assert "was already cancelled. Removed its worktree %s" % running_path in out
     assert sorted(branches(repo)) == ["main"]
 
@@ -102,7 +154,7 @@ def test_cancel_stops_the_agents_a_dead_orchestrator_left_on_that_task_only(repo
                                       "name": "executor", "pid": proc.pid, "status": "running",
                                       "session": ferrus.session_id_for_task(owner)}))
     try:
-        out = cli(repo, "task", "cancel", task)
+        out = cli(repo, "task", "cancel", "--yes", task)
         assert out.returncode == 0, out.stderr
         assert "stopped the executor (pid %d)" % agents[0].pid in out.stdout
         assert agents[0].wait(timeout=30) is not None
@@ -139,7 +191,7 @@ def test_a_cancel_from_another_shell_reaches_the_running_parallel_run(repo):
             agent = runner.controllers[task].running()[0].process
             record = ferrus.read_task_record(store.dir, task)
             assert os.path.isdir(record["worktree"])
-            out = cli(repo, "task", "cancel", ferrus.short_task_id(task))
+            out = cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task))
             assert out.returncode == 0, out.stderr
             assert "stops its agents and removes its worktree" in out.stdout
             step_until(runner, lambda: task not in runner.controllers, "the run to end the task")

@@ -22,7 +22,8 @@ def test_the_batch_is_prepared_side_by_side(repo, tmp_path):  # noqa: F811
     code, lines = run(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {task: "merged" for task in tasks}
-    assert sorted(os.listdir(str(arrived))) == sorted(tasks)
+    # Each task's worktree got it, and so did the merge gate's clean checkout.
+    assert sorted(os.listdir(str(arrived))) == sorted(tasks + [ferrus.GATE_FOLDER])
 
 
 def test_a_task_that_cannot_be_prepared_fails_alone_when_prepared_side_by_side(repo):  # noqa: F811

