@@ -85,6 +85,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -9631,36 +9632,117 @@ class Launch:
 class AgentEvent:
     """Something an agent's structured output reported."""
 
-    kind: str                 # tool_call | usage | session | limit | model_output | tool_result
-    name: str = ""            # tool_call: the tool; session: the model, when reported
-    ok: "bool | None" = None
+    # tool_call | tool_result | said | usage | session | limit | model_output
+    kind: str
+    # tool_call, tool_result: the tool (as the CLI names it); session: the model, when
+    # reported; said: "delta" when the text goes on the message before it (Gemini streams
+    # a message in pieces)
+    name: str = ""
+    ok: "bool | None" = None  # tool_call, tool_result: whether the call worked, when known
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
+    # usage: its message ("" for none); tool_call: tool_summary; tool_result: why it
+    # failed (one line); said: what the model wrote
+    text: str = ""
     cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
     total: bool = False       # usage: the session's totals so far, replacing earlier counts
     turns: int = 0            # usage with total: the session's model turns, when reported
     context_tokens: int = 0   # usage: the context this turn's request held (0: not reported)
+    call_id: str = ""         # tool_call, tool_result: the id that pairs a result with its call
 
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
                       "query", "description", "prompt", "content", "notes", "question",
                       "response")
-_MCP_TOOL_NAME = re.compile(r"^mcp__(.+?)__(.+)$")
+# An MCP tool as each CLI names it: Claude Code and Qwen Code mcp__SERVER__TOOL, Gemini
+# CLI mcp_SERVER_TOOL (its server names carry no "_"), Codex's parser SERVER/TOOL.
+_MCP_TOOL_NAMES = (re.compile(r"^mcp__(.+?)__(.+)$"), re.compile(r"^mcp_([^_]+)_(.+)$"),
+                   re.compile(r"^([^/\s]+)/([^/\s]+)$"))
+
+# Each CLI's own tools under the one name ferrus shows, whichever CLI made the call
+# (Claude Code's names, a shell is a Shell).  A tool not listed keeps its own name.
+TOOL_NAMES = {
+    "Bash": "Shell", "run_shell_command": "Shell", "shell": "Shell",
+    "exec_command": "Shell", "local_shell": "Shell",
+    "Read": "Read", "read_file": "Read", "read_many_files": "Read",
+    "Write": "Write", "write_file": "Write",
+    "Edit": "Edit", "MultiEdit": "Edit", "NotebookEdit": "Edit", "edit": "Edit",
+    "replace": "Edit", "apply_patch": "Edit",
+    "Glob": "Glob", "glob": "Glob",
+    "Grep": "Grep", "grep_search": "Grep", "search_file_content": "Grep",
+    "LS": "List", "list_directory": "List",
+    "WebFetch": "WebFetch", "web_fetch": "WebFetch",
+    "WebSearch": "WebSearch", "google_web_search": "WebSearch", "web_search": "WebSearch",
+    "TodoWrite": "Todo", "todo_write": "Todo", "write_todos": "Todo",
+    "Task": "Agent", "Agent": "Agent", "agent": "Agent", "invoke_agent": "Agent",
+}
+
+
+def tool_display_name(name):
+    """The name a tool call is shown under: ferrus's own MCP tools as ``ferrus submit``,
+    another MCP server's as ``server/tool``, each CLI's own tools by TOOL_NAMES."""
+    name = str(name or "")
+    if name in TOOL_NAMES:
+        return TOOL_NAMES[name]
+    for pattern in _MCP_TOOL_NAMES:
+        match = pattern.match(name)
+        if match:
+            server, tool = match.groups()
+            return "ferrus %s" % tool if server.startswith("ferrus") else "%s/%s" % (server,
+                                                                                     tool)
+    return name
 
 
 def tool_line(slot, name, summary, root=None):
-    """One tool call as a progress line: ``executor ▸ Write  src/a.py``.  An MCP tool is
-    named by its server and tool (ferrus's own as ``ferrus submit``); paths under the
-    project root are shown relative to it."""
-    match = _MCP_TOOL_NAME.match(name or "")
-    if match:
-        server, tool = match.groups()
-        name = "ferrus %s" % tool if server.startswith("ferrus") else "%s/%s" % (server, tool)
+    """One tool call as a progress line: ``executor ▸ Write  src/a.py`` (the tool named by
+    tool_display_name); paths under the project root are shown relative to it."""
     if root and summary:
         summary = summary.replace(os.path.join(root, ""), "")
-    return "%s ▸ %s%s" % (slot, name, "  " + summary if summary else "")
+    return "%s ▸ %s%s" % (slot, tool_display_name(name), "  " + summary if summary else "")
+
+
+# A tool result that says the agent was not allowed the call, as the CLIs word it.
+_TOOL_DENIED = re.compile(
+    r"requires? (?:approval|permission)|permission (?:was )?(?:declined|denied)|"
+    r"not enabled in this context|was blocked|not allowed|rejected by user approval|"
+    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)", re.IGNORECASE)
+TOOL_REASON_CHARS = 240
+
+
+def tool_failure_line(slot, name, reason, root=None):
+    """A failed tool call as a progress line: ``executor ✗ Shell failed: exit 2: …``
+    (``denied`` when the agent was not allowed the call)."""
+    if root and reason:
+        reason = reason.replace(os.path.join(root, ""), "")
+    return "%s ✗ %s %s%s" % (slot, tool_display_name(name) or "a tool",
+                             "denied" if tool_denied(reason) else "failed",
+                             ": " + reason if reason else "")
+
+
+def tool_denied(reason):
+    """Whether a failed tool call's reason says the agent was not allowed it."""
+    return bool(_TOOL_DENIED.search(reason or ""))
+
+
+def tool_reason(value, width=TOOL_REASON_CHARS):
+    """Why a tool call failed, as one line: the text of a CLI's tool result (a string, or
+    content blocks), its markup and a wrapped MCP error's JSON taken off, cut to ``width``."""
+    if isinstance(value, list):
+        value = " ".join(block.get("text", "") if isinstance(block, dict) else str(block)
+                         for block in value)
+    elif isinstance(value, dict):
+        value = value.get("message") or value.get("text") or compact_json(value)
+    text = re.sub(r"</?tool_use_error>", "", str(value or ""))
+    wrapped = text.find(" with response: ")
+    if wrapped >= 0:
+        # Gemini CLI and Qwen Code wrap an MCP tool's error in the JSON of the call.
+        with contextlib.suppress(ValueError):
+            texts = re.findall(r'"text"\s*:\s*("(?:[^"\\]|\\.)*")', text[wrapped:])
+            if texts:
+                text = " ".join(json.loads(piece) for piece in texts)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def tool_summary(arguments, width=100):
@@ -10259,16 +10341,32 @@ def _parse_claude_style(line):
         for block in message.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
-                                         text=tool_summary(block.get("input"))))
+                                         text=tool_summary(block.get("input")),
+                                         call_id=str(block.get("id") or "")))
+            elif isinstance(block, dict) and block.get("type") == "text" and \
+                    str(block.get("text") or "").strip():
+                events.append(AgentEvent("said", text=str(block["text"])))
         usage = message.get("usage") or {}
         if isinstance(usage, dict) and usage:
             # One request's usage: its input is the whole context the model read.
             event = _claude_usage(usage, text=str(message.get("id") or ""))
             event.context_tokens = event.input_tokens
             events.append(event)
+    elif kind == "user":
+        # The results of the tool calls, the failed ones with why (a denied call too).
+        message = event.get("message") or {}
+        for block in message.get("content") or [] if isinstance(message, dict) else []:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                failed = block.get("is_error") is True
+                events.append(AgentEvent("tool_result", ok=not failed,
+                                         call_id=str(block.get("tool_use_id") or ""),
+                                         text=tool_reason(block.get("content")) if failed
+                                         else ""))
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
+        if event.get("is_error") and text.strip():
+            events.append(AgentEvent("said", text=text))    # the error it ended with
         usage, cost = event.get("usage"), event.get("total_cost_usd", event.get("cost_usd"))
         cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
             else None
@@ -10499,27 +10597,68 @@ class Codex(AgentAdapter):
         if kind == "thread.started":
             return [AgentEvent("session", text=str(event.get("thread_id", "")))]
         if kind == "item.completed":
-            item = event.get("item") or {}
-            if item.get("type") == "mcp_tool_call":
-                return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
-                                   ok=item.get("status") == "completed",
-                                   text=tool_summary(item.get("arguments")))]
-            # Codex's own tools: a shell command, or file edits (its apply_patch).
-            if item.get("type") == "command_execution":
-                return [AgentEvent("tool_call", name="shell", ok=item.get("exit_code") == 0,
-                                   text=tool_summary({"command": item.get("command")}))]
-            if item.get("type") == "file_change":
-                paths = [c.get("path") for c in item.get("changes") or []
-                         if isinstance(c, dict) and isinstance(c.get("path"), str)]
-                return [AgentEvent("tool_call", name="edit", ok=item.get("status") == "completed",
-                                   text=tool_summary({"path": paths}))]
+            return self._completed_item(event.get("item") or {})
         if kind == "turn.completed":
             usage = event.get("usage") or {}
             return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
                                output_tokens=int(usage.get("output_tokens") or 0))]
         if kind in ("turn.failed", "error"):
-            return _limit_events(json.dumps(event))
+            said = (event.get("error") or {}).get("message") if isinstance(
+                event.get("error"), dict) else event.get("message")
+            return _limit_events(json.dumps(event)) + (
+                [AgentEvent("said", text=str(said))] if said else [])
         return []
+
+    @staticmethod
+    def _completed_item(item):
+        """Codex reports a tool call once, when it ended: the call and, when it failed,
+        its result with why."""
+        kind, item_id = item.get("type"), str(item.get("id") or "")
+        if kind == "agent_message" and str(item.get("text") or "").strip():
+            return [AgentEvent("said", text=str(item["text"]))]
+        if kind == "mcp_tool_call":
+            name, ok = "%s/%s" % (item.get("server"), item.get("tool")), \
+                item.get("status") == "completed"
+            result = item.get("result") if isinstance(item.get("result"), dict) else {}
+            reason = tool_reason(item.get("error") or result.get("content"))
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary(item.get("arguments")))
+        # Codex's own tools: a shell command, or file edits (its apply_patch).
+        elif kind == "command_execution":
+            name, ok = "shell", item.get("exit_code") == 0
+            output = [line for line in str(item.get("aggregated_output") or "").splitlines()
+                      if line.strip()]
+            reason = tool_reason("exit %s%s" % (item.get("exit_code"), ": " + " ".join(
+                output[-3:]) if output else ""))
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary({"command": _unwrap_shell(item.get("command"))}))
+        elif kind == "file_change":
+            paths = [c.get("path") for c in item.get("changes") or []
+                     if isinstance(c, dict) and isinstance(c.get("path"), str)]
+            name, ok = "apply_patch", item.get("status") == "completed"
+            reason = "the patch was not applied (status %s)" % item.get("status")
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary({"path": paths}))
+        else:
+            return []
+        return [call, AgentEvent("tool_result", name=name, ok=ok, call_id=item_id,
+                                 text="" if ok else reason)]
+
+
+# How Codex runs a model's command: the shell wrapper around it says nothing.
+_SHELL_WRAPPER = re.compile(r"^(?:/usr)?(?:/bin/)?(?:ba|z)?sh -l?c ")
+
+
+def _unwrap_shell(command):
+    """``/bin/bash -lc 'cat a.txt'`` as ``cat a.txt`` (the command the model gave)."""
+    if not isinstance(command, str) or not _SHELL_WRAPPER.match(command):
+        return command
+    rest = _SHELL_WRAPPER.sub("", command, count=1)
+    with contextlib.suppress(ValueError):
+        parts = shlex.split(rest)
+        if len(parts) == 1:
+            return parts[0]
+    return rest
 
 
 class _SettingsJsonAgent(AgentAdapter):
@@ -10680,16 +10819,27 @@ class GeminiCli(_SettingsJsonAgent):
         # prompt or tool results (see UsageTally).
         if kind == "tool_use":
             return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
-                               text=tool_summary(event.get("parameters"))),
+                               text=tool_summary(event.get("parameters")),
+                               call_id=str(event.get("tool_id") or "")),
                     AgentEvent("model_output")]
         if kind == "message" and event.get("role") == "assistant":
-            return [AgentEvent("model_output")]
+            said = str(event.get("content") or "")
+            return [AgentEvent("model_output")] + ([AgentEvent(
+                "said", name="delta" if event.get("delta") else "", text=said)]
+                if said.strip() else [])
         if kind == "tool_result":
-            return [AgentEvent("tool_result")]
+            failed = event.get("status") == "error"
+            return [AgentEvent("tool_result", ok=not failed,
+                               call_id=str(event.get("tool_id") or ""),
+                               text=tool_reason(event.get("error") or event.get("output"))
+                               if failed else "")]
         if kind == "result":
             stats = event.get("stats") or {}
+            error = event.get("error")
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
-                               output_tokens=int(stats.get("output_tokens") or 0), total=True)]
+                               output_tokens=int(stats.get("output_tokens") or 0), total=True)
+                    ] + ([AgentEvent("said", text=tool_reason(error, 1000))]
+                         if event.get("status") == "error" and error else [])
         return []
 
 
@@ -11610,6 +11760,26 @@ def _spawn_error_hint(err):
     return ""
 
 
+class LastWords:
+    """The model's last message, folded from "said" AgentEvents: a new message replaces
+    it, a streamed piece of the same message (Gemini) goes on it; only its end is kept."""
+
+    CHARS = 2000
+
+    def __init__(self):
+        self.text = ""
+        self._open = False        # the event before was a piece of what the model wrote
+
+    def add(self, event):
+        if event.kind == "said":
+            words = self.text + event.text if event.name == "delta" and self._open \
+                else event.text
+            self.text = words[-self.CHARS:]
+            self._open = True
+        elif event.kind in ("tool_call", "tool_result"):
+            self._open = False
+
+
 class AgentProcess:
     """One running agent CLI: its process, its raw log, and what its output said."""
 
@@ -11619,6 +11789,7 @@ class AgentProcess:
         self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
         self.last_text = ""        # the last line that was not a JSON event, for heartbeats
+        self.said = LastWords()    # the model's last message, as the output said
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
@@ -11659,10 +11830,15 @@ class AgentProcess:
                         self.events.extend(events)
                         for event in events:
                             self.tally.add(event)
+                            self.said.add(event)
                         if self.fatal is None:
                             self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
                         log.debug("unparsable agent output line", exc_info=True)
+
+    @property
+    def last_words(self):
+        return self.said.text
 
     def exited(self):
         return self.proc.poll() is not None and not self.reader.is_alive()
@@ -11708,9 +11884,21 @@ PROGRESS_EVENTS = (
     "confirmation",    # the reviewer approved and [hq] human_review waits for the human
     "answer",          # a human answered: answer
     "tool_call",       # an agent called a tool: slot, tool, input
+    "tool_failed",     # an agent's tool call failed or was denied: slot, tool, input,
+                       # reason, denied
     "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
     "session",         # an agent started, exited, backs off or is stopped: slot
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
+
+
+LAST_WORDS_SHOWN = 300
+
+
+def last_words_tail(text, width=LAST_WORDS_SHOWN):
+    """The end of an agent's last message on one line ("" when it wrote none): where it
+    says why it stopped."""
+    words = " ".join((text or "").split())
+    return words if len(words) <= width else "…" + words[-(width - 1):]
 
 
 def first_lines(text, count=4, width=160):
@@ -11962,6 +12150,7 @@ class SessionSlot:
         self.tool_calls = 0
         self.started_at = None     # clock value when the running session started
         self.events_shown = 0      # how many of the process's events were reported
+        self.calls_by_id = {}      # call id -> (tool, input) of calls still without a result
         self.record = None         # the running session's record (.ferrus/sessions/)
         self.record_due = 0.0      # clock value after which changed counts are written
 
@@ -12762,6 +12951,7 @@ class HqController:
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
         slot.tool_calls = slot.events_shown = 0
+        slot.calls_by_id = {}
         slot.started_at = self.clock()
         # Said as soon as the process exists; its records follow.
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -12826,7 +13016,8 @@ class HqController:
             self._step(slot, SessionEvent("BackoffElapsed"))
 
     def _show_tool_calls(self, slot):
-        """One compact line per tool call the agent's streamed output reported."""
+        """One compact line per tool call the agent's streamed output reported, and one
+        more for each that failed or was denied, with why."""
         if slot.process is None:
             return
         events = slot.process.events[slot.events_shown:]
@@ -12834,26 +13025,38 @@ class HqController:
         for event in events:
             if event.kind == "tool_call":
                 line = tool_line(slot.name, event.name, event.text, self.store.root)
+                slot.calls_by_id[event.call_id] = (event.name, event.text)
                 self.emit(HqMessage("agent", line, "tool_call", {
-                    "slot": slot.name, "tool": event.name, "input": event.text,
-                    "ok": event.ok}))
+                    "slot": slot.name, "tool": tool_display_name(event.name),
+                    "input": event.text, "ok": event.ok}))
+            elif event.kind == "tool_result" and event.ok is False:
+                name, summary = slot.calls_by_id.pop(event.call_id, (event.name, ""))
+                line = tool_failure_line(slot.name, name, event.text, self.store.root)
+                self.emit(HqMessage("agent", line, "tool_failed", {
+                    "slot": slot.name, "tool": tool_display_name(name), "input": summary,
+                    "reason": event.text, "denied": tool_denied(event.text)}))
+            elif event.kind == "tool_result":
+                slot.calls_by_id.pop(event.call_id, None)
 
     def _on_exit(self, slot):
         process = slot.process
         code = process.finish()
+        self._show_tool_calls(slot)        # what it reported just before it ended
         slot.process = None
         self._record_agent(slot, "suspended")
         progressed = any(entry.get("event") in SLOT_PROGRESS[slot.name]
                          or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
                          for entry in self.store.read_journal(after_seq=slot.start_seq))
         limit = process.limit()
+        last_words = last_words_tail(process.last_words)
         self._close_record(slot, process, "usage limit" if limit and not progressed else
                            "success" if code == 0 and progressed else
                            "agent error" if process.fatal is not None and not progressed else
                            "no progress" if code == 0 else "error",
                            note=("resets %s" % limit if limit and not progressed else
                                  process.fatal[1] if process.fatal is not None and not progressed
-                                 else None))
+                                 else None if progressed else
+                                 "its last words: %s" % last_words if last_words else None))
         if limit and not progressed:
             wait = usage_limit_wait(limit)
             self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
@@ -12876,12 +13079,20 @@ class HqController:
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        said = "\n  its last words: %s" % last_words if last_words else \
+            "\n  it wrote nothing before it ended"
+        facts = {"slot": slot.name, "exit": code, "last_words": last_words,
+                 "log": self.store.relpath(process.log_path)}
         if code == 0:
-            self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
-                slot.name, " or ".join(SLOT_PROGRESS[slot.name][:2]))))
+            self.emit(HqMessage("warning", "the %s exited (exit 0) without calling %s; "
+                                           "restarting it%s" % (
+                                               slot.name,
+                                               " or ".join(SLOT_PROGRESS[slot.name][:2]), said),
+                                "session", facts))
         else:
-            self.emit(HqMessage("warning", "the %s exited with code %s; see %s" % (
-                slot.name, code, self.store.relpath(process.log_path))))
+            self.emit(HqMessage("warning", "the %s exited with code %s; see %s%s" % (
+                slot.name, code, self.store.relpath(process.log_path), said), "session",
+                facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
 
@@ -15470,14 +15681,23 @@ class PipelineOrchestrator:
             if watched["parse"] is not None:
                 with contextlib.suppress(Exception):   # a parser never stops the loop
                     events = watched["parse"](line)
+            calls = watched.setdefault("calls_by_id", {})
             for event in events:
                 if event.kind == "tool_call":
                     watched["calls"] += 1
                     watched["shown"] = self.clock()
+                    calls[event.call_id] = event.name
                     line = tool_line(role, event.name, event.text, self.store.root)
                     self.emit(HqMessage("agent", line, "tool_call", {
-                        "run": run.name, "slot": role, "tool": event.name, "input": event.text,
-                        "ok": event.ok}))
+                        "run": run.name, "slot": role, "tool": tool_display_name(event.name),
+                        "input": event.text, "ok": event.ok}))
+                elif event.kind == "tool_result":
+                    name = calls.pop(event.call_id, event.name)
+                    if event.ok is False:
+                        self.emit(HqMessage("agent", tool_failure_line(
+                            role, name, event.text, self.store.root), "tool_failed", {
+                                "run": run.name, "slot": role, "tool": tool_display_name(name),
+                                "reason": event.text, "denied": tool_denied(event.text)}))
 
 
 WORKFLOWS_EXAMPLE = {
