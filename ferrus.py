@@ -2654,11 +2654,31 @@ PHASE_TRANSITIONS = {
 }
 
 
+# What each phase is doing, for people: the phase codes are for the record and the code.
+PHASE_WORDS = ("checking the repository (and recovering a run that stopped)",
+               "choosing the next queued tasks", "preparing the tasks' worktrees",
+               "starting the tasks' agents", "the agents are at work",
+               "merging approved tasks into the target branch", "reporting how tasks ended",
+               "cleaning up")
+
+
+def _is_phase(phase):
+    return isinstance(phase, int) and not isinstance(phase, bool) and \
+        0 <= phase < len(PHASE_NAMES)
+
+
 def phase_label(phase):
-    """``P3 dispatch``, or the bare value when it names no phase."""
-    if isinstance(phase, int) and not isinstance(phase, bool) and 0 <= phase < len(PHASE_NAMES):
+    """``P3 dispatch``, or the bare value when it names no phase (for the record; people
+    read phase_words)."""
+    if _is_phase(phase):
         return "P%d %s" % (phase, PHASE_NAMES[phase])
     return repr(phase)
+
+
+def phase_words(phase):
+    """What a parallel run does in ``phase``, in words: ``merging approved tasks into the
+    target branch``."""
+    return PHASE_WORDS[phase] if _is_phase(phase) else "an unknown step (%r)" % (phase,)
 
 
 class InvalidPhaseTransition(FerrusError):
@@ -3642,6 +3662,78 @@ class CheckRun:
             out.append("\n")
         out.append("Full log: `%s`" % self.log_path)
         return "".join(out)
+
+
+# How many of a red command's last lines a one-screen report shows.
+CHECK_TAIL_SHOWN = 8
+
+
+def failed_check_facts(result):
+    """A red check command's facts (a CommandResult): what a send-back or a red base
+    shows, and --json carries."""
+    return {"command": result.command, "status": result.status, "exit": result.exit_code,
+            "log": result.log_path, "tail": list(result.tail[-CHECK_TAIL_SHOWN:])}
+
+
+def describe_failed_check(fact):
+    """``check failed: pytest -q (exit 1); log .ferrus/logs/…`` and its last lines."""
+    status = fact.get("status") or "failed"
+    note = " (exit %s)" % fact["exit"] if status == "failed" and fact.get("exit") is not None \
+        else ""
+    text = "    check %s: %s%s; log %s" % (status, fact.get("command"), note,
+                                           fact.get("log") or "-")
+    tail = fact.get("tail") or ["(it printed nothing)"]
+    return text + "".join("\n        │ " + line for line in tail)
+
+
+# Words a POSIX shell runs itself: never looked for on PATH.
+SHELL_BUILTINS = frozenset((
+    "!", ".", ":", "[", "[[", "alias", "bg", "break", "case", "cd", "command", "continue",
+    "do", "done", "echo", "elif", "else", "esac", "eval", "exec", "exit", "export", "false",
+    "fg", "fi", "for", "function", "getopts", "hash", "if", "jobs", "kill", "local", "printf",
+    "pwd", "read", "readonly", "return", "set", "shift", "source", "test", "then", "time",
+    "times", "trap", "true", "type", "ulimit", "umask", "unalias", "unset", "until", "wait",
+    "while", "{", "}"))
+# Tokens after which a shell expects a command.
+_SHELL_SEPARATORS = frozenset(("&&", "||", ";", "|", "&", "(", ")", "!", "{", "do", "then",
+                               "else", "elif", "if", "while", "until", "time"))
+
+
+def missing_check_programs(root, command):
+    """The programs a [checks] command names that cannot be found: neither on PATH nor,
+    for a path, a file under ``root`` — what would make the shell say "not found".  Only
+    plain words in command position are judged; anything the shell expands ($VAR,
+    `…`, globs) is left alone, so a command that merely looks odd is never reported."""
+    if IS_WINDOWS:  # pragma: no cover  (cmd.exe quoting is another language)
+        return []
+    try:
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)
+    except ValueError:
+        return []                 # unbalanced quotes: the check itself will say so
+    missing, expect = [], True
+    for word in words:
+        if word in _SHELL_SEPARATORS or set(word) <= set("&|;()"):
+            expect = True
+            continue
+        if not expect:
+            continue
+        if re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", word):
+            continue              # VAR=value before the command
+        expect = False
+        if word in SHELL_BUILTINS or any(c in word for c in "$`*?[~<>") or not word:
+            continue
+        if "/" in word:
+            if "cd" in words[:words.index(word)] and not os.path.isabs(word):
+                continue          # relative to a folder the command moved to
+            path = os.path.join(root, word)
+            found = os.path.isfile(path) and os.access(path, os.X_OK)
+        else:
+            found = shutil.which(word) is not None
+        if not found and word not in missing:
+            missing.append(word)
+    return missing
 
 
 def _log_description(result):
@@ -7566,6 +7658,187 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
 
 
+# -- the gate tried on the base, before any agent starts ----------------------------------
+#
+# `ferrus run` runs the checks once on the untouched base a task starts from: a command
+# that cannot run, or a base that is already red, would otherwise be found only by the
+# executor, session after session.  A green verdict is kept in .ferrus/base-checks.json
+# for the commit and the commands it was reached with, so the same base is checked once.
+
+BASE_CHECKS_FILE = "base-checks.json"
+BASE_CHECKS_KEPT = 20
+# Exit statuses of a shell that could not run a command (POSIX sh: not found, not
+# executable; cmd.exe: "is not recognized").
+CANNOT_RUN_EXITS = (126, 127, 9009)
+
+
+class RedBaseRefused(FerrusError):
+    """The checks fail on a task's base before any agent started, and the run stops."""
+
+
+@dataclasses.dataclass
+class BaseCheck:
+    """The check gate's verdict on a task's base, before any agent worked on it."""
+
+    passed: bool
+    commit: "str | None"          # the commit checked (None: a checkout with changes)
+    failed: list                  # failed_check_facts of each red command (setup first)
+    log: str = ""                 # the run's summary log, relative to the project root
+    checked_at: str = ""
+    cached: bool = False          # found in base-checks.json, not run now
+
+    def cannot_run(self):
+        """The failed commands the shell could not run at all (not found, not executable)."""
+        return [fact for fact in self.failed if fact.get("exit") in CANNOT_RUN_EXITS]
+
+    def to_json(self):
+        return {"passed": self.passed, "commit": self.commit, "failed": self.failed,
+                "log": self.log, "checked_at": self.checked_at}
+
+
+def _base_check_key(commit, commands, setup):
+    return {"commit": commit, "commands": list(commands), "setup": list(setup)}
+
+
+def cached_base_check(store, commit, commands, setup=()):
+    """The BaseCheck kept for ``commit`` checked with exactly these commands, or None."""
+    if not commit:
+        return None
+    key = _base_check_key(commit, commands, setup)
+    for entry in reversed(_read_base_checks(store)):
+        if all(entry.get(name) == value for name, value in key.items()):
+            return BaseCheck(bool(entry.get("passed")), commit, [
+                fact for fact in entry.get("failed") or [] if isinstance(fact, dict)],
+                str(entry.get("log") or ""), str(entry.get("checked_at") or ""), cached=True)
+    return None
+
+
+def _read_base_checks(store):
+    try:
+        data = json.loads(read_text(store.path(BASE_CHECKS_FILE), default="") or "{}")
+    except (ValueError, OSError):
+        return []
+    entries = data.get("checks") if isinstance(data, dict) else None
+    return [entry for entry in entries or [] if isinstance(entry, dict)]
+
+
+def _keep_base_check(store, result, commands, setup):
+    entry = dict(_base_check_key(result.commit, commands, setup), **result.to_json())
+    with store.lock():
+        entries = [e for e in _read_base_checks(store)
+                   if any(e.get(name) != value for name, value in
+                          _base_check_key(result.commit, commands, setup).items())]
+        atomic_write(store.path(BASE_CHECKS_FILE), pretty_json(
+            {"checks": (entries + [entry])[-BASE_CHECKS_KEPT:]}))
+
+
+def check_base(store, commit, checkout=None, setup=(), cancel=None):
+    """Run the check gate on a task's base before any agent starts; a BaseCheck.
+
+    ``checkout`` is where the base is checked out as it is (the project's own checkout
+    for a single task); None makes a clean one: a temporary detached worktree of
+    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
+    [parallel] setup commands) runs first, removed afterwards.  With a ``commit`` a green
+    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
+    with uncommitted changes) is checked every time."""
+    config = store.config()
+    commands = list(config.checks.commands)
+    found = cached_base_check(store, commit, commands, setup)
+    if found is not None:
+        return found
+    if checkout is None:
+        with _clean_checkout(store, commit) as clean:
+            result = _run_base_checks(store, clean, commit, setup, cancel)
+    else:
+        result = _run_base_checks(store, checkout, commit, (), cancel)
+    # Only a green verdict is kept: a red one is tried again, as what fixes it (a tool
+    # installed, a file made) need not change the commit.
+    if commit and result.passed and not (cancel is not None and cancel.is_set()):
+        with contextlib.suppress(OSError):       # a verdict not kept is checked again
+            _keep_base_check(store, result, commands, setup)
+    return result
+
+
+def _run_base_checks(store, checkout, commit, setup, cancel):
+    config = store.config()
+    keep = config.limits.max_feedback_lines
+    failed, log_path = [], ""
+    if setup:
+        steps = dataclasses.replace(config.checks, commands=list(setup), parallel=False,
+                                    fail_fast=True)
+        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root)
+        failed = [dict(failed_check_facts(r), setup=True) for r in run.failed]
+        log_path = run.log_path
+    if not failed:
+        run = run_checks(checkout, config.checks, store.path("logs"), 0, keep, cancel,
+                         store.root)
+        failed = [failed_check_facts(r) for r in run.failed]
+        log_path = run.log_path
+    return BaseCheck(not failed, commit, failed, log_path,
+                     format_timestamp(store.clock()))
+
+
+@contextlib.contextmanager
+def _clean_checkout(store, commit):
+    """A temporary detached worktree of ``commit`` (the project's folder in it when the
+    project is a subfolder of its repository), removed on the way out."""
+    repo = git_repository(store.root)
+    folder = default_worktree_dir(store.root, store.config().parallel.worktree_dir)
+    path = os.path.join(folder, "base-check-%s" % commit[:12])
+    _remove_clean_checkout(store.root, path)        # one a crashed run left
+    os.makedirs(folder, exist_ok=True)
+    run_git(store.root, ["worktree", "add", "--detach", "--force", path, commit])
+    try:
+        inside = os.path.relpath(store.root, repo.toplevel)
+        yield path if inside == "." else os.path.join(path, inside)
+    finally:
+        _remove_clean_checkout(store.root, path)
+
+
+def _remove_clean_checkout(root, path):
+    with contextlib.suppress(FerrusError):
+        run_git(root, ["worktree", "remove", "--force", path], ok=(0, 128))
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FerrusError):
+        run_git(root, ["worktree", "prune"])
+
+
+def describe_base_check(result, where):
+    """The lines that say what failed on the base ``where`` (``main at 3fa2c1``)."""
+    lines = ["the checks fail on %s, before any agent started:" % where]
+    for fact in result.failed:
+        text = describe_failed_check(fact)
+        if fact.get("exit") in CANNOT_RUN_EXITS:
+            text = text.replace("(exit %s)" % fact["exit"], "(exit %s: the command could not "
+                                "run — not found or not executable)" % fact["exit"], 1)
+        if fact.get("setup"):
+            text = text.replace("    check ", "    [parallel] setup ", 1)
+        lines.append(text)
+    return lines
+
+
+RED_BASE_MARK = "\n\n---\nNote from ferrus: before this task started, "
+
+
+def without_red_base_note(text):
+    """A task's text without the red_base_note an earlier start added to it."""
+    return text.split(RED_BASE_MARK, 1)[0]
+
+
+def red_base_note(result, where):
+    """What the executor is told with its task when it starts on a red base."""
+    parts = [RED_BASE_MARK + "these checks already "
+             "failed on its base (%s), with no change of yours; the check gate still needs "
+             "every check to pass:" % where]
+    for fact in result.failed:
+        parts.append("- `%s`%s%s" % (fact.get("command"), " (exit %s)" % fact["exit"]
+                                      if fact.get("exit") is not None else "",
+                                      " ([parallel] setup)" if fact.get("setup") else ""))
+        parts += ["    " + line for line in (fact.get("tail") or [])[-CHECK_TAIL_SHOWN:]]
+    return "\n".join(parts) + "\n"
+
+
 # -- the task queue (ARCHITECTURE.md, 'Parallel tasks') ------------------------------------
 #
 # `ferrus task add`, the supervisor's enqueue_task and HQ's /task add put a task in the
@@ -7579,8 +7852,28 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
 TASK_BRANCH_PREFIX = "ferrus/"
 QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
     "queued", "running", "merged", "done", "failed", "cancelled")
+# Approved, but its work changed nothing: there was nothing to merge (or commit).
+UNCHANGED_STATUS = "unchanged"
+# Statuses of an approved task.
+APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS)
 # Statuses of a task that no orchestrator will take up again.
-ENDED_STATUSES = (MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS)
+ENDED_STATUSES = APPROVED_STATUSES + (FAILED_STATUS, CANCELLED_STATUS)
+# The order statuses are counted and listed in.
+TASK_STATUS_ORDER = (RUNNING_STATUS, QUEUED_STATUS) + ENDED_STATUSES
+# How a status reads where it is not the status word itself.
+TASK_STATUS_WORDS = {UNCHANGED_STATUS: "approved (no change)"}
+
+
+def status_word(status):
+    """A task status as people read it: ``approved (no change)`` for unchanged."""
+    return TASK_STATUS_WORDS.get(status, status or "?")
+
+
+def count_statuses(statuses):
+    """``2 running, 1 merged, 1 approved (no change)``: how many tasks have each status."""
+    counts = collections.Counter(statuses)
+    return ", ".join("%d %s" % (counts[status], status_word(status))
+                     for status in TASK_STATUS_ORDER if counts[status])
 TASK_TITLE_CHARS = 72
 
 
@@ -7704,6 +7997,11 @@ def diff_store_of(store, task):
     not started, or its worktree gone."""
     record = read_task_record(store.dir, task)
     status = record.get("status")
+    if status == UNCHANGED_STATUS:
+        raise FerrusError("task %s was approved and changed nothing: it has no diff, and "
+                          "nothing was merged" % short_task_id(task),
+                          "`ferrus log --task %s` shows what happened to it"
+                          % short_task_id(task))
     if status == MERGED_STATUS:
         merged = record.get("merged_commit") or ""
         raise FerrusError("task %s is merged%s%s; its worktree and branch were removed" % (
@@ -7723,6 +8021,40 @@ def diff_store_of(store, task):
             "`ferrus log --task %s` shows what happened to it; `ferrus doctor` lists "
             "orphaned tasks and worktrees" % short_task_id(task))
     return task_store
+
+
+def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192 * 1024,
+                        tail_bytes=32 * 1024):
+    """What merged task ``task`` changed: its merged commit against the target's head it
+    was merged onto (the commit's parent when that is not recorded) — `git show` of the
+    task's one commit.  Its worktree and branch are gone; the commit stays."""
+    record = read_task_record(store.dir, task)
+    commit = record.get("merged_commit") or ""
+    base = (record.get("integration") or {}).get("target_head") or commit + "^"
+    args = ["diff", "--find-renames", "--stat" if stat_only else "--patch-with-stat", base,
+            commit, "--"] + list(paths or [])
+    head, tail, total = stream_git(store.root, args, head_bytes, tail_bytes)
+    text = os.fsdecode(bytes(head))
+    if tail:
+        text += "\n[… %d bytes not shown …]\n%s" % (total - len(head) - len(tail),
+                                                    os.fsdecode(bytes(tail)))
+    title = "Task %s merged into %s at %s (%s..%s)" % (
+        short_task_id(task), record.get("target") or "its target", commit[:12], base[:12],
+        commit[:12])
+    return _outcome("%s\n\n%s" % (title, text.rstrip("\n")), None, available=True,
+                    task_id=task, merged_commit=commit, base=base, target=record.get("target"),
+                    diff=text, cut=bool(tail))
+
+
+def op_task_diff(store, task=None, stat_only=False, paths=None):
+    """`ferrus diff` and HQ's /diff: the checkout's task (``task`` None), a queue task's
+    work in its worktree, or a merged task's merged commit (op_merged_task_diff)."""
+    record = read_task_record(store.dir, task) if task is not None else {}
+    if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
+        return op_merged_task_diff(store, task, stat_only, paths)
+    if task is not None:
+        store = diff_store_of(store, task)
+    return op_diff(store, HUMAN, stat_only=stat_only, paths=paths)
 
 
 def stores_awaiting_confirmation(store):
@@ -7867,9 +8199,11 @@ def op_enqueue_ready(store, caller, spec):
 
 
 def _refuse_ended(task, record):
-    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, record["status"]),
-                          "its work is on the target branch; nothing to cancel")
+    if record.get("status") in APPROVED_STATUSES:
+        raise FerrusError("task %s is already %s" % (task, status_word(record["status"])),
+                          "its work is on the target branch; nothing to cancel"
+                          if record["status"] != UNCHANGED_STATUS else
+                          "it was approved and changed nothing; nothing to cancel")
 
 
 def op_cancel_task(store, caller, task, remove_worktree=False):
@@ -7922,10 +8256,9 @@ def op_retry_task(store, caller, task):
     task = require_task_id(store, task)
     record = read_task_record(store.dir, task)
     status = record.get("status") or QUEUED_STATUS
-    if status in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, status),
-                          "its work is on the target branch; `ferrus task add` queues "
-                          "more work")
+    if status in APPROVED_STATUSES:
+        raise FerrusError("task %s is already %s" % (task, status_word(status)),
+                          "it was approved; `ferrus task add` queues more work")
     if status not in (FAILED_STATUS, CANCELLED_STATUS):
         raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
                           % (task, status), "`ferrus tasks` lists the tasks and their states")
@@ -8023,6 +8356,8 @@ def task_rows(store, tasks=None):
                                   .total_seconds())
         if record.get("integration"):
             row["integration"] = record["integration"]
+        if record.get("merged_commit"):
+            row["merged_commit"] = record["merged_commit"]
         rows.append(row)
     return rows
 
@@ -8075,7 +8410,7 @@ def task_elapsed(row, now):
 def task_state_word(row):
     """A task's place in one word: its state while it runs, else its queue status."""
     return row["state"] if row.get("status") == RUNNING_STATUS and row.get("state") \
-        else row.get("status") or "?"
+        else status_word(row.get("status"))
 
 
 # ============================================================================
@@ -11888,6 +12223,15 @@ PROGRESS_EVENTS = (
                        # reason, denied
     "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
     "session",         # an agent started, exited, backs off or is stopped: slot
+    "base_checks",     # the checks tried on a task's base before any agent started: passed,
+                       # commit, failed (command, status, exit, log, tail), log, cached
+    # A parallel task's integration (`ferrus run --parallel`), each with task_id, target:
+    "integrating",     # the merge queue took it up
+    "merged",          # the target moved to its work: commit, title
+    "unchanged",       # approved, and the target already had its work: nothing merged
+    "sent_back",       # back to its executor: cause, reason, failed (the red checks with
+                       # command, status, exit, log, tail), files
+    "conflict",        # back to its executor to resolve a conflict: files
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
 
 
@@ -12637,6 +12981,8 @@ class HqController:
                    "ask_human": ("awaiting_human", "QUESTION.md"),
                    "approve": ("complete", "TASK.md"), "human_approve": ("complete", "TASK.md"),
                    "human_reject": ("rejected", "REVIEW.md")}
+        if event in ("approve", "human_approve") and entry.get("to") == S.INTEGRATING.value:
+            return       # a parallel task is complete once merged: its runner announces it
         if event == "approve" and entry.get("to") == S.AWAITING_CONFIRMATION.value:
             # [hq] human_review: the reviewer approved and the human must confirm.
             self.notifier.notify("awaiting_human", task, "the reviewer approved; confirm with "
@@ -13386,9 +13732,11 @@ class ParallelRunner:
     here can)."""
 
     def __init__(self, store, emit, max_tasks=None, clock=time.monotonic, launcher=None,
-                 bell=None, ask=None, review=None):
+                 bell=None, ask=None, review=None, allow_red_base=False):
         self.store = store
         self._out = emit
+        self.allow_red_base = allow_red_base
+        self.base_note = ""            # what tasks are told of checks red on their base
         config = store.config()
         self.parallel = config.parallel
         self.max_tasks = max_tasks or self.parallel.max_tasks
@@ -13423,8 +13771,10 @@ class ParallelRunner:
             message.event = "run"
         self._out(message)
 
-    def note(self, text, level="info", **data):
-        self.emit(HqMessage(level, "ferrus run: " + text, "run", data))
+    def note(self, text, level="info", event="run", **data):
+        """One line of the run's own; ``event`` names it for `--json` (see PROGRESS_EVENTS:
+        integrating, merged, unchanged, sent_back, conflict), "run" for the rest."""
+        self.emit(HqMessage(level, "ferrus run: " + text, event, data))
 
     def _task_emitter(self, task):
         prefix = "[%s] " % short_task_id(task)
@@ -13474,7 +13824,7 @@ class ParallelRunner:
                 for controller in self.controllers.values():
                     controller.stop_all()
             self.note("capacity %s before %s: %s reached its limit; %s" % (
-                stop.action, phase_label(target), stop.record.get("signal") or "a signal",
+                stop.action, phase_words(target), stop.record.get("signal") or "a signal",
                 "every agent was stopped" if stop.action == EMERGENCY_STOP
                 else "nothing new starts"), "error", checkpoint=stop.record)
             self._save()
@@ -13543,6 +13893,7 @@ class ParallelRunner:
             self.note("resuming %d task%s a previous run left: %s" % (
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
+        self._check_base()
         interrupted = previous.get("phase") if not previous.get("ended") else None
         if isinstance(interrupted, int) and 1 <= interrupted <= 7:
             self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
@@ -13551,10 +13902,20 @@ class ParallelRunner:
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped in %s; going on from there"
-                      % phase_label(interrupted))
+            self.note("the previous run stopped while %s; going on from there"
+                      % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
+
+    def _check_base(self):
+        """Before any queued task starts: the checks on a clean checkout of the target's
+        head, after [parallel] setup (gate_base; a red one refuses the run unless
+        allow_red_base).  Tasks taken up again started before, from their own base."""
+        if not self.queued():
+            return
+        head = target_head(self.store.root, self.target)
+        self.base_note = gate_base(self.store, self.emit, "%s at %s" % (self.target, head[:12]),
+                                   head, self.allow_red_base, setup=self.parallel.setup)
 
     def _remove_leftovers(self):
         """The worktree and branch of a task that was merged or cancelled just before a
@@ -13564,8 +13925,8 @@ class ParallelRunner:
             for row in list_task_worktrees(self.store.root, TASK_BRANCH_PREFIX):
                 task = (row.get("branch") or "")[len(TASK_BRANCH_PREFIX):]
                 record = records.get(task) or {}
-                if row.get("main") or record.get("status") not in (MERGED_STATUS,
-                                                                   CANCELLED_STATUS):
+                if row.get("main") or record.get("status") not in (
+                        MERGED_STATUS, UNCHANGED_STATUS, CANCELLED_STATUS):
                     continue
                 try:
                     remove_task_worktree(self.store.root, row.get("path") or
@@ -13704,7 +14065,9 @@ class ParallelRunner:
             if task_store.read_state().state == S.IDLE:
                 self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
-                op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
+                op_create_task(task_store, ORCHESTRATOR,
+                               without_red_base_note(task_store.read_file("TASK.md")) +
+                               self.base_note,
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
         except FerrusError as err:
@@ -13986,7 +14349,8 @@ class ParallelRunner:
                 job["error"] = FerrusError("the integration of task %s failed: %s: %s" % (
                     task, type(err).__name__, err), "run with FERRUS_DEBUG=1 for the traceback")
         self.note("integrating task %s into %s (%s, then the checks on the result)" % (
-            short_task_id(task), self.target, self.parallel.integrate), task_id=task)
+            short_task_id(task), self.target, self.parallel.integrate), event="integrating",
+            task_id=task, target=self.target)
         job["thread"] = threading.Thread(target=work, daemon=True,
                                          name="ferrus-integrate-%s" % short_task_id(task))
         job["thread"].start()
@@ -14049,7 +14413,10 @@ class ParallelRunner:
                                 self.target, checks.report(
                                     self.store.config().limits.max_feedback_lines)),
                             cause="checks", failed=[r.command for r in checks.failed],
-                            onto=built.target_head)
+                            onto=built.target_head, checks=checks)
+            return
+        if built.status == "empty":     # approved, but nothing the target lacks: no merge
+            self._unchanged(task, built.target_head)
             return
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
@@ -14082,21 +14449,58 @@ class ParallelRunner:
                       "warning", task_id=task)
         self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
-    def _send_back(self, task, notes, onto=None, **detail):
+    def _send_back(self, task, notes, onto=None, checks=None, **detail):
         """``onto``: the target head the task's branch now sits on (None when the branch
-        did not move)."""
+        did not move); ``checks``: the merge gate's CheckRun when it was red, whose failing
+        commands are shown with their last lines and logs."""
         task_store = self.controllers[task].store
         outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, onto, **detail)
-        self.note("task %s goes back to its executor: %s" % (
-            short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
-                                  "checks": "the checks fail on the merged result"}.get(
-                detail.get("cause"), "its integration failed")),
-            "warning", task_id=task, state=outcome.data["state"])
+        cause, files = detail.get("cause"), [str(f) for f in detail.get("files") or []]
+        failed = [failed_check_facts(result) for result in checks.failed] \
+            if checks is not None else []
+        why = {"conflict": "it conflicts with %s in %s" % (
+                   self.target, ", ".join(files) or "files git named no more"),
+               "checks": "the checks fail on its work merged with %s" % self.target,
+               "markers": "git's conflict markers are still in %s" % ", ".join(files),
+               "config": "its work changes %s" % CONFIG_FILE,
+               "refused": first_lines(notes, 1, 300)[0] if notes.strip() else
+               "its integration was refused"}.get(cause, "its integration failed")
+        lines = ["task %s goes back to its executor: %s" % (short_task_id(task), why)]
+        lines += [describe_failed_check(fact) for fact in failed]
+        facts = {"task_id": task, "state": outcome.data["state"], "cause": cause,
+                 "reason": why, "target": self.target}
+        if cause == "conflict":
+            self.note("\n".join(lines), "warning", event="conflict", files=files, **facts)
+        else:
+            self.note("\n".join(lines), "warning", event="sent_back", failed=failed,
+                      files=files, **facts)
 
     def _merged(self, task, head):
+        if head is None and self._integrated_unchanged(task):
+            self._unchanged(task, None)    # a run that stopped before it recorded the end
+            return
         self.tasks_completed += 1
         self.waiting_said = None
         self._end_task(task, MERGED_STATUS, None, head=head)
+
+    def _unchanged(self, task, target_head):
+        """An approved task whose work the target already has: it ends Complete, nothing
+        is merged, and it is counted as approved with no change, never as merged."""
+        task_store = self.controllers[task].store
+        if task_store.read_state().state == S.INTEGRATING:
+            op_integrated(task_store, ORCHESTRATOR, target=self.target, unchanged=True,
+                          target_head=(target_head or "")[:12] or None)
+        self.tasks_completed += 1
+        self.waiting_said = None
+        self._end_task(task, UNCHANGED_STATUS, None)
+
+    def _integrated_unchanged(self, task):
+        """Whether ``task``'s newest integrated entry (read back a bounded stretch of the
+        journal) says it changed nothing."""
+        for entry in itertools.islice(self.store.journal_entries_backwards(), TASK_EVENT_SCAN):
+            if entry.get("task_id") == task and entry.get("event") == "integrated":
+                return bool((entry.get("detail") or {}).get("unchanged"))
+        return False
 
     # -- a task's end ---------------------------------------------------------------------
 
@@ -14106,13 +14510,23 @@ class ParallelRunner:
             controller.shutdown()
 
     def _end_task(self, task, status, reason, head=None):
-        """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
+        """Record how a task ended; a merged, unchanged or cancelled task's worktree and
+        branch go, a failed one's stay for a look (until `ferrus task cancel`; `doctor`
+        notes them).  An approved task's `complete` notification goes out now, once it is
+        merged (or known to change nothing), not at its approval."""
         if self.integration is not None and self.integration["task"] == task:
             self._stop_integration()        # its checks run in the worktree about to go
+        record = read_task_record(self.store.dir, task)
+        title = record.get("title", "")
+        said = {MERGED_STATUS: "merged into %s%s: %s" % (
+                    self.target, " at %s" % head[:12] if head else "", title),
+                UNCHANGED_STATUS: "approved, no change (%s already has its work): %s" % (
+                    self.target, title)}.get(status)
+        controller = self.controllers.get(task)
+        if said and controller is not None:
+            controller.notifier.notify("complete", task, said)
         self._stop_controller(task)
         self.waiting_human.discard(task)
-        record = read_task_record(self.store.dir, task)
         if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
             changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
             if reason:
@@ -14123,7 +14537,8 @@ class ParallelRunner:
             if reason:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
-        if status in (MERGED_STATUS, CANCELLED_STATUS) and record.get("worktree"):
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, CANCELLED_STATUS) and \
+                record.get("worktree"):
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
             except FerrusError as err:
@@ -14132,11 +14547,15 @@ class ParallelRunner:
                               short_task_id(task), record["worktree"], err.message),
                           "warning", task_id=task)
         self.ended[task] = status
-        title = record.get("title", "")
         if status == MERGED_STATUS:
-            self.note("task %s merged into %s%s: %s" % (
-                short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
-                task_id=task, status=status)
+            self.base_note = ""        # the target moved to a head the merge gate passed
+            self.note("task %s %s" % (short_task_id(task), said), event="merged",
+                      task_id=task, status=status, target=self.target, commit=head,
+                      title=title)
+        elif status == UNCHANGED_STATUS:
+            self.note("task %s %s — nothing to merge" % (short_task_id(task), said),
+                      event="unchanged", task_id=task, status=status, target=self.target,
+                      title=title)
         elif status == FAILED_STATUS:
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
@@ -14151,9 +14570,8 @@ class ParallelRunner:
 
     def _report(self):
         counts = collections.Counter(self.ended.values())
-        parts = ["%d %s" % (counts[s], s) for s in (MERGED_STATUS, FAILED_STATUS,
-                                                    CANCELLED_STATUS) if counts[s]]
-        self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
+        self.note("report: %s" % (count_statuses(self.ended.values()) or "no task ran"),
+                  counts=dict(counts))
         self.advance(7)
 
     def _cleanup(self):
@@ -14196,16 +14614,17 @@ class ParallelRunner:
 
 def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review=None,
                  clock=time.monotonic, poll_interval=0.02, launcher=None, mode="lines",
-                 bell=None):
+                 bell=None, allow_red_base=False):
     """`ferrus run --parallel N`: work the queue until it is empty.  Exit codes as
-    run_loop's: 0 every task merged, 1 one failed, 3 timeout or capacity checkpoint, 4 a
-    task waits for a human nobody here can be."""
+    run_loop's: 0 every task approved (merged, or with no change), 1 one failed, 3 timeout
+    or capacity checkpoint, 4 a task waits for a human nobody here can be.  The checks are
+    tried on the target's head before any agent starts (ParallelRunner.start)."""
     out = out or (lambda text: say(text, flush=True))
     show = run_printer(out, mode)
     if launcher is None:
         require_headless_agents(store)
     runner = ParallelRunner(store, show, max_tasks, clock=clock, launcher=launcher, bell=bell,
-                            ask=ask, review=review)
+                            ask=ask, review=review, allow_red_base=allow_red_base)
     started = clock()
     try:
         runner.start()
@@ -14217,8 +14636,8 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
                             exit=RUN_NEEDS_HUMAN)
                 return RUN_NEEDS_HUMAN
             if timeout is not None and clock() - started >= timeout:
-                runner.note("timed out after %s in %s" % (
-                    format_duration(timeout), phase_label(runner.machine.phase)),
+                runner.note("timed out after %s, while %s" % (
+                    format_duration(timeout), phase_words(runner.machine.phase)),
                     exit=RUN_TIMEOUT)
                 return RUN_TIMEOUT
             time.sleep(poll_interval)
@@ -14226,9 +14645,9 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
         runner.note("done: exit %d" % code, exit=code)
         return code
     except KeyboardInterrupt:
-        runner.note("interrupted in %s: the agents are stopped, every task stays as it is; "
-                    "`ferrus run --parallel %d` goes on with them" % (
-                        phase_label(runner.machine.phase), runner.max_tasks), "warning")
+        runner.note("interrupted while %s: the agents are stopped, every task stays as it "
+                    "is; `ferrus run --parallel %d` goes on with them" % (
+                        phase_words(runner.machine.phase), runner.max_tasks), "warning")
         raise
     finally:
         runner.shutdown()
@@ -14264,7 +14683,7 @@ def require_headless_agents(store):
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None, mode="lines", bell=None, task_id=None):
+             review=None, mode="lines", bell=None, task_id=None, allow_red_base=False):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
@@ -14273,12 +14692,14 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is
     the (spec, milestone id) the task implements; a Failed task is replaced only with
     ``reset``.  ``mode`` is one of RUN_OUTPUT_MODES; ``bell()`` rings the terminal's bell
-    for [notify].  Returns the exit code."""
+    for [notify].  A new task starts only once the checks were tried on the checkout
+    (gate_base): a red one stops the run unless ``allow_red_base``.  Returns the exit
+    code."""
     out = out or (lambda text: say(text, flush=True))
     show = run_printer(out, mode)
 
-    def note(text, **data):
-        show(HqMessage("info", "ferrus run: " + text, "run", data))
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
     data = store.read_state()
     controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
     if not controller.recheck_checkpoint():
@@ -14308,6 +14729,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "(`ferrus status` and `ferrus log` show what happened)")
         if launcher is None:            # real agents: they must be able to start at all
             require_headless_agents(store)
+        commit, where = checkout_base(store)
+        task += gate_base(store, show, where, commit, allow_red_base, checkout=store.workdir)
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
@@ -14315,9 +14738,10 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         created = op_create_task(store, HUMAN, task, origin=origin or (None, None),
                                  task_id=task_id)
         for warning in created.data.get("warnings", ()):
-            out("ferrus run: warning: %s" % warning)
+            note("warning: %s" % warning, "warning", warning=warning)
         if created.data.get("branch"):
-            out("ferrus run: the task works on the new git branch %s" % created.data["branch"])
+            note("the task works on the new git branch %s" % created.data["branch"],
+                 branch=created.data["branch"])
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -14326,7 +14750,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                          "pass --resume to continue it")
     started = clock()
     if not store.config().checks.commands:
-        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
+        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT), "warning",
+             warning=NO_CHECKS_WARNING)
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
     run_task = store.read_state().task_id
@@ -14399,14 +14824,115 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                  usage=used)
 
 
-def _record_checkout_end(store, task, code, reason):
-    """A queued task run in the checkout ended with exit ``code``: done, or failed with
-    ``reason``.  A cancel from another shell meanwhile stays a cancel."""
-    status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
+              cancel=None):
+    """The check gate tried on a task's base before any agent starts (see check_base),
+    told to ``emit`` as "base_checks" events.  A red base, or a command that cannot run,
+    stops here with a FerrusError unless ``allow_red``; then the text for the executor
+    that says which checks failed before it began is returned ("" on a green base)."""
+    def tell(level, text, **facts):
+        emit(HqMessage(level, "ferrus run: " + text, "base_checks", facts))
+    commands = store.config().checks.commands
+    if not commands:
+        return ""
+    if cached_base_check(store, commit, commands, setup) is None:
+        tell("info", "running the checks on %s before any agent starts (%d command%s%s)" % (
+            where, len(commands), "" if len(commands) == 1 else "s",
+            "; a pass is kept for this commit" if commit else ""), running=True)
+    result = check_base(store, commit, checkout, setup, cancel)
+    if result.passed:
+        tell("info", "the checks pass on %s%s" % (where, " (as when checked %s)" % (
+            result.checked_at) if result.cached else ""), cached=result.cached,
+            **result.to_json())
+        return ""
+    tell("warning" if allow_red else "error", "\n".join(describe_base_check(result, where)),
+         cached=result.cached, **result.to_json())
+    if not allow_red:
+        broken = result.cannot_run()
+        raise RedBaseRefused(
+            "no agent was started: the checks already fail on %s" % where,
+            ("`%s` could not run: fix it in [checks] of %s (`ferrus doctor` checks the "
+             "commands) — or pass --allow-red-base to start anyway" % (
+                 broken[0].get("command"), CONFIG_FILE)) if broken else
+            "fix what fails (the lines and logs above), or pass --allow-red-base to start "
+            "anyway: the executor is then told which checks failed before it began")
+    tell("warning", "going on anyway (--allow-red-base): the executor is told which checks "
+                    "failed before it began", allowed=True)
+    return red_base_note(result, where)
+
+
+def checkout_base(store):
+    """(commit, where) of the checkout a single task starts in: its HEAD commit, or None
+    when it has uncommitted changes (checked as it is, every time)."""
+    base, _ = record_task_base(store.workdir, task_diff_exclusions(store))
+    if not base.get("git"):
+        return None, "the project folder"
+    head = (base.get("commit") or "")[:12]
+    on = "%s at %s" % (base.get("branch") or "a detached HEAD", head or "no commit")
+    if base.get("dirty_count"):
+        return None, "the checkout (%s, with %d changed file%s)" % (
+            on, base["dirty_count"], "" if base["dirty_count"] == 1 else "s")
+    return base.get("commit"), "the checkout (%s)" % on
+
+
+def _record_checkout_end(store, task, code, reason, note=None):
+    """A queued task run in the checkout ended with exit ``code``: done — or unchanged,
+    approved while its diff is empty — or failed with ``reason``.  A cancel from another
+    shell meanwhile stays a cancel."""
+    status = FAILED_STATUS
+    if code == RUN_COMPLETE:
+        status = UNCHANGED_STATUS if _changed_nothing(store) else DONE_STATUS
     changes = {"status": status, "ended_at": format_timestamp(store.clock())}
     if status == FAILED_STATUS and reason:
         changes["reason"] = reason
-    update_task(store, HUMAN, task, "task_" + status, changes, only_from=(RUNNING_STATUS,))
+    if update_task(store, HUMAN, task, "task_" + status, changes,
+                   only_from=(RUNNING_STATUS,)) is not None and status == UNCHANGED_STATUS \
+            and note is not None:
+        note("task %s was approved, and it changed nothing (its diff is empty): approved, "
+             "no change" % short_task_id(task), "warning", task_id=task, status=status)
+
+
+def _changed_nothing(store):
+    """Whether the checkout's task changed nothing since its base (git says so; without
+    git nothing is known, and the task counts as done)."""
+    try:
+        return op_diff(store, stat_only=True).data.get("files") == []
+    except FerrusError:
+        return False
+
+
+def _branch_tasks_start_from(store):
+    """With [git] branch set: the branch the checkout is on as a queue's run begins, the
+    one each of its tasks starts from (None when there is none to keep to)."""
+    try:
+        if not store.config().git.branch:
+            return None
+        return current_branch(store.root)
+    except FerrusError:
+        return None
+
+
+def _back_to_home_branch(store, home, note):
+    """Before the next queued task: a checkout left on the previous task's branch ([git]
+    branch) goes back to ``home``, so the task starts from the user's branch, not from
+    the previous task's work.  A checkout with uncommitted changes stays where it is."""
+    if not home:
+        return
+    with contextlib.suppress(FerrusError):
+        branch = current_branch(store.root)
+        previous = (store.project_state().task_base or {}).get("task_branch")
+        if branch == home or branch != previous:
+            return
+        changed = worktree_changes(store.root, task_diff_exclusions(store))
+        if changed:
+            note("the next task starts on %s, the last task's branch, not on %s: the checkout "
+                 "has uncommitted changes (%s)" % (branch, home, ", ".join(
+                     map(display_path, changed[:3]))),
+                 "warning", branch=branch, home=home)
+            return
+        run_git(store.root, ["checkout", "-q", home])
+        note("back on %s, so the next task starts from it (the last task's work stays on "
+             "its branch %s)" % (home, branch), branch=home, left=branch)
 
 
 def run_queue(store, out=None, **run_options):
@@ -14414,7 +14940,12 @@ def run_queue(store, out=None, **run_options):
     turn, as the project's own task in the checkout (exactly `ferrus run --task`).  A
     failed task does not stop the queue; the exit code is the worst of the runs."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, run_options.get("mode", "lines"))
+
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
     worst = RUN_COMPLETE
+    home = _branch_tasks_start_from(store)
     for task, record in task_records(store):
         # A queued task an earlier run took up in the checkout: resumed, or recorded.
         if record.get("status") != RUNNING_STATUS or record.get("store") != "project":
@@ -14422,15 +14953,15 @@ def run_queue(store, out=None, **run_options):
         data = store.project_state()
         code = None
         if data.task_id == task and data.state in ACTIVE_STATES:
-            out("ferrus run: resuming task %s from the queue" % short_task_id(task))
+            note("resuming task %s from the queue" % short_task_id(task), task_id=task)
             code = run_loop(store, None, resume=True, out=out, **run_options)
         elif data.task_id == task and data.state in (S.COMPLETE, S.FAILED):
             code = RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
         elif not _created_since_taken(store, task):
             # The run that took it stopped before the task began: it was never worked on.
             _put_back_in_queue(store, task, "the run that took it stopped before it began")
-            out("ferrus run: task %s was taken by a run that stopped before it began; it is "
-                "back in the queue" % short_task_id(task))
+            note("task %s was taken by a run that stopped before it began; it is back in the "
+                 "queue" % short_task_id(task), task_id=task)
             continue
         if code is None:
             _record_checkout_end(store, task, RUN_FAILED, (
@@ -14438,7 +14969,7 @@ def run_queue(store, out=None, **run_options):
                 "what happened to it" % ("task %s" % data.task_id if data.task_id
                                          else "no task", data.state)))
         elif code in (RUN_COMPLETE, RUN_FAILED):
-            _record_checkout_end(store, task, code, data.failure_reason)
+            _record_checkout_end(store, task, code, data.failure_reason, note)
         if code not in (None, RUN_COMPLETE, RUN_FAILED):
             return code
         worst = max(worst, code or RUN_FAILED)
@@ -14454,8 +14985,10 @@ def run_queue(store, out=None, **run_options):
             return worst
         task, record = queued[0]
         origin = record.get("origin") or {}
-        out("ferrus run: task %s from the queue (%d left after it): %s" % (
-            short_task_id(task), len(queued) - 1, record.get("title", "")))
+        note("task %s from the queue (%d left after it): %s" % (
+            short_task_id(task), len(queued) - 1, record.get("title", "")), task_id=task,
+            queued=len(queued) - 1)
+        _back_to_home_branch(store, home, note)
         if update_task(store, HUMAN, task, "dispatch_task", {
                 "status": RUNNING_STATUS, "store": "project",
                 "started_at": format_timestamp(store.clock())},
@@ -14477,7 +15010,7 @@ def run_queue(store, out=None, **run_options):
                         else type(err).__name__))
             raise
         if code in (RUN_COMPLETE, RUN_FAILED):
-            _record_checkout_end(store, task, code, store.project_state().failure_reason)
+            _record_checkout_end(store, task, code, store.project_state().failure_reason, note)
         if code not in (RUN_COMPLETE, RUN_FAILED):
             return code            # a question, a timeout or a checkpoint: stop here
         worst = max(worst, code)
@@ -14521,11 +15054,12 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     show = run_printer(out, run_options.get("mode", "lines"))
     started = clock()
 
-    def note(text, **data):
-        show(HqMessage("info", "ferrus run: " + text, "run", data))
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
 
     def time_left():
         return None if timeout is None else max(0.0, timeout - (clock() - started))
+    home = _branch_tasks_start_from(store)
     if resume and store.read_state().state in ACTIVE_STATES:
         code = run_loop(store, None, time_left(), True, out=out, clock=clock, **run_options)
         if code != RUN_COMPLETE or not until_done:
@@ -14551,6 +15085,7 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                               % (milestone.id, path),
                               "tick `- [x]` on its line in the spec, then run again")
         previous = (path, milestone.id)
+        _back_to_home_branch(store, home, note)
         op_select_milestone(store, HUMAN, path, milestone.id)
         note("milestone %s (%s) of %s" % (milestone.display(), milestone.id, path),
              milestone=milestone.id, spec=path)
@@ -14565,7 +15100,7 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
 
 
 def _run_line(message):
-    if message.event == "run":
+    if message.text.startswith("ferrus run: "):
         return message.text            # ferrus run's own words, as they always were
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
@@ -16392,6 +16927,7 @@ def _task_worktree_findings(store, records):
 def _orphan_finding(store, task, row, status, folder):
     """A worktree or branch of a task that is merged, cancelled or unknown."""
     why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
+           UNCHANGED_STATUS: "task %s was approved with no change" % task,
            CANCELLED_STATUS: "task %s was cancelled" % task}.get(
         status, "task %s is %s" % (task, status))
     what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
@@ -16428,17 +16964,17 @@ def _parallel_run_findings(store, records):
         if not isinstance(run, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
-        return [Finding("%s/%s is damaged (%s): the next parallel run starts from P1 instead "
-                        "of the phase the last one stopped in" % (
+        return [Finding("%s/%s is damaged (%s): the next parallel run starts afresh instead "
+                        "of going on where the last one stopped" % (
                             FERRUS_DIR, PARALLEL_RUN_FILE, terminal_safe(str(err))[:120]),
                         "keep it as %s.corrupt-<time>" % PARALLEL_RUN_FILE,
                         lambda: _set_aside(path), severity="warning")]
     if run.get("ended") or live_parallel_run(store) is not None:
         return []
-    where = phase_label(run.get("phase"))
+    where = phase_words(run.get("phase"))
     pending = [task for task, record in records.items()
                if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)]
-    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped in %s without finishing" % (
+    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped while %s, unfinished" % (
         FERRUS_DIR, PARALLEL_RUN_FILE, run.get("pid", "?"), run.get("updated_at", "?"), where)
     if pending:
         return [Finding(text, "nothing to repair: the next `ferrus run --parallel` goes on "
@@ -16533,6 +17069,14 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    for command in config.checks.commands:
+        for program in missing_check_programs(root, command):
+            findings.append(Finding(
+                "%s: [checks] command `%s` runs %s, which is not found (%s): the check gate "
+                "would fail every time, and `ferrus run` stops before any agent starts" % (
+                    CONFIG_FILE, command, program, "no such file in the project"
+                    if "/" in program else "not on PATH"),
+                "install %s, or fix the command in [checks] of %s" % (program, CONFIG_FILE)))
     if not any(problem.message.startswith("%s: [parallel" % CONFIG_FILE)
                for problem in problems):
         findings.extend(_parallel_config_findings(root, config.parallel))
@@ -16916,12 +17460,21 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
+        # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
+        change = "the run is now %s" % phase_words(detail["phase"])
+        gate = "capacity %s, %s" % (detail.get("tier"), detail.get("action")) \
+            if detail.get("tier") else ""
+        if detail.get("signal") and detail.get("action") != CONTINUE:
+            gate += " (%s)" % detail["signal"]
+        detail = {"": gate} if gate else {}
     if isinstance(detail.get("checks"), list):
         # Each command's result in brief; its log path is in `ferrus log --json`.
         detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
                                     for c in detail["checks"] if isinstance(c, dict))
-    extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
-                     for k, v in detail.items() if v is not None)
+    extra = " ".join(("%s=%s" % (k, v) if k else v) if isinstance(v, (str, int, float))
+                     else "%s=%s" % (k, compact_json(v)) for k, v in detail.items()
+                     if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
         terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
         terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
@@ -17047,11 +17600,8 @@ class TaskBoard:
 
     def summary(self, rows=None):
         """``2 running, 1 queued, 1 merged`` (the board's rows by status)."""
-        counts = collections.Counter(row.get("status") for row in
-                                     (self.rows() if rows is None else rows))
-        return ", ".join("%d %s" % (counts[status], status) for status in (
-            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])
+        return count_statuses(row.get("status") for row in
+                              (self.rows() if rows is None else rows))
 
     def line(self, row, width=None, attached=None):
         """One task's row: short id, state, agent, elapsed, last event (cut to ``width``)."""
@@ -17079,9 +17629,11 @@ HQ_COMMANDS = (
     ("/task retry", "ID", "queue a failed or cancelled task again (in its kept worktree)"),
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
-    ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
-                    "merged through the check gate (default [parallel] max_tasks), until "
-                    "/stop"),
+    ("/run", "[N] [--allow-red-base]", "work the task queue N tasks at a time, each in its "
+                                       "own git worktree, merged through the check gate "
+                                       "(default [parallel] max_tasks), until /stop; the "
+                                       "checks are tried on the target first, and a red "
+                                       "one stops it unless --allow-red-base"),
     ("/plan", "", "a free planning session with the supervisor"),
     ("/spec", "", "draft and save a specification with the supervisor"),
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
@@ -17143,6 +17695,7 @@ class HqShell:
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
         self.runner = None          # the ParallelRunner of /run while it works the queue
         self.run_width = None       # how many at a time /run asked for, until /stop
+        self.allow_red_base = False  # /run --allow-red-base: start even on a red target
         self.next_queue_look = 0.0
         self.attached = None        # the task /attach ID follows
         self.hidden = 0             # other tasks' lines left out while attached
@@ -17161,6 +17714,10 @@ class HqShell:
                 if any(row.get("status") == QUEUED_STATUS for row in self.board.rows()):
                     try:
                         self.start_run(self.run_width)
+                    except RedBaseRefused as err:
+                        self.run_width = None       # the same base would refuse again
+                        self.show(HqMessage("error", "the parallel run cannot start: %s "
+                                            % err.full_text(), "run"))
                     except FerrusError as err:
                         self.show(HqMessage("error", "the parallel run cannot start: %s "
                                             "(/run tries again)" % err.full_text(), "run"))
@@ -17529,20 +18086,15 @@ class HqShell:
             self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
                                                                 "bookkeeping entries"))
 
-    def diff_store(self, task):
-        """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
-        task of the queue has none to show."""
-        if task is None:
-            task = foreground_task(self.store)      # the parallel task the state mirrors
-        return self.store if task is None else diff_store_of(self.store, task)
-
     def cmd_diff(self, rest):
         words = rest.split()
         stat_only = "--stat" in words
         named = [w for w in words if w != "--stat" and self.task_word(w)][:1]
         paths = [w for w in words if w != "--stat" and w not in named] or None
-        store = self.diff_store(self.task_word(named[0]) if named else self.attached)
-        outcome = op_diff(store, HUMAN, stat_only=stat_only, paths=paths)
+        task = self.task_word(named[0]) if named else self.attached
+        # Without one named or attached: the parallel task the state mirrors, if any.
+        outcome = op_task_diff(self.store, task or foreground_task(self.store), stat_only,
+                               paths)
         if not outcome.data.get("available"):
             self.write(outcome.text + ("\nhint: %s" % outcome.data["hint"]
                                        if outcome.data.get("hint") else ""))
@@ -17780,9 +18332,12 @@ class HqShell:
 
     def cmd_run(self, rest):
         words = rest.split()
+        allow_red_base = "--allow-red-base" in words
+        words = [word for word in words if word != "--allow-red-base"]
         if len(words) > 1 or (words and not (words[0].isdigit() and 1 <= int(words[0]) <= 64)):
-            raise UsageError("usage: /run [N] — work the queue N tasks at a time (1 to 64; "
-                             "default [parallel] max_tasks)")
+            raise UsageError("usage: /run [N] [--allow-red-base] — work the queue N tasks at a "
+                             "time (1 to 64; default [parallel] max_tasks)")
+        self.allow_red_base = allow_red_base
         width = int(words[0]) if words else self.store.config().parallel.max_tasks
         if self.runner is not None or self.run_width:
             if self.runner is None:
@@ -17816,7 +18371,7 @@ class HqShell:
     def start_run(self, width):
         """A ParallelRunner over the queue (P0: it resumes what a previous run left)."""
         runner = ParallelRunner(self.store, self._runner_emit, width, clock=self.clock,
-                                bell=self.ring_bell)
+                                bell=self.ring_bell, allow_red_base=self.allow_red_base)
         try:
             runner.start()
         except BaseException:
@@ -18301,7 +18856,7 @@ class CursesHq(HqShell):
             runner = self.runner
             return "", "ferrus HQ │ tasks: %s │ /attach ID follows one" % (
                 self.board.summary() or "none"), \
-                "run: %s, %d at a time" % (phase_label(runner.machine.phase),
+                "run: %s, %d at a time" % (phase_words(runner.machine.phase),
                                            runner.max_tasks) if runner is not None else \
                 "run: waiting for queued tasks, %d at a time" % self.run_width \
                 if self.run_width else "no run: /run works the queue"
@@ -18692,7 +19247,7 @@ def cmd_status(args, root):
         rows.append(("paused from", data.paused_state.value))
     rows.append(("task", (data.task_id or "-") + (
         "  (parallel task, %s; `ferrus tasks` lists every task)" % (
-            "merged" if record.get("status") == MERGED_STATUS else
+            status_word(record["status"]) if record.get("status") in APPROVED_STATUSES else
             "in its worktree %s" % record["worktree"] if record.get("worktree") and
             os.path.isdir(record["worktree"]) else record.get("status") or "queued")
         if view.task else "")))
@@ -18700,13 +19255,16 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    if view.task and record.get("status") in (MERGED_STATUS, CANCELLED_STATUS):
+    if view.task and record.get("status") in (MERGED_STATUS, UNCHANGED_STATUS,
+                                              CANCELLED_STATUS):
         # Its branch and worktree are gone: the base would name a branch that is no more.
         merged = record.get("merged_commit") or ""
         rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
             record.get("target") or "the target", " at %s" % merged[:12] if merged else "",
             " (`git show %s` shows what it changed)" % merged[:12] if merged else "")
             if record["status"] == MERGED_STATUS else
+            "approved, and it changed nothing: nothing was merged; its worktree and branch "
+            "were removed" if record["status"] == UNCHANGED_STATUS else
             "cancelled; its worktree and branch were removed"))
     elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
@@ -18829,11 +19387,8 @@ def describe_queue(rows):
         return []
     ended = [row for row in rows if row.get("status") in ENDED_STATUSES]
     shown_ended = ended[-STATUS_ENDED_TASKS_SHOWN:]
-    counts = collections.Counter(row.get("status") for row in rows)
-    lines = ["", "tasks  %s (`ferrus tasks` lists them)" % ", ".join(
-        "%d %s" % (counts[status], status) for status in (
-            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])]
+    lines = ["", "tasks  %s (`ferrus tasks` lists them)" % count_statuses(
+        row.get("status") for row in rows)]
     if len(ended) > len(shown_ended):
         lines.append("  … %d ended earlier" % (len(ended) - len(shown_ended)))
     for row in rows:
@@ -19024,8 +19579,6 @@ def cmd_diff(args, root):
     store = Store(root).require()
     # Without --task: the parallel task the checkout's STATE.json mirrors, if it does.
     task = require_task_id(store, args.task) if args.task else foreground_task(store)
-    if task is not None:
-        store = diff_store_of(store, task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.
@@ -19034,7 +19587,7 @@ def cmd_diff(args, root):
             raise UsageError("%s is outside the project (%s)" % (path, store.root),
                              "name files or folders inside the project")
         paths.append(relative.replace(os.sep, "/"))
-    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=paths or None)
+    outcome = op_task_diff(store, task, args.stat, paths or None)
     if args.json:
         print(json_for_terminal(compact_json(outcome.data)))
         return 0 if outcome.data.get("available") else 1
@@ -19095,9 +19648,47 @@ def format_task_row(row, now_width=None):
                                          row["title"])
 
 
+# `ferrus tasks` without --all: the tasks in the queue's hands, and the ended ones that
+# ended in the last RECENT_TASK_SECS — at most RECENT_TASKS_SHOWN of them, the newest.
+RECENT_TASK_SECS = 24 * 3600
+RECENT_TASKS_SHOWN = 20
+
+
+def recent_task_rows(rows, now):
+    """(rows shown, ended rows left out): every queued and running task, and the newest
+    RECENT_TASKS_SHOWN of those that ended in the last RECENT_TASK_SECS."""
+    ended = []
+    for row in rows:
+        if row.get("status") not in ENDED_STATUSES:
+            continue
+        try:
+            age = (now - parse_timestamp(row.get("ended_at"))).total_seconds()
+        except (ValueError, TypeError):
+            age = None              # a record that never said when it ended: not recent
+        if age is not None and age <= RECENT_TASK_SECS:
+            ended.append(row)
+    recent = {row["id"] for row in sorted(ended, key=lambda r: r.get("ended_at") or "")
+              [-RECENT_TASKS_SHOWN:]}
+    shown = [row for row in rows if row.get("status") not in ENDED_STATUSES
+             or row["id"] in recent]
+    return shown, len(rows) - len(shown)
+
+
+def full_task_title(store, task, title):
+    """A task's title uncut: the first line of its TASK.md (``title`` when unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        text = read_text(os.path.join(store.path(TASKS_DIR, task), "TASK.md"))
+        return next((line.strip().lstrip("#").strip() for line in text.splitlines()
+                     if line.strip().lstrip("#").strip()), title)
+    return title
+
+
 def cmd_tasks(args, root):
     store = Store(root).require()
     rows = task_rows(store)
+    older = 0
+    if not args.all:
+        rows, older = recent_task_rows(rows, store.clock())
     records = read_session_records(store)
     for row in rows:
         used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
@@ -19107,10 +19698,14 @@ def cmd_tasks(args, root):
             (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
              and r.get("role") == "executor"), None)
     if args.json:
-        print(json_for_terminal(compact_json({"tasks": rows})))
+        for row in rows:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+        print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
         return 0
     if not rows:
-        say("The queue is empty: `ferrus task add TEXT` queues a task.")
+        say("No task in the queue%s: `ferrus task add TEXT` queues one." % (
+            " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
+            if older else ""))
         return 0
     say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
     for row in rows:
@@ -19120,6 +19715,12 @@ def cmd_tasks(args, root):
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%25s worktree %s" % ("", row["worktree"]))
+        elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
+            say("%25s merged at %s (`ferrus diff --task %s`)" % (
+                "", row["merged_commit"][:12], short_task_id(row["id"])))
+    if older:
+        say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
+            older, "" if older == 1 else "s"))
     return 0
 
 
@@ -19409,18 +20010,19 @@ def cmd_run(args, root):
                 show(HqMessage("info", "ferrus run: " + op_enqueue_task(
                     store, human_caller(), task).text, "run"))
             return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                                mode=mode, bell=bell)
+                                mode=mode, bell=bell, allow_red_base=args.allow_red_base)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
                                   args.timeout, args.resume, args.reset, ask=ask, review=review,
-                                  mode=mode, bell=bell)
+                                  mode=mode, bell=bell, allow_red_base=args.allow_red_base)
         if task is None and not args.resume and any(
                 record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
                 for _, record in task_records(store)):
             return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
-                             bell=bell)
+                             bell=bell, allow_red_base=args.allow_red_base)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review, mode=mode, bell=bell)
+                        review=review, mode=mode, bell=bell,
+                        allow_red_base=args.allow_red_base)
 
 
 def cmd_hq(args, root):
@@ -19605,8 +20207,14 @@ def build_parser():
     retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
     p.set_defaults(run=cmd_task)
 
-    p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")
-    p.add_argument("--json", action="store_true", help="one JSON object with every task")
+    p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title (the "
+                                     "queued and running tasks, and those that ended in "
+                                     "the last day)")
+    p.add_argument("--all", action="store_true",
+                   help="every task the queue ever had, however long ago it ended")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object with the tasks listed (uncut titles), and how many "
+                        "older ones were left out")
     p.set_defaults(run=cmd_tasks)
 
     p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
@@ -19676,6 +20284,10 @@ def build_parser():
     p.add_argument("--reset", action="store_true",
                    help="replace a Failed task (without it, a Failed task is kept and the run "
                         "refuses)")
+    p.add_argument("--allow-red-base", action="store_true",
+                   help="start agents even when the checks already fail before the task "
+                        "(the run tries them first and stops on a red base); the executor is "
+                        "told which failed before it began")
     output = p.add_mutually_exclusive_group()
     output.add_argument("--quiet", "-q", action="store_true",
                         help="only transitions, verdicts, questions, problems and the end "

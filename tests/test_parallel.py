@@ -365,7 +365,13 @@ def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(r
     assert "built.flag" not in committed(repo) and "t.txt" in committed(repo)
     set_config(repo, parallel_config(["true"], '[parallel]\nsetup = ["exit 7"]\n\n'))
     broken = enqueue(store, "U.\n\nWRITE u.txt: u\n")
-    code, lines = run(store, 2)
+    # Tried on a clean checkout of the target before any agent starts, the setup fails:
+    # the run stops there, naming it.
+    with pytest.raises(ferrus.RedBaseRefused):
+        run(store, 2)
+    assert ferrus.read_task_record(store.dir, broken)["status"] == "queued"
+    code, lines = run(store, 2, allow_red_base=True)
+    assert any("[parallel] setup failed: exit 7" in line for line in lines), lines
     assert code == ferrus.RUN_FAILED
     reason = ferrus.read_task_record(store.dir, broken)["reason"]
     assert "[parallel] setup failed" in reason and "exit 7" in reason

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CONFIG, set_config
+from conftest import FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
 from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
@@ -34,7 +34,7 @@ def test_run_shows_checks_submission_and_review_notes(scripted, monkeypatch):
     code, lines = run(scripted)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     text = "\n".join(lines)
-    assert "check passed: test -f work.txt" in text
+    assert "check passed: %s" % SCRIPTED_CHECK in text
     assert "checks passed — submitting for review" in text
     assert "submission:\n  Did the work." in text
     assert "review notes:\n  Please also add a README line." in text
@@ -46,10 +46,11 @@ def test_run_shows_checks_submission_and_review_notes(scripted, monkeypatch):
 
 def test_a_failing_check_shows_its_command_exit_and_last_lines(scripted, monkeypatch):
     set_config(scripted.root, SCRIPTED_CONFIG.replace(
-        'commands = ["test -f work.txt"]',
-        'commands = ["test -f work.txt", "echo the-reason; exit 3"]').replace(
+        'commands = [%s]' % json.dumps(SCRIPTED_CHECK),
+        'commands = [%s, "echo the-reason; exit 3"]' % json.dumps(SCRIPTED_CHECK)).replace(
         "wait_timeout_secs = 5", "wait_timeout_secs = 5\nmax_check_retries = 2"))
-    code, lines = run(scripted, timeout=60)
+    # The second check fails before the task too: the run goes on past the red base.
+    code, lines = run(scripted, timeout=60, allow_red_base=True)
     text = "\n".join(lines)
     assert code == ferrus.RUN_FAILED, text
     assert "check failed: echo the-reason; exit 3 (exit 3," in text
@@ -72,7 +73,7 @@ def test_json_mode_prints_one_object_per_event(scripted, monkeypatch):
     review = next(r for r in records if r["event"] == "review")
     assert review["notes"] == "Please also add a README line."
     check = next(r for r in records if r["event"] == "check")
-    assert check["command"] == "test -f work.txt" and check["status"] == "passed"
+    assert check["command"] == SCRIPTED_CHECK and check["status"] == "passed"
     assert events[-1] == "complete"
 
 
