@@ -2657,7 +2657,7 @@ PHASE_TRANSITIONS = {
 # What each phase is doing, for people: the phase codes are for the record and the code.
 PHASE_WORDS = ("checking the repository (and recovering a run that stopped)",
                "choosing the next queued tasks", "preparing the tasks' worktrees",
-               "starting the tasks' agents", "the agents are at work",
+               "starting the tasks' agents", "waiting for the agents' work",
                "merging approved tasks into the target branch", "reporting how tasks ended",
                "cleaning up")
 
@@ -19642,7 +19642,7 @@ def cmd_task(args, root):
 
 def format_task_row(row, now_width=None):
     """One line of `ferrus tasks`: id, state, agent, age, title."""
-    state = row["state"] if row["status"] == RUNNING_STATUS and row["state"] else row["status"]
+    state = task_state_word(row)
     age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
     return "%-25s %-12s %-12s %7s  %s" % (row["id"], state, row.get("agent") or "-", age,
                                          row["title"])
