@@ -113,8 +113,8 @@ __all__ = [
     "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
-    "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
-    "op_retry_task",
+    "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
+    "op_enqueue_ready", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
