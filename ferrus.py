@@ -7874,6 +7874,8 @@ def count_statuses(statuses):
     counts = collections.Counter(statuses)
     return ", ".join("%d %s" % (counts[status], status_word(status))
                      for status in TASK_STATUS_ORDER if counts[status])
+
+
 TASK_TITLE_CHARS = 72
 
 
@@ -13914,8 +13916,12 @@ class ParallelRunner:
         if not self.queued():
             return
         head = target_head(self.store.root, self.target)
-        self.base_note = gate_base(self.store, self.emit, "%s at %s" % (self.target, head[:12]),
-                                   head, self.allow_red_base, setup=self.parallel.setup)
+        try:
+            self.base_note = gate_base(self.store, self.emit, "%s at %s" % (
+                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup)
+        except RedBaseRefused:
+            self.finished = True    # nothing ran: parallel.json stays as the last run left it
+            raise
 
     def _remove_leftovers(self):
         """The worktree and branch of a task that was merged or cancelled just before a
