@@ -13325,9 +13325,13 @@ class ParallelRunner:
         self._remove_leftovers()
         resumed = []
         for task, record in task_records(self.store):
-            if record.get("status") == RUNNING_STATUS and record.get("worktree"):
-                resumed.append(task)
-                self._adopt(task)
+            if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
+                continue
+            if self._prepared_half_way(task):
+                self._prepare_again(task)
+                continue
+            resumed.append(task)
+            self._adopt(task)
         if resumed:
             self.note("resuming %d task%s a previous run left: %s" % (
                 len(resumed), "" if len(resumed) == 1 else "s",
@@ -13523,6 +13527,32 @@ class ParallelRunner:
                 "tracks), then `ferrus task cancel %s` and queue the task again"
                 % short_task_id(task))
 
+    def _prepared_half_way(self, task):
+        """A RUNNING task whose state was never created: _prepare_task marks the record
+        running first, then makes the worktree, the task's STATE.json (Idle) and the task
+        (Executing); a run killed in between leaves the state missing or Idle."""
+        task_store = self.store.for_task(task)
+        if not task_store.exists():
+            return True
+        try:
+            return task_store.read_state().state == S.IDLE
+        except FerrusError:
+            return False            # a damaged state: doctor's to repair, not ours to redo
+
+    def _prepare_again(self, task):
+        """Put a task prepared only half-way back in the queue, its worktree and branch
+        kept in its record: preparing it again finishes what was begun (each step of
+        _prepare_task is idempotent).  Never counted as a cancel: only op_cancel_task
+        cancels."""
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        if update_task(self.store, ORCHESTRATOR, task, "requeue_task", {
+                "status": QUEUED_STATUS}, only_from=(RUNNING_STATUS,),
+                reason="prepared half-way") is not None:
+            self.note("task %s was prepared only half-way when a run stopped: it is queued "
+                      "again, and preparing it finishes its worktree" % short_task_id(task),
+                      "warning", task_id=task)
+
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
         task_store = self.store.for_task(task)
@@ -13620,8 +13650,13 @@ class ParallelRunner:
         except FerrusError:
             return
         record = read_task_record(self.store.dir, task)
-        if record.get("status") == CANCELLED_STATUS or data.state == S.IDLE:
+        if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if data.state == S.IDLE:
+            # Idle and not cancelled (a cancel writes both in one commit): its state was
+            # never created, so it is prepared again, not taken for a cancel.
+            self._prepare_again(task)
             return
         if data.state == S.FAILED:
             self._end_task(task, FAILED_STATUS, data.failure_reason)
