@@ -7549,6 +7549,28 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
+def merge_unless_cancelled(store, task, move, caller, **detail):
+    """The merge queue's last step, made mutually exclusive with op_cancel_task: under the
+    project lock the task is read again; one cancelled meanwhile (its record cancelled,
+    its state Idle) is not merged — ``move`` is not called and the target stays where it
+    is.  Else ``move()`` moves the target (it returns the commit the target is now at, or
+    None when it did not move it) and the task becomes Complete in the same transaction,
+    so a cancel waiting for the lock finds it merged.  ``store`` is the project's.
+
+    Returns (CANCELLED_STATUS, None) when the cancel came first, (MERGED_STATUS, commit)
+    when the merge did, and (None, None) when ``move`` did not move the target."""
+    with store.for_task(task).transaction(caller.agent_id) as tx:
+        if read_task_record(store.dir, task).get("status") == CANCELLED_STATUS or \
+                tx.state.state == S.IDLE:
+            return CANCELLED_STATUS, None
+        head = move()
+        if not head:
+            return None, None
+        tx.set(t_integrated(tx.state, store.clock()), "integrated", commit=head[:12],
+               **detail)
+    return MERGED_STATUS, head
+
+
 def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
@@ -7871,6 +7893,26 @@ def _refuse_ended(task, record):
                           "its work is on the target branch; nothing to cancel")
 
 
+def _refuse_merged(store, task, record, data):
+    """A cancel that comes after the merge (see merge_unless_cancelled) is refused and
+    says so: the task is Complete, or the target is already at the commit the merge
+    queue checked for it (its run stopped before it could record the merge)."""
+    merged = data.state == S.COMPLETE
+    candidate = (record.get("integration") or {}).get("candidate") if isinstance(
+        record.get("integration"), dict) else None
+    target = record.get("target")
+    if not merged and isinstance(candidate, str) and isinstance(target, str) and \
+            data.state == S.INTEGRATING:
+        with contextlib.suppress(FerrusError):
+            merged = target_head(store.root, target) == candidate
+    if merged:
+        raise FerrusError(
+            "task %s was merged into %s before this cancel: the merge came first, nothing "
+            "was cancelled" % (task, target or "its target"),
+            "its work is on %s (`ferrus log --task %s` shows the merge); revert it there if "
+            "it is not wanted" % (target or "the target branch", short_task_id(task)))
+
+
 def op_cancel_task(store, caller, task, remove_worktree=False):
     """Take a task out of the queue, or stop a running one: it is never taken up again.
     The orchestrator running it stops its agents and removes its worktree and branch;
@@ -7884,14 +7926,20 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
         text = "Task %s was already cancelled." % task
     elif task_store.exists():
         with task_store.transaction(caller.agent_id) as tx:
+            # Under the lock the merge queue's last step holds (merge_unless_cancelled):
+            # either the merge came first and this cancel is refused, or the cancel comes
+            # first and the target is never moved for this task.
             record = read_task_record(store.dir, task)
             _refuse_ended(task, record)         # merged meanwhile, under our feet
+            _refuse_merged(store, task, record, tx.state)
+            integrating = tx.state.state == S.INTEGRATING
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
             tx.set(new, "cancel_task")
             record.update(status=CANCELLED_STATUS, ended_at=format_timestamp(store.clock()))
             write_task_record(store, task, record)
-        text = "Task %s cancelled." % task
+        text = "Task %s cancelled%s." % (task, " before its merge: the target branch is not "
+                                         "moved for it" if integrating else "")
     else:
         if record.get("store") == "project":
             data = store.project_state()
@@ -13881,14 +13929,26 @@ class ParallelRunner:
         self._fast_forward(task, built)
 
     def _fast_forward(self, task, built):
-        """Move the target to the checked candidate, or hold it while something of the
-        user's is in the way."""
-        moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
+        """Move the target to the checked candidate — unless the task was cancelled
+        meanwhile (merge_unless_cancelled decides which came first) — or hold it while
+        something of the user's is in the way."""
+        outcome = {}
+
+        def move():
+            outcome["moved"] = fast_forward_target(self.store.root, self.target,
+                                                   built.target_head, built.head)
+            return built.head if outcome["moved"].status == "done" else None
         self.held_candidate = None
-        if moved.status == "done":
-            op_integrated(self.controllers[task].store, ORCHESTRATOR,
-                          commit=(built.head or "")[:12], target=self.target)
-            self._merged(task, built.head)
+        won, head = merge_unless_cancelled(self.store, task, move, ORCHESTRATOR,
+                                           target=self.target)
+        if won == CANCELLED_STATUS:
+            self.note("task %s was cancelled before its merge: %s was not moved for it" % (
+                short_task_id(task), self.target), "warning", task_id=task)
+            self._end_task(task, CANCELLED_STATUS, None)
+            return
+        moved = outcome["moved"]
+        if won == MERGED_STATUS:
+            self._merged(task, head)
         elif moved.status == "moved":
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
