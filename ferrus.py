@@ -7888,9 +7888,11 @@ def op_enqueue_ready(store, caller, spec):
 
 
 def _refuse_ended(task, record):
-    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, record["status"]),
-                          "its work is on the target branch; nothing to cancel")
+    if record.get("status") == MERGED_STATUS:
+        _refuse_merged_first(task, record.get("target"), record.get("merged_commit"))
+    if record.get("status") == DONE_STATUS:
+        raise FerrusError("task %s is already done" % task,
+                          "its work is in the checkout; nothing to cancel")
 
 
 def _refuse_merged(store, task, record, data):
@@ -7898,19 +7900,22 @@ def _refuse_merged(store, task, record, data):
     says so: the task is Complete, or the target is already at the commit the merge
     queue checked for it (its run stopped before it could record the merge)."""
     merged = data.state == S.COMPLETE
-    candidate = (record.get("integration") or {}).get("candidate") if isinstance(
-        record.get("integration"), dict) else None
+    candidate = (record.get("integration") or {}).get("candidate")
     target = record.get("target")
-    if not merged and isinstance(candidate, str) and isinstance(target, str) and \
-            data.state == S.INTEGRATING:
+    if not merged and candidate and target and data.state == S.INTEGRATING:
         with contextlib.suppress(FerrusError):
             merged = target_head(store.root, target) == candidate
     if merged:
-        raise FerrusError(
-            "task %s was merged into %s before this cancel: the merge came first, nothing "
-            "was cancelled" % (task, target or "its target"),
-            "its work is on %s (`ferrus log --task %s` shows the merge); revert it there if "
-            "it is not wanted" % (target or "the target branch", short_task_id(task)))
+        _refuse_merged_first(task, target, candidate)
+
+
+def _refuse_merged_first(task, target, commit):
+    raise FerrusError(
+        "task %s is already merged into %s%s: the merge came before this cancel, nothing "
+        "was cancelled" % (task, target or "its target", " at %s" % commit[:12] if commit
+                           else ""),
+        "its work is on %s (`ferrus log --task %s` shows the merge); revert it there if it "
+        "is not wanted" % (target or "the target branch", short_task_id(task)))
 
 
 def op_cancel_task(store, caller, task, remove_worktree=False):
@@ -7919,7 +7924,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
     with ``remove_worktree`` (no orchestrator will: none runs, or the task is not in its
     hands, as a failed task's kept worktree is not) they are removed here."""
     task = require_task_id(store, task)
-    record = read_task_record(store.dir, task)
+    record = read_task_record(store.dir, task)      # read again under the lock below
     _refuse_ended(task, record)
     task_store = store.for_task(task)
     if record.get("status") == CANCELLED_STATUS:

@@ -259,15 +259,16 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 1)
     runner.start()
-    # run until the target moved, then "crash" before the task is told
-    real = ferrus.op_integrated
+    # run until the target moved, then "crash" before the task is recorded Complete (the
+    # transition is made right after the fast-forward, in the same transaction)
+    real = ferrus.t_integrated
     import threading
     crashed = threading.Event()
 
     def crash(*args, **kwargs):
         crashed.set()
         raise KeyboardInterrupt("killed")
-    ferrus.op_integrated = crash
+    ferrus.t_integrated = crash
     try:
         with pytest.raises(KeyboardInterrupt):
             for _ in range(3000):
@@ -275,7 +276,7 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
                 import time
                 time.sleep(0.01)
     finally:
-        ferrus.op_integrated = real
+        ferrus.t_integrated = real
         for controller in runner.controllers.values():
             controller.shutdown()
     assert crashed.is_set()

@@ -263,7 +263,8 @@ def test_a_cancel_that_waits_for_the_merge_in_progress_is_refused_and_says_so(re
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert "said" not in outcome, outcome
     refused = outcome["refused"]
-    assert "was merged into main before this cancel: the merge came first" in refused.message
+    assert "is already merged into main at " in refused.message and \
+        "the merge came before this cancel, nothing was cancelled" in refused.message
     assert ferrus.read_task_record(store.dir, task)["status"] == "merged"
     assert "m.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
 
@@ -285,6 +286,7 @@ def test_a_cancel_after_a_run_died_between_the_fast_forward_and_its_record_is_re
         "integration": {"candidate": candidate, "target_head": "x"}})
     out = cli(repo, "task", "cancel", ferrus.short_task_id(task))
     assert out.returncode == 1
-    assert "was merged into main before this cancel: the merge came first" in out.stderr
+    assert "is already merged into main at %s: the merge came before this cancel" % (
+        candidate[:12]) in out.stderr
     assert ferrus.read_task_record(store.dir, task)["status"] == "running"
     assert task_store.read_state().state == S.INTEGRATING
