@@ -3080,6 +3080,14 @@ class Transaction:
 # queue's record of the task (task.json), its STATE.json and its content files.
 TASKS_DIR = "tasks"
 TASK_RECORD_FILE = "task.json"
+# A parallel task's branch is this + its id (doctor finds leftovers by it).
+TASK_BRANCH_PREFIX = "ferrus/"
+QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
+    "queued", "running", "merged", "done", "failed", "cancelled")
+TASK_STATUSES = (QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
+                 CANCELLED_STATUS)
+# Statuses of a task that no orchestrator will take up again.
+ENDED_STATUSES = (MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS)
 # The project's STATE.json names the parallel task it mirrors under this additive key.
 PARALLEL_MIRROR_KEY = "mirrors_task"
 # What the project's STATE.json keeps for itself while it mirrors a task: the
@@ -3125,13 +3133,120 @@ def task_record_path(ferrus_dir, task):
 
 def read_task_record(ferrus_dir, task):
     """A parallel task's queue record (task.json) as a dict; {} when missing or damaged
-    (doctor reports the damage)."""
+    (load_task_record says what is wrong; doctor reports and repairs it)."""
+    return load_task_record(ferrus_dir, task)[0]
+
+
+# What task.json may hold; a record that breaks any of it is damaged as a whole, so no
+# reader ever meets a field of the wrong type (a list for a status, a number for a path).
+TASK_RECORD_MAX_BYTES = 1 << 20
+TASK_RECORD_TEXT_CHARS = 64 * 1024
+_TASK_RECORD_TEXT = ("id", "title", "created_at", "started_at", "ended_at", "agent",
+                     "worktree", "workdir", "branch", "base", "target", "conflict_base",
+                     "reason", "merged_commit", "store")
+_TASK_RECORD_COMMITS = ("base", "conflict_base", "merged_commit")
+_COMMIT_ID_RE = re.compile(r"[0-9a-f]{4,64}")
+
+
+class TaskRecordDamaged(FerrusError):
+    """A task.json that is unreadable or holds what ferrus never writes; nothing is
+    written over it (doctor sets it aside and writes a new one)."""
+
+    def __init__(self, task, problem):
+        self.task, self.problem = task, problem
+        super().__init__("task %s: its %s/%s/%s/%s is damaged (%s)" % (
+            task, FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE, problem),
+            "`ferrus doctor --fix` keeps it as %s.corrupt-<time> and writes a new record "
+            "from what is left (a task that had started becomes failed, its worktree kept: "
+            "`ferrus task retry` goes on with it)" % TASK_RECORD_FILE)
+
+
+def load_task_record(ferrus_dir, task):
+    """(task.json as a dict, None), or ({}, what is wrong with it); ({}, None) when the
+    task has no record."""
     try:
         with open_inside(os.path.join(ferrus_dir, TASKS_DIR, task), TASK_RECORD_FILE) as handle:
-            data = json.loads(handle.read(1 << 20).decode("utf-8"))
-    except (OSError, UnsafePath, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+            raw = handle.read(TASK_RECORD_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnsafePath) as err:
+        return {}, "it cannot be read: %s" % (getattr(err, "strerror", None) or err)
+    if len(raw) > TASK_RECORD_MAX_BYTES:
+        return {}, "it is larger than %d MiB" % (TASK_RECORD_MAX_BYTES >> 20)
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except ValueError as err:
+        return {}, "not valid JSON: %s" % terminal_safe(str(err))[:120]
+    problem = task_record_problem(task, record)
+    return ({}, problem) if problem else (record, None)
+
+
+def task_record_problem(task, record):
+    """What is wrong with ``record`` as task ``task``'s task.json, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("status") not in TASK_STATUSES:
+        return "status %s is none of %s" % (_shown(record.get("status")),
+                                            ", ".join(TASK_STATUSES))
+    for key in _TASK_RECORD_TEXT:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            return "%s is %s, not text" % (key, _shown(value))
+        if value is not None and len(value) > TASK_RECORD_TEXT_CHARS:
+            return "%s is %d characters long" % (key, len(value))
+    if record.get("id") is not None and record["id"] != task:
+        return "id %s is not the task's own" % _shown(record["id"])
+    if record.get("store") not in (None, "worktree", "project"):
+        return "store %s is neither worktree nor project" % _shown(record["store"])
+    for key in ("worktree", "workdir"):
+        if record.get(key) is not None and not os.path.isabs(record[key]):
+            return "%s %s is no absolute path" % (key, _shown(record[key]))
+    worktree, workdir = record.get("worktree"), record.get("workdir")
+    if workdir is not None and not (worktree and _path_within(workdir, worktree)):
+        return "workdir %s is not inside its worktree" % _shown(workdir)
+    if record.get("branch") is not None and record["branch"] != TASK_BRANCH_PREFIX + task:
+        return "branch %s is not the task's branch %s" % (_shown(record["branch"]),
+                                                           TASK_BRANCH_PREFIX + task)
+    if record.get("target") is not None and git_branch_name_problem(record["target"]):
+        return "target %s is no branch name" % _shown(record["target"])
+    for key in _TASK_RECORD_COMMITS:
+        if record.get(key) is not None and not _COMMIT_ID_RE.fullmatch(record[key]):
+            return "%s %s is no commit id" % (key, _shown(record[key]))
+    for key, kinds in (("origin", {"spec": str, "milestone": str, "by": str,
+                                   "delegated_by": str}),
+                       ("integration", {"candidate": str, "target_head": str})):
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return "%s is %s, not an object" % (key, _shown(value))
+        for name, kind in kinds.items():
+            if value.get(name) is not None and not isinstance(value[name], kind):
+                return "%s.%s is %s, not text" % (key, name, _shown(value[name]))
+    conflicts = record.get("conflicts")
+    if conflicts is not None and not (isinstance(conflicts, list) and
+                                      all(isinstance(path, str) for path in conflicts)):
+        return "conflicts is %s, not a list of paths" % _shown(conflicts)
+    if record["status"] == RUNNING_STATUS and record.get("store") == "worktree" and not (
+            record.get("worktree") and record.get("branch")):
+        return "it is running in a worktree but names no %s" % (
+            "worktree" if not record.get("worktree") else "branch")
+    return None
+
+
+def _path_within(path, folder):
+    """Whether ``path`` is ``folder`` or inside it, by their text (no file is looked at)."""
+    try:
+        rel = os.path.relpath(os.path.normpath(path), os.path.normpath(folder))
+    except ValueError:                  # Windows: on another drive
+        return False
+    return rel == os.curdir or not (rel == os.pardir or rel.startswith(os.pardir + os.sep))
+
+
+def _shown(value):
+    """A value of a damaged record, short enough for a message."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return terminal_safe(text if len(text) <= 40 else text[:37] + "...")
 
 
 class JournalWriteError(FerrusError, OSError):
@@ -3173,7 +3288,11 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            record = read_task_record(self.dir, self.task)
+            record, problem = load_task_record(self.dir, self.task)
+            if problem:
+                # Never the project's checkout instead: the task's agents and checks
+                # would work there.
+                raise TaskRecordDamaged(self.task, problem)
             worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
@@ -7560,7 +7679,8 @@ def merge_unless_cancelled(store, task, move, caller, **detail):
     Returns (CANCELLED_STATUS, None) when the cancel came first, (MERGED_STATUS, commit)
     when the merge did, and (None, None) when ``move`` did not move the target."""
     with store.for_task(task).transaction(caller.agent_id) as tx:
-        if read_task_record(store.dir, task).get("status") == CANCELLED_STATUS or \
+        # A damaged record raises: what it said is unknown, so nothing is merged for it.
+        if record_for_update(store, task).get("status") == CANCELLED_STATUS or \
                 tx.state.state == S.IDLE:
             return CANCELLED_STATUS, None
         head = move()
@@ -7596,12 +7716,6 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
 # exactly as `ferrus run --task` does; with more, each in its own worktree, with its own
 # STATE.json beside its task.json.
 
-# A parallel task's branch is this + its id (doctor finds leftovers by it).
-TASK_BRANCH_PREFIX = "ferrus/"
-QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
-    "queued", "running", "merged", "done", "failed", "cancelled")
-# Statuses of a task that no orchestrator will take up again.
-ENDED_STATUSES = (MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS)
 TASK_TITLE_CHARS = 72
 
 
@@ -7637,9 +7751,17 @@ def queued_order(record):
 def task_records(store):
     """[(task id, its task.json)] of the queue, oldest first: an id orders tasks only by
     the second they were queued in (then by its random end), so tasks queued within one
-    second are ordered by their records' created_at."""
-    records = [(task, read_task_record(store.dir, task)) for task in queued_task_ids(store)]
-    return sorted(records, key=lambda item: (item[0][:17], queued_order(item[1])))
+    second are ordered by their records' created_at.  A damaged record is {}."""
+    return [(task, record) for task, record, _ in checked_task_records(store)]
+
+
+def checked_task_records(store, tasks=None):
+    """[(task id, its task.json or {}, what is wrong with it or None)] of the queue (or of
+    the ``tasks`` given, in their order), oldest first as task_records."""
+    if tasks is not None:
+        return [(task,) + load_task_record(store.dir, task) for task in tasks]
+    loaded = [(task,) + load_task_record(store.dir, task) for task in queued_task_ids(store)]
+    return sorted(loaded, key=lambda item: (item[0][:17], queued_order(item[1])))
 
 
 def require_task_id(store, task):
@@ -7764,6 +7886,16 @@ def stores_awaiting_confirmation(store):
     return waiting
 
 
+def record_for_update(store, task):
+    """Task ``task``'s record, to change and write back (holding the project lock); a
+    damaged one raises TaskRecordDamaged: writing over it would lose what it still
+    holds (doctor sets it aside and rebuilds it)."""
+    record, problem = load_task_record(store.dir, task)
+    if problem:
+        raise TaskRecordDamaged(task, problem)
+    return record
+
+
 def write_task_record(store, task, record):
     """Replace a task's task.json; call it holding the project lock."""
     atomic_write(task_record_path(store.dir, task), pretty_json(record))
@@ -7774,7 +7906,7 @@ def update_task(store, caller, task, event, changes, only_from=None, **detail):
     With ``only_from`` (statuses) a task whose status is none of them is left as it is
     (None is returned): a cancel from another shell may have come first."""
     with store.transaction(caller.agent_id) as tx:
-        record = read_task_record(store.dir, task)
+        record = record_for_update(store, task)
         if only_from is not None and record.get("status") not in only_from:
             return None
         record.update(changes)
@@ -7934,7 +8066,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False):
             # Under the lock the merge queue's last step holds (merge_unless_cancelled):
             # either the merge came first and this cancel is refused, or the cancel comes
             # first and the target is never moved for this task.
-            record = read_task_record(store.dir, task)
+            record = record_for_update(store, task)
             _refuse_ended(task, record)         # merged meanwhile, under our feet
             _refuse_merged(store, task, record, tx.state)
             integrating = tx.state.state == S.INTEGRATING
@@ -7972,7 +8104,7 @@ def op_retry_task(store, caller, task):
     so far (its state is reset to Idle, so the run creates it afresh, Executing); one whose
     worktree is gone starts again from the target's head."""
     task = require_task_id(store, task)
-    record = read_task_record(store.dir, task)
+    record = record_for_update(store, task)
     status = record.get("status") or QUEUED_STATUS
     if status in (MERGED_STATUS, DONE_STATUS):
         raise FerrusError("task %s is already %s" % (task, status),
@@ -7985,7 +8117,7 @@ def op_retry_task(store, caller, task):
     kept = bool(worktree) and os.path.isdir(worktree)
 
     def requeued():
-        now = read_task_record(store.dir, task)
+        now = record_for_update(store, task)
         if now.get("status") != status:
             # Retried (or changed) by someone else since it was read: leave it be.
             raise FerrusError("task %s is %s now, not %s: someone else changed it" % (
@@ -8051,10 +8183,9 @@ def task_rows(store, tasks=None):
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    records = task_records(store) if tasks is None else [
-        (task, read_task_record(store.dir, task)) for task in tasks]
-    for task, record in records:
-        row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
+    for task, record, problem in checked_task_records(store, tasks):
+        row = {"id": task, "title": (record.get("title") or "")[:TASK_TITLE_CHARS],
+               "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
                "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
@@ -8075,6 +8206,12 @@ def task_rows(store, tasks=None):
                                   .total_seconds())
         if record.get("integration"):
             row["integration"] = record["integration"]
+        if problem:
+            # Said in every view of the queue (`ferrus tasks`, status, HQ's board), with
+            # the repair.
+            row["problem"] = problem
+            row["title"] = "(its %s is damaged: %s; `ferrus doctor --fix` repairs it)" % (
+                TASK_RECORD_FILE, problem)
         rows.append(row)
     return rows
 
@@ -8124,8 +8261,13 @@ def task_elapsed(row, now):
     return max(0.0, (end - start).total_seconds())
 
 
+DAMAGED_WORD = "damaged"     # a task whose task.json is damaged, in the views
+
+
 def task_state_word(row):
     """A task's place in one word: its state while it runs, else its queue status."""
+    if row.get("problem"):
+        return DAMAGED_WORD
     return row["state"] if row.get("status") == RUNNING_STATUS and row.get("state") \
         else row.get("status") or "?"
 
@@ -13203,11 +13345,56 @@ INTEGRATION_RETRY_SECS = 5.0
 
 def read_parallel_run(store):
     """.ferrus/parallel.json as a dict ({} when there is none or it is damaged)."""
+    return load_parallel_run(store)[0]
+
+
+def load_parallel_run(store):
+    """(.ferrus/parallel.json as a dict, None), or ({}, what is wrong with it); ({}, None)
+    when there is none."""
     try:
-        data = json.loads(read_text(store.path(PARALLEL_RUN_FILE), default="") or "{}")
-    except (ValueError, OSError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        text = read_text(store.path(PARALLEL_RUN_FILE), default="")
+    except OSError as err:
+        return {}, "it cannot be read: %s" % (err.strerror or err)
+    if not text.strip():
+        return {}, None
+    try:
+        run = json.loads(text)
+    except ValueError as err:
+        return {}, "not valid JSON: %s" % terminal_safe(str(err))[:120]
+    problem = parallel_run_problem(run)
+    return ({}, problem) if problem else (run, None)
+
+
+def parallel_run_problem(run):
+    """What is wrong with ``run`` as parallel.json's content (what ParallelRunner._save
+    writes), or None."""
+    if not isinstance(run, dict):
+        return "not a JSON object"
+    phase = run.get("phase")
+    if phase is not None and (isinstance(phase, bool) or not isinstance(phase, int) or
+                              not 0 <= phase <= 7):
+        return "phase %s is none of 0 to 7" % _shown(phase)
+    batch = run.get("batch")
+    if batch is not None and not (isinstance(batch, list) and all(
+            isinstance(task, str) and _TASK_ID_RE.match(task) for task in batch)):
+        return "batch is %s, not a list of task ids" % _shown(batch)
+    dispatch = run.get("dispatch")
+    fields = [field.name for field in dataclasses.fields(DispatchRecord)]
+    if dispatch is not None and not (isinstance(dispatch, list) and all(
+            isinstance(saved, dict) and set(saved) <= set(fields) and
+            all(isinstance(saved.get(name, ""), str) for name in fields) and
+            "task_id" in saved for saved in dispatch)):
+        return "dispatch is %s, not a list of dispatch records" % _shown(dispatch)
+    target = run.get("target")
+    if target is not None and (not isinstance(target, str) or
+                               git_branch_name_problem(target)):
+        return "target %s is no branch name" % _shown(target)
+    if not isinstance(run.get("ended", False), bool):
+        return "ended is %s, not true or false" % _shown(run["ended"])
+    pid = run.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
+        return "pid is %s, not a process id" % _shown(pid)
+    return None
 
 
 def live_parallel_run(store):
@@ -13250,6 +13437,7 @@ class ParallelRunner:
         self.retry_at = None           # when a waiting integration is tried again
         self.waiting_said = None
         self.ended = collections.OrderedDict()   # task -> status, for the report
+        self.damaged = {}              # task -> what is wrong with its task.json (said once)
         self.waiting_human = set()
         self.checkpoint = None
         self.finished = False
@@ -13354,10 +13542,22 @@ class ParallelRunner:
             raise FerrusError("a %s is in progress in the checkout"
                               % self.repo.operation_in_progress(),
                               "finish or abort it first: tasks merge into the target branch")
-        previous = read_parallel_run(self.store)
-        self.target = self.parallel.target or previous.get("target") if not \
-            previous.get("ended") else self.parallel.target
-        self.target = self.target or current_branch(self.store.root)
+        previous, problem = load_parallel_run(self.store)
+        if problem:
+            self.note("%s/%s is damaged (%s): this run starts afresh from P1 (`ferrus doctor "
+                      "--fix` sets the file aside)" % (FERRUS_DIR, PARALLEL_RUN_FILE, problem),
+                      "warning")
+        saved_target = previous.get("target") if not previous.get("ended") else None
+        self.target = self.parallel.target or saved_target or current_branch(self.store.root)
+        if self.target == saved_target and self.target != current_branch(self.store.root) \
+                and target_head(self.store.root, self.target) is None:
+            # The branch the interrupted run merged into was deleted or renamed since: the
+            # tasks go to the branch checked out, as on a fresh start, rather than no run
+            # ever starting again.
+            self.target = current_branch(self.store.root)
+            self.note("the interrupted run merged into %s, which is no branch any more: the "
+                      "tasks now merge into %s (set [parallel] target to choose)" % (
+                          saved_target, self.target or "the branch checked out"), "warning")
         if not self.target:
             raise FerrusError("parallel tasks need a target branch, and HEAD is detached",
                               "check out the branch the tasks should merge into, or set "
@@ -13377,7 +13577,9 @@ class ParallelRunner:
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
         resumed = []
-        for task, record in task_records(self.store):
+        for task, record, problem in checked_task_records(self.store):
+            if problem:
+                self._leave_damaged(task, problem)
             if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
                 continue
             if self._prepared_half_way(task):
@@ -13442,10 +13644,20 @@ class ParallelRunner:
             self._seen = seen
             self._queued = None
             for task, controller in list(self.controllers.items()):
-                self._watch_task(task, controller)
+                try:
+                    self._watch_task(task, controller)
+                except TaskRecordDamaged as damaged:
+                    self._leave_damaged(damaged.task, damaged.problem)
         if self.checkpoint or self.finished:
             return
-        phase = self.machine.phase
+        try:
+            self._do_phase(self.machine.phase)
+        except TaskRecordDamaged as damaged:
+            # Found damaged as the phase worked on it: that task is left alone, and the
+            # phase goes on with the others at the next step.
+            self._leave_damaged(damaged.task, damaged.problem)
+
+    def _do_phase(self, phase):
         if phase == 1:
             self._plan()
         elif phase == 2:
@@ -13461,14 +13673,36 @@ class ParallelRunner:
         elif phase == 7:
             self._cleanup()
 
+    def _leave_damaged(self, task, problem):
+        """A task whose task.json is damaged: its agents (if any) are stopped and this run
+        leaves it alone — nothing is written over the record — saying so once, with the
+        repair; the other tasks go on.  The run then ends with exit 1."""
+        if self.integration is not None and self.integration["task"] == task:
+            self._stop_integration()
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        if task in self.batch:
+            self.batch.remove(task)
+        self.dispatched = [r for r in self.dispatched if r.task_id != task]
+        if self.held_candidate is not None and self.held_candidate[0] == task:
+            self.held_candidate = None
+        if task not in self.damaged:
+            self.damaged[task] = problem
+            self.note(TaskRecordDamaged(task, problem).full_text() + " — this run leaves "
+                      "the task alone", "error", task_id=task, problem=problem)
+
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
     def queued(self):
         """The queued tasks, oldest first (read again after each commit only)."""
         if self._queued is None or self._queued[0] != self.store.state_stamp():
-            self._queued = (self.store.state_stamp(), [
-                task for task, record in task_records(self.store)
-                if record.get("status") == QUEUED_STATUS])
+            stamp, queued = self.store.state_stamp(), []
+            for task, record, problem in checked_task_records(self.store):
+                if problem:
+                    self._leave_damaged(task, problem)
+                elif record.get("status") == QUEUED_STATUS:
+                    queued.append(task)
+            self._queued = (stamp, queued)
         return list(self._queued[1])
 
     def free_slots(self):
@@ -13509,7 +13743,10 @@ class ParallelRunner:
             thread.join()
         ready = []
         for task, result in zip(tasks, results):
-            if isinstance(result, FerrusError):
+            if isinstance(result, TaskRecordDamaged):
+                self._leave_damaged(result.task, result.problem)
+                result = False
+            elif isinstance(result, FerrusError):
                 self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
                                result.full_text())
                 result = False
@@ -13553,6 +13790,8 @@ class ParallelRunner:
                 op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
+        except TaskRecordDamaged:
+            raise                              # not the task's failure: it is left alone
         except FerrusError as err:
             if not fail:
                 raise
@@ -13702,7 +13941,9 @@ class ParallelRunner:
             data = controller.store.read_state()
         except FerrusError:
             return
-        record = read_task_record(self.store.dir, task)
+        record, problem = load_task_record(self.store.dir, task)
+        if problem:
+            raise TaskRecordDamaged(task, problem)
         if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
             return
@@ -13874,6 +14115,8 @@ class ParallelRunner:
         controller = self.controllers.get(task)
         if controller is None:
             return
+        if isinstance(job["error"], TaskRecordDamaged):
+            raise job["error"]
         if isinstance(job["error"], IntegrationRefused):
             self._send_back(task, "ferrus could not integrate your work: %s" %
                             job["error"].full_text(), cause="refused")
@@ -14042,6 +14285,9 @@ class ParallelRunner:
         counts = collections.Counter(self.ended.values())
         parts = ["%d %s" % (counts[s], s) for s in (MERGED_STATUS, FAILED_STATUS,
                                                     CANCELLED_STATUS) if counts[s]]
+        if self.damaged:
+            parts.append("%d with a damaged %s (`ferrus doctor --fix`)" % (
+                len(self.damaged), TASK_RECORD_FILE))
         self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
         self.advance(7)
 
@@ -14059,7 +14305,7 @@ class ParallelRunner:
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -16187,14 +16433,8 @@ def parallel_task_findings(store):
 
 
 def _read_task_json(store, task):
-    """(record, None) or ({}, what is wrong with it)."""
-    try:
-        record = json.loads(read_text(task_record_path(store.dir, task)))
-    except (OSError, ValueError) as err:
-        return {}, terminal_safe(str(err))[:120]
-    if not isinstance(record, dict):
-        return {}, "not a JSON object"
-    return record, None
+    """(record, None) or ({}, what is wrong with it), as every reader judges it."""
+    return load_task_record(store.dir, task)
 
 
 def _task_branch_rows(store):
@@ -16303,18 +16543,28 @@ def _parallel_run_findings(store, records):
     path = store.path(PARALLEL_RUN_FILE)
     if not os.path.exists(path):
         return []
-    try:
-        run = json.loads(read_text(path))
-        if not isinstance(run, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
+    run, problem = load_parallel_run(store)
+    if problem:
         return [Finding("%s/%s is damaged (%s): the next parallel run starts from P1 instead "
                         "of the phase the last one stopped in" % (
-                            FERRUS_DIR, PARALLEL_RUN_FILE, terminal_safe(str(err))[:120]),
+                            FERRUS_DIR, PARALLEL_RUN_FILE, problem),
                         "keep it as %s.corrupt-<time>" % PARALLEL_RUN_FILE,
                         lambda: _set_aside(path), severity="warning")]
     if run.get("ended") or live_parallel_run(store) is not None:
         return []
+    target = run.get("target")
+    if target:
+        try:
+            gone = target_head(store.root, target) is None
+        except FerrusError:
+            gone = False            # no repository, or git could not say
+        if gone:
+            return [Finding("%s/%s: the parallel run that stopped part way merged into %s, "
+                            "which is no branch any more: the next run merges into [parallel] "
+                            "target or the branch checked out instead" % (
+                                FERRUS_DIR, PARALLEL_RUN_FILE, target),
+                            "keep it as %s.corrupt-<time> (the next run then starts from P1)"
+                            % PARALLEL_RUN_FILE, lambda: _set_aside(path), severity="warning")]
     where = phase_label(run.get("phase"))
     pending = [task for task, record in records.items()
                if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)]
@@ -16347,6 +16597,7 @@ def _rebuild_task_record(store, task):
         record = {"id": task, "title": task_title(description) or "(unknown: %s was damaged)"
                   % TASK_RECORD_FILE, "status": QUEUED_STATUS if description and not started
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
+        record.update(_salvaged_task_fields(store, task))
         if record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
             record["ended_at"] = format_timestamp(store.clock())
@@ -16355,6 +16606,23 @@ def _rebuild_task_record(store, task):
         if row is not None:
             record["worktree"] = row["path"]
         _set_aside(path, pretty_json(record))
+
+
+def _salvaged_task_fields(store, task):
+    """What a damaged task.json still says that a new record can keep: when it was
+    queued, its origin (the milestone it implements) and the agent it was given, each
+    only when it is what ferrus writes."""
+    try:
+        with open(task_record_path(store.dir, task), "rb") as handle:
+            damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    kept = {}
+    for key in ("created_at", "origin", "agent"):
+        if isinstance(damaged, dict) and key in damaged and not task_record_problem(
+                task, {"status": QUEUED_STATUS, key: damaged[key]}):
+            kept[key] = damaged[key]
+    return kept
 
 
 def _rebuild_task_state(store, task):
@@ -16887,8 +17155,8 @@ class TaskBoard:
                     self.agents[task] = actor[1]
 
     def _shown(self, row):
-        if row.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
-            return True
+        if row.get("problem") or row.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
+            return True                 # a damaged record is there until it is repaired
         with contextlib.suppress(ValueError, TypeError):
             return parse_timestamp(row.get("ended_at")) >= self.opened_at
         return False
@@ -16927,11 +17195,11 @@ class TaskBoard:
 
     def summary(self, rows=None):
         """``2 running, 1 queued, 1 merged`` (the board's rows by status)."""
-        counts = collections.Counter(row.get("status") for row in
-                                     (self.rows() if rows is None else rows))
+        counts = collections.Counter(DAMAGED_WORD if row.get("problem") else row.get("status")
+                                     for row in (self.rows() if rows is None else rows))
         return ", ".join("%d %s" % (counts[status], status) for status in (
             RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])
+            CANCELLED_STATUS, DAMAGED_WORD) if counts[status])
 
     def line(self, row, width=None, attached=None):
         """One task's row: short id, state, agent, elapsed, last event (cut to ``width``)."""
@@ -18969,9 +19237,9 @@ def cmd_task(args, root):
 
 def format_task_row(row, now_width=None):
     """One line of `ferrus tasks`: id, state, agent, age, title."""
-    state = row["state"] if row["status"] == RUNNING_STATUS and row["state"] else row["status"]
     age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
-    return "%-25s %-12s %-12s %7s  %s" % (row["id"], state, row.get("agent") or "-", age,
+    return "%-25s %-12s %-12s %7s  %s" % (row["id"], task_state_word(row),
+                                         row.get("agent") or "-", age,
                                          row["title"])
 
 
