@@ -12018,11 +12018,21 @@ def terminal_bell(stream):
 # How long a front end that is ending waits for its notifiers before stopping them.
 NOTIFY_EXIT_GRACE_SECS = 5
 NOTIFY_STDERR_TAIL_BYTES = 4096     # what is kept of a notifier's stderr, for its warning
+# At most this many notifiers (commands and desktop notifications) run at once; one more
+# is not started (it would only pile up behind those that hang) and the failure warning
+# says so.
+NOTIFY_MAX_RUNNING = 4
 
 
 class Notifier:
     """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
-    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
+    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal).
+
+    Nothing of a notifier runs on the caller's path: notify() starts a thread that
+    starts the process and watches it, stopping it at [notify] timeout_secs, so a
+    notifier that hangs costs the loop nothing — and no more than NOTIFY_MAX_RUNNING of
+    them run at once.  One Notifier serves a whole `ferrus run --parallel` (every task's
+    controller), so that bound holds for the run."""
 
     def __init__(self, store, emit, bell=None):
         self.store = store
@@ -12032,6 +12042,10 @@ class Notifier:
         self.sent = []             # (event, task_id, summary), for tests and `status`
         self.running = []          # (process, what, program, deadline) still unfinished
         self.stopped_at_exit = set()  # pids finish() stopped
+        self.skipped = 0           # notifiers not started: NOTIFY_MAX_RUNNING were running
+        self._lock = threading.Lock()
+        self._alive = 0            # notifiers started and not yet ended (or not yet spawned)
+        self._closed = False       # finish() ran: nothing more is started
 
     def config(self):
         try:
@@ -12053,7 +12067,7 @@ class Notifier:
                "FERRUS_SUMMARY": summary}
         if config.command:
             argv = [self._fill(part, values) for part in config.command]
-            self._start("[notify] command", argv, env, config.timeout_secs)
+            self._start("[notify] command", argv, env, config.timeout_secs, event)
         if config.desktop:
             title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
             argv = desktop_notification_argv(title, summary or title)
@@ -12063,7 +12077,7 @@ class Notifier:
             else:
                 self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
                                                            FERRUS_NOTIFY_BODY=summary or title),
-                            config.timeout_secs)
+                            config.timeout_secs, event)
 
     @staticmethod
     def _fill(part, values):
@@ -12071,25 +12085,55 @@ class Notifier:
             part = part.replace(key, value)
         return part
 
-    def _start(self, what, argv, env, timeout):
-        try:
-            proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, **process_group_kwargs())
-        except OSError as err:
-            self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+    def _start(self, what, argv, env, timeout, event):
+        with self._lock:
+            if self._closed:
+                return
+            full = self._alive >= NOTIFY_MAX_RUNNING
+            if full:
+                self.skipped += 1
+            else:
+                self._alive += 1
+        if full:
+            self._failed(what, "%d notifiers are still running (at most %d run at once), so "
+                         "the one for %s was not started" % (NOTIFY_MAX_RUNNING,
+                                                            NOTIFY_MAX_RUNNING, event))
             return
-        self.running = [entry for entry in self.running if entry[0].returncode is None]
-        self.running.append((proc, what, argv[0], time.monotonic() + timeout))
-        threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
-                         daemon=True).start()
+        threading.Thread(target=self._run, args=(what, argv, env, timeout), daemon=True,
+                         name="ferrus-notify").start()
+
+    def _run(self, what, argv, env, timeout):
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, **process_group_kwargs())
+            except OSError as err:
+                self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+                return
+            with self._lock:
+                self.running = [entry for entry in self.running if entry[0].returncode is None]
+                self.running.append((proc, what, argv[0], time.monotonic() + timeout))
+                closed = self._closed
+            if closed:                      # finish() came while it was starting
+                self.stopped_at_exit.add(proc.pid)
+                kill_process_tree(proc)
+            self._watch(what, argv[0], proc, timeout)
+        finally:
+            with self._lock:
+                self._alive -= 1
 
     def finish(self, grace=NOTIFY_EXIT_GRACE_SECS):
         """At the front end's end: notifiers still running get up to ``grace`` seconds
         (never past their timeout), then are stopped.  Their watch threads die with
         this process, so without this a hung notifier would run on for good."""
-        pending = [entry for entry in self.running if entry[0].poll() is None]
-        self.running = []
+        with self._lock:
+            self._closed = True
+            pending = [entry for entry in self.running if entry[0].poll() is None]
+            self.running = []
         if not pending:
             return
         until = min(time.monotonic() + grace, max(entry[3] for entry in pending))
@@ -12131,10 +12175,11 @@ class Notifier:
                 program, proc.returncode, ": " + said[-1][:200] if said else ""))
 
     def _failed(self, what, why):
-        if self.failed_once:
+        with self._lock:
+            first, self.failed_once = not self.failed_once, True
+        if not first:
             log.info("%s failed again: %s", what, why)
             return
-        self.failed_once = True
         self.emit(HqMessage("warning", "%s failed: %s (the loop goes on; later failures are "
                                        "only logged)" % (what, why), "notifier",
                             {"notifier": what, "error": why}))
@@ -12418,13 +12463,16 @@ class HqController:
     CHECK_SCAN_EVERY = 0.25
 
     def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None,
-                 executor_agent=None):
+                 executor_agent=None, notifier=None):
         self.store = store
         self.executor_agent = executor_agent    # a parallel task's own executor agent
         self._out = emit
         self.clock = clock
         self.last_activity = clock()
-        self.notifier = Notifier(store, self.emit, bell)
+        # A parallel run's controllers share its notifier (``notifier``): a task's end
+        # must not wait for, or stop, the notifiers its events started.
+        self.notifier = notifier or Notifier(store, self.emit, bell)
+        self._owns_notifier = notifier is None
         self.checks_seen = {}         # check id -> (command, clock value when first seen)
         self._next_check_scan = 0.0
         self.launcher = launcher or self._launch_with_adapter
@@ -13313,7 +13361,8 @@ class HqController:
             # left it running (its MCP server was killed before it could end it).
             for message in end_orphaned_checks(self.store.dir):
                 log.info("stopped with its agent: %s", message)
-        self.notifier.finish()
+        if self._owns_notifier:
+            self.notifier.finish()
 
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
@@ -13438,6 +13487,7 @@ class ParallelRunner:
         self.waiting_said = None
         self.ended = collections.OrderedDict()   # task -> status, for the report
         self.damaged = {}              # task -> what is wrong with its task.json (said once)
+        self.notifier = Notifier(store, self.emit, bell)    # every task's controller's
         self.waiting_human = set()
         self.checkpoint = None
         self.finished = False
@@ -13865,7 +13915,7 @@ class ParallelRunner:
                 short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
-                                  executor_agent=record.get("agent"))
+                                  executor_agent=record.get("agent"), notifier=self.notifier)
         self.controllers[task] = controller
         return controller
 
@@ -14316,6 +14366,7 @@ class ParallelRunner:
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        self.notifier.finish()
         if self.target is not None and not self.finished:
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
