@@ -18995,9 +18995,12 @@ def cmd_status(args, root):
     return 0
 
 
-# `ferrus status` lists every task that has not ended and the last few that have; the
-# rest are `ferrus tasks`'.
+# `ferrus status` sums the queue up: counts by status, every task at work, the next few
+# queued and the last few ended (a queue of a thousand tasks is a dozen lines); the rest
+# are `ferrus tasks`'.
 STATUS_ENDED_TASKS_SHOWN = 5
+STATUS_QUEUED_TASKS_SHOWN = 5
+STATUS_ACTIVE_TASKS_SHOWN = 20
 
 
 def status_task_rows(store, sessions):
@@ -19022,21 +19025,43 @@ def status_task_rows(store, sessions):
 
 
 def describe_queue(rows):
-    """The lines `ferrus status` ends with: one per task (short id, state, agent, age,
-    title; the worktree of a running one), the ended ones beyond the last few counted."""
+    """The lines `ferrus status` ends with: the counts by status, then one line per task
+    (short id, state, agent, age, title; the worktree of a running one) for those at work,
+    the damaged, the next few queued and the last few ended, the others counted."""
     if not rows:
         return []
-    ended = [row for row in rows if row.get("status") in ENDED_STATUSES]
-    shown_ended = ended[-STATUS_ENDED_TASKS_SHOWN:]
-    counts = collections.Counter(row.get("status") for row in rows)
+
+    def kind(row):
+        if row.get("problem"):
+            return DAMAGED_WORD
+        return "ended" if row.get("status") in ENDED_STATUSES else row.get("status")
+    counts = collections.Counter(DAMAGED_WORD if row.get("problem") else row.get("status")
+                                 for row in rows)
     lines = ["", "tasks  %s (`ferrus tasks` lists them)" % ", ".join(
         "%d %s" % (counts[status], status) for status in (
             RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])]
-    if len(ended) > len(shown_ended):
-        lines.append("  … %d ended earlier" % (len(ended) - len(shown_ended)))
+            CANCELLED_STATUS, DAMAGED_WORD) if counts[status])]
+    groups = collections.defaultdict(list)
     for row in rows:
-        if row.get("status") in ENDED_STATUSES and row not in shown_ended:
+        groups[kind(row)].append(row)
+    shown, more = set(), []
+    # (group, how many lines, the newest rather than the oldest, how the rest are counted)
+    for group, limit, newest, rest in (
+            ("ended", STATUS_ENDED_TASKS_SHOWN, True, "  … %d ended earlier"),
+            (RUNNING_STATUS, STATUS_ACTIVE_TASKS_SHOWN, False, "  … %d more running"),
+            (DAMAGED_WORD, STATUS_ENDED_TASKS_SHOWN, False, "  … %d more damaged"),
+            (QUEUED_STATUS, STATUS_QUEUED_TASKS_SHOWN, False, "  … %d more queued")):
+        members = groups.pop(group, [])
+        chosen = members[-limit:] if newest else members[:limit]
+        shown.update(id(row) for row in chosen)
+        if len(members) > len(chosen):
+            more.append(rest % (len(members) - len(chosen)))
+    for leftover in groups.values():       # a status no group above names: each is shown
+        shown.update(id(row) for row in leftover)
+    if more and more[0].endswith("ended earlier"):
+        lines.append(more.pop(0))           # before the lines, as they come after them
+    for row in rows:
+        if id(row) not in shown:
             continue
         age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
         lines.append("  %-6s %-13s %-10s %7s  %s" % (
@@ -19045,7 +19070,7 @@ def describe_queue(rows):
         if row.get("status") == RUNNING_STATUS and row.get("worktree"):
             lines.append("  %-6s worktree %s%s" % ("", row["worktree"], " (branch %s)" % (
                 row["branch"]) if row.get("branch") else ""))
-    return lines
+    return lines + more
 
 
 def cmd_log(args, root):
