@@ -7215,15 +7215,35 @@ def op_wait_for_task(store, caller):
     return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
 
 
+# The changed files wait_for_review lists, bounded as its diff is: the stat shows as many
+# (TaskDiff.stat_text), ferrus://diff has them all.
+REVIEW_FILES_MAX = 500
+REVIEW_FILES_BYTES = 64 * 1024
+
+
+def review_file_list(files, max_files=REVIEW_FILES_MAX, max_bytes=REVIEW_FILES_BYTES):
+    """The first of ``files`` (ChangedFile.to_json dicts) that fit ``max_files`` entries
+    and ``max_bytes`` of JSON: 30,000 changed files made a 5.7 MB answer."""
+    listed, size = [], 2
+    for entry in files[:max_files]:
+        size += len(json.dumps(entry, ensure_ascii=False)) + 2
+        if size > max_bytes:
+            break
+        listed.append(entry)
+    return listed
+
+
 def op_wait_for_review(store, caller):
     def build(data):
         # After the claim, outside the lock: git may take a moment.
         diff_text, changed_files = review_diff(store, store.read_file("SUBMISSION.md"))
+        listed = review_file_list(changed_files)
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
-                "diff": diff_text, "changed_files": changed_files,
+                "diff": diff_text, "changed_files": listed,
+                "changed_files_total": len(changed_files),
                 "review_cycles_used": data.review_cycles,
                 "check_retries_used": data.check_retries, "task_id": data.task_id,
                 "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
@@ -8740,11 +8760,12 @@ TOOLS = (
     Tool("wait_for_review", "Wait for review",
          "Block until a submission is in Reviewing, claim the review lease and return the task, "
          "submission notes, earlier review notes, the task's diff (stat and first part; "
-         "ferrus://diff has all of it) and the changed files. On {\"status\":\"timeout\"} "
-         "call it again.",
+         "ferrus://diff has all of it) and the changed files (the first 500; "
+         "changed_files_total counts them all). On {\"status\":\"timeout\"} call it again.",
          SUP, lambda st, c: op_wait_for_review(st, c), (),
          dict(_CLAIM_OUT, submission="string", review_cycles_used="integer",
-              check_retries_used="integer", diff="string", changed_files="array")),
+              check_retries_used="integer", diff="string", changed_files="array",
+              changed_files_total="integer")),
     Tool("review_pending", "Review pending submission",
          "Read the task, the submission notes, the task's diff (stat and first part) and "
          "previous review notes of the submission awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
