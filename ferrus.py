@@ -3161,6 +3161,12 @@ class TaskRecordDamaged(FerrusError):
             "`ferrus task retry` goes on with it)" % TASK_RECORD_FILE)
 
 
+def damaged_task_note(task, problem):
+    """What a run says once about a task whose task.json is damaged."""
+    err = TaskRecordDamaged(task, problem)
+    return "%s — this run leaves the task alone\nhint: %s" % (err.message, err.hint)
+
+
 def load_task_record(ferrus_dir, task):
     """(task.json as a dict, None), or ({}, what is wrong with it); ({}, None) when the
     task has no record."""
@@ -13759,8 +13765,8 @@ class ParallelRunner:
             self.held_candidate = None
         if task not in self.damaged:
             self.damaged[task] = problem
-            self.note(TaskRecordDamaged(task, problem).full_text() + " — this run leaves "
-                      "the task alone", "error", task_id=task, problem=problem)
+            self.note(damaged_task_note(task, problem), "error", task_id=task,
+                      problem=problem)
 
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
@@ -14622,6 +14628,10 @@ def run_queue(store, out=None, **run_options):
     failed task does not stop the queue; the exit code is the worst of the runs."""
     out = out or (lambda text: say(text, flush=True))
     worst = RUN_COMPLETE
+    for task, _, problem in checked_task_records(store):
+        if problem:
+            out("ferrus run: " + damaged_task_note(task, problem))
+            worst = RUN_FAILED
     for task, record in task_records(store):
         # A queued task an earlier run took up in the checkout: resumed, or recorded.
         if record.get("status") != RUNNING_STATUS or record.get("store") != "project":

@@ -208,6 +208,18 @@ def test_cancel_and_retry_write_nothing_over_a_damaged_record(repo):  # noqa: F8
     assert store.for_task(running).read_state().state == S.EXECUTING
 
 
+def test_one_at_a_time_in_the_checkout_a_damaged_task_is_said_and_skipped(repo):  # noqa: F811
+    store = setup(repo, ["test -f README.md"])
+    bad, good = enqueue(store, "Bad."), enqueue(store, "Good.\n\nWRITE good.txt: good\n")
+    text = damage(store, bad, "[1, 2]")
+    done = cli(repo, "run", "--timeout", "200")          # [parallel] max_tasks = 1
+    assert done.returncode == ferrus.RUN_FAILED, done.stdout + done.stderr
+    assert "ferrus run: task %s: its .ferrus/tasks/%s/task.json is damaged (not a JSON " \
+        "object) — this run leaves the task alone" % (bad, bad) in done.stdout
+    assert ferrus.read_task_record(store.dir, good)["status"] == "done"
+    assert open(ferrus.task_record_path(store.dir, bad)).read() == text
+
+
 def test_a_record_damaged_while_its_task_runs_stops_only_that_task(repo):  # noqa: F811
     import time
     store = setup(repo, ["test -f README.md"])
