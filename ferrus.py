@@ -16679,11 +16679,14 @@ def _rebuild_task_record(store, task):
         record = {"id": task, "title": task_title(description) or "(unknown: %s was damaged)"
                   % TASK_RECORD_FILE, "status": QUEUED_STATUS if description and not started
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
-        record.update(_salvaged_task_fields(store, task))
-        if record["status"] == FAILED_STATUS:
+        salvaged = _salvaged_task_fields(store, task)
+        record.update(salvaged)
+        if salvaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+            pass                        # it had ended: nothing of it runs again
+        elif record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
             record["ended_at"] = format_timestamp(store.clock())
-        if started:
+        if started and record.get("store") != "project":
             record.update(branch=branch, store="worktree")
         if row is not None:
             record["worktree"] = row["path"]
@@ -16691,18 +16694,25 @@ def _rebuild_task_record(store, task):
 
 
 def _salvaged_task_fields(store, task):
-    """What a damaged task.json still says that a new record can keep: when it was
-    queued, its origin (the milestone it implements) and the agent it was given, each
-    only when it is what ferrus writes."""
+    """What a damaged task.json still says that a new record can keep, each field only
+    when it is what ferrus writes: when it was queued, its origin (the milestone it
+    implements) and the agent it was given — and, when it had ended (merged, done or
+    cancelled), that end: so a merged or done task is never run again."""
     try:
         with open(task_record_path(store.dir, task), "rb") as handle:
             damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
     except (OSError, ValueError):
         return {}
+    if not isinstance(damaged, dict):
+        return {}
+    keys = ["created_at", "origin", "agent"]
+    if damaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+        keys += ["status", "ended_at", "merged_commit", "target", "store", "started_at"]
     kept = {}
-    for key in ("created_at", "origin", "agent"):
-        if isinstance(damaged, dict) and key in damaged and not task_record_problem(
-                task, {"status": QUEUED_STATUS, key: damaged[key]}):
+    for key in keys:
+        if key in damaged and not task_record_problem(
+                task, {"status": damaged[key] if key == "status" else QUEUED_STATUS,
+                       key: damaged[key]}):
             kept[key] = damaged[key]
     return kept
 

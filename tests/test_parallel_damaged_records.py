@@ -193,6 +193,22 @@ def test_a_task_repaired_by_doctor_is_retried_and_merged(repo):  # noqa: F811
     assert "bad.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
 
 
+def test_doctor_keeps_the_end_of_a_task_that_had_ended(repo):  # noqa: F811
+    """A merged task whose record was damaged came back as failed, and retry would have
+    run it again."""
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "Done.\n\nWRITE d.txt: d\n")
+    assert cli(repo, "run", "--parallel", "2", "--timeout", "200").returncode == 0
+    merged = ferrus.read_task_record(store.dir, task)
+    damage(store, task, setting("agent", 5))
+    assert cli(repo, "doctor", "--fix").returncode == 0
+    record, problem = ferrus.load_task_record(store.dir, task)
+    assert problem is None and record["status"] == "merged"
+    for key in ("merged_commit", "ended_at", "target", "created_at", "origin"):
+        assert record[key] == merged[key]
+    assert "agent" not in record
+
+
 def test_cancel_and_retry_write_nothing_over_a_damaged_record(repo):  # noqa: F811
     store = setup(repo, ["test -f README.md"])
     queued, running = enqueue(store, "Queued."), prepared(store, "Running.")
