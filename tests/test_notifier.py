@@ -5,7 +5,6 @@ task's end neither waits for nor stops the notifiers its events started — each
 stopped at its own timeout_secs, or when the run ends."""
 
 import os
-import sys
 import threading
 
 import ferrus
