@@ -18891,7 +18891,7 @@ def cmd_status(args, root):
     # While STATE.json mirrors a parallel task, that task's own files and worktree are
     # what the rows below describe (the checkout's would be another task's, or none).
     view = foreground_store(store)
-    record = read_task_record(store.dir, view.task) if view.task else {}
+    record, damaged = load_task_record(store.dir, view.task) if view.task else ({}, None)
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
@@ -18932,6 +18932,8 @@ def cmd_status(args, root):
         rows.append(("paused from", data.paused_state.value))
     rows.append(("task", (data.task_id or "-") + (
         "  (parallel task, %s; `ferrus tasks` lists every task)" % (
+            "its %s is damaged: `ferrus doctor --fix` repairs it" % TASK_RECORD_FILE
+            if damaged else
             "merged" if record.get("status") == MERGED_STATUS else
             "in its worktree %s" % record["worktree"] if record.get("worktree") and
             os.path.isdir(record["worktree"]) else record.get("status") or "queued")

@@ -157,6 +157,9 @@ def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(repo, what, stag
         shown = cli(repo, *view)
         assert shown.returncode == 0 and "damaged" in shown.stdout, shown.stdout
         assert "`ferrus doctor --fix` repairs it" in shown.stdout
+    if stage == "running":      # the checkout's state mirrors it
+        assert "(parallel task, its task.json is damaged: `ferrus doctor --fix` repairs " \
+            "it;" in cli(repo, "status").stdout
     listed = json.loads(cli(repo, "tasks", "--json").stdout)
     assert any(row["id"] == bad and row["problem"] == problem for row in (
         listed["tasks"] if isinstance(listed, dict) else listed))
