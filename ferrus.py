@@ -34,12 +34,13 @@ Contents (each section uses only the sections above it):
     12. Operations .............. one function per behaviour, shared by MCP, HQ and the CLI
     13. MCP ..................... JSON-RPC 2.0 stdio server, tools, resources, prompts
     14. Agents .................. one adapter per agent CLI, register, prompts for every mode
-    15. Sessions ................ supervised agent processes, the HQ controller, `ferrus run`
-    16. Pipelines ............... workflows.json, status.json, the reconcile loop
-    17. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
-    18. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
-    19. HQ front ends ........... the plain-line shell and the curses screen over the controller
-    20. CLI ..................... argparse front end, ``main(argv) -> int``
+    15. Sessions ................ supervised agent processes, notifications, the HQ controller
+    16. Runs .................... `ferrus run`: one task, or the queue in parallel worktrees
+    17. Pipelines ............... workflows.json, status.json, the reconcile loop
+    18. Init and doctor ......... scaffolding a project, checking and repairing .ferrus/
+    19. Packaging ............... ferrus as its own PEP 517 build backend (``pip install .``)
+    20. HQ front ends ........... the plain-line shell and the curses screen over the controller
+    21. CLI ..................... argparse front end, ``main(argv) -> int``
 """
 
 import sys
@@ -87,6 +88,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -114,8 +116,8 @@ __all__ = [
     "op_wait_for_consult", "op_wait_for_answer", "op_check", "op_submit", "op_consult",
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
-    "op_diff", "op_enqueue_task", "op_enqueue_milestone", "op_enqueue_ready", "op_cancel_task",
-    "op_retry_task",
+    "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
+    "op_enqueue_ready", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (section 13)
     "serve_stdio",
@@ -2674,11 +2676,31 @@ PHASE_TRANSITIONS = {
 }
 
 
+# What each phase is doing, for people: the phase codes are for the record and the code.
+PHASE_WORDS = ("checking the repository (and recovering a run that stopped)",
+               "choosing the next queued tasks", "preparing the tasks' worktrees",
+               "starting the tasks' agents", "waiting for the agents' work",
+               "merging approved tasks into the target branch", "reporting how tasks ended",
+               "cleaning up")
+
+
+def _is_phase(phase):
+    return isinstance(phase, int) and not isinstance(phase, bool) and \
+        0 <= phase < len(PHASE_NAMES)
+
+
 def phase_label(phase):
-    """``P3 dispatch``, or the bare value when it names no phase."""
-    if isinstance(phase, int) and not isinstance(phase, bool) and 0 <= phase < len(PHASE_NAMES):
+    """``P3 dispatch``, or the bare value when it names no phase (for the record; people
+    read phase_words)."""
+    if _is_phase(phase):
         return "P%d %s" % (phase, PHASE_NAMES[phase])
     return repr(phase)
+
+
+def phase_words(phase):
+    """What a parallel run does in ``phase``, in words: ``merging approved tasks into the
+    target branch``."""
+    return PHASE_WORDS[phase] if _is_phase(phase) else "an unknown step (%r)" % (phase,)
 
 
 class InvalidPhaseTransition(FerrusError):
@@ -3101,6 +3123,22 @@ class Transaction:
 # queue's record of the task (task.json), its STATE.json and its content files.
 TASKS_DIR = "tasks"
 TASK_RECORD_FILE = "task.json"
+# A parallel task's branch is this + its id (doctor finds leftovers by it).
+TASK_BRANCH_PREFIX = "ferrus/"
+QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
+    "queued", "running", "merged", "done", "failed", "cancelled")
+# Approved, but its work changed nothing: there was nothing to merge (or commit).
+UNCHANGED_STATUS = "unchanged"
+TASK_STATUSES = (QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS,
+                 FAILED_STATUS, CANCELLED_STATUS)
+# Statuses of an approved task.
+APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS)
+# Statuses of a task that no orchestrator will take up again.
+ENDED_STATUSES = APPROVED_STATUSES + (FAILED_STATUS, CANCELLED_STATUS)
+# The order statuses are counted and listed in.
+TASK_STATUS_ORDER = (RUNNING_STATUS, QUEUED_STATUS) + ENDED_STATUSES
+# How a status reads where it is not the status word itself.
+TASK_STATUS_WORDS = {UNCHANGED_STATUS: "approved (no change)"}
 # The project's STATE.json names the parallel task it mirrors under this additive key.
 PARALLEL_MIRROR_KEY = "mirrors_task"
 # What the project's STATE.json keeps for itself while it mirrors a task: the
@@ -3146,13 +3184,129 @@ def task_record_path(ferrus_dir, task):
 
 def read_task_record(ferrus_dir, task):
     """A parallel task's queue record (task.json) as a dict; {} when missing or damaged
-    (doctor reports the damage)."""
+    (load_task_record says what is wrong; doctor reports and repairs it)."""
+    return load_task_record(ferrus_dir, task)[0]
+
+
+# What task.json may hold; a record that breaks any of it is damaged as a whole, so no
+# reader ever meets a field of the wrong type (a list for a status, a number for a path).
+TASK_RECORD_MAX_BYTES = 1 << 20
+TASK_RECORD_TEXT_CHARS = 64 * 1024
+_TASK_RECORD_TEXT = ("id", "title", "created_at", "started_at", "ended_at", "agent",
+                     "worktree", "workdir", "branch", "base", "target", "conflict_base",
+                     "reason", "merged_commit", "store", "resume_from")
+_TASK_RECORD_COMMITS = ("base", "conflict_base", "merged_commit", "resume_from")
+_COMMIT_ID_RE = re.compile(r"[0-9a-f]{4,64}")
+
+
+class TaskRecordDamaged(FerrusError):
+    """A task.json that is unreadable or holds what ferrus never writes; nothing is
+    written over it (doctor sets it aside and writes a new one)."""
+
+    def __init__(self, task, problem):
+        self.task, self.problem = task, problem
+        super().__init__("task %s: its %s/%s/%s/%s is damaged (%s)" % (
+            task, FERRUS_DIR, TASKS_DIR, task, TASK_RECORD_FILE, problem),
+            "`ferrus doctor --fix` keeps it as %s.corrupt-<time> and writes a new record "
+            "from what is left (a task that had started becomes failed, its worktree kept: "
+            "`ferrus task retry` goes on with it)" % TASK_RECORD_FILE)
+
+
+def damaged_task_note(task, problem):
+    """What a run says once about a task whose task.json is damaged."""
+    err = TaskRecordDamaged(task, problem)
+    return "%s — this run leaves the task alone\nhint: %s" % (err.message, err.hint)
+
+
+def load_task_record(ferrus_dir, task):
+    """(task.json as a dict, None), or ({}, what is wrong with it); ({}, None) when the
+    task has no record."""
     try:
         with open_inside(os.path.join(ferrus_dir, TASKS_DIR, task), TASK_RECORD_FILE) as handle:
-            data = json.loads(handle.read(1 << 20).decode("utf-8"))
-    except (OSError, UnsafePath, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+            raw = handle.read(TASK_RECORD_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnsafePath) as err:
+        return {}, "it cannot be read: %s" % (getattr(err, "strerror", None) or err)
+    if len(raw) > TASK_RECORD_MAX_BYTES:
+        return {}, "it is larger than %d MiB" % (TASK_RECORD_MAX_BYTES >> 20)
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except ValueError as err:
+        return {}, "not valid JSON: %s" % terminal_safe(str(err))[:120]
+    problem = task_record_problem(task, record)
+    return ({}, problem) if problem else (record, None)
+
+
+def task_record_problem(task, record):
+    """What is wrong with ``record`` as task ``task``'s task.json, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("status") not in TASK_STATUSES:
+        return "status %s is none of %s" % (_shown(record.get("status")),
+                                            ", ".join(TASK_STATUSES))
+    for key in _TASK_RECORD_TEXT:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            return "%s is %s, not text" % (key, _shown(value))
+        if value is not None and len(value) > TASK_RECORD_TEXT_CHARS:
+            return "%s is %d characters long" % (key, len(value))
+    if record.get("id") is not None and record["id"] != task:
+        return "id %s is not the task's own" % _shown(record["id"])
+    if record.get("store") not in (None, "worktree", "project"):
+        return "store %s is neither worktree nor project" % _shown(record["store"])
+    for key in ("worktree", "workdir"):
+        if record.get(key) is not None and not os.path.isabs(record[key]):
+            return "%s %s is no absolute path" % (key, _shown(record[key]))
+    worktree, workdir = record.get("worktree"), record.get("workdir")
+    if workdir is not None and not (worktree and _path_within(workdir, worktree)):
+        return "workdir %s is not inside its worktree" % _shown(workdir)
+    if record.get("branch") is not None and record["branch"] != TASK_BRANCH_PREFIX + task:
+        return "branch %s is not the task's branch %s" % (_shown(record["branch"]),
+                                                           TASK_BRANCH_PREFIX + task)
+    if record.get("target") is not None and git_branch_name_problem(record["target"]):
+        return "target %s is no branch name" % _shown(record["target"])
+    for key in _TASK_RECORD_COMMITS:
+        if record.get(key) is not None and not _COMMIT_ID_RE.fullmatch(record[key]):
+            return "%s %s is no commit id" % (key, _shown(record[key]))
+    for key, kinds in (("origin", {"spec": str, "milestone": str, "by": str,
+                                   "delegated_by": str}),
+                       ("integration", {"candidate": str, "target_head": str}),
+                       ("saved", {"ref": str, "commit": str})):
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return "%s is %s, not an object" % (key, _shown(value))
+        for name, kind in kinds.items():
+            if value.get(name) is not None and not isinstance(value[name], kind):
+                return "%s.%s is %s, not text" % (key, name, _shown(value[name]))
+    if record.get("discard") not in (None, True, False):
+        return "discard is %s, not true or false" % _shown(record["discard"])
+    conflicts = record.get("conflicts")
+    if conflicts is not None and not (isinstance(conflicts, list) and
+                                      all(isinstance(path, str) for path in conflicts)):
+        return "conflicts is %s, not a list of paths" % _shown(conflicts)
+    if record["status"] == RUNNING_STATUS and record.get("store") == "worktree" and not (
+            record.get("worktree") and record.get("branch")):
+        return "it is running in a worktree but names no %s" % (
+            "worktree" if not record.get("worktree") else "branch")
+    return None
+
+
+def _path_within(path, folder):
+    """Whether ``path`` is ``folder`` or inside it, by their text (no file is looked at)."""
+    try:
+        rel = os.path.relpath(os.path.normpath(path), os.path.normpath(folder))
+    except ValueError:                  # Windows: on another drive
+        return False
+    return rel == os.curdir or not (rel == os.pardir or rel.startswith(os.pardir + os.sep))
+
+
+def _shown(value):
+    """A value of a damaged record, short enough for a message."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return terminal_safe(text if len(text) <= 40 else text[:37] + "...")
 
 
 class JournalWriteError(FerrusError, OSError):
@@ -3194,7 +3348,11 @@ class Store:
     def workdir(self):
         """Where the task's code is: its worktree for a parallel task, else the project."""
         if self._workdir is None:
-            record = read_task_record(self.dir, self.task)
+            record, problem = load_task_record(self.dir, self.task)
+            if problem:
+                # Never the project's checkout instead: the task's agents and checks
+                # would work there.
+                raise TaskRecordDamaged(self.task, problem)
             worktree = record.get("workdir") or record.get("worktree")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
@@ -3662,6 +3820,78 @@ class CheckRun:
             out.append("\n")
         out.append("Full log: `%s`" % self.log_path)
         return "".join(out)
+
+
+# How many of a red command's last lines a one-screen report shows.
+CHECK_TAIL_SHOWN = 8
+
+
+def failed_check_facts(result):
+    """A red check command's facts (a CommandResult): what a send-back or a red base
+    shows, and --json carries."""
+    return {"command": result.command, "status": result.status, "exit": result.exit_code,
+            "log": result.log_path, "tail": list(result.tail[-CHECK_TAIL_SHOWN:])}
+
+
+def describe_failed_check(fact):
+    """``check failed: pytest -q (exit 1); log .ferrus/logs/…`` and its last lines."""
+    status = fact.get("status") or "failed"
+    note = " (exit %s)" % fact["exit"] if status == "failed" and fact.get("exit") is not None \
+        else ""
+    text = "    check %s: %s%s; log %s" % (status, fact.get("command"), note,
+                                           fact.get("log") or "-")
+    tail = fact.get("tail") or ["(it printed nothing)"]
+    return text + "".join("\n        │ " + line for line in tail)
+
+
+# Words a POSIX shell runs itself: never looked for on PATH.
+SHELL_BUILTINS = frozenset((
+    "!", ".", ":", "[", "[[", "alias", "bg", "break", "case", "cd", "command", "continue",
+    "do", "done", "echo", "elif", "else", "esac", "eval", "exec", "exit", "export", "false",
+    "fg", "fi", "for", "function", "getopts", "hash", "if", "jobs", "kill", "local", "printf",
+    "pwd", "read", "readonly", "return", "set", "shift", "source", "test", "then", "time",
+    "times", "trap", "true", "type", "ulimit", "umask", "unalias", "unset", "until", "wait",
+    "while", "{", "}"))
+# Tokens after which a shell expects a command.
+_SHELL_SEPARATORS = frozenset(("&&", "||", ";", "|", "&", "(", ")", "!", "{", "do", "then",
+                               "else", "elif", "if", "while", "until", "time"))
+
+
+def missing_check_programs(root, command):
+    """The programs a [checks] command names that cannot be found: neither on PATH nor,
+    for a path, a file under ``root`` — what would make the shell say "not found".  Only
+    plain words in command position are judged; anything the shell expands ($VAR,
+    `…`, globs) is left alone, so a command that merely looks odd is never reported."""
+    if IS_WINDOWS:  # pragma: no cover  (cmd.exe quoting is another language)
+        return []
+    try:
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)
+    except ValueError:
+        return []                 # unbalanced quotes: the check itself will say so
+    missing, expect = [], True
+    for word in words:
+        if word in _SHELL_SEPARATORS or set(word) <= set("&|;()"):
+            expect = True
+            continue
+        if not expect:
+            continue
+        if re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", word):
+            continue              # VAR=value before the command
+        expect = False
+        if word in SHELL_BUILTINS or any(c in word for c in "$`*?[~<>") or not word:
+            continue
+        if "/" in word:
+            if "cd" in words[:words.index(word)] and not os.path.isabs(word):
+                continue          # relative to a folder the command moved to
+            path = os.path.join(root, word)
+            found = os.path.isfile(path) and os.access(path, os.X_OK)
+        else:
+            found = shutil.which(word) is not None
+        if not found and word not in missing:
+            missing.append(word)
+    return missing
 
 
 def _log_description(result):
@@ -7446,15 +7676,35 @@ def op_wait_for_task(store, caller):
     return _wait_and_claim(store, caller, WORK_STATES, build, "a task")
 
 
+# The changed files wait_for_review lists, bounded as its diff is: the stat shows as many
+# (TaskDiff.stat_text), ferrus://diff has them all.
+REVIEW_FILES_MAX = 500
+REVIEW_FILES_BYTES = 64 * 1024
+
+
+def review_file_list(files, max_files=REVIEW_FILES_MAX, max_bytes=REVIEW_FILES_BYTES):
+    """The first of ``files`` (ChangedFile.to_json dicts) that fit ``max_files`` entries
+    and ``max_bytes`` of JSON: 30,000 changed files made a 5.7 MB answer."""
+    listed, size = [], 2
+    for entry in files[:max_files]:
+        size += len(json.dumps(entry, ensure_ascii=False)) + 2
+        if size > max_bytes:
+            break
+        listed.append(entry)
+    return listed
+
+
 def op_wait_for_review(store, caller):
     def build(data):
         # After the claim, outside the lock: git may take a moment.
         diff_text, changed_files = review_diff(store, store.read_file("SUBMISSION.md"))
+        listed = review_file_list(changed_files)
         return {"status": "claimed", "claimed_by": data.claimed_by, "lease_until": data.lease_until,
                 "state": data.state.value, "task": store.read_file("TASK.md"),
                 "submission": store.read_file("SUBMISSION.md"),
                 "review": store.read_file("REVIEW.md"),
-                "diff": diff_text, "changed_files": changed_files,
+                "diff": diff_text, "changed_files": listed,
+                "changed_files_total": len(changed_files),
                 "review_cycles_used": data.review_cycles,
                 "check_retries_used": data.check_retries, "task_id": data.task_id,
                 "heartbeat_interval_secs": store.config().lease.heartbeat_interval_secs}
@@ -7982,6 +8232,29 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
+def merge_unless_cancelled(store, task, move, caller, **detail):
+    """The merge queue's last step, made mutually exclusive with op_cancel_task: under the
+    project lock the task is read again; one cancelled meanwhile (its record cancelled,
+    its state Idle) is not merged — ``move`` is not called and the target stays where it
+    is.  Else ``move()`` moves the target (it returns the commit the target is now at, or
+    None when it did not move it) and the task becomes Complete in the same transaction,
+    so a cancel waiting for the lock finds it merged.  ``store`` is the project's.
+
+    Returns (CANCELLED_STATUS, None) when the cancel came first, (MERGED_STATUS, commit)
+    when the merge did, and (None, None) when ``move`` did not move the target."""
+    with store.for_task(task).transaction(caller.agent_id) as tx:
+        # A damaged record raises: what it said is unknown, so nothing is merged for it.
+        if record_for_update(store, task).get("status") == CANCELLED_STATUS or \
+                tx.state.state == S.IDLE:
+            return CANCELLED_STATUS, None
+        head = move()
+        if not head:
+            return None, None
+        tx.set(t_integrated(tx.state, store.clock()), "integrated", commit=head[:12],
+               **detail)
+    return MERGED_STATUS, head
+
+
 def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
@@ -7998,6 +8271,179 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
 
 
+# -- the gate tried on the base, before any agent starts ----------------------------------
+#
+# `ferrus run` runs the checks once on the untouched base a task starts from: a command
+# that cannot run, or a base that is already red, would otherwise be found only by the
+# executor, session after session.  A green verdict is kept in .ferrus/base-checks.json
+# for the commit and the commands it was reached with, so the same base is checked once.
+
+BASE_CHECKS_FILE = "base-checks.json"
+BASE_CHECKS_KEPT = 20
+# Exit statuses of a shell that could not run a command (POSIX sh: not found, not
+# executable; cmd.exe: "is not recognized").
+CANNOT_RUN_EXITS = (126, 127, 9009)
+
+
+class RedBaseRefused(FerrusError):
+    """The checks fail on a task's base before any agent started, and the run stops."""
+
+
+@dataclasses.dataclass
+class BaseCheck:
+    """The check gate's verdict on a task's base, before any agent worked on it."""
+
+    passed: bool
+    commit: "str | None"          # the commit checked (None: a checkout with changes)
+    failed: list                  # failed_check_facts of each red command (setup first)
+    log: str = ""                 # the run's summary log, relative to the project root
+    checked_at: str = ""
+    cached: bool = False          # found in base-checks.json, not run now
+
+    def cannot_run(self):
+        """The failed commands the shell could not run at all (not found, not executable)."""
+        return [fact for fact in self.failed if fact.get("exit") in CANNOT_RUN_EXITS]
+
+    def to_json(self):
+        return {"passed": self.passed, "commit": self.commit, "failed": self.failed,
+                "log": self.log, "checked_at": self.checked_at}
+
+
+def _base_check_key(commit, commands, setup):
+    return {"commit": commit, "commands": list(commands), "setup": list(setup)}
+
+
+def cached_base_check(store, commit, commands, setup=()):
+    """The BaseCheck kept for ``commit`` checked with exactly these commands, or None."""
+    if not commit:
+        return None
+    key = _base_check_key(commit, commands, setup)
+    for entry in reversed(_read_base_checks(store)):
+        if all(entry.get(name) == value for name, value in key.items()):
+            return BaseCheck(bool(entry.get("passed")), commit, [
+                fact for fact in entry.get("failed") or [] if isinstance(fact, dict)],
+                str(entry.get("log") or ""), str(entry.get("checked_at") or ""), cached=True)
+    return None
+
+
+def _read_base_checks(store):
+    try:
+        data = json.loads(read_text(store.path(BASE_CHECKS_FILE), default="") or "{}")
+    except (ValueError, OSError):
+        return []
+    entries = data.get("checks") if isinstance(data, dict) else None
+    return [entry for entry in entries or [] if isinstance(entry, dict)]
+
+
+def _keep_base_check(store, result, commands, setup):
+    entry = dict(_base_check_key(result.commit, commands, setup), **result.to_json())
+    with store.lock():
+        entries = [e for e in _read_base_checks(store)
+                   if any(e.get(name) != value for name, value in
+                          _base_check_key(result.commit, commands, setup).items())]
+        atomic_write(store.path(BASE_CHECKS_FILE), pretty_json(
+            {"checks": (entries + [entry])[-BASE_CHECKS_KEPT:]}))
+
+
+def check_base(store, commit, checkout=None, setup=(), cancel=None):
+    """Run the check gate on a task's base before any agent starts; a BaseCheck.
+
+    ``checkout`` is where the base is checked out as it is (the project's own checkout
+    for a single task); None makes a clean one: a temporary detached worktree of
+    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
+    [parallel] setup commands) runs first, removed afterwards.  With a ``commit`` a green
+    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
+    with uncommitted changes) is checked every time."""
+    config = store.config()
+    commands = list(config.checks.commands)
+    found = cached_base_check(store, commit, commands, setup)
+    if found is not None:
+        return found
+    if checkout is None:
+        result = _run_base_checks(store, _clean_checkout(store, commit), commit, setup,
+                                  cancel)
+    else:
+        result = _run_base_checks(store, checkout, commit, (), cancel)
+    # Only a green verdict is kept: a red one is tried again, as what fixes it (a tool
+    # installed, a file made) need not change the commit.
+    if commit and result.passed and not (cancel is not None and cancel.is_set()):
+        with contextlib.suppress(OSError):       # a verdict not kept is checked again
+            _keep_base_check(store, result, commands, setup)
+    return result
+
+
+def _run_base_checks(store, checkout, commit, setup, cancel):
+    config = store.config()
+    keep = config.limits.max_feedback_lines
+    failed, log_path = [], ""
+    if setup:
+        steps = dataclasses.replace(config.checks, commands=list(setup), parallel=False,
+                                    fail_fast=True)
+        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root)
+        failed = [dict(failed_check_facts(r), setup=True) for r in run.failed]
+        log_path = run.log_path
+    if not failed:
+        run = run_checks(checkout, config.checks, store.path("logs"), 0, keep, cancel,
+                         store.root)
+        failed = [failed_check_facts(r) for r in run.failed]
+        log_path = run.log_path
+    return BaseCheck(not failed, commit, failed, log_path,
+                     format_timestamp(store.clock()))
+
+
+def _clean_checkout(store, commit):
+    """The project folder (a subfolder when the project is one of its repository) of the
+    merge gate's clean checkout (see gate_checkout), at ``commit``."""
+    repo = git_repository(store.root)
+    gate = gate_checkout(store.root, default_worktree_dir(
+        store.root, store.config().parallel.worktree_dir), commit)
+    reset_gate(gate, commit)
+    inside = os.path.relpath(store.root, repo.toplevel)
+    return gate.work_tree if inside == "." else os.path.join(gate.work_tree, inside)
+
+
+def remove_gate_checkout(store):
+    """The merge gate's checkout goes (a run is over; the next one makes it again)."""
+    with contextlib.suppress(FerrusError, OSError):
+        folder = default_worktree_dir(store.root, store.config().parallel.worktree_dir)
+        remove_task_worktree(store.root, os.path.join(folder, GATE_FOLDER), None)
+
+
+def describe_base_check(result, where):
+    """The lines that say what failed on the base ``where`` (``main at 3fa2c1``)."""
+    lines = ["the checks fail on %s, before any agent started:" % where]
+    for fact in result.failed:
+        text = describe_failed_check(fact)
+        if fact.get("exit") in CANNOT_RUN_EXITS:
+            text = text.replace("(exit %s)" % fact["exit"], "(exit %s: the command could not "
+                                "run — not found or not executable)" % fact["exit"], 1)
+        if fact.get("setup"):
+            text = text.replace("    check ", "    [parallel] setup ", 1)
+        lines.append(text)
+    return lines
+
+
+RED_BASE_MARK = "\n\n---\nNote from ferrus: before this task started, "
+
+
+def without_red_base_note(text):
+    """A task's text without the red_base_note an earlier start added to it."""
+    return text.split(RED_BASE_MARK, 1)[0]
+
+
+def red_base_note(result, where):
+    """What the executor is told with its task when it starts on a red base."""
+    parts = [RED_BASE_MARK + "these checks already "
+             "failed on its base (%s), with no change of yours; the check gate still needs "
+             "every check to pass:" % where]
+    for fact in result.failed:
+        parts.append("- `%s`%s%s" % (fact.get("command"), " (exit %s)" % fact["exit"]
+                                      if fact.get("exit") is not None else "",
+                                      " ([parallel] setup)" if fact.get("setup") else ""))
+        parts += ["    " + line for line in (fact.get("tail") or [])[-CHECK_TAIL_SHOWN:]]
+    return "\n".join(parts) + "\n"
+
+
 # -- the task queue (ARCHITECTURE.md, 'Parallel tasks') ------------------------------------
 #
 # `ferrus task add`, the supervisor's enqueue_task and HQ's /task add put a task in the
@@ -8007,12 +8453,20 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
 # exactly as `ferrus run --task` does; with more, each in its own worktree, with its own
 # STATE.json beside its task.json.
 
-# A parallel task's branch is this + its id (doctor finds leftovers by it).
-TASK_BRANCH_PREFIX = "ferrus/"
-QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS = (
-    "queued", "running", "merged", "done", "failed", "cancelled")
-# Statuses of a task that no orchestrator will take up again.
-ENDED_STATUSES = (MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCELLED_STATUS)
+def status_word(status):
+    """A task status as people read it: ``approved (no change)`` for unchanged."""
+    return TASK_STATUS_WORDS.get(status, status or "?")
+
+
+def count_statuses(statuses):
+    """``2 running, 1 merged, 1 approved (no change)``: how many tasks have each status."""
+    counts = collections.Counter(statuses)
+    order = TASK_STATUS_ORDER + tuple(sorted(str(status) for status in counts
+                                             if status not in TASK_STATUS_ORDER))
+    return ", ".join("%d %s" % (counts[status], status_word(status))
+                     for status in order if counts[status])
+
+
 TASK_TITLE_CHARS = 72
 
 
@@ -8048,9 +8502,17 @@ def queued_order(record):
 def task_records(store):
     """[(task id, its task.json)] of the queue, oldest first: an id orders tasks only by
     the second they were queued in (then by its random end), so tasks queued within one
-    second are ordered by their records' created_at."""
-    records = [(task, read_task_record(store.dir, task)) for task in queued_task_ids(store)]
-    return sorted(records, key=lambda item: (item[0][:17], queued_order(item[1])))
+    second are ordered by their records' created_at.  A damaged record is {}."""
+    return [(task, record) for task, record, _ in checked_task_records(store)]
+
+
+def checked_task_records(store, tasks=None):
+    """[(task id, its task.json or {}, what is wrong with it or None)] of the queue (or of
+    the ``tasks`` given, in their order), oldest first as task_records."""
+    if tasks is not None:
+        return [(task,) + load_task_record(store.dir, task) for task in tasks]
+    loaded = [(task,) + load_task_record(store.dir, task) for task in queued_task_ids(store)]
+    return sorted(loaded, key=lambda item: (item[0][:17], queued_order(item[1])))
 
 
 def require_task_id(store, task):
@@ -8136,6 +8598,11 @@ def diff_store_of(store, task):
     not started, or its worktree gone."""
     record = read_task_record(store.dir, task)
     status = record.get("status")
+    if status == UNCHANGED_STATUS:
+        raise FerrusError("task %s was approved and changed nothing: it has no diff, and "
+                          "nothing was merged" % short_task_id(task),
+                          "`ferrus log --task %s` shows what happened to it"
+                          % short_task_id(task))
     if status == MERGED_STATUS:
         merged = record.get("merged_commit") or ""
         raise FerrusError("task %s is merged%s%s; its worktree and branch were removed" % (
@@ -8157,6 +8624,40 @@ def diff_store_of(store, task):
     return task_store
 
 
+def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192 * 1024,
+                        tail_bytes=32 * 1024):
+    """What merged task ``task`` changed: its merged commit against the target's head it
+    was merged onto (the commit's parent when that is not recorded) — `git show` of the
+    task's one commit.  Its worktree and branch are gone; the commit stays."""
+    record = read_task_record(store.dir, task)
+    commit = record.get("merged_commit") or ""
+    base = (record.get("integration") or {}).get("target_head") or commit + "^"
+    args = ["diff", "--find-renames", "--stat" if stat_only else "--patch-with-stat", base,
+            commit, "--"] + list(paths or [])
+    head, tail, total = stream_git(store.root, args, head_bytes, tail_bytes)
+    text = os.fsdecode(bytes(head))
+    if tail:
+        text += "\n[… %d bytes not shown …]\n%s" % (total - len(head) - len(tail),
+                                                    os.fsdecode(bytes(tail)))
+    title = "Task %s merged into %s at %s (%s..%s)" % (
+        short_task_id(task), record.get("target") or "its target", commit[:12], base[:12],
+        commit[:12])
+    return _outcome("%s\n\n%s" % (title, text.rstrip("\n")), None, available=True,
+                    task_id=task, merged_commit=commit, base=base, target=record.get("target"),
+                    diff=text, cut=bool(tail))
+
+
+def op_task_diff(store, task=None, stat_only=False, paths=None):
+    """`ferrus diff` and HQ's /diff: the checkout's task (``task`` None), a queue task's
+    work in its worktree, or a merged task's merged commit (op_merged_task_diff)."""
+    record = read_task_record(store.dir, task) if task is not None else {}
+    if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
+        return op_merged_task_diff(store, task, stat_only, paths)
+    if task is not None:
+        store = diff_store_of(store, task)
+    return op_diff(store, HUMAN, stat_only=stat_only, paths=paths)
+
+
 def stores_awaiting_confirmation(store):
     """[(task id, store)] of every task waiting in AwaitingConfirmation for the human:
     the checkout's own task and each parallel task."""
@@ -8175,6 +8676,16 @@ def stores_awaiting_confirmation(store):
     return waiting
 
 
+def record_for_update(store, task):
+    """Task ``task``'s record, to change and write back (holding the project lock); a
+    damaged one raises TaskRecordDamaged: writing over it would lose what it still
+    holds (doctor sets it aside and rebuilds it)."""
+    record, problem = load_task_record(store.dir, task)
+    if problem:
+        raise TaskRecordDamaged(task, problem)
+    return record
+
+
 def write_task_record(store, task, record):
     """Replace a task's task.json; call it holding the project lock."""
     atomic_write(task_record_path(store.dir, task), pretty_json(record))
@@ -8185,7 +8696,7 @@ def update_task(store, caller, task, event, changes, only_from=None, **detail):
     With ``only_from`` (statuses) a task whose status is none of them is left as it is
     (None is returned): a cancel from another shell may have come first."""
     with store.transaction(caller.agent_id) as tx:
-        record = read_task_record(store.dir, task)
+        record = record_for_update(store, task)
         if only_from is not None and record.get("status") not in only_from:
             return None
         record.update(changes)
@@ -8299,9 +8810,36 @@ def op_enqueue_ready(store, caller, spec):
 
 
 def _refuse_ended(task, record):
-    if record.get("status") in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, record["status"]),
-                          "its work is on the target branch; nothing to cancel")
+    if record.get("status") == MERGED_STATUS:
+        _refuse_merged_first(task, record.get("target"), record.get("merged_commit"))
+    if record.get("status") in APPROVED_STATUSES:
+        raise FerrusError("task %s is already %s" % (task, status_word(record["status"])),
+                          "its work is in the checkout; nothing to cancel"
+                          if record["status"] == DONE_STATUS else
+                          "it was approved and changed nothing; nothing to cancel")
+
+
+def _refuse_merged(store, task, record, data):
+    """A cancel that comes after the merge (see merge_unless_cancelled) is refused and
+    says so: the task is Complete, or the target is already at the commit the merge
+    queue checked for it (its run stopped before it could record the merge)."""
+    merged = data.state == S.COMPLETE
+    candidate = (record.get("integration") or {}).get("candidate")
+    target = record.get("target")
+    if not merged and candidate and target and data.state == S.INTEGRATING:
+        with contextlib.suppress(FerrusError):
+            merged = target_head(store.root, target) == candidate
+    if merged:
+        _refuse_merged_first(task, target, candidate)
+
+
+def _refuse_merged_first(task, target, commit):
+    raise FerrusError(
+        "task %s is already merged into %s%s: the merge came before this cancel, nothing "
+        "was cancelled" % (task, target or "its target", " at %s" % commit[:12] if commit
+                           else ""),
+        "its work is on %s (`ferrus log --task %s` shows the merge); revert it there if it "
+        "is not wanted" % (target or "the target branch", short_task_id(task)))
 
 
 def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
@@ -8311,15 +8849,20 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
     hands, as a failed task's kept worktree is not) they are removed here.  Either way
     its work is saved first (save_task_work), unless ``discard``."""
     task = require_task_id(store, task)
-    record = read_task_record(store.dir, task)
+    record = read_task_record(store.dir, task)      # read again under the lock below
     _refuse_ended(task, record)
     task_store = store.for_task(task)
     if record.get("status") == CANCELLED_STATUS:
         text = "Task %s was already cancelled." % task
     elif task_store.exists():
         with task_store.transaction(caller.agent_id) as tx:
-            record = read_task_record(store.dir, task)
+            # Under the lock the merge queue's last step holds (merge_unless_cancelled):
+            # either the merge came first and this cancel is refused, or the cancel comes
+            # first and the target is never moved for this task.
+            record = record_for_update(store, task)
             _refuse_ended(task, record)         # merged meanwhile, under our feet
+            _refuse_merged(store, task, record, tx.state)
+            integrating = tx.state.state == S.INTEGRATING
             new = t_force_reset(tx.state, store.clock())
             new.task_id = tx.state.task_id
             tx.set(new, "cancel_task", **({"discard": True} if discard else {}))
@@ -8327,7 +8870,8 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
             if discard:
                 record["discard"] = True
             write_task_record(store, task, record)
-        text = "Task %s cancelled." % task
+        text = "Task %s cancelled%s." % (task, " before its merge: the target branch is not "
+                                         "moved for it" if integrating else "")
     else:
         if record.get("store") == "project":
             data = store.project_state()
@@ -8357,12 +8901,11 @@ def op_retry_task(store, caller, task):
     so far (its state is reset to Idle, so the run creates it afresh, Executing); one whose
     worktree is gone starts again from the target's head."""
     task = require_task_id(store, task)
-    record = read_task_record(store.dir, task)
+    record = record_for_update(store, task)
     status = record.get("status") or QUEUED_STATUS
-    if status in (MERGED_STATUS, DONE_STATUS):
-        raise FerrusError("task %s is already %s" % (task, status),
-                          "its work is on the target branch; `ferrus task add` queues "
-                          "more work")
+    if status in APPROVED_STATUSES:
+        raise FerrusError("task %s is already %s" % (task, status_word(status)),
+                          "it was approved; `ferrus task add` queues more work")
     if status not in (FAILED_STATUS, CANCELLED_STATUS):
         raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
                           % (task, status), "`ferrus tasks` lists the tasks and their states")
@@ -8370,7 +8913,7 @@ def op_retry_task(store, caller, task):
     kept = bool(worktree) and os.path.isdir(worktree)
 
     def requeued():
-        now = read_task_record(store.dir, task)
+        now = record_for_update(store, task)
         if now.get("status") != status:
             # Retried (or changed) by someone else since it was read: leave it be.
             raise FerrusError("task %s is %s now, not %s: someone else changed it" % (
@@ -8491,10 +9034,9 @@ def task_rows(store, tasks=None):
     rows = []
     now = store.clock()
     project = store.project_state() if store.exists() else None
-    records = task_records(store) if tasks is None else [
-        (task, read_task_record(store.dir, task)) for task in tasks]
-    for task, record in records:
-        row = {"id": task, "title": record.get("title", ""), "status": record.get("status"),
+    for task, record, problem in checked_task_records(store, tasks):
+        row = {"id": task, "title": (record.get("title") or "")[:TASK_TITLE_CHARS],
+               "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
                "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
@@ -8515,6 +9057,14 @@ def task_rows(store, tasks=None):
                                   .total_seconds())
         if record.get("integration"):
             row["integration"] = record["integration"]
+        if record.get("merged_commit"):
+            row["merged_commit"] = record["merged_commit"]
+        if problem:
+            # Said in every view of the queue (`ferrus tasks`, status, HQ's board), with
+            # the repair.
+            row["problem"] = problem
+            row["title"] = "(its %s is damaged: %s; `ferrus doctor --fix` repairs it)" % (
+                TASK_RECORD_FILE, problem)
         rows.append(row)
     return rows
 
@@ -8564,10 +9114,15 @@ def task_elapsed(row, now):
     return max(0.0, (end - start).total_seconds())
 
 
+DAMAGED_WORD = "damaged"     # a task whose task.json is damaged, in the views
+
+
 def task_state_word(row):
     """A task's place in one word: its state while it runs, else its queue status."""
+    if row.get("problem"):
+        return DAMAGED_WORD
     return row["state"] if row.get("status") == RUNNING_STATUS and row.get("state") \
-        else row.get("status") or "?"
+        else status_word(row.get("status"))
 
 
 # ============================================================================
@@ -9038,11 +9593,12 @@ TOOLS = (
     Tool("wait_for_review", "Wait for review",
          "Block until a submission is in Reviewing, claim the review lease and return the task, "
          "submission notes, earlier review notes, the task's diff (stat and first part; "
-         "ferrus://diff has all of it) and the changed files. On {\"status\":\"timeout\"} "
-         "call it again.",
+         "ferrus://diff has all of it) and the changed files (the first 500; "
+         "changed_files_total counts them all). On {\"status\":\"timeout\"} call it again.",
          SUP, lambda st, c: op_wait_for_review(st, c), (),
          dict(_CLAIM_OUT, submission="string", review_cycles_used="integer",
-              check_retries_used="integer", diff="string", changed_files="array")),
+              check_retries_used="integer", diff="string", changed_files="array",
+              changed_files_total="integer")),
     Tool("review_pending", "Review pending submission",
          "Read the task, the submission notes, the task's diff (stat and first part) and "
          "previous review notes of the submission awaiting review.", SUP, lambda st, c: op_review_pending(st, c), (), _TEXT_OUT,
@@ -10124,36 +10680,117 @@ class Launch:
 class AgentEvent:
     """Something an agent's structured output reported."""
 
-    kind: str                 # tool_call | usage | session | limit | model_output | tool_result
-    name: str = ""            # tool_call: the tool; session: the model, when reported
-    ok: "bool | None" = None
+    # tool_call | tool_result | said | usage | session | limit | model_output
+    kind: str
+    # tool_call, tool_result: the tool (as the CLI names it); session: the model, when
+    # reported; said: "delta" when the text goes on the message before it (Gemini streams
+    # a message in pieces)
+    name: str = ""
+    ok: "bool | None" = None  # tool_call, tool_result: whether the call worked, when known
     input_tokens: int = 0
     output_tokens: int = 0
-    text: str = ""            # usage: its message ("" for none); tool_call: tool_summary
+    # usage: its message ("" for none); tool_call: tool_summary; tool_result: why it
+    # failed (one line); said: what the model wrote
+    text: str = ""
     cost_usd: "float | None" = None   # usage: the session's cost so far, when reported
     total: bool = False       # usage: the session's totals so far, replacing earlier counts
     turns: int = 0            # usage with total: the session's model turns, when reported
     context_tokens: int = 0   # usage: the context this turn's request held (0: not reported)
+    call_id: str = ""         # tool_call, tool_result: the id that pairs a result with its call
 
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
                       "query", "description", "prompt", "content", "notes", "question",
                       "response")
-_MCP_TOOL_NAME = re.compile(r"^mcp__(.+?)__(.+)$")
+# An MCP tool as each CLI names it: Claude Code and Qwen Code mcp__SERVER__TOOL, Gemini
+# CLI mcp_SERVER_TOOL (its server names carry no "_"), Codex's parser SERVER/TOOL.
+_MCP_TOOL_NAMES = (re.compile(r"^mcp__(.+?)__(.+)$"), re.compile(r"^mcp_([^_]+)_(.+)$"),
+                   re.compile(r"^([^/\s]+)/([^/\s]+)$"))
+
+# Each CLI's own tools under the one name ferrus shows, whichever CLI made the call
+# (Claude Code's names, a shell is a Shell).  A tool not listed keeps its own name.
+TOOL_NAMES = {
+    "Bash": "Shell", "run_shell_command": "Shell", "shell": "Shell",
+    "exec_command": "Shell", "local_shell": "Shell",
+    "Read": "Read", "read_file": "Read", "read_many_files": "Read",
+    "Write": "Write", "write_file": "Write",
+    "Edit": "Edit", "MultiEdit": "Edit", "NotebookEdit": "Edit", "edit": "Edit",
+    "replace": "Edit", "apply_patch": "Edit",
+    "Glob": "Glob", "glob": "Glob",
+    "Grep": "Grep", "grep_search": "Grep", "search_file_content": "Grep",
+    "LS": "List", "list_directory": "List",
+    "WebFetch": "WebFetch", "web_fetch": "WebFetch",
+    "WebSearch": "WebSearch", "google_web_search": "WebSearch", "web_search": "WebSearch",
+    "TodoWrite": "Todo", "todo_write": "Todo", "write_todos": "Todo",
+    "Task": "Agent", "Agent": "Agent", "agent": "Agent", "invoke_agent": "Agent",
+}
+
+
+def tool_display_name(name):
+    """The name a tool call is shown under: ferrus's own MCP tools as ``ferrus submit``,
+    another MCP server's as ``server/tool``, each CLI's own tools by TOOL_NAMES."""
+    name = str(name or "")
+    if name in TOOL_NAMES:
+        return TOOL_NAMES[name]
+    for pattern in _MCP_TOOL_NAMES:
+        match = pattern.match(name)
+        if match:
+            server, tool = match.groups()
+            return "ferrus %s" % tool if server.startswith("ferrus") else "%s/%s" % (server,
+                                                                                     tool)
+    return name
 
 
 def tool_line(slot, name, summary, root=None):
-    """One tool call as a progress line: ``executor ▸ Write  src/a.py``.  An MCP tool is
-    named by its server and tool (ferrus's own as ``ferrus submit``); paths under the
-    project root are shown relative to it."""
-    match = _MCP_TOOL_NAME.match(name or "")
-    if match:
-        server, tool = match.groups()
-        name = "ferrus %s" % tool if server.startswith("ferrus") else "%s/%s" % (server, tool)
+    """One tool call as a progress line: ``executor ▸ Write  src/a.py`` (the tool named by
+    tool_display_name); paths under the project root are shown relative to it."""
     if root and summary:
         summary = summary.replace(os.path.join(root, ""), "")
-    return "%s ▸ %s%s" % (slot, name, "  " + summary if summary else "")
+    return "%s ▸ %s%s" % (slot, tool_display_name(name), "  " + summary if summary else "")
+
+
+# A tool result that says the agent was not allowed the call, as the CLIs word it.
+_TOOL_DENIED = re.compile(
+    r"requires? (?:approval|permission)|permission (?:was )?(?:declined|denied)|"
+    r"not enabled in this context|was blocked|not allowed|rejected by user approval|"
+    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)", re.IGNORECASE)
+TOOL_REASON_CHARS = 240
+
+
+def tool_failure_line(slot, name, reason, root=None):
+    """A failed tool call as a progress line: ``executor ✗ Shell failed: exit 2: …``
+    (``denied`` when the agent was not allowed the call)."""
+    if root and reason:
+        reason = reason.replace(os.path.join(root, ""), "")
+    return "%s ✗ %s %s%s" % (slot, tool_display_name(name) or "a tool",
+                             "denied" if tool_denied(reason) else "failed",
+                             ": " + reason if reason else "")
+
+
+def tool_denied(reason):
+    """Whether a failed tool call's reason says the agent was not allowed it."""
+    return bool(_TOOL_DENIED.search(reason or ""))
+
+
+def tool_reason(value, width=TOOL_REASON_CHARS):
+    """Why a tool call failed, as one line: the text of a CLI's tool result (a string, or
+    content blocks), its markup and a wrapped MCP error's JSON taken off, cut to ``width``."""
+    if isinstance(value, list):
+        value = " ".join(block.get("text", "") if isinstance(block, dict) else str(block)
+                         for block in value)
+    elif isinstance(value, dict):
+        value = value.get("message") or value.get("text") or compact_json(value)
+    text = re.sub(r"</?tool_use_error>", "", str(value or ""))
+    wrapped = text.find(" with response: ")
+    if wrapped >= 0:
+        # Gemini CLI and Qwen Code wrap an MCP tool's error in the JSON of the call.
+        with contextlib.suppress(ValueError):
+            texts = re.findall(r'"text"\s*:\s*("(?:[^"\\]|\\.)*")', text[wrapped:])
+            if texts:
+                text = " ".join(json.loads(piece) for piece in texts)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def tool_summary(arguments, width=100):
@@ -10752,16 +11389,32 @@ def _parse_claude_style(line):
         for block in message.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 events.append(AgentEvent("tool_call", name=str(block.get("name", "")),
-                                         text=tool_summary(block.get("input"))))
+                                         text=tool_summary(block.get("input")),
+                                         call_id=str(block.get("id") or "")))
+            elif isinstance(block, dict) and block.get("type") == "text" and \
+                    str(block.get("text") or "").strip():
+                events.append(AgentEvent("said", text=str(block["text"])))
         usage = message.get("usage") or {}
         if isinstance(usage, dict) and usage:
             # One request's usage: its input is the whole context the model read.
             event = _claude_usage(usage, text=str(message.get("id") or ""))
             event.context_tokens = event.input_tokens
             events.append(event)
+    elif kind == "user":
+        # The results of the tool calls, the failed ones with why (a denied call too).
+        message = event.get("message") or {}
+        for block in message.get("content") or [] if isinstance(message, dict) else []:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                failed = block.get("is_error") is True
+                events.append(AgentEvent("tool_result", ok=not failed,
+                                         call_id=str(block.get("tool_use_id") or ""),
+                                         text=tool_reason(block.get("content")) if failed
+                                         else ""))
     elif kind == "result":
         text = str(event.get("result") or "")
         events.extend(_limit_events(text))
+        if event.get("is_error") and text.strip():
+            events.append(AgentEvent("said", text=text))    # the error it ended with
         usage, cost = event.get("usage"), event.get("total_cost_usd", event.get("cost_usd"))
         cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) \
             else None
@@ -10992,27 +11645,68 @@ class Codex(AgentAdapter):
         if kind == "thread.started":
             return [AgentEvent("session", text=str(event.get("thread_id", "")))]
         if kind == "item.completed":
-            item = event.get("item") or {}
-            if item.get("type") == "mcp_tool_call":
-                return [AgentEvent("tool_call", name="%s/%s" % (item.get("server"), item.get("tool")),
-                                   ok=item.get("status") == "completed",
-                                   text=tool_summary(item.get("arguments")))]
-            # Codex's own tools: a shell command, or file edits (its apply_patch).
-            if item.get("type") == "command_execution":
-                return [AgentEvent("tool_call", name="shell", ok=item.get("exit_code") == 0,
-                                   text=tool_summary({"command": item.get("command")}))]
-            if item.get("type") == "file_change":
-                paths = [c.get("path") for c in item.get("changes") or []
-                         if isinstance(c, dict) and isinstance(c.get("path"), str)]
-                return [AgentEvent("tool_call", name="edit", ok=item.get("status") == "completed",
-                                   text=tool_summary({"path": paths}))]
+            return self._completed_item(event.get("item") or {})
         if kind == "turn.completed":
             usage = event.get("usage") or {}
             return [AgentEvent("usage", input_tokens=int(usage.get("input_tokens") or 0),
                                output_tokens=int(usage.get("output_tokens") or 0))]
         if kind in ("turn.failed", "error"):
-            return _limit_events(json.dumps(event))
+            said = (event.get("error") or {}).get("message") if isinstance(
+                event.get("error"), dict) else event.get("message")
+            return _limit_events(json.dumps(event)) + (
+                [AgentEvent("said", text=str(said))] if said else [])
         return []
+
+    @staticmethod
+    def _completed_item(item):
+        """Codex reports a tool call once, when it ended: the call and, when it failed,
+        its result with why."""
+        kind, item_id = item.get("type"), str(item.get("id") or "")
+        if kind == "agent_message" and str(item.get("text") or "").strip():
+            return [AgentEvent("said", text=str(item["text"]))]
+        if kind == "mcp_tool_call":
+            name, ok = "%s/%s" % (item.get("server"), item.get("tool")), \
+                item.get("status") == "completed"
+            result = item.get("result") if isinstance(item.get("result"), dict) else {}
+            reason = tool_reason(item.get("error") or result.get("content"))
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary(item.get("arguments")))
+        # Codex's own tools: a shell command, or file edits (its apply_patch).
+        elif kind == "command_execution":
+            name, ok = "shell", item.get("exit_code") == 0
+            output = [line for line in str(item.get("aggregated_output") or "").splitlines()
+                      if line.strip()]
+            reason = tool_reason("exit %s%s" % (item.get("exit_code"), ": " + " ".join(
+                output[-3:]) if output else ""))
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary({"command": _unwrap_shell(item.get("command"))}))
+        elif kind == "file_change":
+            paths = [c.get("path") for c in item.get("changes") or []
+                     if isinstance(c, dict) and isinstance(c.get("path"), str)]
+            name, ok = "apply_patch", item.get("status") == "completed"
+            reason = "the patch was not applied (status %s)" % item.get("status")
+            call = AgentEvent("tool_call", name=name, ok=ok, call_id=item_id,
+                              text=tool_summary({"path": paths}))
+        else:
+            return []
+        return [call, AgentEvent("tool_result", name=name, ok=ok, call_id=item_id,
+                                 text="" if ok else reason)]
+
+
+# How Codex runs a model's command: the shell wrapper around it says nothing.
+_SHELL_WRAPPER = re.compile(r"^(?:/usr)?(?:/bin/)?(?:ba|z)?sh -l?c ")
+
+
+def _unwrap_shell(command):
+    """``/bin/bash -lc 'cat a.txt'`` as ``cat a.txt`` (the command the model gave)."""
+    if not isinstance(command, str) or not _SHELL_WRAPPER.match(command):
+        return command
+    rest = _SHELL_WRAPPER.sub("", command, count=1)
+    with contextlib.suppress(ValueError):
+        parts = shlex.split(rest)
+        if len(parts) == 1:
+            return parts[0]
+    return rest
 
 
 class _SettingsJsonAgent(AgentAdapter):
@@ -11173,16 +11867,27 @@ class GeminiCli(_SettingsJsonAgent):
         # prompt or tool results (see UsageTally).
         if kind == "tool_use":
             return [AgentEvent("tool_call", name=str(event.get("tool_name") or event.get("name")),
-                               text=tool_summary(event.get("parameters"))),
+                               text=tool_summary(event.get("parameters")),
+                               call_id=str(event.get("tool_id") or "")),
                     AgentEvent("model_output")]
         if kind == "message" and event.get("role") == "assistant":
-            return [AgentEvent("model_output")]
+            said = str(event.get("content") or "")
+            return [AgentEvent("model_output")] + ([AgentEvent(
+                "said", name="delta" if event.get("delta") else "", text=said)]
+                if said.strip() else [])
         if kind == "tool_result":
-            return [AgentEvent("tool_result")]
+            failed = event.get("status") == "error"
+            return [AgentEvent("tool_result", ok=not failed,
+                               call_id=str(event.get("tool_id") or ""),
+                               text=tool_reason(event.get("error") or event.get("output"))
+                               if failed else "")]
         if kind == "result":
             stats = event.get("stats") or {}
+            error = event.get("error")
             return [AgentEvent("usage", input_tokens=int(stats.get("input_tokens") or 0),
-                               output_tokens=int(stats.get("output_tokens") or 0), total=True)]
+                               output_tokens=int(stats.get("output_tokens") or 0), total=True)
+                    ] + ([AgentEvent("said", text=tool_reason(error, 1000))]
+                         if event.get("status") == "error" and error else [])
         return []
 
 
@@ -11782,7 +12487,7 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
 # one-orchestrator lock, and HqController, which reads the journal in order (so
 # no transition is ever missed) and reacts.  The controller knows nothing about
 # terminals: `ferrus run` (at the end of this section) and the HQ front ends
-# (section 19) feed it input and print what it emits.
+# (section 20) feed it input and print what it emits.
 
 def sessions_config(root):
     """[sessions] from ferrus.toml (validated with the whole file by load_config).
@@ -12103,6 +12808,26 @@ def _spawn_error_hint(err):
     return ""
 
 
+class LastWords:
+    """The model's last message, folded from "said" AgentEvents: a new message replaces
+    it, a streamed piece of the same message (Gemini) goes on it; only its end is kept."""
+
+    CHARS = 2000
+
+    def __init__(self):
+        self.text = ""
+        self._open = False        # the event before was a piece of what the model wrote
+
+    def add(self, event):
+        if event.kind == "said":
+            words = self.text + event.text if event.name == "delta" and self._open \
+                else event.text
+            self.text = words[-self.CHARS:]
+            self._open = True
+        elif event.kind in ("tool_call", "tool_result"):
+            self._open = False
+
+
 class AgentProcess:
     """One running agent CLI: its process, its raw log, and what its output said."""
 
@@ -12112,6 +12837,7 @@ class AgentProcess:
         self.tally = UsageTally()  # tool calls, tokens and cost, as the output reports them
         self.lines = 0
         self.last_text = ""        # the last line that was not a JSON event, for heartbeats
+        self.said = LastWords()    # the model's last message, as the output said
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
@@ -12152,10 +12878,15 @@ class AgentProcess:
                         self.events.extend(events)
                         for event in events:
                             self.tally.add(event)
+                            self.said.add(event)
                         if self.fatal is None:
                             self.fatal = permanent_agent_error(line)
                     except Exception:   # a parser must never take the supervisor down
                         log.debug("unparsable agent output line", exc_info=True)
+
+    @property
+    def last_words(self):
+        return self.said.text
 
     def exited(self):
         return self.proc.poll() is not None and not self.reader.is_alive()
@@ -12201,9 +12932,30 @@ PROGRESS_EVENTS = (
     "confirmation",    # the reviewer approved and [hq] human_review waits for the human
     "answer",          # a human answered: answer
     "tool_call",       # an agent called a tool: slot, tool, input
+    "tool_failed",     # an agent's tool call failed or was denied: slot, tool, input,
+                       # reason, denied
     "heartbeat",       # nothing else for a while: slot, secs, tool_calls, last_output
     "session",         # an agent started, exited, backs off or is stopped: slot
+    "base_checks",     # the checks tried on a task's base before any agent started: passed,
+                       # commit, failed (command, status, exit, log, tail), log, cached
+    # A parallel task's integration (`ferrus run --parallel`), each with task_id, target:
+    "integrating",     # the merge queue took it up
+    "merged",          # the target moved to its work: commit, title
+    "unchanged",       # approved, and the target already had its work: nothing merged
+    "sent_back",       # back to its executor: cause, reason, failed (the red checks with
+                       # command, status, exit, log, tail), files
+    "conflict",        # back to its executor to resolve a conflict: files
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
+
+
+LAST_WORDS_SHOWN = 300
+
+
+def last_words_tail(text, width=LAST_WORDS_SHOWN):
+    """The end of an agent's last message on one line ("" when it wrote none): where it
+    says why it stopped."""
+    words = " ".join((text or "").split())
+    return words if len(words) <= width else "…" + words[-(width - 1):]
 
 
 def first_lines(text, count=4, width=160):
@@ -12316,11 +13068,21 @@ def terminal_bell(stream):
 # How long a front end that is ending waits for its notifiers before stopping them.
 NOTIFY_EXIT_GRACE_SECS = 5
 NOTIFY_STDERR_TAIL_BYTES = 4096     # what is kept of a notifier's stderr, for its warning
+# At most this many notifiers (commands and desktop notifications) run at once; one more
+# is not started (it would only pile up behind those that hang) and the failure warning
+# says so.
+NOTIFY_MAX_RUNNING = 4
 
 
 class Notifier:
     """Announces NOTIFY_EVENTS as [notify] says.  ``emit`` receives the one warning
-    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal)."""
+    about a failing notifier; ``bell()`` rings the front end's bell (None: no terminal).
+
+    Nothing of a notifier runs on the caller's path: notify() starts a thread that
+    starts the process and watches it, stopping it at [notify] timeout_secs, so a
+    notifier that hangs costs the loop nothing — and no more than NOTIFY_MAX_RUNNING of
+    them run at once.  One Notifier serves a whole `ferrus run --parallel` (every task's
+    controller), so that bound holds for the run."""
 
     def __init__(self, store, emit, bell=None):
         self.store = store
@@ -12330,6 +13092,10 @@ class Notifier:
         self.sent = []             # (event, task_id, summary), for tests and `status`
         self.running = []          # (process, what, program, deadline) still unfinished
         self.stopped_at_exit = set()  # pids finish() stopped
+        self.skipped = 0           # notifiers not started: NOTIFY_MAX_RUNNING were running
+        self._lock = threading.Lock()
+        self._alive = 0            # notifiers started and not yet ended (or not yet spawned)
+        self._closed = False       # finish() ran: nothing more is started
 
     def config(self):
         try:
@@ -12351,7 +13117,7 @@ class Notifier:
                "FERRUS_SUMMARY": summary}
         if config.command:
             argv = [self._fill(part, values) for part in config.command]
-            self._start("[notify] command", argv, env, config.timeout_secs)
+            self._start("[notify] command", argv, env, config.timeout_secs, event)
         if config.desktop:
             title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
             argv = desktop_notification_argv(title, summary or title)
@@ -12361,7 +13127,7 @@ class Notifier:
             else:
                 self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
                                                            FERRUS_NOTIFY_BODY=summary or title),
-                            config.timeout_secs)
+                            config.timeout_secs, event)
 
     @staticmethod
     def _fill(part, values):
@@ -12369,25 +13135,55 @@ class Notifier:
             part = part.replace(key, value)
         return part
 
-    def _start(self, what, argv, env, timeout):
-        try:
-            proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, **process_group_kwargs())
-        except OSError as err:
-            self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+    def _start(self, what, argv, env, timeout, event):
+        with self._lock:
+            if self._closed:
+                return
+            full = self._alive >= NOTIFY_MAX_RUNNING
+            if full:
+                self.skipped += 1
+            else:
+                self._alive += 1
+        if full:
+            self._failed(what, "%d notifiers are still running (at most %d run at once), so "
+                         "the one for %s was not started" % (NOTIFY_MAX_RUNNING,
+                                                            NOTIFY_MAX_RUNNING, event))
             return
-        self.running = [entry for entry in self.running if entry[0].returncode is None]
-        self.running.append((proc, what, argv[0], time.monotonic() + timeout))
-        threading.Thread(target=self._watch, args=(what, argv[0], proc, timeout),
-                         daemon=True).start()
+        threading.Thread(target=self._run, args=(what, argv, env, timeout), daemon=True,
+                         name="ferrus-notify").start()
+
+    def _run(self, what, argv, env, timeout):
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                proc = subprocess.Popen(argv, cwd=self.store.root, env=dict(os.environ, **env),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, **process_group_kwargs())
+            except OSError as err:
+                self._failed(what, "%s could not start: %s" % (argv[0], err.strerror or err))
+                return
+            with self._lock:
+                self.running = [entry for entry in self.running if entry[0].returncode is None]
+                self.running.append((proc, what, argv[0], time.monotonic() + timeout))
+                closed = self._closed
+            if closed:                      # finish() came while it was starting
+                self.stopped_at_exit.add(proc.pid)
+                kill_process_tree(proc)
+            self._watch(what, argv[0], proc, timeout)
+        finally:
+            with self._lock:
+                self._alive -= 1
 
     def finish(self, grace=NOTIFY_EXIT_GRACE_SECS):
         """At the front end's end: notifiers still running get up to ``grace`` seconds
         (never past their timeout), then are stopped.  Their watch threads die with
         this process, so without this a hung notifier would run on for good."""
-        pending = [entry for entry in self.running if entry[0].poll() is None]
-        self.running = []
+        with self._lock:
+            self._closed = True
+            pending = [entry for entry in self.running if entry[0].poll() is None]
+            self.running = []
         if not pending:
             return
         until = min(time.monotonic() + grace, max(entry[3] for entry in pending))
@@ -12429,10 +13225,11 @@ class Notifier:
                 program, proc.returncode, ": " + said[-1][:200] if said else ""))
 
     def _failed(self, what, why):
-        if self.failed_once:
+        with self._lock:
+            first, self.failed_once = not self.failed_once, True
+        if not first:
             log.info("%s failed again: %s", what, why)
             return
-        self.failed_once = True
         self.emit(HqMessage("warning", "%s failed: %s (the loop goes on; later failures are "
                                        "only logged)" % (what, why), "notifier",
                             {"notifier": what, "error": why}))
@@ -12455,6 +13252,7 @@ class SessionSlot:
         self.tool_calls = 0
         self.started_at = None     # clock value when the running session started
         self.events_shown = 0      # how many of the process's events were reported
+        self.calls_by_id = {}      # call id -> (tool, input) of calls still without a result
         self.record = None         # the running session's record (.ferrus/sessions/)
         self.record_due = 0.0      # clock value after which changed counts are written
 
@@ -12716,13 +13514,16 @@ class HqController:
     CHECK_SCAN_EVERY = 0.25
 
     def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None,
-                 executor_agent=None):
+                 executor_agent=None, notifier=None):
         self.store = store
         self.executor_agent = executor_agent    # a parallel task's own executor agent
         self._out = emit
         self.clock = clock
         self.last_activity = clock()
-        self.notifier = Notifier(store, self.emit, bell)
+        # A parallel run's controllers share its notifier (``notifier``): a task's end
+        # must not wait for, or stop, the notifiers its events started.
+        self.notifier = notifier or Notifier(store, self.emit, bell)
+        self._owns_notifier = notifier is None
         self.checks_seen = {}         # check id -> (command, clock value when first seen)
         self._next_check_scan = 0.0
         self.launcher = launcher or self._launch_with_adapter
@@ -12941,6 +13742,8 @@ class HqController:
                    "ask_human": ("awaiting_human", "QUESTION.md"),
                    "approve": ("complete", "TASK.md"), "human_approve": ("complete", "TASK.md"),
                    "human_reject": ("rejected", "REVIEW.md")}
+        if event in ("approve", "human_approve") and entry.get("to") == S.INTEGRATING.value:
+            return       # a parallel task is complete once merged: its runner announces it
         if event == "approve" and entry.get("to") == S.AWAITING_CONFIRMATION.value:
             # [hq] human_review: the reviewer approved and the human must confirm.
             self.notifier.notify("awaiting_human", task, "the reviewer approved; confirm with "
@@ -13255,6 +14058,7 @@ class HqController:
         slot.start_seq = self.store.last_journal_seq()
         slot.timer = self.clock() + self.limits.timeout_secs
         slot.tool_calls = slot.events_shown = 0
+        slot.calls_by_id = {}
         slot.started_at = self.clock()
         # Said as soon as the process exists; its records follow.
         self.emit(HqMessage("agent", "started the %s (pid %d), log %s" % (
@@ -13319,7 +14123,8 @@ class HqController:
             self._step(slot, SessionEvent("BackoffElapsed"))
 
     def _show_tool_calls(self, slot):
-        """One compact line per tool call the agent's streamed output reported."""
+        """One compact line per tool call the agent's streamed output reported, and one
+        more for each that failed or was denied, with why."""
         if slot.process is None:
             return
         events = slot.process.events[slot.events_shown:]
@@ -13327,26 +14132,38 @@ class HqController:
         for event in events:
             if event.kind == "tool_call":
                 line = tool_line(slot.name, event.name, event.text, self.store.root)
+                slot.calls_by_id[event.call_id] = (event.name, event.text)
                 self.emit(HqMessage("agent", line, "tool_call", {
-                    "slot": slot.name, "tool": event.name, "input": event.text,
-                    "ok": event.ok}))
+                    "slot": slot.name, "tool": tool_display_name(event.name),
+                    "input": event.text, "ok": event.ok}))
+            elif event.kind == "tool_result" and event.ok is False:
+                name, summary = slot.calls_by_id.pop(event.call_id, (event.name, ""))
+                line = tool_failure_line(slot.name, name, event.text, self.store.root)
+                self.emit(HqMessage("agent", line, "tool_failed", {
+                    "slot": slot.name, "tool": tool_display_name(name), "input": summary,
+                    "reason": event.text, "denied": tool_denied(event.text)}))
+            elif event.kind == "tool_result":
+                slot.calls_by_id.pop(event.call_id, None)
 
     def _on_exit(self, slot):
         process = slot.process
         code = process.finish()
+        self._show_tool_calls(slot)        # what it reported just before it ended
         slot.process = None
         self._record_agent(slot, "suspended")
         progressed = any(entry.get("event") in SLOT_PROGRESS[slot.name]
                          or (entry.get("from") != entry.get("to") and entry.get("actor") != "hq")
                          for entry in self.store.read_journal(after_seq=slot.start_seq))
         limit = process.limit()
+        last_words = last_words_tail(process.last_words)
         self._close_record(slot, process, "usage limit" if limit and not progressed else
                            "success" if code == 0 and progressed else
                            "agent error" if process.fatal is not None and not progressed else
                            "no progress" if code == 0 else "error",
                            note=("resets %s" % limit if limit and not progressed else
                                  process.fatal[1] if process.fatal is not None and not progressed
-                                 else None))
+                                 else None if progressed else
+                                 "its last words: %s" % last_words if last_words else None))
         if limit and not progressed:
             wait = usage_limit_wait(limit)
             self.emit(HqMessage("warning", "the %s hit its usage limit (resets %s); waiting "
@@ -13369,12 +14186,20 @@ class HqController:
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        said = "\n  its last words: %s" % last_words if last_words else \
+            "\n  it wrote nothing before it ended"
+        facts = {"slot": slot.name, "exit": code, "last_words": last_words,
+                 "log": self.store.relpath(process.log_path)}
         if code == 0:
-            self.emit(HqMessage("warning", "the %s exited without calling %s; restarting it" % (
-                slot.name, " or ".join(SLOT_PROGRESS[slot.name][:2]))))
+            self.emit(HqMessage("warning", "the %s exited (exit 0) without calling %s; "
+                                           "restarting it%s" % (
+                                               slot.name,
+                                               " or ".join(SLOT_PROGRESS[slot.name][:2]), said),
+                                "session", facts))
         else:
-            self.emit(HqMessage("warning", "the %s exited with code %s; see %s" % (
-                slot.name, code, self.store.relpath(process.log_path))))
+            self.emit(HqMessage("warning", "the %s exited with code %s; see %s%s" % (
+                slot.name, code, self.store.relpath(process.log_path), said), "session",
+                facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
 
@@ -13611,8 +14436,17 @@ class HqController:
             # left it running (its MCP server was killed before it could end it).
             for message in end_orphaned_checks(self.store.dir):
                 log.info("stopped with its agent: %s", message)
-        self.notifier.finish()
+        if self._owns_notifier:
+            self.notifier.finish()
 
+
+# ============================================================================
+# 16. Runs
+# ============================================================================
+#
+# `ferrus run` and `ferrus run --parallel`: the loop without a UI, one task in the
+# checkout or the queue worked several at a time in worktrees (the ParallelRunner and
+# its merge queue), over the HQ controller of the section above.
 
 # -- `ferrus run`: the loop without any UI ---------------------------------------------
 
@@ -13643,11 +14477,56 @@ INTEGRATION_RETRY_SECS = 5.0
 
 def read_parallel_run(store):
     """.ferrus/parallel.json as a dict ({} when there is none or it is damaged)."""
+    return load_parallel_run(store)[0]
+
+
+def load_parallel_run(store):
+    """(.ferrus/parallel.json as a dict, None), or ({}, what is wrong with it); ({}, None)
+    when there is none."""
     try:
-        data = json.loads(read_text(store.path(PARALLEL_RUN_FILE), default="") or "{}")
-    except (ValueError, OSError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        text = read_text(store.path(PARALLEL_RUN_FILE), default="")
+    except OSError as err:
+        return {}, "it cannot be read: %s" % (err.strerror or err)
+    if not text.strip():
+        return {}, None
+    try:
+        run = json.loads(text)
+    except ValueError as err:
+        return {}, "not valid JSON: %s" % terminal_safe(str(err))[:120]
+    problem = parallel_run_problem(run)
+    return ({}, problem) if problem else (run, None)
+
+
+def parallel_run_problem(run):
+    """What is wrong with ``run`` as parallel.json's content (what ParallelRunner._save
+    writes), or None."""
+    if not isinstance(run, dict):
+        return "not a JSON object"
+    phase = run.get("phase")
+    if phase is not None and (isinstance(phase, bool) or not isinstance(phase, int) or
+                              not 0 <= phase <= 7):
+        return "phase %s is none of 0 to 7" % _shown(phase)
+    batch = run.get("batch")
+    if batch is not None and not (isinstance(batch, list) and all(
+            isinstance(task, str) and _TASK_ID_RE.match(task) for task in batch)):
+        return "batch is %s, not a list of task ids" % _shown(batch)
+    dispatch = run.get("dispatch")
+    fields = [field.name for field in dataclasses.fields(DispatchRecord)]
+    if dispatch is not None and not (isinstance(dispatch, list) and all(
+            isinstance(saved, dict) and set(saved) <= set(fields) and
+            all(isinstance(saved.get(name, ""), str) for name in fields) and
+            "task_id" in saved for saved in dispatch)):
+        return "dispatch is %s, not a list of dispatch records" % _shown(dispatch)
+    target = run.get("target")
+    if target is not None and (not isinstance(target, str) or
+                               git_branch_name_problem(target)):
+        return "target %s is no branch name" % _shown(target)
+    if not isinstance(run.get("ended", False), bool):
+        return "ended is %s, not true or false" % _shown(run["ended"])
+    pid = run.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
+        return "pid is %s, not a process id" % _shown(pid)
+    return None
 
 
 def live_parallel_run(store):
@@ -13668,9 +14547,11 @@ class ParallelRunner:
     here can)."""
 
     def __init__(self, store, emit, max_tasks=None, clock=time.monotonic, launcher=None,
-                 bell=None, ask=None, review=None):
+                 bell=None, ask=None, review=None, allow_red_base=False):
         self.store = store
         self._out = emit
+        self.allow_red_base = allow_red_base
+        self.base_note = ""            # what tasks are told of checks red on their base
         config = store.config()
         self.parallel = config.parallel
         self.max_tasks = max_tasks or self.parallel.max_tasks
@@ -13690,6 +14571,8 @@ class ParallelRunner:
         self.retry_at = None           # when a waiting integration is tried again
         self.waiting_said = None
         self.ended = collections.OrderedDict()   # task -> status, for the report
+        self.damaged = {}              # task -> what is wrong with its task.json (said once)
+        self.notifier = Notifier(store, self.emit, bell)    # every task's controller's
         self.waiting_human = set()
         self.checkpoint = None
         self.finished = False
@@ -13705,8 +14588,10 @@ class ParallelRunner:
             message.event = "run"
         self._out(message)
 
-    def note(self, text, level="info", **data):
-        self.emit(HqMessage(level, "ferrus run: " + text, "run", data))
+    def note(self, text, level="info", event="run", **data):
+        """One line of the run's own; ``event`` names it for `--json` (see PROGRESS_EVENTS:
+        integrating, merged, unchanged, sent_back, conflict), "run" for the rest."""
+        self.emit(HqMessage(level, "ferrus run: " + text, event, data))
 
     def _task_emitter(self, task):
         prefix = "[%s] " % short_task_id(task)
@@ -13756,7 +14641,7 @@ class ParallelRunner:
                 for controller in self.controllers.values():
                     controller.stop_all()
             self.note("capacity %s before %s: %s reached its limit; %s" % (
-                stop.action, phase_label(target), stop.record.get("signal") or "a signal",
+                stop.action, phase_words(target), stop.record.get("signal") or "a signal",
                 "every agent was stopped" if stop.action == EMERGENCY_STOP
                 else "nothing new starts"), "error", checkpoint=stop.record)
             self._save()
@@ -13794,10 +14679,22 @@ class ParallelRunner:
             raise FerrusError("a %s is in progress in the checkout"
                               % self.repo.operation_in_progress(),
                               "finish or abort it first: tasks merge into the target branch")
-        previous = read_parallel_run(self.store)
-        self.target = self.parallel.target or previous.get("target") if not \
-            previous.get("ended") else self.parallel.target
-        self.target = self.target or current_branch(self.store.root)
+        previous, problem = load_parallel_run(self.store)
+        if problem:
+            self.note("%s/%s is damaged (%s): this run starts afresh (`ferrus doctor "
+                      "--fix` sets the file aside)" % (FERRUS_DIR, PARALLEL_RUN_FILE, problem),
+                      "warning")
+        saved_target = previous.get("target") if not previous.get("ended") else None
+        self.target = self.parallel.target or saved_target or current_branch(self.store.root)
+        if self.target == saved_target and self.target != current_branch(self.store.root) \
+                and target_head(self.store.root, self.target) is None:
+            # The branch the interrupted run merged into was deleted or renamed since: the
+            # tasks go to the branch checked out, as on a fresh start, rather than no run
+            # ever starting again.
+            self.target = current_branch(self.store.root)
+            self.note("the interrupted run merged into %s, which is no branch any more: the "
+                      "tasks now merge into %s (set [parallel] target to choose)" % (
+                          saved_target, self.target or "the branch checked out"), "warning")
         if not self.target:
             raise FerrusError("parallel tasks need a target branch, and HEAD is detached",
                               "check out the branch the tasks should merge into, or set "
@@ -13817,14 +14714,21 @@ class ParallelRunner:
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
         resumed = []
-        for task, record in task_records(self.store):
-            if record.get("status") == RUNNING_STATUS and record.get("worktree"):
-                resumed.append(task)
-                self._adopt(task)
+        for task, record, problem in checked_task_records(self.store):
+            if problem:
+                self._leave_damaged(task, problem)
+            if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
+                continue
+            if self._prepared_half_way(task):
+                self._prepare_again(task)
+                continue
+            resumed.append(task)
+            self._adopt(task)
         if resumed:
             self.note("resuming %d task%s a previous run left: %s" % (
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
+        self._check_base()
         interrupted = previous.get("phase") if not previous.get("ended") else None
         if isinstance(interrupted, int) and 1 <= interrupted <= 7:
             self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
@@ -13833,10 +14737,25 @@ class ParallelRunner:
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped in %s; going on from there"
-                      % phase_label(interrupted))
+            self.note("the previous run stopped while %s; going on from there"
+                      % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
+
+    def _check_base(self):
+        """Before any queued task starts: the checks on a clean checkout of the target's
+        head, after [parallel] setup (gate_base; a red one refuses the run unless
+        allow_red_base).  Tasks taken up again started before, from their own base."""
+        if not self.queued():
+            return
+        head = target_head(self.store.root, self.target)
+        try:
+            self.base_note = gate_base(self.store, self.emit, "%s at %s" % (
+                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup)
+        except RedBaseRefused:
+            self.finished = True    # nothing ran: parallel.json stays as the last run left it
+            remove_gate_checkout(self.store)
+            raise
 
     def _remove_leftovers(self):
         """The worktree and branch of a task that was merged or cancelled just before a
@@ -13846,8 +14765,8 @@ class ParallelRunner:
             for row in list_task_worktrees(self.store.root, TASK_BRANCH_PREFIX):
                 task = (row.get("branch") or "")[len(TASK_BRANCH_PREFIX):]
                 record = records.get(task) or {}
-                if row.get("main") or record.get("status") not in (MERGED_STATUS,
-                                                                   CANCELLED_STATUS):
+                if row.get("main") or record.get("status") not in (
+                        MERGED_STATUS, UNCHANGED_STATUS, CANCELLED_STATUS):
                     continue
                 try:
                     remove_task_worktree(self.store.root, row.get("path") or
@@ -13878,10 +14797,20 @@ class ParallelRunner:
             self._seen = seen
             self._queued = None
             for task, controller in list(self.controllers.items()):
-                self._watch_task(task, controller)
+                try:
+                    self._watch_task(task, controller)
+                except TaskRecordDamaged as damaged:
+                    self._leave_damaged(damaged.task, damaged.problem)
         if self.checkpoint or self.finished:
             return
-        phase = self.machine.phase
+        try:
+            self._do_phase(self.machine.phase)
+        except TaskRecordDamaged as damaged:
+            # Found damaged as the phase worked on it: that task is left alone, and the
+            # phase goes on with the others at the next step.
+            self._leave_damaged(damaged.task, damaged.problem)
+
+    def _do_phase(self, phase):
         if phase == 1:
             self._plan()
         elif phase == 2:
@@ -13897,14 +14826,36 @@ class ParallelRunner:
         elif phase == 7:
             self._cleanup()
 
+    def _leave_damaged(self, task, problem):
+        """A task whose task.json is damaged: its agents (if any) are stopped and this run
+        leaves it alone — nothing is written over the record — saying so once, with the
+        repair; the other tasks go on.  The run then ends with exit 1."""
+        if self.integration is not None and self.integration["task"] == task:
+            self._stop_integration()
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        if task in self.batch:
+            self.batch.remove(task)
+        self.dispatched = [r for r in self.dispatched if r.task_id != task]
+        if self.held_candidate is not None and self.held_candidate[0] == task:
+            self.held_candidate = None
+        if task not in self.damaged:
+            self.damaged[task] = problem
+            self.note(damaged_task_note(task, problem), "error", task_id=task,
+                      problem=problem)
+
     # -- P1 plan, P2 prepare, P3 dispatch ---------------------------------------------------
 
     def queued(self):
         """The queued tasks, oldest first (read again after each commit only)."""
         if self._queued is None or self._queued[0] != self.store.state_stamp():
-            self._queued = (self.store.state_stamp(), [
-                task for task, record in task_records(self.store)
-                if record.get("status") == QUEUED_STATUS])
+            stamp, queued = self.store.state_stamp(), []
+            for task, record, problem in checked_task_records(self.store):
+                if problem:
+                    self._leave_damaged(task, problem)
+                elif record.get("status") == QUEUED_STATUS:
+                    queued.append(task)
+            self._queued = (stamp, queued)
         return list(self._queued[1])
 
     def free_slots(self):
@@ -13945,7 +14896,10 @@ class ParallelRunner:
             thread.join()
         ready = []
         for task, result in zip(tasks, results):
-            if isinstance(result, FerrusError):
+            if isinstance(result, TaskRecordDamaged):
+                self._leave_damaged(result.task, result.problem)
+                result = False
+            elif isinstance(result, FerrusError):
                 self._end_task(task, FAILED_STATUS, "could not prepare its worktree: %s" %
                                result.full_text())
                 result = False
@@ -13986,7 +14940,9 @@ class ParallelRunner:
             if task_store.read_state().state == S.IDLE:
                 self._set_up_worktree(task, workdir)
                 origin = record.get("origin") or {}
-                op_create_task(task_store, ORCHESTRATOR, task_store.read_file("TASK.md"),
+                op_create_task(task_store, ORCHESTRATOR,
+                               without_red_base_note(task_store.read_file("TASK.md")) +
+                               self.base_note,
                                origin=(origin.get("spec"), origin.get("milestone")),
                                task_id=task)
             resume = read_task_record(self.store.dir, task).get("resume_from")
@@ -13997,6 +14953,8 @@ class ParallelRunner:
                                                     "--worktree", "--", ":/"])
                 update_task(self.store, ORCHESTRATOR, task, "task_work_restored",
                             {"resume_from": None}, commit=resume[:12])
+        except TaskRecordDamaged:
+            raise                              # not the task's failure: it is left alone
         except FerrusError as err:
             if not fail:
                 raise
@@ -14028,6 +14986,32 @@ class ParallelRunner:
                 where, failed.command if failed else "?", _status_note(failed) if failed
                 else "", failed.log_path if failed else run.log_path), hint)
 
+    def _prepared_half_way(self, task):
+        """A RUNNING task whose state was never created: _prepare_task marks the record
+        running first, then makes the worktree, the task's STATE.json (Idle) and the task
+        (Executing); a run killed in between leaves the state missing or Idle."""
+        task_store = self.store.for_task(task)
+        if not task_store.exists():
+            return True
+        try:
+            return task_store.read_state().state == S.IDLE
+        except FerrusError:
+            return False            # a damaged state: doctor's to repair, not ours to redo
+
+    def _prepare_again(self, task):
+        """Put a task prepared only half-way back in the queue, its worktree and branch
+        kept in its record: preparing it again finishes what was begun (each step of
+        _prepare_task is idempotent).  Never counted as a cancel: only op_cancel_task
+        cancels."""
+        self._stop_controller(task)
+        self.waiting_human.discard(task)
+        if update_task(self.store, ORCHESTRATOR, task, "requeue_task", {
+                "status": QUEUED_STATUS}, only_from=(RUNNING_STATUS,),
+                reason="prepared half-way") is not None:
+            self.note("task %s was prepared only half-way when a run stopped: it is queued "
+                      "again, and preparing it finishes its worktree" % short_task_id(task),
+                      "warning", task_id=task)
+
     def _adopt(self, task):
         record = read_task_record(self.store.dir, task)
         task_store = self.store.for_task(task)
@@ -14048,7 +15032,7 @@ class ParallelRunner:
                 short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
-                                  executor_agent=record.get("agent"))
+                                  executor_agent=record.get("agent"), notifier=self.notifier)
         self.controllers[task] = controller
         return controller
 
@@ -14124,9 +15108,16 @@ class ParallelRunner:
             data = controller.store.read_state()
         except FerrusError:
             return
-        record = read_task_record(self.store.dir, task)
-        if record.get("status") == CANCELLED_STATUS or data.state == S.IDLE:
+        record, problem = load_task_record(self.store.dir, task)
+        if problem:
+            raise TaskRecordDamaged(task, problem)
+        if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if data.state == S.IDLE:
+            # Idle and not cancelled (a cancel writes both in one commit): its state was
+            # never created, so it is prepared again, not taken for a cancel.
+            self._prepare_again(task)
             return
         try:
             task_git_site(controller.store)
@@ -14255,7 +15246,8 @@ class ParallelRunner:
                                  record, submitted, head)
         self.note("integrating task %s into %s (its submitted work onto %s's head, then the "
                   "checks in a clean checkout)" % (short_task_id(task), self.target,
-                                                   self.target), task_id=task)
+                                                   self.target), event="integrating",
+                  task_id=task, target=self.target)
         job["thread"] = threading.Thread(target=work, daemon=True,
                                          name="ferrus-integrate-%s" % short_task_id(task))
         job["thread"].start()
@@ -14424,6 +15416,8 @@ class ParallelRunner:
         if controller is None:
             return
         error = job["error"]
+        if isinstance(error, TaskRecordDamaged):
+            raise error
         if isinstance(error, TamperedWorktree):
             self._end_task(task, FAILED_STATUS, "tampered: %s" % error.full_text())
             return
@@ -14472,7 +15466,10 @@ class ParallelRunner:
                                 self.target, checks.report(
                                     self.store.config().limits.max_feedback_lines)),
                             cause="checks", failed=[r.command for r in checks.failed],
-                            onto=built.target_head)
+                            onto=built.target_head, checks=checks)
+            return
+        if built.status == "empty":     # approved, but nothing the target lacks: no merge
+            self._unchanged(task, built.target_head)
             return
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
@@ -14480,14 +15477,26 @@ class ParallelRunner:
         self._fast_forward(task, built)
 
     def _fast_forward(self, task, built):
-        """Move the target to the checked candidate, or hold it while something of the
-        user's is in the way."""
-        moved = fast_forward_target(self.store.root, self.target, built.target_head, built.head)
+        """Move the target to the checked candidate — unless the task was cancelled
+        meanwhile (merge_unless_cancelled decides which came first) — or hold it while
+        something of the user's is in the way."""
+        outcome = {}
+
+        def move():
+            outcome["moved"] = fast_forward_target(self.store.root, self.target,
+                                                   built.target_head, built.head)
+            return built.head if outcome["moved"].status == "done" else None
         self.held_candidate = None
-        if moved.status == "done":
-            op_integrated(self.controllers[task].store, ORCHESTRATOR,
-                          commit=(built.head or "")[:12], target=self.target)
-            self._merged(task, built.head)
+        won, head = merge_unless_cancelled(self.store, task, move, ORCHESTRATOR,
+                                           target=self.target)
+        if won == CANCELLED_STATUS:
+            self.note("task %s was cancelled before its merge: %s was not moved for it" % (
+                short_task_id(task), self.target), "warning", task_id=task)
+            self._end_task(task, CANCELLED_STATUS, None)
+            return
+        moved = outcome["moved"]
+        if won == MERGED_STATUS:
+            self._merged(task, head)
         elif moved.status == "moved":
             self.note("the target %s moved during the integration of %s; integrating again"
                       % (self.target, short_task_id(task)), task_id=task)
@@ -14505,21 +15514,58 @@ class ParallelRunner:
                       "warning", task_id=task)
         self.retry_at = self.clock() + INTEGRATION_RETRY_SECS
 
-    def _send_back(self, task, notes, onto=None, **detail):
+    def _send_back(self, task, notes, onto=None, checks=None, **detail):
         """``onto``: the target head the task's branch now sits on (None when the branch
-        did not move)."""
+        did not move); ``checks``: the merge gate's CheckRun when it was red, whose failing
+        commands are shown with their last lines and logs."""
         task_store = self.controllers[task].store
         outcome = op_integration_failed(task_store, ORCHESTRATOR, notes, onto, **detail)
-        self.note("task %s goes back to its executor: %s" % (
-            short_task_id(task), {"conflict": "it conflicts with %s" % self.target,
-                                  "checks": "the checks fail on the merged result"}.get(
-                detail.get("cause"), "its integration failed")),
-            "warning", task_id=task, state=outcome.data["state"])
+        cause, files = detail.get("cause"), [str(f) for f in detail.get("files") or []]
+        failed = [failed_check_facts(result) for result in checks.failed] \
+            if checks is not None else []
+        why = {"conflict": "it conflicts with %s in %s" % (
+                   self.target, ", ".join(files) or "files git named no more"),
+               "checks": "the checks fail on its work merged with %s" % self.target,
+               "markers": "git's conflict markers are still in %s" % ", ".join(files),
+               "config": "its work changes %s" % CONFIG_FILE,
+               "refused": first_lines(notes, 1, 300)[0] if notes.strip() else
+               "its integration was refused"}.get(cause, "its integration failed")
+        lines = ["task %s goes back to its executor: %s" % (short_task_id(task), why)]
+        lines += [describe_failed_check(fact) for fact in failed]
+        facts = {"task_id": task, "state": outcome.data["state"], "cause": cause,
+                 "reason": why, "target": self.target}
+        if cause == "conflict":
+            self.note("\n".join(lines), "warning", event="conflict", files=files, **facts)
+        else:
+            self.note("\n".join(lines), "warning", event="sent_back", failed=failed,
+                      files=files, **facts)
 
     def _merged(self, task, head):
+        if head is None and self._integrated_unchanged(task):
+            self._unchanged(task, None)    # a run that stopped before it recorded the end
+            return
         self.tasks_completed += 1
         self.waiting_said = None
         self._end_task(task, MERGED_STATUS, None, head=head)
+
+    def _unchanged(self, task, target_head):
+        """An approved task whose work the target already has: it ends Complete, nothing
+        is merged, and it is counted as approved with no change, never as merged."""
+        task_store = self.controllers[task].store
+        if task_store.read_state().state == S.INTEGRATING:
+            op_integrated(task_store, ORCHESTRATOR, target=self.target, unchanged=True,
+                          target_head=(target_head or "")[:12] or None)
+        self.tasks_completed += 1
+        self.waiting_said = None
+        self._end_task(task, UNCHANGED_STATUS, None)
+
+    def _integrated_unchanged(self, task):
+        """Whether ``task``'s newest integrated entry (read back a bounded stretch of the
+        journal) says it changed nothing."""
+        for entry in itertools.islice(self.store.journal_entries_backwards(), TASK_EVENT_SCAN):
+            if entry.get("task_id") == task and entry.get("event") == "integrated":
+                return bool((entry.get("detail") or {}).get("unchanged"))
+        return False
 
     # -- a task's end ---------------------------------------------------------------------
 
@@ -14529,13 +15575,23 @@ class ParallelRunner:
             controller.shutdown()
 
     def _end_task(self, task, status, reason, head=None):
-        """Record how a task ended; a merged or cancelled task's worktree and branch go,
-        a failed one's stay for a look (until `ferrus task cancel`; `doctor` notes them)."""
+        """Record how a task ended; a merged, unchanged or cancelled task's worktree and
+        branch go, a failed one's stay for a look (until `ferrus task cancel`; `doctor`
+        notes them).  An approved task's `complete` notification goes out now, once it is
+        merged (or known to change nothing), not at its approval."""
         if self.integration is not None and self.integration["task"] == task:
             self._stop_integration()        # its checks run in the worktree about to go
+        record = read_task_record(self.store.dir, task)
+        title = record.get("title", "")
+        said = {MERGED_STATUS: "merged into %s%s: %s" % (
+                    self.target, " at %s" % head[:12] if head else "", title),
+                UNCHANGED_STATUS: "approved, no change (%s already has its work): %s" % (
+                    self.target, title)}.get(status)
+        controller = self.controllers.get(task)
+        if said and controller is not None:
+            controller.notifier.notify("complete", task, said)
         self._stop_controller(task)
         self.waiting_human.discard(task)
-        record = read_task_record(self.store.dir, task)
         if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
             changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
             if reason:
@@ -14546,11 +15602,11 @@ class ParallelRunner:
             if reason:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
-        if status == MERGED_STATUS:
+        if status in (MERGED_STATUS, UNCHANGED_STATUS):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
-        said = ""
-        if status == MERGED_STATUS and record.get("worktree"):
+        saved_note = ""
+        if status in (MERGED_STATUS, UNCHANGED_STATUS) and record.get("worktree"):
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
             except FerrusError as err:
@@ -14560,14 +15616,18 @@ class ParallelRunner:
                           "warning", task_id=task)
         elif status == CANCELLED_STATUS:
             # Its work is saved first (unless cancelled with --discard).
-            said = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
-                                                                       task))[0]
+            saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
+                                                                             task))[0]
         self.ended[task] = status
-        title = record.get("title", "")
         if status == MERGED_STATUS:
-            self.note("task %s merged into %s%s: %s" % (
-                short_task_id(task), self.target, " at %s" % head[:12] if head else "", title),
-                task_id=task, status=status)
+            self.base_note = ""        # the target moved to a head the merge gate passed
+            self.note("task %s %s" % (short_task_id(task), said), event="merged",
+                      task_id=task, status=status, target=self.target, commit=head,
+                      title=title)
+        elif status == UNCHANGED_STATUS:
+            self.note("task %s %s — nothing to merge" % (short_task_id(task), said),
+                      event="unchanged", task_id=task, status=status, target=self.target,
+                      title=title)
         elif status == FAILED_STATUS:
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
@@ -14575,15 +15635,17 @@ class ParallelRunner:
                          record.get("worktree") or "-", short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
-            self.note("task %s cancelled.%s" % (short_task_id(task), said), "warning",
+            self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",
                       task_id=task, status=status)
 
     # -- P6 report, P7 cleanup -------------------------------------------------------------
 
     def _report(self):
         counts = collections.Counter(self.ended.values())
-        parts = ["%d %s" % (counts[s], s) for s in (MERGED_STATUS, FAILED_STATUS,
-                                                    CANCELLED_STATUS) if counts[s]]
+        parts = [count_statuses(self.ended.values())] if self.ended else []
+        if self.damaged:
+            parts.append("%d with a damaged %s (`ferrus doctor --fix`)" % (
+                len(self.damaged), TASK_RECORD_FILE))
         self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
         self.advance(7)
 
@@ -14593,10 +15655,7 @@ class ParallelRunner:
         if self.queued():
             self.advance(1)
             return
-        # The queue is done: the gate's checkout goes too (the next run makes it again).
-        with contextlib.suppress(FerrusError, OSError):
-            remove_task_worktree(self.store.root, os.path.join(self.worktree_dir, GATE_FOLDER),
-                                 None)
+        remove_gate_checkout(self.store)        # the queue is done
         self.finished = True
         self._save()
 
@@ -14605,7 +15664,7 @@ class ParallelRunner:
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -14616,6 +15675,7 @@ class ParallelRunner:
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        self.notifier.finish()
         if self.target is not None and not self.finished:
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
@@ -14631,16 +15691,17 @@ class ParallelRunner:
 
 def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review=None,
                  clock=time.monotonic, poll_interval=0.02, launcher=None, mode="lines",
-                 bell=None):
+                 bell=None, allow_red_base=False):
     """`ferrus run --parallel N`: work the queue until it is empty.  Exit codes as
-    run_loop's: 0 every task merged, 1 one failed, 3 timeout or capacity checkpoint, 4 a
-    task waits for a human nobody here can be."""
+    run_loop's: 0 every task approved (merged, or with no change), 1 one failed, 3 timeout
+    or capacity checkpoint, 4 a task waits for a human nobody here can be.  The checks are
+    tried on the target's head before any agent starts (ParallelRunner.start)."""
     out = out or (lambda text: say(text, flush=True))
     show = run_printer(out, mode)
     if launcher is None:
         require_headless_agents(store)
     runner = ParallelRunner(store, show, max_tasks, clock=clock, launcher=launcher, bell=bell,
-                            ask=ask, review=review)
+                            ask=ask, review=review, allow_red_base=allow_red_base)
     started = clock()
     try:
         runner.start()
@@ -14652,8 +15713,8 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
                             exit=RUN_NEEDS_HUMAN)
                 return RUN_NEEDS_HUMAN
             if timeout is not None and clock() - started >= timeout:
-                runner.note("timed out after %s in %s" % (
-                    format_duration(timeout), phase_label(runner.machine.phase)),
+                runner.note("timed out after %s, while %s" % (
+                    format_duration(timeout), phase_words(runner.machine.phase)),
                     exit=RUN_TIMEOUT)
                 return RUN_TIMEOUT
             time.sleep(poll_interval)
@@ -14661,9 +15722,9 @@ def run_parallel(store, max_tasks=None, timeout=None, out=None, ask=None, review
         runner.note("done: exit %d" % code, exit=code)
         return code
     except KeyboardInterrupt:
-        runner.note("interrupted in %s: the agents are stopped, every task stays as it is; "
-                    "`ferrus run --parallel %d` goes on with them" % (
-                        phase_label(runner.machine.phase), runner.max_tasks), "warning")
+        runner.note("interrupted while %s: the agents are stopped, every task stays as it "
+                    "is; `ferrus run --parallel %d` goes on with them" % (
+                        phase_words(runner.machine.phase), runner.max_tasks), "warning")
         raise
     finally:
         runner.shutdown()
@@ -14699,7 +15760,7 @@ def require_headless_agents(store):
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              clock=time.monotonic, poll_interval=0.02, launcher=None, origin=None, reset=False,
-             review=None, mode="lines", bell=None, task_id=None):
+             review=None, mode="lines", bell=None, task_id=None, allow_red_base=False):
     """Create (or take) the task and drive it to Complete or Failed.
 
     ``ask(question) -> answer or None`` answers human questions (None: nobody can,
@@ -14708,12 +15769,14 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     [hq] human_review is on (None: nobody gives it here, exit 4 as well).  ``origin`` is
     the (spec, milestone id) the task implements; a Failed task is replaced only with
     ``reset``.  ``mode`` is one of RUN_OUTPUT_MODES; ``bell()`` rings the terminal's bell
-    for [notify].  Returns the exit code."""
+    for [notify].  A new task starts only once the checks were tried on the checkout
+    (gate_base): a red one stops the run unless ``allow_red_base``.  Returns the exit
+    code."""
     out = out or (lambda text: say(text, flush=True))
     show = run_printer(out, mode)
 
-    def note(text, **data):
-        show(HqMessage("info", "ferrus run: " + text, "run", data))
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
     data = store.read_state()
     controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
     if not controller.recheck_checkpoint():
@@ -14743,6 +15806,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                 "(`ferrus status` and `ferrus log` show what happened)")
         if launcher is None:            # real agents: they must be able to start at all
             require_headless_agents(store)
+        commit, where = checkout_base(store)
+        task += gate_base(store, show, where, commit, allow_red_base, checkout=store.workdir)
         if data.state in (S.COMPLETE, S.FAILED):
             op_force_reset(store, HUMAN)
         # A task given as text implements no milestone, whatever an interrupted HQ /task
@@ -14750,9 +15815,10 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         created = op_create_task(store, HUMAN, task, origin=origin or (None, None),
                                  task_id=task_id)
         for warning in created.data.get("warnings", ()):
-            out("ferrus run: warning: %s" % warning)
+            note("warning: %s" % warning, "warning", warning=warning)
         if created.data.get("branch"):
-            out("ferrus run: the task works on the new git branch %s" % created.data["branch"])
+            note("the task works on the new git branch %s" % created.data["branch"],
+                 branch=created.data["branch"])
     elif data.state not in ACTIVE_STATES:
         raise UsageError("nothing to run: state is %s and no task was given" % data.state,
                          "pass --task TEXT or --task-file FILE")
@@ -14761,7 +15827,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                          "pass --resume to continue it")
     started = clock()
     if not store.config().checks.commands:
-        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT))
+        note("warning: %s (%s)" % (NO_CHECKS_WARNING, NO_CHECKS_HINT), "warning",
+             warning=NO_CHECKS_WARNING)
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
     run_task = store.read_state().task_id
@@ -14834,14 +15901,115 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
                  usage=used)
 
 
-def _record_checkout_end(store, task, code, reason):
-    """A queued task run in the checkout ended with exit ``code``: done, or failed with
-    ``reason``.  A cancel from another shell meanwhile stays a cancel."""
-    status = DONE_STATUS if code == RUN_COMPLETE else FAILED_STATUS
+def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
+              cancel=None):
+    """The check gate tried on a task's base before any agent starts (see check_base),
+    told to ``emit`` as "base_checks" events.  A red base, or a command that cannot run,
+    stops here with a FerrusError unless ``allow_red``; then the text for the executor
+    that says which checks failed before it began is returned ("" on a green base)."""
+    def tell(level, text, **facts):
+        emit(HqMessage(level, "ferrus run: " + text, "base_checks", facts))
+    commands = store.config().checks.commands
+    if not commands:
+        return ""
+    if cached_base_check(store, commit, commands, setup) is None:
+        tell("info", "running the checks on %s before any agent starts (%d command%s%s)" % (
+            where, len(commands), "" if len(commands) == 1 else "s",
+            "; a pass is kept for this commit" if commit else ""), running=True)
+    result = check_base(store, commit, checkout, setup, cancel)
+    if result.passed:
+        tell("info", "the checks pass on %s%s" % (where, " (as when checked %s)" % (
+            result.checked_at) if result.cached else ""), cached=result.cached,
+            **result.to_json())
+        return ""
+    tell("warning" if allow_red else "error", "\n".join(describe_base_check(result, where)),
+         cached=result.cached, **result.to_json())
+    if not allow_red:
+        broken = result.cannot_run()
+        raise RedBaseRefused(
+            "no agent was started: the checks already fail on %s" % where,
+            ("`%s` could not run: fix it in [checks] of %s (`ferrus doctor` checks the "
+             "commands) — or pass --allow-red-base to start anyway" % (
+                 broken[0].get("command"), CONFIG_FILE)) if broken else
+            "fix what fails (the lines and logs above), or pass --allow-red-base to start "
+            "anyway: the executor is then told which checks failed before it began")
+    tell("warning", "going on anyway (--allow-red-base): the executor is told which checks "
+                    "failed before it began", allowed=True)
+    return red_base_note(result, where)
+
+
+def checkout_base(store):
+    """(commit, where) of the checkout a single task starts in: its HEAD commit, or None
+    when it has uncommitted changes (checked as it is, every time)."""
+    base, _ = record_task_base(store.workdir, task_diff_exclusions(store))
+    if not base.get("git"):
+        return None, "the project folder"
+    head = (base.get("commit") or "")[:12]
+    on = "%s at %s" % (base.get("branch") or "a detached HEAD", head or "no commit")
+    if base.get("dirty_count"):
+        return None, "the checkout (%s, with %d changed file%s)" % (
+            on, base["dirty_count"], "" if base["dirty_count"] == 1 else "s")
+    return base.get("commit"), "the checkout (%s)" % on
+
+
+def _record_checkout_end(store, task, code, reason, note=None):
+    """A queued task run in the checkout ended with exit ``code``: done — or unchanged,
+    approved while its diff is empty — or failed with ``reason``.  A cancel from another
+    shell meanwhile stays a cancel."""
+    status = FAILED_STATUS
+    if code == RUN_COMPLETE:
+        status = UNCHANGED_STATUS if _changed_nothing(store) else DONE_STATUS
     changes = {"status": status, "ended_at": format_timestamp(store.clock())}
     if status == FAILED_STATUS and reason:
         changes["reason"] = reason
-    update_task(store, HUMAN, task, "task_" + status, changes, only_from=(RUNNING_STATUS,))
+    if update_task(store, HUMAN, task, "task_" + status, changes,
+                   only_from=(RUNNING_STATUS,)) is not None and status == UNCHANGED_STATUS \
+            and note is not None:
+        note("task %s was approved, and it changed nothing (its diff is empty): approved, "
+             "no change" % short_task_id(task), "warning", task_id=task, status=status)
+
+
+def _changed_nothing(store):
+    """Whether the checkout's task changed nothing since its base (git says so; without
+    git nothing is known, and the task counts as done)."""
+    try:
+        return op_diff(store, stat_only=True).data.get("files") == []
+    except FerrusError:
+        return False
+
+
+def _branch_tasks_start_from(store):
+    """With [git] branch set: the branch the checkout is on as a queue's run begins, the
+    one each of its tasks starts from (None when there is none to keep to)."""
+    try:
+        if not store.config().git.branch:
+            return None
+        return current_branch(store.root)
+    except FerrusError:
+        return None
+
+
+def _back_to_home_branch(store, home, note):
+    """Before the next queued task: a checkout left on the previous task's branch ([git]
+    branch) goes back to ``home``, so the task starts from the user's branch, not from
+    the previous task's work.  A checkout with uncommitted changes stays where it is."""
+    if not home:
+        return
+    with contextlib.suppress(FerrusError):
+        branch = current_branch(store.root)
+        previous = (store.project_state().task_base or {}).get("task_branch")
+        if branch == home or branch != previous:
+            return
+        changed = worktree_changes(store.root, task_diff_exclusions(store))
+        if changed:
+            note("the next task starts on %s, the last task's branch, not on %s: the checkout "
+                 "has uncommitted changes (%s)" % (branch, home, ", ".join(
+                     map(display_path, changed[:3]))),
+                 "warning", branch=branch, home=home)
+            return
+        run_git(store.root, ["checkout", "-q", home])
+        note("back on %s, so the next task starts from it (the last task's work stays on "
+             "its branch %s)" % (home, branch), branch=home, left=branch)
 
 
 def run_queue(store, out=None, **run_options):
@@ -14849,7 +16017,16 @@ def run_queue(store, out=None, **run_options):
     turn, as the project's own task in the checkout (exactly `ferrus run --task`).  A
     failed task does not stop the queue; the exit code is the worst of the runs."""
     out = out or (lambda text: say(text, flush=True))
+    show = run_printer(out, run_options.get("mode", "lines"))
+
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
     worst = RUN_COMPLETE
+    for task, _, problem in checked_task_records(store):
+        if problem:
+            out("ferrus run: " + damaged_task_note(task, problem))
+            worst = RUN_FAILED
+    home = _branch_tasks_start_from(store)
     for task, record in task_records(store):
         # A queued task an earlier run took up in the checkout: resumed, or recorded.
         if record.get("status") != RUNNING_STATUS or record.get("store") != "project":
@@ -14857,15 +16034,15 @@ def run_queue(store, out=None, **run_options):
         data = store.project_state()
         code = None
         if data.task_id == task and data.state in ACTIVE_STATES:
-            out("ferrus run: resuming task %s from the queue" % short_task_id(task))
+            note("resuming task %s from the queue" % short_task_id(task), task_id=task)
             code = run_loop(store, None, resume=True, out=out, **run_options)
         elif data.task_id == task and data.state in (S.COMPLETE, S.FAILED):
             code = RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
         elif not _created_since_taken(store, task):
             # The run that took it stopped before the task began: it was never worked on.
             _put_back_in_queue(store, task, "the run that took it stopped before it began")
-            out("ferrus run: task %s was taken by a run that stopped before it began; it is "
-                "back in the queue" % short_task_id(task))
+            note("task %s was taken by a run that stopped before it began; it is back in the "
+                 "queue" % short_task_id(task), task_id=task)
             continue
         if code is None:
             _record_checkout_end(store, task, RUN_FAILED, (
@@ -14873,7 +16050,7 @@ def run_queue(store, out=None, **run_options):
                 "what happened to it" % ("task %s" % data.task_id if data.task_id
                                          else "no task", data.state)))
         elif code in (RUN_COMPLETE, RUN_FAILED):
-            _record_checkout_end(store, task, code, data.failure_reason)
+            _record_checkout_end(store, task, code, data.failure_reason, note)
         if code not in (None, RUN_COMPLETE, RUN_FAILED):
             return code
         worst = max(worst, code or RUN_FAILED)
@@ -14889,8 +16066,10 @@ def run_queue(store, out=None, **run_options):
             return worst
         task, record = queued[0]
         origin = record.get("origin") or {}
-        out("ferrus run: task %s from the queue (%d left after it): %s" % (
-            short_task_id(task), len(queued) - 1, record.get("title", "")))
+        note("task %s from the queue (%d left after it): %s" % (
+            short_task_id(task), len(queued) - 1, record.get("title", "")), task_id=task,
+            queued=len(queued) - 1)
+        _back_to_home_branch(store, home, note)
         if update_task(store, HUMAN, task, "dispatch_task", {
                 "status": RUNNING_STATUS, "store": "project",
                 "started_at": format_timestamp(store.clock())},
@@ -14912,7 +16091,7 @@ def run_queue(store, out=None, **run_options):
                         else type(err).__name__))
             raise
         if code in (RUN_COMPLETE, RUN_FAILED):
-            _record_checkout_end(store, task, code, store.project_state().failure_reason)
+            _record_checkout_end(store, task, code, store.project_state().failure_reason, note)
         if code not in (RUN_COMPLETE, RUN_FAILED):
             return code            # a question, a timeout or a checkpoint: stop here
         worst = max(worst, code)
@@ -14956,11 +16135,12 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
     show = run_printer(out, run_options.get("mode", "lines"))
     started = clock()
 
-    def note(text, **data):
-        show(HqMessage("info", "ferrus run: " + text, "run", data))
+    def note(text, level="info", **data):
+        show(HqMessage(level, "ferrus run: " + text, "run", data))
 
     def time_left():
         return None if timeout is None else max(0.0, timeout - (clock() - started))
+    home = _branch_tasks_start_from(store)
     if resume and store.read_state().state in ACTIVE_STATES:
         code = run_loop(store, None, time_left(), True, out=out, clock=clock, **run_options)
         if code != RUN_COMPLETE or not until_done:
@@ -14986,6 +16166,7 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
                               % (milestone.id, path),
                               "tick `- [x]` on its line in the spec, then run again")
         previous = (path, milestone.id)
+        _back_to_home_branch(store, home, note)
         op_select_milestone(store, HUMAN, path, milestone.id)
         note("milestone %s (%s) of %s" % (milestone.display(), milestone.id, path),
              milestone=milestone.id, spec=path)
@@ -15000,7 +16181,7 @@ def run_milestones(store, wanted="next", until_done=False, timeout=None, resume=
 
 
 def _run_line(message):
-    if message.event == "run":
+    if message.text.startswith("ferrus run: "):
         return message.text            # ferrus run's own words, as they always were
     stamp = time.strftime("%H:%M:%S")
     if message.kind == "question":
@@ -15031,7 +16212,7 @@ def _run_json(message):
 # functions because Windows Python has no curses module.
 
 # ============================================================================
-# 16. Pipelines
+# 17. Pipelines
 # ============================================================================
 #
 # A file-driven pipeline automaton in three parts (see ARCHITECTURE.md, 'Pipeline
@@ -16116,14 +17297,23 @@ class PipelineOrchestrator:
             if watched["parse"] is not None:
                 with contextlib.suppress(Exception):   # a parser never stops the loop
                     events = watched["parse"](line)
+            calls = watched.setdefault("calls_by_id", {})
             for event in events:
                 if event.kind == "tool_call":
                     watched["calls"] += 1
                     watched["shown"] = self.clock()
+                    calls[event.call_id] = event.name
                     line = tool_line(role, event.name, event.text, self.store.root)
                     self.emit(HqMessage("agent", line, "tool_call", {
-                        "run": run.name, "slot": role, "tool": event.name, "input": event.text,
-                        "ok": event.ok}))
+                        "run": run.name, "slot": role, "tool": tool_display_name(event.name),
+                        "input": event.text, "ok": event.ok}))
+                elif event.kind == "tool_result":
+                    name = calls.pop(event.call_id, event.name)
+                    if event.ok is False:
+                        self.emit(HqMessage("agent", tool_failure_line(
+                            role, name, event.text, self.store.root), "tool_failed", {
+                                "run": run.name, "slot": role, "tool": tool_display_name(name),
+                                "reason": event.text, "denied": tool_denied(event.text)}))
 
 
 WORKFLOWS_EXAMPLE = {
@@ -16299,7 +17489,7 @@ def _pipeline_result(outcome, out):
 
 
 # ============================================================================
-# 17. Init and doctor
+# 18. Init and doctor
 # ============================================================================
 
 CONSULT_TEMPLATE = """## Problem
@@ -16735,14 +17925,8 @@ def parallel_task_findings(store):
 
 
 def _read_task_json(store, task):
-    """(record, None) or ({}, what is wrong with it)."""
-    try:
-        record = json.loads(read_text(task_record_path(store.dir, task)))
-    except (OSError, ValueError) as err:
-        return {}, terminal_safe(str(err))[:120]
-    if not isinstance(record, dict):
-        return {}, "not a JSON object"
-    return record, None
+    """(record, None) or ({}, what is wrong with it), as every reader judges it."""
+    return load_task_record(store.dir, task)
 
 
 def _task_branch_rows(store):
@@ -16820,6 +18004,7 @@ def _task_worktree_findings(store, records):
 def _orphan_finding(store, task, row, status, folder):
     """A worktree or branch of a task that is merged, cancelled or unknown."""
     why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
+           UNCHANGED_STATUS: "task %s was approved with no change" % task,
            CANCELLED_STATUS: "task %s was cancelled" % task}.get(
         status, "task %s is %s" % (task, status))
     what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
@@ -16852,22 +18037,32 @@ def _parallel_run_findings(store, records):
     path = store.path(PARALLEL_RUN_FILE)
     if not os.path.exists(path):
         return []
-    try:
-        run = json.loads(read_text(path))
-        if not isinstance(run, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as err:
-        return [Finding("%s/%s is damaged (%s): the next parallel run starts from P1 instead "
-                        "of the phase the last one stopped in" % (
-                            FERRUS_DIR, PARALLEL_RUN_FILE, terminal_safe(str(err))[:120]),
+    run, problem = load_parallel_run(store)
+    if problem:
+        return [Finding("%s/%s is damaged (%s): the next parallel run starts afresh instead "
+                        "of going on where the last one stopped" % (
+                            FERRUS_DIR, PARALLEL_RUN_FILE, problem),
                         "keep it as %s.corrupt-<time>" % PARALLEL_RUN_FILE,
                         lambda: _set_aside(path), severity="warning")]
     if run.get("ended") or live_parallel_run(store) is not None:
         return []
-    where = phase_label(run.get("phase"))
+    target = run.get("target")
+    if target:
+        try:
+            gone = target_head(store.root, target) is None
+        except FerrusError:
+            gone = False            # no repository, or git could not say
+        if gone:
+            return [Finding("%s/%s: the parallel run that stopped part way merged into %s, "
+                            "which is no branch any more: the next run merges into [parallel] "
+                            "target or the branch checked out instead" % (
+                                FERRUS_DIR, PARALLEL_RUN_FILE, target),
+                            "keep it as %s.corrupt-<time> (the next run then starts afresh)"
+                            % PARALLEL_RUN_FILE, lambda: _set_aside(path), severity="warning")]
+    where = phase_words(run.get("phase"))
     pending = [task for task, record in records.items()
                if record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)]
-    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped in %s without finishing" % (
+    text = "%s/%s: a parallel run (pid %s, last seen %s) stopped while %s, unfinished" % (
         FERRUS_DIR, PARALLEL_RUN_FILE, run.get("pid", "?"), run.get("updated_at", "?"), where)
     if pending:
         return [Finding(text, "nothing to repair: the next `ferrus run --parallel` goes on "
@@ -16896,14 +18091,42 @@ def _rebuild_task_record(store, task):
         record = {"id": task, "title": task_title(description) or "(unknown: %s was damaged)"
                   % TASK_RECORD_FILE, "status": QUEUED_STATUS if description and not started
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
-        if record["status"] == FAILED_STATUS:
+        salvaged = _salvaged_task_fields(store, task)
+        record.update(salvaged)
+        if salvaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+            pass                        # it had ended: nothing of it runs again
+        elif record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
             record["ended_at"] = format_timestamp(store.clock())
-        if started:
+        if started and record.get("store") != "project":
             record.update(branch=branch, store="worktree")
         if row is not None:
             record["worktree"] = row["path"]
         _set_aside(path, pretty_json(record))
+
+
+def _salvaged_task_fields(store, task):
+    """What a damaged task.json still says that a new record can keep, each field only
+    when it is what ferrus writes: when it was queued, its origin (the milestone it
+    implements) and the agent it was given — and, when it had ended (merged, done or
+    cancelled), that end: so a merged or done task is never run again."""
+    try:
+        with open(task_record_path(store.dir, task), "rb") as handle:
+            damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(damaged, dict):
+        return {}
+    keys = ["created_at", "origin", "agent"]
+    if damaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+        keys += ["status", "ended_at", "merged_commit", "target", "store", "started_at"]
+    kept = {}
+    for key in keys:
+        if key in damaged and not task_record_problem(
+                task, {"status": damaged[key] if key == "status" else QUEUED_STATUS,
+                       key: damaged[key]}):
+            kept[key] = damaged[key]
+    return kept
 
 
 def _rebuild_task_state(store, task):
@@ -16962,6 +18185,14 @@ def config_findings(root):
     if not any(problem.message.startswith("%s: [checks" % CONFIG_FILE) for problem in problems) \
             and not config.checks.commands:
         findings.append(Finding(NO_CHECKS_WARNING, NO_CHECKS_HINT, severity="warning"))
+    for command in config.checks.commands:
+        for program in missing_check_programs(root, command):
+            findings.append(Finding(
+                "%s: [checks] command `%s` runs %s, which is not found (%s): the check gate "
+                "would fail every time, and `ferrus run` stops before any agent starts" % (
+                    CONFIG_FILE, command, program, "no such file in the project"
+                    if "/" in program else "not on PATH"),
+                "install %s, or fix the command in [checks] of %s" % (program, CONFIG_FILE)))
     if not any(problem.message.startswith("%s: [parallel" % CONFIG_FILE)
                for problem in problems):
         findings.extend(_parallel_config_findings(root, config.parallel))
@@ -17148,7 +18379,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# 18. Packaging
+# 19. Packaging
 # ============================================================================
 #
 # pyproject.toml names ``ferrus:BuildBackend`` as its PEP 517 / PEP 660 backend
@@ -17287,7 +18518,7 @@ class BuildBackend:
 
 
 # ============================================================================
-# 19. HQ front ends
+# 20. HQ front ends
 # ============================================================================
 #
 # What a human looks at.  Both front ends drive the UI-independent HqController
@@ -17345,12 +18576,21 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
+        # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
+        change = "the run is now %s" % phase_words(detail["phase"])
+        gate = "capacity %s, %s" % (detail.get("tier"), detail.get("action")) \
+            if detail.get("tier") else ""
+        if detail.get("signal") and detail.get("action") != CONTINUE:
+            gate += " (%s)" % detail["signal"]
+        detail = {"": gate} if gate else {}
     if isinstance(detail.get("checks"), list):
         # Each command's result in brief; its log path is in `ferrus log --json`.
         detail["checks"] = ",".join("%s:%s" % (c.get("command"), c.get("status"))
                                     for c in detail["checks"] if isinstance(c, dict))
-    extra = " ".join("%s=%s" % (k, v if isinstance(v, (str, int, float)) else compact_json(v))
-                     for k, v in detail.items() if v is not None)
+    extra = " ".join(("%s=%s" % (k, v) if k else v) if isinstance(v, (str, int, float))
+                     else "%s=%s" % (k, compact_json(v)) for k, v in detail.items()
+                     if v is not None)
     return "%s  #%-5s %-22s %-16s %s%s" % (
         terminal_safe(when), entry.get("seq"), terminal_safe(entry.get("actor")),
         terminal_safe(entry.get("event")), change, "  " + terminal_safe(extra) if extra else "")
@@ -17436,8 +18676,8 @@ class TaskBoard:
                     self.agents[task] = actor[1]
 
     def _shown(self, row):
-        if row.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
-            return True
+        if row.get("problem") or row.get("status") in (QUEUED_STATUS, RUNNING_STATUS):
+            return True                 # a damaged record is there until it is repaired
         with contextlib.suppress(ValueError, TypeError):
             return parse_timestamp(row.get("ended_at")) >= self.opened_at
         return False
@@ -17476,11 +18716,8 @@ class TaskBoard:
 
     def summary(self, rows=None):
         """``2 running, 1 queued, 1 merged`` (the board's rows by status)."""
-        counts = collections.Counter(row.get("status") for row in
-                                     (self.rows() if rows is None else rows))
-        return ", ".join("%d %s" % (counts[status], status) for status in (
-            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])
+        return count_statuses(DAMAGED_WORD if row.get("problem") else row.get("status")
+                              for row in (self.rows() if rows is None else rows))
 
     def line(self, row, width=None, attached=None):
         """One task's row: short id, state, agent, elapsed, last event (cut to ``width``)."""
@@ -17508,9 +18745,11 @@ HQ_COMMANDS = (
     ("/task retry", "ID", "queue a failed or cancelled task again (in its kept worktree)"),
     ("/tasks", "", "the task board: each queued, running and recently ended task with its "
                    "state, agent, elapsed time and last event"),
-    ("/run", "[N]", "work the task queue N tasks at a time, each in its own git worktree, "
-                    "merged through the check gate (default [parallel] max_tasks), until "
-                    "/stop"),
+    ("/run", "[N] [--allow-red-base]", "work the task queue N tasks at a time, each in its "
+                                       "own git worktree, merged through the check gate "
+                                       "(default [parallel] max_tasks), until /stop; the "
+                                       "checks are tried on the target first, and a red "
+                                       "one stops it unless --allow-red-base"),
     ("/plan", "", "a free planning session with the supervisor"),
     ("/spec", "", "draft and save a specification with the supervisor"),
     ("/milestones", "[SPEC [ID]]", "list specs and milestones, or select one"),
@@ -17572,6 +18811,7 @@ class HqShell:
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
         self.runner = None          # the ParallelRunner of /run while it works the queue
         self.run_width = None       # how many at a time /run asked for, until /stop
+        self.allow_red_base = False  # /run --allow-red-base: start even on a red target
         self.next_queue_look = 0.0
         self.attached = None        # the task /attach ID follows
         self.hidden = 0             # other tasks' lines left out while attached
@@ -17590,6 +18830,10 @@ class HqShell:
                 if any(row.get("status") == QUEUED_STATUS for row in self.board.rows()):
                     try:
                         self.start_run(self.run_width)
+                    except RedBaseRefused as err:
+                        self.run_width = None       # the same base would refuse again
+                        self.show(HqMessage("error", "the parallel run cannot start: %s "
+                                            % err.full_text(), "run"))
                     except FerrusError as err:
                         self.show(HqMessage("error", "the parallel run cannot start: %s "
                                             "(/run tries again)" % err.full_text(), "run"))
@@ -17958,20 +19202,15 @@ class HqShell:
             self.write("(nothing yet%s)" % ("" if everything else "; /log --all also shows the "
                                                                 "bookkeeping entries"))
 
-    def diff_store(self, task):
-        """The store whose diff /diff shows for ``task``, or a FerrusError saying why a
-        task of the queue has none to show."""
-        if task is None:
-            task = foreground_task(self.store)      # the parallel task the state mirrors
-        return self.store if task is None else diff_store_of(self.store, task)
-
     def cmd_diff(self, rest):
         words = rest.split()
         stat_only = "--stat" in words
         named = [w for w in words if w != "--stat" and self.task_word(w)][:1]
         paths = [w for w in words if w != "--stat" and w not in named] or None
-        store = self.diff_store(self.task_word(named[0]) if named else self.attached)
-        outcome = op_diff(store, HUMAN, stat_only=stat_only, paths=paths)
+        task = self.task_word(named[0]) if named else self.attached
+        # Without one named or attached: the parallel task the state mirrors, if any.
+        outcome = op_task_diff(self.store, task or foreground_task(self.store), stat_only,
+                               paths)
         if not outcome.data.get("available"):
             self.write(outcome.text + ("\nhint: %s" % outcome.data["hint"]
                                        if outcome.data.get("hint") else ""))
@@ -18209,9 +19448,12 @@ class HqShell:
 
     def cmd_run(self, rest):
         words = rest.split()
+        allow_red_base = "--allow-red-base" in words
+        words = [word for word in words if word != "--allow-red-base"]
         if len(words) > 1 or (words and not (words[0].isdigit() and 1 <= int(words[0]) <= 64)):
-            raise UsageError("usage: /run [N] — work the queue N tasks at a time (1 to 64; "
-                             "default [parallel] max_tasks)")
+            raise UsageError("usage: /run [N] [--allow-red-base] — work the queue N tasks at a "
+                             "time (1 to 64; default [parallel] max_tasks)")
+        self.allow_red_base = allow_red_base
         width = int(words[0]) if words else self.store.config().parallel.max_tasks
         if self.runner is not None or self.run_width:
             if self.runner is None:
@@ -18245,7 +19487,7 @@ class HqShell:
     def start_run(self, width):
         """A ParallelRunner over the queue (P0: it resumes what a previous run left)."""
         runner = ParallelRunner(self.store, self._runner_emit, width, clock=self.clock,
-                                bell=self.ring_bell)
+                                bell=self.ring_bell, allow_red_base=self.allow_red_base)
         try:
             runner.start()
         except BaseException:
@@ -18735,7 +19977,7 @@ class CursesHq(HqShell):
             runner = self.runner
             return "", "ferrus HQ │ tasks: %s │ /attach ID follows one" % (
                 self.board.summary() or "none"), \
-                "run: %s, %d at a time" % (phase_label(runner.machine.phase),
+                "run: %s, %d at a time" % (phase_words(runner.machine.phase),
                                            runner.max_tasks) if runner is not None else \
                 "run: waiting for queued tasks, %d at a time" % self.run_width \
                 if self.run_width else "no run: /run works the queue"
@@ -19040,7 +20282,7 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# 20. CLI
+# 21. CLI
 # ============================================================================
 
 def invoked_as():
@@ -19085,7 +20327,7 @@ def cmd_status(args, root):
     # While STATE.json mirrors a parallel task, that task's own files and worktree are
     # what the rows below describe (the checkout's would be another task's, or none).
     view = foreground_store(store)
-    record = read_task_record(store.dir, view.task) if view.task else {}
+    record, damaged = load_task_record(store.dir, view.task) if view.task else ({}, None)
     now = store.clock()
     info = status_data(store, data, now)
     info.pop("message")
@@ -19126,7 +20368,9 @@ def cmd_status(args, root):
         rows.append(("paused from", data.paused_state.value))
     rows.append(("task", (data.task_id or "-") + (
         "  (parallel task, %s; `ferrus tasks` lists every task)" % (
-            "merged" if record.get("status") == MERGED_STATUS else
+            "its %s is damaged: `ferrus doctor --fix` repairs it" % TASK_RECORD_FILE
+            if damaged else
+            status_word(record["status"]) if record.get("status") in APPROVED_STATUSES else
             "in its worktree %s" % record["worktree"] if record.get("worktree") and
             os.path.isdir(record["worktree"]) else record.get("status") or "queued")
         if view.task else "")))
@@ -19134,13 +20378,16 @@ def cmd_status(args, root):
         with contextlib.suppress(ValueError):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
-    if view.task and record.get("status") in (MERGED_STATUS, CANCELLED_STATUS):
+    if view.task and record.get("status") in (MERGED_STATUS, UNCHANGED_STATUS,
+                                              CANCELLED_STATUS):
         # Its branch and worktree are gone: the base would name a branch that is no more.
         merged = record.get("merged_commit") or ""
         rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
             record.get("target") or "the target", " at %s" % merged[:12] if merged else "",
             " (`git show %s` shows what it changed)" % merged[:12] if merged else "")
             if record["status"] == MERGED_STATUS else
+            "approved, and it changed nothing: nothing was merged; its worktree and branch "
+            "were removed" if record["status"] == UNCHANGED_STATUS else
             "cancelled; its worktree and branch were removed"))
     elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
@@ -19230,9 +20477,12 @@ def cmd_status(args, root):
     return 0
 
 
-# `ferrus status` lists every task that has not ended and the last few that have; the
-# rest are `ferrus tasks`'.
+# `ferrus status` sums the queue up: counts by status, every task at work, the next few
+# queued and the last few ended (a queue of a thousand tasks is a dozen lines); the rest
+# are `ferrus tasks`'.
 STATUS_ENDED_TASKS_SHOWN = 5
+STATUS_QUEUED_TASKS_SHOWN = 5
+STATUS_ACTIVE_TASKS_SHOWN = 20
 
 
 def status_task_rows(store, sessions):
@@ -19257,21 +20507,39 @@ def status_task_rows(store, sessions):
 
 
 def describe_queue(rows):
-    """The lines `ferrus status` ends with: one per task (short id, state, agent, age,
-    title; the worktree of a running one), the ended ones beyond the last few counted."""
+    """The lines `ferrus status` ends with: the counts by status, then one line per task
+    (short id, state, agent, age, title; the worktree of a running one) for those at work,
+    the damaged, the next few queued and the last few ended, the others counted."""
     if not rows:
         return []
-    ended = [row for row in rows if row.get("status") in ENDED_STATUSES]
-    shown_ended = ended[-STATUS_ENDED_TASKS_SHOWN:]
-    counts = collections.Counter(row.get("status") for row in rows)
-    lines = ["", "tasks  %s (`ferrus tasks` lists them)" % ", ".join(
-        "%d %s" % (counts[status], status) for status in (
-            RUNNING_STATUS, QUEUED_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS,
-            CANCELLED_STATUS) if counts[status])]
-    if len(ended) > len(shown_ended):
-        lines.append("  … %d ended earlier" % (len(ended) - len(shown_ended)))
+
+    def kind(row):
+        if row.get("problem"):
+            return DAMAGED_WORD
+        return "ended" if row.get("status") in ENDED_STATUSES else row.get("status")
+    lines = ["", "tasks  %s (`ferrus tasks` lists them)" % count_statuses(
+        DAMAGED_WORD if row.get("problem") else row.get("status") for row in rows)]
+    groups = collections.defaultdict(list)
     for row in rows:
-        if row.get("status") in ENDED_STATUSES and row not in shown_ended:
+        groups[kind(row)].append(row)
+    shown, more = set(), []
+    # (group, how many lines, the newest rather than the oldest, how the rest are counted)
+    for group, limit, newest, rest in (
+            ("ended", STATUS_ENDED_TASKS_SHOWN, True, "  … %d ended earlier"),
+            (RUNNING_STATUS, STATUS_ACTIVE_TASKS_SHOWN, False, "  … %d more running"),
+            (DAMAGED_WORD, STATUS_ENDED_TASKS_SHOWN, False, "  … %d more damaged"),
+            (QUEUED_STATUS, STATUS_QUEUED_TASKS_SHOWN, False, "  … %d more queued")):
+        members = groups.pop(group, [])
+        chosen = members[-limit:] if newest else members[:limit]
+        shown.update(id(row) for row in chosen)
+        if len(members) > len(chosen):
+            more.append(rest % (len(members) - len(chosen)))
+    for leftover in groups.values():       # a status no group above names: each is shown
+        shown.update(id(row) for row in leftover)
+    if more and more[0].endswith("ended earlier"):
+        lines.append(more.pop(0))           # before the lines, as they come after them
+    for row in rows:
+        if id(row) not in shown:
             continue
         age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
         lines.append("  %-6s %-13s %-10s %7s  %s" % (
@@ -19280,7 +20548,7 @@ def describe_queue(rows):
         if row.get("status") == RUNNING_STATUS and row.get("worktree"):
             lines.append("  %-6s worktree %s%s" % ("", row["worktree"], " (branch %s)" % (
                 row["branch"]) if row.get("branch") else ""))
-    return lines
+    return lines + more
 
 
 def cmd_log(args, root):
@@ -19458,8 +20726,6 @@ def cmd_diff(args, root):
     store = Store(root).require()
     # Without --task: the parallel task the checkout's STATE.json mirrors, if it does.
     task = require_task_id(store, args.task) if args.task else foreground_task(store)
-    if task is not None:
-        store = diff_store_of(store, task)
     paths = []
     for path in args.paths:
         # Typed in a shell, a path is relative to where the user stands.
@@ -19468,7 +20734,7 @@ def cmd_diff(args, root):
             raise UsageError("%s is outside the project (%s)" % (path, store.root),
                              "name files or folders inside the project")
         paths.append(relative.replace(os.sep, "/"))
-    outcome = op_diff(store, HUMAN, stat_only=args.stat, paths=paths or None)
+    outcome = op_task_diff(store, task, args.stat, paths or None)
     if args.json:
         print(json_for_terminal(compact_json(outcome.data)))
         return 0 if outcome.data.get("available") else 1
@@ -19535,15 +20801,53 @@ def cmd_task(args, root):
 
 def format_task_row(row, now_width=None):
     """One line of `ferrus tasks`: id, state, agent, age, title."""
-    state = row["state"] if row["status"] == RUNNING_STATUS and row["state"] else row["status"]
     age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
-    return "%-25s %-12s %-12s %7s  %s" % (row["id"], state, row.get("agent") or "-", age,
+    return "%-25s %-12s %-12s %7s  %s" % (row["id"], task_state_word(row),
+                                         row.get("agent") or "-", age,
                                          row["title"])
+
+
+# `ferrus tasks` without --all: the tasks in the queue's hands, and the ended ones that
+# ended in the last RECENT_TASK_SECS — at most RECENT_TASKS_SHOWN of them, the newest.
+RECENT_TASK_SECS = 24 * 3600
+RECENT_TASKS_SHOWN = 20
+
+
+def recent_task_rows(rows, now):
+    """(rows shown, ended rows left out): every queued and running task, and the newest
+    RECENT_TASKS_SHOWN of those that ended in the last RECENT_TASK_SECS."""
+    ended = []
+    for row in rows:
+        if row.get("status") not in ENDED_STATUSES:
+            continue
+        try:
+            age = (now - parse_timestamp(row.get("ended_at"))).total_seconds()
+        except (ValueError, TypeError):
+            age = None              # a record that never said when it ended: not recent
+        if age is not None and age <= RECENT_TASK_SECS:
+            ended.append(row)
+    recent = {row["id"] for row in sorted(ended, key=lambda r: r.get("ended_at") or "")
+              [-RECENT_TASKS_SHOWN:]}
+    shown = [row for row in rows if row.get("status") not in ENDED_STATUSES
+             or row["id"] in recent]
+    return shown, len(rows) - len(shown)
+
+
+def full_task_title(store, task, title):
+    """A task's title uncut: the first line of its TASK.md (``title`` when unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        text = read_text(os.path.join(store.path(TASKS_DIR, task), "TASK.md"))
+        return next((line.strip().lstrip("#").strip() for line in text.splitlines()
+                     if line.strip().lstrip("#").strip()), title)
+    return title
 
 
 def cmd_tasks(args, root):
     store = Store(root).require()
     rows = task_rows(store)
+    older = 0
+    if not args.all:
+        rows, older = recent_task_rows(rows, store.clock())
     records = read_session_records(store)
     for row in rows:
         used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
@@ -19553,10 +20857,14 @@ def cmd_tasks(args, root):
             (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
              and r.get("role") == "executor"), None)
     if args.json:
-        print(json_for_terminal(compact_json({"tasks": rows})))
+        for row in rows:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+        print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
         return 0
     if not rows:
-        say("The queue is empty: `ferrus task add TEXT` queues a task.")
+        say("No task in the queue%s: `ferrus task add TEXT` queues one." % (
+            " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
+            if older else ""))
         return 0
     say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
     for row in rows:
@@ -19566,6 +20874,12 @@ def cmd_tasks(args, root):
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%25s worktree %s" % ("", row["worktree"]))
+        elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
+            say("%25s merged at %s (`ferrus diff --task %s`)" % (
+                "", row["merged_commit"][:12], short_task_id(row["id"])))
+    if older:
+        say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
+            older, "" if older == 1 else "s"))
     return 0
 
 
@@ -19855,18 +21169,19 @@ def cmd_run(args, root):
                 show(HqMessage("info", "ferrus run: " + op_enqueue_task(
                     store, human_caller(), task).text, "run"))
             return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                                mode=mode, bell=bell)
+                                mode=mode, bell=bell, allow_red_base=args.allow_red_base)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,
                                   args.timeout, args.resume, args.reset, ask=ask, review=review,
-                                  mode=mode, bell=bell)
+                                  mode=mode, bell=bell, allow_red_base=args.allow_red_base)
         if task is None and not args.resume and any(
                 record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
                 for _, record in task_records(store)):
             return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
-                             bell=bell)
+                             bell=bell, allow_red_base=args.allow_red_base)
         return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review, mode=mode, bell=bell)
+                        review=review, mode=mode, bell=bell,
+                        allow_red_base=args.allow_red_base)
 
 
 def cmd_hq(args, root):
@@ -20056,8 +21371,14 @@ def build_parser():
     retry.add_argument("id", metavar="ID", help="the task's id (`ferrus tasks`)")
     p.set_defaults(run=cmd_task)
 
-    p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title")
-    p.add_argument("--json", action="store_true", help="one JSON object with every task")
+    p = sub.add_parser("tasks", help="the task queue: id, state, agent, age, title (the "
+                                     "queued and running tasks, and those that ended in "
+                                     "the last day)")
+    p.add_argument("--all", action="store_true",
+                   help="every task the queue ever had, however long ago it ended")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object with the tasks listed (uncut titles), and how many "
+                        "older ones were left out")
     p.set_defaults(run=cmd_tasks)
 
     p = sub.add_parser("journal", help="maintain the journal (events.jsonl)")
@@ -20127,6 +21448,10 @@ def build_parser():
     p.add_argument("--reset", action="store_true",
                    help="replace a Failed task (without it, a Failed task is kept and the run "
                         "refuses)")
+    p.add_argument("--allow-red-base", action="store_true",
+                   help="start agents even when the checks already fail before the task "
+                        "(the run tries them first and stops on a red base); the executor is "
+                        "told which failed before it began")
     output = p.add_mutually_exclusive_group()
     output.add_argument("--quiet", "-q", action="store_true",
                         help="only transitions, verdicts, questions, problems and the end "

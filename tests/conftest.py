@@ -100,13 +100,18 @@ agent = "%(name)s"
 """ % {"name": name, "argv": json.dumps(argv), "prompt": prompt}
 
 
+# The scripted executor appends "work" to work.txt; the check passes on the untouched
+# project too (no work.txt yet), as a project's tests pass before a task starts: `ferrus
+# run` tries the checks on the base before any agent starts and stops on a red one.
+SCRIPTED_CHECK = "test ! -e work.txt || grep -q work work.txt"
 SCRIPTED_CONFIG = """
 [checks]
-commands = ["test -f work.txt"]
+commands = [%s]
 
 [limits]
 wait_timeout_secs = 5
-""" + custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+""" % json.dumps(SCRIPTED_CHECK) + custom_agent_config(
+    "scripted", [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
 
 
 def scripted_project(project, memory):

@@ -6,7 +6,10 @@ ferrus MCP server named in its MCP config file ({mcp_config}), and calls the
 tools its prompt asks for.  What it decides is steered by the environment:
 
   SCRIPTED_BEHAVIOR  comma-separated: reject-once, consult, ask, crash-executor,
-                     crash-reviewer, silent-executor, slow-executor, usage (report
+                     crash-reviewer, silent-executor, slow-executor, give-up-once (the
+                     first executor session prints, as Claude Code's stream-json does, a
+                     shell call that fails and a last message, and exits 0 without
+                     submitting), usage (report
                      tool calls, tokens and cost as Claude Code's stream-json does:
                      each tool call an assistant event worth 100 tokens in and 10 out,
                      printed twice as Claude repeats a message per block, and a final
@@ -90,6 +93,19 @@ class Mcp:
                                         "output_tokens": 10 * self.calls}}), flush=True)
 
 
+# What the executor prints when it gives up (Claude Code's stream-json event shapes).
+GIVE_UP = (
+    {"type": "assistant", "message": {"content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make test"}}]}},
+    {"type": "user", "message": {"content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+         "content": "Exit code 2\nmake: *** No rule to make target 'test'.  Stop."}]}},
+    {"type": "assistant", "message": {"content": [
+        {"type": "text", "text": "I cannot finish this: the project has no test target, so "
+                                 "I stop here."}]}},
+)
+
+
 def flag(name):
     return os.path.join(os.environ.get("SCRIPTED_DIR", "."), name)
 
@@ -115,6 +131,10 @@ def main():
         print("crashing on purpose", flush=True)
         return 3
     if "silent-" + mode in behavior:
+        return 0
+    if mode == "executor" and "give-up-once" in behavior and once("gave-up"):
+        for event in GIVE_UP:
+            print(json.dumps(event), flush=True)
         return 0
     with open(config_path) as handle:
         server = list(json.load(handle)["mcpServers"].values())[0]

@@ -18,9 +18,11 @@ from fake_anthropic import (FakeAnthropic, ScriptedAgent, claude_env, find_agent
 
 pytestmark = pytest.mark.e2e
 
+# hello.txt, once there, must hold "hi" (the checks pass before the task too: `ferrus run`
+# tries them on the base before any agent starts).
 CONFIG = """
 [checks]
-commands = ["python3 -c \\"import pathlib, sys; sys.exit(pathlib.Path('hello.txt').read_text().strip() != 'hi')\\""]
+commands = ["python3 -c \\"import pathlib, sys; p = pathlib.Path('hello.txt'); sys.exit(p.exists() and p.read_text().strip() != 'hi')\\""]
 
 [limits]
 wait_timeout_secs = 20
@@ -254,6 +256,7 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     assert "Reviewing → Complete" in result.stdout
     store = ferrus.Store(str(project))
     assert store.read_state().state == ferrus.S.COMPLETE
+    assert (project / "hello.txt").read_text() == "hi\n"
     actors = {(e["event"], e["actor"].partition("/")[0]) for e in store.read_journal()}
     assert ("submit", "executor:claude-code:1") in actors
     assert ("approve", "supervisor:claude-code:1") in actors

@@ -21,8 +21,10 @@ from fake_models import FakeModels, agent_env, call, find_agent, say
 
 pytestmark = pytest.mark.e2e
 
-CHECK = ("python3 -c \"import pathlib, sys; "
-         "sys.exit(pathlib.Path('hello.txt').read_text().strip() != 'hi')\"")
+# hello.txt, once there, must hold "hi": true before the task too (`ferrus run` tries the
+# checks on the base before any agent starts).
+CHECK = ("python3 -c \"import pathlib, sys; p = pathlib.Path('hello.txt'); "
+         "sys.exit(p.exists() and p.read_text().strip() != 'hi')\"")
 
 CONFIG = """
 [checks]

@@ -460,3 +460,23 @@ def test_hq_task_and_ferrus_run_show_the_dirty_tree_warning(repo, store):
     assert "warning: the working tree had uncommitted changes" in out.getvalue()
     assert "scratch.txt" in out.getvalue()
     shell.controller.shutdown()
+
+
+def test_wait_for_review_lists_the_changed_files_bounded_as_its_diff(repo, store):
+    """Every changed file was listed: 30,000 of them made a 5.7 MB answer."""
+    create(store)
+    for number in range(700):
+        write(repo, "gen/file_%04d.txt" % number, "x\n")
+    _to_reviewing(store, "Generated files.")
+    claimed = ferrus.op_wait_for_review(store, ferrus.Caller("supervisor", "supervisor:test:1"))
+    listed = claimed.data["changed_files"]
+    assert claimed.data["changed_files_total"] == 700
+    assert len(listed) == ferrus.REVIEW_FILES_MAX == 500
+    assert listed[0]["path"] == "gen/file_0000.txt" and listed[-1]["path"] == "gen/file_0499.txt"
+    assert "... and 200 more files" in claimed.data["diff"]
+    assert len(json.dumps(claimed.data)) < 128 * 1024
+    # long paths are bounded by bytes as well
+    long_names = [{"path": "d/" + "n" * 4000 + str(i), "added": 1, "deleted": 0,
+                   "binary": False} for i in range(100)]
+    kept = ferrus.review_file_list(long_names)
+    assert 0 < len(kept) < 100 and len(json.dumps(kept)) <= ferrus.REVIEW_FILES_BYTES

@@ -39,7 +39,7 @@ def test_the_board_in_80_columns(scripted, tmp_path):  # noqa: F811
                           and lines[0].startswith("ferrus HQ │ tasks: 2 running, 1 queued │ "
                                                   "/attach ID"),
                           what="two tasks executing on the board, counted on the status line")
-        assert lines[1] == "run: P4 collect, 2 at a time"
+        assert lines[1] == "run: waiting for the agents' work, 2 at a time"
         assert lines[5].split()[:2] == [short[2], "queued"]
         assert all(line.split()[2] == "scripted" for line in lines[3:5])
 

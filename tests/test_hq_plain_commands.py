@@ -16,7 +16,7 @@ import types
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY
+from conftest import FERRUS_PY, SCRIPTED_CHECK
 from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
 from test_milestones import write_spec
 
@@ -139,8 +139,11 @@ def test_commands_that_need_no_running_agent(scripted, hq):  # noqa: F811
     assert os.path.isfile(os.path.join(root, ".ferrus", "mcp-executor.json"))
 
     # The gate: --force runs the commands in any state; /check is the executor's tool.
+    with open(os.path.join(root, "work.txt"), "w") as handle:
+        handle.write("not yet\n")                 # the scripted check wants "work" in it
     out = shell.command("/check --force", "Full log: ")
-    assert "Checks failed." in out and "- `test -f work.txt` (exit 1)" in out
+    assert "Checks failed." in out and "- `%s` (exit 1)" % SCRIPTED_CHECK in out
+    os.remove(os.path.join(root, "work.txt"))
     shell.command("/check", "error: Cannot run checks from state Idle.")
 
     # Commands that need a task, a submission, a checkpoint or an agent say so.

@@ -272,6 +272,33 @@ def test_status_counts_old_ended_tasks_instead_of_listing_them(store, clock):
     assert [line.split()[0] for line in lines[3:]] == [short(t) for t in tasks[2:]]
 
 
+def test_status_sums_up_a_long_queue_in_a_few_lines(store, clock):
+    """A queue of a thousand tasks made `ferrus status` a thousand lines: it now gives the
+    counts, every task at work, the next few queued and the last few ended."""
+    tasks = []
+    for number in range(70):
+        tasks.append(queue(store, "Task %d" % number))
+        clock.advance(0.001)
+    cancelled, running, queued = tasks[:8], tasks[8:11], tasks[11:]
+    for task in cancelled:
+        ferrus.op_cancel_task(store, ferrus.HUMAN, task)
+    for task in running:
+        start(store, task)
+    ferrus.atomic_write(ferrus.task_record_path(store.dir, queued[-1]), '{"status": 7}')
+    lines = ferrus.describe_queue(ferrus.status_task_rows(store, []))
+    assert lines[1] == ("tasks  3 running, 58 queued, 8 cancelled, 1 damaged "
+                        "(`ferrus tasks` lists them)")
+    assert lines[2] == "  … 3 ended earlier"
+    listed = [line.split()[0] for line in lines[3:] if not line.startswith("  …")
+              and line.split()[0] != "worktree"]
+    # in the order they were queued (a damaged record has no time: first)
+    assert listed == [short(t) for t in queued[-1:] + cancelled[3:] + running + queued[:5]]
+    assert lines[-1] == "  … 53 more queued" and len(lines) < 25
+    damaged = next(line for line in lines if line.startswith("  " + short(queued[-1])))
+    assert damaged.split()[1] == "damaged" and "`ferrus doctor --fix` repairs it" in damaged
+    assert "status 7 is none of queued" in damaged
+
+
 def test_status_without_tasks_is_unchanged(store):
     assert ferrus.describe_queue(ferrus.status_task_rows(store, [])) == []
 

@@ -2,6 +2,7 @@
 --milestone` / `--until-done`, and the explicit reset over a Failed task."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_PY, SCRIPTED_CHECK, set_config
 from test_hq import CONFIG, cli_env, moves, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
@@ -204,10 +205,11 @@ def test_run_until_done_works_through_a_spec_of_three_milestones(scripted, tmp_p
 
 def test_run_milestone_stops_on_failure(scripted, monkeypatch):
     rel = write_spec(scripted.root)
-    set_config(scripted.root, CONFIG.replace('"test -f work.txt"', '"false"').replace(
+    set_config(scripted.root, CONFIG.replace(json.dumps(SCRIPTED_CHECK), '"false"').replace(
         "[limits]", "[limits]\nmax_check_retries = 1"))
     lines = []
-    code = ferrus.run_milestones(scripted, "next", until_done=True, timeout=120, out=lines.append)
+    code = ferrus.run_milestones(scripted, "next", until_done=True, timeout=120, out=lines.append,
+                                 allow_red_base=True)      # `false` fails before the task too
     assert code == ferrus.RUN_FAILED
     assert ticked(scripted.root, rel) == []
     assert [e["detail"].get("milestone") for e in scripted.read_journal()

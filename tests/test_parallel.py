@@ -259,15 +259,16 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 1)
     runner.start()
-    # run until the target moved, then "crash" before the task is told
-    real = ferrus.op_integrated
+    # run until the target moved, then "crash" before the task is recorded Complete (the
+    # transition is made right after the fast-forward, in the same transaction)
+    real = ferrus.t_integrated
     import threading
     crashed = threading.Event()
 
     def crash(*args, **kwargs):
         crashed.set()
         raise KeyboardInterrupt("killed")
-    ferrus.op_integrated = crash
+    ferrus.t_integrated = crash
     try:
         with pytest.raises(KeyboardInterrupt):
             for _ in range(3000):
@@ -275,7 +276,7 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
                 import time
                 time.sleep(0.01)
     finally:
-        ferrus.op_integrated = real
+        ferrus.t_integrated = real
         for controller in runner.controllers.values():
             controller.shutdown()
     assert crashed.is_set()
@@ -355,6 +356,84 @@ def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
     assert git(repo, "merge-base", "--is-ancestor", before, "main", check=False).returncode == 0
 
 
+def half_prepare(store, task, stage):
+    """The task as _prepare_task leaves it when a run is killed part way: its record
+    RUNNING with its worktree and branch named, then (``stage``) nothing more, the
+    worktree made, or the worktree and the task's STATE.json (Idle) made too."""
+    path = os.path.join(ferrus.default_worktree_dir(store.root), task)
+    branch = ferrus.TASK_BRANCH_PREFIX + task
+    base = ferrus.target_head(store.root, "main")
+    ferrus.update_task(store, ferrus.ORCHESTRATOR, task, "prepare_task", {
+        "status": "running", "worktree": path, "workdir": path, "branch": branch,
+        "base": base, "target": "main", "store": "worktree"})
+    if stage in ("worktree", "idle state"):
+        ferrus.create_task_worktree(store.root, path, branch, base)
+    if stage == "idle state":
+        ferrus.atomic_write(store.for_task(task).task_path(ferrus.STATE_FILE),
+                            ferrus.StateData().to_json())
+    return path
+
+
+@pytest.mark.parametrize("stage", ["record", "worktree", "idle state"])
+@pytest.mark.parametrize("phase", [3, 4])
+def test_a_task_a_killed_run_prepared_half_way_is_prepared_again_not_cancelled(repo, stage,
+                                                                               phase):
+    """A run killed inside _prepare_task left a RUNNING record whose state is missing or
+    Idle; the next run took Idle for a cancel (or left it running for good)."""
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    other = enqueue(store, "U.\n\nWRITE u.txt: u\n")
+    path = half_prepare(store, task, stage)
+    # killed in P2 (its batch saved) or while P4 → P3 prepared more (the batch not saved)
+    crash_state(store, phase, [task] if phase == 3 else [])
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged", other: "merged"}, "\n".join(lines)
+    assert "t.txt" in committed(repo) and "u.txt" in committed(repo)
+    entries = [e for e in store.read_journal() if e["task_id"] == task]
+    assert not [e for e in entries if e["event"] in ("cancel_task", "task_cancelled")]
+    requeued = [e for e in entries if e["event"] == "requeue_task"]
+    assert requeued and requeued[0]["detail"]["reason"] == "prepared half-way"
+    assert "task %s was prepared only half-way" % ferrus.short_task_id(task) in "\n".join(
+        lines)
+    # the worktree it was given is the one it was finished in
+    assert ferrus.read_task_record(store.dir, task)["worktree"] == path
+
+
+def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(repo, tmp_path):
+    """The real kill: `ferrus run --parallel` killed while [parallel] setup runs in the new
+    worktree (the record RUNNING, the task's state Idle, no task created yet)."""
+    import signal
+    import time
+    started, release = tmp_path / "setup.started", tmp_path / "setup.release"
+    # (The merge gate's clean checkout runs the setup too, before the run starts the
+    # task: only the task's worktree, named by its id, waits.)
+    store = setup(repo, ["test -f README.md"], '[parallel]\nsetup = [%s]\n\n' % json.dumps(
+        'case "$(basename "$PWD")" in t-*) touch %s; while [ ! -f %s ]; do sleep 0.05; '
+        'done;; esac' % (started, release)))
+    task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
+    proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "run", "--parallel", "2"],
+                            cwd=str(repo), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "setup never ran"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        release.touch()                 # the setup command it left behind ends too
+    assert ferrus.read_task_record(store.dir, task)["status"] == "running"
+    assert store.for_task(task).read_state().state == S.IDLE
+    code, lines = run(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged"}
+    assert "t.txt" in committed(repo)
+
+
 def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(repo):
     with open(os.path.join(str(repo), ".gitignore"), "a") as handle:
         handle.write("built.flag\n")
@@ -365,7 +444,13 @@ def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(r
     assert "built.flag" not in committed(repo) and "t.txt" in committed(repo)
     set_config(repo, parallel_config(["true"], '[parallel]\nsetup = ["exit 7"]\n\n'))
     broken = enqueue(store, "U.\n\nWRITE u.txt: u\n")
-    code, lines = run(store, 2)
+    # Tried on a clean checkout of the target before any agent starts, the setup fails:
+    # the run stops there, naming it.
+    with pytest.raises(ferrus.RedBaseRefused):
+        run(store, 2)
+    assert ferrus.read_task_record(store.dir, broken)["status"] == "queued"
+    code, lines = run(store, 2, allow_red_base=True)
+    assert any("[parallel] setup failed: exit 7" in line for line in lines), lines
     assert code == ferrus.RUN_FAILED
     reason = ferrus.read_task_record(store.dir, broken)["reason"]
     assert "[parallel] setup failed" in reason and "exit 7" in reason

@@ -15,7 +15,7 @@ import pytest
 
 import ferrus
 from conftest import SCRIPTED_AGENT, custom_agent_config, set_config
-from test_parallel_doctor import branches, cli, git, set_status, start_task
+from test_parallel_doctor import branches, cli, commit_in, git, set_status, start_task
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -237,3 +237,108 @@ def test_hq_task_cancel_removes_a_failed_tasks_kept_worktree(repo):
     assert "Task %s cancelled. Removed its worktree %s and its branch %s" % (
         task, path, branch) in proc.stdout, proc.stdout + proc.stderr
     assert not os.path.exists(path) and branch not in branches(repo)
+
+
+# -- a cancel against the merge: one of them wins, atomically ---------------------------------
+
+def run_one_task(repo, monkeypatch, text="Merge me.\n\nWRITE m.txt: m\n"):
+    """Queue one task and work it with quick agents; (task, exit code, the run's lines)."""
+    monkeypatch.delenv("SCRIPTED_BEHAVIOR")
+    store = ferrus.Store(repo)
+    task = ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
+    lines = []
+    code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
+    return task, code, lines
+
+
+def test_a_cancel_between_the_merge_checks_and_the_fast_forward_wins(repo, monkeypatch):
+    """The cancel was accepted after the checks on the merged result passed and before
+    the target moved, and the task was merged anyway."""
+    before = ferrus.target_head(repo, "main")
+    said = []
+    real = ferrus.update_task
+
+    def cancel_once_checked(store, caller, task, event, changes, *args, **kwargs):
+        done = real(store, caller, task, event, changes, *args, **kwargs)
+        if event == "integration_ready":          # checked: the fast-forward comes next
+            said.append(cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task)))
+        return done
+    monkeypatch.setattr(ferrus, "update_task", cancel_once_checked)
+    task, code, lines = run_one_task(repo, monkeypatch)
+    text = "\n".join(lines)
+    assert said and said[0].returncode == 0, said
+    assert "cancelled before its merge: the target branch is not moved for it" in said[0].stdout
+    assert ferrus.target_head(repo, "main") == before            # the target never moved
+    assert "m.txt" not in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
+    record = ferrus.read_task_record(ferrus.Store(repo).dir, task)
+    assert record["status"] == "cancelled" and "merged_commit" not in record
+    assert "task %s was cancelled before its merge: main was not moved for it" % (
+        ferrus.short_task_id(task)) in text
+    events = [e["event"] for e in ferrus.Store(repo).read_journal() if e["task_id"] == task]
+    assert "integrated" not in events and "task_merged" not in events
+    assert not os.path.exists(record["worktree"])
+    assert code == ferrus.RUN_COMPLETE, text
+
+
+def test_a_cancel_that_waits_for_the_merge_in_progress_is_refused_and_says_so(repo,
+                                                                              monkeypatch):
+    """The cancel arrives while the fast-forward runs (the merge holds the lock): the
+    merge wins, and the cancel is refused saying the merge came first."""
+    import threading
+    store = ferrus.Store(repo)
+    outcome, waiting = {}, threading.Event()
+    real_move, real_acquire = ferrus.fast_forward_target, ferrus.FileLock.acquire
+
+    def acquire(lock):
+        if threading.current_thread().name == "cancel":
+            waiting.set()                 # the cancel now waits for the lock
+        return real_acquire(lock)
+
+    def cancel(task):
+        try:
+            outcome["said"] = ferrus.op_cancel_task(store, ferrus.HUMAN, task).text
+        except ferrus.FerrusError as err:
+            outcome["refused"] = err
+
+    def move_while_a_cancel_waits(root, target, expected, commit):
+        task = next(t for t in ferrus.queued_task_ids(store)
+                    if ferrus.read_task_record(store.dir, t).get("status") == "running")
+        thread = threading.Thread(target=cancel, args=(task,), name="cancel")
+        thread.start()
+        outcome["thread"] = thread
+        assert waiting.wait(30), "the cancel never reached the lock"
+        return real_move(root, target, expected, commit)
+    monkeypatch.setattr(ferrus.FileLock, "acquire", acquire)
+    monkeypatch.setattr(ferrus, "fast_forward_target", move_while_a_cancel_waits)
+    task, code, lines = run_one_task(repo, monkeypatch)
+    outcome["thread"].join(60)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert "said" not in outcome, outcome
+    refused = outcome["refused"]
+    assert "is already merged into main at " in refused.message and \
+        "the merge came before this cancel, nothing was cancelled" in refused.message
+    assert ferrus.read_task_record(store.dir, task)["status"] == "merged"
+    assert "m.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
+
+
+def test_a_cancel_after_a_run_died_between_the_fast_forward_and_its_record_is_refused(
+        repo, monkeypatch):
+    """The target already holds the checked candidate but the run was killed before it
+    recorded the merge: a cancel then must not call the merged task cancelled."""
+    store = ferrus.Store(repo)
+    task, path, branch = start_task(store)
+    task_store = store.for_task(task)
+    data = task_store.read_state()
+    data.state = S.INTEGRATING                     # approved, in the merge queue
+    ferrus.atomic_write(task_store.task_path(ferrus.STATE_FILE), data.to_json())
+    commit_in(path, "c.txt", "c\n")
+    candidate = ferrus.target_head(repo, branch)
+    git(repo, "merge", "-q", "--ff-only", branch)                # the fast-forward happened
+    ferrus.update_task(store, ferrus.HUMAN, task, "integration_ready", {
+        "integration": {"candidate": candidate, "target_head": "x"}})
+    out = cli(repo, "task", "cancel", "--yes", ferrus.short_task_id(task))
+    assert out.returncode == 1
+    assert "is already merged into main at %s: the merge came before this cancel" % (
+        candidate[:12]) in out.stderr
+    assert ferrus.read_task_record(store.dir, task)["status"] == "running"
+    assert task_store.read_state().state == S.INTEGRATING

@@ -11,7 +11,7 @@ def task_with_worktree(store, task, worktree):
     os.makedirs(worktree)
     os.makedirs(os.path.dirname(ferrus.task_record_path(store.dir, task)))
     ferrus.atomic_write(ferrus.task_record_path(store.dir, task),
-                        json.dumps({"id": task, "worktree": str(worktree)}))
+                        json.dumps({"id": task, "status": "running", "worktree": str(worktree)}))
     return store.for_task(task)
 
 

@@ -232,7 +232,9 @@ def test_a_parallel_run_that_stopped_part_way_is_a_note(repo):
     found = cli(repo, "doctor")
     assert found.returncode == 0
     assert "info: .ferrus/parallel.json: a parallel run (pid 999999, last seen " \
-           "2026-11-24T06:00:00Z) stopped in P4 collect without finishing" in found.stdout
+           "2026-11-24T06:00:00Z) stopped while waiting for the agents' work, unfinished" in \
+        found.stdout
+    assert "P4" not in found.stdout                     # phase codes are not for people
     assert "goes on from there with the 1 task(s) left" in found.stdout
     cli(repo, "doctor", "--fix")
     assert os.path.exists(store.path("parallel.json"))

@@ -13,9 +13,12 @@ def test_the_batch_is_prepared_side_by_side(repo, tmp_path):  # noqa: F811
     arrived.mkdir()
     # Each task's setup says it is here, then waits (at most 20 s) until the other's has
     # come too: prepared one after the other, the first would give up and fail its task.
-    barrier = ('touch "%s/$(basename "$PWD")"; i=0; '
-               'while [ "$(ls "%s" | wc -l)" -lt 2 ] && [ $i -lt 200 ]; do sleep 0.1; '
-               'i=$((i+1)); done; [ "$(ls "%s" | wc -l)" -ge 2 ]' % ((str(arrived),) * 3))
+    # The merge gate's clean checkout runs it too (the checks tried on the target's head
+    # before the run, and each integration's), alone: it does not wait.
+    barrier = ('touch "%s/$(basename "$PWD")"; case "$(basename "$PWD")" in t-*) i=0; '
+               'while [ "$(ls "%s" | grep -c "^t-")" -lt 2 ] && [ $i -lt 200 ]; do sleep 0.1; '
+               'i=$((i+1)); done; [ "$(ls "%s" | grep -c "^t-")" -ge 2 ];; esac'
+               % ((str(arrived),) * 3))
     store = setup(repo, ["test -f README.md"], "[parallel]\nsetup = %s\n\n"
                   % json.dumps([barrier]))
     tasks = [enqueue(store, "T%d.\n\nWRITE s%d.txt: %d\n" % (i, i, i)) for i in range(2)]

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CONFIG, set_config
+from conftest import FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
 from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
@@ -34,7 +34,7 @@ def test_run_shows_checks_submission_and_review_notes(scripted, monkeypatch):
     code, lines = run(scripted)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     text = "\n".join(lines)
-    assert "check passed: test -f work.txt" in text
+    assert "check passed: %s" % SCRIPTED_CHECK in text
     assert "checks passed — submitting for review" in text
     assert "submission:\n  Did the work." in text
     assert "review notes:\n  Please also add a README line." in text
@@ -46,10 +46,11 @@ def test_run_shows_checks_submission_and_review_notes(scripted, monkeypatch):
 
 def test_a_failing_check_shows_its_command_exit_and_last_lines(scripted, monkeypatch):
     set_config(scripted.root, SCRIPTED_CONFIG.replace(
-        'commands = ["test -f work.txt"]',
-        'commands = ["test -f work.txt", "echo the-reason; exit 3"]').replace(
+        'commands = [%s]' % json.dumps(SCRIPTED_CHECK),
+        'commands = [%s, "echo the-reason; exit 3"]' % json.dumps(SCRIPTED_CHECK)).replace(
         "wait_timeout_secs = 5", "wait_timeout_secs = 5\nmax_check_retries = 2"))
-    code, lines = run(scripted, timeout=60)
+    # The second check fails before the task too: the run goes on past the red base.
+    code, lines = run(scripted, timeout=60, allow_red_base=True)
     text = "\n".join(lines)
     assert code == ferrus.RUN_FAILED, text
     assert "check failed: echo the-reason; exit 3 (exit 3," in text
@@ -72,7 +73,7 @@ def test_json_mode_prints_one_object_per_event(scripted, monkeypatch):
     review = next(r for r in records if r["event"] == "review")
     assert review["notes"] == "Please also add a README line."
     check = next(r for r in records if r["event"] == "check")
-    assert check["command"] == "test -f work.txt" and check["status"] == "passed"
+    assert check["command"] == SCRIPTED_CHECK and check["status"] == "passed"
     assert events[-1] == "complete"
 
 
@@ -127,7 +128,7 @@ def test_tool_calls_are_one_line_each_and_a_heartbeat_follows_silence(project, c
     slot.timer = None
     controller._check_slot(slot)
     calls = [m for m in messages if m.event == "tool_call"]
-    assert [m.text for m in calls] == ["executor ▸ Bash  pytest -q",
+    assert [m.text for m in calls] == ["executor ▸ Shell  pytest -q",
                                        "executor ▸ Edit  src/a.py"]
     controller._check_slot(slot)
     assert len([m for m in messages if m.event == "tool_call"]) == 2      # shown once
@@ -152,7 +153,9 @@ def test_claude_codex_and_gemini_tool_calls_carry_their_argument():
     codex = ferrus.Codex(ferrus.Config())
     events = codex.parse_line(json.dumps({"type": "item.completed", "item": {
         "type": "command_execution", "command": "bash -lc ls", "exit_code": 0}}))
-    assert [(e.name, e.text, e.ok) for e in events] == [("shell", "bash -lc ls", True)]
+    # The shell wrapper Codex runs a command in is left out: the model's own command.
+    assert [(e.name, e.text, e.ok) for e in events if e.kind == "tool_call"] == \
+        [("shell", "ls", True)]
     gemini = ferrus.GeminiCli(ferrus.Config())
     events = gemini.parse_line(json.dumps({"type": "tool_use", "tool_name": "read_file",
                                            "parameters": {"absolute_path": "/a/b.py"}}))
@@ -326,7 +329,12 @@ def test_a_failing_or_hanging_notifier_never_blocks_and_is_reported_once(project
     other = ferrus.Notifier(store, messages.append)
     other.notify("complete", "t-1", "done")
     other.notify("complete", "t-1", "done")
+    deadline = time.monotonic() + 20            # the spawn is off the caller's path too
+    while len(messages) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(messages) == 2 and "could not start" in messages[1].text
+    other.finish()
+    assert len(messages) == 2                   # the second failure is only logged
 
 
 def test_notify_config_is_validated(project):

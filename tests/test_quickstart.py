@@ -83,7 +83,11 @@ def test_the_readme_quick_start_reaches_complete(tmp_path):
     home.mkdir()
     git = ["git", "-c", "user.name=quick start", "-c", "user.email=qs@example.invalid"]
     (project / "README.md").write_text("# demo\n")
-    for argv in (["init", "-q"], ["add", "README.md"], ["commit", "-q", "-m", "start"]):
+    # "A project whose tests run with python3 -m pytest -q": its tests pass before the
+    # task (`ferrus run` tries them before any agent starts).
+    (project / "test_start.py").write_text("def test_start():\n    assert True\n")
+    for argv in (["init", "-q"], ["add", "README.md", "test_start.py"],
+                 ["commit", "-q", "-m", "start"]):
         subprocess.run(git + argv, cwd=str(project), check=True, capture_output=True)
     # The check command must find pytest: run it with this interpreter.
     checks = checks.replace('"python3 ', '"%s ' % sys.executable.replace("\\", "/"))

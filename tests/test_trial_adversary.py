@@ -11,7 +11,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_AGENT, custom_agent_config, set_config
+from conftest import FERRUS_PY, SCRIPTED_AGENT, SCRIPTED_CHECK, custom_agent_config, set_config
 
 
 def _wait_for(predicate, what, proc=None, limit=60):
@@ -75,7 +75,7 @@ def _scripted_project(tmp_path, extra=""):
     root = tmp_path / "proj"
     root.mkdir()
     assert ferrus.main(["-C", str(root), "init"]) == 0
-    set_config(root, '[checks]\ncommands = ["test -f work.txt"]\n[limits]\n'
+    set_config(root, '[checks]\ncommands = [%s]\n[limits]\n' % json.dumps(SCRIPTED_CHECK) +
                'wait_timeout_secs = 5\n' + extra +
                custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
                                                 "{mcp_config}"]))

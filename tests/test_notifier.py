@@ -1,0 +1,126 @@
+"""[notify] notifiers run off the loop's path: notify() never waits for a process to
+start, no more than NOTIFY_MAX_RUNNING run at once (one more is not started, and the
+warning says so), and in `ferrus run --parallel` one notifier serves the whole run, so a
+task's end neither waits for nor stops the notifiers its events started — each is
+stopped at its own timeout_secs, or when the run ends."""
+
+import os
+import threading
+
+import ferrus
+from conftest import set_config
+from test_parallel import enqueue, repo, run, setup, statuses  # noqa: F401  (repo: fixture)
+
+
+def hanging_command(pid_file):
+    return '["sh", "-c", "echo $$ >> %s; exec sleep 120"]' % pid_file
+
+
+def pids_in(path):
+    return [int(line) for line in open(path).read().split()] if os.path.exists(path) else []
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    with open("/proc/%d/stat" % pid) as handle:       # a zombie is not running
+        return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until(condition, what, limit=60):
+    import time
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "gave up waiting for " + what
+        time.sleep(0.02)
+
+
+def test_notify_returns_before_the_notifier_has_even_started(project, monkeypatch):
+    store = ferrus.Store(str(project))
+    set_config(str(project), '[notify]\ncommand = ["true"]\nbell = false\n')
+    release, spawning, spawned = threading.Event(), threading.Event(), []
+    real = ferrus.subprocess.Popen
+
+    def slow_popen(*args, **kwargs):
+        spawning.set()
+        assert release.wait(30)
+        proc = real(*args, **kwargs)
+        spawned.append(proc)
+        return proc
+    monkeypatch.setattr(ferrus.subprocess, "Popen", slow_popen)
+    notifier = ferrus.Notifier(store, lambda message: None)
+    notifier.notify("complete", "t-1", "done")      # returns while the spawn is stuck
+    assert spawning.wait(30) and not spawned
+    release.set()
+    wait_until(lambda: spawned and spawned[0].poll() is not None, "the notifier to run")
+    assert spawned[0].returncode == 0
+
+
+def test_no_more_than_the_bound_of_notifiers_run_at_once(project, tmp_path):
+    pid_file = tmp_path / "pids"
+    store = ferrus.Store(str(project))
+    set_config(str(project), '[notify]\nbell = false\ntimeout_secs = 600\ncommand = %s\n'
+               % hanging_command(pid_file))
+    messages = []
+    notifier = ferrus.Notifier(store, messages.append)
+    for number in range(ferrus.NOTIFY_MAX_RUNNING + 6):
+        notifier.notify("complete", "t-%d" % number, "done")
+    wait_until(lambda: len(pids_in(pid_file)) == ferrus.NOTIFY_MAX_RUNNING,
+               "the notifiers to start")
+    started = pids_in(pid_file)
+    try:
+        assert notifier.skipped == 6 and len(messages) == 1
+        assert "%d notifiers are still running (at most %d run at once), so the one for " \
+            "complete was not started" % ((ferrus.NOTIFY_MAX_RUNNING,) * 2) in messages[0].text
+        assert all(alive(pid) for pid in started)
+        notifier.finish(grace=0)
+        assert not any(alive(pid) for pid in started)
+        assert len(pids_in(pid_file)) == ferrus.NOTIFY_MAX_RUNNING     # none started later
+        notifier.notify("complete", "t-late", "after the end")          # nothing more starts
+        assert len(pids_in(pid_file)) == ferrus.NOTIFY_MAX_RUNNING
+    finally:
+        for pid in started:
+            if alive(pid):
+                os.kill(pid, 9)
+
+
+def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path,  # noqa: F811
+                                                                monkeypatch):
+    """Each task's end waited up to 5 s for the notifiers its events had started, then
+    stopped them, whatever timeout_secs said; now they run on, stopped at timeout_secs or
+    once at the run's end."""
+    pid_file = tmp_path / "pids"
+    store = setup(repo, ["test -f README.md"], '[notify]\nbell = false\ntimeout_secs = 600\n'
+                  'events = ["complete"]\ncommand = %s\n\n' % hanging_command(pid_file))
+    tasks = [enqueue(store, "T%d.\n\nWRITE n%d.txt: %d\n" % (i, i, i)) for i in range(2)]
+    at_task_ends, finished = [], []
+    real_end, real_finish = ferrus.ParallelRunner._end_task, ferrus.Notifier.finish
+
+    def end_task(runner, task, status, reason, head=None):
+        sent = [e for e in runner.notifier.sent if e[0] == "complete"]
+        wait_until(lambda: len(pids_in(pid_file)) >= len(sent), "the notifiers to start")
+        real_end(runner, task, status, reason, head)
+        at_task_ends.append([alive(pid) for pid in pids_in(pid_file)])
+
+    def finish(notifier, grace=ferrus.NOTIFY_EXIT_GRACE_SECS):
+        finished.append(notifier)
+        real_finish(notifier, grace=0)
+    monkeypatch.setattr(ferrus.ParallelRunner, "_end_task", end_task)
+    monkeypatch.setattr(ferrus.Notifier, "finish", finish)
+    try:
+        code, lines = run(store, 2)
+    finally:
+        for pid in pids_in(pid_file):
+            if alive(pid):
+                os.kill(pid, 9)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged" for task in tasks}
+    assert len(pids_in(pid_file)) == 2                 # one "complete" per task
+    # every notifier started so far was still running when each task ended
+    assert len(at_task_ends) == 2 and all(all(states) for states in at_task_ends), at_task_ends
+    assert len(finished) == 1                          # once, at the run's end
+    assert not any(alive(pid) for pid in pids_in(pid_file))
+    assert any("[notify] command failed: sh was still running when ferrus ended" in line
+               for line in lines), "\n".join(lines)

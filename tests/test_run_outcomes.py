@@ -1,0 +1,223 @@
+"""Honest outcomes of a run: an approved task that changed nothing is "approved, no
+change", never "merged"; a parallel task's `complete` notification comes after its merge;
+`ferrus run --json` prints only JSON, with an event for each step of a task's integration;
+a send-back shows the red checks (command, last lines, log) and a conflict its files;
+`ferrus tasks` lists the active and recent tasks; a queue's next task starts from the
+user's branch, not from the last task's.
+
+Real runs (`ferrus run`, `ferrus run --parallel`) with the scripted agents
+(tests/scripted_agent.py) in real git repositories.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import ferrus
+from conftest import FERRUS_PY, set_config
+from test_parallel import (committed, enqueue, git, parallel_config, repo, run,  # noqa: F401
+                           setup, statuses)
+
+
+def cli(root, *args, timeout=240):
+    env = dict(os.environ, NO_COLOR="1")
+    env.pop("FERRUS_DEBUG", None)
+    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(root), env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def json_lines(stdout):
+    """Every stdout line as a JSON object (a line that is not one fails the test)."""
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+# -- approved, no change ------------------------------------------------------------------
+
+def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, monkeypatch):
+    store = setup(repo, ["test -f README.md"])          # README.md holds "hello"
+    same = enqueue(store, "Keep the greeting.\n\nWRITE README.md: hello\n")
+    new = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    log = []
+    monkeypatch.setattr(ferrus.Notifier, "notify", lambda self, event, task, summary:
+                        log.append(("notified", event, task, summary)))
+    head = git(repo, "rev-parse", "main").stdout.strip()
+    code = ferrus.run_parallel(store, 2, timeout=240, out=log.append, mode="json")
+    lines = [item for item in log if isinstance(item, str)]
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {same: "unchanged", new: "merged"}
+    assert "alpha.txt" in committed(repo)
+    assert git(repo, "rev-list", "--count", "%s..main" % head).stdout.strip() == "1"
+    events = [json.loads(line) for line in lines]
+    unchanged = [e for e in events if e["event"] == "unchanged"]
+    assert [e["task_id"] for e in unchanged] == [same]
+    merged = [e for e in events if e["event"] == "merged"]
+    assert [e["task_id"] for e in merged] == [new]
+    assert merged[0]["commit"] == ferrus.read_task_record(store.dir, new)["merged_commit"]
+    report = next(e for e in events if e["text"].startswith("ferrus run: report: "))
+    assert report["text"] == "ferrus run: report: 1 merged, 1 approved (no change)"
+    assert report["counts"] == {"merged": 1, "unchanged": 1}
+    # One `complete` per task, sent once its end is known: after the merge (with its
+    # commit), or saying it changed nothing — never at the reviewer's approval.
+    complete = [item for item in log if isinstance(item, tuple) and item[1] == "complete"]
+    assert sorted(item[2] for item in complete) == sorted([same, new])
+    said = {item[2]: item[3] for item in complete}
+    assert said[new].startswith("merged into main at %s" % merged[0]["commit"][:12])
+    assert said[same].startswith("approved, no change")
+    def first(event):
+        return next(i for i, item in enumerate(log) if isinstance(item, str) and
+                    json.loads(item)["event"] == event and json.loads(item)["task_id"] == new)
+    told = next(i for i, item in enumerate(log) if isinstance(item, tuple) and
+                item[1:3] == ("complete", new))
+    assert first("integrating") < told < first("merged")
+    # What the views say.
+    listed = cli(repo, "tasks")
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(same))
+    assert "approved (no change)" in row and "merged" not in row
+    assert "1 merged, 1 approved (no change)" in cli(repo, "status").stdout
+    diff = cli(repo, "diff", "--task", ferrus.short_task_id(same))
+    assert diff.returncode == 1 and "approved and changed nothing" in diff.stderr
+
+
+def test_a_queued_task_that_changes_nothing_in_the_checkout_is_unchanged(repo):
+    store = setup(repo, ["test -f README.md"])
+    set_config(repo, parallel_config(["test -f README.md"], "[parallel]\nmax_tasks = 1\n\n"))
+    git(repo, "commit", "-qam", "one at a time")
+    same = enqueue(store, "Keep the greeting.\n\nWRITE README.md: hello\n")
+    done = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    lines = []
+    code = ferrus.run_queue(store, out=lines.append, timeout=240)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {same: "unchanged", done: "done"}
+    assert any("approved, no change" in line for line in lines)
+
+
+# -- ferrus run --json: only JSON, an event per step of an integration -----------------------
+
+def test_json_run_prints_only_json_and_each_step_of_the_merge_queue(repo):
+    # The check fails when both files exist: each task alone passes, the second merged
+    # onto the first does not, and goes back to its executor with the red check.
+    check = "test ! -f left.txt || test ! -f right.txt || { echo left and right clash; exit 1; }"
+    store = setup(repo, [check])
+    set_config(repo, parallel_config([check]).replace("max_review_cycles = 3",
+                                                      "max_review_cycles = 1"))
+    git(repo, "commit", "-qam", "one review cycle")
+    left = enqueue(store, "Left.\n\nWRITE left.txt: left\n")
+    right = enqueue(store, "Right.\n\nWRITE right.txt: right\n")
+    done = cli(repo, "run", "--parallel", "2", "--json")
+    events = json_lines(done.stdout)            # nothing but JSON on stdout
+    assert done.returncode == ferrus.RUN_FAILED, done.stdout[-3000:] + done.stderr
+    kinds = [e["event"] for e in events]
+    assert kinds.count("integrating") >= 2 and kinds.count("merged") == 1
+    assert all(e["event"] in ferrus.PROGRESS_EVENTS + ("run",) for e in events)
+    merged = next(e for e in events if e["event"] == "merged")
+    assert merged["commit"] == ferrus.read_task_record(store.dir, merged["task_id"])[
+        "merged_commit"]
+    back = next(e for e in events if e["event"] == "sent_back")
+    assert back["task_id"] == ({left, right} - {merged["task_id"]}).pop()
+    assert back["cause"] == "checks" and back["target"] == "main"
+    assert back["reason"] == "the checks fail on its work merged with main"
+    [red] = back["failed"]
+    assert red["command"] == check and red["exit"] == 1
+    assert red["tail"] == ["left and right clash"]
+    assert red["log"].startswith(".ferrus/logs/") and os.path.isfile(
+        os.path.join(str(repo), red["log"]))
+    # The line a person reads says the same.
+    lines = back["text"].splitlines()
+    assert lines[0] == "ferrus run: task %s goes back to its executor: the checks fail on " \
+                       "its work merged with main" % ferrus.short_task_id(back["task_id"])
+    assert lines[1] == "    check failed: %s (exit 1); log %s" % (check, red["log"])
+    assert lines[2] == "        │ left and right clash"
+    assert not any("P5" in e["text"] or "P4" in e["text"] for e in events)
+
+
+def test_a_conflict_lists_its_files(repo):
+    store = setup(repo, ["test -f README.md"])
+    enqueue(store, "Greeting one.\n\nWRITE greeting.txt: hello from one\n")
+    enqueue(store, "Greeting two.\n\nWRITE greeting.txt: hello from two\n")
+    code, lines = run(store, 2, mode="json")
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    events = [json.loads(line) for line in lines]
+    [conflict] = [e for e in events if e["event"] == "conflict"]
+    assert conflict["files"] == ["greeting.txt"] and conflict["cause"] == "conflict"
+    assert conflict["text"] == "ferrus run: task %s goes back to its executor: it conflicts " \
+                               "with main in greeting.txt" % ferrus.short_task_id(
+                                   conflict["task_id"])
+    # `ferrus log` tells the run's steps in words, never by their phase codes.
+    shown = cli(repo, "log", "-n", "400").stdout
+    assert "phase            the run is now merging approved tasks into the target branch  " \
+           "capacity Green, Continue" in shown
+    assert "the run is now waiting for the agents' work" in shown
+    assert not re.search(r"\bP[0-7]\b|phase_name=", shown), shown
+
+
+def test_json_warnings_are_objects_too(project, tmp_path):
+    from conftest import SCRIPTED_CONFIG, scripted_project
+    scripted_project(project, tmp_path / "memory")
+    # [git] branch without a repository: the task is created with a warning.
+    set_config(project, SCRIPTED_CONFIG + '\n[git]\nbranch = "ferrus/{task_id}"\n')
+    env = dict(os.environ, SCRIPTED_DIR=str(tmp_path / "memory"), SCRIPTED_BEHAVIOR="")
+    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--json", "--task", "Make work."],
+                          cwd=str(project), env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = json_lines(done.stdout)
+    warning = next(e for e in events if e.get("warning"))
+    assert warning["level"] == "warning" and "[git] branch is set" in warning["warning"]
+    assert events[-1]["event"] == "complete"
+
+
+# -- ferrus tasks: active and recent, --all for the history ---------------------------------
+
+def test_tasks_lists_active_and_recent_ones_and_all_with_all(project):
+    store = ferrus.Store(str(project))
+    long_title = "Refactor the storage layer so that every write goes through one " \
+                 "transaction and the journal"
+    tasks = [enqueue(store, text) for text in (long_title, "Old one", "Recent one", "Waiting")]
+    now = store.clock()
+    ended = {tasks[1]: now - ferrus._dt.timedelta(days=3),
+             tasks[2]: now - ferrus._dt.timedelta(hours=2)}
+    for task, when in ended.items():
+        record = ferrus.read_task_record(store.dir, task)
+        record.update(status="merged", ended_at=ferrus.format_timestamp(when))
+        ferrus.write_task_record(store, task, record)
+    shown = cli(project, "tasks")
+    assert shown.returncode == 0, shown.stderr
+    listed = [line.split()[0] for line in shown.stdout.splitlines()[1:] if line.startswith("t-")]
+    assert listed == [tasks[0], tasks[2], tasks[3]]
+    assert "… and 1 older ended task (`ferrus tasks --all` lists them)" in shown.stdout
+    everything = cli(project, "tasks", "--all")
+    assert [line.split()[0] for line in everything.stdout.splitlines()
+            if line.startswith("t-")] == tasks
+    data = json.loads(cli(project, "tasks", "--json").stdout)
+    assert [row["id"] for row in data["tasks"]] == [tasks[0], tasks[2], tasks[3]]
+    assert data["older"] == 1
+    assert data["tasks"][0]["title"] == long_title          # uncut
+    assert ferrus.read_task_record(store.dir, tasks[0])["title"].endswith("...")
+    assert len(json.loads(cli(project, "tasks", "--json", "--all").stdout)["tasks"]) == 4
+
+
+# -- a queue's tasks each start from the user's branch ---------------------------------------
+
+def test_with_a_branch_per_task_the_next_queued_task_starts_from_the_users_branch(repo):
+    store = setup(repo, ["test -f README.md"])
+    set_config(repo, parallel_config(["test -f README.md"], '[git]\nbranch = '
+                                     '"ferrus/{task_id}"\ncommit = "on_approve"\n\n'))
+    git(repo, "commit", "-qam", "a branch per task")
+    first = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    second = enqueue(store, "Add beta.\n\nWRITE beta.txt: beta\n")
+    lines = []
+    code = ferrus.run_queue(store, out=lines.append, timeout=240)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {first: "done", second: "done"}
+    creates = {e["task_id"]: e for e in store.read_journal() if e["event"] == "create_task"}
+    assert creates[second]["detail"]["branch"] == "ferrus/" + second
+    # The second task's branch forked from main, so it holds beta, not alpha.
+    assert "alpha.txt" not in committed(repo, "ferrus/" + second)
+    assert "beta.txt" in committed(repo, "ferrus/" + second)
+    assert "alpha.txt" in committed(repo, "ferrus/" + first)
+    assert any(line == "ferrus run: back on main, so the next task starts from it (the last "
+               "task's work stays on its branch ferrus/%s)" % first for line in lines), lines
