@@ -1,5 +1,7 @@
 # ferrus — developer targets
 #
+#   make ferrus.py    build ferrus.py, the one file users get, from src/ferrus/*.py
+#                     (tools/amalgamate.py; run it after every change there and commit both)
 #   make test         run the test suite (pytest -q tests); fails if nothing is collected;
 #                     with COVERAGE=1 it is `make coverage`
 #   make coverage     run the suite under coverage.py (subprocesses too), print the
@@ -35,7 +37,15 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 COVERAGE_REPORT_ARGS ?=
 
-.PHONY: test coverage test-matrix bench fuzz e2e clean require-pytest require-coverage
+.PHONY: test coverage test-matrix bench fuzz e2e clean require-pytest require-coverage check-built
+
+# The generated single file: rebuilt when any module changed (or with -B).
+ferrus.py: tools/amalgamate.py $(wildcard src/ferrus/*.py)
+	$(PYTHON) tools/amalgamate.py
+
+# Fails when the committed ferrus.py is not what src/ferrus/ builds (CI runs it).
+check-built:
+	$(PYTHON) tools/amalgamate.py --check
 
 # pytest is the only test dependency; without it, say how to get it instead of
 # pytest's bare "No module named pytest".

@@ -1,4 +1,4 @@
-"""`.ci/coverage-report`, the printer behind `make coverage`: regions, sections, floor.
+"""`.ci/coverage-report`, the printer behind `make coverage`: regions by module, floor.
 
 It is fed coverage.py's JSON shape directly, so these tests need no coverage.py."""
 
@@ -12,12 +12,14 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       ".ci", "coverage-report")
 
+RULE = "# " + "=" * 76
 SOURCE = '''"""Head."""
 import os
 
-# ============================================================================
-# 1. First
-# ============================================================================
+%(rule)s
+# src/ferrus/first.py (from its line 10)
+%(rule)s
+# First: the first module.
 
 def alpha(x):
     if x:
@@ -27,9 +29,10 @@ def alpha(x):
     return y + z
 
 
-# ============================================================================
-# 2. Second
-# ============================================================================
+%(rule)s
+# src/ferrus/second.py (from its line 3)
+%(rule)s
+# Second: the second module.
 
 class Beta:
     def one(self):
@@ -44,7 +47,7 @@ def gamma(flag):
     if flag:
         pass
     return 0
-'''
+''' % {"rule": RULE}
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +60,20 @@ def script():
 
 
 def fake_data(path):
-    # Lines (as coverage.py numbers them): 2 import, 8 def alpha, 9 if, 10 return 1,
-    # 11-13 rest of alpha, 20 class, 21 def one, 22-23 body, 25 def two, 26 return,
-    # 29 def gamma, 30 if, 31 pass, 32 return.
-    executed = [2, 8, 9, 10, 20, 21, 25, 29, 30, 31, 32]
-    missing = [11, 12, 13, 22, 23, 26]
+    # Lines of the built file (as coverage.py numbers them): 2 import, 9 def alpha, 10 if,
+    # 11 return 1, 12-14 rest of alpha, 22 class, 23 def one, 24-25 body, 27 def two,
+    # 28 return, 31 def gamma, 32 if, 33 pass, 34 return.
+    executed = [2, 9, 10, 11, 22, 23, 27, 31, 32, 33, 34]
+    missing = [12, 13, 14, 24, 25, 28]
     return {"files": {path: {
         "executed_lines": executed, "missing_lines": missing,
-        "executed_branches": [[9, 10], [30, 31]],
-        "missing_branches": [[9, 11], [30, 32]],
+        "executed_branches": [[10, 11], [32, 33]],
+        "missing_branches": [[10, 12], [32, 34]],
         "summary": {"percent_covered": 56.25, "num_statements": 17, "missing_lines": 6,
                     "num_branches": 4, "missing_branches": 2}}}}
 
 
-def test_regions_are_grouped_by_section_and_named_by_their_function(script, tmp_path):
+def test_regions_are_grouped_by_module_with_the_modules_own_lines(script, tmp_path):
     path = tmp_path / "ferrus.py"
     path.write_text(SOURCE)
     out = io.StringIO()
@@ -78,24 +81,24 @@ def test_regions_are_grouped_by_section_and_named_by_their_function(script, tmp_
     text = out.getvalue()
     assert total == 56.25
     lines = [line.rstrip() for line in text.splitlines()]
-    first, second = lines.index("1. First"), lines.index("2. Second")
+    first, second = lines.index("src/ferrus/first.py"), lines.index("src/ferrus/second.py")
     assert first < second
-    # One region for alpha's tail (its branch 9->11 lands in it, so it is not repeated).
-    assert lines[first + 1].split() == ["11-13", "alpha", "(3", "statements)"]
+    # One region for alpha's tail (its branch 10->12 lands in it, so it is not repeated),
+    # numbered as lines of first.py (its code starts at its line 10).
+    assert lines[first + 1].split() == ["13-15", "alpha", "(3", "statements)"]
     assert lines[first + 2] == ""
     # Beta.one and Beta.two are separate regions although no statement runs between them.
-    assert lines[second + 1].split() == ["22-23", "Beta.one", "(2", "statements)"]
-    assert lines[second + 2].split() == ["26", "Beta.two", "(1", "statement)"]
-    assert lines[second + 3].split() == ["30->32", "gamma:", "branch", "never", "taken"]
+    assert lines[second + 1].split() == ["5-6", "Beta.one", "(2", "statements)"]
+    assert lines[second + 2].split() == ["9", "Beta.two", "(1", "statement)"]
+    assert lines[second + 3].split() == ["13->15", "gamma:", "branch", "never", "taken"]
     assert "ferrus.py: 56.25% covered (statements and branches); floor 60%" in text
-    assert not any("9->11" in line for line in lines)
-    # Section shares count statements and branches: First has 4 of 8 (3 of 6 statements,
-    # 1 of 2 branches), Second 8 of 12 (7 of 10, 1 of 2); the import is the module head.
-    assert [line.split()[-2:] for line in lines if line.startswith("  1. First")] == [
-        ["50.00%", "4"]]
-    assert [line.split()[-2:] for line in lines if line.startswith("  2. Second")] == [
-        ["66.67%", "4"]]
-    assert [line.split()[-2:] for line in lines if line.startswith("  0. Head")] == [
+    # Module shares count statements and branches: first has 4 of 8 (3 of 6 statements,
+    # 1 of 2 branches), second 8 of 12 (7 of 10, 1 of 2); the import is the file's head.
+    assert [line.split()[-2:] for line in lines if line.startswith("  src/ferrus/first.py")] \
+        == [["50.00%", "4"]]
+    assert [line.split()[-2:] for line in lines if line.startswith("  src/ferrus/second.py")] \
+        == [["66.67%", "4"]]
+    assert [line.split()[-2:] for line in lines if line.startswith("  ferrus.py (head)")] == [
         ["100.00%", "0"]]
 
 

@@ -280,56 +280,37 @@ def test_cited_differences_exist():
             assert 1 <= int(item) <= count, "item %s of %d" % (item, count)
 
 
-def section_uses():
-    """({section number: the sections it uses}, {number: title}), from the code."""
-    import ast
+def module_uses():
+    """{module: the modules it imports} from src/ferrus/, in build order."""
     import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_architecture import _defined_names, _is_main_guard, section_at, sections_of
-    source = read(FERRUS_PY)
-    sections = sections_of(source.splitlines())
-    tree = ast.parse(source)
-    home = {}
-    for node in tree.body:
-        for name in _defined_names(node):
-            home.setdefault(name, section_at(sections, node.lineno))
-    uses = {number: set() for _, number, _ in sections}
-    for node in tree.body:
-        here = section_at(sections, node.lineno)
-        if here is None or _is_main_guard(node):
-            continue
-        for child in ast.walk(node):
-            if isinstance(child, ast.Name) and home.get(child.id) not in (None, here):
-                uses[here].add(home[child.id])
-    return uses, {number: title for _, number, title in sections}
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import amalgamate
+    return {module.name: [node.module for node in module.package_imports]
+            for module in amalgamate.load()[1]}
 
 
-def test_the_section_table_tells_the_truth():
-    """The table in 'The sections of ferrus.py' lists every section with exactly the
-    sections it uses (Basics and Platform left out, as nearly everything uses them;
-    Platform's own use of Basics is listed)."""
-    uses, titles = section_uses()
-    text = read(ARCHITECTURE)
-    rows = {}
-    for match in re.finditer(r"^\s*(\d+) (\S.*?)\s{2,}.*──►\s*(.*)$", text, re.MULTILINE):
-        listed = match.group(3).strip()
-        rows[int(match.group(1))] = (match.group(2).strip(),
-                                     set() if listed == "(none)" else
-                                     {int(number) for number in listed.split()})
+def test_the_module_table_tells_the_truth():
+    """The table in 'The modules of src/ferrus/' lists every module, in build order,
+    with exactly the modules it uses (basics and system left out, as nearly every
+    module uses them; system's own use of basics is listed)."""
+    uses = module_uses()
+    text = read(ARCHITECTURE).split("## The modules of src/ferrus/", 1)[1].split("\n## ")[0]
+    rows = [(match.group(1), match.group(2).strip()) for match in re.finditer(
+        r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|$", text, re.MULTILINE)]
+    assert [name for name, _ in rows] == list(uses), "the modules, in build order"
     problems = []
-    for number, title in titles.items():
-        actual = {used for used in uses[number] if used > 2 or number == 2}
-        if number not in rows:
-            problems.append("section %d (%s) is missing" % (number, title))
-            continue
-        if rows[number][0] != title:
-            problems.append("section %d is called %r in ferrus.py, %r in the table" % (
-                number, title, rows[number][0]))
-        if rows[number][1] != actual:
-            problems.append("section %d uses %s" % (
-                number, " ".join(str(n) for n in sorted(actual, reverse=True)) or "(none)"))
-    assert not problems, "update the table in docs/ARCHITECTURE.md, 'The sections of " \
-                         "ferrus.py':\n" + "\n".join(problems)
+    for name, listed in rows:
+        actual = [m for m in uses[name] if m not in ("basics", "system") or name == "system"]
+        if listed.split() != actual and not (listed == "—" and not actual):
+            problems.append("%s uses %s" % (name, " ".join(actual) or "—"))
+    assert not problems, "update the table in docs/ARCHITECTURE.md, 'The modules of " \
+                         "src/ferrus/':\n" + "\n".join(problems)
+
+
+def test_the_transition_table_names_every_action():
+    section = read(ARCHITECTURE).split("## Task state machine", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE)
+    assert listed == [action for action, _, _ in ferrus.TRANSITIONS]
 
 
 # -- HQ commands and the MCP surface ------------------------------------------------------------
