@@ -15,6 +15,28 @@ if REPO not in sys.path:
 import ferrus  # noqa: E402
 
 FERRUS_PY = os.path.join(REPO, "ferrus.py")
+# How the tests start ferrus as a program: through the launcher, which imports ferrus.py
+# from its cached bytecode as users' launchers do (`python ferrus.py` compiles the whole
+# file on every start, since a script's code is never cached).
+FERRUS_CMD = [sys.executable, os.path.join(REPO, "ferrus")]
+
+
+def _compile_once():
+    """Write ferrus.py's bytecode cache now, whatever PYTHONDONTWRITEBYTECODE says (it
+    stops only the writing): every ferrus process the tests start then loads it instead
+    of compiling the whole file again."""
+    import importlib.util
+    import py_compile
+    cache = importlib.util.cache_from_source(FERRUS_PY)
+    try:
+        if os.stat(cache).st_mtime >= os.stat(FERRUS_PY).st_mtime:
+            return
+    except OSError:
+        pass
+    py_compile.compile(FERRUS_PY, cfile=cache, doraise=True)
+
+
+_compile_once()
 
 
 class FakeClock:
@@ -72,7 +94,7 @@ def run_cli(*args, cwd, input=None, env=None, timeout=60):
     full_env["NO_COLOR"] = "1"
     if env:
         full_env.update(env)
-    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(cwd), input=input,
+    return subprocess.run(FERRUS_CMD + list(args), cwd=str(cwd), input=input,
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 

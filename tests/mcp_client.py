@@ -18,12 +18,11 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
-from conftest import FERRUS_PY
+from conftest import FERRUS_CMD
 import mcp_schema
 
 MODERN_VERSION = "2026-07-28"
@@ -349,7 +348,7 @@ class McpProcess(_Client):
         if env:
             full_env.update(env)
         self.stderr_file = tempfile.TemporaryFile()
-        self.argv = [sys.executable, FERRUS_PY, "serve"] + [str(a) for a in serve_args]
+        self.argv = FERRUS_CMD + ["serve"] + [str(a) for a in serve_args]
         self.proc = subprocess.Popen(self.argv, cwd=str(root), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr_file,
                                      env=full_env)

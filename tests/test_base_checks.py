@@ -14,10 +14,9 @@ import io
 import json
 import os
 import subprocess
-import sys
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CONFIG, SCRIPTED_CHECK, scripted_project, set_config
+from conftest import FERRUS_CMD, SCRIPTED_CONFIG, SCRIPTED_CHECK, scripted_project, set_config
 from test_parallel import enqueue, git, parallel_config, repo, setup  # noqa: F401
 
 MISSING = "nosuchtool-for-ferrus --version"
@@ -28,7 +27,7 @@ def cli(root, *args, tmp_path=None, timeout=240):
     if tmp_path is not None:
         env["SCRIPTED_DIR"] = str(tmp_path / "memory")
     env.pop("FERRUS_DEBUG", None)
-    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(root), env=env,
+    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 

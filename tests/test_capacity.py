@@ -4,12 +4,11 @@ EmergencyStop kills)."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_CMD, set_config
 from test_hq import CONFIG, FakeMonotonic, drive, scripted  # noqa: F401 (fixture)
 
 SS = ferrus.SS
@@ -102,7 +101,7 @@ def test_checkpoint_halts_ferrus_run_with_3_and_resumes_after_raising_limits(scr
                                                                              tmp_path):
     with_capacity(project, "max_sessions = 1\n")
     env = dict(os.environ, SCRIPTED_DIR=str(tmp_path))
-    first = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+    first = subprocess.run(FERRUS_CMD + ["run", "--task", "Make work.txt"],
                            cwd=str(project), capture_output=True, text=True, timeout=120,
                            env=env, stdin=subprocess.DEVNULL)
     assert first.returncode == 3, first.stdout + first.stderr
@@ -110,15 +109,15 @@ def test_checkpoint_halts_ferrus_run_with_3_and_resumes_after_raising_limits(scr
     data = scripted.read_state()
     assert data.state == ferrus.S.REVIEWING
     assert data.extra["capacity_checkpoint"]["action"] == "Checkpoint"
-    status = subprocess.run([sys.executable, FERRUS_PY, "status"], cwd=str(project),
+    status = subprocess.run(FERRUS_CMD + ["status"], cwd=str(project),
                             capture_output=True, text=True, env=env)
     assert "Red (Checkpoint, sessions)" in status.stdout and "checkpoint" in status.stdout
-    again = subprocess.run([sys.executable, FERRUS_PY, "run", "--resume"], cwd=str(project),
+    again = subprocess.run(FERRUS_CMD + ["run", "--resume"], cwd=str(project),
                            capture_output=True, text=True, timeout=60, env=env,
                            stdin=subprocess.DEVNULL)
     assert again.returncode == 3 and "still holds" in again.stdout
     with_capacity(project, "max_sessions = 10\n")
-    resumed = subprocess.run([sys.executable, FERRUS_PY, "run", "--resume"], cwd=str(project),
+    resumed = subprocess.run(FERRUS_CMD + ["run", "--resume"], cwd=str(project),
                              capture_output=True, text=True, timeout=120, env=env,
                              stdin=subprocess.DEVNULL)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, REPO, run_cli
+from conftest import FERRUS_CMD, REPO, run_cli
 
 
 def test_version(tmp_path):
@@ -120,7 +120,7 @@ def test_log_text_json_and_tail(project):
 
 
 def test_log_follow_prints_new_entries(project):
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "log", "--follow", "--json"],
+    proc = subprocess.Popen(FERRUS_CMD + ["log", "--follow", "--json"],
                             cwd=str(project), stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, NO_COLOR="1"))
     try:

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import FERRUS_CMD, set_config
 from fake_anthropic import (FakeAnthropic, ScriptedAgent, claude_env, find_agent, text, tool_use,
                             turns_by_ferrus_role)
 
@@ -308,7 +308,6 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
     if not find_agent("claude"):
         pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
     import re
-    import sys
     home = tmp_path / "home"
     home.mkdir()
     set_config(project, CONFIG)
@@ -324,11 +323,11 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
         return [tool_use("Write", {"file_path": output,
                                    "content": "# %s\n\nFindings about FSA architecture.\n" % role})]
 
-    subprocess.run([sys.executable, ferrus.FERRUS_FILE, "pipeline", "init"], cwd=str(project),
+    subprocess.run(FERRUS_CMD + ["pipeline", "init"], cwd=str(project),
                    check=True, capture_output=True)
     with FakeAnthropic(turn, is_main=lambda request: bool(request.get("tools"))) as fake:
         env = claude_env(fake, str(home))
-        result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "pipeline", "run", "research",
+        result = subprocess.run(FERRUS_CMD + ["pipeline", "run", "research",
                                  "FSA architecture"], cwd=str(project), env=env,
                                 capture_output=True, text=True, timeout=300,
                                 stdin=subprocess.DEVNULL)
@@ -347,12 +346,11 @@ def test_pipeline_run_with_real_claude_workers_delivers_and_archives(project, tm
 
 def test_hq_task_flow_with_real_claude_reaches_complete(project, tmp_path):
     """HQ (plain lines) with `/task TEXT`: real `claude -p` executor and reviewer."""
-    import sys
     import time
     turn, home = claude_loop(project, tmp_path)
     store = ferrus.Store(str(project))
     with FakeAnthropic(turn) as fake:
-        proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "hq", "--no-tui"],
+        proc = subprocess.Popen(FERRUS_CMD + ["hq", "--no-tui"],
                                 cwd=str(project), env=claude_env(fake, str(home)),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:

@@ -6,12 +6,11 @@ MCP connection, ferrus and git are all real.  Skips when `claude` is not install
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import FERRUS_CMD, set_config
 from fake_anthropic import FakeAnthropic, claude_env
 from test_e2e_agents import CONFIG, claude_loop
 
@@ -36,7 +35,7 @@ def test_ferrus_run_with_real_claude_commits_the_task_on_its_branch(project, tmp
     start = git(project, "rev-parse", "HEAD").strip()
     with FakeAnthropic(turn) as fake:
         env = claude_env(fake, str(home))
-        result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "run",
+        result = subprocess.run(FERRUS_CMD + ["run",
                                  "--task", "Create hello.txt containing hi.", "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)

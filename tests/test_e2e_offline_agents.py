@@ -11,12 +11,11 @@ test skips when its CLI is not installed.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import FERRUS_CMD, set_config
 from fake_models import FakeModels, agent_env, call, find_agent, say
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +46,11 @@ def offline_setup(agent, fake, home):
             'model_provider = "fake"\nmodel = "fake-model"\n\n[model_providers.fake]\n'
             'name = "fake"\nbase_url = "%s/v1"\nwire_api = "responses"\n'
             'env_key = "FAKE_MODEL_KEY"\n' % fake.url)
-        return {"FAKE_MODEL_KEY": "fake-key"}
+        # With bubblewrap installed Codex sandboxes commands through a helper it links
+        # into CODEX_HOME, and refuses to when CODEX_HOME is under the temporary folder
+        # (as the tests' HOME is): a TMPDIR of its own keeps HOME out of it.
+        (home / "tmp").mkdir()
+        return {"FAKE_MODEL_KEY": "fake-key", "TMPDIR": str(home / "tmp")}
     if agent == "qwen-code":
         return {"OPENAI_BASE_URL": fake.url + "/v1", "OPENAI_API_KEY": "fake-key",
                 "OPENAI_MODEL": "fake-model"}
@@ -114,14 +117,14 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     subprocess.run(["git", "init", "-q"], cwd=str(project), check=True)
     set_config(project, CONFIG)
     env = agent_env(home)
-    registered = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "register", "--supervisor",
+    registered = subprocess.run(FERRUS_CMD + ["register", "--supervisor",
                                  agent, "--executor", agent], cwd=str(project), env=env,
                                 capture_output=True, text=True)
     assert registered.returncode == 0, registered.stderr
     loop = Loop(project)
     with FakeModels(loop) as fake:
         env.update(offline_setup(agent, fake, home))
-        result = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "run", "--task",
+        result = subprocess.run(FERRUS_CMD + ["run", "--task",
                                  "Create hello.txt containing hi.", "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
@@ -146,6 +149,6 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
     for record in records:
         assert record["input_tokens"] > 0 and record["output_tokens"] > 0, record
         assert record["cost_usd"] is None and record["tool_calls"] > 0, record
-    usage = subprocess.run([sys.executable, ferrus.FERRUS_FILE, "usage"], cwd=str(project),
+    usage = subprocess.run(FERRUS_CMD + ["usage"], cwd=str(project),
                            capture_output=True, text=True, check=True).stdout
     assert "cost unknown" in usage and "cost is known only where" in usage

@@ -14,12 +14,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import FERRUS_CMD, set_config
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
 from fake_models import FakeModels, agent_env, call, say
 from test_e2e_offline_agents import AGENTS, offline_setup
@@ -43,7 +42,7 @@ TASK_TEXT = re.compile(r"Create (\w+\.txt) containing (\w+)")
 
 
 def ferrus_cli(root, *args, env=None, timeout=60):
-    return subprocess.run([sys.executable, ferrus.FERRUS_FILE] + list(args), cwd=str(root),
+    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root),
                           env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 

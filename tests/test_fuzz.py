@@ -44,7 +44,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,7 +51,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_CMD, set_config
 
 SEED = int(os.environ.get("FERRUS_FUZZ_SEED") or 20261123)
 CASES = int(os.environ.get("FERRUS_FUZZ_N") or 300)
@@ -162,7 +161,7 @@ class Peer:
         env = dict(os.environ)
         env.pop("FERRUS_DEBUG", None)
         env["NO_COLOR"] = "1"
-        self.proc = subprocess.Popen([sys.executable, FERRUS_PY, "serve"] + list(args),
+        self.proc = subprocess.Popen(FERRUS_CMD + ["serve"] + list(args),
                                      cwd=str(root), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, env=env)
         self.cond = threading.Condition()

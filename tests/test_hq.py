@@ -6,13 +6,12 @@ stdin and speak MCP to `ferrus serve`, registered as a custom agent.
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CONFIG, scripted_project
+from conftest import FERRUS_CMD, SCRIPTED_CONFIG, scripted_project
 
 S, SS = ferrus.S, ferrus.SS
 CONFIG = SCRIPTED_CONFIG
@@ -252,29 +251,29 @@ def cli_env(tmp):
 
 def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
     root = scripted.root
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+    done = subprocess.run(FERRUS_CMD + ["run", "--task", "Make work.txt"],
                           cwd=root, capture_output=True, text=True, timeout=120,
                           env=cli_env(tmp_path), stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Reviewing → Complete" in done.stdout
-    again = subprocess.run([sys.executable, FERRUS_PY, "run", "--resume"], cwd=root,
+    again = subprocess.run(FERRUS_CMD + ["run", "--resume"], cwd=root,
                            capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))
     assert again.returncode == 2 and "nothing to run" in again.stderr
     env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="slow-executor")
-    slow = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "slow", "--timeout", "3"],
+    slow = subprocess.run(FERRUS_CMD + ["run", "--task", "slow", "--timeout", "3"],
                           cwd=root, capture_output=True, text=True, timeout=60, env=env,
                           stdin=subprocess.DEVNULL)
     assert slow.returncode == 3 and "timed out" in slow.stdout
     ferrus.op_force_reset(scripted, ferrus.HUMAN)
     env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="ask")
-    asked = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "ask"], cwd=root,
+    asked = subprocess.run(FERRUS_CMD + ["run", "--task", "ask"], cwd=root,
                            capture_output=True, text=True, timeout=120, env=env,
                            stdin=subprocess.DEVNULL)
     assert asked.returncode == 4 and "Which colour" in asked.stdout
 
 
 def test_plain_hq_runs_a_task_to_complete(scripted, tmp_path):
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "hq", "--no-tui"], cwd=scripted.root,
+    proc = subprocess.Popen(FERRUS_CMD + ["hq", "--no-tui"], cwd=scripted.root,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=cli_env(tmp_path))
     try:

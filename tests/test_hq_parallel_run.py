@@ -5,12 +5,11 @@ still shown and answered), /tasks, /status ID and /diff ID afterwards."""
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CHECK, set_config
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, set_config
 from test_hq import CONFIG, cli_env, scripted  # noqa: F401  (scripted: the fixture)
 from test_hq_plain_commands import PipedHq, hq  # noqa: F401  (hq: the fixture)
 
@@ -40,7 +39,7 @@ class ResumingHq(PipedHq):
     """`ferrus hq --no-tui --resume` on pipes."""
 
     def __init__(self, root, env):
-        self.proc = subprocess.Popen([sys.executable, FERRUS_PY, "hq", "--no-tui", "--resume"],
+        self.proc = subprocess.Popen(FERRUS_CMD + ["hq", "--no-tui", "--resume"],
                                      cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env)
         self.out = []

@@ -8,7 +8,6 @@ line it expects instead of sleeping.
 import io
 import os
 import subprocess
-import sys
 import threading
 import time
 import types
@@ -16,7 +15,7 @@ import types
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CHECK
+from conftest import FERRUS_CMD, SCRIPTED_CHECK
 from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
 from test_milestones import write_spec
 
@@ -27,7 +26,7 @@ class PipedHq:
     """`ferrus hq --no-tui` with stdin and stdout on pipes."""
 
     def __init__(self, root, env):
-        self.proc = subprocess.Popen([sys.executable, FERRUS_PY, "hq", "--no-tui"], cwd=root,
+        self.proc = subprocess.Popen(FERRUS_CMD + ["hq", "--no-tui"], cwd=root,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env)
         self.out = []
@@ -257,6 +256,6 @@ def test_hq_register_checks_its_options_as_the_cli_does(project):
         shell.controller.shutdown()
     assert "error: At least one of --supervisor or --executor must be specified" in out.getvalue()
     cli = subprocess.run(
-        [sys.executable, FERRUS_PY, "register", "--supervisor-model", "opus"],
+        FERRUS_CMD + ["register", "--supervisor-model", "opus"],
         cwd=str(project), capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "At least one of --supervisor or --executor" in cli.stderr

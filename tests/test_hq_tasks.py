@@ -7,10 +7,9 @@ import io
 import json
 import os
 import subprocess
-import sys
 
 import ferrus
-from conftest import FERRUS_PY
+from conftest import FERRUS_CMD
 from test_hq import scripted  # noqa: F401  (scripted: the fixture)
 from test_hq_plain_commands import hq  # noqa: F401  (hq: the fixture)
 from test_milestones import write_spec
@@ -238,7 +237,7 @@ def test_status_summarises_every_task(store, clock, tmp_path):
         "status": "merged", "merged_commit": "abc123", "ended_at":
         ferrus.format_timestamp(store.clock())})
     start(store, running, worktree=str(tmp_path / "wt"))
-    done = subprocess.run([sys.executable, FERRUS_PY, "status"], cwd=root, text=True,
+    done = subprocess.run(FERRUS_CMD + ["status"], cwd=root, text=True,
                           capture_output=True, timeout=60, env=dict(os.environ, NO_COLOR="1"))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -249,7 +248,7 @@ def test_status_summarises_every_task(store, clock, tmp_path):
     assert body[1].endswith("Running one") and body[0].endswith("Merged one")
     assert body[2].split() == ["worktree", str(tmp_path / "wt"), "(branch",
                                "ferrus/%s)" % running]
-    done = subprocess.run([sys.executable, FERRUS_PY, "status", "--json"], cwd=root, text=True,
+    done = subprocess.run(FERRUS_CMD + ["status", "--json"], cwd=root, text=True,
                           capture_output=True, timeout=60)
     tasks = json.loads(done.stdout)["tasks"]
     assert [(t["short_id"], t["status"], t["state"]) for t in tasks] == [

@@ -6,12 +6,11 @@ events.jsonl rotates; status, `log -n` and HQ's start-up read only the journal's
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, run_cli, set_config
+from conftest import FERRUS_CMD, run_cli, set_config
 
 S = ferrus.S
 
@@ -90,7 +89,7 @@ def test_a_rev_of_ten_to_the_twelve_is_repaired_in_bounded_memory(project, comma
         open(store.journal_path(), "w").close()
     set_rev(store, 10 ** 12)
     env = dict(os.environ, NO_COLOR="1")
-    done = subprocess.run([sys.executable, FERRUS_PY] + command, cwd=str(project),
+    done = subprocess.run(FERRUS_CMD + command, cwd=str(project),
                           capture_output=True, text=True, env=env, timeout=120,
                           preexec_fn=limited_memory)
     assert done.returncode == 0, done.stdout + done.stderr

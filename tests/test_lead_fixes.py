@@ -4,13 +4,12 @@ agents; an empty --task is refused before the finished task is cleared."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY
+from conftest import FERRUS_CMD
 
 S = ferrus.S
 
@@ -45,7 +44,7 @@ def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, sign
     and the exit status is 128 + the signal; by default the signal killed ferrus alone."""
     root = _project(tmp_path)
     env = dict(os.environ, FERRUS_LOG="warning")
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "-C", str(root), "hq", "--no-tui"],
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", str(root), "hq", "--no-tui"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
     record = root / ".ferrus" / ferrus.ORCHESTRATOR_RECORD

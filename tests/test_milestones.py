@@ -5,12 +5,11 @@ import io
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CHECK, set_config
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, set_config
 from test_hq import CONFIG, cli_env, moves, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
@@ -186,7 +185,7 @@ def test_milestone_task_text_carries_the_milestone_lines(project):
 
 def test_run_until_done_works_through_a_spec_of_three_milestones(scripted, tmp_path):
     rel = write_spec(scripted.root)
-    result = subprocess.run([sys.executable, FERRUS_PY, "run", "--until-done", "--timeout", "240"],
+    result = subprocess.run(FERRUS_CMD + ["run", "--until-done", "--timeout", "240"],
                             cwd=scripted.root, capture_output=True, text=True,
                             env=cli_env(tmp_path), stdin=subprocess.DEVNULL, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -197,7 +196,7 @@ def test_run_until_done_works_through_a_spec_of_three_milestones(scripted, tmp_p
     assert "every milestone is complete (3 done in this run)" in result.stdout
     assert scripted.read_state().selected_milestone is None
     # Nothing is left: another run says so and succeeds.
-    again = subprocess.run([sys.executable, FERRUS_PY, "run", "--milestone", "next"],
+    again = subprocess.run(FERRUS_CMD + ["run", "--milestone", "next"],
                            cwd=scripted.root, capture_output=True, text=True,
                            env=cli_env(tmp_path), stdin=subprocess.DEVNULL, timeout=60)
     assert again.returncode == 0 and "every milestone of the spec is complete" in again.stdout

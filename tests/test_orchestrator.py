@@ -16,7 +16,7 @@ import pytest
 
 import conftest
 import ferrus
-from conftest import FERRUS_PY, run_cli, set_config
+from conftest import FERRUS_CMD, run_cli, set_config
 
 S, SS = ferrus.S, ferrus.SS
 
@@ -85,7 +85,7 @@ def test_a_failed_start_arms_the_backoff_timer(project, tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan"])
 def test_run_timeout_must_be_positive(project, value):
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "x", "--timeout", value],
+    done = subprocess.run(FERRUS_CMD + ["run", "--task", "x", "--timeout", value],
                           cwd=str(project), capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 2, done.stderr
@@ -224,7 +224,7 @@ def cli(root, tmp_path, *args, behavior="", **kw):
     env = dict(os.environ, SCRIPTED_DIR=str(tmp_path / "memory"), SCRIPTED_BEHAVIOR=behavior,
                NO_COLOR="1")
     env.pop(ferrus.SESSION_ENV, None)
-    return subprocess.Popen([sys.executable, FERRUS_PY] + list(args), cwd=str(root), env=env,
+    return subprocess.Popen(FERRUS_CMD + list(args), cwd=str(root), env=env,
                             stdin=kw.pop("stdin", subprocess.DEVNULL), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ferrus
-from conftest import custom_agent_config, set_config, SCRIPTED_AGENT
+from conftest import FERRUS_CMD, custom_agent_config, set_config, SCRIPTED_AGENT
 
 S = ferrus.TaskState
 
@@ -295,7 +295,7 @@ def run_cli_until(repo, event_test, env_extra=None, timeout=120):
     import signal
     import time
     env = dict(os.environ, **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "run", "--parallel", "2"],
+    proc = subprocess.Popen(FERRUS_CMD + ["run", "--parallel", "2"],
                             cwd=str(repo), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     store = ferrus.Store(str(repo))
@@ -412,7 +412,7 @@ def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(re
         'case "$(basename "$PWD")" in t-*) touch %s; while [ ! -f %s ]; do sleep 0.05; '
         'done;; esac' % (started, release)))
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
-    proc = subprocess.Popen([sys.executable, ferrus.FERRUS_FILE, "run", "--parallel", "2"],
+    proc = subprocess.Popen(FERRUS_CMD + ["run", "--parallel", "2"],
                             cwd=str(repo), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120

@@ -11,11 +11,11 @@ import io
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
+from conftest import FERRUS_CMD
 from test_parallel import crash_state, enqueue, git, repo, setup, statuses  # noqa: F401
 
 S = ferrus.TaskState
@@ -51,7 +51,7 @@ def setting(key, value):
 
 
 def cli(root, *args, stdin=None):
-    done = subprocess.run([sys.executable, ferrus.FERRUS_FILE] + list(args), cwd=str(root),
+    done = subprocess.run(FERRUS_CMD + list(args), cwd=str(root),
                           text=True, input=stdin, capture_output=True, timeout=240,
                           env=dict(os.environ, NO_COLOR="1"))
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr

@@ -7,11 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
+from conftest import FERRUS_CMD
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -28,7 +28,7 @@ def git(root, *args, check=True):
 
 
 def cli(root, *args):
-    return subprocess.run([sys.executable, FERRUS, *args], cwd=str(root), text=True,
+    return subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
                           capture_output=True, timeout=120)
 
 

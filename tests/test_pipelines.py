@@ -18,7 +18,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_CMD, set_config
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_worker.py")
 
@@ -206,7 +206,7 @@ def test_a_spawn_interrupted_before_the_process_is_counted_not_duplicated(resear
 
 def test_killing_pipeline_run_and_resuming_loses_nothing(research, project, spawn_log, cli):
     env = dict(os.environ, WORKER_DELAY="0.6", NO_COLOR="1")
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "pipeline", "run", "research", "kill"],
+    proc = subprocess.Popen(FERRUS_CMD + ["pipeline", "run", "research", "kill"],
                             cwd=str(project), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 15
@@ -670,7 +670,7 @@ def test_cli_errors(project, store, spawn_log, cli):
 @pytest.mark.skipif(os.name == "nt", reason="SIGINT to a console process group")
 def test_ctrl_c_leaves_workers_and_status_for_resume(research, project, spawn_log, cli):
     env = dict(os.environ, WORKER_DELAY="0.5")
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "pipeline", "run", "research", "ctrl-c"],
+    proc = subprocess.Popen(FERRUS_CMD + ["pipeline", "run", "research", "ctrl-c"],
                             cwd=str(project), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 15

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
+from conftest import FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
 from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
 
 S = ferrus.S
@@ -86,13 +86,13 @@ def test_quiet_mode_leaves_out_the_commentary(scripted):
 
 
 def test_cli_run_json_and_quiet(scripted, tmp_path):
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--json", "--task", "Make work.txt"],
+    done = subprocess.run(FERRUS_CMD + ["run", "--json", "--task", "Make work.txt"],
                           cwd=scripted.root, capture_output=True, text=True, timeout=120,
                           env=cli_env(tmp_path), stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert records[-1]["event"] == "complete"
-    both = subprocess.run([sys.executable, FERRUS_PY, "run", "--json", "--quiet", "--resume"],
+    both = subprocess.run(FERRUS_CMD + ["run", "--json", "--quiet", "--resume"],
                           cwd=scripted.root, capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "not allowed with" in both.stderr
 
@@ -179,15 +179,15 @@ def test_a_task_completed_before_hq_started_is_not_announced_again(scripted):
 
 def test_log_hides_bookkeeping_unless_all(scripted, tmp_path):
     assert run(scripted)[0] == ferrus.RUN_COMPLETE
-    short = subprocess.run([sys.executable, FERRUS_PY, "log", "-n", "3"], cwd=scripted.root,
+    short = subprocess.run(FERRUS_CMD + ["log", "-n", "3"], cwd=scripted.root,
                            capture_output=True, text=True, timeout=60)
     assert short.returncode == 0
     assert " approve " in short.stdout.splitlines()[-1]
     assert " session " not in short.stdout
-    everything = subprocess.run([sys.executable, FERRUS_PY, "log", "--all"], cwd=scripted.root,
+    everything = subprocess.run(FERRUS_CMD + ["log", "--all"], cwd=scripted.root,
                                 capture_output=True, text=True, timeout=60)
     assert " session " in everything.stdout
-    story = subprocess.run([sys.executable, FERRUS_PY, "log"], cwd=scripted.root,
+    story = subprocess.run(FERRUS_CMD + ["log"], cwd=scripted.root,
                            capture_output=True, text=True, timeout=60)
     assert len(story.stdout.splitlines()) < len(everything.stdout.splitlines())
 
@@ -215,7 +215,7 @@ def test_hq_log_and_help(scripted):
 def test_reset_in_idle_journals_nothing(project):
     store = ferrus.Store(str(project))
     before = store.last_journal_seq()
-    done = subprocess.run([sys.executable, FERRUS_PY, "reset", "--yes"], cwd=str(project),
+    done = subprocess.run(FERRUS_CMD + ["reset", "--yes"], cwd=str(project),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Nothing to reset" in done.stdout
     assert store.last_journal_seq() == before

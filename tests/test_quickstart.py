@@ -16,6 +16,7 @@ import sys
 import pytest
 
 import ferrus
+from conftest import FERRUS_CMD
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, tool_use, turns_by_ferrus_role
 
 pytestmark = pytest.mark.e2e
@@ -95,7 +96,7 @@ def test_the_readme_quick_start_reaches_complete(tmp_path):
         env = claude_env(fake, str(home))
         outputs = []
         for argv in commands:
-            result = subprocess.run([sys.executable, ferrus.FERRUS_FILE] + argv[1:],
+            result = subprocess.run(FERRUS_CMD + argv[1:],
                                     cwd=str(project), env=env, capture_output=True, text=True,
                                     timeout=300, stdin=subprocess.DEVNULL)
             assert result.returncode == 0, (argv, result.stdout[-3000:], result.stderr[-2000:])

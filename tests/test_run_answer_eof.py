@@ -4,13 +4,12 @@ with exit 4, as without a terminal — it used to end in an EOFError traceback."
 import os
 import select
 import subprocess
-import sys
 import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, scripted_project
+from conftest import FERRUS_CMD, scripted_project
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 
@@ -32,7 +31,7 @@ def test_ctrl_d_at_the_answer_prompt_exits_4(project, tmp_path):
     store = scripted_project(project, tmp_path / "memory")
     env = dict(os.environ, SCRIPTED_DIR=str(tmp_path / "memory"), SCRIPTED_BEHAVIOR="ask")
     master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+    proc = subprocess.Popen(FERRUS_CMD + ["run", "--task", "Make work.txt"],
                             cwd=str(project), env=env, stdin=slave, stdout=slave,
                             stderr=slave, close_fds=True)
     os.close(slave)
@@ -54,7 +53,7 @@ def test_ctrl_d_at_the_answer_prompt_exits_4(project, tmp_path):
 def test_ctrl_d_at_a_confirmation_answers_no(store, project):
     ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")
     master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "reset"], cwd=str(project),
+    proc = subprocess.Popen(FERRUS_CMD + ["reset"], cwd=str(project),
                             stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     try:

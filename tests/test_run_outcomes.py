@@ -13,10 +13,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_CMD, set_config
 from test_parallel import (committed, enqueue, git, parallel_config, repo, run,  # noqa: F401
                            setup, statuses)
 
@@ -24,7 +23,7 @@ from test_parallel import (committed, enqueue, git, parallel_config, repo, run, 
 def cli(root, *args, timeout=240):
     env = dict(os.environ, NO_COLOR="1")
     env.pop("FERRUS_DEBUG", None)
-    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(root), env=env,
+    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -160,7 +159,7 @@ def test_json_warnings_are_objects_too(project, tmp_path):
     # [git] branch without a repository: the task is created with a warning.
     set_config(project, SCRIPTED_CONFIG + '\n[git]\nbranch = "ferrus/{task_id}"\n')
     env = dict(os.environ, SCRIPTED_DIR=str(tmp_path / "memory"), SCRIPTED_BEHAVIOR="")
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--json", "--task", "Make work."],
+    done = subprocess.run(FERRUS_CMD + ["run", "--json", "--task", "Make work."],
                           cwd=str(project), env=env, capture_output=True, text=True,
                           timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr

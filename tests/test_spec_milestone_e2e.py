@@ -7,10 +7,9 @@ in the spec file and selects the next ready one."""
 
 import re
 import subprocess
-import sys
 
 import ferrus
-from conftest import FERRUS_PY
+from conftest import FERRUS_CMD
 from mcp_client import McpProcess, tool_text
 from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
 from test_hq_plain_commands import PipedHq
@@ -20,7 +19,7 @@ S = ferrus.S
 
 
 def ferrus_cli(root, tmp_path, *args, timeout=120):
-    return subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=root,
+    return subprocess.run(FERRUS_CMD + list(args), cwd=root,
                           capture_output=True, text=True, env=cli_env(tmp_path),
                           stdin=subprocess.DEVNULL, timeout=timeout)
 

@@ -5,19 +5,18 @@ and the project's STATE.json that numbers every commit and mirrors the foregroun
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import FERRUS_CMD, set_config
 
 FERRUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ferrus.py")
 S = ferrus.TaskState
 
 
 def cli(root, *args, check=True):
-    proc = subprocess.run([sys.executable, FERRUS, *args], cwd=str(root), text=True,
+    proc = subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
                           capture_output=True, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr + proc.stdout

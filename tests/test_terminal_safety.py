@@ -6,13 +6,12 @@ doctor) must write them as visible text.  The bytes written are what is checked.
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY
+from conftest import FERRUS_CMD
 from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
 
 # OSC 52 (set the clipboard), OSC 0 (window title), CSI 2J (clear the screen), a carriage
@@ -42,7 +41,7 @@ def cli_bytes(*args, cwd):
     text-mode pipe would turn a carriage return into a newline and hide it)."""
     env = dict(os.environ, NO_COLOR="1")
     env.pop("FERRUS_DEBUG", None)
-    done = subprocess.run([sys.executable, FERRUS_PY] + list(args), cwd=str(cwd),
+    done = subprocess.run(FERRUS_CMD + list(args), cwd=str(cwd),
                           capture_output=True, env=env, timeout=60)
     assert_inert(done.stdout)
     assert_inert(done.stderr)
@@ -72,7 +71,7 @@ def test_json_for_terminal_is_exact_json_without_controls():
 
 def test_ferrus_run_shows_an_agents_question_inert(scripted, tmp_path):  # noqa: F811
     env = env_for(tmp_path, SCRIPTED_BEHAVIOR="ask", SCRIPTED_QUESTION=EVIL)
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "ask"],
+    done = subprocess.run(FERRUS_CMD + ["run", "--task", "ask"],
                           cwd=scripted.root, capture_output=True, timeout=120, env=env,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 4, done.stdout + done.stderr
@@ -85,7 +84,7 @@ def test_ferrus_run_shows_an_agents_question_inert(scripted, tmp_path):  # noqa:
 
 def test_plain_hq_shows_an_agents_question_inert(scripted, tmp_path):  # noqa: F811
     env = env_for(tmp_path, SCRIPTED_BEHAVIOR="ask", SCRIPTED_QUESTION=EVIL)
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "hq", "--no-tui"], cwd=scripted.root,
+    proc = subprocess.Popen(FERRUS_CMD + ["hq", "--no-tui"], cwd=scripted.root,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
         proc.stdin.write(b"/task ask\n")
@@ -143,14 +142,14 @@ def test_pipeline_run_shows_a_workers_output_inert(project, tmp_path, monkeypatc
         monkeypatch.delenv(name, raising=False)
     topic = EVIL.replace("\r", "")          # the topic travels on one prompt line
     env = env_for(tmp_path)
-    ran = subprocess.run([sys.executable, FERRUS_PY, "pipeline", "run", "research", topic],
+    ran = subprocess.run(FERRUS_CMD + ["pipeline", "run", "research", topic],
                          cwd=str(project), capture_output=True, timeout=120, env=env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert b"Topic: Pick one^[]52;c;ZXZpbA==^G^[]0;pwned^G^[[2J" in ran.stdout
     assert_inert(ran.stdout)
     assert_inert(ran.stderr)
     run = ferrus.list_runs(ferrus.Store(str(project)))[0][0]
-    listed = subprocess.run([sys.executable, FERRUS_PY, "pipeline", "status", run, "--json"],
+    listed = subprocess.run(FERRUS_CMD + ["pipeline", "status", run, "--json"],
                             cwd=str(project), capture_output=True, timeout=60, env=env)
     assert json.loads(listed.stdout)["topic"] == topic          # --json stays exact
     assert_inert(listed.stdout)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, SCRIPTED_AGENT, SCRIPTED_CHECK, custom_agent_config, set_config
+from conftest import FERRUS_CMD, FERRUS_PY, SCRIPTED_AGENT, SCRIPTED_CHECK, custom_agent_config, set_config
 
 
 def _wait_for(predicate, what, proc=None, limit=60):
@@ -49,7 +49,7 @@ def test_interrupted_run_ends_the_check_its_agent_was_running(tmp_path, signum):
                                        "executor": ("scripted", None)},
                            report=lambda message: None)
     env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "-C", str(root), "run", "--task",
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", str(root), "run", "--task",
                              "work"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env)
     pid_file = root / "check.pid"
@@ -94,7 +94,7 @@ def test_a_hung_notifier_does_not_outlive_the_run(tmp_path):
                              'command = ["sh", "-c", "echo $$ > %s; exec sleep 120"]\n'
                              % pid_file)
     env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, FERRUS_PY, "-C", str(root), "run", "--task",
+    done = subprocess.run(FERRUS_CMD + ["-C", str(root), "run", "--task",
                            "work"], stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, env=env, timeout=300)
     try:
@@ -144,7 +144,7 @@ def test_a_task_reset_from_outside_ends_the_run(tmp_path):
     root = _scripted_project(tmp_path)
     env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path),
                SCRIPTED_BEHAVIOR="slow-executor")
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "-C", str(root), "run", "--task",
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", str(root), "run", "--task",
                              "work"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     store = ferrus.Store(str(root))
@@ -181,7 +181,7 @@ def test_text_that_is_not_utf8_is_refused_without_a_traceback(tmp_path):
     assert "the task description is not valid UTF-8: it holds the byte 0xff at character 5" \
         in err and "hint:" in err, err
     assert store.read_state().state == ferrus.S.IDLE
-    hq = subprocess.run([sys.executable, FERRUS_PY, "-C", str(root), "hq", "--no-tui"],
+    hq = subprocess.run(FERRUS_CMD + ["-C", str(root), "hq", "--no-tui"],
                         input=b"/task " + bad + b"\n/tell executor " + bad + b"\n/quit\n",
                         capture_output=True, env=env,
                         timeout=120)

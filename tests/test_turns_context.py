@@ -5,10 +5,9 @@ gate against `[capacity] max_turns` and `context_window`."""
 import json
 import os
 import subprocess
-import sys
 
 import ferrus
-from conftest import FERRUS_PY, set_config
+from conftest import FERRUS_CMD, set_config
 from test_hq import CONFIG, FakeMonotonic, drive, scripted  # noqa: F401 (fixture)
 
 
@@ -160,7 +159,7 @@ def test_hq_signals_sum_turns_and_take_the_running_context(scripted, project, mo
 def test_ferrus_run_stops_at_max_turns(scripted, project, tmp_path):
     set_config(project, CONFIG + "\n[capacity]\nmax_turns = 1\n")
     env = dict(os.environ, SCRIPTED_DIR=str(tmp_path), SCRIPTED_BEHAVIOR="usage")
-    done = subprocess.run([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+    done = subprocess.run(FERRUS_CMD + ["run", "--task", "Make work.txt"],
                           cwd=str(project), capture_output=True, text=True, timeout=120,
                           env=env, stdin=subprocess.DEVNULL)
     assert done.returncode == 3, done.stdout + done.stderr

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY, run_cli, scripted_project, set_config, SCRIPTED_CONFIG
+from conftest import FERRUS_CMD, run_cli, scripted_project, set_config, SCRIPTED_CONFIG
 
 S = ferrus.S
 
@@ -210,7 +210,7 @@ def test_parse_since_reads_durations_dates_and_timestamps():
 def test_a_killed_orchestrator_leaves_a_record_that_says_so_and_the_next_one_closes_it(
         scripted, tmp_path):
     env = dict(os.environ, SCRIPTED_BEHAVIOR="usage,slow-executor", NO_COLOR="1")
-    proc = subprocess.Popen([sys.executable, FERRUS_PY, "run", "--task", "Make work.txt"],
+    proc = subprocess.Popen(FERRUS_CMD + ["run", "--task", "Make work.txt"],
                             cwd=str(scripted.root), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
