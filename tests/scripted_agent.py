@@ -127,6 +127,9 @@ def main():
             "consultant" if "CONSULTATION mode" in prompt else role)
     print("scripted agent: role %s, mode %s, behavior %s" % (role, mode, sorted(behavior)),
           flush=True)
+    if os.path.isdir(os.environ.get("SCRIPTED_DIR", "")):
+        with open(flag("cwd-" + mode), "a") as handle:     # where each session started
+            handle.write(os.getcwd() + "\n")
     if "crash-" + mode in behavior:
         print("crashing on purpose", flush=True)
         return 3

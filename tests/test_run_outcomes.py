@@ -64,7 +64,7 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, mo
     assert sorted(item[2] for item in complete) == sorted([same, new])
     said = {item[2]: item[3] for item in complete}
     assert said[new].startswith("merged into main at %s" % merged[0]["commit"][:12])
-    assert said[same].startswith("approved, no change")
+    assert said[same].startswith("approved, no change (its submission changed no file)")
     def first(event):
         return next(i for i, item in enumerate(log) if isinstance(item, str) and
                     json.loads(item)["event"] == event and json.loads(item)["task_id"] == new)
