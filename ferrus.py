@@ -5507,24 +5507,37 @@ def task_ref(task, name):
     return "%s%s/%s" % (TASK_REF_PREFIX, task, name)
 
 
-def snapshot_worktree(checkout, base, exclude, message):
+def snapshot_worktree(checkout, base, exclude, message, left_out=None):
     """The commit (not yet on any ref) of the files of the task's worktree: the tree of
     ``base`` with every path of the project folder (``checkout.cwd``) as the worktree
     has it — tracked or untracked, .gitignore honoured — except ``exclude`` (ferrus's own
     files), which stay as ``base`` has them, as does everything outside the project
     folder.  Its parent is ``base``.  The worktree, its index and its branch are left as
-    they are."""
+    they are.  An untracked folder holding a git repository of its own is left out (git
+    would record it as a bare link to a commit of that repository, or fail on one
+    without a commit): its path (relative to the project folder, with a "/") is added
+    to the list ``left_out`` when one is given."""
+    nested = nested_repositories(checkout)
+    if left_out is not None:
+        left_out.extend(nested)
     with private_index(checkout.git_dir) as index_file:
         # Everything as the base has it first (the executor may have committed or staged
         # anything), keeping the cached stat data of the files that did not change.
         run_git(checkout, ["reset", "-q", base, "--", ":/"], index_file=index_file)
-        run_git(checkout, ["add", "-A"] + _pathspecs(exclude), index_file=index_file,
-                ok=(0, 1))
+        run_git(checkout, ["add", "-A"] + _pathspecs(list(exclude) + nested),
+                index_file=index_file, ok=(0, 1))
         if exclude:
             run_git(checkout, ["reset", "-q", base, "--"] +
                     [":(literal)" + path for path in exclude], index_file=index_file)
         tree = os.fsdecode(run_git(checkout, ["write-tree"], index_file=index_file)).strip()
     return commit_tree(checkout, tree, [base], message, SNAPSHOT_IDENTITY)
+
+
+def nested_repositories(checkout):
+    """The untracked folders of the project folder that hold a git repository of their
+    own (git lists each as one entry ending in "/"), relative to the project folder."""
+    out = run_git(checkout, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    return sorted(os.fsdecode(name) for name in out.split(b"\0") if name.endswith(b"/"))
 
 
 def commit_tree(where, tree, parents, message, identity=None):
@@ -8038,6 +8051,9 @@ def _gate_operation(store, caller, action, content=None):
             tx.write("SUBMISSION.md", content)
             detail = {"log": log_path}
             if submitted is not None:
+                left_out = submitted.pop("left_out", [])
+                if left_out:
+                    detail["left_out"] = left_out[:GUARDED_SHOWN]
                 submitted["n"] = ((tx.state.task_submitted or {}).get("n") or 0) + 1
                 set_task_ref(store.root, task_ref(store.task, "submit-%d" % submitted["n"]),
                              submitted["commit"])
@@ -8063,6 +8079,8 @@ def _gate_operation(store, caller, action, content=None):
         "state": new.state, "retries": new.check_retries, "max": limits.max_check_retries,
         "report": "" if passed else run.report(limits.max_feedback_lines)}
     if passed:
+        if submitted is not None:
+            text += left_out_note(tx.detail.get("left_out"))
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
@@ -8084,15 +8102,27 @@ def _record_submission(store, caller, summary):
     checkout = task_git_site(store)
     if not isinstance(checkout, TaskCheckout):
         return None
+    left_out = []
     commit = snapshot_worktree(checkout, base, task_diff_exclusions(store),
-                               (summary or "").strip() or "(no summary)")
+                               (summary or "").strip() or "(no summary)", left_out)
     changed = changed_paths(store.root, base, commit)
     try:
         extra = store.config().parallel.guarded
     except FerrusError:
         extra = []
-    return {"commit": commit, "base": base, "guarded": guarded_paths(
+    return {"commit": commit, "base": base, "left_out": left_out, "guarded": guarded_paths(
         [_project_relative(store, path) for path in changed], extra)}
+
+
+def left_out_note(paths):
+    """What the submit says about folders its commit could not hold ("" for none)."""
+    if not paths:
+        return ""
+    shown = ", ".join(paths[:GUARDED_SHOWN]) + (
+        " and %d more" % (len(paths) - GUARDED_SHOWN) if len(paths) > GUARDED_SHOWN else "")
+    return ("\n\nLeft out of the submission: %s — a folder with a git repository of its "
+            "own, which a task's commit cannot hold. To include its files, remove its .git "
+            "folder and submit again." % shown)
 
 
 def _project_relative(store, path):
@@ -9173,9 +9203,12 @@ def _remove_task_leftovers(store, record):
         parts.append("its worktree %s" % worktree)
         removed["worktree"] = worktree
     if done["branch_deleted"]:
-        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
-            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings back what it "
+                     "had committed)" % (branch, head[:12], branch, head[:12]) if head
+                     else "its branch %s" % branch)
         removed["branch"] = branch
+    if record.get("discard"):
+        saved_text = " Its work was dropped (--discard): nothing of it was kept."
     return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
 
 
@@ -13895,7 +13928,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 45)
+# src/ferrus/controller.py (from its line 46)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -14439,6 +14472,10 @@ class HqController(JournalView):
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        if self._worktree_tampered():
+            # Not restarted: the parallel run fails the task at once, saying why.
+            self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            return
         said = "\n  its last words: %s" % last_words if last_words else \
             "\n  it wrote nothing before it ended"
         facts = {"slot": slot.name, "exit": code, "last_words": last_words,
@@ -14455,6 +14492,18 @@ class HqController(JournalView):
                 facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
+
+    def _worktree_tampered(self):
+        """Whether this is a parallel task whose worktree's .git was rewritten."""
+        if self.store.task is None:
+            return False
+        try:
+            task_git_site(self.store)
+        except TamperedWorktree:
+            return True
+        except FerrusError:
+            pass
+        return False
 
     def _arm_backoff(self, slot):
         if slot.state == SS.COOLING_DOWN:
@@ -15447,8 +15496,12 @@ class ParallelRunner(MergeQueue):
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped while %s; going on from there"
-                      % phase_words(interrupted))
+            if previous.get("pid"):        # it died working (a kill, a crash)
+                self.note("the previous run stopped while %s; going on from there"
+                          % phase_words(interrupted))
+            else:                          # it ended on purpose, tasks still in flight
+                self.note("going on where the previous run left off (%s)"
+                          % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
 
@@ -15997,7 +16050,7 @@ class ParallelRunner(MergeQueue):
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
         self.notifier.finish()
-        if self.target is not None and not self.finished:
+        if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
@@ -21139,12 +21192,17 @@ def cmd_diff(args, root):
     return 0
 
 
-def format_task_row(row, now_width=None):
-    """One line of `ferrus tasks`: id, state, agent, age, title."""
-    age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
-    return "%-25s %-12s %-12s %7s  %s" % (row["id"], task_state_word(row),
-                                         row.get("agent") or "-", age,
-                                         row["title"])
+def task_table(rows):
+    """The lines of `ferrus tasks`: a heading, then id, state, agent, age and title of
+    each row, the columns as wide as their longest entry (a state such as "approved (no
+    change)" or "AwaitingConfirmation" never pushes the rest of its line aside)."""
+    cells = [(row["id"], task_state_word(row), row.get("agent") or "-",
+              format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?",
+              row["title"]) for row in rows]
+    heading = ("TASK", "STATE", "AGENT", "AGE", "TITLE")
+    widths = [max(len(cell[column]) for cell in cells + [heading]) for column in range(4)]
+    pattern = "%%-%ds %%-%ds %%-%ds %%%ds  %%s" % tuple(widths)
+    return [pattern % heading] + [pattern % cell for cell in cells], widths[0]
 
 
 # `ferrus tasks` without --all: the tasks in the queue's hands, and the ended ones that
@@ -21206,17 +21264,17 @@ def cmd_tasks(args, root):
             " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
             if older else ""))
         return 0
-    say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
-    for row in rows:
-        line = format_task_row(row)
+    lines, indent = task_table(rows)
+    say(lines[0])
+    for row, line in zip(rows, lines[1:]):
         if row.get("tokens"):
             line += "  (%s tok)" % compact_count(row["tokens"])
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
-            say("%25s worktree %s" % ("", row["worktree"]))
+            say("%*s worktree %s" % (indent, "", row["worktree"]))
         elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
-            say("%25s merged at %s (`ferrus diff --task %s`)" % (
-                "", row["merged_commit"][:12], short_task_id(row["id"])))
+            say("%*s merged at %s (`ferrus diff --task %s`)" % (
+                indent, "", row["merged_commit"][:12], short_task_id(row["id"])))
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
@@ -21389,7 +21447,11 @@ def cmd_approve(args, root):
         if not confirm("Approve task %s?" % (data.task_id or "")):
             say("Nothing changed.")
             return 1
-    say(op_human_approve(store, caller).text)
+    outcome = op_human_approve(store, caller)
+    say(outcome.text)
+    if outcome.data.get("state") == S.INTEGRATING.value and live_parallel_run(Store(root)) is None:
+        say("No run is working the queue now: the next `ferrus run --parallel` (or HQ's "
+            "/run) merges it.")
     return 0
 
 

@@ -53,6 +53,17 @@ def test_a_git_file_pointed_at_the_main_repository_fails_the_task_and_commits_no
     assert "tampered" in text
 
 
+def test_a_tampered_worktree_fails_its_task_without_a_restart_first(repo):
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "Evil.\n\nSHELL echo 'gitdir: %s' > .git\nEXIT-WITHOUT-SUBMIT\n"
+                   % os.path.join(str(repo), ".git"))
+    code, lines = run(store, 1)
+    text = "\n".join(lines)
+    assert code == ferrus.RUN_FAILED, text
+    assert statuses(store) == {task: "failed"} and "tampered" in text
+    assert "restarting it" not in text and "retrying the executor" not in text
+
+
 def test_a_fake_git_folder_with_a_filter_runs_nothing(repo, tmp_path):
     """The executor writes a git folder of its own as text (its config defines a clean
     filter, its .gitattributes applies it) and points .git at it: `ferrus diff`, the
@@ -131,6 +142,26 @@ def test_the_reviewer_diff_is_the_submission_not_the_worktree(repo):
     assert "submitted" in diff.text and "changed later" not in diff.text
     assert "sneaky.txt" not in diff.text and "submission 1" in diff.text
     runner.shutdown()
+
+
+def test_a_nested_repository_is_left_out_of_the_submission_and_said_so(repo):
+    """A folder with a .git of its own (an empty `git init`, or a clone) cannot be part
+    of a task's commit: it is left out, the submission says so, the rest merges."""
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "Vendor.\n\nWRITE app.txt: app\n"
+                   "SHELL git init -q empty && mkdir -p lib && echo x > lib/x.txt && "
+                   "git -C lib init -q && git -C lib add x.txt && "
+                   "git -C lib -c user.name=a -c user.email=a@b commit -qm x\n")
+    code, lines = run(store, 1)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "merged"}
+    files = committed(repo)
+    assert "app.txt" in files and not [f for f in files if f.startswith(("empty", "lib"))]
+    submit = [e for e in store.read_journal() if e["event"] == "submit"][-1]
+    assert submit["detail"]["left_out"] == ["empty/", "lib/"]
+    assert "160000" not in git(repo, "ls-tree", "-r", "main").stdout
+    assert "Left out of the submission: empty/, lib/" in ferrus.left_out_note(["empty/",
+                                                                              "lib/"])
 
 
 # -- no path the reviewer was not shown ----------------------------------------------------

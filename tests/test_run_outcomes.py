@@ -76,6 +76,10 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, mo
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(same))
     assert "approved (no change)" in row and "merged" not in row
+    # The columns are as wide as their longest entry: every title starts in one column.
+    other = next(line for line in listed.stdout.splitlines() if line.startswith(new))
+    assert row.index("Keep the greeting.") == other.index("Add alpha.") == \
+        listed.stdout.splitlines()[0].index("TITLE")
     assert "1 merged, 1 approved (no change)" in cli(repo, "status").stdout
     diff = cli(repo, "diff", "--task", ferrus.short_task_id(same))
     assert diff.returncode == 1 and "approved and changed nothing" in diff.stderr

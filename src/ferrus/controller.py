@@ -23,9 +23,10 @@ from .session_machine import (CANCEL_SESSION, CHECKPOINT, CONTINUE, EMERGENCY_ST
 from .gates import Signals, classify, gate_record
 from .store import PARALLEL_MIRROR_KEY, STATE_FILE, TASKS_DIR, read_task_record
 from .checks import end_orphaned_checks
-from .git import git_repository, run_git
+from .git import TamperedWorktree, git_repository, run_git
 from .worktrees import changed_paths, own_checkout, reset_gate, review_checkout_path
-from .operations import confirmation_summary, describe_task_commit, guarded_paths
+from .operations import (confirmation_summary, describe_task_commit, guarded_paths,
+                         task_git_site)
 from .work import op_release_sessions
 from .mcp import SESSION_ENV, session_id_for_task, tool_calls_for_task
 from .agent_files import edit_json_file
@@ -577,6 +578,10 @@ class HqController(JournalView):
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        if self._worktree_tampered():
+            # Not restarted: the parallel run fails the task at once, saying why.
+            self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            return
         said = "\n  its last words: %s" % last_words if last_words else \
             "\n  it wrote nothing before it ended"
         facts = {"slot": slot.name, "exit": code, "last_words": last_words,
@@ -593,6 +598,18 @@ class HqController(JournalView):
                 facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
+
+    def _worktree_tampered(self):
+        """Whether this is a parallel task whose worktree's .git was rewritten."""
+        if self.store.task is None:
+            return False
+        try:
+            task_git_site(self.store)
+        except TamperedWorktree:
+            return True
+        except FerrusError:
+            pass
+        return False
 
     def _arm_backoff(self, slot):
         if slot.state == SS.COOLING_DOWN:

@@ -335,8 +335,12 @@ class ParallelRunner(MergeQueue):
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped while %s; going on from there"
-                      % phase_words(interrupted))
+            if previous.get("pid"):        # it died working (a kill, a crash)
+                self.note("the previous run stopped while %s; going on from there"
+                          % phase_words(interrupted))
+            else:                          # it ended on purpose, tasks still in flight
+                self.note("going on where the previous run left off (%s)"
+                          % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
 
@@ -885,7 +889,7 @@ class ParallelRunner(MergeQueue):
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
         self.notifier.finish()
-        if self.target is not None and not self.finished:
+        if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 

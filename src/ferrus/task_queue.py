@@ -625,9 +625,12 @@ def _remove_task_leftovers(store, record):
         parts.append("its worktree %s" % worktree)
         removed["worktree"] = worktree
     if done["branch_deleted"]:
-        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
-            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings back what it "
+                     "had committed)" % (branch, head[:12], branch, head[:12]) if head
+                     else "its branch %s" % branch)
         removed["branch"] = branch
+    if record.get("discard"):
+        saved_text = " Its work was dropped (--discard): nothing of it was kept."
     return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
 
 
