@@ -103,6 +103,12 @@ def _interrupted_while_starting(signum, frame):
     _interrupted_while_starting.interrupted = True
 
 
+# Started as a program (`python ferrus.py`, `python -m ferrus`, the `ferrus` launcher,
+# which marks its own __main__): ferrus may leave for later what the command never needs
+# (see deferred_dataclass).  Imported by another program, everything is made up front.
+STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
+    getattr(sys.modules.get("__main__"), "FERRUS_LAUNCHER", False))
+
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False
 
@@ -143,7 +149,7 @@ import urllib.parse
 
 
 # ============================================================================
-# src/ferrus/basics.py (from its line 15)
+# src/ferrus/basics.py (from its line 17)
 # ============================================================================
 # Basics: the version, errors, UTC time, JSON, terminal-safe text.
 #
@@ -154,6 +160,62 @@ __version__ = "0.1.0"
 
 
 log = logging.getLogger("ferrus")
+
+
+# -- dataclasses made when first used ----------------------------------------------------
+#
+# Making a dataclass compiles its __init__, __repr__ and __eq__ from generated source:
+# for the 45 of ferrus that was a third of the time `ferrus status` took, and a command
+# uses only a few of them.  Started as a program, ferrus makes each one when it is first
+# instantiated (or fields_of asks for its fields); imported as a module, api.py makes
+# them all at once, so other programs see ordinary dataclasses.
+
+_PENDING_DATACLASSES = {}          # class -> its @dataclass options, not yet applied
+_DATACLASS_LOCK = threading.RLock()   # a class's pending bases are made inside
+
+
+def deferred_dataclass(cls=None, **options):
+    """``@dataclasses.dataclass`` (with the same options), applied to the class when it
+    is first instantiated (or its fields are asked for with fields_of)."""
+    def defer(cls):
+        if cls in _PENDING_DATACLASSES:     # its first_init would call itself forever
+            raise TypeError("%s is made a deferred dataclass twice" % cls.__name__)
+        _PENDING_DATACLASSES[cls] = (options, cls.__dict__.get("__init__"))
+
+        def first_init(self, *args, **kwargs):
+            realize_dataclass(cls)
+            cls.__init__(self, *args, **kwargs)
+        cls.__init__ = first_init
+        return cls
+    return defer if cls is None else defer(cls)
+
+
+def realize_dataclass(cls):
+    """Apply the pending @dataclass of ``cls`` now (a no-op once done)."""
+    with _DATACLASS_LOCK:
+        pending = _PENDING_DATACLASSES.pop(cls, None)
+        if pending is None:
+            return cls
+        for base in cls.__mro__[1:]:        # a dataclass takes its bases' fields
+            if base in _PENDING_DATACLASSES:
+                realize_dataclass(base)
+        options, own_init = pending
+        if own_init is None:
+            del cls.__init__
+        else:
+            cls.__init__ = own_init
+        return dataclasses.dataclass(cls, **options)
+
+
+def realize_dataclasses():
+    """Every pending dataclass made now (ferrus imported as a module)."""
+    for cls in list(_PENDING_DATACLASSES):
+        realize_dataclass(cls)
+
+
+def fields_of(cls):
+    """``dataclasses.fields`` of a class that may not have been made yet."""
+    return dataclasses.fields(realize_dataclass(cls))
 
 
 class LazyPattern:
@@ -1424,7 +1486,7 @@ PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ChecksConfig:
     """[checks]: the project's own lint and test commands, the check gate."""
 
@@ -1435,7 +1497,7 @@ class ChecksConfig:
     max_log_bytes: int = 8 * 1024 * 1024
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class LimitsConfig:
     """[limits]: how often a task may fail its checks or its review, and waits."""
 
@@ -1445,7 +1507,7 @@ class LimitsConfig:
     wait_timeout_secs: int = 60
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class LeaseConfig:
     """[lease]: how long a claim on the task lasts without a heartbeat."""
 
@@ -1453,14 +1515,14 @@ class LeaseConfig:
     heartbeat_interval_secs: int = 30
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class SpecConfig:
     """[spec]: where specs with milestones live."""
 
     directory: str = "docs/specs"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentChoice:
     """One role's agent in [hq.<role>]: which CLI, which model, which permissions."""
 
@@ -1475,7 +1537,7 @@ def canonical_agent(name):
     return AGENT_ALIASES.get(name, name)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentOptions:
     """``[agents.<name>]``: flags and environment the user adds to an agent's launches."""
 
@@ -1485,7 +1547,7 @@ class AgentOptions:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CustomAgentSpec:
     """``[agents.custom.<name>]``: an agent CLI described by argv templates."""
 
@@ -1496,7 +1558,7 @@ class CustomAgentSpec:
     version_args: list = dataclasses.field(default_factory=lambda: ["--version"])
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentsConfig:
     """[agents] and [agents.<name>]: skill files, per-agent options, custom CLIs."""
 
@@ -1509,7 +1571,7 @@ class AgentsConfig:
         return self.options.get(agent) or AgentOptions()
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CapacityConfig:
     """[capacity]: every limit is off (0) by default."""
 
@@ -1529,7 +1591,7 @@ class CapacityConfig:
                     self.max_parallel_agents, self.max_turns, self.context_window))
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class SessionsConfig:
     """[sessions]: how HQ supervises each agent slot (ARCHITECTURE.md, 'Session state machine')."""
 
@@ -1539,7 +1601,7 @@ class SessionsConfig:
     interrupt_grace_secs: int = 10
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelinesConfig:
     """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
 
@@ -1553,7 +1615,7 @@ GIT_COMMIT_POLICIES = ("off", "on_approve")
 GIT_BRANCH_PLACEHOLDER = "{task_id}"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class GitConfig:
     """[git]: what ferrus does in git besides reading the task's diff (off by default)."""
 
@@ -1572,7 +1634,7 @@ NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "
 NOTIFY_EVENTS = NOTIFY_DEFAULT_EVENTS + ("task_created", "submitted", "rejected")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class NotifyConfig:
     """[notify]: how a human who is not watching hears that the loop needs them."""
 
@@ -1596,7 +1658,7 @@ def _check_notify(path, notify):
 INTEGRATION_MODES = ("rebase", "merge")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ParallelConfig:
     """[parallel]: several tasks at once, each in its own git worktree, integrated through
     a merge queue that keeps the target branch green (ARCHITECTURE.md, 'Parallel tasks')."""
@@ -1641,7 +1703,7 @@ AGENT_OPTION_LISTS = ("extra_args", "headless_args", "interactive_args")
 CUSTOM_AGENT_KEYS = ("interactive", "headless", "prompt", "version_args")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Config:
     """The whole of ferrus.toml, one dataclass per table, validated by load_config."""
 
@@ -2149,7 +2211,7 @@ _ALWAYS_WRITTEN = ("schema_version", "state", "check_retries", "review_cycles",
                    "failure_reason", "updated_at", "owner_pid")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class StateData:
     """STATE.json.  Timestamps stay strings so untouched ones round-trip byte for byte."""
 
@@ -2227,7 +2289,7 @@ class StateData:
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in fields_of(cls)} - {"extra"}
         for key in ("state", "check_retries", "review_cycles"):
             if key not in raw:
                 raise StateCorrupt("%s has no %r field" % (where, key))
@@ -2529,7 +2591,7 @@ def t_reset(data, now):
 
 
 # ============================================================================
-# src/ferrus/session_machine.py (from its line 12)
+# src/ferrus/session_machine.py (from its line 14)
 # ============================================================================
 # Session state machine: supervising one agent slot (pure).
 #
@@ -2559,7 +2621,7 @@ STORE_PROMPT, CANCEL_SESSION, FORCE_STOP_SESSION, INCREMENT_SESSION, LOG_FATAL =
     "StorePrompt", "CancelSession", "ForceStopSession", "IncrementSession", "LogFatal")
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class SessionEvent:
     """WorktreeReady, PromptReady(prompt), SessionStarted(seq), SessionExited(outcome),
     UrgentMessage(text), GraceExceeded, BackoffElapsed, OperatorStop, FatalError(text)."""
@@ -2569,7 +2631,7 @@ class SessionEvent:
     outcome: str = ""         # SessionExited: success | error | timeout
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class Session:
     """One agent slot's session state (see ARCHITECTURE.md, 'Session state machine')."""
 
@@ -2656,7 +2718,7 @@ CONTINUE, THROTTLE, CHECKPOINT, EMERGENCY_STOP = "Continue", "Throttle", "Checkp
 # P0–P7 move only through the same gate, and dispatch gates check a batch before it
 # runs.  Callers journal every decision.
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class Signals:
     """The usage a capacity gate judges: counts since the budget last started."""
 
@@ -2891,7 +2953,7 @@ class PhaseMachine:
 # chose has a dispatch record, the batch fits `max_tasks`, and a task a supervisor split
 # off as team lead went to an agent the topology allows.
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class DispatchRecord:
     """One agent session started for a task."""
 
@@ -2970,7 +3032,7 @@ def run_dispatch_gates(selected, records, tasks, max_tasks, allowed_agents):
 
 
 # ============================================================================
-# src/ferrus/store.py (from its line 24)
+# src/ferrus/store.py (from its line 23)
 # ============================================================================
 # Store: .ferrus/ — transactions, the journal, the lock, task records.
 #
@@ -3082,7 +3144,7 @@ APPROVAL_FILE = "APPROVAL.md"
 TASK_FILES = frozenset(CONTENT_FILES + (APPROVAL_FILE, STATE_FILE))
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Commit:
     """What one transaction changed, as the journal records it."""
 
@@ -3846,7 +3908,7 @@ def journal_story(store, count, everything=False, task=None):
 
 
 # ============================================================================
-# src/ferrus/checks.py (from its line 30)
+# src/ferrus/checks.py (from its line 31)
 # ============================================================================
 # Checks: the check gate's runner, bounded and killable.
 #
@@ -3857,7 +3919,7 @@ def journal_story(store, count, everything=False, task=None):
 _TAIL_LINE_BYTES = 4000
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CommandResult:
     """How one [checks] command ended."""
 
@@ -3878,7 +3940,7 @@ class CommandResult:
         return self.status == "passed"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CheckRun:
     """One run of the check gate: every command's result and the combined log."""
 
@@ -4665,7 +4727,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
 
 # ============================================================================
-# src/ferrus/git.py (from its line 34)
+# src/ferrus/git.py (from its line 33)
 # ============================================================================
 # Git: a task's base and diff, its pinned worktree, submissions, [git] commit.
 #
@@ -4821,7 +4883,7 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     return bytes(head), bytes(tail[-tail_bytes:] if tail_bytes else b""), total
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class GitRepository:
     """The repository a project root is in, as git reports it."""
 
@@ -4918,7 +4980,7 @@ class TamperedWorktree(GitError):
     """A task's worktree no longer points to the git folder ferrus made it with."""
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class TaskCheckout:
     """A task's worktree as ferrus made it: its work tree (top folder), its git folder
     inside the repository's .git, and the folder git runs in (the project's subfolder of
@@ -5178,7 +5240,7 @@ def describe_base(base):
                      else " (detached HEAD)" if base.get("commit") else "")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ChangedFile:
     """One file of a task's diff, with its added and deleted line counts."""
 
@@ -5195,7 +5257,7 @@ class ChangedFile:
         return out
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class TaskDiff:
     """A task's changes: base → working tree, with a bounded part of the patch."""
 
@@ -6247,7 +6309,7 @@ def reset_gate(gate, commit):
     run_git(gate, ["clean", "-ffdxq", "--", ":/"])
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Integration:
     """A task's submitted work made into a candidate for the target branch."""
 
@@ -6485,10 +6547,7 @@ def _side_lines(lines):
     return "\n".join(shown) if shown else "    (nothing: the lines are removed)"
 
 
-@dataclasses.dataclass
-
-
-@dataclasses.dataclass
+@deferred_dataclass
 class FastForward:
     """What fast_forward_target did to the target branch."""
 
@@ -6656,13 +6715,13 @@ def _checkout_blockers(checkout, old_head, new_head):
 
 
 # ============================================================================
-# src/ferrus/specs.py (from its line 13)
+# src/ferrus/specs.py (from its line 12)
 # ============================================================================
 # Specs: milestones — parsing, selection, dependencies, completion.
 #
 # Spec files and their milestones — parsing, selection, dependencies, completion.
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Milestone:
     """One `- [ ]` milestone of a spec, with what it depends on."""
 
@@ -6901,7 +6960,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 
 
 # ============================================================================
-# src/ferrus/operations.py (from its line 31)
+# src/ferrus/operations.py (from its line 32)
 # ============================================================================
 # Operations: create, diff, review, approve, confirm, consult, specs.
 #
@@ -6914,7 +6973,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 ROLES = ("supervisor", "executor")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Caller:
     """Who is acting: an MCP server's agent identity, the human, or HQ."""
 
@@ -6931,7 +6990,7 @@ class Caller:
 HUMAN = Caller("human", "human")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Outcome:
     """What an operation returns: text for people, data for programs."""
 
@@ -8442,7 +8501,7 @@ class RedBaseRefused(FerrusError):
     """The checks fail on a task's base before any agent started, and the run stops."""
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class BaseCheck:
     """The check gate's verdict on a task's base, before any agent worked on it."""
 
@@ -9311,7 +9370,7 @@ def task_state_word(row):
 
 
 # ============================================================================
-# src/ferrus/jsonrpc.py (from its line 16)
+# src/ferrus/jsonrpc.py (from its line 15)
 # ============================================================================
 # JSON-RPC: a generic 2.0 server on stdio for every MCP era.
 #
@@ -9356,7 +9415,7 @@ class RpcError(Exception):
         return error
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Request:
     """One JSON-RPC request as a handler sees it."""
 
@@ -9705,7 +9764,7 @@ def _valid_id(value):
 # callable.  Input schemas stay flat; tool failures are isError results with the whole
 # cause; resources never follow a symbolic link out of .ferrus/.
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Param:
     """One parameter of an MCP tool, for its JSON input schema."""
 
@@ -9715,7 +9774,7 @@ class Param:
     required: bool = True
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Tool:
     """One MCP tool: its schema, the roles that get it, the operation it calls."""
 
@@ -10858,7 +10917,7 @@ def client_tool_timeout_secs(config):
     return config.limits.wait_timeout_secs + 120
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Launch:
     """How to start an agent CLI: argv, what goes to its stdin, extra environment."""
 
@@ -10867,7 +10926,7 @@ class Launch:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentEvent:
     """Something an agent's structured output reported."""
 
@@ -13114,7 +13173,7 @@ class AgentProcess:
         return hits[-1].text if hits else None
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class HqMessage:
     """One line the engine emits for a front end to show."""
 
@@ -15267,7 +15326,7 @@ def parallel_run_problem(run):
             isinstance(task, str) and _TASK_ID_RE.match(task) for task in batch)):
         return "batch is %s, not a list of task ids" % _shown(batch)
     dispatch = run.get("dispatch")
-    fields = [field.name for field in dataclasses.fields(DispatchRecord)]
+    fields = [field.name for field in fields_of(DispatchRecord)]
     if dispatch is not None and not (isinstance(dispatch, list) and all(
             isinstance(saved, dict) and set(saved) <= set(fields) and
             all(isinstance(saved.get(name, ""), str) for name in fields) and
@@ -16642,7 +16701,7 @@ def pipelines_config(root):
 
 # -- definitions ------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class WorkerDef:
     """One worker of a pipeline phase, as workflows.json defines it."""
 
@@ -16659,7 +16718,7 @@ class WorkerDef:
         return self.role + ".md"
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class PhaseDef:
     """One phase of a pipeline, as workflows.json defines it."""
 
@@ -16673,7 +16732,7 @@ class PhaseDef:
         return max(worker.timeout for worker in self.workers)
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class PipelineDef:
     """One pipeline of workflows.json."""
 
@@ -16892,7 +16951,7 @@ class AdoptedWorker:
 
 # -- runs ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelineRun:
     """One run of a pipeline: its folder and its status.json."""
 
@@ -16937,7 +16996,7 @@ def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
     return summary
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelineOutcome:
     """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
     Every state except running needs a human or is final."""
@@ -18162,14 +18221,14 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/doctor.py (from its line 40)
+# src/ferrus/doctor.py (from its line 39)
 # ============================================================================
 # Doctor: checking .ferrus/ and ferrus.toml, and safe repairs.
 #
 # Each finding says what is wrong and how to repair it; `--fix` applies only the safe
 # repairs (a damaged file is kept aside, never deleted).
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Finding:
     """One problem doctor found, with the repair it suggests (and can apply)."""
 
@@ -22156,7 +22215,7 @@ def _main(argv):
 
 
 # ============================================================================
-# src/ferrus/api.py (from its line 31)
+# src/ferrus/api.py (from its line 32)
 # ============================================================================
 # The public interface: what other programs may import, and the entry point.
 #
@@ -22188,6 +22247,9 @@ __all__ = [
     "serve_stdio",
 ]
 
+
+if not STARTED_AS_PROGRAM:
+    realize_dataclasses()      # imported: other programs get ordinary dataclasses
 
 if __name__ == "__main__":
     sys.exit(main())

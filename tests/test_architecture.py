@@ -138,6 +138,20 @@ def test_every_module_says_what_it_owns_and_stays_a_readable_size(modules):
             "real seam" % (module.rel, len(module.lines))
 
 
+def test_every_dataclass_is_made_when_first_used(modules):
+    """A module does no work at import that a command may not need: `@dataclass` compiles
+    three methods per class, so ferrus's classes use `@deferred_dataclass` (basics)."""
+    eager = []
+    for module in modules:
+        for node in ast.walk(ast.parse("\n".join(module.lines))):
+            if isinstance(node, ast.ClassDef):
+                for decorator in node.decorator_list:
+                    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+                    if ast.unparse(target) in ("dataclass", "dataclasses.dataclass"):
+                        eager.append("%s: class %s" % (module.rel, node.name))
+    assert eager == [], "use @deferred_dataclass: %s" % ", ".join(eager)
+
+
 def test_every_name_a_module_uses_is_its_own_imported_or_builtin(modules):
     """So an editor or a linter opening one module sees real names: nothing reaches
     another module's name through the one namespace of the built file, and nothing is

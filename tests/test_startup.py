@@ -100,3 +100,71 @@ def test_dash_c_a_missing_directory_says_so(tmp_path, cli):
     (tmp_path / "file").write_text("")
     result = cli("-C", "file", "status", cwd=tmp_path)
     assert "not a directory" in result.stderr
+
+
+# -- what a command does not use is made later -------------------------------------------
+
+def test_a_deferred_dataclass_is_made_when_first_used():
+    @ferrus.deferred_dataclass(frozen=True)
+    class Point:
+        """A point."""
+        x: int
+        tags: list = ferrus.dataclasses.field(default_factory=list)
+
+    assert not ferrus.dataclasses.is_dataclass(Point)
+    assert [f.name for f in ferrus.fields_of(Point)] == ["x", "tags"]   # made on asking
+    point = Point(3)
+    assert point == Point(3) and point.tags == [] and repr(point).endswith("Point(x=3, tags=[])")
+    with pytest.raises(ferrus.dataclasses.FrozenInstanceError):
+        point.x = 4
+
+    @ferrus.deferred_dataclass
+    class Pair:
+        a: int
+        b: int = 2
+
+    assert Pair(1) == Pair(1, 2) and ferrus.dataclasses.is_dataclass(Pair)
+
+    @ferrus.deferred_dataclass
+    class Base:
+        a: int
+        b: int = 2
+
+    @ferrus.deferred_dataclass
+    class Triple(Base):
+        c: int = 3
+
+    assert repr(Triple(1)).endswith("Triple(a=1, b=2, c=3)")     # the base is made first
+    assert Base(1) == Base(1, 2)
+
+
+def test_a_class_made_a_deferred_dataclass_twice_is_refused():
+    with pytest.raises(TypeError, match="twice"):
+        @ferrus.deferred_dataclass
+        @ferrus.deferred_dataclass
+        class Twice:
+            a: int
+
+
+def test_imported_ferrus_has_only_ordinary_dataclasses():
+    """Other programs import ferrus: its public dataclasses are dataclasses at once."""
+    assert ferrus._PENDING_DATACLASSES == {} or all(
+        cls.__module__ != "ferrus" for cls in ferrus._PENDING_DATACLASSES)
+    assert ferrus.dataclasses.is_dataclass(ferrus.Config)
+    assert [f.name for f in ferrus.dataclasses.fields(ferrus.ChecksConfig)][:1] == ["commands"]
+
+
+def test_started_as_a_program_ferrus_makes_only_the_dataclasses_a_command_uses(project):
+    code = ("import sys, importlib.util, io, contextlib\n"
+            "sys.modules['__main__'].FERRUS_LAUNCHER = True\n"
+            "spec = importlib.util.spec_from_file_location('ferrus', %r)\n"
+            "m = importlib.util.module_from_spec(spec); sys.modules['ferrus'] = m\n"
+            "spec.loader.exec_module(m)\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    code = m.main(['-C', %r, 'status'])\n"
+            "print(code, len(m._PENDING_DATACLASSES))\n" % (FERRUS_PY, str(project)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    code, pending = map(int, done.stdout.split())
+    assert code == 0 and pending > 10

@@ -12,7 +12,7 @@ import re
 import shutil
 import sys
 
-from .basics import LazyPattern, compact_json
+from .basics import LazyPattern, compact_json, deferred_dataclass
 
 
 FERRUS_FILE = os.path.abspath(__file__)
@@ -86,7 +86,7 @@ def client_tool_timeout_secs(config):
     return config.limits.wait_timeout_secs + 120
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Launch:
     """How to start an agent CLI: argv, what goes to its stdin, extra environment."""
 
@@ -95,7 +95,7 @@ class Launch:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentEvent:
     """Something an agent's structured output reported."""
 

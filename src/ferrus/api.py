@@ -7,7 +7,8 @@ change between versions without notice.  Running the file calls ``main()``."""
 
 import sys
 
-from .basics import FerrusError, TransitionError, __version__
+from .startup import STARTED_AS_PROGRAM
+from .basics import FerrusError, TransitionError, __version__, realize_dataclasses
 from .config import (AgentChoice, AgentOptions, AgentsConfig, CapacityConfig, ChecksConfig,
                      Config, CustomAgentSpec, GitConfig, LeaseConfig, LimitsConfig,
                      NotifyConfig, ParallelConfig, PipelinesConfig, SessionsConfig,
@@ -51,6 +52,9 @@ __all__ = [
     "serve_stdio",
 ]
 
+
+if not STARTED_AS_PROGRAM:
+    realize_dataclasses()      # imported: other programs get ordinary dataclasses
 
 if __name__ == "__main__":
     sys.exit(main())

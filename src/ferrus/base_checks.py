@@ -8,7 +8,7 @@ import dataclasses
 import json
 import os
 
-from .basics import FerrusError, format_timestamp, pretty_json
+from .basics import FerrusError, deferred_dataclass, format_timestamp, pretty_json
 from .system import atomic_write, read_text
 from .checks import CHECK_TAIL_SHOWN, describe_failed_check, failed_check_facts, run_checks
 from .git import git_repository
@@ -34,7 +34,7 @@ class RedBaseRefused(FerrusError):
     """The checks fail on a task's base before any agent started, and the run stops."""
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class BaseCheck:
     """The check gate's verdict on a task's base, before any agent worked on it."""
 

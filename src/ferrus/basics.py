@@ -3,6 +3,7 @@
 FerrusError carries a message and a hint (a CLI failure prints both); every text an
 agent, a check or a file wrote passes terminal_safe before it reaches a terminal."""
 
+import dataclasses
 import datetime as _dt
 import difflib
 import json
@@ -10,12 +11,69 @@ import logging
 import os
 import re
 import sys
+import threading
 
 
 __version__ = "0.1.0"
 
 
 log = logging.getLogger("ferrus")
+
+
+# -- dataclasses made when first used ----------------------------------------------------
+#
+# Making a dataclass compiles its __init__, __repr__ and __eq__ from generated source:
+# for the 45 of ferrus that was a third of the time `ferrus status` took, and a command
+# uses only a few of them.  Started as a program, ferrus makes each one when it is first
+# instantiated (or fields_of asks for its fields); imported as a module, api.py makes
+# them all at once, so other programs see ordinary dataclasses.
+
+_PENDING_DATACLASSES = {}          # class -> its @dataclass options, not yet applied
+_DATACLASS_LOCK = threading.RLock()   # a class's pending bases are made inside
+
+
+def deferred_dataclass(cls=None, **options):
+    """``@dataclasses.dataclass`` (with the same options), applied to the class when it
+    is first instantiated (or its fields are asked for with fields_of)."""
+    def defer(cls):
+        if cls in _PENDING_DATACLASSES:     # its first_init would call itself forever
+            raise TypeError("%s is made a deferred dataclass twice" % cls.__name__)
+        _PENDING_DATACLASSES[cls] = (options, cls.__dict__.get("__init__"))
+
+        def first_init(self, *args, **kwargs):
+            realize_dataclass(cls)
+            cls.__init__(self, *args, **kwargs)
+        cls.__init__ = first_init
+        return cls
+    return defer if cls is None else defer(cls)
+
+
+def realize_dataclass(cls):
+    """Apply the pending @dataclass of ``cls`` now (a no-op once done)."""
+    with _DATACLASS_LOCK:
+        pending = _PENDING_DATACLASSES.pop(cls, None)
+        if pending is None:
+            return cls
+        for base in cls.__mro__[1:]:        # a dataclass takes its bases' fields
+            if base in _PENDING_DATACLASSES:
+                realize_dataclass(base)
+        options, own_init = pending
+        if own_init is None:
+            del cls.__init__
+        else:
+            cls.__init__ = own_init
+        return dataclasses.dataclass(cls, **options)
+
+
+def realize_dataclasses():
+    """Every pending dataclass made now (ferrus imported as a module)."""
+    for cls in list(_PENDING_DATACLASSES):
+        realize_dataclass(cls)
+
+
+def fields_of(cls):
+    """``dataclasses.fields`` of a class that may not have been made yet."""
+    return dataclasses.fields(realize_dataclass(cls))
 
 
 class LazyPattern:

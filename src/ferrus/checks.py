@@ -18,7 +18,8 @@ import subprocess
 import threading
 import time
 
-from .basics import format_timestamp, log, pretty_json, random_hex, utc_now
+from .basics import (deferred_dataclass, format_timestamp, log, pretty_json, random_hex,
+                     utc_now)
 from .system import (HAS_PROC, IS_WINDOWS, _proc_stat, atomic_write, kill_process_tree,
                      pid_alive, process_environ_has, process_group_kwargs, process_start,
                      process_table, read_text, shell_argv)
@@ -30,7 +31,7 @@ from .config import ChecksConfig
 _TAIL_LINE_BYTES = 4000
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CommandResult:
     """How one [checks] command ended."""
 
@@ -51,7 +52,7 @@ class CommandResult:
         return self.status == "passed"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CheckRun:
     """One run of the check gate: every command's result and the combined log."""
 

@@ -9,7 +9,7 @@ import json
 import os
 import threading
 
-from .basics import FerrusError, log
+from .basics import FerrusError, deferred_dataclass, log
 from .system import read_text
 from .tomlfile import TomlError, parse_toml
 
@@ -23,7 +23,7 @@ PERMISSION_PROFILES = ("read-only", "edit", "full")
 CLAUDE_MCP_ISOLATION = ("merge-user", "ferrus-only")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ChecksConfig:
     """[checks]: the project's own lint and test commands, the check gate."""
 
@@ -34,7 +34,7 @@ class ChecksConfig:
     max_log_bytes: int = 8 * 1024 * 1024
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class LimitsConfig:
     """[limits]: how often a task may fail its checks or its review, and waits."""
 
@@ -44,7 +44,7 @@ class LimitsConfig:
     wait_timeout_secs: int = 60
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class LeaseConfig:
     """[lease]: how long a claim on the task lasts without a heartbeat."""
 
@@ -52,14 +52,14 @@ class LeaseConfig:
     heartbeat_interval_secs: int = 30
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class SpecConfig:
     """[spec]: where specs with milestones live."""
 
     directory: str = "docs/specs"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentChoice:
     """One role's agent in [hq.<role>]: which CLI, which model, which permissions."""
 
@@ -74,7 +74,7 @@ def canonical_agent(name):
     return AGENT_ALIASES.get(name, name)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentOptions:
     """``[agents.<name>]``: flags and environment the user adds to an agent's launches."""
 
@@ -84,7 +84,7 @@ class AgentOptions:
     env: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CustomAgentSpec:
     """``[agents.custom.<name>]``: an agent CLI described by argv templates."""
 
@@ -95,7 +95,7 @@ class CustomAgentSpec:
     version_args: list = dataclasses.field(default_factory=lambda: ["--version"])
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class AgentsConfig:
     """[agents] and [agents.<name>]: skill files, per-agent options, custom CLIs."""
 
@@ -108,7 +108,7 @@ class AgentsConfig:
         return self.options.get(agent) or AgentOptions()
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class CapacityConfig:
     """[capacity]: every limit is off (0) by default."""
 
@@ -128,7 +128,7 @@ class CapacityConfig:
                     self.max_parallel_agents, self.max_turns, self.context_window))
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class SessionsConfig:
     """[sessions]: how HQ supervises each agent slot (ARCHITECTURE.md, 'Session state machine')."""
 
@@ -138,7 +138,7 @@ class SessionsConfig:
     interrupt_grace_secs: int = 10
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelinesConfig:
     """[pipelines] in ferrus.toml; runs always live in .ferrus/pipelines/."""
 
@@ -152,7 +152,7 @@ GIT_COMMIT_POLICIES = ("off", "on_approve")
 GIT_BRANCH_PLACEHOLDER = "{task_id}"
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class GitConfig:
     """[git]: what ferrus does in git besides reading the task's diff (off by default)."""
 
@@ -171,7 +171,7 @@ NOTIFY_DEFAULT_EVENTS = ("awaiting_human", "complete", "failed", "checkpoint", "
 NOTIFY_EVENTS = NOTIFY_DEFAULT_EVENTS + ("task_created", "submitted", "rejected")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class NotifyConfig:
     """[notify]: how a human who is not watching hears that the loop needs them."""
 
@@ -195,7 +195,7 @@ def _check_notify(path, notify):
 INTEGRATION_MODES = ("rebase", "merge")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ParallelConfig:
     """[parallel]: several tasks at once, each in its own git worktree, integrated through
     a merge queue that keeps the target branch green (ARCHITECTURE.md, 'Parallel tasks')."""
@@ -240,7 +240,7 @@ AGENT_OPTION_LISTS = ("extra_args", "headless_args", "interactive_args")
 CUSTOM_AGENT_KEYS = ("interactive", "headless", "prompt", "version_args")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Config:
     """The whole of ferrus.toml, one dataclass per table, validated by load_config."""
 

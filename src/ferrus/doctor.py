@@ -4,14 +4,13 @@ Each finding says what is wrong and how to repair it; `--fix` applies only the s
 repairs (a damaged file is kept aside, never deleted)."""
 
 import contextlib
-import dataclasses
 import json
 import os
 import tempfile
 import time
 
-from .basics import (FerrusError, format_duration, format_timestamp, log, pretty_json,
-                     terminal_safe, utc_now)
+from .basics import (FerrusError, deferred_dataclass, format_duration, format_timestamp,
+                     log, pretty_json, terminal_safe, utc_now)
 from .system import TEMP_SUFFIX, atomic_write, fsync_directory, read_text
 from .config import (CONFIG_FILE, GitConfig, NO_CHECKS_HINT, NO_CHECKS_WARNING,
                      ParallelConfig, load_config, parse_config)
@@ -37,7 +36,7 @@ from .parallel import PARALLEL_RUN_FILE, live_parallel_run, load_parallel_run
 from .scaffold import init_project
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Finding:
     """One problem doctor found, with the repair it suggests (and can apply)."""
 

@@ -8,12 +8,12 @@ runs.  Callers journal every decision."""
 
 import dataclasses
 
-from .basics import FerrusError
+from .basics import FerrusError, deferred_dataclass
 from .session_machine import (CHECKPOINT, CONTINUE, EMERGENCY_STOP, GREEN, ORANGE, RED,
                               THROTTLE)
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class Signals:
     """The usage a capacity gate judges: counts since the budget last started."""
 
@@ -248,7 +248,7 @@ class PhaseMachine:
 # chose has a dispatch record, the batch fits `max_tasks`, and a task a supervisor split
 # off as team lead went to an agent the topology allows.
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class DispatchRecord:
     """One agent session started for a task."""
 

@@ -7,7 +7,6 @@ filter or merge driver; at submit the worktree is recorded as a commit, which is
 what the reviewer reads and the merge gate merges."""
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 
-from .basics import FerrusError, LazyPattern
+from .basics import FerrusError, LazyPattern, deferred_dataclass
 from .config import CONFIG_FILE, git_branch_name_problem
 from .store import FERRUS_DIR
 
@@ -177,7 +176,7 @@ def stream_git(root, args, head_bytes, tail_bytes, timeout=GIT_TIMEOUT_SECS, ind
     return bytes(head), bytes(tail[-tail_bytes:] if tail_bytes else b""), total
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class GitRepository:
     """The repository a project root is in, as git reports it."""
 
@@ -274,7 +273,7 @@ class TamperedWorktree(GitError):
     """A task's worktree no longer points to the git folder ferrus made it with."""
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class TaskCheckout:
     """A task's worktree as ferrus made it: its work tree (top folder), its git folder
     inside the repository's .git, and the folder git runs in (the project's subfolder of
@@ -534,7 +533,7 @@ def describe_base(base):
                      else " (detached HEAD)" if base.get("commit") else "")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class ChangedFile:
     """One file of a task's diff, with its added and deleted line counts."""
 
@@ -551,7 +550,7 @@ class ChangedFile:
         return out
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class TaskDiff:
     """A task's changes: base → working tree, with a bounded part of the patch."""
 

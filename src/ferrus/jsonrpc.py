@@ -5,12 +5,11 @@ the era allows them, worker threads with one writer lock so a blocking call neve
 blocks ping or cancellation; nothing but protocol bytes on stdout."""
 
 import collections
-import dataclasses
 import json
 import threading
 import time
 
-from .basics import log
+from .basics import deferred_dataclass, log
 
 
 MCP_LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
@@ -50,7 +49,7 @@ class RpcError(Exception):
         return error
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Request:
     """One JSON-RPC request as a handler sees it."""
 

@@ -18,8 +18,8 @@ import threading
 import time
 import urllib.parse
 
-from .basics import (FerrusError, LazyPattern, UsageError, __version__, compact_json, log,
-                     new_id, pretty_json)
+from .basics import (FerrusError, LazyPattern, UsageError, __version__, compact_json,
+                     deferred_dataclass, log, new_id, pretty_json)
 from .system import IS_WINDOWS, UnsafePath, atomic_write, open_inside, read_text
 from .store import (FERRUS_DIR, JOURNAL_FILE, STATE_FILE, Store, TASKS_DIR, TASK_FILES,
                     TASK_RECORD_FILE, task_record_path)
@@ -41,7 +41,7 @@ from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcSe
 
 # -- ferrus tools ---------------------------------------------------------------------
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Param:
     """One parameter of an MCP tool, for its JSON input schema."""
 
@@ -51,7 +51,7 @@ class Param:
     required: bool = True
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Tool:
     """One MCP tool: its schema, the roles that get it, the operation it calls."""
 

@@ -14,7 +14,8 @@ import itertools
 import os
 import threading
 
-from .basics import FerrusError, LazyPattern, compact_json, new_id, terminal_safe
+from .basics import (FerrusError, LazyPattern, compact_json, deferred_dataclass, new_id,
+                     terminal_safe)
 from .system import atomic_write, read_text
 from .config import AgentsConfig, GitConfig
 from .task_machine import (S, TaskState, t_approve, t_create_task, t_human_approve,
@@ -31,7 +32,7 @@ from .specs import (dependencies_met, first_ready_milestone, list_spec_paths,
 ROLES = ("supervisor", "executor")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Caller:
     """Who is acting: an MCP server's agent identity, the human, or HQ."""
 
@@ -48,7 +49,7 @@ class Caller:
 HUMAN = Caller("human", "human")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Outcome:
     """What an operation returns: text for people, data for programs."""
 

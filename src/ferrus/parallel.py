@@ -12,7 +12,7 @@ import os
 import threading
 import time
 
-from .basics import FerrusError, format_timestamp, pretty_json, terminal_safe
+from .basics import FerrusError, fields_of, format_timestamp, pretty_json, terminal_safe
 from .system import atomic_write, read_text
 from .config import CONFIG_FILE, git_branch_name_problem
 from .task_machine import ACTIVE_STATES, S, StateData, failure_summary
@@ -106,7 +106,7 @@ def parallel_run_problem(run):
             isinstance(task, str) and _TASK_ID_RE.match(task) for task in batch)):
         return "batch is %s, not a list of task ids" % _shown(batch)
     dispatch = run.get("dispatch")
-    fields = [field.name for field in dataclasses.fields(DispatchRecord)]
+    fields = [field.name for field in fields_of(DispatchRecord)]
     if dispatch is not None and not (isinstance(dispatch, list) and all(
             isinstance(saved, dict) and set(saved) <= set(fields) and
             all(isinstance(saved.get(name, ""), str) for name in fields) and

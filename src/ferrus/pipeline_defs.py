@@ -9,7 +9,6 @@ completion signal.  A dispatch is recorded before its process exists, and worker
 outlive a killed orchestrator, which adopts them when it restarts."""
 
 import contextlib
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -17,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from .basics import FerrusError, LazyPattern, format_duration, format_timestamp, random_hex
+from .basics import (FerrusError, LazyPattern, deferred_dataclass, format_duration,
+                     format_timestamp, random_hex)
 from .system import (IS_WINDOWS, atomic_write, kill_process_tree, open_private_log,
                      pid_alive, process_group_kwargs, read_text)
 from .config import BUILTIN_AGENTS, _describe_value, load_config
@@ -53,7 +53,7 @@ def pipelines_config(root):
 
 # -- definitions ------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class WorkerDef:
     """One worker of a pipeline phase, as workflows.json defines it."""
 
@@ -70,7 +70,7 @@ class WorkerDef:
         return self.role + ".md"
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class PhaseDef:
     """One phase of a pipeline, as workflows.json defines it."""
 
@@ -84,7 +84,7 @@ class PhaseDef:
         return max(worker.timeout for worker in self.workers)
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class PipelineDef:
     """One pipeline of workflows.json."""
 
@@ -303,7 +303,7 @@ class AdoptedWorker:
 
 # -- runs ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelineRun:
     """One run of a pipeline: its folder and its status.json."""
 
@@ -348,7 +348,7 @@ def summarize_output(path, label, max_lines=3, width=100, chunk=65536):
     return summary
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class PipelineOutcome:
     """Where a run stands: running, blocked, paused, failed, delivered or cancelled.
     Every state except running needs a human or is final."""

@@ -8,6 +8,8 @@ supervisor to carry out — start, back off, stop, report."""
 import dataclasses
 import enum
 
+from .basics import deferred_dataclass
+
 
 class SessionState(str, enum.Enum):
     INITIALIZING = "Initializing"
@@ -30,7 +32,7 @@ STORE_PROMPT, CANCEL_SESSION, FORCE_STOP_SESSION, INCREMENT_SESSION, LOG_FATAL =
     "StorePrompt", "CancelSession", "ForceStopSession", "IncrementSession", "LogFatal")
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class SessionEvent:
     """WorktreeReady, PromptReady(prompt), SessionStarted(seq), SessionExited(outcome),
     UrgentMessage(text), GraceExceeded, BackoffElapsed, OperatorStop, FatalError(text)."""
@@ -40,7 +42,7 @@ class SessionEvent:
     outcome: str = ""         # SessionExited: success | error | timeout
 
 
-@dataclasses.dataclass(frozen=True)
+@deferred_dataclass(frozen=True)
 class Session:
     """One agent slot's session state (see ARCHITECTURE.md, 'Session state machine')."""
 

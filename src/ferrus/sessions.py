@@ -14,8 +14,8 @@ import re
 import subprocess
 import threading
 
-from .basics import (FerrusError, LazyPattern, format_timestamp, log, parse_timestamp,
-                     pretty_json, utc_now)
+from .basics import (FerrusError, LazyPattern, deferred_dataclass, format_timestamp, log,
+                     parse_timestamp, pretty_json, utc_now)
 from .system import (atomic_write, kill_process_tree, open_private_log, pid_alive,
                      process_group_kwargs, read_text)
 from .config import SessionsConfig, load_config
@@ -443,7 +443,7 @@ class AgentProcess:
         return hits[-1].text if hits else None
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class HqMessage:
     """One line the engine emits for a front end to show."""
 

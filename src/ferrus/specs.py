@@ -2,15 +2,14 @@
 
 Spec files and their milestones — parsing, selection, dependencies, completion."""
 
-import dataclasses
 import os
 import re
 
-from .basics import FerrusError, LazyPattern
+from .basics import FerrusError, LazyPattern, deferred_dataclass
 from .system import read_text
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Milestone:
     """One `- [ ]` milestone of a spec, with what it depends on."""
 

@@ -25,6 +25,12 @@ def _interrupted_while_starting(signum, frame):
     _interrupted_while_starting.interrupted = True
 
 
+# Started as a program (`python ferrus.py`, `python -m ferrus`, the `ferrus` launcher,
+# which marks its own __main__): ferrus may leave for later what the command never needs
+# (see deferred_dataclass).  Imported by another program, everything is made up front.
+STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
+    getattr(sys.modules.get("__main__"), "FERRUS_LAUNCHER", False))
+
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False
 

@@ -6,14 +6,13 @@ point), one journal line appended.  A parallel task's store keeps its state in
 .ferrus/tasks/<id>/ and shares the project's lock and journal."""
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
 import time
 
-from .basics import (FerrusError, LazyPattern, compact_json, format_timestamp, log,
-                     terminal_safe, utc_now)
+from .basics import (FerrusError, LazyPattern, compact_json, deferred_dataclass,
+                     format_timestamp, log, terminal_safe, utc_now)
 from .system import (FileLock, UnsafePath, atomic_write, fsync_directory, open_inside,
                      read_text)
 from .config import ConfigCache, LeaseConfig, git_branch_name_problem
@@ -124,7 +123,7 @@ APPROVAL_FILE = "APPROVAL.md"
 TASK_FILES = frozenset(CONTENT_FILES + (APPROVAL_FILE, STATE_FILE))
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Commit:
     """What one transaction changed, as the journal records it."""
 

@@ -12,8 +12,8 @@ import enum
 import json
 import threading
 
-from .basics import (FerrusError, TransitionError, format_timestamp, parse_timestamp,
-                     pretty_json)
+from .basics import (FerrusError, TransitionError, deferred_dataclass, fields_of,
+                     format_timestamp, parse_timestamp, pretty_json)
 
 
 class TaskState(str, enum.Enum):
@@ -89,7 +89,7 @@ _ALWAYS_WRITTEN = ("schema_version", "state", "check_retries", "review_cycles",
                    "failure_reason", "updated_at", "owner_pid")
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class StateData:
     """STATE.json.  Timestamps stay strings so untouched ones round-trip byte for byte."""
 
@@ -167,7 +167,7 @@ class StateData:
         if not isinstance(raw, dict):
             raise StateCorrupt("%s must hold a JSON object" % where)
         data = cls()
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in fields_of(cls)} - {"extra"}
         for key in ("state", "check_retries", "review_cycles"):
             if key not in raw:
                 raise StateCorrupt("%s has no %r field" % (where, key))

@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 
-from .basics import FerrusError, LazyPattern
+from .basics import FerrusError, LazyPattern, deferred_dataclass
 from .config import CONFIG_FILE, git_branch_name_problem
 from .git import (GIT_COMMIT_TIMEOUT_SECS, GitError, SNAPSHOT_IDENTITY, _parse_status_v2,
                   _pathspecs, _same_path, _worktree_admin_dirs, commit_tree,
@@ -476,7 +476,7 @@ def reset_gate(gate, commit):
     run_git(gate, ["clean", "-ffdxq", "--", ":/"])
 
 
-@dataclasses.dataclass
+@deferred_dataclass
 class Integration:
     """A task's submitted work made into a candidate for the target branch."""
 
@@ -714,10 +714,7 @@ def _side_lines(lines):
     return "\n".join(shown) if shown else "    (nothing: the lines are removed)"
 
 
-@dataclasses.dataclass
-
-
-@dataclasses.dataclass
+@deferred_dataclass
 class FastForward:
     """What fast_forward_target did to the target branch."""
 
