@@ -56,6 +56,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     controller.py ........ agent slots, capacity, reactions to the journal
     merge_queue.py ....... approved tasks built, checked and merged one by one
     parallel.py .......... the queue worked in worktrees through the phase machine
+    task_cancel.py ....... Cancelling a queue task from a front end: the question first, then the cancel
     run.py ............... one task, the queue, milestones, or the queue in parallel
     pipeline_defs.py ..... workflows.json, worker processes, run records
     pipelines.py ......... the orchestrator, its reconcile loop and decision table
@@ -16117,6 +16118,58 @@ def checkout_base(store):
 
 
 # ============================================================================
+# src/ferrus/task_cancel.py (from its line 20)
+# ============================================================================
+# Cancelling a queue task from a front end: the question first, then the cancel.
+#
+# `ferrus task cancel` and the web board cancel a queue task the same way: a running
+# task (or one whose worktree's work would be dropped) needs the human's yes first, then
+# agents a dead orchestrator left on the task are stopped, op_cancel_task ends it, and
+# the live `ferrus run --parallel` working it (if one does) removes its worktree, else the
+# cancel does.  HQ's /task cancel knows its own runner and calls op_cancel_task itself.
+
+def cancel_needs_confirmation(store, task, discard=False):
+    """The question to ask before cancelling ``task`` (as `ferrus task cancel` asks it),
+    or None when a cancel needs no yes: only a running task, or dropping a worktree's
+    work, does."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    if not (record.get("status") == RUNNING_STATUS or (discard and record.get("worktree"))):
+        return None
+    state = ""
+    with contextlib.suppress(FerrusError):
+        state = " (%s)" % store.for_task(task).read_state().state
+    return "Task %s is %s%s: cancel it%s?" % (
+        short_task_id(task), record.get("status"), state,
+        " and DROP the work in its worktree" if discard else " (its work is saved first)")
+
+
+def cancel_queue_task(store, caller, task, discard=False, out=None):
+    """Cancel a queue task once the human said yes: agents a dead orchestrator left on
+    it are stopped first; the run working it (if one does) removes its worktree, else
+    this does.  Each line to show goes to ``out`` as it happens; returns them all."""
+    lines = []
+
+    def tell(line):
+        lines.append(line)
+        if out is not None:
+            out(line)
+    task = require_task_id(store, task)
+    running = read_task_record(store.dir, task).get("status") == RUNNING_STATUS
+    runner = live_parallel_run(store) if running else None
+    if running and running_orchestrator(store) is None:
+        # A dead orchestrator may have left the task's agents at work in its worktree.
+        for note in stop_orphaned_agents(store, task):
+            tell(note)
+    tell(op_cancel_task(store, caller, task, remove_worktree=runner is None,
+                        discard=discard).text)
+    if runner is not None:
+        tell("The running %s stops its agents and removes its worktree and branch."
+             % describe_orchestrator(runner))
+    return lines
+
+
+# ============================================================================
 # src/ferrus/run.py (from its line 35)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
@@ -21240,23 +21293,33 @@ def full_task_title(store, task, title):
     return title
 
 
+def tasks_with_usage(store, rows, full_titles=True):
+    """`ferrus tasks`'s rows: ``rows`` of task_rows with each task's tokens, cost (None
+    while a session's cost is unknown) and executor agent (from its sessions when its
+    record names none); with ``full_titles`` (`--json`, the board) its title uncut."""
+    by_task = collections.defaultdict(list)
+    for record in read_session_records(store):
+        by_task[record.get("task_id")].append(record)
+    for row in rows:
+        records = by_task.get(row["id"], [])
+        used = usage_summary(records)
+        row["tokens"] = used["input_tokens"] + used["output_tokens"]
+        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
+        row["agent"] = row.get("agent") or next(
+            (r.get("agent") for r in reversed(records) if r.get("role") == "executor"), None)
+        if full_titles:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+    return rows
+
+
 def cmd_tasks(args, root):
     store = Store(root).require()
     rows = task_rows(store)
     older = 0
     if not args.all:
         rows, older = recent_task_rows(rows, store.clock())
-    records = read_session_records(store)
-    for row in rows:
-        used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
-        row["tokens"] = used["input_tokens"] + used["output_tokens"]
-        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
-        row["agent"] = row.get("agent") or next(
-            (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
-             and r.get("role") == "executor"), None)
+    tasks_with_usage(store, rows, full_titles=args.json)
     if args.json:
-        for row in rows:
-            row["title"] = full_task_title(store, row["id"], row["title"])
         print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
         return 0
     if not rows:
@@ -21288,7 +21351,7 @@ def cmd_journal(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 46)
+# src/ferrus/cli.py (from its line 47)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -21334,29 +21397,12 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        task = require_task_id(store, args.id)
-        record = read_task_record(store.dir, task)
-        running = record.get("status") == RUNNING_STATUS
-        if not args.yes and (running or (args.discard and record.get("worktree"))):
-            state = ""
-            with contextlib.suppress(FerrusError):
-                state = " (%s)" % store.for_task(task).read_state().state
-            if not confirm("Task %s is %s%s: cancel it%s?" % (
-                    short_task_id(task), record.get("status"), state,
-                    " and DROP the work in its worktree" if args.discard else
-                    " (its work is saved first)")):
-                say("Nothing changed.")
-                return 1
-        runner = live_parallel_run(store) if running else None
-        if running and running_orchestrator(store) is None:
-            # A dead orchestrator may have left the task's agents at work in its worktree.
-            for note in stop_orphaned_agents(store, task):
-                say(note)
-        say(op_cancel_task(store, caller, task, remove_worktree=runner is None,
-                           discard=args.discard).text)
-        if runner is not None:
-            say("The running %s stops its agents and removes its worktree and branch."
-                % describe_orchestrator(runner))
+        question = None if args.yes else cancel_needs_confirmation(store, args.id,
+                                                                   args.discard)
+        if question and not confirm(question):
+            say("Nothing changed.")
+            return 1
+        cancel_queue_task(store, caller, args.id, args.discard, out=say)
         return 0
     if args.task_command == "retry":
         say(op_retry_task(store, caller, args.id).text)

@@ -51,6 +51,7 @@ MODULES = (
     "controller",
     "merge_queue",
     "parallel",
+    "task_cancel",
     "run",
     "pipeline_defs",
     "pipelines",

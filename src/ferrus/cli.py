@@ -23,17 +23,18 @@ from .checks import _status_note, report_orphaned_checks
 from .operations import (Caller, HUMAN, ROLES, confirmation_summary, op_human_approve,
                          op_human_reject, short_task_id)
 from .work import op_check, op_force_reset, op_run_checks_only
-from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
-                         op_enqueue_task, op_retry_task, require_task_id,
-                         stores_awaiting_confirmation, task_records, task_store_of)
+from .task_queue import (op_enqueue_milestone, op_enqueue_ready, op_enqueue_task,
+                         op_retry_task, stores_awaiting_confirmation, task_records,
+                         task_store_of)
 from .mcp import SESSION_ENV, serve_stdio
 from .adapters import adapter_for
 from .register import (add_registration_options, agents_report, register_agents,
                        registration_choices, unregister_agents)
-from .sessions import HqMessage, describe_orchestrator
+from .sessions import HqMessage
 from .notify import terminal_bell
-from .orchestrator import OrchestratorLock, running_orchestrator, stop_orphaned_agents
+from .orchestrator import OrchestratorLock
 from .parallel import live_parallel_run
+from .task_cancel import cancel_needs_confirmation, cancel_queue_task
 from .run import run_loop, run_milestones, run_parallel, run_printer, run_queue
 from .pipelines import _pipeline_result, pipeline_command
 from .scaffold import init_project
@@ -83,29 +84,12 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        task = require_task_id(store, args.id)
-        record = read_task_record(store.dir, task)
-        running = record.get("status") == RUNNING_STATUS
-        if not args.yes and (running or (args.discard and record.get("worktree"))):
-            state = ""
-            with contextlib.suppress(FerrusError):
-                state = " (%s)" % store.for_task(task).read_state().state
-            if not confirm("Task %s is %s%s: cancel it%s?" % (
-                    short_task_id(task), record.get("status"), state,
-                    " and DROP the work in its worktree" if args.discard else
-                    " (its work is saved first)")):
-                say("Nothing changed.")
-                return 1
-        runner = live_parallel_run(store) if running else None
-        if running and running_orchestrator(store) is None:
-            # A dead orchestrator may have left the task's agents at work in its worktree.
-            for note in stop_orphaned_agents(store, task):
-                say(note)
-        say(op_cancel_task(store, caller, task, remove_worktree=runner is None,
-                           discard=args.discard).text)
-        if runner is not None:
-            say("The running %s stops its agents and removes its worktree and branch."
-                % describe_orchestrator(runner))
+        question = None if args.yes else cancel_needs_confirmation(store, args.id,
+                                                                   args.discard)
+        if question and not confirm(question):
+            say("Nothing changed.")
+            return 1
+        cancel_queue_task(store, caller, args.id, args.discard, out=say)
         return 0
     if args.task_command == "retry":
         say(op_retry_task(store, caller, args.id).text)
