@@ -45,6 +45,7 @@ MODULES = (
     "register",
     "prompts",
     "sessions",
+    "web_link",
     "notify",
     "orchestrator",
     "journal_view",
@@ -64,6 +65,9 @@ MODULES = (
     "curses_draw",
     "hq_curses",
     "cli_views",
+    "web_page",
+    "web_api",
+    "web",
     "cli",
     "api",
 )

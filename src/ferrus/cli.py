@@ -42,6 +42,7 @@ from .doctor import doctor_findings
 from .hq_curses import hq_front_end
 from .cli_views import (cmd_diff, cmd_journal, cmd_log, cmd_sessions, cmd_status,
                         cmd_tasks, cmd_usage)
+from .web import add_web_options, add_web_parser, start_web_beside
 
 
 def invoked_as():
@@ -396,25 +397,40 @@ def cmd_run(args, root):
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
-        if parallel > 1:
-            if task is not None:
-                require_utf8(task, "the task description")
-                show(HqMessage("info", "ferrus run: " + op_enqueue_task(
-                    store, human_caller(), task).text, "run"))
-            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                                mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if args.milestone or args.until_done:
-            return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
-                                  mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if task is None and not args.resume and any(
-                record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
-                for _, record in task_records(store)):
-            return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
-                             bell=bell, allow_red_base=args.allow_red_base)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review, mode=mode, bell=bell,
-                        allow_red_base=args.allow_red_base)
+        # The board's URL goes to stderr: with --json, stdout is JSON only.
+        board = start_web_beside(store, args.web_host, args.web_port,
+                                 lambda text: say(text, file=sys.stderr, flush=True),
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if args.web else None
+        try:
+            return _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show)
+        finally:
+            if board is not None:
+                board.close()
+
+
+def _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show):
+    """cmd_run's work once the orchestrator lock is held: the queue in parallel,
+    milestones, the queue one task at a time, or the one task."""
+    if parallel > 1:
+        if task is not None:
+            require_utf8(task, "the task description")
+            show(HqMessage("info", "ferrus run: " + op_enqueue_task(
+                store, human_caller(), task).text, "run"))
+        return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+                            mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done,
+                              args.timeout, args.resume, args.reset, ask=ask, review=review,
+                              mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if task is None and not args.resume and any(
+            record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+            for _, record in task_records(store)):
+        return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
+                         bell=bell, allow_red_base=args.allow_red_base)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                    review=review, mode=mode, bell=bell,
+                    allow_red_base=args.allow_red_base)
 
 
 def cmd_hq(args, root):
@@ -425,7 +441,15 @@ def cmd_hq(args, root):
         front = hq_front_end(store, resume, getattr(args, "no_tui", False))
         for note in held.notes:
             front.write(note)
-        return front.run()
+        # getattr: plain `ferrus` runs cmd_hq with the top-level options, which have no --web.
+        board = start_web_beside(store, args.web_host, args.web_port, front.write,
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if getattr(args, "web", False) else None
+        try:
+            return front.run()
+        finally:
+            if board is not None:
+                board.close()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -717,6 +741,7 @@ def _add_run_parser(sub):
     output.add_argument("--json", action="store_true",
                         help="one JSON object per event on stdout, for CI logs and programs "
                              "(never asks: a question ends the run with exit 4)")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_run)
 
 
@@ -724,7 +749,16 @@ def _add_hq_parser(sub):
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
     p.add_argument("--resume", action="store_true", help="resume a task in flight without asking")
     p.add_argument("--no-tui", action="store_true", help="plain lines instead of curses")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_hq)
+
+
+def _add_web_beside_options(p):
+    """--web and its --web-host, --web-port, ... on `ferrus run` and `ferrus hq`."""
+    p.add_argument("--web", action="store_true",
+                   help="serve the task board in a browser beside it (`ferrus web`), "
+                        "and answer questions and approvals there")
+    add_web_options(p, prefix="web-")
 
 
 def _add_serve_parser(sub):
@@ -759,6 +793,7 @@ COMMAND_PARSERS = (
     ("agents", _add_agents_parser),
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
+    ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
     ("serve", _add_serve_parser),
 )
