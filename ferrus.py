@@ -50,12 +50,14 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     register.py .......... connecting agents to a project, and `ferrus agents`
     prompts.py ........... what each agent is told, for every role and mode
     sessions.py .......... session records, usage, agent processes, HQ's messages
+    web_link.py .......... .ferrus/web.json, for [notify] and runs
     notify.py ............ the bell, desktop notices, [notify] commands
     orchestrator.py ...... the lock, and what a dead one left
     journal_view.py ...... entries, checks, notifications, heartbeats
     controller.py ........ agent slots, capacity, reactions to the journal
     merge_queue.py ....... approved tasks built, checked and merged one by one
     parallel.py .......... the queue worked in worktrees through the phase machine
+    task_cancel.py ....... Cancelling a queue task from a front end: the question first, then the cancel
     run.py ............... one task, the queue, milestones, or the queue in parallel
     pipeline_defs.py ..... workflows.json, worker processes, run records
     pipelines.py ......... the orchestrator, its reconcile loop and decision table
@@ -68,6 +70,9 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     curses_draw.py ....... status, board, transcript, dialogs
     hq_curses.py ......... keys, line editing, history, completion
     cli_views.py ......... `status`, `log`, `sessions`, `usage`, `diff`, `tasks` — read-only
+    web_page.py .......... its HTML, CSS and JavaScript, inline, nothing fetched
+    web_api.py ........... what it shows of the store, and what its actions call
+    web.py ............... `ferrus web`, and a board beside `ferrus run` and HQ
     cli.py ............... argparse, every `ferrus` command, main(argv)
     api.py ............... what other programs may import, and the entry point
 """
@@ -1640,7 +1645,7 @@ class NotifyConfig:
 
     bell: bool = True              # the terminal bell in HQ and `ferrus run`
     desktop: bool = False          # notify-send, osascript or a PowerShell toast
-    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary}
+    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary} {url}
     timeout_secs: int = 30         # a notifier still running then is stopped
     events: list = dataclasses.field(default_factory=lambda: list(NOTIFY_DEFAULT_EVENTS))
 
@@ -13305,7 +13310,58 @@ def _host_name():
 
 
 # ============================================================================
-# src/ferrus/notify.py (from its line 29)
+# src/ferrus/web_link.py (from its line 24)
+# ============================================================================
+# Where the running web board is: .ferrus/web.json, for [notify] and runs.
+#
+# A board (`ferrus web`, or --web beside `ferrus run` and HQ) writes its address — scheme,
+# host and port, never its token — and its pid to .ferrus/web.json when it starts and
+# removes the file when it stops.  web_board_url() reads it: the link to a task's page
+# while a live process serves the board, else None (a file left by a board that died is
+# ignored).  The Notifier puts that link in its messages, and a run leaves a question or
+# an approval to the board instead of ending with exit 4 when nobody at its terminal can
+# answer.  This module sits before the Notifier (in the sessions layer), unlike the rest of
+# the board, which comes after HQ.
+
+WEB_RECORD_FILE = "web.json"
+_WEB_URL_RE = re.compile(r"^https?://[^\s/?#@]+$")
+
+
+def write_web_record(store, base_url):
+    """Name the board this process serves (its address, its pid) in .ferrus/web.json."""
+    atomic_write(store.path(WEB_RECORD_FILE), compact_json(
+        {"url": base_url, "pid": os.getpid(), "started": format_timestamp(store.clock())}),
+        durable=False)
+
+
+def remove_web_record(store):
+    """web.json goes with its board (another board's, started since, stays)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, UnsafePath):
+        with open_inside(store.dir, WEB_RECORD_FILE) as handle:
+            record = json.loads(handle.read(4096).decode("utf-8"))
+        if record.get("pid") == os.getpid():
+            os.unlink(store.path(WEB_RECORD_FILE))
+
+
+def web_board_url(store, task_id=None):
+    """The URL of ``task_id``'s page (of the board without it) while `ferrus web` (or a
+    run's --web) serves this project, else None; [notify] puts it in its messages.  It
+    never holds the token: the browser that opened the board has its cookie."""
+    try:
+        with open_inside(store.dir, WEB_RECORD_FILE) as handle:
+            record = json.loads(handle.read(4096).decode("utf-8"))
+    except (OSError, ValueError, UnsafePath):
+        return None
+    url, pid = record.get("url") if isinstance(record, dict) else None, \
+        record.get("pid") if isinstance(record, dict) else None
+    if not isinstance(url, str) or not _WEB_URL_RE.match(url) or \
+            not isinstance(pid, int) or isinstance(pid, bool) or not pid_alive(pid):
+        return None
+    return url + ("/task/%s" % urllib.parse.quote(task_id, safe="") if task_id else "/")
+
+
+# ============================================================================
+# src/ferrus/notify.py (from its line 30)
 # ============================================================================
 # Notifications: the bell, desktop notices, [notify] commands.
 #
@@ -13398,25 +13454,29 @@ class Notifier:
         if event not in config.events:
             return
         summary = " ".join((summary or "").split())[:300]
+        url = web_board_url(self.store, task_id) or ""     # while a board serves the project
         self.sent.append((event, task_id, summary))
         if config.bell and self.bell is not None:
             with contextlib.suppress(Exception):   # a closed terminal is no reason to stop
                 self.bell()
-        values = {"{event}": event, "{task_id}": task_id or "", "{summary}": summary}
+        # {url} before {summary}: an agent's words saying "{url}" stay as they are.
+        values = {"{event}": event, "{task_id}": task_id or "", "{url}": url,
+                  "{summary}": summary}
         env = {"FERRUS_EVENT": event, "FERRUS_TASK_ID": task_id or "",
-               "FERRUS_SUMMARY": summary}
+               "FERRUS_SUMMARY": summary, "FERRUS_URL": url}
         if config.command:
             argv = [self._fill(part, values) for part in config.command]
             self._start("[notify] command", argv, env, config.timeout_secs, event)
         if config.desktop:
             title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
-            argv = desktop_notification_argv(title, summary or title)
+            body = "\n".join(part for part in (summary or title, url) if part)
+            argv = desktop_notification_argv(title, body)
             if argv is None:
                 self._failed("[notify] desktop", "no desktop notifier was found (notify-send "
                              "on Linux, osascript on macOS, PowerShell on Windows)")
             else:
                 self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
-                                                           FERRUS_NOTIFY_BODY=summary or title),
+                                                           FERRUS_NOTIFY_BODY=body),
                             config.timeout_secs, event)
 
     @staticmethod
@@ -15260,7 +15320,7 @@ class MergeQueue:
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 51)
+# src/ferrus/parallel.py (from its line 52)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -15958,8 +16018,11 @@ class ParallelRunner(MergeQueue):
                                " and ".join(stopped), short_task_id(task)))
             return
         if data.state == S.AWAITING_HUMAN and controller.shown_question:
-            answer = self.ask(controller.shown_question) if self.ask else None
+            # While a board serves the project, the human answers there.
+            answer = self.ask(controller.shown_question) if self.ask and \
+                web_board_url(self.store) is None else None
             if answer is None:
+                self._left_to_board(task, "question waits for your answer")
                 self.waiting_human.add(task)
             elif answer.strip():
                 op_answer(controller.store, HUMAN, answer)
@@ -15967,8 +16030,9 @@ class ParallelRunner(MergeQueue):
                 self._seen = None        # no answer yet: ask again at the next step
         elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
             decision = self.review(confirmation_summary(controller.store, data)) \
-                if self.review else None
+                if self.review and web_board_url(self.store) is None else None
             if decision is None:
+                self._left_to_board(task, "approval waits for your confirmation")
                 self.waiting_human.add(task)
             else:
                 verdict, notes = decision
@@ -15980,6 +16044,14 @@ class ParallelRunner(MergeQueue):
         else:
             self.waiting_human.discard(task)
 
+    def _left_to_board(self, task, what):
+        """Said once as ``task`` starts waiting for the human while a board serves the
+        project (`ferrus web`, --web): where to answer, as nobody is asked here."""
+        board = web_board_url(self.store, task)
+        if board is not None and task not in self.waiting_human:
+            self.note("task %s: the %s on the board: %s" % (short_task_id(task), what, board),
+                      task_id=task)
+
     def _collect(self):
         if self.integrating():
             if self.advance(5):
@@ -15990,9 +16062,10 @@ class ParallelRunner(MergeQueue):
             self.advance(5)        # nothing left: P5 has nothing to merge and reports
 
     def stuck_on_human(self):
-        """Every task still in flight waits for a human nobody here can be."""
+        """Every task still in flight waits for a human nobody here can be (nor on a
+        board serving the project: `ferrus web`, --web)."""
         return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
-            not (self.queued() and self.free_slots())
+            not (self.queued() and self.free_slots()) and web_board_url(self.store) is None
 
     # -- P5 integrate: the merge queue -----------------------------------------------------
 
@@ -16176,7 +16249,59 @@ def checkout_base(store):
 
 
 # ============================================================================
-# src/ferrus/run.py (from its line 35)
+# src/ferrus/task_cancel.py (from its line 20)
+# ============================================================================
+# Cancelling a queue task from a front end: the question first, then the cancel.
+#
+# `ferrus task cancel` and the web board cancel a queue task the same way: a running
+# task (or one whose worktree's work would be dropped) needs the human's yes first, then
+# agents a dead orchestrator left on the task are stopped, op_cancel_task ends it, and
+# the live `ferrus run --parallel` working it (if one does) removes its worktree, else the
+# cancel does.  HQ's /task cancel knows its own runner and calls op_cancel_task itself.
+
+def cancel_needs_confirmation(store, task, discard=False):
+    """The question to ask before cancelling ``task`` (as `ferrus task cancel` asks it),
+    or None when a cancel needs no yes: only a running task, or dropping a worktree's
+    work, does."""
+    task = require_task_id(store, task)
+    record = read_task_record(store.dir, task)
+    if not (record.get("status") == RUNNING_STATUS or (discard and record.get("worktree"))):
+        return None
+    state = ""
+    with contextlib.suppress(FerrusError):
+        state = " (%s)" % store.for_task(task).read_state().state
+    return "Task %s is %s%s: cancel it%s?" % (
+        short_task_id(task), record.get("status"), state,
+        " and DROP the work in its worktree" if discard else " (its work is saved first)")
+
+
+def cancel_queue_task(store, caller, task, discard=False, out=None):
+    """Cancel a queue task once the human said yes: agents a dead orchestrator left on
+    it are stopped first; the run working it (if one does) removes its worktree, else
+    this does.  Each line to show goes to ``out`` as it happens; returns them all."""
+    lines = []
+
+    def tell(line):
+        lines.append(line)
+        if out is not None:
+            out(line)
+    task = require_task_id(store, task)
+    running = read_task_record(store.dir, task).get("status") == RUNNING_STATUS
+    runner = live_parallel_run(store) if running else None
+    if running and running_orchestrator(store) is None:
+        # A dead orchestrator may have left the task's agents at work in its worktree.
+        for note in stop_orphaned_agents(store, task):
+            tell(note)
+    tell(op_cancel_task(store, caller, task, remove_worktree=runner is None,
+                        discard=discard).text)
+    if runner is not None:
+        tell("The running %s stops its agents and removes its worktree and branch."
+             % describe_orchestrator(runner))
+    return lines
+
+
+# ============================================================================
+# src/ferrus/run.py (from its line 36)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
 #
@@ -16296,9 +16421,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     controller.drain_journal()
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
+    told_board = set()          # the revs whose question or approval was left to the board
     try:
         while True:
-            code = _run_step(store, controller, run_task, note, ask, review, poll_interval)
+            code = _run_step(store, controller, run_task, note, ask, review, poll_interval,
+                             told_board)
             if code is not None:
                 return code
             if timeout is not None and clock() - started >= timeout:
@@ -16354,11 +16481,13 @@ def _start_run_task(store, data, task, note, show, launcher, reset, allow_red_ba
              branch=created.data["branch"])
 
 
-def _run_step(store, controller, run_task, note, ask, review, poll_interval):
+def _run_step(store, controller, run_task, note, ask, review, poll_interval, told_board):
     """One turn of run_loop: the controller polled, then the run's exit code when the task
     ended, went away, hit a checkpoint, waits for a human nobody here can be, or has an
     agent that gave up; else None (the questions and confirmations a human here can give
-    are passed on)."""
+    are passed on).  While a board serves the project (`ferrus web`, --web) the human
+    gives them there: the run says so once per state (``told_board``: those revs) and
+    waits for the board's answer."""
     controller.poll()
     data = store.read_state()
     controller.catch_up(data.rev)
@@ -16378,7 +16507,13 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval):
              "`ferrus run --resume`", exit=RUN_CHECKPOINT)
         return RUN_CHECKPOINT
     if data.state == S.AWAITING_HUMAN and controller.shown_question:
-        answer = ask(controller.shown_question) if ask else None
+        board = web_board_url(store, run_task)
+        answer = ask(controller.shown_question) if ask and board is None else None
+        if answer is None and board is not None:
+            if data.rev not in told_board:
+                told_board.add(data.rev)
+                note("the question waits for your answer on the board: %s" % board)
+            answer = ""                 # nothing to pass on: the board answers
         if answer is None:
             note("an agent asked a human and no answer is given here (stdin is not "
                  "a terminal, or it ended); answer with HQ or `ferrus run --resume` "
@@ -16387,20 +16522,28 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval):
         if answer.strip():
             op_answer(store, HUMAN, answer)
     if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
-        decision = review(confirmation_summary(store, data)) if review else None
-        if decision is None:
+        board = web_board_url(store, run_task)
+        decision = review(confirmation_summary(store, data)) \
+            if review and board is None else None
+        if decision is None and board is not None:
+            if data.rev not in told_board:
+                told_board.add(data.rev)
+                note("the reviewer's approval waits for your confirmation on the board: %s"
+                     % board)
+        elif decision is None:
             note("the task waits for a human's confirmation of the reviewer's "
                  "approval; run `ferrus approve`, or `ferrus reject NOTES` and then "
                  "`ferrus run --resume`", exit=RUN_NEEDS_HUMAN)
             return RUN_NEEDS_HUMAN
-        verdict, notes = decision
-        try:
-            if verdict == "approve":
-                op_human_approve(store, HUMAN, via="run")
-            else:
-                op_human_reject(store, HUMAN, notes, via="run")
-        except FerrusError as err:      # e.g. someone else decided meanwhile
-            note(err.message)
+        else:
+            verdict, notes = decision
+            try:
+                if verdict == "approve":
+                    op_human_approve(store, HUMAN, via="run")
+                else:
+                    op_human_reject(store, HUMAN, notes, via="run")
+            except FerrusError as err:      # e.g. someone else decided meanwhile
+                note(err.message)
     stuck = [slot.name for slot in controller.slots.values() if slot.state == SS.STOPPED]
     if stuck and not controller.running():
         # The task itself is still in flight: say how to go on once the cause is
@@ -21299,23 +21442,33 @@ def full_task_title(store, task, title):
     return title
 
 
+def tasks_with_usage(store, rows, full_titles=True):
+    """`ferrus tasks`'s rows: ``rows`` of task_rows with each task's tokens, cost (None
+    while a session's cost is unknown) and executor agent (from its sessions when its
+    record names none); with ``full_titles`` (`--json`, the board) its title uncut."""
+    by_task = collections.defaultdict(list)
+    for record in read_session_records(store):
+        by_task[record.get("task_id")].append(record)
+    for row in rows:
+        records = by_task.get(row["id"], [])
+        used = usage_summary(records)
+        row["tokens"] = used["input_tokens"] + used["output_tokens"]
+        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
+        row["agent"] = row.get("agent") or next(
+            (r.get("agent") for r in reversed(records) if r.get("role") == "executor"), None)
+        if full_titles:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+    return rows
+
+
 def cmd_tasks(args, root):
     store = Store(root).require()
     rows = task_rows(store)
     older = 0
     if not args.all:
         rows, older = recent_task_rows(rows, store.clock())
-    records = read_session_records(store)
-    for row in rows:
-        used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
-        row["tokens"] = used["input_tokens"] + used["output_tokens"]
-        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
-        row["agent"] = row.get("agent") or next(
-            (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
-             and r.get("role") == "executor"), None)
+    tasks_with_usage(store, rows, full_titles=args.json)
     if args.json:
-        for row in rows:
-            row["title"] = full_task_title(store, row["id"], row["title"])
         print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
         return 0
     if not rows:
@@ -21347,7 +21500,2240 @@ def cmd_journal(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 46)
+# src/ferrus/web_page.py (from its line 16)
+# ============================================================================
+# The web board's page: its HTML, CSS and JavaScript, inline, nothing fetched.
+#
+# One page serves the board (/) and a task's page (/task/ID): the script reads the path,
+# fetches the JSON API (/api/tasks, /api/tasks/ID, its diff, /api/logs/NAME), renders it,
+# and listens to /api/events (Server-Sent Events from the journal) to fetch again when
+# something happened — it never polls.  It works in current Chromium and Firefox with no
+# library.  Every text it shows came from an agent, a check or a file, so the DOM is built
+# with createElement and textContent only (never innerHTML); the server sends the page with
+# a Content-Security-Policy that lets only this script and style run (their nonce).  The
+# script marks `ferrus:board` and `ferrus:diff` with performance.mark() once the board or a
+# diff is painted (bench/web.py reads them).
+
+WEB_PAGE_STYLE = r"""
+:root { color-scheme: light dark; --bg: #f6f7f9; --fg: #1d2330; --muted: #667085;
+  --card: #ffffff; --line: #d9dde5; --accent: #2f6fed; --add: #e6ffec; --add-fg: #116329;
+  --del: #ffebe9; --del-fg: #a40e26; --hunk: #ddf4ff; --warn: #9a6700; --bad: #c9302c;
+  --good: #1a7f37; --you: #fff4d6; }
+@media (prefers-color-scheme: dark) {
+  :root { --bg: #101318; --fg: #e6e9ef; --muted: #98a2b3; --card: #1a1f27; --line: #2d3440;
+    --accent: #6c9cff; --add: #12261a; --add-fg: #7ee2a0; --del: #2d1417; --del-fg: #ff9aa5;
+    --hunk: #10263a; --warn: #e3b341; --bad: #ff7b72; --good: #56d364; --you: #2e2712; }
+}
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
+  background: var(--bg); color: var(--fg); }
+header { display: flex; gap: 12px; align-items: baseline; padding: 10px 16px;
+  border-bottom: 1px solid var(--line); background: var(--card); position: sticky; top: 0;
+  z-index: 2; }
+header a.home { font-weight: 700; color: var(--fg); text-decoration: none; font-size: 16px; }
+#project { color: var(--muted); overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+#live { margin-left: auto; font-size: 12px; color: var(--muted); white-space: nowrap; }
+#live.on::before { content: "\25CF  "; color: var(--good); }
+#live.off::before { content: "\25CF  "; color: var(--bad); }
+main { padding: 12px 16px 40px; }
+button { font: inherit; padding: 4px 12px; white-space: nowrap; border-radius: 6px;
+  border: 1px solid var(--line); background: var(--card); color: var(--fg); cursor: pointer; }
+button.primary { background: var(--accent); border-color: var(--accent); color: #fff; }
+button.danger { color: var(--bad); }
+button:disabled { opacity: .5; cursor: default; }
+textarea { font: inherit; width: 100%; min-height: 4.5em; padding: 6px; border-radius: 6px;
+  border: 1px solid var(--line); background: var(--card); color: var(--fg); }
+.toolbar { display: flex; gap: 10px; align-items: flex-start; margin-bottom: 12px;
+  flex-wrap: wrap; }
+.toolbar form, .addtask { flex: 1 1 420px; display: flex; gap: 8px; align-items: flex-start; }
+.addtask textarea { min-height: 2.4em; height: 2.4em; }
+.muted { color: var(--muted); }
+.columns { display: flex; gap: 10px; align-items: flex-start; overflow-x: auto;
+  padding-bottom: 8px; }
+.column { flex: 1 1 0; min-width: 168px; min-height: 80px; }
+.column h2 { font-size: 12px; text-transform: uppercase; letter-spacing: .04em;
+  color: var(--muted); margin: 0 0 8px; display: flex; justify-content: space-between; }
+.column.awaiting h2 { color: var(--warn); }
+.card { display: block; background: var(--card); border: 1px solid var(--line);
+  border-radius: 8px; padding: 8px 10px; margin-bottom: 8px; color: var(--fg);
+  text-decoration: none; overflow-wrap: anywhere; }
+.card:hover { border-color: var(--accent); }
+.column.awaiting .card { background: var(--you); }
+.card .title { font-weight: 600; display: block; margin-bottom: 4px; }
+.card .meta, .card .last { font-size: 12px; color: var(--muted); display: block; }
+.card .last.failed { color: var(--bad); }
+.badge { display: inline-block; font-size: 11px; padding: 0 6px; border-radius: 9px;
+  border: 1px solid var(--line); margin-right: 4px; color: var(--muted); }
+.badge.you { color: var(--warn); border-color: var(--warn); }
+.badge.bad { color: var(--bad); border-color: var(--bad); }
+.task h1 { font-size: 20px; margin: 4px 0; overflow-wrap: anywhere; }
+.facts { color: var(--muted); display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; }
+section { background: var(--card); border: 1px solid var(--line); border-radius: 8px;
+  padding: 10px 12px; margin: 12px 0; }
+section h2 { font-size: 14px; margin: 0 0 8px; }
+section.you { border-color: var(--warn); background: var(--you); }
+.actions { display: flex; gap: 8px; flex-wrap: wrap; margin: 10px 0; }
+pre, .text { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0;
+  font: 12.5px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+.text { font: inherit; }
+ol.events { list-style: none; padding: 0; margin: 0; }
+ol.events li { padding: 4px 0; border-top: 1px solid var(--line); overflow-wrap: anywhere; }
+ol.events li:first-child { border-top: 0; }
+.events .when { color: var(--muted); font-size: 12px; margin-right: 8px; }
+.events .what { font-weight: 600; margin-right: 6px; }
+.events .who { color: var(--muted); font-size: 12px; margin-right: 6px; }
+.events .moved { margin-right: 6px; }
+.events .detail { color: var(--muted); font-size: 12px; }
+.check { margin: 2px 0 0 16px; font-size: 12px; }
+.check.failed, .failed { color: var(--bad); }
+.check.passed { color: var(--good); }
+.tail { margin: 2px 0 4px 16px; padding: 4px 6px; background: var(--bg); border-radius: 4px; }
+.quote { margin: 4px 0 0 16px; padding-left: 8px; border-left: 3px solid var(--line); }
+table { border-collapse: collapse; width: 100%; font-size: 12.5px; }
+td, th { text-align: left; padding: 3px 6px; border-top: 1px solid var(--line);
+  vertical-align: top; overflow-wrap: anywhere; }
+.tools li { font: 12.5px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+  overflow-wrap: anywhere; }
+details.file { border: 1px solid var(--line); border-radius: 6px; margin: 6px 0; }
+details.file > summary { padding: 4px 8px; cursor: pointer; font-family: ui-monospace,
+  SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; overflow-wrap: anywhere; }
+details.file > summary .plus { color: var(--add-fg); margin-left: 8px; }
+details.file > summary .minus { color: var(--del-fg); margin-left: 4px; }
+pre.diff { padding: 4px 0; overflow-x: auto; white-space: pre; }
+pre.diff span { display: block; padding: 0 8px; }
+pre.diff .add { background: var(--add); color: var(--add-fg); }
+pre.diff .del { background: var(--del); color: var(--del-fg); }
+pre.diff .hunk { background: var(--hunk); color: var(--muted); }
+pre.diff .meta { color: var(--muted); }
+pre.log { max-height: 480px; overflow: auto; background: var(--bg); padding: 6px;
+  border-radius: 4px; margin-top: 6px; }
+.logbar { display: flex; gap: 8px; align-items: center; margin-top: 6px; font-size: 12px; }
+#toast { position: fixed; left: 50%; bottom: 16px; transform: translateX(-50%);
+  max-width: min(720px, 92vw); background: var(--card); border: 1px solid var(--line);
+  border-radius: 8px; padding: 8px 12px; box-shadow: 0 4px 16px rgba(0,0,0,.18);
+  white-space: pre-wrap; overflow-wrap: anywhere; display: none; z-index: 5; }
+#toast.show { display: block; }
+#toast.error { border-color: var(--bad); }
+#toast .hint { color: var(--muted); display: block; margin-top: 4px; }
+@media (max-width: 720px) {
+  .columns { flex-direction: column; }
+  .column.awaiting { order: -1; }          /* on a phone, what waits for you comes first */
+  .column { flex: 1 1 auto; width: 100%; }
+  main { padding: 10px; }
+}
+"""
+
+WEB_PAGE_SCRIPT = r"""
+"use strict";
+(function () {
+  const main = document.getElementById("main");
+  const live = document.getElementById("live");
+  const projectName = document.getElementById("project");
+  const toast = document.getElementById("toast");
+  let source = null;
+  let view = null;              // {kind: "board"} or {kind: "task", id, ...}
+  let showAll = false;
+  let timer = null, busy = false, again = false, lastSessionsRefresh = 0;
+
+  // -- small helpers: every text goes through textContent ------------------------------
+  function el(tag, cls, text) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+  function add(parent) {
+    for (let i = 1; i < arguments.length; i++) if (arguments[i]) parent.appendChild(arguments[i]);
+    return parent;
+  }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
+  function count(n) {
+    n = Number(n) || 0;
+    if (n >= 1e9) return (n / 1e9).toFixed(1).replace(/\.0$/, "") + "G";
+    if (n >= 1e6) return (n / 1e6).toFixed(1).replace(/\.0$/, "") + "M";
+    if (n >= 1e3) return (n / 1e3).toFixed(1).replace(/\.0$/, "") + "k";
+    return String(Math.round(n));
+  }
+  function duration(secs) {
+    if (secs === null || secs === undefined || isNaN(secs)) return "?";
+    secs = Math.max(0, Math.round(secs));
+    if (secs < 60) return secs + "s";
+    if (secs < 3600) return Math.floor(secs / 60) + "m";
+    const minutes = Math.floor(secs / 60) % 60;
+    if (secs < 86400) return Math.floor(secs / 3600) + "h" + (minutes ? " " + minutes + "m" : "");
+    return Math.floor(secs / 86400) + "d";
+  }
+  function cost(value) {
+    if (value === null || value === undefined) return "";
+    return "$" + (value < 1 ? Number(value).toFixed(4) : Number(value).toFixed(2));
+  }
+  function when(stamp) {
+    const moment = new Date(stamp);
+    return isNaN(moment) ? String(stamp || "") : moment.toLocaleString();
+  }
+  function short(id) {
+    const text = String(id || ""), dash = text.lastIndexOf("-");
+    return dash >= 0 ? text.slice(dash + 1) : text;
+  }
+  function taskPath(id) { return "/task/" + encodeURIComponent(id); }
+
+  function say(text, error, hint) {
+    clear(toast);
+    toast.className = "show" + (error ? " error" : "");
+    add(toast, el("span", "", text));
+    if (hint) add(toast, el("span", "hint", "hint: " + hint));
+    clearTimeout(say.timer);
+    say.timer = setTimeout(function () { toast.className = ""; }, error ? 12000 : 5000);
+  }
+
+  async function api(path, body) {
+    const init = {credentials: "same-origin", headers: {"Accept": "application/json"}};
+    if (body !== undefined) {
+      init.method = "POST";
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const response = await fetch(path, init);
+    let data;
+    try {
+      data = await response.json();
+    } catch (e) {
+      data = {error: "the board answered HTTP " + response.status};
+    }
+    if (!response.ok) {
+      const err = new Error(data.error || ("HTTP " + response.status));
+      err.hint = data.hint; err.status = response.status; err.data = data;
+      throw err;
+    }
+    return data;
+  }
+  function failed(err) { say(err.message, true, err.hint); }
+
+  // -- live: the journal, pushed --------------------------------------------------------
+  function listen(seq) {
+    if (source) return;
+    source = new EventSource("/api/events?after=" + encodeURIComponent(seq));
+    source.onopen = function () { live.className = "on"; live.textContent = "live"; };
+    source.onerror = function () {
+      if (source.readyState === EventSource.CLOSED) {
+        live.className = "off";
+        live.textContent = "disconnected: reload when `ferrus web` runs again";
+      } else {
+        live.className = "off"; live.textContent = "reconnecting…";
+      }
+    };
+    source.addEventListener("journal", function (message) {
+      let entry;
+      try { entry = JSON.parse(message.data); } catch (e) { return; }
+      if (view.kind === "board" || entry.task_id === view.id || entry.task_id === view.taskId) {
+        if (view.kind === "task") {
+          appendEvent(entry);
+          // What the diff shows changed: a new submission, a merge, a send-back.
+          if (/^(submit|integrated|integration_failed|reject|human_reject|task_)/
+            .test(entry.event || "")) loadDiff();
+        }
+        later(120);
+      }
+    });
+    source.addEventListener("sessions", function () {
+      const wait = Math.max(150, 1000 - (Date.now() - lastSessionsRefresh));
+      later(wait);
+    });
+    source.addEventListener("reset", function () { later(0); });
+  }
+  function later(delay) {
+    if (timer) return;
+    timer = setTimeout(function () { timer = null; refresh(); }, delay);
+  }
+  async function refresh() {
+    if (busy) { again = true; return; }
+    busy = true;
+    try {
+      lastSessionsRefresh = Date.now();
+      if (view.kind === "board") await loadBoard(); else await loadTask();
+    } catch (err) { failed(err); }
+    finally { busy = false; if (again) { again = false; later(50); } }
+  }
+
+  // -- routing: / is the board, /task/ID a task -------------------------------------------
+  function route() {
+    const match = location.pathname.match(/^\/task\/([^/]+)$/);
+    view = match ? {kind: "task", id: decodeURIComponent(match[1])} : {kind: "board"};
+    clear(main);
+    (view.kind === "board" ? showBoard() : showTask()).catch(failed);
+  }
+  function go(path) {
+    history.pushState(null, "", path);
+    route();
+    window.scrollTo(0, 0);
+  }
+  function link(node, path) {
+    node.href = path;
+    node.addEventListener("click", function (event) {
+      if (event.button !== 0 || event.metaKey || event.ctrlKey || event.shiftKey) return;
+      event.preventDefault();
+      go(path);
+    });
+    return node;
+  }
+  window.addEventListener("popstate", route);
+  link(document.getElementById("home"), "/");
+
+  // -- the board ---------------------------------------------------------------------------
+  async function showBoard() {
+    const page = el("div", "board");
+    const bar = el("div", "toolbar");
+    const form = el("div", "addtask");
+    const text = el("textarea");
+    text.placeholder = "A new task (its first line is its title)";
+    text.setAttribute("aria-label", "new task");
+    const queue = el("button", "primary", "Queue task");
+    queue.type = "button";
+    queue.addEventListener("click", async function () {
+      if (!text.value.trim()) { say("Write the task first.", true); return; }
+      queue.disabled = true;
+      try {
+        const done = await api("/api/tasks", {text: text.value});
+        text.value = "";
+        say(done.message);
+        later(0);
+      } catch (err) { failed(err); } finally { queue.disabled = false; }
+    });
+    add(form, text, queue);
+    const all = el("label", "muted");
+    const box = el("input");
+    box.type = "checkbox"; box.checked = showAll;
+    box.addEventListener("change", function () { showAll = box.checked; later(0); });
+    add(all, box, document.createTextNode(" every ended task"));
+    const summary = el("span", "muted summary");
+    add(bar, form, all, summary);
+    const columns = el("div", "columns");
+    add(page, bar, columns);
+    main.appendChild(page);
+    view.columns = columns; view.summary = summary;
+    const data = await loadBoard();
+    listen(data.seq);
+  }
+
+  async function loadBoard() {
+    const data = await api("/api/tasks" + (showAll ? "?all=1" : ""));
+    if (view.kind !== "board") return data;
+    document.title = "ferrus · " + data.project;
+    projectName.textContent = data.project;
+    renderColumns(data);
+    requestAnimationFrame(function () {
+      if (!performance.getEntriesByName("ferrus:board").length) performance.mark("ferrus:board");
+    });
+    return data;
+  }
+
+  function renderColumns(data) {
+    const byColumn = {};
+    for (const column of data.columns) byColumn[column[0]] = [];
+    for (const task of data.tasks) (byColumn[task.column] || byColumn.ended).push(task);
+    const frag = document.createDocumentFragment();
+    for (const column of data.columns) {
+      const tasks = byColumn[column[0]];
+      const box = el("div", "column " + column[0]);
+      box.dataset.column = column[0];
+      const heading = el("h2");
+      add(heading, el("span", "", column[1]), el("span", "", tasks.length || ""));
+      box.appendChild(heading);
+      for (const task of tasks) box.appendChild(card(task, data.human_review));
+      frag.appendChild(box);
+    }
+    clear(view.columns).appendChild(frag);
+    view.summary.textContent = !data.older ? "" :
+      data.older + " older ended task" + (data.older === 1 ? "" : "s") + " not shown";
+  }
+
+  function card(task, humanReview) {
+    const node = link(el("a", "card"), taskPath(task.id));
+    node.dataset.task = task.id;
+    node.dataset.state = task.state_word || "";
+    add(node, el("span", "title", task.title || "(no title)"));
+    const meta = el("span", "meta");
+    if (task.state === "AwaitingHuman") add(meta, el("span", "badge you", "question"));
+    if (task.state === "AwaitingConfirmation") add(meta, el("span", "badge you", "approve?"));
+    if (task.problem) add(meta, el("span", "badge bad", "damaged"));
+    else if (task.column === "ended" || task.column === "merged") {
+      add(meta, el("span", "badge", task.state_word));
+    } else if (task.state && task.column === "executing" && task.state !== "Executing") {
+      add(meta, el("span", "badge", task.state));
+    }
+    const parts = [task.short_id, task.place];
+    if (task.agent || task.column === "queued") parts.push(task.agent || "no agent yet");
+    parts.push(duration(task.elapsed_secs));
+    if (task.tokens) parts.push(count(task.tokens) + " tok");
+    if (task.cost_usd) parts.push(cost(task.cost_usd));
+    add(meta, document.createTextNode(parts.join(" · ")));
+    add(node, meta);
+    if (task.last_event) add(node, el("span", "last", task.last_event));
+    if (task.failure_reason && task.column === "ended") {
+      add(node, el("span", "last failed", task.failure_reason));
+    }
+    return node;
+  }
+
+  // -- a task's page ----------------------------------------------------------------------
+  async function showTask() {
+    const page = el("div", "task");
+    const back = link(el("a", "muted", "← the board"), "/");
+    const title = el("h1", "", "…");
+    const facts = el("div", "facts");
+    const you = el("div");
+    const actions = el("div", "actions");
+    const text = section("Task");
+    const events = section("Events");
+    const eventList = el("ol", "events");
+    events.appendChild(eventList);
+    const tools = section("Tool calls");
+    const sessions = section("Sessions and usage");
+    const logSlot = el("div", "logslot");
+    sessions.box.appendChild(logSlot);
+    const diff = section("Diff");
+    add(page, back, title, facts, you, actions, text.box, events.box, tools.box, sessions.box,
+      diff.box);
+    main.appendChild(page);
+    Object.assign(view, {title: title, facts: facts, you: you, actions: actions, text: text,
+      eventList: eventList, tools: tools, sessions: sessions, logSlot: logSlot, diff: diff,
+      youKey: null, actionsKey: null, seen: new Set()});
+    const data = await loadTask();
+    listen(data.seq);
+    loadDiff();
+  }
+
+  function section(heading) {
+    const box = el("section");
+    const head = el("h2", "", heading);
+    box.appendChild(head);
+    const body = el("div");
+    box.appendChild(body);
+    return {box: box, head: head, body: body,
+      appendChild: function (node) { return body.appendChild(node); }};
+  }
+
+  async function loadTask() {
+    const id = view.id;
+    const data = await api("/api/tasks/" + encodeURIComponent(id));
+    if (view.kind !== "task" || view.id !== id) return data;
+    view.taskId = data.task.id;
+    projectName.textContent = data.project;
+    renderTask(data);
+    return data;
+  }
+
+  function renderTask(data) {
+    const task = data.task;
+    document.title = "ferrus · " + (task.title || task.id);
+    view.title.textContent = task.title || task.id;
+    clear(view.facts);
+    const spent = task.cost_usd === null ? (task.tokens ? "unknown" : "-") : cost(task.cost_usd);
+    const facts = [["task", task.id], ["where", task.state_word], ["place", task.place],
+      ["agent", task.agent || "-"], ["age", duration(task.age_secs)],
+      ["tokens", count(task.tokens)], ["cost", spent]];
+    if (data.state) {
+      facts.push(["review cycles", data.state.review_cycles],
+        ["check retries", data.state.check_retries]);
+    }
+    if (task.branch) facts.push(["branch", task.branch]);
+    if (task.merged_commit) facts.push(["merged at", task.merged_commit.slice(0, 12)]);
+    for (const fact of facts) add(view.facts, el("span", "", fact[0] + ": " + fact[1]));
+    if (task.failure_reason) {
+      add(view.facts, el("span", "failed", "failed: " + task.failure_reason));
+    }
+    renderYou(data);
+    renderActions(data);
+    clear(view.text.body);
+    add(view.text.body, el("div", "text", data.text || "(TASK.md is empty)"));
+    if (data.submission) {
+      add(view.text.body, el("h2", "", "Submission notes"),
+        el("div", "text quote", data.submission));
+    }
+    if (data.review_notes) {
+      add(view.text.body, el("h2", "", "Review notes"), el("div", "text quote", data.review_notes));
+    }
+    renderEvents(data.events);
+    renderTools(data.tool_calls);
+    renderSessions(data);
+  }
+
+  // What waits for the human: a question, or the reviewer's approval to confirm.  Rebuilt
+  // only when it changes, so a half-written answer survives every refresh.
+  function renderYou(data) {
+    const key = JSON.stringify([data.state && data.state.state, data.question, data.confirmation]);
+    if (key === view.youKey) return;
+    view.youKey = key;
+    clear(view.you);
+    if (data.actions.answer) {
+      const box = add(el("section", "you"), el("h2", "", "An agent asks you"),
+        el("div", "text quote question", data.question || ""));
+      const answer = el("textarea", "answer");
+      answer.setAttribute("aria-label", "your answer");
+      const send = el("button", "primary", "Send answer");
+      send.type = "button";
+      send.addEventListener("click", async function () {
+        if (!answer.value.trim()) { say("Write the answer first.", true); return; }
+        send.disabled = true;
+        try {
+          const done = await api("/api/answer", {task: data.task.id, text: answer.value});
+          say(done.message); view.youKey = null; later(0);
+        } catch (err) { failed(err); send.disabled = false; }
+      });
+      add(box, answer, add(el("div", "actions"), send));
+      view.you.appendChild(box);
+    } else if (data.actions.approve) {
+      const box = add(el("section", "you"),
+        el("h2", "", "The reviewer approved this task: your confirmation"));
+      const notes = data.confirmation && data.confirmation.approval_notes;
+      add(box, el("div", "muted", "The reviewer's notes:"),
+        el("div", "text quote approval", notes || "(no notes given)"));
+      if (data.submission) {
+        add(box, el("div", "muted", "The submission:"), el("div", "text quote", data.submission));
+      }
+      add(box, el("div", "muted",
+        "Its diff is below. Rejecting sends your notes to the executor as review notes."));
+      const approve = el("button", "primary", "Approve");
+      approve.type = "button";
+      approve.addEventListener("click", async function () {
+        if (!window.confirm("Approve task " + short(data.task.id) + "?")) return;
+        approve.disabled = true;
+        try {
+          const done = await api("/api/tasks/" + encodeURIComponent(data.task.id) + "/approve", {});
+          say(done.message); view.youKey = null; later(0);
+        } catch (err) { failed(err); approve.disabled = false; }
+      });
+      const notesBox = el("textarea", "reject-notes");
+      notesBox.placeholder = "What must change (the executor gets these notes)";
+      const reject = el("button", "danger", "Reject with these notes");
+      reject.type = "button";
+      reject.addEventListener("click", async function () {
+        if (!notesBox.value.trim()) {
+          say("A rejection needs notes: what must change.", true);
+          return;
+        }
+        reject.disabled = true;
+        try {
+          const done = await api("/api/tasks/" + encodeURIComponent(data.task.id) + "/reject",
+            {notes: notesBox.value});
+          say(done.message); view.youKey = null; later(0);
+        } catch (err) { failed(err); reject.disabled = false; }
+      });
+      add(box, add(el("div", "actions"), approve), notesBox, add(el("div", "actions"), reject));
+      view.you.appendChild(box);
+    }
+  }
+
+  function renderActions(data) {
+    const key = JSON.stringify([data.actions.cancel, data.actions.retry, data.task.worktree]);
+    if (key === view.actionsKey) return;
+    view.actionsKey = key;
+    clear(view.actions);
+    const id = data.task.id;
+    function button(label, cls, action) {
+      const node = el("button", cls, label);
+      node.type = "button";
+      node.addEventListener("click", function () {
+        node.disabled = true;
+        action().finally(function () { node.disabled = false; });
+      });
+      view.actions.appendChild(node);
+    }
+    async function cancel(discard) {
+      const path = "/api/tasks/" + encodeURIComponent(id) + "/cancel";
+      try {
+        let done;
+        try {
+          done = await api(path, {discard: discard});
+        } catch (err) {
+          // A running task (or dropping its work): the server says what to ask.
+          if (!(err.status === 409 && err.data && err.data.confirm)) throw err;
+          if (!window.confirm(err.data.confirm)) return;
+          done = await api(path, {discard: discard, confirm: true});
+        }
+        say(done.message); view.actionsKey = null; later(0);
+      } catch (err) { failed(err); }
+    }
+    if (data.actions.cancel) {
+      button("Cancel task", "danger", function () { return cancel(false); });
+      if (data.task.worktree) {
+        button("Cancel and drop its work", "danger", function () { return cancel(true); });
+      }
+    }
+    if (data.actions.retry) {
+      button("Retry", "primary", async function () {
+        try {
+          const done = await api("/api/tasks/" + encodeURIComponent(id) + "/retry", {});
+          say(done.message); view.actionsKey = null; later(0);
+        } catch (err) { failed(err); }
+      });
+    }
+  }
+
+  function eventLine(entry) {
+    const item = el("li");
+    item.dataset.seq = entry.seq;
+    add(item, el("span", "when", when(entry.time)),
+      el("span", "what", String(entry.event || "?").replace(/_/g, " ")));
+    if (entry.from !== entry.to && entry.to) {
+      add(item, el("span", "moved", (entry.from || "?") + " → " + entry.to));
+    }
+    add(item, el("span", "who", entry.actor || ""));
+    const detail = Object.assign({}, entry.detail || {});
+    const checks = Array.isArray(detail.checks) ? detail.checks : null;
+    const said = typeof detail.said === "string" ? detail.said : null;
+    delete detail.checks; delete detail.said;
+    const words = [];
+    for (const key of Object.keys(detail)) {
+      const value = detail[key];
+      if (value === null || value === undefined || value === "") continue;
+      words.push(key + "=" + (typeof value === "object" ? JSON.stringify(value) : String(value)));
+    }
+    if (words.length) add(item, el("span", "detail", words.join("  ")));
+    if (said) add(item, el("div", "text quote", said));
+    if (checks) {
+      for (const check of checks) {
+        if (!check || typeof check !== "object") continue;
+        const status = String(check.status || "?");
+        const secs = typeof check.secs === "number" ? " (" + check.secs.toFixed(1) + "s)" : "";
+        const exit = check.exit !== undefined && check.exit !== null && status !== "passed" ?
+          " exit " + check.exit : "";
+        add(item, el("div", "check " + status,
+          status + ": " + (check.command || "?") + exit + secs));
+        if (Array.isArray(check.tail) && check.tail.length) {
+          add(item, el("pre", "tail", check.tail.join("\n")));
+        }
+        if (check.log_name) {
+          const open = el("button", "", "its log");
+          open.type = "button";
+          open.addEventListener("click", function () { showLog(check.log_name); });
+          add(item, open);
+        }
+      }
+    }
+    return item;
+  }
+  function renderEvents(entries) {
+    const list = view.eventList;
+    clear(list);
+    view.seen = new Set();
+    for (const entry of entries) { list.appendChild(eventLine(entry)); view.seen.add(entry.seq); }
+    if (!entries.length) {
+      list.appendChild(el("li", "muted", "Nothing has happened to this task yet."));
+    }
+  }
+  function appendEvent(entry) {
+    if (!view.eventList || view.seen.has(entry.seq)) return;
+    view.seen.add(entry.seq);
+    const empty = view.eventList.querySelector("li.muted");
+    if (empty) empty.remove();
+    view.eventList.appendChild(eventLine(entry));
+  }
+
+  function renderTools(calls) {
+    const body = clear(view.tools.body);
+    if (!calls.length) {
+      body.appendChild(el("div", "muted", "No tool calls recorded in its sessions' logs."));
+      return;
+    }
+    const list = el("ol", "tools");
+    for (const call of calls) {
+      const item = el("li", call.ok === false ? "failed" : "",
+        (call.slot || "agent") + " ▸ " + call.tool + (call.summary ? "  " + call.summary : ""));
+      if (call.reason) add(item, el("div", "quote", call.reason));
+      list.appendChild(item);
+    }
+    body.appendChild(list);
+  }
+
+  function renderSessions(data) {
+    const body = clear(view.sessions.body);
+    const usage = data.usage;
+    let spent = usage.cost_usd === null ? (usage.sessions ? "cost unknown" : "$0") :
+      cost(usage.cost_usd);
+    if (usage.cost_unknown && usage.cost_usd !== null) {
+      spent += " + " + usage.cost_unknown + " of unknown cost";
+    }
+    add(body, el("div", "", usage.sessions + " session" + (usage.sessions === 1 ? "" : "s") +
+      ", " + usage.tool_calls + " tool calls, " + count(usage.input_tokens) + " tokens in / " +
+      count(usage.output_tokens) + " out, " + spent));
+    if (!data.sessions.length) return;
+    const table = el("table");
+    const head = el("tr");
+    for (const name of ["slot", "agent", "model", "started", "outcome", "tools", "tokens",
+      "cost", "log"]) head.appendChild(el("th", "", name));
+    table.appendChild(head);
+    for (const record of data.sessions) {
+      const row = el("tr");
+      const exit = record.exit_code !== null && record.exit_code !== undefined ?
+        " (exit " + record.exit_code + ")" : "";
+      const outcome = record.status === "running" ? "running" : (record.outcome || "") + exit;
+      const tokens = (record.input_tokens || 0) + (record.output_tokens || 0);
+      add(row, el("td", "", record.slot || record.role), el("td", "", record.agent),
+        el("td", "", record.model || ""), el("td", "", when(record.started_at)),
+        el("td", record.outcome && record.outcome !== "success" ? "failed" : "", outcome),
+        el("td", "", record.tool_calls), el("td", "", count(tokens)),
+        el("td", "", record.cost_usd === null ? "" : cost(record.cost_usd)));
+      const cell = el("td");
+      if (record.log_name) {
+        const open = el("button", "", "show");
+        open.type = "button";
+        open.addEventListener("click", function () { showLog(record.log_name); });
+        cell.appendChild(open);
+      }
+      row.appendChild(cell);
+      table.appendChild(row);
+    }
+    body.appendChild(table);
+  }
+
+  // A log in windows of 64 KiB (below the sessions, kept across refreshes): its end
+  // first, earlier and later parts on demand.
+  const LOG_WINDOW = 65536;
+  function showLog(name) {
+    const box = clear(view.logSlot);
+    const bar = el("div", "logbar");
+    const info = el("span", "muted", name);
+    const earlier = el("button", "", "earlier"), next = el("button", "", "later");
+    const end = el("button", "", "end"), close = el("button", "", "close");
+    for (const node of [earlier, next, end, close]) node.type = "button";
+    const text = el("pre", "log", "…");
+    add(bar, info, earlier, next, end, close);
+    add(box, bar, text);
+    box.scrollIntoView({block: "nearest"});
+    let shown = null;
+    async function load(offset, length) {
+      let query = "";
+      if (offset !== undefined) query = "?offset=" + offset + "&length=" + (length || LOG_WINDOW);
+      try {
+        shown = await api("/api/logs/" + encodeURIComponent(name) + query);
+        text.textContent = shown.text || "(empty)";
+        info.textContent = name + " — bytes " + shown.offset + "–" +
+          (shown.offset + shown.length) + " of " + shown.size + (shown.binary ? " (binary)" : "");
+        earlier.disabled = shown.offset === 0;
+        next.disabled = shown.offset + shown.length >= shown.size;
+        if (offset === undefined) text.scrollTop = text.scrollHeight;
+      } catch (err) { failed(err); }
+    }
+    earlier.addEventListener("click", function () {
+      const start = Math.max(0, shown.offset - LOG_WINDOW);
+      load(start, shown.offset - start);
+    });
+    next.addEventListener("click", function () { load(shown.offset + shown.length); });
+    end.addEventListener("click", function () { load(); });
+    close.addEventListener("click", function () { clear(box); });
+    load();
+  }
+
+  // -- the diff: per file, collapsible, built when opened ----------------------------------
+  let diffRequests = 0;
+  async function loadDiff() {
+    const body = clear(view.diff.body);
+    const reload = el("button", "", "reload");
+    reload.type = "button";
+    reload.addEventListener("click", loadDiff);
+    view.diff.head.textContent = "Diff ";
+    view.diff.head.appendChild(reload);
+    body.appendChild(el("div", "muted", "loading…"));
+    const id = view.id, request = ++diffRequests;
+    let data;
+    try {
+      data = await api("/api/tasks/" + encodeURIComponent(id) + "/diff");
+    } catch (err) {
+      if (request === diffRequests) clear(body).appendChild(el("div", "failed", err.message));
+      return;
+    }
+    // Only the newest request draws (an older answer may come after it).
+    if (view.kind !== "task" || view.id !== id || request !== diffRequests) return;
+    renderDiff(clear(body), data);
+    requestAnimationFrame(function () {
+      if (!performance.getEntriesByName("ferrus:diff").length) performance.mark("ferrus:diff");
+    });
+  }
+
+  function lineClass(line) {
+    if (/^(\+\+\+ |--- |diff --git |index )/.test(line)) return "meta";
+    if (line.startsWith("+")) return "add";
+    if (line.startsWith("-")) return "del";
+    if (line.startsWith("@@")) return "hunk";
+    return "";
+  }
+
+  function renderDiff(body, data) {
+    if (!data.available) {
+      add(body, el("div", "", "No diff: " + (data.reason || "none")));
+      if (data.hint) add(body, el("div", "muted", "hint: " + data.hint));
+      return;
+    }
+    if (data.title) add(body, el("div", "muted", data.title));
+    for (const note of data.notes || []) add(body, el("div", "muted", "note: " + note));
+    const lines = String(data.text || "").split("\n");
+    const head = [], files = [];
+    let current = null;
+    for (const line of lines) {
+      if (line.startsWith("diff --git ")) {
+        current = {header: line.slice(11), lines: [], plus: 0, minus: 0};
+        files.push(current);
+      }
+      if (current) {
+        current.lines.push(line);
+        if (line.startsWith("+") && !line.startsWith("+++ ")) current.plus++;
+        else if (line.startsWith("-") && !line.startsWith("--- ")) current.minus++;
+      } else head.push(line);
+    }
+    const stat = head.join("\n").trim();
+    if (stat) add(body, el("pre", "stat", stat));
+    if (!files.length) return;
+    const openAll = lines.length <= 8000;
+    for (const file of files) {
+      const details = el("details", "file");
+      const summary = el("summary", "", file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
+      add(summary, el("span", "plus", "+" + file.plus), el("span", "minus", "-" + file.minus));
+      details.appendChild(summary);
+      let built = false;
+      const build = function () {
+        if (built) return;
+        built = true;
+        const pre = el("pre", "diff");
+        const frag = document.createDocumentFragment();
+        for (const line of file.lines) {
+          frag.appendChild(el("span", lineClass(line), line.length ? line : " "));
+        }
+        pre.appendChild(frag);
+        details.appendChild(pre);
+      };
+      details.addEventListener("toggle", function () { if (details.open) build(); });
+      if (openAll) { details.open = true; build(); }
+      body.appendChild(details);
+    }
+  }
+
+  route();
+})();
+"""
+
+WEB_PAGE_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>ferrus</title>
+<link rel="icon" href="data:,">
+<style nonce="@NONCE@">@STYLE@</style>
+</head>
+<body>
+<header><a class="home" id="home" href="/">ferrus</a><span id="project"></span>
+<span id="live" class="off">connecting…</span></header>
+<main id="main"></main>
+<div id="toast" role="status" aria-live="polite"></div>
+<script nonce="@NONCE@">@SCRIPT@</script>
+</body>
+</html>
+"""
+
+_WEB_PAGE = WEB_PAGE_TEMPLATE.replace("@STYLE@", WEB_PAGE_STYLE).replace(
+    "@SCRIPT@", WEB_PAGE_SCRIPT)
+
+
+def web_page_html(nonce):
+    """The page, its inline script and style carrying ``nonce`` (the CSP's)."""
+    return _WEB_PAGE.replace("@NONCE@", nonce)
+
+
+def _html_text(text):
+    """``text`` safe between HTML tags and in quoted attributes."""
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;").replace("'", "&#x27;"))
+
+
+WEB_SIGNIN_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>ferrus: sign in</title>
+<link rel="icon" href="data:,">
+<style nonce="@NONCE@">body { font: 15px/1.5 system-ui, sans-serif; max-width: 40em;
+margin: 3em auto; padding: 0 1em; } code { background: rgba(127,127,127,.15);
+padding: 0 .3em; }</style>
+</head>
+<body>
+<h1>ferrus web</h1>
+<p>@MESSAGE@</p>
+<p>@HINT@</p>
+<p>Came here from a link in another app? Browsers hold the board's cookie back on links
+from other sites: <a href="">open this page again</a> from here.</p>
+</body>
+</html>
+"""
+
+
+def web_signin_html(nonce, message, hint=None):
+    """The page for a browser without the token (or at a host the board refuses): what
+    went wrong and what to do, nothing of the project."""
+    values = {"@NONCE@": nonce, "@MESSAGE@": _html_text(message[:1].upper() + message[1:]),
+              "@HINT@": _html_text(hint or "")}
+    # One pass: a message holding "@HINT@" (it may quote a request) stays as it is.
+    return re.sub("@(?:NONCE|MESSAGE|HINT)@", lambda match: values[match.group()],
+                  WEB_SIGNIN_TEMPLATE)
+
+
+# ============================================================================
+# src/ferrus/web_api.py (from its line 39)
+# ============================================================================
+# The web board's API: what it shows of the store, and what its actions call.
+#
+# These functions answer the board's JSON requests (web.py routes them): the queue as
+# `ferrus tasks --json` lists it with what a card needs (its column, last event, tokens
+# and cost), one task's page (its text, state, the question or approval it waits on, its
+# journal entries with the red checks' last lines, its sessions, the tool calls read from
+# their logs through each agent's own parser, its usage), its diff, and windows of the
+# logs in .ferrus/logs/.  Every read is bounded, and every file is opened without
+# following a symbolic link out of .ferrus/.  The actions are the operations the CLI
+# calls, with the human on the web as the caller (``human/web`` in the journal); a
+# refusal is a WebRefusal (an HTTP status, the message and its hint) or the operation's
+# own FerrusError.
+
+WEB_TASK_EVENTS_SHOWN = 300            # a task page's journal entries
+WEB_TEXT_MAX_CHARS = 64 * 1024         # TASK.md, QUESTION.md, ... on a task's page
+WEB_LOG_WINDOW_BYTES = 64 * 1024       # a log's window when none is asked for: its end
+WEB_LOG_READ_MAX = 1024 * 1024         # the largest window one request may ask for
+WEB_DIFF_HEAD_BYTES = 4 * 1024 * 1024  # a diff's first bytes on the page ...
+WEB_DIFF_TAIL_BYTES = 256 * 1024       # ... and its last, when it is longer
+WEB_TOOL_CALLS_SHOWN = 200             # a task page's newest tool calls
+WEB_SESSION_LOG_SCAN = 256 * 1024      # how much of each session log's end is read for them
+WEB_CHECK_TAILS_SHOWN = 20             # check entries whose red commands get output tails
+
+# The board's columns, in order: (key, heading).
+WEB_COLUMNS = (("queued", "Queued"), ("executing", "Executing"), ("reviewing", "Reviewing"),
+               ("awaiting", "Awaiting you"), ("integrating", "Integrating"),
+               ("merged", "Merged"), ("ended", "Failed / cancelled"))
+_WEB_LOG_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+# Terminal escape sequences in logs: shown as the text around them, never as control bytes.
+_WEB_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
+
+
+class WebRefusal(Exception):
+    """A request the board answers with an error: HTTP status, message, hint (and any
+    further fields of the JSON answer)."""
+
+    def __init__(self, status, message, hint=None, **fields):
+        super().__init__(message)
+        self.status, self.message, self.hint, self.fields = status, message, hint, fields
+
+
+# ============================================================================
+# What the board shows
+# ============================================================================
+
+def is_queue_task(store, task):
+    """Whether ``task`` is one of the queue's (it has a task.json), not the checkout's own."""
+    return os.path.isfile(task_record_path(store.dir, task))
+
+
+def web_board_column(row):
+    """The board column a task of task_rows goes in (see WEB_COLUMNS)."""
+    status, state = row.get("status"), row.get("state")
+    if row.get("problem") or status in (FAILED_STATUS, CANCELLED_STATUS):
+        return "ended"
+    if status == QUEUED_STATUS:
+        return "queued"
+    if status in APPROVED_STATUSES:
+        return "merged"
+    if state in (S.AWAITING_HUMAN.value, S.AWAITING_CONFIRMATION.value):
+        return "awaiting"
+    if state == S.REVIEWING.value:
+        return "reviewing"
+    if state in (S.INTEGRATING.value, S.COMPLETE.value):
+        return "integrating"
+    if state == S.FAILED.value:
+        return "ended"
+    return "executing"          # Executing, Addressing, Consultation, or being prepared
+
+
+def _board_fields(store, rows, now):
+    """What a card shows beyond the row: column, short id, place, state word, elapsed
+    time and the task's last event in a few words."""
+    last = last_task_events(store, [row["id"] for row in rows])
+    for row in rows:
+        entry = last.get(row["id"])
+        if row.get("status") == FAILED_STATUS and not row.get("failure_reason"):
+            # Failed before or outside its state machine (a red gate, a tampered worktree):
+            # the queue's record says why.
+            row["failure_reason"] = read_task_record(store.dir, row["id"]).get("reason")
+        row.update(column=web_board_column(row), short_id=short_task_id(row["id"]),
+                   place=row.get("place") or "here", state_word=task_state_word(row),
+                   elapsed_secs=task_elapsed(row, now),
+                   last_event=describe_task_event(entry) if entry else None,
+                   last_event_at=entry.get("time") if entry else None)
+    return rows
+
+
+def checkout_task_row(store, queue_ids):
+    """The card of the task STATE.json holds when it is the checkout's own (`ferrus run
+    --task`, HQ), not one of the queue: None when there is none or it is Idle."""
+    try:
+        data = store.project_state()
+    except FerrusError:
+        return None
+    if not data.task_id or data.task_id in queue_ids or data.state == S.IDLE or \
+            data.extra.get(PARALLEL_MIRROR_KEY):
+        return None
+    status = DONE_STATUS if data.state == S.COMPLETE else FAILED_STATUS \
+        if data.state == S.FAILED else RUNNING_STATUS
+    row = {"id": data.task_id, "title": task_title(store.read_file("TASK.md")) or data.task_id,
+           "status": status, "state": data.state.value, "agent": None, "worktree": None,
+           "branch": (data.task_base or {}).get("branch"), "origin": {},
+           "created_at": data.task_started_at, "started_at": data.task_started_at,
+           "ended_at": data.updated_at if status != RUNNING_STATUS else None,
+           "review_cycles": data.review_cycles, "failure_reason": data.failure_reason,
+           "place": "checkout", "checkout": True}
+    with contextlib.suppress(ValueError, TypeError):
+        row["age_secs"] = max(0.0, (store.clock() - parse_timestamp(data.task_started_at))
+                              .total_seconds())
+    return row
+
+
+def web_task_listing(store, everything=False):
+    """The board's data: `ferrus tasks --json`'s rows — every task with ``everything``,
+    else those in the queue's hands and the recently ended — each with its card fields,
+    the checkout's own task first when it has one, and the journal seq they were read at
+    (a stream opened from it misses nothing)."""
+    seq = store.last_journal_seq()
+    now = store.clock()
+    rows = task_rows(store)
+    older = 0
+    if not everything:
+        rows, older = recent_task_rows(rows, now)
+    checkout = checkout_task_row(store, set(queued_task_ids(store)))
+    if checkout is not None:
+        rows.insert(0, checkout)
+    tasks_with_usage(store, rows)
+    if checkout is not None:
+        checkout["title"] = task_title(store.read_file("TASK.md")) or checkout["id"]
+    human_review = False
+    with contextlib.suppress(FerrusError):
+        human_review = bool(store.config().human_review)
+    return {"tasks": _board_fields(store, rows, now), "older": older, "seq": seq,
+            "now": format_timestamp(now), "columns": [list(c) for c in WEB_COLUMNS],
+            "project": os.path.basename(store.root), "human_review": human_review}
+
+
+def web_task_store(store, ref):
+    """(task id, the store holding its state or None while it has none) for ``ref``: a
+    queue task (its id or unique end) or the checkout's own task (its id)."""
+    try:
+        task = require_task_id(store, ref)
+    except FerrusError:
+        data = store.project_state()
+        if isinstance(ref, str) and ref and data.task_id == ref and \
+                not data.extra.get(PARALLEL_MIRROR_KEY):
+            return ref, store
+        raise WebRefusal(404, "no task %s in this project" % str(ref)[:80],
+                         "the board lists the tasks; a task's id or the end of it names it"
+                         ) from None
+    try:
+        return task, task_store_of(store, task)
+    except FerrusError:
+        return task, None           # queued, or its run in the checkout is over
+
+
+def _bounded_text(text):
+    if len(text) <= WEB_TEXT_MAX_CHARS:
+        return text
+    return text[:WEB_TEXT_MAX_CHARS] + "\n\n[ferrus: %d more characters are left out]" % (
+        len(text) - WEB_TEXT_MAX_CHARS)
+
+
+def web_log_name(path):
+    """The file name in .ferrus/logs/ that a recorded log path (``.ferrus/logs/x.log``)
+    names, or None for anything else."""
+    prefix = FERRUS_DIR + "/logs/"
+    if not isinstance(path, str) or not path.startswith(prefix):
+        return None
+    name = path[len(prefix):]
+    return name if _WEB_LOG_NAME_RE.match(name) else None
+
+
+def _with_check_tails(store, entries):
+    """``entries`` with the last lines of each red check command (as HQ shows them) in
+    the newest WEB_CHECK_TAILS_SHOWN check entries; the entries are copied, not changed."""
+    out, shown = list(entries), 0
+    for index in range(len(out) - 1, -1, -1):
+        checks = (out[index].get("detail") or {}).get("checks")
+        if not isinstance(checks, list) or shown >= WEB_CHECK_TAILS_SHOWN:
+            continue
+        shown += 1
+        entry = dict(out[index], detail=dict(out[index]["detail"]))
+        entry["detail"]["checks"] = [
+            dict(check, tail=check_log_tail(store, check.get("log")), log_name=web_log_name(
+                check.get("log"))) if isinstance(check, dict) and check.get("status") not in
+            (None, "passed") else check for check in checks]
+        out[index] = entry
+    return out
+
+
+def _session_brief(record):
+    brief = {key: record.get(key) for key in (
+        "id", "slot", "role", "agent", "model", "status", "outcome", "exit_code", "note",
+        "started_at", "ended_at", "tool_calls", "input_tokens", "output_tokens", "cost_usd",
+        "turns")}
+    brief["log_name"] = web_log_name(record.get("log"))
+    return brief
+
+
+def _read_end(store, name, size_limit):
+    """The last ``size_limit`` bytes of .ferrus/logs/<name> (symlink-safe) as lines, the
+    first one dropped when the read began inside it; [] when it cannot be read."""
+    try:
+        with open_inside(store.path("logs"), name) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            handle.seek(max(0, size - size_limit))
+            data = handle.read(size_limit)
+    except (OSError, UnsafePath):
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    return lines[1:] if size > size_limit else lines
+
+
+def task_tool_calls(store, records, limit=WEB_TOOL_CALLS_SHOWN):
+    """The newest ``limit`` tool calls of these session records, oldest first, read from
+    the end of each session's log through its agent's own parser: slot, tool (as HQ
+    names it), summary (its main argument, cut short), whether it failed and why."""
+    try:
+        config = store.config()
+    except FerrusError:
+        return []
+    calls = []
+    for record in records:
+        name = web_log_name(record.get("log"))
+        if not name or not record.get("agent"):
+            continue
+        try:
+            parse_line = adapter_for(config, record["agent"]).parse_line
+        except FerrusError:
+            continue
+        by_id = {}
+        for line in _read_end(store, name, WEB_SESSION_LOG_SCAN):
+            try:
+                events = list(parse_line(line.strip())) if line.strip() else []
+            except Exception:         # parsers never take the board down (as usage_from_log)
+                continue
+            for event in events:
+                if event.kind == "tool_call":
+                    call = {"session": record.get("id"), "slot": record.get("slot"),
+                            "tool": tool_display_name(event.name), "summary": event.text,
+                            "ok": event.ok, "reason": None}
+                    calls.append(call)
+                    if event.call_id:
+                        by_id[event.call_id] = call
+                elif event.kind == "tool_result" and event.ok is False:
+                    call = by_id.get(event.call_id)
+                    if call is not None:
+                        call.update(ok=False, reason=tool_reason(event.text))
+        del calls[:-limit]
+    return calls
+
+
+def web_task_detail(store, ref):
+    """Everything a task's page shows: its card, text, state, the question it waits on,
+    the reviewer's approval it waits to have confirmed, its journal entries (red checks
+    with their output's last lines), sessions, tool calls and usage, and which actions
+    apply now."""
+    task, task_store = web_task_store(store, ref)
+    seq = store.last_journal_seq()
+    listing_row = task_rows(store, [task])[0] if is_queue_task(store, task) else \
+        checkout_task_row(store, set())
+    row = _board_fields(store, tasks_with_usage(store, [listing_row]), store.clock())[0]
+    if row.get("checkout"):
+        row["title"] = task_title(store.read_file("TASK.md")) or task
+    text_store = task_store if task_store is not None else store.for_task(task)
+    detail = {"task": row, "seq": seq, "project": os.path.basename(store.root),
+              "text": _bounded_text(text_store.read_file("TASK.md")),
+              "state": None, "question": None, "confirmation": None, "review_notes": None,
+              "submission": None}
+    data = None
+    if task_store is not None:
+        with contextlib.suppress(FerrusError):
+            data = task_store.read_state()
+    if data is not None:
+        detail["state"] = {"state": data.state.value, "paused_state": data.paused_state.value
+                           if data.paused_state else None, "check_retries": data.check_retries,
+                           "review_cycles": data.review_cycles,
+                           "failure_reason": data.failure_reason, "claimed_by": data.claimed_by,
+                           "lease_until": data.lease_until,
+                           "state_entered_at": data.state_entered_at,
+                           "question_from": data.question_from, "base": data.task_base}
+        detail["review_notes"] = _bounded_text(task_store.read_file("REVIEW.md")) or None
+        detail["submission"] = _bounded_text(task_store.read_file("SUBMISSION.md")) or None
+        if data.state == S.AWAITING_HUMAN:
+            detail["question"] = _bounded_text(task_store.read_file("QUESTION.md"))
+        if data.state == S.AWAITING_CONFIRMATION:
+            detail["confirmation"] = {
+                "approval_notes": _bounded_text(task_store.read_file("APPROVAL.md")) or None,
+                "review_cycles": data.review_cycles}
+    detail["events"] = _with_check_tails(store, journal_story(store, WEB_TASK_EVENTS_SHOWN,
+                                                              task=task))
+    records = [r for r in read_session_records(store) if r.get("task_id") == task]
+    detail["sessions"] = [_session_brief(r) for r in records]
+    detail["usage"] = usage_summary(records)
+    detail["tool_calls"] = task_tool_calls(store, records)
+    state = data.state if data is not None else None
+    status = row.get("status")
+    queue_task = not row.get("checkout")
+    detail["actions"] = {
+        "cancel": queue_task and status in (QUEUED_STATUS, RUNNING_STATUS, FAILED_STATUS),
+        "retry": queue_task and status in (FAILED_STATUS, CANCELLED_STATUS),
+        "answer": state == S.AWAITING_HUMAN,
+        "approve": state == S.AWAITING_CONFIRMATION,
+        "reject": state == S.AWAITING_CONFIRMATION}
+    return detail
+
+
+def web_task_diff(store, ref):
+    """A task's diff for its page, as `ferrus diff --task` has it but with a larger
+    window (WEB_DIFF_HEAD_BYTES + WEB_DIFF_TAIL_BYTES): a merged task's merged commit,
+    a running one's work (its recorded submission while it is reviewed), or why there
+    is none."""
+    task, _ = web_task_store(store, ref)
+    record = read_task_record(store.dir, task) if is_queue_task(store, task) else {}
+    try:
+        if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
+            outcome = op_merged_task_diff(store, task, head_bytes=WEB_DIFF_HEAD_BYTES,
+                                          tail_bytes=WEB_DIFF_TAIL_BYTES)
+            return dict(outcome.data, text=outcome.data.get("diff") or "",
+                        title=outcome.text.split("\n", 1)[0])
+        diff_store = diff_store_of(store, task) if is_queue_task(store, task) else store
+        outcome = op_diff(diff_store, web_caller(), head_bytes=WEB_DIFF_HEAD_BYTES,
+                          tail_bytes=WEB_DIFF_TAIL_BYTES, more_hint="`ferrus diff --task %s "
+                          "PATH` shows one file's whole diff." % short_task_id(task))
+    except FerrusError as err:
+        return {"available": False, "reason": err.message, "hint": err.hint}
+    data = dict(outcome.data)
+    if data.get("available"):
+        data["title"], _, data["text"] = outcome.text.partition("\n")
+    return data
+
+
+def web_log_window(store, name, offset=None, length=None):
+    """A window of .ferrus/logs/<name>: ``length`` bytes (at most WEB_LOG_READ_MAX) from
+    ``offset``, by default its last WEB_LOG_WINDOW_BYTES; never through a symbolic link
+    or out of .ferrus/logs.  Text with terminal escape sequences taken out."""
+    if not isinstance(name, str) or not _WEB_LOG_NAME_RE.match(name):
+        raise WebRefusal(404, "no log %s" % str(name)[:80], "logs are files in %s/logs/"
+                         % FERRUS_DIR)
+    length = WEB_LOG_WINDOW_BYTES if length is None else max(0, min(length, WEB_LOG_READ_MAX))
+    try:
+        handle = open_inside(store.path("logs"), name)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise WebRefusal(404, "no log %s in %s/logs/" % (name, FERRUS_DIR),
+                         "it may have been removed; a check run or a session writes new "
+                         "ones") from None
+    except UnsafePath as err:
+        raise WebRefusal(403, err.message, err.hint) from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        start = max(0, size - length) if offset is None else max(0, min(offset, size))
+        handle.seek(start)
+        data = handle.read(length)
+    text = data.decode("utf-8", "replace")
+    binary = "\0" in text
+    text = _WEB_ANSI_RE.sub("", text.replace("\0", "\N{SYMBOL FOR NULL}"))
+    return {"name": name, "size": size, "offset": start, "length": len(data), "text": text,
+            "binary": binary}
+
+
+# ============================================================================
+# What the page does: the operations, with the human on the web as the caller
+# ============================================================================
+
+def web_caller():
+    """The human on the web page, as the journal names them — unless the board was
+    started from inside an agent session (its environment names one): then it acts as
+    that agent, whom the operations refuse a human's verdicts."""
+    session = os.environ.get(SESSION_ENV)
+    return Caller("agent", "agent/%s" % session) if session else Caller("human", "human/web")
+
+
+def stores_awaiting_answer(store):
+    """[(task id, store)] of every task whose agent waits for a human's answer
+    (AwaitingHuman): the checkout's own and each parallel task's."""
+    waiting = []
+    project = store.project_state()
+    if project.state == S.AWAITING_HUMAN and not project.extra.get(PARALLEL_MIRROR_KEY):
+        waiting.append((project.task_id, store))
+    for row in task_rows(store):
+        if row.get("status") == RUNNING_STATUS and row.get("state") == S.AWAITING_HUMAN.value:
+            with contextlib.suppress(FerrusError):
+                waiting.append((row["id"], task_store_of(store, row["id"])))
+    return waiting
+
+
+def _body_text(body, key, what, required=True):
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise WebRefusal(400, "%s is missing: send {\"%s\": \"…\"} as JSON" % (what, key),
+                         "the text must not be empty")
+    return value
+
+
+def web_enqueue(store, caller, body):
+    outcome = op_enqueue_task(store, caller, _body_text(body, "text", "the task's text"),
+                              agent=_body_text(body, "agent", "the agent", required=False))
+    return 201, {"message": outcome.text, "task_id": outcome.data["task_id"],
+                 "title": outcome.data["title"]}
+
+
+def web_cancel(store, caller, ref, body):
+    discard = body.get("discard", False)
+    if not isinstance(discard, bool):
+        raise WebRefusal(400, "discard must be true or false, not %s" % compact_json(discard)[:40])
+    task, _ = web_task_store(store, ref)
+    if not is_queue_task(store, task):
+        raise WebRefusal(409, "task %s is the checkout's own, not a task of the queue" % task,
+                         "`ferrus reset` in a shell returns the checkout's task to Idle")
+    question = cancel_needs_confirmation(store, task, discard)
+    if question and body.get("confirm") is not True:
+        raise WebRefusal(409, question, "the page asks first; an API call sends "
+                         "{\"confirm\": true} to mean yes", confirm=question)
+    return 200, {"message": "\n".join(cancel_queue_task(store, caller, task, discard)),
+                 "task_id": task}
+
+
+def web_retry(store, caller, ref, body):
+    task, _ = web_task_store(store, ref)
+    if not is_queue_task(store, task):
+        raise WebRefusal(409, "task %s is the checkout's own, not a task of the queue" % task,
+                         "`ferrus task add` queues its work again as a new task")
+    return 200, {"message": op_retry_task(store, caller, task).text, "task_id": task}
+
+
+def _started_task_store(store, ref):
+    """(task id, its store) for a task that has a state: one whose question or approval
+    can wait for the human."""
+    task, task_store = web_task_store(store, ref)
+    if task_store is None:
+        raise WebRefusal(409, "task %s is not under way: nothing of it waits for you" % task,
+                         "the board shows where it stands")
+    return task, task_store
+
+
+def web_approve(store, caller, ref, body):
+    task, task_store = _started_task_store(store, ref)
+    return 200, {"message": op_human_approve(task_store, caller, via="web").text,
+                 "task_id": task}
+
+
+def web_reject(store, caller, ref, body):
+    task, task_store = _started_task_store(store, ref)
+    notes = _body_text(body, "notes", "the rejection's notes (what must change)")
+    return 200, {"message": op_human_reject(task_store, caller, notes, via="web").text,
+                 "task_id": task}
+
+
+def web_answer(store, caller, body):
+    text = _body_text(body, "text", "the answer")
+    ref = body.get("task")
+    if ref is not None:
+        task, target = _started_task_store(store, ref)
+    else:
+        waiting = stores_awaiting_answer(store)
+        if len(waiting) > 1:
+            raise WebRefusal(409, "%d tasks wait for an answer: %s" % (len(waiting), ", ".join(
+                short_task_id(task) for task, _ in waiting)),
+                "name one: {\"task\": \"%s\", \"text\": …}" % short_task_id(waiting[0][0]))
+        task, target = waiting[0] if waiting else (None, store)
+    return 200, {"message": op_answer(target, caller, text).text, "task_id": task}
+
+
+# POST /api/tasks/ID/<verb>
+WEB_TASK_ACTIONS = {"cancel": web_cancel, "retry": web_retry, "approve": web_approve,
+                    "reject": web_reject}
+
+
+# ============================================================================
+# src/ferrus/web.py (from its line 47)
+# ============================================================================
+# The web board's server: `ferrus web`, and a board beside `ferrus run` and HQ.
+#
+# A ThreadingHTTPServer serves the page (web_page.py) and the JSON API (web_api.py) the
+# page uses; the actions are operations, so the board changes the store only as the CLI
+# does.  The board is live through Server-Sent Events: one JournalFeed thread per server
+# stats STATE.json and events.jsonl (as Store waiting does), reads what the journal gained
+# and hands it to every open stream; a stream resumes from Last-Event-ID, which is the
+# journal's seq.
+#
+# WebGuard decides who may talk to the board, on every request and before anything is
+# read: the access token (a bearer header, or the HttpOnly SameSite=Strict cookie that
+# `/?token=…` sets before redirecting the token out of the address bar), compared in
+# constant time; a Host header on the allow-list (DNS rebinding); a same-origin Origin on
+# every POST, whose body must be JSON (cross-site requests).  Every response carries
+# nosniff and no-store, the page a strict Content-Security-Policy with a fresh nonce for
+# its own script and style.  Request lines and headers (http.server's limits), bodies,
+# connections and streams are bounded.  The server listens on loopback unless --host says
+# otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json names the
+# running board's address (never its token) for [notify] links.  http.server, socket, ssl,
+# hmac and secrets are imported when a board starts, not with ferrus: every other command
+# would pay for them at start-up.  Windows: the same, except SIGHUP (there is none).
+
+WEB_DEFAULT_HOST = "127.0.0.1"
+WEB_DEFAULT_PORT = 8765
+WEB_BODY_MAX_BYTES = 1024 * 1024       # a POST body: a task's text, an answer, notes
+WEB_CONNECTIONS_MAX = 64               # connections served at once (a thread each)
+WEB_STREAMS_MAX = 16                   # event streams open at once
+WEB_REQUEST_TIMEOUT_SECS = 30          # a connection silent (or not reading) this long ends
+WEB_KEEPALIVE_SECS = 15                # a comment line on a stream where nothing happened
+WEB_FEED_POLL_SECS = 0.05              # how often the journal feed stats the store
+WEB_SESSIONS_POLL_SECS = 0.5           # how often it stats .ferrus/sessions/
+WEB_FEED_KEPT = 2000                   # recent entries kept in memory for resuming streams
+WEB_REPLAY_MAX = 1000                  # a stream that missed more is told to reload
+
+
+# ============================================================================
+# Who may talk to the board
+# ============================================================================
+
+def web_is_loopback(host):
+    """Whether ``host`` (a name or address to bind) is this machine alone."""
+    import ipaddress
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]").split("%")[0]).is_loopback
+    return False
+
+
+def web_is_wildcard(host):
+    return host.strip("[]") in ("", "0.0.0.0", "::")
+
+
+def web_allowed_hosts(bind_host, extra=()):
+    """The names a Host header may carry for this board: loopback's, the host it binds
+    (for every address: this machine's host name and the addresses it resolves to), and
+    ``extra`` (--allow-host, for a name or address other machines reach it by)."""
+    import socket
+    names = {"localhost", "127.0.0.1", "::1"}
+    host = bind_host.strip("[]").lower()
+    if web_is_wildcard(host):
+        for name in (socket.gethostname(), socket.getfqdn()):
+            names.add(name.lower())
+            with contextlib.suppress(OSError):
+                names.update(info[4][0].lower() for info in socket.getaddrinfo(name, None))
+    elif host:
+        names.add(host)
+    names.update(name.strip("[]").lower().rstrip(".") for name in extra if name)
+    names.discard("")
+    return frozenset(names)
+
+
+def web_host_name(header):
+    """The host name of a Host header (``name:port``, ``[v6]:port``), lower case; None for
+    a header that is not one."""
+    if not isinstance(header, str) or not header or len(header) > 255 or \
+            any(ch.isspace() or ch in "/@\\" for ch in header):
+        return None
+    match = re.match(r"^\[([0-9a-fA-F:.]+)\](?::\d{1,5})?$", header) or \
+        re.match(r"^([^:\[\]]+)(?::\d{1,5})?$", header)
+    return match.group(1).lower().rstrip(".") if match else None
+
+
+class WebGuard:
+    """The board's access checks, applied to every request before anything is read: the
+    Host header, the token (bearer or cookie), and the Origin of state-changing ones."""
+
+    def __init__(self, token, allowed_hosts, cookie_name, secure=False):
+        self.token = token
+        self.allowed_hosts = allowed_hosts
+        self.cookie_name = cookie_name
+        self.secure = secure
+
+    def token_matches(self, given):
+        import hmac
+        if not isinstance(given, str) or not given:
+            return False
+        # Bytes: compare_digest refuses str holding anything but ASCII.
+        return hmac.compare_digest(given.encode("utf-8", "replace"), self.token.encode("ascii"))
+
+    def check_host(self, headers):
+        header = headers.get("Host")
+        name = web_host_name(header)
+        if name is None or name not in self.allowed_hosts:
+            raise WebRefusal(403, "this board does not answer to the host name %s" % (
+                compact_json(header)[:80] if header else "(no Host header)"),
+                "open it by an address `ferrus web` printed; another name for this machine "
+                "needs `ferrus web --allow-host NAME` (a guard against DNS rebinding)")
+        return header
+
+    def cookie_token(self, headers):
+        for header in headers.get_all("Cookie") or ():
+            for part in header.split(";"):
+                name, _, value = part.strip().partition("=")
+                if name == self.cookie_name:
+                    return value
+        return None
+
+    def authenticate(self, headers):
+        """How the request proved it holds the token: "bearer", "cookie", or None."""
+        authorization = headers.get("Authorization") or ""
+        if authorization[:7].lower() == "bearer ":
+            return "bearer" if self.token_matches(authorization[7:].strip()) else None
+        return "cookie" if self.token_matches(self.cookie_token(headers)) else None
+
+    def check_origin(self, headers, host, scheme, how):
+        """A state-changing request must come from the board's own page: its Origin
+        (every browser sends one on a POST) must be this board's.  A script that sends
+        the bearer token and no Origin is no browser, so no cross-site request."""
+        origin = headers.get("Origin")
+        fetch_site = headers.get("Sec-Fetch-Site")
+        if origin is None and how == "bearer" and fetch_site in (None, "same-origin", "none"):
+            return
+        expected = "%s://%s" % (scheme, host)
+        if origin is None or origin.lower() != expected.lower() or \
+                fetch_site not in (None, "same-origin"):
+            raise WebRefusal(403, "refused: a request that changes something must come from "
+                             "the board's own page (Origin %s, expected %s)" % (
+                                 compact_json(origin)[:80] if origin else "missing", expected),
+                             "use the page, or send the token as `Authorization: Bearer …` "
+                             "without an Origin header from a script")
+
+    def cookie_header(self):
+        return "%s=%s; Path=/; HttpOnly; SameSite=Strict%s" % (
+            self.cookie_name, self.token, "; Secure" if self.secure else "")
+
+
+# ============================================================================
+# The journal, pushed
+# ============================================================================
+
+class JournalFeed:
+    """One thread per board that watches the store — a stat of STATE.json and the
+    journal every WEB_FEED_POLL_SECS, of .ferrus/sessions/ every WEB_SESSIONS_POLL_SECS
+    — and keeps the newest WEB_FEED_KEPT journal entries for the event streams, which
+    wait on it instead of each reading the files.  ``generation`` moves on every change
+    (new entries, or a session record written: tokens and tool calls to show)."""
+
+    def __init__(self, store, poll=WEB_FEED_POLL_SECS, sessions_poll=WEB_SESSIONS_POLL_SECS,
+                 monotonic=time.monotonic):
+        self.store = store
+        self.poll = poll
+        self.sessions_poll = sessions_poll
+        self.monotonic = monotonic
+        self.kept = collections.deque(maxlen=WEB_FEED_KEPT)
+        self.changed = threading.Condition()
+        self.generation = 0
+        self.sessions_generation = 0
+        self.stopped = threading.Event()
+        self.position = store.journal_position()   # before the seq: nothing falls between
+        self.latest = store.last_journal_seq()
+        self.stamp = store.state_stamp()
+        self.sessions_stamp = self._sessions_stamp()
+        self._sessions_due = 0.0
+        self.thread = threading.Thread(target=self._run, name="ferrus-web-feed", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.stopped.set()
+        with self.changed:
+            self.changed.notify_all()
+
+    def _sessions_stamp(self):
+        try:
+            info = os.stat(self.store.path(SESSIONS_DIR))
+        except OSError:
+            return None
+        return (info.st_ino, info.st_mtime_ns)
+
+    def _run(self):
+        while not self.stopped.wait(self.poll):
+            try:
+                self.look()
+            except Exception:      # a damaged file must not end the board's live view
+                log.debug("web: the journal feed could not read the store", exc_info=True)
+
+    def look(self):
+        """One look at the store: new journal entries and session records are announced."""
+        moved = False
+        stamp = self.store.state_stamp()
+        if stamp != self.stamp:
+            self.stamp = stamp
+            entries, self.position = self.store.journal_since(self.position, self.latest)
+            if entries:
+                with self.changed:
+                    self.kept.extend(entries)
+                    self.latest = max(self.latest, entries[-1]["seq"])
+                moved = True
+        now = self.monotonic()
+        if now >= self._sessions_due:
+            self._sessions_due = now + self.sessions_poll
+            sessions = self._sessions_stamp()
+            if sessions != self.sessions_stamp:
+                self.sessions_stamp = sessions
+                self.sessions_generation += 1
+                moved = True
+        if moved:
+            with self.changed:
+                self.generation += 1
+                self.changed.notify_all()
+
+    def wait(self, generation, timeout):
+        """Until ``generation`` is not the feed's any more, ``timeout`` or stop."""
+        with self.changed:
+            if self.generation == generation and not self.stopped.is_set():
+                self.changed.wait(timeout)
+            return self.generation
+
+    def entries_after(self, seq):
+        """The entries after ``seq``: from memory when it reaches back that far, else read
+        from the journal — at most WEB_REPLAY_MAX; None when more were missed (the reader
+        reloads instead)."""
+        with self.changed:
+            latest = self.latest
+            if seq >= latest:
+                return []
+            if self.kept and self.kept[0]["seq"] <= seq + 1:
+                return [entry for entry in self.kept if entry["seq"] > seq]
+        entries = self.store.read_journal(after_seq=seq, limit=WEB_REPLAY_MAX + 1)
+        if len(entries) > WEB_REPLAY_MAX:
+            return None
+        return [entry for entry in entries if entry["seq"] <= latest]
+
+
+def _sse_message(event, data, event_id=None):
+    lines = []
+    if event_id is not None:
+        lines.append("id: %d" % event_id)
+    lines.append("event: %s" % event)
+    # compact_json escapes newlines, so the data is one line.
+    lines.append("data: %s" % compact_json(data))
+    return ("\n".join(lines) + "\n\n").encode("utf-8")
+
+
+# ============================================================================
+# The board's HTTP application
+# ============================================================================
+
+class WebRequest:
+    """One request as the app sees it (built by the HTTP handler, or by a test)."""
+
+    def __init__(self, method, target, headers, read_body, scheme="http"):
+        self.method = method
+        parts = urllib.parse.urlsplit(target)
+        self.path = urllib.parse.unquote(parts.path)
+        self.query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+        self.headers = headers
+        self.read_body = read_body          # callable(limit) -> bytes; WebRefusal(413)
+        self.scheme = scheme
+
+    def param(self, name):
+        values = self.query.get(name)
+        return values[-1] if values else None
+
+
+class WebResponse:
+    def __init__(self, status, body=b"", content_type=None, headers=(), stream=None):
+        self.status = status
+        self.body = body
+        self.headers = [("Content-Type", content_type)] if content_type else []
+        self.headers += list(headers)
+        self.stream = stream                # an iterator of bytes: an event stream
+
+
+def _json_body(value):
+    # "<" escaped too: the JSON stays inert if anything ever took it for HTML.
+    return compact_json(value).replace("<", "\\u003c").encode("utf-8")
+
+
+def web_json(status, value, headers=()):
+    return WebResponse(status, _json_body(value), "application/json; charset=utf-8", headers)
+
+
+def _page_nonce():
+    return base64.b64encode(os.urandom(18)).decode("ascii")
+
+
+def web_content_policy(nonce):
+    """The page's Content-Security-Policy: its own inline script and style (this
+    response's nonce) and requests to itself, nothing else."""
+    return ("default-src 'none'; script-src 'nonce-%s'; style-src 'nonce-%s'; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'" % (nonce, nonce))
+
+
+# Headers on every response.
+WEB_COMMON_HEADERS = (("X-Content-Type-Options", "nosniff"), ("Cache-Control", "no-store"),
+                      ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),
+                      ("Cross-Origin-Opener-Policy", "same-origin"),
+                      ("Cross-Origin-Resource-Policy", "same-origin"))
+_WEB_TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s]*")
+_TASK_ROUTE = re.compile(r"^/api/tasks/([^/]{1,100})(?:/(diff|cancel|retry|approve|reject))?$")
+_LOG_ROUTE = re.compile(r"^/api/logs/([^/]{1,201})$")
+_PAGE_ROUTE = re.compile(r"^/(?:task/[^/]{1,100})?$")
+
+
+class WebApp:
+    """Routes a WebRequest to a WebResponse: the guard first, then the page, the API or
+    an event stream.  Thread-safe: each request reads the store on its own."""
+
+    def __init__(self, store, guard, feed, keepalive=WEB_KEEPALIVE_SECS,
+                 max_streams=WEB_STREAMS_MAX):
+        self.store = store
+        self.guard = guard
+        self.feed = feed
+        self.keepalive = keepalive
+        self.max_streams = max_streams
+        self.streams = 0
+        self._streams_lock = threading.Lock()
+        self.closing = threading.Event()
+
+    def handle(self, request):
+        page = request.method in ("GET", "HEAD") and bool(_PAGE_ROUTE.match(request.path))
+        try:
+            response = self._handle(request, page)
+        except WebRefusal as refusal:
+            response = self._refusal(refusal, page)
+        except FerrusError as err:
+            response = self._refusal(WebRefusal(409, err.message, err.hint), page)
+        except OSError as err:
+            # A full disk or a read-only file mid-operation: the atomic writes left the
+            # previous state intact, as the CLI says.
+            response = self._refusal(WebRefusal(500, "%s%s" % (err.strerror or err, (
+                " (%s)" % err.filename) if err.filename else ""), "each file in .ferrus/ is "
+                "replaced whole; free space or fix permissions and try again"), page)
+        response.headers += list(WEB_COMMON_HEADERS)
+        return response
+
+    def _refusal(self, refusal, page):
+        headers = [("WWW-Authenticate", 'Bearer realm="ferrus"')] if refusal.status == 401 else []
+        if page and refusal.status in (401, 403):
+            nonce = _page_nonce()
+            return WebResponse(refusal.status, web_signin_html(
+                nonce, refusal.message, refusal.hint).encode("utf-8"),
+                "text/html; charset=utf-8",
+                headers + [("Content-Security-Policy", web_content_policy(nonce))])
+        body = dict(refusal.fields, error=refusal.message, hint=refusal.hint)
+        return web_json(refusal.status, body, headers)
+
+    def _handle(self, request, page):
+        host = self.guard.check_host(request.headers)
+        token = request.param("token")
+        if page and token is not None:
+            return self._sign_in(request, token)
+        how = self.guard.authenticate(request.headers)
+        if how is None:
+            raise WebRefusal(401, "this board needs its access token", "open the URL "
+                             "`ferrus web` printed (it ends in ?token=…) once in this browser; "
+                             "a script sends `Authorization: Bearer TOKEN`")
+        if page:
+            nonce = _page_nonce()
+            return WebResponse(200, web_page_html(nonce).encode("utf-8"),
+                               "text/html; charset=utf-8",
+                               [("Content-Security-Policy", web_content_policy(nonce))])
+        if request.method == "POST":
+            self.guard.check_origin(request.headers, host, request.scheme, how)
+            return self._post(request)
+        if request.method not in ("GET", "HEAD"):
+            raise WebRefusal(405, "%s is not a method this board answers" % request.method[:20],
+                             "GET reads, POST acts")
+        return self._get(request)
+
+    def _sign_in(self, request, token):
+        """``?token=`` on a page: the cookie is set and the browser sent to the same page
+        without the token, so it leaves the address bar and the history."""
+        if not self.guard.token_matches(token):
+            raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
+                             "prints a new URL each time it starts; open the latest")
+        query = [(k, v) for k, values in request.query.items() if k != "token" for v in values]
+        location = urllib.parse.quote(request.path) + (
+            "?" + urllib.parse.urlencode(query) if query else "")
+        return WebResponse(303, b"", None, [("Location", location),
+                                            ("Set-Cookie", self.guard.cookie_header())])
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _get(self, request):
+        path = request.path
+        if path == "/api/events":
+            return self._events(request)
+        if path == "/api/tasks":
+            return web_json(200, web_task_listing(self.store, request.param("all") in
+                                                  ("1", "true")))
+        match = _TASK_ROUTE.match(path)
+        if match and match.group(2) in (None, "diff"):
+            if match.group(2) == "diff":
+                return web_json(200, web_task_diff(self.store, match.group(1)))
+            return web_json(200, web_task_detail(self.store, match.group(1)))
+        match = _LOG_ROUTE.match(path)
+        if match:
+            return web_json(200, web_log_window(self.store, match.group(1),
+                                                _number_param(request, "offset"),
+                                                _number_param(request, "length")))
+        if match is None and _TASK_ROUTE.match(path):
+            raise WebRefusal(405, "%s takes POST" % path, "the page's buttons send it")
+        raise WebRefusal(404, "nothing at %s" % path[:100], "the API is /api/tasks, "
+                         "/api/tasks/ID, /api/tasks/ID/diff, /api/logs/NAME and /api/events")
+
+    # -- acting ----------------------------------------------------------------------------
+
+    def _post(self, request):
+        match = _TASK_ROUTE.match(request.path)
+        if request.path not in ("/api/tasks", "/api/answer") and not (
+                match and match.group(2) in WEB_TASK_ACTIONS):
+            raise WebRefusal(404 if not match else 405, "nothing to POST to at %s"
+                             % request.path[:100], "actions are POST /api/tasks, /api/answer "
+                             "and /api/tasks/ID/cancel|retry|approve|reject")
+        body = self._json_of(request)
+        caller = web_caller()
+        if request.path == "/api/tasks":
+            status, answer = web_enqueue(self.store, caller, body)
+        elif request.path == "/api/answer":
+            status, answer = web_answer(self.store, caller, body)
+        else:
+            status, answer = WEB_TASK_ACTIONS[match.group(2)](self.store, caller,
+                                                               match.group(1), body)
+        return web_json(status, answer)
+
+    def _json_of(self, request):
+        kind = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise WebRefusal(415, "send the request's body as application/json (it was %s)"
+                             % (compact_json(kind)[:60] if kind else "not typed"),
+                             "a form post from another site cannot be JSON, so this is "
+                             "required")
+        raw = request.read_body(WEB_BODY_MAX_BYTES)
+        try:
+            body = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise WebRefusal(400, "the body is not JSON: %s" % str(err)[:120]) from None
+        if not isinstance(body, dict):
+            raise WebRefusal(400, "the body must be a JSON object")
+        return body
+
+    # -- the event stream ------------------------------------------------------------------
+
+    def _events(self, request):
+        """GET /api/events: Server-Sent Events of the journal from Last-Event-ID (or
+        ?after=SEQ; else from now on), ``journal`` events with the entry as data and its
+        seq as id, ``sessions`` when a session record changed, ``reset`` when the stream
+        missed too much to replay (reload, then go on)."""
+        after = _seq_of(request.headers.get("Last-Event-ID"))
+        if after is None:
+            after = _seq_of(request.param("after"))
+        task = request.param("task")
+        everything = request.param("all") in ("1", "true")
+        with self._streams_lock:
+            if self.streams >= self.max_streams:
+                raise WebRefusal(503, "%d event streams are open (at most %d)" % (
+                    self.streams, self.max_streams), "close other tabs of this board")
+            self.streams += 1
+        return WebResponse(200, b"", "text/event-stream; charset=utf-8",
+                           [("X-Accel-Buffering", "no")],
+                           stream=WebStream(self._stream(after, task, everything),
+                                            self._stream_ended))
+
+    def _stream_ended(self):
+        with self._streams_lock:
+            self.streams -= 1
+
+    def _stream(self, after, task, everything):
+        end = self.store.last_journal_seq()
+        # "From now" is the journal's end, which the feed may not have read yet.
+        last = end if after is None or after > end else after
+        yield b": ferrus journal\nretry: 2000\n\n" + (
+            # Past the journal's end: a journal restored from a backup, or another one.
+            _sse_message("reset", {"seq": end}, end) if after is not None and after > end
+            else b"")
+        generation, sessions = -1, self.feed.sessions_generation
+        quiet_since = time.monotonic()
+        while not self.closing.is_set():
+            generation = self.feed.wait(generation, self.keepalive)
+            if self.closing.is_set():
+                return
+            out = []
+            entries = self.feed.entries_after(last)
+            if entries is None:
+                last = self.feed.latest
+                out.append(_sse_message("reset", {"seq": last}, last))
+            else:
+                for entry in entries:
+                    if (everything or is_story(entry)) and \
+                            (task is None or entry.get("task_id") == task):
+                        out.append(_sse_message("journal", entry, entry["seq"]))
+                    last = entry["seq"]
+                if entries and not out:
+                    out.append(b"id: %d\n\n" % last)      # moves Last-Event-ID on
+            if self.feed.sessions_generation != sessions:
+                sessions = self.feed.sessions_generation
+                out.append(_sse_message("sessions", {"generation": sessions}))
+            if not out and time.monotonic() - quiet_since >= self.keepalive:
+                out.append(b": keep-alive\n\n")
+            if out:
+                quiet_since = time.monotonic()
+                yield b"".join(out)
+
+
+class WebStream:
+    """An event stream's chunks, and what to do once it ends — however it ends (the client
+    left, the board closes, or it never started: a generator's own ``finally`` would not
+    run then)."""
+
+    def __init__(self, chunks, on_end):
+        self.chunks = chunks
+        self.on_end = on_end
+        self.ended = False
+
+    def __iter__(self):
+        return self.chunks
+
+    def close(self):
+        self.chunks.close()
+        if not self.ended:
+            self.ended = True
+            self.on_end()
+
+
+def _seq_of(text):
+    if text is None:
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() and len(text) <= 18 else None
+
+
+def _number_param(request, name):
+    value = request.param(name)
+    if value is None:
+        return None
+    if not value.isdigit() or len(value) > 18:
+        raise WebRefusal(400, "%s must be a number of bytes, not %s" % (name, compact_json(
+            value)[:40]))
+    return int(value)
+
+
+# ============================================================================
+# The HTTP server
+# ============================================================================
+
+def _web_server_classes():
+    """(the server class for IPv4, for IPv6, the ssl module or None): made on first use,
+    so http.server and ssl are imported only by a process that serves a board."""
+    cached = getattr(_web_server_classes, "cached", None)
+    if cached is not None:
+        return cached
+    import http.server
+    import socket
+    import socketserver
+    try:
+        import ssl
+    except ImportError:                 # a Python built without OpenSSL: HTTP only
+        ssl = None
+    tls_socket = ssl.SSLSocket if ssl is not None else ()
+    tls_errors = (ssl.SSLError,) if ssl is not None else ()
+
+    class BoardHandler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = WEB_REQUEST_TIMEOUT_SECS
+        server_version = "ferrus-web"
+        sys_version = ""
+
+        def setup(self):
+            super().setup()
+            if isinstance(self.connection, tls_socket):
+                self.connection.do_handshake()      # here, on this thread, not in accept()
+
+        def handle(self):
+            with contextlib.suppress(ConnectionError, socket.timeout, OSError, *tls_errors):
+                super().handle()
+
+        def log_message(self, format, *args):
+            # The request line of a sign-in carries the token: never logged.
+            log.debug("web: %s %s", self.address_string(),
+                      _WEB_TOKEN_IN_URL.sub(r"\1…", format % args))
+
+        def read_body(self, limit):
+            """The request's body, at most ``limit`` bytes (else WebRefusal, unread)."""
+            length = (self.headers.get("Content-Length") or "").strip()
+            self.body_unread = False
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                raise WebRefusal(411, "send the body with a Content-Length, not chunked")
+            if not length.isdigit():
+                self.close_connection = True
+                raise WebRefusal(411, "a body needs a Content-Length header")
+            if int(length) > limit:
+                self.close_connection = True        # what follows is never read
+                raise WebRefusal(413, "the body has %s bytes; at most %d are accepted"
+                                 % (length, limit))
+            return self.rfile.read(int(length))
+
+        def serve(self):
+            self.body_unread = bool(self.headers.get("Transfer-Encoding")) or \
+                self.headers.get("Content-Length", "0").strip() not in ("", "0")
+            scheme = "https" if isinstance(self.connection, tls_socket) else "http"
+            response = self.server.app.handle(WebRequest(self.command, self.path, self.headers,
+                                                         self.read_body, scheme))
+            if self.body_unread:
+                self.close_connection = True        # a body nobody read: end the connection
+            self.send_response(response.status)
+            for name, value in response.headers:
+                self.send_header(name, value)
+            if response.stream is None:
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.send_header("Content-Length", str(len(response.body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(response.body)
+                return
+            self.send_header("Connection", "close")   # an event stream ends the connection
+            self.end_headers()
+            self.wfile.flush()
+            try:
+                for chunk in response.stream if self.command != "HEAD" else ():
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            finally:
+                response.stream.close()
+
+        do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = serve
+
+    class BoardServer(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 32
+
+        def __init__(self, address, app):
+            self.app = app
+            self.active = 0
+            self._active_lock = threading.Lock()
+            super().__init__(address, BoardHandler)
+
+        def server_bind(self):
+            # HTTPServer's own looks the address up in DNS (getfqdn), which can hang;
+            # nothing here needs the name it finds.
+            socketserver.TCPServer.server_bind(self)
+
+        def process_request(self, request, client_address):
+            with self._active_lock:
+                full = self.active >= WEB_CONNECTIONS_MAX
+                if not full:
+                    self.active += 1
+            if full:            # more connections than threads we allow: closed at once
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                with self._active_lock:
+                    self.active -= 1
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                with self._active_lock:
+                    self.active -= 1
+
+        def handle_error(self, request, client_address):
+            log.debug("web: a request from %s failed", client_address, exc_info=True)
+
+    class BoardServer6(BoardServer):
+        address_family = socket.AF_INET6
+
+    _web_server_classes.cached = (BoardServer, BoardServer6, ssl)
+    return _web_server_classes.cached
+
+
+class WebBoard:
+    """A running board: its server thread, journal feed and .ferrus/web.json.
+
+    ``url`` is the address to open (with the token); ``base_url`` the same without it.
+    close() stops the server and its streams and removes web.json (if still its own)."""
+
+    def __init__(self, store, host=WEB_DEFAULT_HOST, port=WEB_DEFAULT_PORT, tls_cert=None,
+                 tls_key=None, allow_hosts=(), feed_poll=WEB_FEED_POLL_SECS,
+                 keepalive=WEB_KEEPALIVE_SECS):
+        import secrets
+        self.store = store
+        self.token = secrets.token_urlsafe(32)
+        self.tls = bool(tls_cert)
+        server4, server6, ssl = _web_server_classes()
+        context = None
+        if tls_cert or tls_key:
+            context = _tls_context(ssl, tls_cert, tls_key)
+        self.feed = JournalFeed(store, poll=feed_poll)
+        server_class = server6 if ":" in host else server4
+        try:
+            # The app is set once the port is known (the cookie is named after it).
+            self.server = server_class((host.strip("[]"), port), None)
+        except OSError as err:
+            raise FerrusError("cannot listen on %s port %d: %s" % (
+                host, port, err.strerror or err), "--port 0 picks a free port; "
+                "--host names an address of this machine") from err
+        if context is not None:
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True,
+                                                     do_handshake_on_connect=False)
+        self.port = self.server.server_address[1]
+        guard = WebGuard(self.token, web_allowed_hosts(host, allow_hosts),
+                         "ferrus_web_%d" % self.port, secure=self.tls)
+        self.app = self.server.app = WebApp(store, guard, self.feed, keepalive=keepalive)
+        shown = host if not web_is_wildcard(host) else _this_machine_name()
+        if ":" in shown:
+            shown = "[%s]" % shown.strip("[]")
+        self.base_url = "%s://%s:%d" % ("https" if self.tls else "http", shown, self.port)
+        self.url = "%s/?token=%s" % (self.base_url, self.token)
+        self._thread = None
+
+    def start(self):
+        self.feed.start()
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        kwargs={"poll_interval": 0.05},
+                                        name="ferrus-web", daemon=True)
+        self._thread.start()
+        with contextlib.suppress(OSError):
+            write_web_record(self.store, self.base_url)
+        return self
+
+    def close(self):
+        self.app.closing.set()
+        self.feed.stop()
+        if self._thread is not None:
+            self.server.shutdown()
+            self._thread.join(10)
+        self.server.server_close()
+        remove_web_record(self.store)
+
+
+def _this_machine_name():
+    import socket
+    return socket.gethostname() or "localhost"
+
+
+def _tls_context(ssl, cert, key):
+    if not cert:
+        raise UsageError("--tls-key needs --tls-cert", "give both: --tls-cert CERT.pem "
+                         "--tls-key KEY.pem")
+    if ssl is None:
+        raise FerrusError("this Python has no ssl module, so the board cannot serve HTTPS",
+                          "use a Python built with OpenSSL, or an ssh tunnel to a board on "
+                          "loopback (`ssh -L 8765:127.0.0.1:8765 HOST`)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        raise FerrusError("cannot use the TLS certificate %s%s: %s" % (
+            cert, " with key %s" % key if key else "", getattr(err, "strerror", None) or err),
+            "give a PEM certificate (chain) and its private key: --tls-cert CERT.pem "
+            "--tls-key KEY.pem") from err
+    return context
+
+
+# ============================================================================
+# `ferrus web`, and a board beside `ferrus run` and HQ
+# ============================================================================
+
+def web_warnings(host, tls):
+    """What `ferrus web` says before it listens beyond this machine."""
+    if web_is_loopback(host):
+        return []
+    lines = ["ferrus: warning: the board listens on %s, so other machines can reach it; "
+             "whoever opens it with the token acts as you (queues, cancels, approves)." % host]
+    if not tls:
+        lines.append("ferrus: warning: without --tls-cert/--tls-key its traffic is plain "
+                     "HTTP — the token and everything on the board cross the network "
+                     "readable; securing it is yours.")
+    lines.append("hint: from a phone or another machine, prefer an ssh tunnel to a board on "
+                 "loopback: `ssh -L 8765:127.0.0.1:8765 THIS-HOST`, then open "
+                 "http://127.0.0.1:8765/?token=… there")
+    return lines
+
+
+def start_web_beside(store, host, port, out, tls_cert=None, tls_key=None, allow_hosts=()):
+    """A board serving ``store`` while `ferrus run` or HQ works (their --web): started on
+    threads of this process, its URL and any warning given to ``out``; the caller calls
+    .close() when it ends."""
+    for line in web_warnings(host, bool(tls_cert)):
+        out(line)
+    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts).start()
+    out("ferrus web: the board is at %s" % board.url)
+    return board
+
+
+def _port(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("a port is a number from 0 to 65535 (0: a free one), "
+                                         "not %r" % text)
+    return value
+
+
+def add_web_options(parser, prefix=""):
+    """--host, --port, --allow-host, --tls-cert, --tls-key (``prefix`` "web-" for `ferrus
+    run` and HQ, whose own --web starts the board)."""
+    parser.add_argument("--%shost" % prefix, metavar="ADDR", default=WEB_DEFAULT_HOST,
+                        help="the address to listen on (default %s, this machine only; "
+                             "anything else prints a warning)" % WEB_DEFAULT_HOST)
+    parser.add_argument("--%sport" % prefix, metavar="PORT", type=_port,
+                        default=WEB_DEFAULT_PORT,
+                        help="the port (default %d; 0 picks a free one)" % WEB_DEFAULT_PORT)
+    parser.add_argument("--%sallow-host" % prefix, metavar="NAME", action="append",
+                        default=[], help="another host name browsers reach the board by "
+                                         "(the Host header must be one the board knows)")
+    parser.add_argument("--%stls-cert" % prefix, metavar="PEM",
+                        help="serve HTTPS with this certificate (chain)")
+    parser.add_argument("--%stls-key" % prefix, metavar="PEM",
+                        help="the certificate's private key (when not in --%stls-cert)" % prefix)
+
+
+def add_web_parser(sub):
+    """`ferrus web` on the top-level subparsers."""
+    p = sub.add_parser("web", help="the task board in a browser: watch, queue, answer, "
+                                   "approve (prints a URL with an access token)")
+    add_web_options(p)
+    p.set_defaults(run=cmd_web)
+    return p
+
+
+def cmd_web(args, root):
+    store = Store(root).require()
+    for line in web_warnings(args.host, bool(args.tls_cert)):
+        say(line, file=sys.stderr)
+    board = WebBoard(store, args.host, args.port, args.tls_cert, args.tls_key,
+                     args.allow_host)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM and SIGHUP end it as Ctrl+C does, so web.json goes with it.
+        for name in ("SIGTERM", "SIGHUP"):
+            number = getattr(signal, name, None)
+            if number is not None:
+                previous[number] = signal.signal(number, _raise_terminated)
+    try:
+        board.start()
+        say("ferrus web: serving %s" % store.root)
+        say("    %s" % board.url, flush=True)
+        say("Open that URL once in your browser (it keeps a cookie and drops the token from "
+            "the address); Ctrl+C stops the board.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", 0)
+    finally:
+        board.close()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+# ============================================================================
+# src/ferrus/cli.py (from its line 48)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -21393,29 +23779,12 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        task = require_task_id(store, args.id)
-        record = read_task_record(store.dir, task)
-        running = record.get("status") == RUNNING_STATUS
-        if not args.yes and (running or (args.discard and record.get("worktree"))):
-            state = ""
-            with contextlib.suppress(FerrusError):
-                state = " (%s)" % store.for_task(task).read_state().state
-            if not confirm("Task %s is %s%s: cancel it%s?" % (
-                    short_task_id(task), record.get("status"), state,
-                    " and DROP the work in its worktree" if args.discard else
-                    " (its work is saved first)")):
-                say("Nothing changed.")
-                return 1
-        runner = live_parallel_run(store) if running else None
-        if running and running_orchestrator(store) is None:
-            # A dead orchestrator may have left the task's agents at work in its worktree.
-            for note in stop_orphaned_agents(store, task):
-                say(note)
-        say(op_cancel_task(store, caller, task, remove_worktree=runner is None,
-                           discard=args.discard).text)
-        if runner is not None:
-            say("The running %s stops its agents and removes its worktree and branch."
-                % describe_orchestrator(runner))
+        question = None if args.yes else cancel_needs_confirmation(store, args.id,
+                                                                   args.discard)
+        if question and not confirm(question):
+            say("Nothing changed.")
+            return 1
+        cancel_queue_task(store, caller, args.id, args.discard, out=say)
         return 0
     if args.task_command == "retry":
         say(op_retry_task(store, caller, args.id).text)
@@ -21722,25 +24091,40 @@ def cmd_run(args, root):
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
-        if parallel > 1:
-            if task is not None:
-                require_utf8(task, "the task description")
-                show(HqMessage("info", "ferrus run: " + op_enqueue_task(
-                    store, human_caller(), task).text, "run"))
-            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                                mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if args.milestone or args.until_done:
-            return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
-                                  mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if task is None and not args.resume and any(
-                record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
-                for _, record in task_records(store)):
-            return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
-                             bell=bell, allow_red_base=args.allow_red_base)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review, mode=mode, bell=bell,
-                        allow_red_base=args.allow_red_base)
+        # The board's URL goes to stderr: with --json, stdout is JSON only.
+        board = start_web_beside(store, args.web_host, args.web_port,
+                                 lambda text: say(text, file=sys.stderr, flush=True),
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if args.web else None
+        try:
+            return _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show)
+        finally:
+            if board is not None:
+                board.close()
+
+
+def _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show):
+    """cmd_run's work once the orchestrator lock is held: the queue in parallel,
+    milestones, the queue one task at a time, or the one task."""
+    if parallel > 1:
+        if task is not None:
+            require_utf8(task, "the task description")
+            show(HqMessage("info", "ferrus run: " + op_enqueue_task(
+                store, human_caller(), task).text, "run"))
+        return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+                            mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done,
+                              args.timeout, args.resume, args.reset, ask=ask, review=review,
+                              mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if task is None and not args.resume and any(
+            record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+            for _, record in task_records(store)):
+        return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
+                         bell=bell, allow_red_base=args.allow_red_base)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                    review=review, mode=mode, bell=bell,
+                    allow_red_base=args.allow_red_base)
 
 
 def cmd_hq(args, root):
@@ -21751,7 +24135,15 @@ def cmd_hq(args, root):
         front = hq_front_end(store, resume, getattr(args, "no_tui", False))
         for note in held.notes:
             front.write(note)
-        return front.run()
+        # getattr: plain `ferrus` runs cmd_hq with the top-level options, which have no --web.
+        board = start_web_beside(store, args.web_host, args.web_port, front.write,
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if getattr(args, "web", False) else None
+        try:
+            return front.run()
+        finally:
+            if board is not None:
+                board.close()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -22043,6 +24435,7 @@ def _add_run_parser(sub):
     output.add_argument("--json", action="store_true",
                         help="one JSON object per event on stdout, for CI logs and programs "
                              "(never asks: a question ends the run with exit 4)")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_run)
 
 
@@ -22050,7 +24443,16 @@ def _add_hq_parser(sub):
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
     p.add_argument("--resume", action="store_true", help="resume a task in flight without asking")
     p.add_argument("--no-tui", action="store_true", help="plain lines instead of curses")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_hq)
+
+
+def _add_web_beside_options(p):
+    """--web and its --web-host, --web-port, ... on `ferrus run` and `ferrus hq`."""
+    p.add_argument("--web", action="store_true",
+                   help="serve the task board in a browser beside it (`ferrus web`), "
+                        "and answer questions and approvals there")
+    add_web_options(p, prefix="web-")
 
 
 def _add_serve_parser(sub):
@@ -22085,6 +24487,7 @@ COMMAND_PARSERS = (
     ("agents", _add_agents_parser),
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
+    ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
     ("serve", _add_serve_parser),
 )

@@ -43,6 +43,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from mcpclient import McpConnection, McpFailure, ProcessRegistry, load_ferrus, structured  # noqa: E402
+from web import fig_web_first_paint  # noqa: E402
 
 DEFAULT_FERRUS = os.path.join(os.path.dirname(__file__), "..", "ferrus.py")
 DEFAULT_SDK_VENV = os.path.join(os.path.expanduser("~"), ".cache", "ferrus-bench", "mcp-venv")
@@ -1690,6 +1691,7 @@ FIGURES = (
     ("diff_stat", fig_diff_stat),
     ("parallel_overhead", fig_parallel_overhead),
     ("hq_reaction_8_active", fig_hq_reaction_8_active),
+    ("web_first_paint", fig_web_first_paint),
 )
 
 

@@ -2,8 +2,11 @@
 start, no more than NOTIFY_MAX_RUNNING run at once (one more is not started, and the
 warning says so), and in `ferrus run --parallel` one notifier serves the whole run, so a
 task's end neither waits for nor stops the notifiers its events started — each is
-stopped at its own timeout_secs, or when the run ends."""
+stopped at its own timeout_secs, or when the run ends.  While a web board serves the
+project, a notification carries the task's link on it ({url}, FERRUS_URL, the desktop
+notification's second line)."""
 
+import contextlib
 import os
 import threading
 
@@ -124,3 +127,39 @@ def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path, 
     assert not any(alive(pid) for pid in pids_in(pid_file))
     assert any("[notify] command failed: sh was still running when ferrus ended" in line
                for line in lines), "\n".join(lines)
+
+
+def test_a_notification_links_to_the_tasks_page_while_a_board_serves_the_project(
+        project, tmp_path, monkeypatch):
+    store = ferrus.Store(str(project))
+    out = tmp_path / "out"
+    # A stand-in notify-send: what the desktop notification would show.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "notify-send").write_text('#!/bin/sh\nprintf %%s "$4" > %s\n'
+                                         % (tmp_path / "desktop"))
+    (bin_dir / "notify-send").chmod(0o755)
+    monkeypatch.setenv("PATH", "%s%s%s" % (bin_dir, os.pathsep, os.environ["PATH"]))
+    set_config(str(project), '[notify]\nbell = false\ndesktop = true\ncommand = '
+               '["sh", "-c", "printf \'%%s|%%s\' \\"$FERRUS_URL\\" \\"$1\\" > %s", "sh", '
+               '"{url}"]\n' % out)
+
+    def notified(task_id):
+        for name in ("out", "desktop"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(str(tmp_path / name))
+        notifier = ferrus.Notifier(store, lambda message: None)
+        notifier.notify("complete", task_id, "said {url} itself")
+        wait_until(lambda: out.exists() and (tmp_path / "desktop").exists(),
+                   "the notifiers to run")
+        notifier.finish()
+        return out.read_text(), (tmp_path / "desktop").read_text()
+
+    assert notified("t-1") == ("|", "said {url} itself")       # no board: no link
+    ferrus.write_web_record(store, "http://127.0.0.1:8765")      # a board in this process
+    try:
+        link = "http://127.0.0.1:8765/task/t-1"
+        assert notified("t-1") == ("%s|%s" % (link, link), "said {url} itself\n" + link)
+    finally:
+        ferrus.remove_web_record(store)
+    assert notified("t-1")[0] == "|"

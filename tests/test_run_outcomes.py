@@ -3,7 +3,9 @@ change", never "merged"; a parallel task's `complete` notification comes after i
 `ferrus run --json` prints only JSON, with an event for each step of a task's integration;
 a send-back shows the red checks (command, last lines, log) and a conflict its files;
 `ferrus tasks` lists the active and recent tasks; a queue's next task starts from the
-user's branch, not from the last task's.
+user's branch, not from the last task's; while a web board serves the project, a question
+or an approval waits for it (said once, with the task's link) instead of ending the run
+with exit 4.
 
 Real runs (`ferrus run`, `ferrus run --parallel`) with the scripted agents
 (tests/scripted_agent.py) in real git repositories.
@@ -13,6 +15,9 @@ import json
 import os
 import re
 import subprocess
+import threading
+import time
+import urllib.request
 
 import ferrus
 from conftest import FERRUS_CMD, set_config
@@ -224,3 +229,104 @@ def test_with_a_branch_per_task_the_next_queued_task_starts_from_the_users_branc
     assert "alpha.txt" in committed(repo, "ferrus/" + first)
     assert any(line == "ferrus run: back on main, so the next task starts from it (the last "
                "task's work stays on its branch ferrus/%s)" % first for line in lines), lines
+
+
+# -- a board serving the project answers for the human ----------------------------------------
+
+def board_post(base_url, token, path, body):
+    """A POST to a board's API as a script sends it (the bearer token, no Origin)."""
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                     method="POST", headers={
+                                         "Authorization": "Bearer " + token,
+                                         "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def wait_for(condition, what, limit=120):
+    deadline = time.monotonic() + limit
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "gave up waiting for " + what
+        time.sleep(0.05)
+
+
+def test_a_run_with_a_board_leaves_the_question_and_the_approval_to_it(project, tmp_path):
+    # `ferrus run --task ... --web`, stdin not a terminal, [hq] human_review on: without
+    # the board the question alone would end the run with exit 4.
+    from conftest import SCRIPTED_CONFIG, scripted_project
+    store = scripted_project(project, tmp_path / "memory")
+    set_config(project, SCRIPTED_CONFIG.replace("[limits]", "[hq]\nhuman_review = true\n\n"
+                                                "[limits]", 1))
+    env = dict(os.environ, NO_COLOR="1", SCRIPTED_DIR=str(tmp_path / "memory"),
+               SCRIPTED_BEHAVIOR="ask")
+    env.pop("FERRUS_DEBUG", None)
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with open(str(out), "w") as stdout, open(str(err), "w") as stderr:
+        proc = subprocess.Popen(FERRUS_CMD + ["run", "--task", "Make work.txt", "--web",
+                                              "--web-port", "0"],
+                                cwd=str(project), env=env, stdin=subprocess.DEVNULL,
+                                stdout=stdout, stderr=stderr)
+    try:
+        url = wait_for(lambda: re.search(r"the board is at (http://\S+)", err.read_text()),
+                       "the board's URL").group(1)
+        base_url, token = url.split("/?token=")
+        # The human acts once the run said where (as one reading its output would).
+        wait_for(lambda: "the question waits for your answer on the board" in out.read_text(),
+                 "the run to leave the question to the board")
+        task = store.read_state().task_id
+        board_post(base_url, token, "/api/answer", {"text": "Blue"})
+        wait_for(lambda: "the reviewer's approval waits for your confirmation on the board"
+                 in out.read_text(), "the run to leave the approval to the board")
+        board_post(base_url, token, "/api/tasks/%s/approve" % task, {})
+        assert proc.wait(timeout=120) == ferrus.RUN_COMPLETE, out.read_text() + err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shown = out.read_text()
+    link = "%s/task/%s" % (base_url, task)
+    assert shown.count("ferrus run: the question waits for your answer on the board: %s\n"
+                       % link) == 1, shown
+    assert shown.count("ferrus run: the reviewer's approval waits for your confirmation on "
+                       "the board: %s\n" % link) == 1, shown
+    assert "answer>" not in shown and "approve?" not in shown
+    assert store.read_state().state == ferrus.S.COMPLETE
+    human = [(e["event"], e["actor"]) for e in store.read_journal()
+             if e["actor"].startswith("human")]
+    assert human == [("create_task", "human"), ("answer", "human/web"),
+                     ("human_approve", "human/web")]
+    assert not (project / ".ferrus" / "web.json").exists()
+
+
+def test_a_parallel_run_with_a_board_waits_for_its_answer_instead_of_exit_4(repo,
+                                                                          monkeypatch):
+    store = setup(repo, ["test -f README.md"])
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    board = ferrus.WebBoard(store, "127.0.0.1", 0).start()
+    answered = []
+
+    def answer_from_the_board():
+        def waiting():
+            rows = ferrus.task_rows(store, [task])
+            return rows and rows[0].get("state") == ferrus.S.AWAITING_HUMAN.value
+        wait_for(waiting, "the task's question", limit=200)
+        answered.append(board_post(board.base_url, board.token, "/api/answer",
+                                   {"text": "Blue", "task": task}))
+    helper = threading.Thread(target=answer_from_the_board, daemon=True)
+    helper.start()
+    try:
+        code, lines = run(store, 2)         # no ask: nobody at this run's terminal
+    finally:
+        board.close()
+    helper.join(10)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert answered and answered[0]["task_id"] == task
+    assert statuses(store) == {task: "merged"}
+    told = [line for line in lines if "waits for your answer on the board" in line]
+    assert told == ["ferrus run: task %s: the question waits for your answer on the board: "
+                    "%s/task/%s" % (ferrus.short_task_id(task), board.base_url, task)], lines
+    assert [e["actor"] for e in store.read_journal() if e["event"] == "answer"] == ["human/web"]

@@ -23,17 +23,18 @@ from .checks import _status_note, report_orphaned_checks
 from .operations import (Caller, HUMAN, ROLES, confirmation_summary, op_human_approve,
                          op_human_reject, short_task_id)
 from .work import op_check, op_force_reset, op_run_checks_only
-from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
-                         op_enqueue_task, op_retry_task, require_task_id,
-                         stores_awaiting_confirmation, task_records, task_store_of)
+from .task_queue import (op_enqueue_milestone, op_enqueue_ready, op_enqueue_task,
+                         op_retry_task, stores_awaiting_confirmation, task_records,
+                         task_store_of)
 from .mcp import SESSION_ENV, serve_stdio
 from .adapters import adapter_for
 from .register import (add_registration_options, agents_report, register_agents,
                        registration_choices, unregister_agents)
-from .sessions import HqMessage, describe_orchestrator
+from .sessions import HqMessage
 from .notify import terminal_bell
-from .orchestrator import OrchestratorLock, running_orchestrator, stop_orphaned_agents
+from .orchestrator import OrchestratorLock
 from .parallel import live_parallel_run
+from .task_cancel import cancel_needs_confirmation, cancel_queue_task
 from .run import run_loop, run_milestones, run_parallel, run_printer, run_queue
 from .pipelines import _pipeline_result, pipeline_command
 from .scaffold import init_project
@@ -41,6 +42,7 @@ from .doctor import doctor_findings
 from .hq_curses import hq_front_end
 from .cli_views import (cmd_diff, cmd_journal, cmd_log, cmd_sessions, cmd_status,
                         cmd_tasks, cmd_usage)
+from .web import add_web_options, add_web_parser, start_web_beside
 
 
 def invoked_as():
@@ -83,29 +85,12 @@ def cmd_task(args, root):
     store = Store(root).require()
     caller = human_caller()
     if args.task_command == "cancel":
-        task = require_task_id(store, args.id)
-        record = read_task_record(store.dir, task)
-        running = record.get("status") == RUNNING_STATUS
-        if not args.yes and (running or (args.discard and record.get("worktree"))):
-            state = ""
-            with contextlib.suppress(FerrusError):
-                state = " (%s)" % store.for_task(task).read_state().state
-            if not confirm("Task %s is %s%s: cancel it%s?" % (
-                    short_task_id(task), record.get("status"), state,
-                    " and DROP the work in its worktree" if args.discard else
-                    " (its work is saved first)")):
-                say("Nothing changed.")
-                return 1
-        runner = live_parallel_run(store) if running else None
-        if running and running_orchestrator(store) is None:
-            # A dead orchestrator may have left the task's agents at work in its worktree.
-            for note in stop_orphaned_agents(store, task):
-                say(note)
-        say(op_cancel_task(store, caller, task, remove_worktree=runner is None,
-                           discard=args.discard).text)
-        if runner is not None:
-            say("The running %s stops its agents and removes its worktree and branch."
-                % describe_orchestrator(runner))
+        question = None if args.yes else cancel_needs_confirmation(store, args.id,
+                                                                   args.discard)
+        if question and not confirm(question):
+            say("Nothing changed.")
+            return 1
+        cancel_queue_task(store, caller, args.id, args.discard, out=say)
         return 0
     if args.task_command == "retry":
         say(op_retry_task(store, caller, args.id).text)
@@ -412,25 +397,40 @@ def cmd_run(args, root):
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
-        if parallel > 1:
-            if task is not None:
-                require_utf8(task, "the task description")
-                show(HqMessage("info", "ferrus run: " + op_enqueue_task(
-                    store, human_caller(), task).text, "run"))
-            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                                mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if args.milestone or args.until_done:
-            return run_milestones(store, args.milestone or "next", args.until_done,
-                                  args.timeout, args.resume, args.reset, ask=ask, review=review,
-                                  mode=mode, bell=bell, allow_red_base=args.allow_red_base)
-        if task is None and not args.resume and any(
-                record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
-                for _, record in task_records(store)):
-            return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
-                             bell=bell, allow_red_base=args.allow_red_base)
-        return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
-                        review=review, mode=mode, bell=bell,
-                        allow_red_base=args.allow_red_base)
+        # The board's URL goes to stderr: with --json, stdout is JSON only.
+        board = start_web_beside(store, args.web_host, args.web_port,
+                                 lambda text: say(text, file=sys.stderr, flush=True),
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if args.web else None
+        try:
+            return _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show)
+        finally:
+            if board is not None:
+                board.close()
+
+
+def _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show):
+    """cmd_run's work once the orchestrator lock is held: the queue in parallel,
+    milestones, the queue one task at a time, or the one task."""
+    if parallel > 1:
+        if task is not None:
+            require_utf8(task, "the task description")
+            show(HqMessage("info", "ferrus run: " + op_enqueue_task(
+                store, human_caller(), task).text, "run"))
+        return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+                            mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if args.milestone or args.until_done:
+        return run_milestones(store, args.milestone or "next", args.until_done,
+                              args.timeout, args.resume, args.reset, ask=ask, review=review,
+                              mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+    if task is None and not args.resume and any(
+            record.get("status") in (QUEUED_STATUS, RUNNING_STATUS)
+            for _, record in task_records(store)):
+        return run_queue(store, timeout=args.timeout, ask=ask, review=review, mode=mode,
+                         bell=bell, allow_red_base=args.allow_red_base)
+    return run_loop(store, task, args.timeout, args.resume, ask=ask, reset=args.reset,
+                    review=review, mode=mode, bell=bell,
+                    allow_red_base=args.allow_red_base)
 
 
 def cmd_hq(args, root):
@@ -441,7 +441,15 @@ def cmd_hq(args, root):
         front = hq_front_end(store, resume, getattr(args, "no_tui", False))
         for note in held.notes:
             front.write(note)
-        return front.run()
+        # getattr: plain `ferrus` runs cmd_hq with the top-level options, which have no --web.
+        board = start_web_beside(store, args.web_host, args.web_port, front.write,
+                                 args.web_tls_cert, args.web_tls_key,
+                                 args.web_allow_host) if getattr(args, "web", False) else None
+        try:
+            return front.run()
+        finally:
+            if board is not None:
+                board.close()
 
 
 # -- `ferrus pipeline …` and HQ's `/pipeline …` ------------------------------------------------
@@ -733,6 +741,7 @@ def _add_run_parser(sub):
     output.add_argument("--json", action="store_true",
                         help="one JSON object per event on stdout, for CI logs and programs "
                              "(never asks: a question ends the run with exit 4)")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_run)
 
 
@@ -740,7 +749,16 @@ def _add_hq_parser(sub):
     p = sub.add_parser("hq", help="the interactive orchestration shell (also: plain `ferrus`)")
     p.add_argument("--resume", action="store_true", help="resume a task in flight without asking")
     p.add_argument("--no-tui", action="store_true", help="plain lines instead of curses")
+    _add_web_beside_options(p)
     p.set_defaults(run=cmd_hq)
+
+
+def _add_web_beside_options(p):
+    """--web and its --web-host, --web-port, ... on `ferrus run` and `ferrus hq`."""
+    p.add_argument("--web", action="store_true",
+                   help="serve the task board in a browser beside it (`ferrus web`), "
+                        "and answer questions and approvals there")
+    add_web_options(p, prefix="web-")
 
 
 def _add_serve_parser(sub):
@@ -775,6 +793,7 @@ COMMAND_PARSERS = (
     ("agents", _add_agents_parser),
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
+    ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
     ("serve", _add_serve_parser),
 )

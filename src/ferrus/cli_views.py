@@ -545,23 +545,33 @@ def full_task_title(store, task, title):
     return title
 
 
+def tasks_with_usage(store, rows, full_titles=True):
+    """`ferrus tasks`'s rows: ``rows`` of task_rows with each task's tokens, cost (None
+    while a session's cost is unknown) and executor agent (from its sessions when its
+    record names none); with ``full_titles`` (`--json`, the board) its title uncut."""
+    by_task = collections.defaultdict(list)
+    for record in read_session_records(store):
+        by_task[record.get("task_id")].append(record)
+    for row in rows:
+        records = by_task.get(row["id"], [])
+        used = usage_summary(records)
+        row["tokens"] = used["input_tokens"] + used["output_tokens"]
+        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
+        row["agent"] = row.get("agent") or next(
+            (r.get("agent") for r in reversed(records) if r.get("role") == "executor"), None)
+        if full_titles:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+    return rows
+
+
 def cmd_tasks(args, root):
     store = Store(root).require()
     rows = task_rows(store)
     older = 0
     if not args.all:
         rows, older = recent_task_rows(rows, store.clock())
-    records = read_session_records(store)
-    for row in rows:
-        used = usage_summary([r for r in records if r.get("task_id") == row["id"]])
-        row["tokens"] = used["input_tokens"] + used["output_tokens"]
-        row["cost_usd"] = None if used["cost_unknown"] else used["cost_usd"]
-        row["agent"] = row.get("agent") or next(
-            (r.get("agent") for r in reversed(records) if r.get("task_id") == row["id"]
-             and r.get("role") == "executor"), None)
+    tasks_with_usage(store, rows, full_titles=args.json)
     if args.json:
-        for row in rows:
-            row["title"] = full_task_title(store, row["id"], row["title"])
         print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
         return 0
     if not rows:

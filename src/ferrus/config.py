@@ -177,7 +177,7 @@ class NotifyConfig:
 
     bell: bool = True              # the terminal bell in HQ and `ferrus run`
     desktop: bool = False          # notify-send, osascript or a PowerShell toast
-    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary}
+    command: list = dataclasses.field(default_factory=list)   # argv; {event} {task_id} {summary} {url}
     timeout_secs: int = 30         # a notifier still running then is stopped
     events: list = dataclasses.field(default_factory=lambda: list(NOTIFY_DEFAULT_EVENTS))
 

@@ -16,6 +16,7 @@ from .system import IS_WINDOWS, kill_process_tree, process_group_kwargs
 from .config import NotifyConfig
 from .session_machine import SS, Session
 from .sessions import HqMessage, SLOT_ROLES, count_tool_calls
+from .web_link import web_board_url
 
 
 # -- notifications ---------------------------------------------------------------------------
@@ -113,25 +114,29 @@ class Notifier:
         if event not in config.events:
             return
         summary = " ".join((summary or "").split())[:300]
+        url = web_board_url(self.store, task_id) or ""     # while a board serves the project
         self.sent.append((event, task_id, summary))
         if config.bell and self.bell is not None:
             with contextlib.suppress(Exception):   # a closed terminal is no reason to stop
                 self.bell()
-        values = {"{event}": event, "{task_id}": task_id or "", "{summary}": summary}
+        # {url} before {summary}: an agent's words saying "{url}" stay as they are.
+        values = {"{event}": event, "{task_id}": task_id or "", "{url}": url,
+                  "{summary}": summary}
         env = {"FERRUS_EVENT": event, "FERRUS_TASK_ID": task_id or "",
-               "FERRUS_SUMMARY": summary}
+               "FERRUS_SUMMARY": summary, "FERRUS_URL": url}
         if config.command:
             argv = [self._fill(part, values) for part in config.command]
             self._start("[notify] command", argv, env, config.timeout_secs, event)
         if config.desktop:
             title = "ferrus: %s" % NOTIFY_TITLES.get(event, event)
-            argv = desktop_notification_argv(title, summary or title)
+            body = "\n".join(part for part in (summary or title, url) if part)
+            argv = desktop_notification_argv(title, body)
             if argv is None:
                 self._failed("[notify] desktop", "no desktop notifier was found (notify-send "
                              "on Linux, osascript on macOS, PowerShell on Windows)")
             else:
                 self._start("[notify] desktop", argv, dict(env, FERRUS_NOTIFY_TITLE=title,
-                                                           FERRUS_NOTIFY_BODY=summary or title),
+                                                           FERRUS_NOTIFY_BODY=body),
                             config.timeout_secs, event)
 
     @staticmethod

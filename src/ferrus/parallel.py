@@ -40,6 +40,7 @@ from .task_queue import (_TASK_ID_RE, _remove_task_leftovers, checked_task_recor
                          count_statuses, task_records, update_task)
 from .register import copy_agent_configuration
 from .sessions import HqMessage
+from .web_link import web_board_url
 from .notify import Notifier
 from .orchestrator import running_orchestrator
 from .controller import HqController
@@ -738,8 +739,11 @@ class ParallelRunner(MergeQueue):
                                " and ".join(stopped), short_task_id(task)))
             return
         if data.state == S.AWAITING_HUMAN and controller.shown_question:
-            answer = self.ask(controller.shown_question) if self.ask else None
+            # While a board serves the project, the human answers there.
+            answer = self.ask(controller.shown_question) if self.ask and \
+                web_board_url(self.store) is None else None
             if answer is None:
+                self._left_to_board(task, "question waits for your answer")
                 self.waiting_human.add(task)
             elif answer.strip():
                 op_answer(controller.store, HUMAN, answer)
@@ -747,8 +751,9 @@ class ParallelRunner(MergeQueue):
                 self._seen = None        # no answer yet: ask again at the next step
         elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
             decision = self.review(confirmation_summary(controller.store, data)) \
-                if self.review else None
+                if self.review and web_board_url(self.store) is None else None
             if decision is None:
+                self._left_to_board(task, "approval waits for your confirmation")
                 self.waiting_human.add(task)
             else:
                 verdict, notes = decision
@@ -760,6 +765,14 @@ class ParallelRunner(MergeQueue):
         else:
             self.waiting_human.discard(task)
 
+    def _left_to_board(self, task, what):
+        """Said once as ``task`` starts waiting for the human while a board serves the
+        project (`ferrus web`, --web): where to answer, as nobody is asked here."""
+        board = web_board_url(self.store, task)
+        if board is not None and task not in self.waiting_human:
+            self.note("task %s: the %s on the board: %s" % (short_task_id(task), what, board),
+                      task_id=task)
+
     def _collect(self):
         if self.integrating():
             if self.advance(5):
@@ -770,9 +783,10 @@ class ParallelRunner(MergeQueue):
             self.advance(5)        # nothing left: P5 has nothing to merge and reports
 
     def stuck_on_human(self):
-        """Every task still in flight waits for a human nobody here can be."""
+        """Every task still in flight waits for a human nobody here can be (nor on a
+        board serving the project: `ferrus web`, --web)."""
         return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
-            not (self.queued() and self.free_slots())
+            not (self.queued() and self.free_slots()) and web_board_url(self.store) is None
 
     # -- P5 integrate: the merge queue -----------------------------------------------------
 

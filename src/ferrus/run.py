@@ -27,6 +27,7 @@ from .work import op_answer, op_force_reset
 from .task_queue import checked_task_records, task_records, update_task, write_task_record
 from .adapters import CustomAgent, adapter_for
 from .sessions import HqMessage, format_usage, task_usage
+from .web_link import web_board_url
 from .controller import HqController
 from .parallel import (ParallelRunner, QUIET_EVENTS, RUN_CHECKPOINT, RUN_COMPLETE,
                        RUN_FAILED, RUN_NEEDS_HUMAN, RUN_TIMEOUT, checkout_base, gate_base)
@@ -145,9 +146,11 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     controller.drain_journal()
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
+    told_board = set()          # the revs whose question or approval was left to the board
     try:
         while True:
-            code = _run_step(store, controller, run_task, note, ask, review, poll_interval)
+            code = _run_step(store, controller, run_task, note, ask, review, poll_interval,
+                             told_board)
             if code is not None:
                 return code
             if timeout is not None and clock() - started >= timeout:
@@ -203,11 +206,13 @@ def _start_run_task(store, data, task, note, show, launcher, reset, allow_red_ba
              branch=created.data["branch"])
 
 
-def _run_step(store, controller, run_task, note, ask, review, poll_interval):
+def _run_step(store, controller, run_task, note, ask, review, poll_interval, told_board):
     """One turn of run_loop: the controller polled, then the run's exit code when the task
     ended, went away, hit a checkpoint, waits for a human nobody here can be, or has an
     agent that gave up; else None (the questions and confirmations a human here can give
-    are passed on)."""
+    are passed on).  While a board serves the project (`ferrus web`, --web) the human
+    gives them there: the run says so once per state (``told_board``: those revs) and
+    waits for the board's answer."""
     controller.poll()
     data = store.read_state()
     controller.catch_up(data.rev)
@@ -227,7 +232,13 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval):
              "`ferrus run --resume`", exit=RUN_CHECKPOINT)
         return RUN_CHECKPOINT
     if data.state == S.AWAITING_HUMAN and controller.shown_question:
-        answer = ask(controller.shown_question) if ask else None
+        board = web_board_url(store, run_task)
+        answer = ask(controller.shown_question) if ask and board is None else None
+        if answer is None and board is not None:
+            if data.rev not in told_board:
+                told_board.add(data.rev)
+                note("the question waits for your answer on the board: %s" % board)
+            answer = ""                 # nothing to pass on: the board answers
         if answer is None:
             note("an agent asked a human and no answer is given here (stdin is not "
                  "a terminal, or it ended); answer with HQ or `ferrus run --resume` "
@@ -236,20 +247,28 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval):
         if answer.strip():
             op_answer(store, HUMAN, answer)
     if data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
-        decision = review(confirmation_summary(store, data)) if review else None
-        if decision is None:
+        board = web_board_url(store, run_task)
+        decision = review(confirmation_summary(store, data)) \
+            if review and board is None else None
+        if decision is None and board is not None:
+            if data.rev not in told_board:
+                told_board.add(data.rev)
+                note("the reviewer's approval waits for your confirmation on the board: %s"
+                     % board)
+        elif decision is None:
             note("the task waits for a human's confirmation of the reviewer's "
                  "approval; run `ferrus approve`, or `ferrus reject NOTES` and then "
                  "`ferrus run --resume`", exit=RUN_NEEDS_HUMAN)
             return RUN_NEEDS_HUMAN
-        verdict, notes = decision
-        try:
-            if verdict == "approve":
-                op_human_approve(store, HUMAN, via="run")
-            else:
-                op_human_reject(store, HUMAN, notes, via="run")
-        except FerrusError as err:      # e.g. someone else decided meanwhile
-            note(err.message)
+        else:
+            verdict, notes = decision
+            try:
+                if verdict == "approve":
+                    op_human_approve(store, HUMAN, via="run")
+                else:
+                    op_human_reject(store, HUMAN, notes, via="run")
+            except FerrusError as err:      # e.g. someone else decided meanwhile
+                note(err.message)
     stuck = [slot.name for slot in controller.slots.values() if slot.state == SS.STOPPED]
     if stuck and not controller.running():
         # The task itself is still in flight: say how to go on once the cause is
