@@ -16421,7 +16421,7 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
     controller.drain_journal()
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
-    told_board = set()          # the revs whose question or approval was left to the board
+    told_board = set()          # the waits (state, entered at) left to the board
     try:
         while True:
             code = _run_step(store, controller, run_task, note, ask, review, poll_interval,
@@ -16486,11 +16486,15 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval, tol
     ended, went away, hit a checkpoint, waits for a human nobody here can be, or has an
     agent that gave up; else None (the questions and confirmations a human here can give
     are passed on).  While a board serves the project (`ferrus web`, --web) the human
-    gives them there: the run says so once per state (``told_board``: those revs) and
-    waits for the board's answer."""
+    gives them there: the run says so once each time the task enters such a state
+    (``told_board``: those waits; a journal entry such as a session's end changes the rev
+    but not the wait) and waits for the board's answer."""
     controller.poll()
     data = store.read_state()
     controller.catch_up(data.rev)
+    wait = (data.state, data.state_entered_at)
+    if data.state not in (S.AWAITING_HUMAN, S.AWAITING_CONFIRMATION):
+        told_board.clear()          # a later question is a new wait, whatever its time
     if data.state in (S.COMPLETE, S.FAILED) and data.task_id == run_task:
         controller.wind_down(poll_interval)
         return RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED
@@ -16510,8 +16514,8 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval, tol
         board = web_board_url(store, run_task)
         answer = ask(controller.shown_question) if ask and board is None else None
         if answer is None and board is not None:
-            if data.rev not in told_board:
-                told_board.add(data.rev)
+            if wait not in told_board:
+                told_board.add(wait)
                 note("the question waits for your answer on the board: %s" % board)
             answer = ""                 # nothing to pass on: the board answers
         if answer is None:
@@ -16526,8 +16530,8 @@ def _run_step(store, controller, run_task, note, ask, review, poll_interval, tol
         decision = review(confirmation_summary(store, data)) \
             if review and board is None else None
         if decision is None and board is not None:
-            if data.rev not in told_board:
-                told_board.add(data.rev)
+            if wait not in told_board:
+                told_board.add(wait)
                 note("the reviewer's approval waits for your confirmation on the board: %s"
                      % board)
         elif decision is None:
