@@ -23,7 +23,7 @@ from .system import (IS_WINDOWS, atomic_write, kill_process_tree, open_private_l
 from .config import BUILTIN_AGENTS, _describe_value, load_config
 from .session_machine import SS, SessionEvent, backoff_ms
 from .agents import tool_denied, tool_display_name, tool_failure_line, tool_line
-from .adapters import adapter_for
+from .register import adapter_for
 from .prompts import prompt_pipeline_worker
 from .sessions import (HqMessage, close_session_record, open_session_record,
                        read_session_records, usage_from_log, write_session_record)

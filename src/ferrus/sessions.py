@@ -23,7 +23,8 @@ from .store import FERRUS_DIR
 from .checks import CHECK_PROCESS_DIR
 from .mcp import open_in_ferrus_dir
 from .agents import UsageTally
-from .adapters import adapter_for, permanent_agent_error
+from .adapters import permanent_agent_error
+from .register import adapter_for
 
 
 def sessions_config(root):
