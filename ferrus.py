@@ -15405,6 +15405,7 @@ class AgentProcess:
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(root)     # opencode takes its folder from $PWD
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
@@ -19204,6 +19205,7 @@ def start_worker_process(launch, root, base):
     ``base``.pid.  None of our pipes is passed to it."""
     env = dict(os.environ)
     env.update(launch.env)
+    env["PWD"] = os.path.abspath(root)         # opencode takes its folder from $PWD
     stdin = subprocess.DEVNULL
     if launch.stdin is not None:
         atomic_write(base + ".prompt", launch.stdin)
@@ -22420,6 +22422,7 @@ class HqShell(HqTaskCommands):
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(self.store.root)   # opencode takes its folder from $PWD
         env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:

@@ -621,6 +621,7 @@ class HqShell(HqTaskCommands):
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(self.store.root)   # opencode takes its folder from $PWD
         env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:

@@ -256,6 +256,7 @@ def start_worker_process(launch, root, base):
     ``base``.pid.  None of our pipes is passed to it."""
     env = dict(os.environ)
     env.update(launch.env)
+    env["PWD"] = os.path.abspath(root)         # opencode takes its folder from $PWD
     stdin = subprocess.DEVNULL
     if launch.stdin is not None:
         atomic_write(base + ".prompt", launch.stdin)

@@ -379,6 +379,7 @@ class AgentProcess:
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(root)     # opencode takes its folder from $PWD
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
