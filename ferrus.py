@@ -10955,11 +10955,13 @@ def tool_line(slot, name, summary, root=None):
     return "%s ▸ %s%s" % (slot, tool_display_name(name), "  " + summary if summary else "")
 
 
-# A tool result that says the agent was not allowed the call, as the CLIs word it.
+# A tool result that says the agent was not allowed the call, as the CLIs word it
+# (opencode: "The user rejected permission to use this specific tool call.").
 _TOOL_DENIED = LazyPattern(
     r"requires? (?:approval|permission)|permission (?:was )?(?:declined|denied)|"
     r"not enabled in this context|was blocked|not allowed|rejected by user approval|"
-    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)", re.IGNORECASE)
+    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)|"
+    r"rejected permission", re.IGNORECASE)
 TOOL_REASON_CHARS = 240
 
 
