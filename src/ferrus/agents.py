@@ -120,7 +120,7 @@ class AgentEvent:
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
-                      "query", "description", "prompt", "content", "notes", "question",
+                      "uri", "query", "description", "prompt", "content", "notes", "question",
                       "response")
 # An MCP tool as each CLI names it: Claude Code and Qwen Code mcp__SERVER__TOOL, Gemini
 # CLI mcp_SERVER_TOOL (its server names carry no "_"), Codex's parser SERVER/TOOL.
