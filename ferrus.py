@@ -47,7 +47,11 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     agents.py ............ launching ferrus elsewhere, agent events, tool names, usage
     agent_files.py ....... the files register edits, planned and written safely
     adapters.py .......... Claude Code, Codex, Qwen Code, Gemini CLI, custom agents
-    register.py .......... connecting agents to a project, and `ferrus agents`
+    nano_model.py ........ [agents.nano] settings and the chat-completions client
+    nano.py .............. a local chat-completions model plays a ferrus role
+    local_agents.py ...... the nano, opencode and goose adapters
+    probe.py ............. a short tool-calling exercise that tells if a model can drive ferrus
+    register.py .......... every agent by name, connecting agents to a project, `ferrus agents`
     prompts.py ........... what each agent is told, for every role and mode
     sessions.py .......... session records, usage, agent processes, HQ's messages
     web_link.py .......... .ferrus/web.json, for [notify] and runs
@@ -137,6 +141,8 @@ import errno
 import fnmatch
 import functools
 import getpass
+import http.client
+import ipaddress
 import itertools
 import json
 import logging
@@ -145,6 +151,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -1483,7 +1490,11 @@ def toml_remove_table(text, table):
 # expected; ConfigCache reloads only when the file changes.
 
 CONFIG_FILE = "ferrus.toml"
-BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli", "nano", "opencode",
+                  "goose")
+# Agents whose [agents.<name>] table has keys of their own besides the launch options;
+# the agent validates them (nano: nano_setting_problems).
+AGENTS_WITH_OWN_SETTINGS = ("nano",)
 # The binary names people type for the built-in agents.
 AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
 # What a headless agent may do besides calling ferrus's tools (see section 14).
@@ -1550,6 +1561,7 @@ class AgentOptions:
     headless_args: list = dataclasses.field(default_factory=list)
     interactive_args: list = dataclasses.field(default_factory=list)
     env: dict = dataclasses.field(default_factory=dict)
+    settings: dict = dataclasses.field(default_factory=dict)   # an agent's own keys (nano)
 
 
 @deferred_dataclass
@@ -1950,6 +1962,8 @@ def _parse_agent_options(path, name, agent, table, target, unknown, found):
                 # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
                 found.append(_config_error(path, dotted, "must be \"merge-user\" or "
                                            "\"ferrus-only\"", value))
+        elif agent in AGENTS_WITH_OWN_SETTINGS:
+            options.settings[key] = value      # checked by the agent (nano_setting_problems)
         else:
             unknown.append(dotted)
     return options
@@ -10956,7 +10970,7 @@ class AgentEvent:
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
-                      "query", "description", "prompt", "content", "notes", "question",
+                      "uri", "query", "description", "prompt", "content", "notes", "question",
                       "response")
 # An MCP tool as each CLI names it: Claude Code and Qwen Code mcp__SERVER__TOOL, Gemini
 # CLI mcp_SERVER_TOOL (its server names carry no "_"), Codex's parser SERVER/TOOL.
@@ -11005,11 +11019,13 @@ def tool_line(slot, name, summary, root=None):
     return "%s ▸ %s%s" % (slot, tool_display_name(name), "  " + summary if summary else "")
 
 
-# A tool result that says the agent was not allowed the call, as the CLIs word it.
+# A tool result that says the agent was not allowed the call, as the CLIs word it
+# (opencode: "The user rejected permission to use this specific tool call.").
 _TOOL_DENIED = LazyPattern(
     r"requires? (?:approval|permission)|permission (?:was )?(?:declined|denied)|"
     r"not enabled in this context|was blocked|not allowed|rejected by user approval|"
-    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)", re.IGNORECASE)
+    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)|"
+    r"rejected permission", re.IGNORECASE)
 TOOL_REASON_CHARS = 240
 
 
@@ -11410,7 +11426,7 @@ def effective_permissions(config, role):
 
 
 # ============================================================================
-# src/ferrus/adapters.py (from its line 35)
+# src/ferrus/adapters.py (from its line 33)
 # ============================================================================
 # Adapters: Claude Code, Codex, Qwen Code, Gemini CLI, custom agents.
 #
@@ -12210,7 +12226,2348 @@ class CustomAgent(AgentAdapter):
             server_key(role))
 
 
-ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
+# ============================================================================
+# src/ferrus/nano_model.py (from its line 30)
+# ============================================================================
+# nano's model side: [agents.nano] settings and the chat-completions client.
+#
+# nano (nano.py) and the tool-calling probe (probe.py) talk to a model server through
+# this: the settings of ``[agents.nano]`` validated key by key, the endpoint they name
+# (loopback only unless allow_remote), and a client of the OpenAI chat completions API
+# (Ollama, vLLM, llama.cpp's llama-server, LM Studio).  The client keeps one HTTP
+# connection open for a session, sends the conversation and the offered tools, and folds
+# the streamed answer (server-sent events) into text, tool calls and the usage the
+# server reports; transient failures are retried, every other one becomes a message
+# that says what to check.
+
+NANO_DEFAULT_BASE_URL = "http://127.0.0.1:11434/v1"
+
+
+@deferred_dataclass
+class NanoSettings:
+    """``[agents.nano]``: the model server, the model, and one session's budgets."""
+
+    base_url: str = NANO_DEFAULT_BASE_URL   # Ollama's; vLLM :8000/v1, llama-server :8080/v1
+    model: str = ""                # "" = [hq.<role>] model, else the server's only model
+    api_key_env: str = ""          # the variable holding a bearer key ("": none is sent)
+    max_tokens: int = 4096         # per model answer
+    temperature: float = 0.2
+    context_tokens: int = 32768    # the model's context window as the server runs it
+    max_session_tokens: int = 200000
+    max_session_secs: int = 1800
+    max_tool_calls: int = 200
+    request_timeout_secs: int = 600
+    command_timeout_secs: int = 120
+    allow_remote: bool = False     # a base_url that is not this machine (loopback)
+
+
+# key -> (lowest, highest) for the whole-number settings.
+_NANO_INT_RANGES = {"max_tokens": (1, 1 << 20), "context_tokens": (256, 1 << 24),
+                    "max_session_tokens": (1, 1 << 40), "max_session_secs": (1, 7 * 86400),
+                    "max_tool_calls": (1, 1 << 20), "request_timeout_secs": (1, 86400),
+                    "command_timeout_secs": (1, 86400)}
+
+
+def nano_setting_problems(table, where="%s [agents.nano]" % CONFIG_FILE):
+    """(NanoSettings, [FerrusError]) from an ``[agents.nano]`` table: every bad or
+    unknown key is one problem, and keeps its default."""
+    settings, problems = NanoSettings(), []
+    known = [field.name for field in fields_of(NanoSettings)]
+
+    def problem(key, expected, value):
+        problems.append(FerrusError("%s %s %s, got %s" % (where, key, expected,
+                                                          json.dumps(value, default=str)),
+                                    "fix %s under [agents.nano] in %s (docs/LOCAL_MODELS.md "
+                                    "lists the settings)" % (key, CONFIG_FILE)))
+    for key, value in (table or {}).items():
+        if key not in known:
+            close = did_you_mean(key, known)
+            problems.append(FerrusError("%s has no setting %s" % (where, key),
+                                        "did you mean %s?" % close if close else
+                                        "the settings are: %s" % ", ".join(known)))
+        elif key in _NANO_INT_RANGES:
+            low, high = _NANO_INT_RANGES[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                problem(key, "must be a whole number from %d to %d" % (low, high), value)
+            else:
+                setattr(settings, key, value)
+        elif key == "temperature":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value <= 2:
+                problem(key, "must be a number from 0 to 2", value)
+            else:
+                settings.temperature = float(value)
+        elif key == "allow_remote":
+            if not isinstance(value, bool):
+                problem(key, "must be true or false", value)
+            else:
+                settings.allow_remote = value
+        elif not isinstance(value, str):
+            problem(key, "must be a string", value)
+        else:
+            setattr(settings, key, value.strip())
+    if settings.max_tokens >= settings.context_tokens:
+        problem("max_tokens", "must be below context_tokens (%d): the answer shares the "
+                              "context with the conversation" % settings.context_tokens,
+                settings.max_tokens)
+        settings.max_tokens = max(1, settings.context_tokens // 4)
+    return settings, problems
+
+
+def nano_settings_findings(config):
+    """[(problem, hint)] of [agents.nano] for `ferrus doctor`: every bad key, when a role
+    uses nano or the table exists."""
+    table = config.agents.options_for("nano").settings
+    uses = any(getattr(getattr(config, role, None), "agent", None) == "nano" for role in ROLES)
+    if not table and not uses:
+        return []
+    settings, problems = nano_setting_problems(table)
+    found = [(err.message, err.hint or "") for err in problems]
+    if not problems:
+        try:
+            nano_endpoint(settings)
+        except FerrusError as err:
+            found.append((err.message, err.hint or ""))
+    return found
+
+
+def nano_settings(config):
+    """The validated [agents.nano] settings of a loaded config (the first problem raised)."""
+    table = config.agents.options_for("nano").settings
+    settings, problems = nano_setting_problems(table)
+    if problems:
+        raise problems[0]
+    return settings
+
+
+@deferred_dataclass
+class NanoEndpoint:
+    """Where the chat completions API is: parsed from base_url and checked."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str          # the base path, e.g. /v1 (no trailing /)
+    loopback: bool
+
+    @property
+    def url(self):
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        return "%s://%s:%d%s" % (self.scheme, host, self.port, self.path)
+
+
+def _is_loopback(host):
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def nano_endpoint(settings):
+    """The endpoint of ``settings.base_url``; a remote one only with allow_remote."""
+    where = "[agents.nano] base_url %s" % json.dumps(settings.base_url)
+    hint = 'e.g. base_url = "%s" (Ollama), "http://127.0.0.1:8080/v1" (llama-server) or ' \
+           '"http://127.0.0.1:8000/v1" (vLLM)' % NANO_DEFAULT_BASE_URL
+    try:
+        parts = urllib.parse.urlsplit(settings.base_url)
+        port = parts.port
+    except ValueError as err:
+        raise FerrusError("%s is not a URL: %s" % (where, err), hint) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise FerrusError("%s is not an http:// or https:// URL" % where, hint)
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise FerrusError("%s must not carry a user, password, query or fragment" % where,
+                          "put a key in an environment variable and name it with "
+                          "api_key_env under [agents.nano]")
+    endpoint = NanoEndpoint(parts.scheme, parts.hostname,
+                            port or (443 if parts.scheme == "https" else 80),
+                            parts.path.rstrip("/"), _is_loopback(parts.hostname))
+    if not endpoint.loopback and not settings.allow_remote:
+        raise FerrusError("%s is not on this machine: nano talks to loopback model servers "
+                          "unless told otherwise" % where,
+                          "nano sends the project's code to that server; if you mean it, set "
+                          "allow_remote = true under [agents.nano] in %s" % CONFIG_FILE)
+    return endpoint
+
+
+def nano_api_key(settings, environ=None):
+    """The bearer key named by api_key_env (None when no key is configured)."""
+    if not settings.api_key_env:
+        return None
+    key = (environ if environ is not None else os.environ).get(settings.api_key_env, "")
+    if not key.strip():
+        raise FerrusError("[agents.nano] api_key_env names %s, which is not set"
+                          % settings.api_key_env,
+                          "export %s=<key> before ferrus starts nano, or remove api_key_env "
+                          "(local servers need no key)" % settings.api_key_env)
+    return key.strip()
+
+
+# -- the chat completions client ------------------------------------------------------
+
+class NanoModelError(FerrusError):
+    """The model server failed a request; ``retryable`` when trying again may help."""
+
+    def __init__(self, message, hint=None, retryable=False):
+        super().__init__(message, hint)
+        self.retryable = retryable
+
+
+@deferred_dataclass
+class NanoToolCall:
+    """One tool call as the model streamed it (arguments still raw JSON text)."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@deferred_dataclass
+class NanoTurn:
+    """One model answer: its text, its tool calls, and the usage the server reported."""
+
+    text: str = ""
+    tool_calls: list = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: "int | None" = None
+    completion_tokens: "int | None" = None
+    model: str = ""
+
+
+NANO_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+_RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+def _usage_numbers(turn, usage):
+    if isinstance(usage, dict):
+        for field, key in (("prompt_tokens", "prompt_tokens"),
+                           ("completion_tokens", "completion_tokens")):
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                setattr(turn, field, value)
+
+
+def fold_chat_stream(lines):
+    """A NanoTurn from the server-sent events of a streamed chat completion.
+
+    ``lines`` are the raw lines (bytes or str).  Tool calls come in pieces keyed by
+    their index: the first piece has the id and name, the arguments arrive as text
+    fragments (llama-server) or whole (Ollama)."""
+    turn, text, calls, done = NanoTurn(), [], {}, False
+    for raw in lines:
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue                      # comments (": keep-alive"), event: lines, blanks
+        payload = line[5:].strip()
+        if done or payload == "[DONE]":
+            # Read on to the end of the response, so the kept connection is clean.
+            done = True
+            continue
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            raise NanoModelError("the model server streamed a line that is not JSON: %s"
+                                 % payload[:200]) from None
+        if not isinstance(chunk, dict):
+            continue
+        if chunk.get("error"):
+            raise NanoModelError("the model server reported an error mid-answer: %s"
+                                 % _error_text(chunk), retryable=True)
+        turn.model = str(chunk.get("model") or turn.model)
+        _usage_numbers(turn, chunk.get("usage"))
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or choice.get("message") or {}
+            if isinstance(delta.get("content"), str):
+                text.append(delta["content"])
+            for position, piece in enumerate(delta.get("tool_calls") or []):
+                if not isinstance(piece, dict):
+                    continue
+                index = piece.get("index", position)
+                call = calls.setdefault(index, {"id": "", "name": "", "arguments": []})
+                call["id"] = piece.get("id") or call["id"]
+                function = piece.get("function") or {}
+                if not call["name"] and function.get("name"):
+                    call["name"] = str(function["name"])
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    call["arguments"].append(arguments)
+                elif arguments is not None:            # a server that sends an object
+                    call["arguments"].append(json.dumps(arguments))
+            if choice.get("finish_reason"):
+                turn.finish_reason = str(choice["finish_reason"])
+    turn.text = "".join(text)
+    turn.tool_calls = [NanoToolCall(call["id"] or "call_%d" % index, call["name"],
+                                    "".join(call["arguments"]))
+                       for index, call in calls.items()]
+    return turn
+
+
+def turn_from_completion(body):
+    """A NanoTurn from a non-streamed chat completion (a server that ignored stream)."""
+    choice = ((body.get("choices") or [{}])[0]) if isinstance(body, dict) else {}
+    message = choice.get("message") or {}
+    turn = NanoTurn(text=message.get("content") if isinstance(message.get("content"), str)
+                    else "", finish_reason=str(choice.get("finish_reason") or ""),
+                    model=str(body.get("model") or ""))
+    for index, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        turn.tool_calls.append(NanoToolCall(
+            call.get("id") or "call_%d" % index, str(function.get("name") or ""),
+            arguments if isinstance(arguments, str) else json.dumps(arguments or {})))
+    _usage_numbers(turn, body.get("usage"))
+    return turn
+
+
+def _error_text(body):
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or json.dumps(error))
+    if error:
+        return str(error)
+    return json.dumps(body)[:500] if body else ""
+
+
+class ChatCompletionsClient:
+    """The OpenAI chat completions API over one kept-alive HTTP connection.
+
+    http.client (what urllib.request uses underneath) keeps the connection open
+    between turns, which a local server answers in well under a millisecond; proxies
+    are not used, so HTTP_PROXY never sends a loopback request elsewhere.  Transient
+    failures (connection refused or reset, 408/429/5xx) are retried ``retries``
+    times with a growing pause."""
+
+    def __init__(self, endpoint, model, settings, api_key=None, sleep=time.sleep,
+                 retries=2, timeout=None):
+        self.endpoint = endpoint
+        self.model = model
+        self.settings = settings
+        self.api_key = api_key
+        self.sleep = sleep
+        self.retries = retries
+        self.timeout = timeout or settings.request_timeout_secs
+        self._connection = None
+
+    def _connect(self):
+        if self._connection is None:
+            kind = http.client.HTTPSConnection if self.endpoint.scheme == "https" \
+                else http.client.HTTPConnection
+            self._connection = kind(self.endpoint.host, self.endpoint.port, timeout=self.timeout)
+        if self._connection.sock is None:
+            self._connection.connect()
+            # A request goes out as headers then body: without this, Nagle's algorithm
+            # holds the body until the server's delayed ACK, 40 ms a turn on Linux.
+            with contextlib.suppress(OSError, AttributeError):
+                self._connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._connection
+
+    def close(self):
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _headers(self, stream):
+        headers = {"Content-Type": "application/json",
+                   "Accept": "text/event-stream" if stream else "application/json",
+                   "User-Agent": "ferrus-nano/%s" % __version__}
+        if self.api_key:
+            headers["Authorization"] = "Bearer " + self.api_key
+        return headers
+
+    def _send(self, method, path, body=None, stream=False):
+        """One request on the kept connection: (status, content type, response).  A
+        kept connection the server closed in the meantime is reopened once."""
+        data = json.dumps(body).encode("utf-8") if body is not None else None
+        for attempt in (1, 2):
+            fresh = self._connection is None or self._connection.sock is None
+            try:
+                connection = self._connect()
+                connection.request(method, self.endpoint.path + path, body=data,
+                                   headers=self._headers(stream))
+                response = connection.getresponse()
+                return response.status, response.getheader("Content-Type") or "", response
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if fresh or attempt == 2:
+                    raise
+            except BaseException:
+                self.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _request(self, method, path, body=None, stream=False):
+        """_send with the retries; returns (content type, response) of a 200 answer."""
+        pause = 1.0
+        for attempt in range(self.retries + 1):
+            try:
+                return self._request_once(method, path, body, stream)
+            except NanoModelError as err:
+                if not err.retryable or attempt == self.retries:
+                    raise
+            self.sleep(pause)
+            pause *= 3
+        raise AssertionError("unreachable")
+
+    def _request_once(self, method, path, body, stream):
+        url = self.endpoint.url + path
+        try:
+            status, content_type, response = self._send(method, path, body, stream)
+        except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                http.client.RemoteDisconnected) as err:
+            raise NanoModelError("cannot reach the model server at %s: %s" % (url, err),
+                                 "start the server (ollama serve, llama-server, vllm serve, LM "
+                                 "Studio's server) or fix [agents.nano] base_url in %s"
+                                 % CONFIG_FILE, retryable=True) from None
+        except socket.timeout:
+            raise self._timed_out() from None
+        except OSError as err:
+            raise NanoModelError("cannot reach the model server at %s: %s" % (
+                url, err.strerror or err), "check [agents.nano] base_url in %s" % CONFIG_FILE,
+                retryable=True) from None
+        if status != 200:
+            raw = response.read(65536)
+            self.close()
+            try:
+                detail = _error_text(json.loads(raw.decode("utf-8", "replace")))
+            except ValueError:
+                detail = " ".join(raw.decode("utf-8", "replace").split())[:500]
+            raise NanoModelError("the model server answered HTTP %d to POST %s: %s" % (
+                status, url, detail or "(no message)"), _status_hint(status, self.model),
+                retryable=status in _RETRYABLE_STATUS)
+        return content_type, response
+
+    def _timed_out(self):
+        self.close()
+        return NanoModelError("the model server at %s did not answer within %d s"
+                              % (self.endpoint.url, self.timeout),
+                              "a slow model needs more time: raise [agents.nano] "
+                              "request_timeout_secs")
+
+    def complete(self, messages, tools):
+        """One model turn: the conversation and the offered tools in, a NanoTurn out."""
+        body = {"model": self.model, "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": self.settings.max_tokens,
+                "temperature": self.settings.temperature}
+        if tools:
+            body["tools"] = tools
+            body["tool_choice"] = "auto"
+        content_type, response = self._request("POST", "/chat/completions", body, stream=True)
+        try:
+            if "json" in content_type:
+                raw = response.read(NANO_MAX_RESPONSE_BYTES + 1)
+                if len(raw) > NANO_MAX_RESPONSE_BYTES:
+                    raise NanoModelError("the model's answer is over %d MB"
+                                         % (NANO_MAX_RESPONSE_BYTES >> 20))
+                return turn_from_completion(json.loads(raw.decode("utf-8", "replace")))
+            turn = fold_chat_stream(self._bounded_lines(response))
+            # readline() never marks the response done; read() does, so the kept
+            # connection takes the next request.
+            response.read()
+            return turn
+        except socket.timeout:
+            raise self._timed_out() from None
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            self.close()
+            if isinstance(err, NanoModelError):
+                raise
+            raise NanoModelError("the model's answer broke off: %s" % err,
+                                 retryable=True) from None
+
+    @staticmethod
+    def _bounded_lines(response):
+        total = 0
+        while True:
+            line = response.readline(1 << 20)
+            if not line:
+                return
+            total += len(line)
+            if total > NANO_MAX_RESPONSE_BYTES:
+                raise NanoModelError("the model's answer is over %d MB"
+                                     % (NANO_MAX_RESPONSE_BYTES >> 20))
+            yield line
+
+    def list_models(self):
+        """The model ids the server offers (GET /models)."""
+        _content_type, response = self._request("GET", "/models")
+        try:
+            body = json.loads(response.read().decode("utf-8", "replace"))
+        except ValueError:
+            return []
+        return [str(entry.get("id")) for entry in (body.get("data") or [])
+                if isinstance(entry, dict) and entry.get("id")]
+
+
+def _status_hint(status, model):
+    if status in (401, 403):
+        return ("the server wants a key: export it in a variable and name that variable with "
+                "api_key_env under [agents.nano]")
+    if status == 404:
+        return ("check the model name (%s; `ollama list` shows what Ollama has) and that "
+                "base_url ends with /v1" % json.dumps(model))
+    if status == 400:
+        return ("the server refused the request: a model without tool support, or "
+                "context_tokens larger than the server's context (e.g. Ollama's num_ctx, "
+                "llama-server's --ctx-size)")
+    return "see the model server's own log"
+
+
+def resolve_nano_model(client, configured):
+    """The model to ask: the configured one, else the server's only model."""
+    if configured:
+        return configured
+    models = client.list_models()
+    if len(models) == 1:
+        return models[0]
+    raise FerrusError("nano has no model to use: %s" % (
+        "the server offers %s" % ", ".join(models[:10]) if models else
+        "the server lists none"),
+        "set model under [agents.nano] in %s, or register with a model: ferrus register "
+        "--executor nano --executor-model <model>" % CONFIG_FILE)
+
+
+# ============================================================================
+# src/ferrus/nano.py (from its line 56)
+# ============================================================================
+# nano, the built-in agent: a local chat-completions model plays a ferrus role.
+#
+# nano needs nothing but Python and a model server that speaks the OpenAI chat
+# completions API (Ollama, vLLM, llama.cpp's llama-server, LM Studio).  ferrus starts it
+# as it starts any agent CLI — ``ferrus -C ROOT nano --role executor --mcp-config FILE``
+# with the prompt on stdin — and nano starts the ferrus server FILE names over stdio,
+# exactly as the other CLIs' MCP clients do, so the model gets that role's tools and no
+# other.  Beside them it gets nano's own file tools, confined to the folder nano runs in
+# (the task's worktree): list, read a line range and search for every role; write and
+# exact-string edit with the "edit" permission profile (the executor's default); a shell
+# command with a timeout and bounded output only with "full".
+#
+# A model turn: the conversation goes to ``POST {base_url}/chat/completions`` (streamed,
+# the tools offered), the stream is folded into text and tool calls, each call runs and
+# its result is appended.  A call whose arguments are not one JSON object, or that names
+# no offered tool, is answered once with a JSON error saying how to fix it; a second one
+# in a row ends the session.  Budgets ([agents.nano] max_session_tokens,
+# max_session_secs, max_tool_calls) stop a session with a message that names the budget;
+# the oldest tool exchanges are dropped when the conversation nears context_tokens.
+# Nothing is kept between sessions: a new one starts from the task's state on disk,
+# which its prompt tells it to read (wait_for_task), never from a hidden conversation.
+#
+# What nano does goes to stdout as Claude Code's stream-json events (system init,
+# assistant messages with tool_use blocks and usage, user messages with tool_result
+# blocks, a result with the totals), so ferrus counts its tool calls and tokens and
+# keeps its last words with the parser it already has.  HTTP goes to loopback only,
+# unless [agents.nano] allow_remote = true.
+
+NANO_MCP_PROTOCOL = "2025-06-18"
+
+
+class NanoMcpClient:
+    """One stdio MCP server (ferrus serve) as nano's MCP client sees it.
+
+    Newline-delimited JSON-RPC 2.0 both ways.  A reader thread hands each response
+    to the request waiting for its id, so a blocking wait_for_task and a heartbeat
+    can be in flight together; the server's own requests (ping) are answered."""
+
+    def __init__(self, name, entry, cwd, env=None):
+        self.name = name
+        command = entry.get("command")
+        args = entry.get("args") or []
+        if not isinstance(command, str) or not command or not isinstance(args, list):
+            raise FerrusError("MCP server %s has no command to start" % name,
+                              "register the agent again (ferrus register)")
+        environment = dict(os.environ if env is None else env)
+        environment.update({str(k): str(v) for k, v in (entry.get("env") or {}).items()})
+        # In nano's own process group: when ferrus stops nano's tree, its server goes too.
+        self._proc = subprocess.Popen([command] + [str(arg) for arg in args], cwd=cwd,
+                                      env=environment, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        self._write_lock = threading.Lock()
+        self._pending = {}
+        self._pending_lock = threading.Lock()
+        self._ids = iter(range(1, 1 << 62))
+        self._closed = None          # why the connection ended
+        self.capabilities = {}
+        threading.Thread(target=self._read, name="nano-mcp-%s" % name, daemon=True).start()
+
+    def _send(self, message):
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
+        with self._write_lock:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
+
+    def _read(self):
+        with contextlib.suppress(OSError, ValueError):
+            for raw in iter(self._proc.stdout.readline, b""):
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(message, dict):
+                    self._dispatch(message)
+        code = self._proc.wait()
+        self._closed = "the MCP server %s exited (code %s)" % (self.name, code)
+        with self._pending_lock:
+            waiting, self._pending = list(self._pending.values()), {}
+        for slot in waiting:
+            slot["error"] = self._closed
+            slot["done"].set()
+
+    def _dispatch(self, message):
+        if "method" in message:
+            if "id" in message:        # the server asks us: only ping is ever needed
+                reply = {"jsonrpc": "2.0", "id": message["id"]}
+                if message["method"] == "ping":
+                    reply["result"] = {}
+                else:
+                    reply["error"] = {"code": -32601, "message": "nano does not offer %s"
+                                      % message["method"]}
+                with contextlib.suppress(OSError, ValueError):
+                    self._send(reply)
+            return                     # notifications (progress, logging) are not needed
+        with self._pending_lock:
+            slot = self._pending.pop(message.get("id"), None)
+        if slot is not None:
+            if "error" in message:
+                error = message["error"] if isinstance(message["error"], dict) else {}
+                slot["error"] = str(error.get("message") or message["error"])
+            else:
+                slot["result"] = message.get("result")
+            slot["done"].set()
+
+    def request(self, method, params=None, timeout=60.0):
+        if self._closed:
+            raise FerrusError(self._closed)
+        request_id = next(self._ids)
+        slot = {"done": threading.Event(), "result": None, "error": None}
+        with self._pending_lock:
+            self._pending[request_id] = slot
+        try:
+            self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
+                        "params": params or {}})
+        except (OSError, ValueError):
+            with self._pending_lock:
+                self._pending.pop(request_id, None)
+            raise FerrusError(self._closed or "the MCP server %s is gone" % self.name) from None
+        if not slot["done"].wait(timeout):
+            with self._pending_lock:
+                self._pending.pop(request_id, None)
+            with contextlib.suppress(OSError, ValueError):
+                self._send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                            "params": {"requestId": request_id, "reason": "timeout"}})
+            raise FerrusError("the MCP server %s did not answer %s within %d s"
+                              % (self.name, method, timeout))
+        if slot["error"] is not None:
+            raise FerrusError("%s: %s" % (method, slot["error"]))
+        return slot["result"] if isinstance(slot["result"], dict) else {}
+
+    def initialize(self, timeout=60.0):
+        result = self.request("initialize", {
+            "protocolVersion": NANO_MCP_PROTOCOL, "capabilities": {},
+            "clientInfo": {"name": "ferrus-nano", "version": __version__}}, timeout)
+        self.capabilities = result.get("capabilities") or {}
+        self._send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return result
+
+    def _paged(self, method, key, timeout):
+        items, cursor = [], None
+        for _page in range(100):
+            result = self.request(method, {"cursor": cursor} if cursor else {}, timeout)
+            items += [item for item in result.get(key) or [] if isinstance(item, dict)]
+            cursor = result.get("nextCursor")
+            if not cursor:
+                break
+        return items
+
+    def list_tools(self, timeout=60.0):
+        return self._paged("tools/list", "tools", timeout)
+
+    def list_resources(self, timeout=60.0):
+        if "resources" not in self.capabilities:
+            return [], []
+        return (self._paged("resources/list", "resources", timeout),
+                self._paged("resources/templates/list", "resourceTemplates", timeout))
+
+    def call_tool(self, name, arguments, timeout):
+        """(is_error, text) of one tool call."""
+        result = self.request("tools/call", {"name": name, "arguments": arguments}, timeout)
+        return bool(result.get("isError")), _content_text(result.get("content"),
+                                                          result.get("structuredContent"))
+
+    def read_resource(self, uri, timeout=60.0):
+        result = self.request("resources/read", {"uri": uri}, timeout)
+        return "\n".join(str(item.get("text", "")) if "text" in item else
+                         "(%s: binary content, %s)" % (item.get("uri"), item.get("mimeType"))
+                         for item in result.get("contents") or [] if isinstance(item, dict))
+
+    def close(self):
+        with contextlib.suppress(OSError, ValueError):
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(2.0)
+
+
+def _content_text(content, structured=None):
+    parts = []
+    for block in content or []:
+        if isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(block, dict):
+            parts.append("(%s content)" % block.get("type"))
+    if not parts and structured is not None:
+        parts.append(json.dumps(structured))
+    return "\n".join(parts)
+
+
+def read_mcp_config(path):
+    """{server name: entry} from a JSON file with ``mcpServers`` (what register wrote)."""
+    try:
+        data = json.loads(read_text(path))
+    except FileNotFoundError:
+        raise FerrusError("nano's MCP configuration %s does not exist" % path,
+                          "ferrus register --executor nano (or --supervisor nano) writes it"
+                          ) from None
+    except ValueError as err:
+        raise FerrusError("nano's MCP configuration %s is not JSON: %s" % (path, err),
+                          "register the agent again (ferrus register)") from None
+    servers = data.get("mcpServers") if isinstance(data, dict) else None
+    if not isinstance(servers, dict):
+        raise FerrusError("%s has no mcpServers object" % path,
+                          "register the agent again (ferrus register)")
+    return {str(name): entry for name, entry in servers.items() if isinstance(entry, dict)}
+
+
+# -- nano's own file tools --------------------------------------------------------------
+
+class NanoToolError(Exception):
+    """A tool call that cannot be done as asked; the text goes back to the model."""
+
+
+# Folders the file tools never enter: ferrus's state and git's own.
+_NANO_HIDDEN = (FERRUS_DIR, ".git")
+NANO_READ_LINES = 2000
+NANO_SEARCH_MATCHES = 200
+NANO_LIST_ENTRIES = 1000
+NANO_SEARCH_FILE_BYTES = 2 * 1024 * 1024
+
+
+def _fn(name, description, properties, required=()):
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(required)}}}
+
+
+_STRING = {"type": "string"}
+_NANO_FILE_TOOL_SPECS = {
+    "list_directory": _fn(
+        "list_directory", "List a folder of the working folder (folders end with /).",
+        {"path": dict(_STRING, description="folder, relative to the working folder; "
+                                           "default ."),
+         "recursive": {"type": "boolean", "description": "also list every subfolder"}}),
+    "read_file": _fn(
+        "read_file", "Read a text file, or some of its lines.",
+        {"path": dict(_STRING, description="file, relative to the working folder"),
+         "start_line": {"type": "integer", "description": "first line (1 = the first)"},
+         "end_line": {"type": "integer", "description": "last line (inclusive)"}}, ["path"]),
+    "grep_search": _fn(
+        "grep_search", "Search files for a regular expression; gives path:line: text.",
+        {"pattern": dict(_STRING, description="Python regular expression"),
+         "path": dict(_STRING, description="folder or file to search; default ."),
+         "include": dict(_STRING, description="only file names matching this glob, "
+                                              "e.g. *.py")}, ["pattern"]),
+    "write_file": _fn(
+        "write_file", "Create or replace a file with the given content.",
+        {"path": dict(_STRING, description="file, relative to the working folder"),
+         "content": dict(_STRING, description="the whole new content")},
+        ["path", "content"]),
+    "replace": _fn(
+        "replace", "Edit a file: replace an exact piece of its text (whitespace included) "
+                   "with new text. old_string must occur exactly once unless replace_all.",
+        {"path": dict(_STRING, description="file, relative to the working folder"),
+         "old_string": dict(_STRING, description="the exact text to replace"),
+         "new_string": dict(_STRING, description="the text to put there"),
+         "replace_all": {"type": "boolean", "description": "replace every occurrence"}},
+        ["path", "old_string", "new_string"]),
+    "run_shell_command": _fn(
+        "run_shell_command", "Run a shell command in the working folder; gives its exit "
+                             "code and output (long output is cut in the middle).",
+        {"command": dict(_STRING, description="the command line"),
+         "timeout_secs": {"type": "integer", "description": "stop it after this many "
+                                                            "seconds"}}, ["command"]),
+}
+_NANO_READ_TOOLS = ("list_directory", "read_file", "grep_search")
+_NANO_EDIT_TOOLS = ("write_file", "replace")
+
+
+def nano_file_tool_names(profile):
+    """The file tools a permission profile gives (PERMISSION_PROFILES, or "output": a
+    pipeline worker's)."""
+    names = list(_NANO_READ_TOOLS)
+    if profile in ("edit", "output", "full"):
+        names += _NANO_EDIT_TOOLS
+    if profile == "full":
+        names.append("run_shell_command")
+    return names
+
+
+class NanoFileTools:
+    """nano's file tools, confined to ``workdir``.
+
+    Every path is resolved (symbolic links included) and must stay inside the working
+    folder; .ferrus/ and .git are refused.  A pipeline worker (``output``) may write
+    only its output file, and may read the files it was given (``reads``) wherever
+    they are."""
+
+    def __init__(self, workdir, profile, command_timeout_secs=120, result_chars=24000,
+                 output=None, reads=()):
+        self.workdir = os.path.abspath(workdir)
+        self.real_root = os.path.realpath(self.workdir)
+        self.names = nano_file_tool_names(profile)
+        self.command_timeout_secs = command_timeout_secs
+        self.result_chars = result_chars
+        self.output = os.path.realpath(output) if output else None
+        self.reads = {os.path.realpath(path) for path in reads}
+
+    def specs(self):
+        return [_NANO_FILE_TOOL_SPECS[name] for name in self.names]
+
+    def call(self, name, args):
+        """(ok, text) of one call; ``args`` is a dict."""
+        handler = getattr(self, "_tool_" + name, None)
+        if name not in self.names or handler is None:
+            return False, "no tool %s here" % name
+        try:
+            return handler(**_known_args(args, _NANO_FILE_TOOL_SPECS[name]))
+        except NanoToolError as err:
+            return False, str(err)
+        except TypeError as err:        # a required argument missing
+            return False, "bad arguments for %s: %s" % (name, err)
+        except OSError as err:
+            return False, "%s: %s" % (err.filename or name, err.strerror or err)
+
+    def _path(self, path, write=False):
+        """(real path, path relative to the working folder) of an allowed path."""
+        if not isinstance(path, str) or not path.strip():
+            raise NanoToolError("path must be a non-empty string")
+        full = path if os.path.isabs(path) else os.path.join(self.workdir, path)
+        real = os.path.realpath(full)
+        if write and self.output is not None:
+            if real != self.output:
+                raise NanoToolError("this worker may write only its output file %s"
+                                    % self.output)
+            return real, real
+        if not write and real in self.reads:
+            return real, path
+        if real != self.real_root and not real.startswith(self.real_root.rstrip(os.sep) + os.sep):
+            raise NanoToolError("%s is outside the working folder %s" % (path, self.workdir))
+        relative = os.path.relpath(real, self.real_root)
+        if relative.split(os.sep)[0] in _NANO_HIDDEN:
+            raise NanoToolError("%s is ferrus's or git's own; use the ferrus tools instead"
+                                % relative)
+        return real, relative.replace(os.sep, "/")
+
+    def _tool_list_directory(self, path=".", recursive=False):
+        real, relative = self._path(path or ".")
+        if not os.path.isdir(real):
+            raise NanoToolError("%s is not a folder" % relative)
+        entries = []
+        for folder, dirs, files in os.walk(real):
+            dirs[:] = sorted(d for d in dirs if not self._hidden(folder, d))
+            files = [f for f in files if not self._hidden(folder, f)]
+            base = os.path.relpath(folder, real)
+            prefix = "" if base == "." else base.replace(os.sep, "/") + "/"
+            entries += [prefix + d + "/" for d in dirs] + [prefix + f for f in sorted(files)]
+            if not recursive or len(entries) > NANO_LIST_ENTRIES:
+                break
+        if not recursive:
+            entries.sort()
+        more = len(entries) - NANO_LIST_ENTRIES
+        shown = entries[:NANO_LIST_ENTRIES]
+        return True, "\n".join(shown) + ("\n… %d more" % more if more > 0 else "") \
+            if shown else "(empty folder)"
+
+    def _tool_read_file(self, path, start_line=None, end_line=None):
+        real, relative = self._path(path)
+        if not os.path.isfile(real):
+            raise NanoToolError("%s is not a file" % relative)
+        first = _whole(start_line, "start_line") or 1
+        last = _whole(end_line, "end_line")
+        if last is not None and last < first:
+            raise NanoToolError("end_line %d is before start_line %d" % (last, first))
+        last = min(last or first + NANO_READ_LINES - 1, first + NANO_READ_LINES - 1)
+        lines, total, size = [], 0, 0
+        with open(real, "rb") as handle:
+            if b"\0" in handle.read(8192):
+                raise NanoToolError("%s is a binary file (%d bytes)"
+                                    % (relative, os.path.getsize(real)))
+            handle.seek(0)
+            for total, raw in enumerate(handle, 1):
+                if first <= total <= last and size < self.result_chars:
+                    line = raw.decode("utf-8", "replace")
+                    lines.append(line)
+                    size += len(line)
+        text = "".join(lines)
+        cut = len(text) > self.result_chars
+        text = text[:self.result_chars]
+        shown_last = first + len(lines) - 1
+        head = "%s: lines %d-%d of %d%s" % (relative, first, max(first, shown_last), total,
+                                             " (cut: read a smaller range)" if cut or
+                                             shown_last < min(last, total) else "")
+        if not lines:
+            head = "%s: %s" % (relative, "empty file" if total == 0 else
+                               "it has %d lines, none from line %d" % (total, first))
+        return True, head + "\n" + text
+
+    def _tool_grep_search(self, pattern, path=".", include=None):
+        if not isinstance(pattern, str) or not pattern:
+            raise NanoToolError("pattern must be a non-empty string")
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise NanoToolError("pattern is not a valid regular expression: %s" % err) \
+                from None
+        real, relative = self._path(path or ".")
+        files = [real] if os.path.isfile(real) else self._walk_files(real, include)
+        matches, searched = [], 0
+        for file_path in files:
+            if len(matches) > NANO_SEARCH_MATCHES:
+                break
+            searched += 1
+            matches += self._grep_one(file_path, regex)
+        more = len(matches) - NANO_SEARCH_MATCHES
+        text = "\n".join(matches[:NANO_SEARCH_MATCHES]) or "no match in %d file(s)" % searched
+        return True, text + ("\n… more matches; narrow the pattern or the path" if more > 0
+                             else "")
+
+    def _hidden(self, folder, name):
+        """ferrus's and git's own, at the top of the working folder (a worktree's .git
+        is a file)."""
+        return name in _NANO_HIDDEN and os.path.realpath(folder) == self.real_root
+
+    def _walk_files(self, real, include):
+        for folder, dirs, files in os.walk(real):
+            dirs[:] = sorted(d for d in dirs if not self._hidden(folder, d))
+            for name in sorted(files):
+                if self._hidden(folder, name):
+                    continue
+                if not include or fnmatch.fnmatch(name, include):
+                    yield os.path.join(folder, name)
+
+    def _grep_one(self, file_path, regex):
+        found = []
+        try:
+            if os.path.getsize(file_path) > NANO_SEARCH_FILE_BYTES:
+                return found
+            with open(file_path, "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return found
+        if b"\0" in data[:8192]:
+            return found
+        shown = os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
+        for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if regex.search(line):
+                found.append("%s:%d: %s" % (shown, number, line.strip()[:300]))
+                if len(found) > NANO_SEARCH_MATCHES:
+                    break
+        return found
+
+    def _tool_write_file(self, path, content):
+        if not isinstance(content, str):
+            raise NanoToolError("content must be a string (the whole file)")
+        real, relative = self._path(path, write=True)
+        if os.path.isdir(real):
+            raise NanoToolError("%s is a folder" % relative)
+        existed = os.path.exists(real)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        atomic_write(real, content)
+        return True, "%s %s (%d lines)" % ("replaced" if existed else "created", relative,
+                                           content.count("\n") + (not content.endswith("\n")
+                                                                  and bool(content)))
+
+    def _tool_replace(self, path, old_string, new_string, replace_all=False):
+        if not isinstance(old_string, str) or not old_string:
+            raise NanoToolError("old_string must be the exact, non-empty text to replace "
+                                "(use write_file to create a file)")
+        if not isinstance(new_string, str):
+            raise NanoToolError("new_string must be a string")
+        real, relative = self._path(path, write=True)
+        if not os.path.isfile(real):
+            raise NanoToolError("%s does not exist (write_file creates a file)" % relative)
+        with open(real, "r", encoding="utf-8", errors="surrogateescape", newline="") as handle:
+            text = handle.read()
+        count = text.count(old_string)
+        if count == 0 and "\r\n" in text and "\r\n" not in old_string:
+            old_string, new_string = (old_string.replace("\n", "\r\n"),
+                                      new_string.replace("\n", "\r\n"))
+            count = text.count(old_string)
+        if count == 0:
+            raise NanoToolError("old_string was not found in %s; read the file again and copy "
+                                "the exact text, whitespace and indentation included" % relative)
+        if count > 1 and replace_all is not True:
+            raise NanoToolError("old_string occurs %d times in %s; include more of the "
+                                "surrounding lines so it occurs once, or set replace_all"
+                                % (count, relative))
+        text = text.replace(old_string, new_string) if replace_all is True \
+            else text.replace(old_string, new_string, 1)
+        atomic_write(real, text.encode("utf-8", "surrogateescape"))
+        return True, "replaced %d occurrence(s) in %s" % (count if replace_all is True else 1,
+                                                           relative)
+
+    def _tool_run_shell_command(self, command, timeout_secs=None):
+        if not isinstance(command, str) or not command.strip():
+            raise NanoToolError("command must be a non-empty string")
+        limit = _whole(timeout_secs, "timeout_secs") or self.command_timeout_secs
+        limit = min(limit, self.command_timeout_secs)
+        proc = subprocess.Popen(shell_argv(command), cwd=self.workdir, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                **process_group_kwargs())
+        output = _BoundedOutput(self.result_chars)
+        reader = threading.Thread(target=output.drain, args=(proc.stdout,), daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(limit)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc)
+            code, timed_out = proc.wait(), True
+        reader.join(5)
+        head = "timed out after %d s (stopped)" % limit if timed_out else "exit %d" % code
+        return code == 0 and not timed_out, head + "\n" + output.text()
+
+
+class _BoundedOutput:
+    """A command's output with only its beginning and end kept (memory stays bounded)."""
+
+    def __init__(self, chars):
+        self.head_limit = chars // 4
+        self.tail_limit = chars - self.head_limit
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def drain(self, stream):
+        with contextlib.suppress(OSError, ValueError):
+            for chunk in iter(lambda: stream.read(65536), b""):
+                room = self.head_limit - len(self.head)
+                if room > 0:
+                    self.head += chunk[:room]
+                    chunk = chunk[room:]
+                self.tail += chunk
+                if len(self.tail) > self.tail_limit:
+                    self.dropped += len(self.tail) - self.tail_limit
+                    del self.tail[:len(self.tail) - self.tail_limit]
+
+    def text(self):
+        middle = "\n… %d bytes cut …\n" % self.dropped if self.dropped else ""
+        return (bytes(self.head).decode("utf-8", "replace") + middle +
+                bytes(self.tail).decode("utf-8", "replace"))
+
+
+def _whole(value, name):
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NanoToolError("%s must be a whole number from 1" % name)
+    return value
+
+
+def _known_args(args, spec):
+    """The arguments a tool's schema names (a model's extra keys are ignored)."""
+    known = spec["function"]["parameters"]["properties"]
+    return {key: value for key, value in args.items() if key in known}
+
+
+# -- the toolbox: ferrus's MCP tools and the file tools under one list ------------------
+
+@deferred_dataclass
+class NanoTool:
+    """A tool as the model sees it, and where a call goes."""
+
+    name: str             # the name offered to the model
+    shown: str            # the name in nano's output (mcp__<server>__<tool> for MCP tools)
+    spec: dict            # the OpenAI function tool
+    server: "NanoMcpClient | None" = None
+    remote_name: str = ""
+
+
+class NanoToolbox:
+    """Every tool of a session: the MCP servers' (under their own names when those
+    are free) and nano's file tools; plus read_resource when a server has resources
+    (the prompts point at ferrus://diff and ferrus://task)."""
+
+    def __init__(self, files, servers=(), tool_timeout=180.0):
+        self.files = files
+        self.servers = list(servers)
+        self.tool_timeout = tool_timeout
+        self.tools = {}
+        for spec in files.specs():
+            name = spec["function"]["name"]
+            self.tools[name] = NanoTool(name, name, spec)
+        resources = []
+        for server in self.servers:
+            for tool in server.list_tools():
+                self._add_mcp_tool(server, tool)
+            listed, templates = server.list_resources()
+            resources += [(server, item.get("uri") or item.get("uriTemplate"))
+                          for item in listed + templates]
+        if resources:
+            uris = ", ".join(sorted({str(uri) for _server, uri in resources if uri}))[:600]
+            self.resource_servers = {server for server, _uri in resources}
+            self.tools["read_resource"] = NanoTool("read_resource", "read_resource", _fn(
+                "read_resource", "Read an MCP resource by its URI (%s)." % uris,
+                {"uri": dict(_STRING, description="e.g. ferrus://diff")}, ["uri"]))
+        self._specs = [tool.spec for tool in self.tools.values()]
+
+    def _add_mcp_tool(self, server, tool):
+        remote = str(tool.get("name") or "")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", remote):
+            return
+        name = remote if remote not in self.tools else \
+            re.sub(r"[^A-Za-z0-9_-]", "_", "%s__%s" % (server.name, remote))[:64]
+        schema = tool.get("inputSchema") if isinstance(tool.get("inputSchema"), dict) \
+            else {"type": "object", "properties": {}}
+        self.tools[name] = NanoTool(name, "mcp__%s__%s" % (server.name, remote), {
+            "type": "function", "function": {"name": name,
+                                             "description": str(tool.get("description") or
+                                                                "")[:1024],
+                                             "parameters": schema}},
+            server, remote)
+
+    def specs(self):
+        return self._specs
+
+    def call(self, name, args):
+        """(ok, text) of one call of an offered tool."""
+        tool = self.tools[name]
+        try:
+            if tool.server is not None:
+                is_error, text = tool.server.call_tool(tool.remote_name, args,
+                                                       self.tool_timeout)
+                return not is_error, text
+            if name == "read_resource":
+                return self._read_resource(args.get("uri"))
+        except FerrusError as err:
+            return False, err.full_text()
+        return self.files.call(name, args)
+
+    def _read_resource(self, uri):
+        if not isinstance(uri, str) or not uri:
+            return False, "uri must be a resource URI such as ferrus://diff"
+        errors = []
+        for server in self.resource_servers:
+            try:
+                return True, server.read_resource(uri, self.tool_timeout)
+            except FerrusError as err:
+                errors.append(str(err))
+        return False, "; ".join(errors)
+
+    def close(self):
+        for server in self.servers:
+            server.close()
+
+
+# -- what nano prints ----------------------------------------------------------------------
+
+class NanoStreamOutput:
+    """Claude Code's stream-json events, one JSON object a line on ``stream`` (what
+    the NanoAdapter parses with ferrus's Claude-style parser)."""
+
+    def __init__(self, stream, session_id, model):
+        self.stream = stream
+        self.session_id = session_id
+        self.model = model
+
+    def _emit(self, event):
+        self.stream.write(json.dumps(event, ensure_ascii=False) + "\n")
+        self.stream.flush()
+
+    def started(self, tools):
+        self._emit({"type": "system", "subtype": "init", "session_id": self.session_id,
+                    "model": self.model, "tools": tools, "agent": "ferrus-nano/%s"
+                                                                   % __version__})
+
+    def assistant(self, message_id, text, calls, turn):
+        content = ([{"type": "text", "text": text}] if text.strip() else []) + [
+            {"type": "tool_use", "id": call_id, "name": shown, "input": args}
+            for call_id, shown, args in calls]
+        message = {"id": message_id, "role": "assistant", "model": turn.model or self.model,
+                   "content": content}
+        if turn.prompt_tokens is not None or turn.completion_tokens is not None:
+            message["usage"] = {"input_tokens": turn.prompt_tokens or 0,
+                                "output_tokens": turn.completion_tokens or 0}
+        self._emit({"type": "assistant", "session_id": self.session_id, "message": message})
+
+    def results(self, results):
+        self._emit({"type": "user", "session_id": self.session_id, "message": {
+            "role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
+                                         "is_error": not ok, "content": text}
+                                        for call_id, ok, text in results]}})
+
+    def note(self, text):
+        """Something nano itself says (a repair, a trimmed context): plain text."""
+        self.stream.write("nano: %s\n" % text)
+        self.stream.flush()
+
+    def finished(self, error, text, usage, turns, seconds):
+        event = {"type": "result", "subtype": "error" if error else "success",
+                 "is_error": bool(error), "result": text, "session_id": self.session_id,
+                 "num_turns": turns, "duration_ms": int(seconds * 1000)}
+        if usage is not None:
+            event["usage"] = {"input_tokens": usage[0], "output_tokens": usage[1]}
+        self._emit(event)
+
+
+class NanoHumanOutput:
+    """The same events as readable lines, for an interactive session."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _say(self, text):
+        self.stream.write(terminal_safe(text) + "\n")
+        self.stream.flush()
+
+    def started(self, tools):
+        self._say("nano: %d tools; type your answer after each reply, an empty line or "
+                  "Ctrl+D ends" % len(tools))
+
+    def assistant(self, message_id, text, calls, turn):
+        if text.strip():
+            self._say(text.strip())
+        for _call_id, shown, args in calls:
+            summary = tool_summary(args) if isinstance(args, dict) else str(args)[:100]
+            self._say("  ▸ %s%s" % (shown, "  " + summary if summary else ""))
+
+    def results(self, results):
+        for _call_id, ok, text in results:
+            if not ok:
+                self._say("  ✗ %s" % " ".join(text.split())[:200])
+
+    def note(self, text):
+        self._say("nano: %s" % text)
+
+    def finished(self, error, text, usage, turns, seconds):
+        if error:
+            self._say(text)
+
+
+# -- the agent loop ----------------------------------------------------------------------
+
+NANO_SYSTEM_PROMPT = """You are nano, a coding agent that ferrus runs without a terminal.
+You act only by calling the tools offered, one JSON object of arguments per call, exactly
+as each tool's schema says. File paths are relative to the working folder {workdir}.
+Your file tools: {file_tools}. The other tools are ferrus's: they move the task forward.
+When the instructions say to stop, answer with one short sentence and call no tool."""
+
+# A model that writes its call as text instead of a tool call: Hermes/Qwen's
+# <tool_call>{...}</tool_call>, or a bare {"name": ..., "arguments": {...}} object.
+_TEXT_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>|"
+                             r"^\s*(?:```(?:json)?\s*)?(\{\s*\"name\".*\})\s*(?:```)?\s*$",
+                             re.DOTALL)
+
+
+class NanoBudgetExceeded(FerrusError):
+    """A session budget ran out."""
+
+
+@deferred_dataclass
+class NanoOutcome:
+    """How a session ended: exit code 0 (the model stopped) or 1, and its last text."""
+
+    exit_code: int
+    text: str
+
+
+class NanoAgent:
+    """One session: the conversation, its budgets and its repairs.
+
+    ``clock`` is a monotonic clock (injectable).  The conversation lives in memory
+    only; a crash loses it and the next session starts from the task's state."""
+
+    def __init__(self, client, toolbox, settings, output, clock=time.monotonic,
+                 workdir=".", heartbeat=None):
+        self.client = client
+        self.toolbox = toolbox
+        self.settings = settings
+        self.output = output
+        self.clock = clock
+        self.heartbeat = heartbeat
+        self.started = clock()
+        self.turns = 0
+        self.tool_calls = 0
+        self.reported = [0, 0]        # tokens the server reported (input, output)
+        self.any_reported = False
+        self.estimated_tokens = 0     # reported, plus an estimate where it reported none
+        self.repairs_in_a_row = 0
+        self.tokens_per_char = 0.3    # calibrated from the server's prompt_tokens
+        file_tools = ", ".join(toolbox.files.names)
+        self.messages = [{"role": "system", "content": NANO_SYSTEM_PROMPT.format(
+            workdir=os.path.abspath(workdir), file_tools=file_tools)}]
+        self._prompt_text = ""
+        self._spec_chars = len(json.dumps(toolbox.specs()))
+
+    # - budgets -
+
+    def _check_budgets(self):
+        settings, elapsed = self.settings, self.clock() - self.started
+        if elapsed >= settings.max_session_secs:
+            raise NanoBudgetExceeded(
+                "nano stopped: this session ran %s, its budget is %d s ([agents.nano] "
+                "max_session_secs)" % (_seconds(elapsed), settings.max_session_secs),
+                "the task's state is kept: the next session goes on from it; raise "
+                "max_session_secs under [agents.nano] for longer sessions")
+        if self.estimated_tokens >= settings.max_session_tokens:
+            raise NanoBudgetExceeded(
+                "nano stopped: this session used %d tokens, its budget is %d "
+                "([agents.nano] max_session_tokens)" % (self.estimated_tokens,
+                                                         settings.max_session_tokens),
+                "the task's state is kept: the next session goes on from it; raise "
+                "max_session_tokens under [agents.nano] for longer sessions")
+        if self.tool_calls >= settings.max_tool_calls:
+            raise NanoBudgetExceeded(
+                "nano stopped: this session made %d tool calls, its budget is %d "
+                "([agents.nano] max_tool_calls)" % (self.tool_calls, settings.max_tool_calls),
+                "the task's state is kept: the next session goes on from it; raise "
+                "max_tool_calls under [agents.nano] if the work needs more")
+
+    # - context -
+
+    def _chars(self):
+        return self._spec_chars + sum(_message_chars(message) for message in self.messages)
+
+    def _context_limit(self):
+        return self.settings.context_tokens - self.settings.max_tokens
+
+    def _fit_context(self):
+        """Drop the oldest tool exchanges (whole: an answer with its results) until the
+        conversation fits 85% of what the context leaves beside the answer."""
+        limit = self._context_limit() * 0.85
+        if self._chars() * self.tokens_per_char <= limit:
+            return
+        dropped = 0
+        while self._chars() * self.tokens_per_char > limit * 0.8:
+            end = self._first_group_end()
+            if end is None:
+                break
+            dropped += end - 2
+            del self.messages[2:end]
+        if dropped:
+            self.messages[1]["content"] = self._prompt_text + (
+                "\n\n[nano: %d earlier messages of this session were removed to stay within "
+                "the model's context; ferrus keeps the task's state, so read it again with "
+                "the ferrus tools when you need it]" % dropped)
+            self.output.note("removed %d earlier messages to stay within context_tokens = %d"
+                             % (dropped, self.settings.context_tokens))
+        if self._chars() * self.tokens_per_char > limit:
+            for message in self.messages[2:]:
+                if message["role"] == "tool" and len(message["content"]) > 2000:
+                    message["content"] = message["content"][:2000] + "\n… (cut to fit)"
+        if self._chars() * self.tokens_per_char > self._context_limit():
+            raise FerrusError(
+                "nano stopped: the conversation no longer fits context_tokens = %d with "
+                "max_tokens = %d for the answer" % (self.settings.context_tokens,
+                                                     self.settings.max_tokens),
+                "run the model with a larger context and raise context_tokens under "
+                "[agents.nano] to match")
+
+    def _first_group_end(self):
+        """The end of the oldest exchange after the prompt (None: only the newest is left)."""
+        index = 3
+        while index < len(self.messages) and self.messages[index]["role"] == "tool":
+            index += 1
+        return index if index < len(self.messages) else None
+
+    # - turns -
+
+    def run(self, prompt, next_input=None):
+        """Work until the model stops (then ask ``next_input`` for more, interactive)."""
+        self._prompt_text = prompt
+        self.messages.append({"role": "user", "content": prompt})
+        self.output.started(sorted(self.toolbox.tools))
+        last_text = ""
+        try:
+            while True:
+                turn = self._turn()
+                if turn is not None:
+                    continue
+                last_text = self._last_text()
+                answer = next_input() if next_input is not None else None
+                if not answer:
+                    break
+                self.messages.append({"role": "user", "content": answer})
+        except FerrusError as err:
+            text = err.full_text()
+            self.output.finished(True, text, self._usage(), self.turns,
+                                 self.clock() - self.started)
+            return NanoOutcome(1, text)
+        self.output.finished(False, last_text, self._usage(), self.turns,
+                             self.clock() - self.started)
+        return NanoOutcome(0, last_text)
+
+    def _usage(self):
+        return tuple(self.reported) if self.any_reported else None
+
+    def _last_text(self):
+        for message in reversed(self.messages):
+            if message["role"] == "assistant" and message.get("content"):
+                return message["content"]
+        return ""
+
+    def _turn(self):
+        """One model turn and its tool calls; None when the model stopped."""
+        self._check_budgets()
+        self._fit_context()
+        request_chars = self._chars()
+        turn = self.client.complete(self.messages, self.toolbox.specs())
+        self.turns += 1
+        self._count_usage(turn, request_chars)
+        calls = turn.tool_calls or self._calls_in_text(turn)
+        message = {"role": "assistant", "content": turn.text if not calls or
+                   turn.tool_calls else ""}
+        if calls:
+            message["tool_calls"] = [{"id": call.call_id, "type": "function",
+                                      "function": {"name": call.name,
+                                                   "arguments": call.arguments}}
+                                     for call in calls]
+        self.messages.append(message)
+        parsed = [(call, self._arguments(call)) for call in calls]
+        self.output.assistant(new_id("msg"), message["content"] or "", [
+            (call.call_id, self._shown(call.name), args if problem is None else call.arguments)
+            for call, (args, problem) in parsed], turn)
+        if not calls:
+            return None
+        self._run_calls(parsed, turn)
+        return turn
+
+    def _count_usage(self, turn, request_chars):
+        if turn.prompt_tokens is not None:
+            self.any_reported = True
+            self.reported[0] += turn.prompt_tokens
+            if request_chars:
+                self.tokens_per_char = max(0.05, min(2.0, turn.prompt_tokens / request_chars))
+        if turn.completion_tokens is not None:
+            self.any_reported = True
+            self.reported[1] += turn.completion_tokens
+        answer_chars = len(turn.text) + sum(len(c.arguments) + len(c.name)
+                                            for c in turn.tool_calls)
+        self.estimated_tokens += (turn.prompt_tokens if turn.prompt_tokens is not None
+                                  else int(request_chars * self.tokens_per_char)) + \
+            (turn.completion_tokens if turn.completion_tokens is not None
+             else int(answer_chars * self.tokens_per_char))
+
+    def _shown(self, name):
+        tool = self.toolbox.tools.get(name)
+        return tool.shown if tool is not None else name
+
+    def _calls_in_text(self, turn):
+        """A tool call the model wrote as text, when it names an offered tool."""
+        match = _TEXT_TOOL_CALL.search(turn.text or "")
+        if not match:
+            return []
+        try:
+            data = json.loads(match.group(1) or match.group(2))
+        except ValueError:
+            return []
+        if not isinstance(data, dict) or data.get("name") not in self.toolbox.tools:
+            return []
+        arguments = data.get("arguments", data.get("parameters", {}))
+        self.output.note("the model wrote its call of %s as text; nano made it a tool call"
+                         % data["name"])
+        return [NanoToolCall(new_id("call"), data["name"], arguments if isinstance(
+            arguments, str) else json.dumps(arguments))]
+
+    def _arguments(self, call):
+        """(arguments dict, None) or (None, what is wrong with the call)."""
+        if call.name not in self.toolbox.tools:
+            close = did_you_mean(call.name, list(self.toolbox.tools))
+            return None, "there is no tool named %s%s" % (
+                json.dumps(call.name), "; did you mean %s?" % close if close else
+                "; the tools are: %s" % ", ".join(sorted(self.toolbox.tools)))
+        raw = (call.arguments or "").strip() or "{}"
+        try:
+            value = json.loads(raw)
+            if isinstance(value, str):         # arguments encoded twice
+                value = json.loads(value)
+        except ValueError as err:
+            return None, "the arguments are not valid JSON (%s): %s" % (err, raw[:300])
+        if not isinstance(value, dict):
+            return None, "the arguments must be one JSON object, got %s" % raw[:300]
+        required = self.toolbox.tools[call.name].spec["function"]["parameters"].get(
+            "required") or []
+        missing = [key for key in required if key not in value]
+        if missing:
+            return None, "%s needs the argument(s) %s" % (call.name, ", ".join(missing))
+        return value, None
+
+    def _run_calls(self, parsed, turn):
+        results, malformed = [], []
+        for call, (args, problem) in parsed:
+            if problem is not None:
+                malformed.append(problem)
+                text = json.dumps({"error": "malformed tool call", "problem": problem,
+                                   "fix": "call the tool again with arguments that are one "
+                                          "JSON object matching its parameters",
+                                   "parameters": self._parameters_of(call.name)})
+                ok = False
+            else:
+                self.tool_calls += 1
+                ok, text = self.toolbox.call(call.name, args)
+                if self.heartbeat is not None:
+                    self.heartbeat.saw(call.name, ok, text)
+            text = _bounded(text, self.toolbox.files.result_chars)
+            results.append((call.call_id, ok, text))
+            self.messages.append({"role": "tool", "tool_call_id": call.call_id,
+                                  "content": text})
+        self.output.results(results)
+        if not malformed:
+            self.repairs_in_a_row = 0
+            return
+        if turn.finish_reason == "length":
+            malformed.append("the answer was cut at max_tokens = %d"
+                             % self.settings.max_tokens)
+        if self.repairs_in_a_row:
+            raise FerrusError("nano stopped: the model's tool call was malformed again after "
+                              "one repair: %s" % malformed[0],
+                              "this model does not call tools reliably: `ferrus agents "
+                              "--probe` tests it; try another model or a server with its "
+                              "tool-call parser on (vLLM --enable-auto-tool-choice, "
+                              "llama-server --jinja)")
+        self.repairs_in_a_row = 1
+        self.output.note("repairing a malformed tool call: %s" % malformed[0])
+
+    def _parameters_of(self, name):
+        tool = self.toolbox.tools.get(name)
+        return tool.spec["function"]["parameters"] if tool is not None else {
+            "tools": sorted(self.toolbox.tools)}
+
+
+def _message_chars(message):
+    chars = len(message.get("content") or "") + 16
+    for call in message.get("tool_calls") or ():
+        chars += len(call["function"]["arguments"]) + len(call["function"]["name"]) + 40
+    return chars
+
+
+def _bounded(text, chars):
+    text = text or ""
+    if len(text) <= chars:
+        return text
+    return text[:chars] + "\n… (%d more characters cut)" % (len(text) - chars)
+
+
+def _seconds(seconds):
+    return "%d s" % seconds if seconds < 120 else "%d min" % (seconds // 60)
+
+
+class NanoHeartbeat:
+    """Keeps the executor's lease alive while a slow model thinks.
+
+    After a wait_for_task that claimed the task, the heartbeat tool is called every
+    [lease] heartbeat_interval_secs from a thread; the model may call it too."""
+
+    def __init__(self, toolbox, interval_secs):
+        self.toolbox = toolbox
+        self.interval = max(1.0, float(interval_secs))
+        self._stop = threading.Event()
+        self._thread = None
+
+    def saw(self, name, ok, text):
+        if self._thread is None and name == "wait_for_task" and ok and \
+                '"timeout"' not in text and "heartbeat" in self.toolbox.tools:
+            self._thread = threading.Thread(target=self._beat, name="nano-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def _beat(self):
+        tool = self.toolbox.tools["heartbeat"]
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(FerrusError):
+                tool.server.call_tool(tool.remote_name, {}, 30.0)
+
+    def stop(self):
+        self._stop.set()
+
+
+# -- the command: `ferrus nano` (hidden; agents' launches use it) ------------------------
+
+def add_nano_parser(sub):
+    """`ferrus nano`: added without help text, so it stays out of `ferrus --help`
+    (ferrus starts it; people use `ferrus register --executor nano`)."""
+    p = sub.add_parser("nano", description="nano, the built-in agent (ferrus starts it as "
+                                           "the agent of a role; the prompt comes on stdin)")
+    p.add_argument("--role", choices=ROLES, help="the role it plays (its MCP server's)")
+    p.add_argument("--mcp-config", metavar="FILE",
+                   help="JSON file whose mcpServers nano starts and uses")
+    p.add_argument("--model", metavar="M", help="the model (default: [agents.nano] model)")
+    p.add_argument("--permissions", choices=("read-only", "edit", "output", "full"),
+                   help="which file tools it gets (default: the role's profile)")
+    p.add_argument("--prompt", metavar="TEXT", help="the prompt (default: standard input)")
+    p.add_argument("--interactive", action="store_true",
+                   help="read more instructions from the terminal after each answer")
+    p.add_argument("--worker-output", metavar="FILE",
+                   help="a pipeline worker: no ferrus server, may write only FILE")
+    p.add_argument("--read", action="append", default=[], metavar="FILE",
+                   help="a pipeline worker may read FILE (repeatable)")
+    p.set_defaults(run=cmd_nano)
+    return p
+
+
+def cmd_nano(args, root):
+    try:
+        return _run_nano(args, root)
+    except FerrusError as err:
+        if not args.interactive:
+            # Said as nano's last event too, so `ferrus run` shows why the session ended
+            # (a start-up problem: its settings, its model server, its MCP server).
+            NanoStreamOutput(sys.stdout, os.environ.get(SESSION_ENV) or new_id("nano"),
+                             args.model or "").finished(True, err.full_text(), None, 0, 0.0)
+        raise
+
+
+def _run_nano(args, root):
+    config = load_config(root)
+    settings = nano_settings(config)
+    if args.worker_output is None and (args.role is None or args.mcp_config is None):
+        raise UsageError("nano needs --role and --mcp-config (or --worker-output)",
+                         "ferrus starts nano itself: ferrus register --executor nano")
+    profile = args.permissions or (WORKER_PERMISSIONS if args.worker_output else
+                                   DEFAULT_PERMISSIONS[args.role])
+    prompt = args.prompt if args.prompt is not None else \
+        (_read_human_line() if args.interactive else sys.stdin.read())
+    if not (prompt or "").strip():
+        if args.interactive:
+            return 0                       # nothing asked: the person left at once
+        raise UsageError("nano got no prompt", "give it on standard input or with --prompt")
+    endpoint = nano_endpoint(settings)
+    client = ChatCompletionsClient(endpoint, "", settings, nano_api_key(settings))
+    client.model = resolve_nano_model(client, (args.model or "").strip() or settings.model)
+    workdir = os.getcwd()
+    files = NanoFileTools(workdir, profile, settings.command_timeout_secs,
+                          result_chars=max(2000, min(24000, settings.context_tokens)),
+                          output=args.worker_output, reads=args.read)
+    servers = []
+    try:
+        for name, entry in (read_mcp_config(args.mcp_config).items()
+                            if args.mcp_config else ()):
+            server = NanoMcpClient(name, entry, workdir)
+            servers.append(server)
+            server.initialize()
+        toolbox = NanoToolbox(files, servers, tool_timeout=config.limits.wait_timeout_secs + 120)
+        servers = []                       # the toolbox closes them from here on
+    finally:
+        for server in servers:
+            server.close()
+    session = os.environ.get(SESSION_ENV) or new_id("nano")
+    output = NanoHumanOutput(sys.stdout) if args.interactive else \
+        NanoStreamOutput(sys.stdout, session, client.model)
+    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs) \
+        if args.role == "executor" else None
+    agent = NanoAgent(client, toolbox, settings, output, workdir=workdir, heartbeat=heartbeat)
+    try:
+        outcome = agent.run(prompt, _read_human_line if args.interactive else None)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        toolbox.close()
+        client.close()
+    return outcome.exit_code
+
+
+def _read_human_line():
+    """One instruction from the person at the terminal (None at EOF or an empty line)."""
+    try:
+        line = input("you> ")
+    except EOFError:
+        return None
+    return line.strip() or None
+
+
+# ============================================================================
+# src/ferrus/local_agents.py (from its line 39)
+# ============================================================================
+# Local agents: the nano, opencode and goose adapters.
+#
+# Each is an AgentAdapter like the four of adapters.py (binary, headless and interactive
+# argv, prompt on stdin, the role's MCP server, permissions, output parser).
+#
+# - nano is ferrus itself (`ferrus -C ROOT nano ...`, see nano.py): register writes the
+#   role's server into .ferrus/nano-mcp-<role>.json, which nano starts; it prints Claude
+#   Code's stream-json, so Claude's parser reads it.
+# - opencode (npm opencode-ai) reads its project opencode.json, where register writes
+#   both roles' servers under ``mcp`` (for interactive use).  A headless launch carries
+#   its whole MCP and permission setup in OPENCODE_CONFIG_CONTENT instead — this role's
+#   server on, the other's off, edit/bash allowed or denied per profile — so it works in
+#   a task's worktree, where the git-ignored opencode.json is absent, and keeps each role
+#   to its own tools.  Its ``run --format json`` events are parsed here.
+# - goose keeps its configuration in one user-wide config.yaml, so nothing of the
+#   project's goes there: register writes the role's server into
+#   .ferrus/goose-mcp-<role>.json and every launch attaches it with --with-extension (a
+#   command string goose splits itself).  Headless runs use GOOSE_MODE=auto (nobody can
+#   answer a confirmation) and its documented loop guards; goose cannot be held to
+#   read-only, so its reviewer can edit.  Its ``--output-format stream-json`` events are
+#   parsed here.  goose has no npm package: these launch flags follow its documentation
+#   (CLI Commands, `goose run`), not a run of the real binary.
+
+def _ferrus_argv(root):
+    """argv that starts *this* ferrus for the project ``root`` (as MCP entries do)."""
+    return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C",
+            os.path.abspath(root)]
+
+
+class _FerrusMcpFileAgent(AgentAdapter):
+    """An agent whose role server lives in a JSON file of ferrus's own:
+    .ferrus/<name>-mcp-<role>.json with ``mcpServers`` (what nano and goose read)."""
+
+    def mcp_config_path(self, root, role):
+        return os.path.join(root, FERRUS_DIR, "%s-mcp-%s.json" % (self.name, role))
+
+    def register(self, root, role, model, report):
+        path = self.mcp_config_path(root, role)
+
+        def add_server(data):
+            _json_table(data, "mcpServers", path)[server_key(role)] = ferrus_server_entry(
+                root, role, self.name)
+        edit_json_file(path, add_server)
+        report("Registered %s in %s/%s (agent id %s:%s:%d)" % (
+            server_key(role), FERRUS_DIR, os.path.basename(path), role, self.name,
+            DEFAULT_AGENT_INDEX))
+
+    def unregister(self, root, role, report):
+        path = self.mcp_config_path(root, role)
+        if os.path.exists(path):
+            os.unlink(path)
+            report("Removed %s/%s" % (FERRUS_DIR, os.path.basename(path)))
+
+    def registration(self, root, role):
+        return _load_json_quiet(self.mcp_config_path(root, role)).get("mcpServers", {}).get(
+            server_key(role))
+
+
+# -- nano ---------------------------------------------------------------------------------
+
+class NanoAdapter(_FerrusMcpFileAgent):
+    """nano, the built-in agent (nano.py): needs no binary but the Python running ferrus."""
+
+    name = "nano"
+    binary = "ferrus nano"
+
+    def install_hint(self):
+        return "nano is part of ferrus; it needs a model server ([agents.nano] base_url)"
+
+    def executable(self):
+        return os.path.abspath(sys.executable)
+
+    def version_argv(self):
+        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "--version"]
+
+    def _argv(self, root, role, model):
+        argv = _ferrus_argv(root) + ["nano"]
+        if role is not None:
+            argv += ["--role", role, "--mcp-config", self.mcp_config_path(root, role)]
+        model = (model or "").strip()
+        return argv + (["--model", model] if model else [])
+
+    def permission_args(self, profile, output=None, reads=()):
+        return ["--permissions", profile]
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._argv(root, role, model) + \
+            self.permission_args(self._profile(role, profile)) + \
+            self.options.extra_args + self.options.headless_args
+        return Launch(argv, prompt, dict(self.options.env))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        """A pipeline worker: no ferrus server; it may write ``output`` only."""
+        argv = self._argv(root, None, model) + ["--worker-output", output]
+        for path in reads:
+            argv += ["--read", path]
+        return Launch(argv + self.options.extra_args + self.options.headless_args, prompt,
+                      dict(self.options.env))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        argv = self._argv(root, role, model) + ["--interactive"] + \
+            self.options.extra_args + self.options.interactive_args
+        if prompt:
+            argv += ["--prompt", prompt]
+        return Launch(argv, None, dict(self.options.env))
+
+    def parse_line(self, line):
+        return _parse_claude_style(line)
+
+
+# -- opencode -----------------------------------------------------------------------------
+
+# opencode's own tools under the names ferrus shows (TOOL_NAMES knows Claude's).
+_OPENCODE_TOOLS = {"bash": "Bash", "read": "Read", "write": "Write", "edit": "Edit",
+                   "patch": "Edit", "multiedit": "Edit", "glob": "Glob", "grep": "Grep",
+                   "list": "LS", "webfetch": "WebFetch", "websearch": "WebSearch",
+                   "todowrite": "TodoWrite", "task": "Task"}
+# What each permission profile allows opencode's own tools (MCP tools are always allowed).
+_OPENCODE_PERMISSIONS = {"read-only": {"edit": "deny", "bash": "deny"},
+                         "edit": {"edit": "allow", "bash": "deny"},
+                         "output": {"edit": "allow", "bash": "deny"},
+                         "full": {"edit": "allow", "bash": "allow", "webfetch": "allow"}}
+
+
+class OpencodeAdapter(AgentAdapter):
+    """opencode (npm opencode-ai), `opencode run --format json` headless."""
+
+    name = "opencode"
+    binary = "opencode"
+    package = "opencode-ai"
+    instructions_file = "AGENTS.md"
+
+    def config_path(self, root):
+        return os.path.join(root, "opencode.json")
+
+    def server_entry(self, root, role, enabled=True):
+        entry = ferrus_server_entry(root, role, self.name)
+        return {"type": "local", "command": [entry["command"]] + entry["args"],
+                "enabled": enabled, "timeout": client_tool_timeout_secs(self.config) * 1000}
+
+    def _config_content(self, root, role, profile):
+        """OPENCODE_CONFIG_CONTENT: this role's server only, the profile's permissions."""
+        servers = {}
+        for each in ROLES:
+            servers[server_key(each)] = self.server_entry(root, each, enabled=each == role)
+        return json.dumps({"mcp": servers, "permission": _OPENCODE_PERMISSIONS[profile]})
+
+    def _env(self, root, role, profile):
+        env = {"OPENCODE_CONFIG_CONTENT": self._config_content(root, role, profile)}
+        env.update(self.options.env)
+        return env
+
+    def permission_args(self, profile, output=None, reads=()):
+        # The permissions travel in OPENCODE_CONFIG_CONTENT; --auto would approve anything
+        # not denied, so it is never passed.
+        return []
+
+    def can_edit(self, profile):
+        return _OPENCODE_PERMISSIONS[profile]["edit"] == "allow"
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        model = (model or "").strip()
+        argv = [self.binary, "run", "--format", "json"] + (["--model", model] if model else []) + \
+            self.options.extra_args + self.options.headless_args
+        return Launch(argv, prompt, self._env(root, role, self._profile(role, profile)))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        model = (model or "").strip()
+        config = {"mcp": {server_key(role): self.server_entry(root, role, enabled=False)
+                          for role in ROLES},
+                  "permission": _OPENCODE_PERMISSIONS["output"]}
+        env = {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
+        env.update(self.options.env)
+        argv = [self.binary, "run", "--format", "json"] + (["--model", model] if model else []) + \
+            self.options.extra_args + self.options.headless_args
+        return Launch(argv, prompt, env)
+
+    def interactive(self, root, role, prompt=None, model=""):
+        model = (model or "").strip()
+        argv = [self.binary] + (["--model", model] if model else []) + \
+            self.options.extra_args + self.options.interactive_args
+        if prompt:
+            argv += ["--prompt", prompt]
+        # An interactive session keeps opencode's own prompts: a person answers them.
+        env = {"OPENCODE_CONFIG_CONTENT": json.dumps({"mcp": {
+            server_key(each): self.server_entry(root, each, enabled=each == role)
+            for each in ROLES}})}
+        env.update(self.options.env)
+        return Launch(argv, None, env)
+
+    def register(self, root, role, model, report):
+        path = self.config_path(root)
+
+        def add_server(data):
+            if not data:                    # a new file says what it is; a user's stays
+                data["$schema"] = "https://opencode.ai/config.json"
+            _json_table(data, "mcp", "opencode.json")[server_key(role)] = \
+                self.server_entry(root, role)
+        edit_json_file(path, add_server, "opencode.json")
+        report("Registered %s in opencode.json (agent id %s:%s:%d)"
+               % (server_key(role), role, self.name, DEFAULT_AGENT_INDEX))
+        ensure_gitignore_entry(root, "opencode.json", report)
+
+    def unregister(self, root, role, report):
+        path = self.config_path(root)
+        if planned_read(path) is None:
+            return
+
+        def remove(data):
+            servers = data.get("mcp")
+            if isinstance(servers, dict):
+                servers.pop(server_key(role), None)
+                if not servers:
+                    data.pop("mcp")
+            if list(data) == ["$schema"]:
+                data.pop("$schema")
+        edit_json_file(path, remove, "opencode.json")
+        report("Removed %s from opencode.json" % server_key(role))
+
+    def registration(self, root, role):
+        servers = _load_json_quiet(self.config_path(root)).get("mcp")
+        return _opencode_entry_as_mcp(servers.get(server_key(role))) \
+            if isinstance(servers, dict) else None
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._session_seen = False
+
+    def parse_line(self, line):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return []
+        if not isinstance(event, dict):
+            return []
+        events = []
+        if not self._session_seen and event.get("sessionID"):
+            self._session_seen = True
+            events.append(AgentEvent("session", text=str(event["sessionID"])))
+        part = event.get("part") if isinstance(event.get("part"), dict) else {}
+        kind = event.get("type")
+        if kind == "tool_use":
+            events += _opencode_tool(part)
+        elif kind == "text" and str(part.get("text") or "").strip():
+            events.append(AgentEvent("said", text=str(part["text"])))
+        elif kind == "step_finish" and isinstance(part.get("tokens"), dict):
+            tokens = part["tokens"]
+            cache = tokens.get("cache") if isinstance(tokens.get("cache"), dict) else {}
+            read = _whole_number(tokens, "input") + _whole_number(cache, "read") + \
+                _whole_number(cache, "write")
+            events.append(AgentEvent("usage", input_tokens=read,
+                                     output_tokens=_whole_number(tokens, "output") +
+                                     _whole_number(tokens, "reasoning"),
+                                     text=str(part.get("messageID") or part.get("id") or ""),
+                                     context_tokens=read))
+        elif kind == "error":
+            error = event.get("error")
+            message = error.get("data", {}).get("message") if isinstance(error, dict) and \
+                isinstance(error.get("data"), dict) else error
+            events.append(AgentEvent("said", text=tool_reason(message or event, 1000)))
+        return events
+
+
+def _opencode_entry_as_mcp(entry):
+    """opencode's ``{"type": "local", "command": [...]}`` as command + args (what
+    entry_points_here and entry_mismatch read)."""
+    if not isinstance(entry, dict):
+        return None
+    command = entry.get("command") if isinstance(entry.get("command"), list) else []
+    return dict(entry, command=command[0] if command else "", args=command[1:])
+
+
+def _opencode_tool(part):
+    """A finished opencode tool call: the call and, when it failed, why."""
+    state = part.get("state") if isinstance(part.get("state"), dict) else {}
+    raw = str(part.get("tool") or "")
+    name = _OPENCODE_TOOLS.get(raw, raw)
+    for role in ROLES:
+        prefix = server_key(role) + "_"
+        if raw.startswith(prefix):
+            name = "mcp__%s__%s" % (server_key(role), raw[len(prefix):])
+    call_id = str(part.get("callID") or part.get("id") or "")
+    ok = state.get("status") == "completed"
+    arguments = state.get("input") if isinstance(state.get("input"), dict) else {}
+    if "filePath" in arguments:            # opencode's name for the file a tool works on
+        arguments = dict(arguments, file_path=arguments["filePath"])
+    return [AgentEvent("tool_call", name=name, ok=ok, call_id=call_id,
+                       text=tool_summary(arguments)),
+            AgentEvent("tool_result", name=name, ok=ok, call_id=call_id,
+                       text="" if ok else tool_reason(state.get("error") or state.get("output")
+                                                      or "status %s" % state.get("status")))]
+
+
+def _whole_number(mapping, key):
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    return max(0, int(value)) if isinstance(value, (int, float)) and \
+        not isinstance(value, bool) else 0
+
+
+# -- goose --------------------------------------------------------------------------------
+
+GOOSE_MAX_TURNS = 200
+GOOSE_MAX_TOOL_REPETITIONS = 25
+
+
+def _command_string(argv):
+    """One command line goose splits back into ``argv`` (its --with-extension value)."""
+    if os.name == "nt":  # pragma: no cover - Windows quoting
+        return " ".join('"%s"' % arg.replace('"', '\\"') if not arg or any(
+            c in arg for c in ' \t"') else arg for arg in argv)
+    return " ".join(shlex.quote(arg) for arg in argv)
+
+
+class GooseAdapter(_FerrusMcpFileAgent):
+    """goose (Block's agent, a Rust binary): `goose run` headless, its documented flags."""
+
+    name = "goose"
+    binary = "goose"
+    package = ""
+    instructions_file = "AGENTS.md"
+
+    def install_hint(self):
+        return ("install goose from its releases (https://block.github.io/goose/docs/"
+                "getting-started/installation) and put `goose` on PATH")
+
+    def extension(self, root, role):
+        """--with-extension's value: ``NAME:COMMAND ARGS`` naming the server as ferrus
+        does, so its tools reach the model as <server>__<tool>."""
+        entry = self.registration(root, role) or ferrus_server_entry(root, role, self.name)
+        return "%s:%s" % (server_key(role),
+                          _command_string([entry["command"]] + list(entry.get("args") or [])))
+
+    def _env(self, headless):
+        env = {"GOOSE_MODE": "auto"} if headless else {}
+        env.update(self.options.env)
+        return env
+
+    def can_edit(self, profile):
+        return True           # its developer extension edits files in every mode
+
+    def _run_argv(self, model):
+        model = (model or "").strip()
+        return [self.binary, "run", "--no-session", "--output-format", "stream-json",
+                "--max-turns", str(GOOSE_MAX_TURNS),
+                "--max-tool-repetitions", str(GOOSE_MAX_TOOL_REPETITIONS)] + \
+            (["--model", model] if model else [])
+
+    def headless(self, root, role, prompt, model="", profile=None):
+        argv = self._run_argv(model) + ["--with-extension", self.extension(root, role)] + \
+            self.options.extra_args + self.options.headless_args + ["--instructions", "-"]
+        return Launch(argv, prompt, self._env(True))
+
+    def worker(self, root, prompt, model, output, reads=()):
+        argv = self._run_argv(model) + self.options.extra_args + self.options.headless_args + \
+            ["--instructions", "-"]
+        return Launch(argv, prompt, self._env(True))
+
+    def interactive(self, root, role, prompt=None, model=""):
+        extension = ["--with-extension", self.extension(root, role)]
+        model = (model or "").strip()
+        models = ["--model", model] if model else []
+        if prompt:
+            argv = [self.binary, "run", "--interactive"] + extension + models + \
+                self.options.extra_args + self.options.interactive_args + ["--text", prompt]
+        else:
+            argv = [self.binary, "session"] + extension + self.options.extra_args + \
+                self.options.interactive_args
+        return Launch(argv, None, self._env(False))
+
+    def parse_line(self, line):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return []
+        if not isinstance(event, dict):
+            return []
+        kind = event.get("type")
+        if kind == "message" and isinstance(event.get("message"), dict):
+            return _goose_message(event["message"])
+        if kind == "complete":
+            return [AgentEvent("usage", input_tokens=_whole_number(event, "input_tokens") +
+                               _whole_number(event, "cache_read_input_tokens") +
+                               _whole_number(event, "cache_write_input_tokens"),
+                               output_tokens=_whole_number(event, "output_tokens"), total=True,
+                               cost_usd=event["cost_usd"] if isinstance(
+                                   event.get("cost_usd"), (int, float)) else None)]
+        if kind == "error":
+            return [AgentEvent("said", text=tool_reason(event.get("error"), 1000))]
+        return []
+
+
+def _goose_tool_name(name):
+    """goose names an extension's tool <extension>__<tool>; ferrus's servers as the other
+    agents' MCP tools, its own developer tools under ferrus's names."""
+    extension, _, tool = name.partition("__")
+    if tool and extension.replace("_", "-").startswith("ferrus-"):
+        return "mcp__%s__%s" % (extension.replace("_", "-"), tool)
+    return {"developer__shell": "Bash", "developer__text_editor": "Edit"}.get(name, name)
+
+
+def _goose_message(message):
+    events = []
+    for block in message.get("content") or []:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        if kind == "text" and message.get("role") == "assistant" and \
+                str(block.get("text") or "").strip():
+            events.append(AgentEvent("said", text=str(block["text"])))
+        elif kind == "toolRequest":
+            call = block.get("toolCall") if isinstance(block.get("toolCall"), dict) else {}
+            value = call.get("value") if isinstance(call.get("value"), dict) else {}
+            events.append(AgentEvent("tool_call", name=_goose_tool_name(str(value.get("name")
+                                                                            or "")),
+                                     call_id=str(block.get("id") or ""),
+                                     text=tool_summary(value.get("arguments"))))
+        elif kind == "toolResponse":
+            result = block.get("toolResult") if isinstance(block.get("toolResult"), dict) \
+                else {}
+            value = result.get("value") if isinstance(result.get("value"), dict) else {}
+            failed = result.get("status") == "error" or value.get("isError") is True
+            events.append(AgentEvent("tool_result", ok=not failed,
+                                     call_id=str(block.get("id") or ""),
+                                     text=tool_reason(result.get("error") or
+                                                      value.get("content")) if failed else ""))
+    return events
+
+
+LOCAL_AGENT_ADAPTERS = (NanoAdapter, OpencodeAdapter, GooseAdapter)
+# The files their register writes, relative to the project root (for unregister's
+# clean-up of emptied files, with register's REGISTRATION_FILES).
+LOCAL_AGENT_REGISTRATION_FILES = ("opencode.json",)
+
+
+# ============================================================================
+# src/ferrus/probe.py (from its line 27)
+# ============================================================================
+# Probe: a short tool-calling exercise that tells if a model can drive ferrus.
+#
+# Local models fail ferrus in one way above all: they do not call tools reliably.  The
+# probe finds that out in seconds, before a task is spent on it.  Each nano role's model
+# (its endpoint and model, deduplicated) gets one fixed exercise over the same client nano
+# uses: call lookup_word with an argument, read the word it returns (new each run, so it
+# cannot be guessed), call submit_word with exactly that word, then stop.  The verdict
+# names the first thing that went wrong — no tool calls (a model that only chats),
+# malformed JSON, the wrong tool, wrong arguments, no stop, a timeout, an unreachable or
+# failing server — with the latency and the tokens the server reported.
+#
+# Agents other than nano are driven by their own CLIs, which the probe does not start;
+# their rows say so.  `ferrus doctor --probe` runs the same probe after its checks.
+
+PROBE_TIMEOUT_SECS = 120
+PROBE_KEY = "ferrus"
+PROBE_TOOLS = [
+    {"type": "function", "function": {
+        "name": "lookup_word", "description": "Look up the secret word stored under a key.",
+        "parameters": {"type": "object", "properties": {
+            "key": {"type": "string", "description": "the key to look up"}},
+            "required": ["key"]}}},
+    {"type": "function", "function": {
+        "name": "submit_word", "description": "Submit the secret word you looked up.",
+        "parameters": {"type": "object", "properties": {
+            "word": {"type": "string", "description": "the word, exactly as looked up"}},
+            "required": ["word"]}}},
+]
+PROBE_PROMPT = ("This is a test of your tool calls. First call the tool lookup_word with "
+                "key \"%s\". It returns a secret word. Then call submit_word with exactly "
+                "that word. When submit_word has answered, reply with the single word DONE "
+                "and call no more tools." % PROBE_KEY)
+
+
+@deferred_dataclass
+class ProbeVerdict:
+    """What the probe found for one model."""
+
+    passed: bool
+    reason: str            # "" when passed; else no tool calls, malformed JSON, ...
+    detail: str = ""
+    seconds: float = 0.0
+    input_tokens: "int | None" = None
+    output_tokens: "int | None" = None
+    turns: int = 0
+
+
+class _ProbeFailed(Exception):
+    def __init__(self, reason, detail):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _one_call(turn, expected):
+    """(name, arguments) of the single tool call ``expected`` in a model turn."""
+    if not turn.tool_calls:
+        said = " ".join((turn.text or "").split())
+        raise _ProbeFailed("no tool calls", "the model answered in text instead of calling "
+                           "%s%s" % (expected, ": %s" % json.dumps(said[:160]) if said
+                                     else " (it said nothing)"))
+    call = turn.tool_calls[0]
+    if call.name != expected:
+        raise _ProbeFailed("wrong tool", "the model called %s instead of %s"
+                           % (json.dumps(call.name), expected))
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except ValueError:
+        raise _ProbeFailed("malformed JSON", "the arguments of %s are not JSON: %s"
+                           % (expected, (call.arguments or "")[:160])) from None
+    if not isinstance(arguments, dict):
+        raise _ProbeFailed("malformed JSON", "the arguments of %s are not a JSON object: %s"
+                           % (expected, (call.arguments or "")[:160]))
+    return call, arguments
+
+
+def probe_model(client, clock=time.monotonic, word=None):
+    """Run the exercise against ``client`` (a ChatCompletionsClient); a ProbeVerdict."""
+    word = word or "amber-" + random_hex(3)
+    messages = [{"role": "user", "content": PROBE_PROMPT}]
+    verdict = ProbeVerdict(False, "")
+    started = clock()
+
+    def ask():
+        turn = client.complete(messages, PROBE_TOOLS)
+        verdict.turns += 1
+        for field, value in (("input_tokens", turn.prompt_tokens),
+                             ("output_tokens", turn.completion_tokens)):
+            if value is not None:
+                setattr(verdict, field, (getattr(verdict, field) or 0) + value)
+        return turn
+
+    def answer(call, text):
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]})
+        messages.append({"role": "tool", "tool_call_id": call.call_id, "content": text})
+
+    try:
+        call, arguments = _one_call(ask(), "lookup_word")
+        if arguments.get("key") != PROBE_KEY:
+            raise _ProbeFailed("wrong arguments", "lookup_word got %s, not key %s"
+                               % (json.dumps(arguments)[:160], json.dumps(PROBE_KEY)))
+        answer(call, "The secret word is %s" % word)
+        call, arguments = _one_call(ask(), "submit_word")
+        if str(arguments.get("word", "")).strip().strip("\"'") != word:
+            raise _ProbeFailed("wrong arguments", "submit_word got %s, not the word %s that "
+                               "lookup_word returned" % (json.dumps(arguments)[:160], word))
+        answer(call, "Accepted.")
+        last = ask()
+        if last.tool_calls:
+            raise _ProbeFailed("did not stop", "after the exercise the model called %s "
+                               "again instead of answering" % last.tool_calls[0].name)
+        verdict.passed = True
+    except _ProbeFailed as failed:
+        verdict.reason, verdict.detail = failed.reason, failed.detail
+    except NanoModelError as err:
+        timed_out = "did not answer within" in err.message
+        verdict.reason = "timeout" if timed_out else "server error"
+        verdict.detail = err.full_text()
+    verdict.seconds = clock() - started
+    return verdict
+
+
+def probe_rows(root, clock=time.monotonic):
+    """One row per role: its agent, and for nano the probe's verdict of its model (each
+    distinct endpoint and model is probed once)."""
+    config = load_config(root).require_hq()
+    rows, verdicts = [], {}
+    for role in ROLES:
+        choice = getattr(config, role)
+        row = {"role": role, "agent": choice.agent if choice else None}
+        rows.append(row)
+        if choice is None or choice.agent != "nano":
+            row["probed"] = False
+            row["note"] = ("no [hq.%s] agent" % role if choice is None else
+                           "not probed: %s runs its own model client; the probe exercises "
+                           "nano's models" % choice.agent)
+            continue
+        row["probed"] = True
+        try:
+            settings = nano_settings(config)
+            endpoint = nano_endpoint(settings)
+            row["endpoint"] = endpoint.url
+            client = ChatCompletionsClient(endpoint, "", settings, nano_api_key(settings),
+                                           retries=0, timeout=min(PROBE_TIMEOUT_SECS,
+                                                                  settings.request_timeout_secs))
+            client.model = resolve_nano_model(client, choice.model or settings.model)
+        except FerrusError as err:
+            row.update(model=choice.model or None, passed=False,
+                       reason="not configured" if not isinstance(err, NanoModelError)
+                       else "server error", detail=err.full_text())
+            continue
+        row["model"] = client.model
+        key = (endpoint.url, client.model)
+        if key not in verdicts:
+            try:
+                verdicts[key] = probe_model(client, clock)
+            finally:
+                client.close()
+        row.update(dataclasses.asdict(verdicts[key]))
+    return rows
+
+
+PROBE_FAILURE_HINTS = {
+    "no tool calls": "this model (or its server's chat template) does not make tool calls: "
+                     "pick a model trained for tools, and turn the server's tool parser on "
+                     "(llama-server --jinja, vllm serve --enable-auto-tool-choice "
+                     "--tool-call-parser ...)",
+    "malformed JSON": "the model writes broken tool arguments: nano repairs one in a row, "
+                      "no more; try a larger or tool-tuned model, or a lower temperature",
+    "wrong tool": "the model does not follow tool instructions; try a larger or tool-tuned "
+                  "model",
+    "wrong arguments": "the model does not carry a tool's result into its next call; try a "
+                       "larger or tool-tuned model",
+    "did not stop": "the model keeps calling tools; nano's budgets would stop it, but a "
+                    "session would be wasted",
+    "timeout": "the model is too slow for this machine; raise [agents.nano] "
+               "request_timeout_secs or use a smaller model",
+}
+
+
+def add_probe_option(parser):
+    """`--probe` on `ferrus agents` and `ferrus doctor`."""
+    parser.add_argument("--probe", action="store_true",
+                        help="run the tool-calling probe on each nano role's model: can it "
+                             "drive ferrus? (pass or fail, why, time, tokens)")
+    return parser
+
+
+def report_probes(root, as_json=False, emit=say, clock=time.monotonic):
+    """Print the probe rows (`ferrus agents --probe`); returns 1 when a probe failed."""
+    rows = probe_rows(root, clock)
+    if as_json:
+        emit(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            emit(_probe_lines(row))
+    return 1 if any(row.get("probed") and not row.get("passed") for row in rows) else 0
+
+
+def _probe_lines(row):
+    head = "%-10s %s" % (row["role"], row["agent"] or "(none)")
+    if not row.get("probed"):
+        return "%s\n           %s" % (head, row["note"])
+    if row.get("model"):
+        head += " (model %s%s)" % (row["model"], " at %s" % row["endpoint"]
+                                   if row.get("endpoint") else "")
+    tokens = "" if row.get("input_tokens") is None else ", %d tokens" % (
+        (row.get("input_tokens") or 0) + (row.get("output_tokens") or 0))
+    if row.get("passed"):
+        return "%s\n           probe: pass — %d turns in %.1f s%s" % (
+            head, row["turns"], row["seconds"], tokens)
+    lines = [head, "           probe: FAIL — %s%s" % (row["reason"], ": " + row["detail"]
+                                                        if row.get("detail") else "")]
+    if row.get("seconds"):
+        turns = row.get("turns", 0)
+        lines.append("           after %d turn%s in %.1f s%s" % (
+            turns, "" if turns == 1 else "s", row["seconds"], tokens))
+    hint = PROBE_FAILURE_HINTS.get(row["reason"])
+    if hint:
+        lines.append("           fix: %s" % hint)
+    return "\n".join(lines)
+
+
+# ============================================================================
+# src/ferrus/register.py (from its line 26)
+# ============================================================================
+# Register: every agent by name, connecting agents to a project, `ferrus agents`.
+#
+# Idempotent: registering the same role and agent twice leaves one server entry; the
+# agents chosen are recorded in [hq.*] of ferrus.toml.
+
+ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)
+            + LOCAL_AGENT_ADAPTERS}
 
 
 def adapter_for(config, agent):
@@ -12239,14 +14596,6 @@ def probe_version(argv, timeout=10.0):
     lines = result.stdout.strip().splitlines()
     return lines[0].strip() if result.returncode == 0 and lines else ""
 
-
-# ============================================================================
-# src/ferrus/register.py (from its line 22)
-# ============================================================================
-# Register: connecting agents to a project, and `ferrus agents`.
-#
-# Idempotent: registering the same role and agent twice leaves one server entry; the
-# agents chosen are recorded in [hq.*] of ferrus.toml.
 
 def add_registration_options(parser):
     """The options of `ferrus register` (and HQ's /register): one list for both."""
@@ -12421,7 +14770,8 @@ def _unregister_roles(root, config, roles, report):
 # Every file `register` may create or extend, relative to the project root.
 REGISTRATION_FILES = (".claude/mcp-supervisor.json", ".claude/mcp-executor.json",
                       ".claude/settings.local.json", ".codex/config.toml", ".qwen/settings.json",
-                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md")
+                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md"
+                      ) + LOCAL_AGENT_REGISTRATION_FILES
 
 
 def _hollow(value):
@@ -12555,6 +14905,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if profile == "read-only" and adapter.can_edit(profile) is True:
+        # goose: its developer extension edits in every mode, whatever the profile says.
+        warnings.append(("the %s (%s) can edit files although its permissions are "
+                         "\"read-only\": %s cannot be held to reading" % (
+                             role, choice.agent, choice.agent),
+                         "register an agent that can be held to reading for the %s "
+                         "(`ferrus register --%s AGENT`), and keep %s for the executor"
+                         % (role, role, choice.agent)))
     if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
             and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
         # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with
@@ -12753,7 +15111,7 @@ def executor_prompt_for(data, answer_pending, heartbeat_secs=LeaseConfig.heartbe
 
 
 # ============================================================================
-# src/ferrus/sessions.py (from its line 29)
+# src/ferrus/sessions.py (from its line 30)
 # ============================================================================
 # Sessions: session records, usage, agent processes, HQ's messages.
 #
@@ -13113,6 +15471,7 @@ class AgentProcess:
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(root)     # opencode takes its folder from $PWD
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))
@@ -14047,7 +16406,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 46)
+# src/ferrus/controller.py (from its line 45)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -16301,7 +18660,7 @@ def cancel_queue_task(store, caller, task, discard=False, out=None):
 
 
 # ============================================================================
-# src/ferrus/run.py (from its line 36)
+# src/ferrus/run.py (from its line 38)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
 #
@@ -16362,8 +18721,9 @@ def run_printer(out, mode="lines"):
 
 def require_headless_agents(store):
     """Refuse, before a task is created, a run whose executor or reviewer could not start:
-    no [hq.<role>] agent, or a built-in agent CLI that is not on PATH (a custom agent's
-    command is the user's own and is judged when it starts)."""
+    no [hq.<role>] agent, a built-in agent CLI that is not on PATH, or nano with settings
+    it would refuse (a custom agent's command is the user's own and is judged when it
+    starts)."""
     config = store.config().require_hq()
     for role, slots in (("executor", "the executor"), ("supervisor", "the reviewer")):
         choice = getattr(config, role)
@@ -16375,6 +18735,8 @@ def require_headless_agents(store):
         if not isinstance(adapter, CustomAgent) and not adapter.executable():
             raise FerrusError("%s's agent %s is not installed here (no `%s` on PATH)" % (
                 slots, choice.agent, adapter.binary), adapter.install_hint())
+        if adapter.name == "nano":
+            nano_endpoint(nano_settings(config))    # nano would refuse to start with them
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
@@ -17051,6 +19413,7 @@ def start_worker_process(launch, root, base):
     ``base``.pid.  None of our pipes is passed to it."""
     env = dict(os.environ)
     env.update(launch.env)
+    env["PWD"] = os.path.abspath(root)         # opencode takes its folder from $PWD
     stdin = subprocess.DEVNULL
     if launch.stdin is not None:
         atomic_write(base + ".prompt", launch.stdin)
@@ -18130,6 +20493,12 @@ directory = "docs/specs"     # where /create_spec saves specifications
 [agents]
 path = %s              # where `ferrus init` writes the skill files
 
+# nano, the built-in agent, talks to a local model server (docs/LOCAL_MODELS.md):
+# [agents.nano]
+# base_url = "http://127.0.0.1:11434/v1"   # Ollama; llama-server :8080/v1, vLLM :8000/v1
+# model = "qwen2.5-coder:14b"
+# context_tokens = 32768                    # what the server gives the model
+
 [git]
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
@@ -18153,11 +20522,11 @@ setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merg
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 
 [hq.supervisor]
-agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
+agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano
 model = ""             # empty: the agent's own default
 
 [hq.executor]
-agent = "codex"        # claude-code | codex | qwen-code | gemini-cli
+agent = "codex"        # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano
 model = ""
 """ % format_toml_value(agents_path)
 
@@ -18368,7 +20737,7 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/doctor.py (from its line 39)
+# src/ferrus/doctor.py (from its line 40)
 # ============================================================================
 # Doctor: checking .ferrus/ and ferrus.toml, and safe repairs.
 #
@@ -18783,6 +21152,7 @@ def config_findings(root):
         for role in ROLES:
             for text, hint in permission_warnings(config, role):
                 findings.append(Finding(text, hint, severity="warning"))
+    findings.extend(Finding(problem, hint) for problem, hint in nano_settings_findings(config))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
                                 "check its spelling against docs/REFERENCE.md, section "
@@ -19672,7 +22042,7 @@ class HqTaskCommands:
 
 
 # ============================================================================
-# src/ferrus/hq_shell.py (from its line 44)
+# src/ferrus/hq_shell.py (from its line 43)
 # ============================================================================
 # HQ, plain lines: the shell over the controller.
 #
@@ -20260,6 +22630,7 @@ class HqShell(HqTaskCommands):
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(self.store.root)   # opencode takes its folder from $PWD
         env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:
@@ -23737,7 +26108,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 48)
+# src/ferrus/cli.py (from its line 49)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -23906,6 +26277,14 @@ def cmd_reject(args, root):
 
 
 def cmd_doctor(args, root):
+    code = _doctor_report(args, root)
+    if args.probe:
+        say()
+        code = max(code, report_probes(root))
+    return code
+
+
+def _doctor_report(args, root):
     findings = doctor_findings(root)
     if not findings:
         say("ferrus doctor: everything is consistent.")
@@ -23995,6 +26374,8 @@ def cmd_unregister(args, root):
 
 
 def cmd_agents(args, root):
+    if args.probe:
+        return report_probes(root, as_json=args.json)
     rows = agents_report(root)
     if args.json:
         say(json.dumps(rows, indent=2))
@@ -24378,6 +26759,7 @@ def _add_reject_parser(sub):
 def _add_doctor_parser(sub):
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")
+    add_probe_option(p)
     p.set_defaults(run=cmd_doctor)
 
 
@@ -24405,6 +26787,7 @@ def _add_unregister_parser(sub):
 def _add_agents_parser(sub):
     p = sub.add_parser("agents", help="each role's agent: installed, version, registered")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_probe_option(p)
     p.set_defaults(run=cmd_agents)
 
 
@@ -24494,6 +26877,7 @@ COMMAND_PARSERS = (
     ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
     ("serve", _add_serve_parser),
+    ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )
 
 

@@ -1676,6 +1676,22 @@ def fig_hq_reaction_8_active(bench, fig):
         ms(median(one)), ms(one_idle)))
 
 
+def fig_nano_turn(bench, fig):
+    """nano's own time per model turn against an instant scripted server (bench/nano.py)."""
+    bar = "≤ 5 ms"
+    if not hasattr(bench.ferrus, "NanoAgent"):
+        fig.na("this ferrus has no nano", bar)
+        return
+    import nano as nano_bench
+    turns = bench.reps(200, 60)
+    rows = nano_bench.measure_turns(bench.ferrus, turns)
+    fig.values.update({name: round(value, 3) for name, value in rows})
+    first_median, all_median, all_mean = [value for _name, value in rows]
+    fig.check("mean %.2f ms, median %.2f ms over %d turns (first 50: median %.2f ms)" % (
+        all_mean, all_median, max(60, turns), first_median), bar + " per turn",
+        all_mean <= nano_bench.BAR_MS)
+
+
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
     ("status_from_shell", fig_status_from_shell),
@@ -1692,6 +1708,7 @@ FIGURES = (
     ("parallel_overhead", fig_parallel_overhead),
     ("hq_reaction_8_active", fig_hq_reaction_8_active),
     ("web_first_paint", fig_web_first_paint),
+    ("nano_turn", fig_nano_turn),
 )
 
 

@@ -50,6 +50,13 @@ def call(name, args=None):
     return {"type": "call", "name": name, "args": dict(args or {})}
 
 
+def raw_call(name, arguments, exact=False):
+    """The model calls tool ``name`` with ``arguments`` exactly as given: text that need
+    not be JSON (a model's malformed tool call; chat completions only).  ``exact``: the
+    name as given, even one the client does not offer."""
+    return {"type": "call", "name": name, "args": {}, "raw": str(arguments), "exact": exact}
+
+
 def say(text):
     """The model answers with text; a turn of only text ends the CLI's run."""
     return {"type": "text", "text": str(text)}
@@ -91,7 +98,8 @@ def _resolve(conversation, actions):
         if isinstance(action, str):
             action = say(action)
         if action["type"] == "call":
-            action = dict(action, name=conversation.tool(action["name"]), id=_random_id("call_"))
+            name = action["name"] if action.get("exact") else conversation.tool(action["name"])
+            action = dict(action, name=name, id=_random_id("call_"))
         out.append(action)
     return out or [say("")]
 
@@ -251,7 +259,8 @@ class ChatCompletions:
         completion_id = _random_id("chatcmpl-")
         model = body.get("model") or "fake"
         tool_calls = [{"index": i, "id": a["id"], "type": "function",
-                       "function": {"name": a["name"], "arguments": json.dumps(a["args"])}}
+                       "function": {"name": a["name"],
+                                    "arguments": a["raw"] if "raw" in a else json.dumps(a["args"])}}
                       for i, a in enumerate(a for a in actions if a["type"] == "call")]
         content = "".join(a["text"] for a in actions if a["type"] == "text")
         finish = "tool_calls" if tool_calls else "stop"

@@ -100,10 +100,13 @@ def test_global_options_are_documented():
 # and fields that hold sub-tables rather than keys ([agents.<name>], [agents.custom.<name>]).
 TOML_SPELLING = {("agents", "claude_mcp_isolation"): "mcp_isolation"}
 SUB_TABLE_FIELDS = {("agents", "options"), ("agents", "custom")}
-# Sub-tables and [hq.<role>] read into dataclasses that are not fields of Config.
+# Sub-tables and [hq.<role>] read into dataclasses that are not fields of Config
+# ([agents.nano]'s own keys are kept in AgentOptions.settings and read by NanoSettings).
 NESTED_TABLES = {"agents.<name>": ferrus.AgentOptions,
                  "agents.custom.<name>": ferrus.CustomAgentSpec,
+                 "agents.nano": ferrus.NanoSettings,
                  "hq.<role>": ferrus.AgentChoice}
+NOT_KEYS = {("agents.<name>", "settings")}
 
 
 def config_keys():
@@ -120,7 +123,8 @@ def config_keys():
             keys.append((table_field.name,
                          TOML_SPELLING.get((table_field.name, field.name), field.name)))
     for table, cls in NESTED_TABLES.items():
-        keys.extend((table, field.name) for field in dataclasses.fields(cls))
+        keys.extend((table, field.name) for field in dataclasses.fields(cls)
+                    if (table, field.name) not in NOT_KEYS)
     return keys
 
 

@@ -364,7 +364,7 @@ INVALID = [
      "research.phases[0].workers[0].final marks a worker outside the last phase"),
     (lambda p: _w(p, 0, 0).update(agent="nobody"),
      'research.phases[0].workers[0].agent names the unknown agent "nobody" (known: '
-     'claude-code, codex, qwen-code, gemini-cli, worker)'),
+     'claude-code, codex, qwen-code, gemini-cli, nano, opencode, goose, worker)'),
     (lambda p: _w(p, 0, 0).update(model=3), "research.phases[0].workers[0].model must be"),
 ]
 

@@ -162,6 +162,9 @@ def test_claude_codex_and_gemini_tool_calls_carry_their_argument():
     assert [(e.name, e.text) for e in events if e.kind == "tool_call"] == [("read_file",
                                                                             "/a/b.py")]
     assert ferrus.tool_summary({"x": "y" * 300}).endswith("…")
+    # A resource read (nano's read_resource, Claude's ReadMcpResourceTool) shows its URI.
+    assert ferrus.tool_summary({"server": "ferrus-supervisor-1", "uri": "ferrus://diff"}) == \
+        "ferrus://diff"
 
 
 # -- start-up, status and the log ------------------------------------------------------------

@@ -12,6 +12,7 @@ path written as /work/p.
 """
 
 import dataclasses
+import json
 
 import pytest
 
@@ -102,7 +103,11 @@ class RecordedAgent:
 
 def shown(project, cli):
     """What HQ and `ferrus run` print for the recorded output of ``cli``."""
-    adapter, lines = ADAPTERS[cli]
+    return shown_for(project, *ADAPTERS[cli])
+
+
+def shown_for(project, adapter, lines):
+    """What HQ and `ferrus run` print for ``lines`` of an ``adapter`` class's agent."""
     messages = []
     controller = ferrus.HqController(ferrus.Store(str(project)), messages.append,
                                      clock=lambda: 0.0)
@@ -187,6 +192,21 @@ def test_each_failed_or_denied_tool_call_prints_as_such_with_its_reason(project,
                                  "Executing or Addressing after the implementation is ready.",
                        "denied": False}]
     assert any(m.data["denied"] for m in failed) == (cli in ("claude", "qwen"))
+
+
+def test_opencode_refusing_a_call_its_permissions_deny_is_shown_as_denied(project):
+    # opencode's `run --format json` event for an edit outside its project folder (what
+    # it did to every edit while $PWD named another folder than its working directory).
+    refused = json.dumps({"type": "tool_use", "sessionID": "ses_1", "part": {
+        "tool": "write", "callID": "c1", "state": {
+            "status": "error", "input": {"filePath": "/work/p/a.txt", "content": "x"},
+            "error": "The user rejected permission to use this specific tool call."}}})
+    messages = shown_for(project, ferrus.OpencodeAdapter, refused)
+    assert [m.text for m in messages] == [
+        "executor ▸ Write  /work/p/a.txt",
+        "executor ✗ Write denied: The user rejected permission to use this specific tool "
+        "call."]
+    assert messages[1].data["denied"] is True
 
 
 def test_a_tool_looks_the_same_whichever_cli_called_it(project):

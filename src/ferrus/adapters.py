@@ -12,13 +12,11 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 
-from .basics import FerrusError, LazyPattern, did_you_mean
+from .basics import FerrusError, LazyPattern
 from .system import atomic_write, read_text
 from .tomlfile import (TomlError, format_toml_value, parse_toml, toml_remove_table,
                        toml_replace_table)
-from .config import AGENT_ALIASES, BUILTIN_AGENTS, canonical_agent
 from .store import FERRUS_DIR
 from .operations import ROLES
 from .mcp import SESSION_ENV, tools_for_role
@@ -821,32 +819,3 @@ class CustomAgent(AgentAdapter):
         return _load_json_quiet(self.mcp_config_path(root, role)).get("mcpServers", {}).get(
             server_key(role))
 
-
-ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)}
-
-
-def adapter_for(config, agent):
-    if agent not in config.agents.custom:
-        agent = canonical_agent(agent)
-    if agent in ADAPTERS:
-        return ADAPTERS[agent](config)
-    if agent in config.agents.custom:
-        return CustomAgent(config, config.agents.custom[agent])
-    known = BUILTIN_AGENTS + tuple(AGENT_ALIASES) + tuple(config.agents.custom)
-    close = did_you_mean(agent, known)
-    raise FerrusError("Unknown agent %r. Supported values: %s (or %s for short)" % (
-        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom)),
-        ", ".join(json.dumps(a) for a in AGENT_ALIASES)),
-        ("did you mean %s? Otherwise describe " % json.dumps(close) if close else
-         "or describe ") + "it under [agents.custom.<name>] in ferrus.toml")
-
-
-def probe_version(argv, timeout=10.0):
-    """First line of `<agent> --version`, or '' (bounded: upstream had no timeout)."""
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    lines = result.stdout.strip().splitlines()
-    return lines[0].strip() if result.returncode == 0 and lines else ""

@@ -120,7 +120,7 @@ class AgentEvent:
 
 # The argument that says most about a tool call, in the order looked for.
 _TOOL_SUMMARY_KEYS = ("command", "cmd", "file_path", "path", "absolute_path", "pattern", "url",
-                      "query", "description", "prompt", "content", "notes", "question",
+                      "uri", "query", "description", "prompt", "content", "notes", "question",
                       "response")
 # An MCP tool as each CLI names it: Claude Code and Qwen Code mcp__SERVER__TOOL, Gemini
 # CLI mcp_SERVER_TOOL (its server names carry no "_"), Codex's parser SERVER/TOOL.
@@ -169,11 +169,13 @@ def tool_line(slot, name, summary, root=None):
     return "%s ▸ %s%s" % (slot, tool_display_name(name), "  " + summary if summary else "")
 
 
-# A tool result that says the agent was not allowed the call, as the CLIs word it.
+# A tool result that says the agent was not allowed the call, as the CLIs word it
+# (opencode: "The user rejected permission to use this specific tool call.").
 _TOOL_DENIED = LazyPattern(
     r"requires? (?:approval|permission)|permission (?:was )?(?:declined|denied)|"
     r"not enabled in this context|was blocked|not allowed|rejected by user approval|"
-    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)", re.IGNORECASE)
+    r"read-only sandbox|blocked by (?:the )?(?:sandbox|policy)|"
+    r"rejected permission", re.IGNORECASE)
 TOOL_REASON_CHARS = 240
 
 

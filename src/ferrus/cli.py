@@ -27,9 +27,10 @@ from .task_queue import (op_enqueue_milestone, op_enqueue_ready, op_enqueue_task
                          op_retry_task, stores_awaiting_confirmation, task_records,
                          task_store_of)
 from .mcp import SESSION_ENV, serve_stdio
-from .adapters import adapter_for
-from .register import (add_registration_options, agents_report, register_agents,
-                       registration_choices, unregister_agents)
+from .nano import add_nano_parser
+from .probe import add_probe_option, report_probes
+from .register import (adapter_for, add_registration_options, agents_report,
+                       register_agents, registration_choices, unregister_agents)
 from .sessions import HqMessage
 from .notify import terminal_bell
 from .orchestrator import OrchestratorLock
@@ -208,6 +209,14 @@ def cmd_reject(args, root):
 
 
 def cmd_doctor(args, root):
+    code = _doctor_report(args, root)
+    if args.probe:
+        say()
+        code = max(code, report_probes(root))
+    return code
+
+
+def _doctor_report(args, root):
     findings = doctor_findings(root)
     if not findings:
         say("ferrus doctor: everything is consistent.")
@@ -297,6 +306,8 @@ def cmd_unregister(args, root):
 
 
 def cmd_agents(args, root):
+    if args.probe:
+        return report_probes(root, as_json=args.json)
     rows = agents_report(root)
     if args.json:
         say(json.dumps(rows, indent=2))
@@ -680,6 +691,7 @@ def _add_reject_parser(sub):
 def _add_doctor_parser(sub):
     p = sub.add_parser("doctor", help="check .ferrus/ for consistency and explain repairs")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs")
+    add_probe_option(p)
     p.set_defaults(run=cmd_doctor)
 
 
@@ -707,6 +719,7 @@ def _add_unregister_parser(sub):
 def _add_agents_parser(sub):
     p = sub.add_parser("agents", help="each role's agent: installed, version, registered")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_probe_option(p)
     p.set_defaults(run=cmd_agents)
 
 
@@ -796,6 +809,7 @@ COMMAND_PARSERS = (
     ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
     ("serve", _add_serve_parser),
+    ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )
 
 

@@ -15,7 +15,11 @@ from .tomlfile import TomlError, parse_toml
 
 
 CONFIG_FILE = "ferrus.toml"
-BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli")
+BUILTIN_AGENTS = ("claude-code", "codex", "qwen-code", "gemini-cli", "nano", "opencode",
+                  "goose")
+# Agents whose [agents.<name>] table has keys of their own besides the launch options;
+# the agent validates them (nano: nano_setting_problems).
+AGENTS_WITH_OWN_SETTINGS = ("nano",)
 # The binary names people type for the built-in agents.
 AGENT_ALIASES = {"claude": "claude-code", "qwen": "qwen-code", "gemini": "gemini-cli"}
 # What a headless agent may do besides calling ferrus's tools (see section 14).
@@ -82,6 +86,7 @@ class AgentOptions:
     headless_args: list = dataclasses.field(default_factory=list)
     interactive_args: list = dataclasses.field(default_factory=list)
     env: dict = dataclasses.field(default_factory=dict)
+    settings: dict = dataclasses.field(default_factory=dict)   # an agent's own keys (nano)
 
 
 @deferred_dataclass
@@ -482,6 +487,8 @@ def _parse_agent_options(path, name, agent, table, target, unknown, found):
                 # ARCHITECTURE.md, 'Differences from upstream ferrus', item 14).
                 found.append(_config_error(path, dotted, "must be \"merge-user\" or "
                                            "\"ferrus-only\"", value))
+        elif agent in AGENTS_WITH_OWN_SETTINGS:
+            options.settings[key] = value      # checked by the agent (nano_setting_problems)
         else:
             unknown.append(dotted)
     return options

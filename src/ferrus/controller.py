@@ -30,8 +30,7 @@ from .operations import (confirmation_summary, describe_task_commit, guarded_pat
 from .work import op_release_sessions
 from .mcp import SESSION_ENV, session_id_for_task, tool_calls_for_task
 from .agent_files import edit_json_file
-from .adapters import adapter_for
-from .register import copy_agent_configuration
+from .register import adapter_for, copy_agent_configuration
 from .prompts import executor_prompt_for, prompt_consultant, prompt_reviewer
 from .sessions import (AgentProcess, HqMessage, SESSION_RECORD_EVERY, SLOT_PROGRESS,
                        SLOT_ROLES, _number, _spawn_error_hint, close_session_record,

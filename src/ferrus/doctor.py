@@ -30,6 +30,7 @@ from .worktrees import (_relative_inside, default_worktree_dir, list_task_worktr
 from .specs import list_spec_paths, parse_spec
 from .operations import ROLES, short_task_id, task_diff_exclusions
 from .task_queue import _TASK_ID_RE, queued_task_ids, task_title, write_task_record
+from .nano_model import nano_settings_findings
 from .register import permission_warnings
 from .sessions import SESSIONS_DIR
 from .parallel import PARALLEL_RUN_FILE, live_parallel_run, load_parallel_run
@@ -444,6 +445,7 @@ def config_findings(root):
         for role in ROLES:
             for text, hint in permission_warnings(config, role):
                 findings.append(Finding(text, hint, severity="warning"))
+    findings.extend(Finding(problem, hint) for problem, hint in nano_settings_findings(config))
     for key in dict.fromkeys(config.unknown_keys):
         findings.append(Finding("%s: unknown key %s (ignored)" % (CONFIG_FILE, key),
                                 "check its spelling against docs/REFERENCE.md, section "

@@ -27,9 +27,8 @@ from .base_checks import RedBaseRefused
 from .task_queue import (foreground_store, foreground_task, op_task_diff, require_task_id,
                          task_elapsed, task_records, task_rows, task_state_word)
 from .mcp import SESSION_ENV
-from .adapters import adapter_for
-from .register import (add_registration_options, agents_report, register_agents,
-                       registration_choices, update_hq_config)
+from .register import (adapter_for, add_registration_options, agents_report,
+                       register_agents, registration_choices, update_hq_config)
 from .prompts import prompt_plan, prompt_spec
 from .sessions import (HqMessage, SLOT_ROLES, STATUS_SESSIONS_SHOWN, close_session_record,
                        describe_session, format_usage, open_session_record,
@@ -622,6 +621,7 @@ class HqShell(HqTaskCommands):
         launch = adapter.interactive(self.store.root, role, prompt, choice.model)
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(self.store.root)   # opencode takes its folder from $PWD
         env[SESSION_ENV] = new_id("s")       # its leases name this session, as headless ones do
         self.held = []
         try:

@@ -23,7 +23,7 @@ from .system import (IS_WINDOWS, atomic_write, kill_process_tree, open_private_l
 from .config import BUILTIN_AGENTS, _describe_value, load_config
 from .session_machine import SS, SessionEvent, backoff_ms
 from .agents import tool_denied, tool_display_name, tool_failure_line, tool_line
-from .adapters import adapter_for
+from .register import adapter_for
 from .prompts import prompt_pipeline_worker
 from .sessions import (HqMessage, close_session_record, open_session_record,
                        read_session_records, usage_from_log, write_session_record)
@@ -256,6 +256,7 @@ def start_worker_process(launch, root, base):
     ``base``.pid.  None of our pipes is passed to it."""
     env = dict(os.environ)
     env.update(launch.env)
+    env["PWD"] = os.path.abspath(root)         # opencode takes its folder from $PWD
     stdin = subprocess.DEVNULL
     if launch.stdin is not None:
         atomic_write(base + ".prompt", launch.stdin)

@@ -16,7 +16,7 @@ from .session_machine import (CHECKPOINT, CONTINUE, EMERGENCY_STOP, Session, Ses
                               THROTTLE, session_step)
 from .gates import Signals, classify, gate_record
 from .store import FERRUS_DIR
-from .adapters import adapter_for
+from .register import adapter_for
 from .sessions import (HqMessage, format_usage, read_session_records, sessions_config,
                        usage_summary)
 from .notify import Notifier

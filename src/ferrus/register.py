@@ -1,22 +1,57 @@
-"""Register: connecting agents to a project, and `ferrus agents`.
+"""Register: every agent by name, connecting agents to a project, `ferrus agents`.
 
 Idempotent: registering the same role and agent twice leaves one server entry; the
 agents chosen are recorded in [hq.*] of ferrus.toml."""
 
 import json
 import os
+import subprocess
 
-from .basics import FerrusError, UsageError
+from .basics import FerrusError, UsageError, did_you_mean
 from .system import atomic_write, read_text
 from .tomlfile import TomlError, parse_toml, toml_remove_key, toml_set_key
-from .config import BUILTIN_AGENTS, CONFIG_FILE, canonical_agent, load_config
+from .config import AGENT_ALIASES, BUILTIN_AGENTS, CONFIG_FILE, canonical_agent, load_config
 from .store import Store
 from .operations import ROLES
 from .agents import entry_mismatch, entry_points_here, server_key
 from .agent_files import (FileChanges, add_instruction_section, edit_json_file,
                           effective_permissions, planned_read, planned_write,
                           remove_instruction_section)
-from .adapters import ClaudeCode, adapter_for, probe_version
+from .adapters import ClaudeCode, Codex, CustomAgent, GeminiCli, QwenCode
+from .local_agents import LOCAL_AGENT_ADAPTERS, LOCAL_AGENT_REGISTRATION_FILES
+
+
+# Every built-in agent by name: the four CLIs of adapters.py and the local-model agents
+# (nano, opencode, goose) of local_agents.py.
+ADAPTERS = {cls.name: cls for cls in (ClaudeCode, Codex, QwenCode, GeminiCli)
+            + LOCAL_AGENT_ADAPTERS}
+
+
+def adapter_for(config, agent):
+    if agent not in config.agents.custom:
+        agent = canonical_agent(agent)
+    if agent in ADAPTERS:
+        return ADAPTERS[agent](config)
+    if agent in config.agents.custom:
+        return CustomAgent(config, config.agents.custom[agent])
+    known = BUILTIN_AGENTS + tuple(AGENT_ALIASES) + tuple(config.agents.custom)
+    close = did_you_mean(agent, known)
+    raise FerrusError("Unknown agent %r. Supported values: %s (or %s for short)" % (
+        agent, ", ".join(json.dumps(a) for a in BUILTIN_AGENTS + tuple(config.agents.custom)),
+        ", ".join(json.dumps(a) for a in AGENT_ALIASES)),
+        ("did you mean %s? Otherwise describe " % json.dumps(close) if close else
+         "or describe ") + "it under [agents.custom.<name>] in ferrus.toml")
+
+
+def probe_version(argv, timeout=10.0):
+    """First line of `<agent> --version`, or '' (bounded: upstream had no timeout)."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = result.stdout.strip().splitlines()
+    return lines[0].strip() if result.returncode == 0 and lines else ""
 
 
 def add_registration_options(parser):
@@ -192,7 +227,8 @@ def _unregister_roles(root, config, roles, report):
 # Every file `register` may create or extend, relative to the project root.
 REGISTRATION_FILES = (".claude/mcp-supervisor.json", ".claude/mcp-executor.json",
                       ".claude/settings.local.json", ".codex/config.toml", ".qwen/settings.json",
-                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md")
+                      ".gemini/settings.json", "CLAUDE.md", "AGENTS.md", "QWEN.md", "GEMINI.md"
+                      ) + LOCAL_AGENT_REGISTRATION_FILES
 
 
 def _hollow(value):
@@ -326,6 +362,14 @@ def permission_warnings(config, role):
                              "[agents.custom.%s] argv templates decide" % (choice.agent,
                                                                            choice.agent),
                              "make its headless template grant file edits"))
+    if profile == "read-only" and adapter.can_edit(profile) is True:
+        # goose: its developer extension edits in every mode, whatever the profile says.
+        warnings.append(("the %s (%s) can edit files although its permissions are "
+                         "\"read-only\": %s cannot be held to reading" % (
+                             role, choice.agent, choice.agent),
+                         "register an agent that can be held to reading for the %s "
+                         "(`ferrus register --%s AGENT`), and keep %s for the executor"
+                         % (role, role, choice.agent)))
     if (profile == "full" and isinstance(adapter, ClaudeCode) and hasattr(os, "geteuid")
             and os.geteuid() == 0 and "IS_SANDBOX" not in adapter.options.env):
         # Measured with 2.1.197: "--dangerously-skip-permissions cannot be used with

@@ -25,7 +25,9 @@ from .operations import (HUMAN, confirmation_summary, find_milestone, op_create_
                          short_task_id, task_diff_exclusions)
 from .work import op_answer, op_force_reset
 from .task_queue import checked_task_records, task_records, update_task, write_task_record
-from .adapters import CustomAgent, adapter_for
+from .adapters import CustomAgent
+from .nano_model import nano_endpoint, nano_settings
+from .register import adapter_for
 from .sessions import HqMessage, format_usage, task_usage
 from .web_link import web_board_url
 from .controller import HqController
@@ -87,8 +89,9 @@ def run_printer(out, mode="lines"):
 
 def require_headless_agents(store):
     """Refuse, before a task is created, a run whose executor or reviewer could not start:
-    no [hq.<role>] agent, or a built-in agent CLI that is not on PATH (a custom agent's
-    command is the user's own and is judged when it starts)."""
+    no [hq.<role>] agent, a built-in agent CLI that is not on PATH, or nano with settings
+    it would refuse (a custom agent's command is the user's own and is judged when it
+    starts)."""
     config = store.config().require_hq()
     for role, slots in (("executor", "the executor"), ("supervisor", "the reviewer")):
         choice = getattr(config, role)
@@ -100,6 +103,8 @@ def require_headless_agents(store):
         if not isinstance(adapter, CustomAgent) and not adapter.executable():
             raise FerrusError("%s's agent %s is not installed here (no `%s` on PATH)" % (
                 slots, choice.agent, adapter.binary), adapter.install_hint())
+        if adapter.name == "nano":
+            nano_endpoint(nano_settings(config))    # nano would refuse to start with them
 
 
 def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,

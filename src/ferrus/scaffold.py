@@ -55,6 +55,12 @@ directory = "docs/specs"     # where /create_spec saves specifications
 [agents]
 path = %s              # where `ferrus init` writes the skill files
 
+# nano, the built-in agent, talks to a local model server (docs/LOCAL_MODELS.md):
+# [agents.nano]
+# base_url = "http://127.0.0.1:11434/v1"   # Ollama; llama-server :8080/v1, vLLM :8000/v1
+# model = "qwen2.5-coder:14b"
+# context_tokens = 32768                    # what the server gives the model
+
 [git]
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
@@ -78,11 +84,11 @@ setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merg
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 
 [hq.supervisor]
-agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli
+agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano
 model = ""             # empty: the agent's own default
 
 [hq.executor]
-agent = "codex"        # claude-code | codex | qwen-code | gemini-cli
+agent = "codex"        # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano
 model = ""
 """ % format_toml_value(agents_path)
 

@@ -23,7 +23,8 @@ from .store import FERRUS_DIR
 from .checks import CHECK_PROCESS_DIR
 from .mcp import open_in_ferrus_dir
 from .agents import UsageTally
-from .adapters import adapter_for, permanent_agent_error
+from .adapters import permanent_agent_error
+from .register import adapter_for
 
 
 def sessions_config(root):
@@ -378,6 +379,7 @@ class AgentProcess:
         self.fatal = None          # (kind, words, hint): an error no retry can cure
         env = dict(os.environ)
         env.update(launch.env)
+        env["PWD"] = os.path.abspath(root)     # opencode takes its folder from $PWD
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self.log = open_private_log(log_path)
         self.log.write(("$ %s\n" % " ".join(launch.argv)).encode("utf-8", "replace"))

@@ -30,7 +30,7 @@ from .task_queue import (describe_task_event, diff_store_of, last_task_events,
                          task_state_word, task_store_of, task_title)
 from .mcp import SESSION_ENV
 from .agents import tool_display_name, tool_reason
-from .adapters import adapter_for
+from .register import adapter_for
 from .sessions import check_log_tail, read_session_records, usage_summary
 from .task_cancel import cancel_needs_confirmation, cancel_queue_task
 from .cli_views import recent_task_rows, tasks_with_usage
