@@ -6,7 +6,6 @@ cause; resources never follow a symbolic link out of .ferrus/."""
 
 import base64
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -25,8 +24,8 @@ from .store import (FERRUS_DIR, JOURNAL_FILE, STATE_FILE, Store, TASKS_DIR, TASK
                     TASK_RECORD_FILE, task_record_path)
 from .checks import end_active_checks, report_orphaned_checks
 from .specs import SPEC_TEMPLATE
-from .operations import (Caller, op_approve, op_create_spec, op_create_task, op_diff,
-                         op_reject, op_respond_consult, op_review_pending)
+from .operations import (Caller, Param, Tool, op_approve, op_create_spec, op_create_task,
+                         op_diff, op_reject, op_respond_consult, op_review_pending)
 from .work import (op_answer, op_ask_human, op_check, op_consult, op_heartbeat, op_reset,
                    op_status, op_submit, op_wait_for_answer, op_wait_for_consult,
                    op_wait_for_review, op_wait_for_task)
@@ -40,47 +39,6 @@ from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcSe
 
 
 # -- ferrus tools ---------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Param:
-    """One parameter of an MCP tool, for its JSON input schema."""
-
-    name: str
-    type: str
-    description: str
-    required: bool = True
-
-
-@dataclasses.dataclass
-class Tool:
-    """One MCP tool: its schema, the roles that get it, the operation it calls."""
-
-    name: str
-    title: str
-    description: str
-    roles: tuple
-    run: object                     # callable(store, caller, **arguments) -> Outcome
-    params: tuple = ()
-    output: dict = dataclasses.field(default_factory=dict)
-    read_only: bool = False
-    destructive: bool = False
-    idempotent: bool = False
-
-    def input_schema(self):
-        return {"type": "object",
-                "properties": {p.name: {"type": p.type, "description": p.description}
-                               for p in self.params},
-                "required": [p.name for p in self.params if p.required]}
-
-    def output_schema(self):
-        properties = {}
-        for name, kind in self.output.items():
-            if kind.endswith("?"):
-                properties[name] = {"type": [kind[:-1], "null"]}
-            else:
-                properties[name] = {"type": kind}
-        return {"type": "object", "properties": properties}
-
 
 SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")

@@ -4,7 +4,7 @@ One function per behaviour; the MCP tools, the CLI, HQ and the web board call th
 and nothing else changes .ferrus/.  A refusal raises FerrusError; success returns an
 Outcome whose text agents read and whose data is the structured form.  Here: creating
 a task, its diff, review, approval and rejection, [git] commit, the human's
-confirmation, consultations and specs."""
+confirmation, consultations and specs; and the shape of an MCP tool (Param, Tool)."""
 
 import contextlib
 import dataclasses
@@ -896,3 +896,46 @@ def short_task_id(task):
     """What the lines of a parallel run show for a task: the random end of its id."""
     return task.rsplit("-", 1)[-1] if task else ""
 ORCHESTRATOR = Caller("hq", "ferrus")
+
+
+# -- the shape of an MCP tool (mcp lists them; memory and graph define their own) ------------
+
+@dataclasses.dataclass
+class Param:
+    """One parameter of an MCP tool, for its JSON input schema."""
+
+    name: str
+    type: str
+    description: str
+    required: bool = True
+
+
+@dataclasses.dataclass
+class Tool:
+    """One MCP tool: its schema, the roles that get it, the operation it calls."""
+
+    name: str
+    title: str
+    description: str
+    roles: tuple
+    run: object                     # callable(store, caller, **arguments) -> Outcome
+    params: tuple = ()
+    output: dict = dataclasses.field(default_factory=dict)
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+
+    def input_schema(self):
+        return {"type": "object",
+                "properties": {p.name: {"type": p.type, "description": p.description}
+                               for p in self.params},
+                "required": [p.name for p in self.params if p.required]}
+
+    def output_schema(self):
+        properties = {}
+        for name, kind in self.output.items():
+            if kind.endswith("?"):
+                properties[name] = {"type": [kind[:-1], "null"]}
+            else:
+                properties[name] = {"type": kind}
+        return {"type": "object", "properties": properties}
