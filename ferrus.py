@@ -6984,6 +6984,28 @@ def _git_config(store):
         return GitConfig()
 
 
+TASK_TITLE_CHARS = 72
+
+
+def task_title(description):
+    """A task's title: the first non-blank line of its description, shortened."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "")
+    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
+        else title
+
+
+# How much of a text (a submission's summary, review notes) its journal entry carries:
+# the content files hold only the last of each, and project memory reads them all here.
+JOURNAL_TEXT_CHARS = 4000
+
+
+def journal_text(text):
+    """``text`` as a journal entry carries it: at most JOURNAL_TEXT_CHARS characters."""
+    text = (text or "").strip()
+    return text if len(text) <= JOURNAL_TEXT_CHARS else text[:JOURNAL_TEXT_CHARS - 1] + "…"
+
+
 def op_create_task(store, caller, description, origin=None, task_id=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
@@ -7024,7 +7046,7 @@ def op_create_task(store, caller, description, origin=None, task_id=None):
                 data = data.copy()
                 data.pending_task_spec, data.pending_task_milestone = origin
             new = t_create_task(data, store.clock(), task_id, base)
-            detail = {"task_id": task_id}
+            detail = {"task_id": task_id, "title": task_title(description)}
             if base.get("git"):
                 detail["base"] = (base["commit"] or "")[:12]
             if branch:
@@ -7399,6 +7421,8 @@ def op_approve(store, caller, notes=None):
                    **_complete_task(store, tx, data, new))
         else:
             tx.set(new, "approve", awaiting="human")
+        if notes and notes.strip():
+            tx.detail["text"] = journal_text(notes)
     if new.state == S.INTEGRATING:
         return _outcome("Task approved. State: Integrating — ferrus merges it into the target "
                         "branch once the checks pass on the merged result. Your review is "
@@ -7425,7 +7449,7 @@ def op_reject(store, caller, notes):
         _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "reject", review_cycles=new.review_cycles)
+        tx.set(new, "reject", review_cycles=new.review_cycles, text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Review cycle limit reached (%d/%d).\n\nState is now Failed. A human must call "
                 "/reset to recover." % (new.review_cycles, limits.max_review_cycles))
@@ -7502,7 +7526,8 @@ def op_human_reject(store, caller, notes, via="cli"):
             raise _nothing_to_confirm(data, "reject")
         new = t_human_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles,
+               text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
                 "Failed. `ferrus reset` clears it." % (new.review_cycles,
@@ -8092,7 +8117,7 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            detail = {"log": log_path}
+            detail = {"log": log_path, "text": journal_text(content)}
             if submitted is not None:
                 left_out = submitted.pop("left_out", [])
                 if left_out:
@@ -8462,7 +8487,7 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "integration_failed", **detail)
+        tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
 
 
@@ -8693,17 +8718,6 @@ def count_statuses(statuses):
                                              if status not in TASK_STATUS_ORDER))
     return ", ".join("%d %s" % (counts[status], status_word(status))
                      for status in order if counts[status])
-
-
-TASK_TITLE_CHARS = 72
-
-
-def task_title(description):
-    """A task's title: the first non-blank line of its description, shortened."""
-    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
-                  if line.strip().lstrip("#").strip()), "")
-    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
-        else title
 
 
 def queued_task_ids(store):
@@ -18969,6 +18983,7 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    detail.pop("text", None)        # notes and summaries: in `ferrus log --json`
     if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
         # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
         change = "the run is now %s" % phase_words(detail["phase"])

@@ -29,8 +29,8 @@ from .git import GitUnavailable, _same_path, display_path, task_checkout
 from .worktrees import (_relative_inside, default_worktree_dir, list_task_worktrees,
                         remove_task_worktree, target_head, worktree_changes)
 from .specs import list_spec_paths, parse_spec
-from .operations import ROLES, short_task_id, task_diff_exclusions
-from .task_queue import _TASK_ID_RE, queued_task_ids, task_title, write_task_record
+from .operations import ROLES, short_task_id, task_diff_exclusions, task_title
+from .task_queue import _TASK_ID_RE, queued_task_ids, write_task_record
 from .register import permission_warnings
 from .sessions import SESSIONS_DIR
 from .parallel import PARALLEL_RUN_FILE, live_parallel_run, load_parallel_run

@@ -70,6 +70,7 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    detail.pop("text", None)        # notes and summaries: in `ferrus log --json`
     if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
         # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
         change = "the run is now %s" % phase_words(detail["phase"])

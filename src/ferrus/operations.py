@@ -101,6 +101,28 @@ def _git_config(store):
         return GitConfig()
 
 
+TASK_TITLE_CHARS = 72
+
+
+def task_title(description):
+    """A task's title: the first non-blank line of its description, shortened."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "")
+    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
+        else title
+
+
+# How much of a text (a submission's summary, review notes) its journal entry carries:
+# the content files hold only the last of each, and project memory reads them all here.
+JOURNAL_TEXT_CHARS = 4000
+
+
+def journal_text(text):
+    """``text`` as a journal entry carries it: at most JOURNAL_TEXT_CHARS characters."""
+    text = (text or "").strip()
+    return text if len(text) <= JOURNAL_TEXT_CHARS else text[:JOURNAL_TEXT_CHARS - 1] + "…"
+
+
 def op_create_task(store, caller, description, origin=None, task_id=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
@@ -141,7 +163,7 @@ def op_create_task(store, caller, description, origin=None, task_id=None):
                 data = data.copy()
                 data.pending_task_spec, data.pending_task_milestone = origin
             new = t_create_task(data, store.clock(), task_id, base)
-            detail = {"task_id": task_id}
+            detail = {"task_id": task_id, "title": task_title(description)}
             if base.get("git"):
                 detail["base"] = (base["commit"] or "")[:12]
             if branch:
@@ -516,6 +538,8 @@ def op_approve(store, caller, notes=None):
                    **_complete_task(store, tx, data, new))
         else:
             tx.set(new, "approve", awaiting="human")
+        if notes and notes.strip():
+            tx.detail["text"] = journal_text(notes)
     if new.state == S.INTEGRATING:
         return _outcome("Task approved. State: Integrating — ferrus merges it into the target "
                         "branch once the checks pass on the merged result. Your review is "
@@ -542,7 +566,7 @@ def op_reject(store, caller, notes):
         _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "reject", review_cycles=new.review_cycles)
+        tx.set(new, "reject", review_cycles=new.review_cycles, text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Review cycle limit reached (%d/%d).\n\nState is now Failed. A human must call "
                 "/reset to recover." % (new.review_cycles, limits.max_review_cycles))
@@ -619,7 +643,8 @@ def op_human_reject(store, caller, notes, via="cli"):
             raise _nothing_to_confirm(data, "reject")
         new = t_human_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles,
+               text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
                 "Failed. `ferrus reset` clears it." % (new.review_cycles,
