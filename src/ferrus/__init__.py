@@ -37,6 +37,8 @@ MODULES = (
     "work",
     "base_checks",
     "task_queue",
+    "graph_extract",
+    "graph",
     "jsonrpc",
     "mcp",
     "agents",

@@ -25,6 +25,8 @@ from .work import (op_answer, op_ask_human, op_check, op_consult, op_force_reset
                    op_wait_for_task)
 from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
                          op_enqueue_task, op_merged_task_diff, op_retry_task, op_task_diff)
+from .graph import (op_graph_context, op_graph_index, op_graph_search, op_graph_show,
+                    op_graph_status)
 from .mcp import serve_stdio
 from .cli import main
 
@@ -47,6 +49,9 @@ __all__ = [
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
     "op_enqueue_ready", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
+    # the repository graph (graph)
+    "op_graph_index", "op_graph_status", "op_graph_search", "op_graph_show",
+    "op_graph_context",
     # the MCP server over stdio (mcp)
     "serve_stdio",
 ]

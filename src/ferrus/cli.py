@@ -26,6 +26,7 @@ from .work import op_check, op_force_reset, op_run_checks_only
 from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
                          op_enqueue_task, op_retry_task, require_task_id,
                          stores_awaiting_confirmation, task_records, task_store_of)
+from .graph import add_graph_parser
 from .mcp import SESSION_ENV, serve_stdio
 from .adapters import adapter_for
 from .register import (add_registration_options, agents_report, register_agents,
@@ -776,6 +777,7 @@ COMMAND_PARSERS = (
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
     ("pipeline", add_pipeline_parser),
+    ("graph", add_graph_parser),
     ("serve", _add_serve_parser),
 )
 

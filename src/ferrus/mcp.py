@@ -30,6 +30,7 @@ from .work import (op_answer, op_ask_human, op_check, op_consult, op_heartbeat, 
                    op_status, op_submit, op_wait_for_answer, op_wait_for_consult,
                    op_wait_for_review, op_wait_for_task)
 from .task_queue import _TASK_ID_RE, op_enqueue_task
+from .graph import GRAPH_TOOLS
 from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcServer,
                       LOG_LEVELS, MCP_ALL_VERSIONS, MCP_LEGACY_VERSIONS,
                       MCP_MODERN_VERSIONS, META_CLIENT_CAPABILITIES, META_LOG_LEVEL,
@@ -175,7 +176,7 @@ TOOLS = (
                                       "id.", required=False),),
          {"status": "string", "claimed_by": "string?", "lease_until": "string?",
           "code": "string", "message": "string"}, idempotent=True),
-)
+) + GRAPH_TOOLS   # read-only, for every role, after the task tools (a fixed order)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
@@ -818,10 +819,13 @@ class FerrusMcpServer:
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
 
-# Tools that may block for long (waits, check commands): they run in their own
-# bounded lane so they never hold up quick calls.
+# Tools that may block for long (waits, check commands, the repository graph's reading
+# and hashing of files): they run in their own bounded lane so they never hold up quick
+# calls.
 BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
-                            "wait_for_answer", "check", "submit", "review_pending"))
+                            "wait_for_answer", "check", "submit", "review_pending",
+                            "repository_graph_status", "repository_graph_search",
+                            "repository_graph_context"))
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "the disk is full; free some space and call it again",

@@ -25,6 +25,7 @@ from .operations import (HUMAN, confirmation_summary, find_milestone, op_create_
                          short_task_id, task_diff_exclusions)
 from .work import op_answer, op_force_reset
 from .task_queue import checked_task_records, task_records, update_task, write_task_record
+from .graph import graph_index_before_task
 from .adapters import CustomAgent, adapter_for
 from .sessions import HqMessage, format_usage, task_usage
 from .controller import HqController
@@ -143,6 +144,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              warning=NO_CHECKS_WARNING)
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
+    # No agent has started yet: their first repository_graph_* call finds it indexed.
+    graph_index_before_task(store)
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
     try:
