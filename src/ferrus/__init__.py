@@ -39,6 +39,7 @@ MODULES = (
     "task_queue",
     "graph_extract",
     "graph",
+    "memory",
     "jsonrpc",
     "mcp",
     "agents",

@@ -27,6 +27,7 @@ from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
                          op_enqueue_task, op_retry_task, require_task_id,
                          stores_awaiting_confirmation, task_records, task_store_of)
 from .graph import add_graph_parser
+from .memory import add_memory_parser, add_spec_parser
 from .mcp import SESSION_ENV, serve_stdio
 from .adapters import adapter_for
 from .register import (add_registration_options, agents_report, register_agents,
@@ -777,6 +778,8 @@ COMMAND_PARSERS = (
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
     ("pipeline", add_pipeline_parser),
+    ("memory", add_memory_parser),
+    ("spec", add_spec_parser),
     ("graph", add_graph_parser),
     ("serve", _add_serve_parser),
 )

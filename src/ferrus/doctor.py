@@ -31,6 +31,7 @@ from .worktrees import (_relative_inside, default_worktree_dir, list_task_worktr
 from .specs import list_spec_paths, parse_spec
 from .operations import ROLES, short_task_id, task_diff_exclusions, task_title
 from .task_queue import _TASK_ID_RE, queued_task_ids, write_task_record
+from .memory import MEMORY_DIR, MEMORY_RECORDS_DIR
 from .register import permission_warnings
 from .sessions import SESSIONS_DIR
 from .parallel import PARALLEL_RUN_FILE, live_parallel_run, load_parallel_run
@@ -100,7 +101,7 @@ def doctor_findings(root):
     findings.extend(parallel_task_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
-    for folder in ("usage", CHECK_PROCESS_DIR):
+    for folder in ("usage", CHECK_PROCESS_DIR, MEMORY_DIR + "/" + MEMORY_RECORDS_DIR):
         if os.path.isdir(store.path(folder)):
             stray += [folder + "/" + name for name in os.listdir(store.path(folder))
                       if name.endswith(TEMP_SUFFIX)]

@@ -31,6 +31,7 @@ from .work import (op_answer, op_ask_human, op_check, op_consult, op_heartbeat, 
                    op_wait_for_review, op_wait_for_task)
 from .task_queue import _TASK_ID_RE, op_enqueue_task
 from .graph import GRAPH_TOOLS
+from .memory import MEMORY_TOOLS
 from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcServer,
                       LOG_LEVELS, MCP_ALL_VERSIONS, MCP_LEGACY_VERSIONS,
                       MCP_MODERN_VERSIONS, META_CLIENT_CAPABILITIES, META_LOG_LEVEL,
@@ -176,7 +177,7 @@ TOOLS = (
                                       "id.", required=False),),
          {"status": "string", "claimed_by": "string?", "lease_until": "string?",
           "code": "string", "message": "string"}, idempotent=True),
-) + GRAPH_TOOLS   # read-only, for every role, after the task tools (a fixed order)
+) + MEMORY_TOOLS + GRAPH_TOOLS   # read-only, every role, after the task tools (fixed order)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
