@@ -97,6 +97,7 @@ def test_ferrus_run_records_a_rejection_and_the_next_executor_is_told(project, t
     record = ferrus.op_memory_show(store, ferrus.HUMAN, first_task).data["record"]
     assert record["outcome"] == "complete" and record["files"] == ["work.txt"]
     assert [review["verdict"] for review in record["reviews"]] == ["rejected", "approved"]
+    assert [submission["n"] for submission in record["submissions"]] == [1, 2]
     second = run_cli("run", "--task", "Add a farewell to the greeting in work.txt.",
                      cwd=project, env=env, timeout=180)
     assert second.returncode == 0, second.stdout + second.stderr

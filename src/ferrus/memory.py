@@ -269,8 +269,10 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
             if isinstance(detail.get(key), str):
                 facts[key] = detail[key]
     elif event == "submit":
+        # A parallel task's entry numbers its submission; the checkout's are counted.
+        facts["submitted"] = (facts.get("submitted") or 0) + 1
         _memory_append(facts, "submissions", {
-            "n": detail.get("n"), "time": time_,
+            "n": detail.get("n") or facts["submitted"], "time": time_,
             "commit": detail.get("submission") if isinstance(detail.get("submission"), str)
             else None, "summary": _memory_text(detail)})
     elif event in ("reject", "human_reject", "integration_failed"):
