@@ -370,13 +370,14 @@ def test_spec_archive_writes_the_outcome_and_files_the_spec(project, store):
         ferrus.op_spec_archive(store, ferrus.HUMAN, path, force=True)
     ferrus.op_cancel_task(store, ferrus.HUMAN, queued)
     done = ferrus.op_spec_archive(store, ferrus.HUMAN, os.path.basename(path),
-                                  "Retries are counted; backing off was dropped.", force=True)
+                                  "Retries are counted (src/retry.py, v2.1); backing off "
+                                  "was dropped.", force=True)
     archive = done.data["archive"]
     assert archive == "docs/specs/archive/" + os.path.basename(path)
     assert not os.path.exists(os.path.join(str(project), path))
     text = open(os.path.join(str(project), archive)).read()
     outcome = ferrus.spec_outcome_section(text)
-    assert outcome.startswith("Retries are counted; backing off was dropped.")
+    assert outcome.startswith("Retries are counted (src/retry.py, v2.1); backing off was")
     assert "- [ ] #1.0 Count retries (m1.0)" in outcome
     assert "task %s: cancelled" % queued in outcome
     assert "An old outcome" not in text and text.count("## Outcome") == 1
@@ -386,6 +387,9 @@ def test_spec_archive_writes_the_outcome_and_files_the_spec(project, store):
     hits = ferrus.op_memory_search(store, ferrus.HUMAN, "backing off dropped").data["hits"]
     assert hits[0]["id"] == "spec:" + os.path.splitext(os.path.basename(path))[0]
     assert hits[0]["kind"] == "spec"
+    # the files an outcome names are the record's; versions and milestone markers are not
+    spec_record = ferrus.op_memory_show(store, ferrus.HUMAN, hits[0]["id"]).data["record"]
+    assert spec_record["files"] == ["src/retry.py"]
     # listed specs no longer include it; archiving it again is refused
     assert path not in ferrus.list_spec_paths(store.root, store.config())
     with pytest.raises(ferrus.FerrusError, match="no spec"):

@@ -569,7 +569,7 @@ def memory_spec_record(store, path, text):
             "milestones": ["%s %s (%s)%s" % (m.marker, m.title, m.id,
                                              "" if m.completed else " — not done")
                            for m in milestones][:100],
-            "files": sorted(set(_MEMORY_PATH_RE.findall(outcome)))[:MEMORY_FILES],
+            "files": memory_paths(outcome)[:MEMORY_FILES],
             "commit": None, "retried": 0}
 
 
@@ -767,11 +767,18 @@ def memory_after_task_end(store):
 
 # -- search --------------------------------------------------------------------------------------
 
+def memory_paths(text):
+    """The file paths ``text`` names: names with a folder, or with an extension holding a
+    letter (so a version such as 1.0 or a milestone marker #2.1 is not a file)."""
+    return sorted(set(match for match in _MEMORY_PATH_RE.findall(text)
+                      if "/" in match or re.search(r"\.[0-9]*[A-Za-z][A-Za-z0-9]*$",
+                                                   match.strip("."))))
+
+
 def memory_query_terms(text, limit=MEMORY_QUERY_WORDS):
     """(words, paths) of a query: its distinct words (stop words left out, most frequent
     first when there are more than ``limit``) and the file paths it names."""
-    paths = sorted(set(match for match in _MEMORY_PATH_RE.findall(text)
-                       if "/" in match or "." in match.strip(".")))
+    paths = memory_paths(text)
     counts = {}
     for word in memory_words(text):
         if len(word) >= 2 and word not in _MEMORY_STOPWORDS and not word.isdigit():
@@ -1100,8 +1107,8 @@ def spec_archive_path(store, spec):
     full = next((path for path in candidates if os.path.isfile(path)), None)
     if full is None:
         known = list_spec_paths(store.root, store.config())
-        raise FerrusError("no spec %s" % spec, "the specs are %s" % (
-            ", ".join(known) if known else "none yet (`create_spec` writes one)"))
+        raise FerrusError("no spec %s" % spec, "the specs are %s" % ", ".join(known) if known else
+                          "there is no spec yet (`create_spec` writes one)")
     if os.path.normcase(os.path.dirname(os.path.realpath(full))) != \
             os.path.normcase(os.path.realpath(directory)):
         raise FerrusError("%s is not a spec of the spec directory %s" % (
