@@ -11765,7 +11765,8 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
             facts["commit"] = detail["commit"]
     elif event == "retry_task":
         facts["retried"] = (facts.get("retried") or 0) + 1
-        facts.pop("outcome", None)
+        for key in ("outcome", "reason", "checks_failed"):     # the failed attempt's
+            facts.pop(key, None)
     if event in _MEMORY_QUEUE_ENDS:
         if isinstance(detail.get("reason"), str):
             facts["reason"] = _memory_cut(detail["reason"], 500)
@@ -11908,6 +11909,8 @@ def _memory_merge(old, new):
     for key, value in new.items():
         if value not in (None, "", [], 0) or key not in merged:
             merged[key] = value
+    if new.get("outcome") != old.get("outcome"):
+        merged["reason"] = new.get("reason")     # why it failed is no reason once it merged
     for key, identity in (("submissions", lambda item: (item.get("n"), item.get("time"))),
                           ("reviews", lambda item: (item.get("verdict"), item.get("time")))):
         seen, items = set(), []

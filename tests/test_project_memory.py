@@ -172,6 +172,57 @@ def test_journal_entries_that_carry_texts_make_the_record_alone(store):
     assert hits[0]["id"] == task
 
 
+def test_a_queue_task_that_failed_integration_and_was_retried_keeps_one_record(store):
+    """A queue task's record says why its integration failed and which check failed; once
+    it is retried and merged, the same record is updated: both verdicts, the retry, the
+    merged commit."""
+    task = "t-20260201T000000-fedcba"
+    entry = lambda seq, event, detail, **more: dict(  # noqa: E731
+        {"seq": seq, "event": event, "task_id": task, "time": "2026-02-01T00:%02d:00Z" % seq,
+         "detail": detail}, **more)
+    first = [
+        entry(1, "enqueue_task", {"title": "Pool the connections"}),
+        entry(2, "create_task", {"base": "abc"}, **{"from": "Idle", "to": "Executing"}),
+        entry(3, "submit", {"n": 1, "text": "A pool of 8."},
+              **{"from": "Executing", "to": "Reviewing"}),
+        entry(4, "approve", {}, **{"from": "Reviewing", "to": "Integrating"}),
+        entry(5, "check_failed", {"failed": ["pytest -q tests/test_pool.py"]}),
+        entry(6, "integration_failed", {"text": "The pool leaks on shutdown.",
+                                        "cause": "checks", "files": ["src/pool.py"]},
+              **{"from": "Integrating", "to": "Addressing"}),
+        entry(7, "task_failed", {"reason": "the merge gate's checks failed"}),
+    ]
+    with open(store.journal_path(), "w") as handle:
+        handle.write("".join(json.dumps(item) + "\n" for item in first))
+    assert task in ferrus.memory_sync(store)["ended"]
+    record = ferrus.op_memory_show(store, ferrus.HUMAN, task).data["record"]
+    assert record["outcome"] == "failed" and record["title"] == "Pool the connections"
+    assert record["reason"] == "the merge gate's checks failed"
+    failed = record["reviews"][-1]
+    assert failed["verdict"] == "integration failed" and failed["cause"] == "checks"
+    assert failed["files"] == ["src/pool.py"] and failed["notes"] == "The pool leaks on shutdown."
+    then = [
+        entry(8, "retry_task", {}),
+        entry(9, "submit", {"n": 2, "text": "Closed on shutdown."},
+              **{"from": "Addressing", "to": "Reviewing"}),
+        entry(10, "approve", {"commit": "1234abcd"}, **{"from": "Reviewing", "to": "Integrating"}),
+        entry(11, "integrated", {"commit": "5678ef00"}),
+        entry(12, "task_merged", {}),
+    ]
+    with open(store.journal_path(), "a") as handle:
+        handle.write("".join(json.dumps(item) + "\n" for item in then))
+    assert task in ferrus.memory_sync(store)["ended"]
+    record = ferrus.op_memory_show(store, ferrus.HUMAN, task).data["record"]
+    assert record["outcome"] == "merged" and record["retried"] == 1
+    assert record["reason"] is None            # the failed attempt's reason is not this one's
+    assert record["commit"] == "5678ef00"
+    assert [review["verdict"] for review in record["reviews"]] == [
+        "approved", "integration failed", "approved"]
+    assert [item["summary"] for item in record["submissions"]] == ["A pool of 8.",
+                                                                   "Closed on shutdown."]
+    assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 1
+
+
 # -- sources, durability ---------------------------------------------------------------------------
 
 def test_records_outlive_the_journals_rotation_and_a_lost_database(project, store):
