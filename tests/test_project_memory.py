@@ -485,6 +485,34 @@ def test_the_memory_and_spec_commands(project, store):
     assert code == 0 and "Archived" in out
 
 
+def test_the_commands_refuse_bad_input_with_a_hint(project, store):
+    """What a user gets wrong is said, with a hint and no traceback, and nothing is
+    archived or moved."""
+    write_records(store, RECORDS + [dict(RECORDS[0], id="t-20260104T000000-aaaaaa")])
+    created = ferrus.op_create_spec(store, ferrus.HUMAN, SPEC.replace("- [ ]", "- [x]"))
+    path = created.data["path"]
+    archived = project / "docs" / "specs" / "archive"
+    archived.mkdir(parents=True)
+    (archived / os.path.basename(path)).write_text("# An older spec of that name\n")
+    for argv, code, said in (
+            (["spec", "archive", path, "--outcome", "x", "--outcome-file", "f"], 2,
+             "give the outcome once"),
+            (["spec", "archive", path, "--outcome-file", "missing.md"], 1,
+             "cannot read --outcome-file missing.md"),
+            (["spec", "archive", path, "--outcome", "Done."], 1,
+             "docs/specs/archive/%s already exists" % os.path.basename(path)),
+            (["spec", "archive", "README.md"], 1, "no spec README.md"),
+            (["memory", "show", "aaaaaa"], 1, "more than one memory record ends in aaaaaa"),
+            (["memory", "search", "lease", "-n", "0"], 1, "must be a whole number"),
+    ):
+        result = run_cli(*argv, cwd=project)
+        assert result.returncode == code, (argv, result.stdout, result.stderr)
+        assert said in result.stderr and "Traceback" not in result.stderr, (argv, result.stderr)
+        assert "hint:" in result.stderr or code == 2, (argv, result.stderr)
+    assert os.path.isfile(os.path.join(str(project), path))       # nothing was moved
+    assert (archived / os.path.basename(path)).read_text() == "# An older spec of that name\n"
+
+
 def test_the_mcp_tools_answer_every_role_with_valid_structured_content(project, store):
     config(project, max_review_cycles=1)
     rejected_task(store, "Cache the config loader.", "Module dict.", REASON)
