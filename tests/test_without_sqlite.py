@@ -24,7 +24,7 @@ def test_every_other_command_works_and_the_graph_says_what_it_needs(project, no_
     probe = run_cli("status", cwd=project, env=no_sqlite)
     assert probe.returncode == 0, probe.stderr
     for argv in (["--help"], ["status", "--json"], ["log"], ["doctor"], ["tasks"],
-                 ["graph", "--help"]):
+                 ["graph", "--help"], ["memory", "--help"], ["spec", "--help"]):
         result = run_cli(*argv, cwd=project, env=no_sqlite)
         assert result.returncode == 0, (argv, result.stderr)
         assert "sqlite" not in result.stderr, (argv, result.stderr)
