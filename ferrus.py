@@ -7024,6 +7024,9 @@ def task_title(description):
 # How much of a text (a submission's summary, review notes) its journal entry carries:
 # the content files hold only the last of each, and project memory reads them all here.
 JOURNAL_TEXT_CHARS = 4000
+# The entries whose ``text`` is such a text (`ferrus log` leaves it out of their line).
+JOURNAL_TEXT_EVENTS = frozenset(("submit", "reject", "human_reject", "integration_failed",
+                                 "approve"))
 
 
 def journal_text(text):
@@ -22540,7 +22543,8 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
-    detail.pop("text", None)        # notes and summaries: in `ferrus log --json`
+    if entry.get("event") in JOURNAL_TEXT_EVENTS:
+        detail.pop("text", None)    # notes and summaries: in `ferrus log --json`
     if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
         # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
         change = "the run is now %s" % phase_words(detail["phase"])

@@ -115,6 +115,9 @@ def task_title(description):
 # How much of a text (a submission's summary, review notes) its journal entry carries:
 # the content files hold only the last of each, and project memory reads them all here.
 JOURNAL_TEXT_CHARS = 4000
+# The entries whose ``text`` is such a text (`ferrus log` leaves it out of their line).
+JOURNAL_TEXT_EVENTS = frozenset(("submit", "reject", "human_reject", "integration_failed",
+                                 "approve"))
 
 
 def journal_text(text):
