@@ -42,6 +42,9 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     work.py .............. waits, check and submit, questions, status, reset
     base_checks.py ....... The gate tried on the base, before any agent starts
     task_queue.py ........ add, cancel, retry, task records and rows
+    graph_extract.py ..... what a file defines, imports and calls
+    graph.py ............. definitions, imports and calls, its cache and its queries
+    memory.py ............ records of ended tasks and specs, their search, `spec archive`
     jsonrpc.py ........... a generic 2.0 server on stdio for every MCP era
     mcp.py ............... ferrus's tools, resources and prompts per role, and the server
     agents.py ............ launching ferrus elsewhere, agent events, tool names, usage
@@ -131,6 +134,7 @@ if __name__ == "__main__":
 import argparse
 import atexit
 import base64
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -146,12 +150,14 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -404,7 +410,7 @@ def did_you_mean(word, candidates):
 
 
 # ============================================================================
-# src/ferrus/system.py (from its line 19)
+# src/ferrus/system.py (from its line 20)
 # ============================================================================
 # Platform: file locks, atomic writes, contained reads, process groups.
 #
@@ -785,6 +791,26 @@ try:
     import tomllib
 except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
     tomllib = None
+
+
+class SqliteMissing(FerrusError):
+    """This Python was built without its sqlite3 module (some minimal builds are)."""
+
+
+def import_sqlite3(feature):
+    """The sqlite3 module, imported where ``feature`` (project memory, the repository
+    graph) needs it — kept off every command's start-up, and so that a Python built
+    without it still runs every other command; SqliteMissing when it has none."""
+    try:
+        import sqlite3
+    except ImportError as err:
+        raise SqliteMissing(
+            "%s needs Python's sqlite3 module, and this Python (%s) was built without it"
+            % (feature, sys.executable or "python"),
+            "run ferrus with a Python that has sqlite3 (on Debian/Ubuntu it is part of "
+            "python3; a Python built from source needs the SQLite headers, e.g. "
+            "libsqlite3-dev); every other ferrus command works without it") from err
+    return sqlite3
 
 
 # ============================================================================
@@ -6987,7 +7013,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 # and nothing else changes .ferrus/.  A refusal raises FerrusError; success returns an
 # Outcome whose text agents read and whose data is the structured form.  Here: creating
 # a task, its diff, review, approval and rejection, [git] commit, the human's
-# confirmation, consultations and specs.
+# confirmation, consultations and specs; and the shape of an MCP tool (Param, Tool).
 
 ROLES = ("supervisor", "executor")
 
@@ -7062,6 +7088,31 @@ def _git_config(store):
         return GitConfig()
 
 
+TASK_TITLE_CHARS = 72
+
+
+def task_title(description):
+    """A task's title: the first non-blank line of its description, shortened."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "")
+    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
+        else title
+
+
+# How much of a text (a submission's summary, review notes) its journal entry carries:
+# the content files hold only the last of each, and project memory reads them all here.
+JOURNAL_TEXT_CHARS = 4000
+# The entries whose ``text`` is such a text (`ferrus log` leaves it out of their line).
+JOURNAL_TEXT_EVENTS = frozenset(("submit", "reject", "human_reject", "integration_failed",
+                                 "approve"))
+
+
+def journal_text(text):
+    """``text`` as a journal entry carries it: at most JOURNAL_TEXT_CHARS characters."""
+    text = (text or "").strip()
+    return text if len(text) <= JOURNAL_TEXT_CHARS else text[:JOURNAL_TEXT_CHARS - 1] + "…"
+
+
 def op_create_task(store, caller, description, origin=None, task_id=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
@@ -7102,7 +7153,7 @@ def op_create_task(store, caller, description, origin=None, task_id=None):
                 data = data.copy()
                 data.pending_task_spec, data.pending_task_milestone = origin
             new = t_create_task(data, store.clock(), task_id, base)
-            detail = {"task_id": task_id}
+            detail = {"task_id": task_id, "title": task_title(description)}
             if base.get("git"):
                 detail["base"] = (base["commit"] or "")[:12]
             if branch:
@@ -7477,6 +7528,8 @@ def op_approve(store, caller, notes=None):
                    **_complete_task(store, tx, data, new))
         else:
             tx.set(new, "approve", awaiting="human")
+        if notes and notes.strip():
+            tx.detail["text"] = journal_text(notes)
     if new.state == S.INTEGRATING:
         return _outcome("Task approved. State: Integrating — ferrus merges it into the target "
                         "branch once the checks pass on the merged result. Your review is "
@@ -7503,7 +7556,7 @@ def op_reject(store, caller, notes):
         _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "reject", review_cycles=new.review_cycles)
+        tx.set(new, "reject", review_cycles=new.review_cycles, text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Review cycle limit reached (%d/%d).\n\nState is now Failed. A human must call "
                 "/reset to recover." % (new.review_cycles, limits.max_review_cycles))
@@ -7580,7 +7633,8 @@ def op_human_reject(store, caller, notes, via="cli"):
             raise _nothing_to_confirm(data, "reject")
         new = t_human_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles,
+               text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
                 "Failed. `ferrus reset` clears it." % (new.review_cycles,
@@ -7859,6 +7913,49 @@ def short_task_id(task):
 ORCHESTRATOR = Caller("hq", "ferrus")
 
 
+# -- the shape of an MCP tool (mcp lists them; memory and graph define their own) ------------
+
+@deferred_dataclass
+class Param:
+    """One parameter of an MCP tool, for its JSON input schema."""
+
+    name: str
+    type: str
+    description: str
+    required: bool = True
+
+
+@deferred_dataclass
+class Tool:
+    """One MCP tool: its schema, the roles that get it, the operation it calls."""
+
+    name: str
+    title: str
+    description: str
+    roles: tuple
+    run: object                     # callable(store, caller, **arguments) -> Outcome
+    params: tuple = ()
+    output: dict = dataclasses.field(default_factory=dict)
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+
+    def input_schema(self):
+        return {"type": "object",
+                "properties": {p.name: {"type": p.type, "description": p.description}
+                               for p in self.params},
+                "required": [p.name for p in self.params if p.required]}
+
+    def output_schema(self):
+        properties = {}
+        for name, kind in self.output.items():
+            if kind.endswith("?"):
+                properties[name] = {"type": [kind[:-1], "null"]}
+            else:
+                properties[name] = {"type": kind}
+        return {"type": "object", "properties": properties}
+
+
 # ============================================================================
 # src/ferrus/work.py (from its line 33)
 # ============================================================================
@@ -8127,7 +8224,7 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            detail = {"log": log_path}
+            detail = {"log": log_path, "text": journal_text(content)}
             if submitted is not None:
                 left_out = submitted.pop("left_out", [])
                 if left_out:
@@ -8497,7 +8594,7 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "integration_failed", **detail)
+        tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
 
 
@@ -8728,17 +8825,6 @@ def count_statuses(statuses):
                                              if status not in TASK_STATUS_ORDER))
     return ", ".join("%d %s" % (counts[status], status_word(status))
                      for status in order if counts[status])
-
-
-TASK_TITLE_CHARS = 72
-
-
-def task_title(description):
-    """A task's title: the first non-blank line of its description, shortened."""
-    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
-                  if line.strip().lstrip("#").strip()), "")
-    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
-        else title
 
 
 def queued_task_ids(store):
@@ -9389,6 +9475,3509 @@ def task_state_word(row):
 
 
 # ============================================================================
+# src/ferrus/graph_extract.py (from its line 25)
+# ============================================================================
+# The repository graph's reader: what a file defines, imports and calls.
+#
+# Python is read with ``ast`` (modules, classes, functions, methods, top-level variables,
+# imports, call names; a file ast refuses falls back to lexical rules).  JavaScript and
+# TypeScript, Go, Rust, Java and C/C++ are read by documented lexical rules
+# (docs/MEMORY.md, "How each language is read"): one regular expression blanks comments and
+# string literals — each match runs from where it starts to where it ends, or to the end
+# of the file, so the scan stays linear on any input — then one regular expression per
+# kind of definition is tried at the start of each line, braces are counted for nesting,
+# and imports are read where only comments are blanked.  Definitions and imports, not
+# full parsing: what the rules miss is written down with them.  Nothing here touches the
+# disk or the database (graph.py does); every function takes text and gives facts, bounded
+# per file whatever the text holds.
+
+GRAPH_LINE_CHARS = 2000
+# What one file may contribute, whatever it holds.
+GRAPH_FILE_SYMBOLS = 20_000
+GRAPH_FILE_IMPORTS = 5_000
+GRAPH_FILE_CALLS = 50_000
+GRAPH_SIGNATURE_CHARS = 160
+
+GRAPH_LANGUAGES = {
+    ".py": "python", ".pyi": "python", ".pyw": "python",
+    ".js": "javascript", ".jsx": "javascript", ".mjs": "javascript", ".cjs": "javascript",
+    ".ts": "typescript", ".tsx": "typescript", ".mts": "typescript", ".cts": "typescript",
+    ".go": "go", ".rs": "rust", ".java": "java",
+    ".c": "c", ".h": "c",
+    ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".c++": "cpp", ".hh": "cpp", ".hpp": "cpp",
+    ".hxx": "cpp", ".h++": "cpp", ".ipp": "cpp", ".inl": "cpp",
+}
+
+
+@deferred_dataclass
+class GraphFacts:
+    """What one file defines, imports and calls (lines are 1-based)."""
+
+    symbols: list = dataclasses.field(default_factory=list)   # (name, qual, kind, line, end, sig)
+    imports: list = dataclasses.field(default_factory=list)   # (line, spec, keys)
+    calls: list = dataclasses.field(default_factory=list)     # (line, name, caller)
+    module: str = ""
+    note: str = ""
+
+
+# -- reading a file ---------------------------------------------------------------------------
+
+def graph_language(path):
+    """The language a file is read as, by its extension ("" for the others)."""
+    return GRAPH_LANGUAGES.get(os.path.splitext(path)[1].lower(), "")
+
+
+def graph_decode(data):
+    """(text with "\\n" line ends, note) of a file's bytes, or (None, why) for a binary
+    one: UTF-8 (a BOM dropped), UTF-16 with a BOM, anything else as UTF-8 with the
+    bytes that are not replaced (said in the note).  A NUL in the first 8 KiB makes a
+    file binary, as git judges it."""
+    note = ""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    elif data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        text = data.decode("utf-16", errors="replace")
+        return _graph_newlines(text), "UTF-16"
+    if b"\0" in data[:8192]:
+        return None, "binary"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        note = "not UTF-8: undecodable bytes replaced"
+    if "\0" in text:
+        text = text.replace("\0", " ")
+        note = (note + "; " if note else "") + "NUL bytes read as spaces"
+    return _graph_newlines(text), note
+
+
+def _graph_newlines(text):
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _graph_signature(line):
+    line = line.strip()
+    line = re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", line)
+    return line if len(line) <= GRAPH_SIGNATURE_CHARS else \
+        line[:GRAPH_SIGNATURE_CHARS - 1] + "…"
+
+
+def graph_module_name(path, lang):
+    """The name other files import ``path`` by: a Python module's dotted path, a Go or
+    Java file's folder ("" when there is none to speak of)."""
+    if lang == "python":
+        stem = path[:-len(os.path.splitext(path)[1])]
+        parts = [part for part in stem.split("/") if part]
+        if parts and parts[-1] == "__init__":
+            parts.pop()
+        return ".".join(parts)
+    if lang in ("go", "java"):
+        return path.rsplit("/", 1)[0] if "/" in path else ""
+    return ""
+
+
+def graph_extract(path, text, lang):
+    """The GraphFacts of one file's text."""
+    module = graph_module_name(path, lang)
+    if lang == "python":
+        facts = _graph_python(text, module, path.endswith("__init__.py"))
+    elif lang in _GRAPH_LEXERS:
+        facts = _GRAPH_LEXERS[lang](text)
+    else:
+        facts = GraphFacts()
+    facts.module = module
+    del facts.symbols[GRAPH_FILE_SYMBOLS:]
+    del facts.imports[GRAPH_FILE_IMPORTS:]
+    del facts.calls[GRAPH_FILE_CALLS:]
+    return facts
+
+
+# -- Python, through ast ----------------------------------------------------------------------
+
+def _graph_python(text, module, is_package):
+    import ast                 # kept off every command's start-up
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as err:
+        facts = _graph_python_lexical(text, module, is_package)
+        reason = err.msg if isinstance(err, SyntaxError) and err.msg else type(err).__name__
+        facts.note = "not valid Python (%s%s): read by the lexical rules" % (
+            reason[:80], " at line %s" % err.lineno
+            if isinstance(err, SyntaxError) and err.lineno else "")
+        return facts
+    lines = text.split("\n")
+    facts = GraphFacts()
+    definitions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    # An explicit stack, not recursion: a hostile file nests a hundred thousand deep.
+    stack = [(node, (), None) for node in reversed(tree.body)]
+    while stack:
+        node, scope, caller = stack.pop()
+        kind = type(node)
+        if kind in definitions or kind is ast.ClassDef:
+            in_class = bool(scope) and scope[-1][1] == "class"
+            what = "class" if kind is ast.ClassDef else "method" if in_class else "function"
+            qual = ".".join([name for name, _ in scope] + [node.name])
+            facts.symbols.append((node.name, qual, what, node.lineno,
+                                  getattr(node, "end_lineno", None),
+                                  _graph_signature(lines[node.lineno - 1]
+                                                   if node.lineno <= len(lines) else "")))
+            inner = scope + ((node.name, "class" if kind is ast.ClassDef else "function"),)
+            for child in ast.iter_child_nodes(node):
+                in_body = child in node.body
+                stack.append((child, inner if in_body else scope,
+                               qual if in_body and kind is not ast.ClassDef else caller))
+            continue
+        if kind is ast.Import:
+            for alias in node.names:
+                facts.imports.append((node.lineno, alias.name, alias.name))
+        elif kind is ast.ImportFrom:
+            base = _graph_python_base(module, is_package, node.level, node.module)
+            shown = "." * (node.level or 0) + (node.module or "")
+            for alias in node.names:
+                facts.imports.append((node.lineno, "%s:%s" % (shown, alias.name),
+                                      _graph_python_keys(base, alias.name)))
+        elif kind is ast.Call:
+            func = node.func
+            name = func.id if type(func) is ast.Name else \
+                func.attr if type(func) is ast.Attribute else None
+            if name:
+                facts.calls.append((node.lineno, name, caller))
+        elif not scope and kind in (ast.Assign, ast.AnnAssign):
+            targets = node.targets if kind is ast.Assign else [node.target]
+            for target in targets:
+                if type(target) is ast.Name:
+                    facts.symbols.append((target.id, target.id, "variable", node.lineno,
+                                          getattr(node, "end_lineno", None),
+                                          _graph_signature(lines[node.lineno - 1])))
+        stack.extend((child, scope, caller) for child in ast.iter_child_nodes(node))
+    return facts
+
+
+def _graph_python_base(module, is_package, level, name):
+    """The absolute module a ``from … import`` names, from the importing module's own
+    dotted name: "" for the top of the tree, None when a relative import climbs above
+    it."""
+    if not level:
+        return name or ""
+    package = module.split(".") if module else []
+    if not is_package:
+        package = package[:-1]
+    climb = level - 1
+    if climb > len(package):
+        return None
+    package = package[:len(package) - climb]
+    return ".".join(package + ([name] if name else []))
+
+
+def _graph_python_keys(base, name):
+    """The modules ``from base import name`` may mean, best first ("|"-separated): the
+    submodule base.name, else base itself."""
+    if base is None:
+        return ""
+    if name == "*":
+        return base
+    return "%s.%s|%s" % (base, name, base) if base else name
+
+
+_GRAPH_PY_DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
+_GRAPH_PY_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+)")
+_GRAPH_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w*, \t]+)")
+_GRAPH_PY_CALL = re.compile(r"([A-Za-z_]\w*)[ \t]*\(")
+
+
+def _graph_python_lexical(text, module, is_package):
+    """A Python file ast cannot read: ``def``/``class`` lines by indentation, imports
+    and call names line by line."""
+    facts = GraphFacts()
+    scope = []                              # (indent, name, kind)
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line[:GRAPH_LINE_CHARS]
+        stripped = line.lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line) - len(stripped)
+        while scope and scope[-1][0] >= indent:
+            scope.pop()
+        match = _GRAPH_PY_DEF.match(line)
+        if match:
+            in_class = bool(scope) and scope[-1][2] == "class"
+            kind = "class" if match.group(2) == "class" else "method" if in_class else \
+                "function"
+            qual = ".".join([entry[1] for entry in scope] + [match.group(3)])
+            facts.symbols.append((match.group(3), qual, kind, number, None,
+                                  _graph_signature(line)))
+            scope.append((indent, match.group(3), match.group(2)))
+            continue
+        match = _GRAPH_PY_IMPORT.match(line)
+        if match:
+            facts.imports.append((number, match.group(1), match.group(1)))
+            continue
+        match = _GRAPH_PY_FROM.match(line)
+        if match:
+            base = _graph_python_base(module, is_package, len(match.group(1)),
+                                      match.group(2) or None)
+            for name in re.findall(r"[\w*]+", match.group(3)):
+                if name == "as":
+                    break
+                facts.imports.append((number, "%s%s:%s" % (match.group(1), match.group(2),
+                                                           name),
+                                      _graph_python_keys(base, name)))
+            continue
+        caller = next((".".join(e[1] for e in scope[:i + 1]) for i in
+                       range(len(scope) - 1, -1, -1) if scope[i][2] == "def"), None)
+        for call in _GRAPH_PY_CALL.finditer(line):
+            if call.group(1) not in _GRAPH_PY_KEYWORDS:
+                facts.calls.append((number, call.group(1), caller))
+    return facts
+
+
+_GRAPH_PY_KEYWORDS = frozenset(("if", "elif", "while", "for", "return", "and", "or", "not",
+                                "in", "is", "with", "assert", "yield", "await", "lambda",
+                                "print", "del", "except", "raise"))
+
+
+# -- the lexical languages --------------------------------------------------------------------
+#
+# Each file is blanked twice by one regular expression per language that matches a
+# comment or a string literal from where it starts to where it ends (or to the end of
+# the file when it never ends, so the scan stays linear on any input): once with the
+# comments made spaces (imports are read there, their paths being strings), once with
+# the strings emptied too (definitions and calls are read there).  Newlines survive, so
+# line numbers do.
+
+_GRAPH_BLOCK_COMMENT = r"/\*(?:[^*]|\*(?!/))*(?:\*/|\Z)"
+_GRAPH_LINE_COMMENT = r"//[^\n]*"
+_GRAPH_DQ = r'"(?:\\.|[^"\\\n])*"?'
+_GRAPH_SQ = r"'(?:\\.|[^'\\\n])*'?"
+_GRAPH_BACKTICK = r"`(?:\\.|[^`\\])*`?"
+_GRAPH_BLANKERS = {
+    "javascript": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+        _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
+        re.S),
+    "go": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+        _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
+        re.S),
+    # Rust: raw strings, strings spanning lines, and char literals of one character or
+    # escape — a lifetime ('a) starts none.
+    "rust": re.compile(r"(?P<c>%s|%s)|(?P<s>b?r(#*)\".*?(?:\"\3|\Z)|b?\"(?:\\.|[^\"\\])*\"?"
+                       r"|b?'(?:\\(?:u\{[0-9a-fA-F]{1,6}\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])')" % (
+                           _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT), re.S),
+    "java": re.compile("(?P<c>%s|%s)|(?P<s>\"\"\"(?:[^\"\\\\]|\\\\.|\"(?!\"\"))*(?:\"\"\"|\\Z)"
+                       "|%s|%s)" % (_GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ,
+                                    _GRAPH_SQ), re.S),
+    "c": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s)" % (
+        _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ), re.S),
+}
+_GRAPH_BLANKERS["typescript"] = _GRAPH_BLANKERS["javascript"]
+_GRAPH_BLANKERS["cpp"] = _GRAPH_BLANKERS["c"]
+
+
+def graph_blank(text, lang):
+    """(text with comments blanked, text with comments and strings blanked)."""
+    blanker = _GRAPH_BLANKERS[lang]
+
+    def comments(match):
+        found = match.group()
+        if match.group("c") is None:
+            return found
+        return " " + "\n" * found.count("\n")
+
+    def everything(match):
+        found = match.group()
+        return ('""' if match.group("s") is not None else " ") + "\n" * found.count("\n")
+    return blanker.sub(comments, text), blanker.sub(everything, text)
+
+
+class _GraphLines:
+    """Line numbers of offsets into one text."""
+
+    def __init__(self, text):
+        self.starts = [0]
+        find = text.find
+        at = find("\n")
+        while at >= 0:
+            self.starts.append(at + 1)
+            at = find("\n", at + 1)
+
+    def number(self, offset):
+        return bisect.bisect_right(self.starts, offset)
+
+
+_GRAPH_CALL = re.compile(r"([A-Za-z_$][\w$]*)\s*\(")
+_GRAPH_CONTAINERS = ("class", "struct", "interface", "trait", "enum", "impl", "module",
+                     "union")
+_GRAPH_CLASSLIKE = ("class", "struct", "interface", "trait", "impl", "enum", "union")
+
+
+def _graph_scan(text, rules, keywords, statement_end=True, nested_functions=False):
+    """Definitions and calls of a blanked C-family text.  ``rules``: (needle, regex, kind
+    or callable(match, enclosing entry) -> (name, kind) | None[, False]) tried in order
+    at the start of each line that holds the needle; a last element False marks a rule
+    whose functions need no body.  Nesting follows the braces.  A function counts only
+    when a ``{`` comes before a ``;`` after its name (``statement_end``), so declarations
+    and calls written at the start of a line are not taken for definitions.  Definitions
+    inside a function's body are left out, but for ``nested_functions`` (JavaScript's
+    named inner functions)."""
+    facts = GraphFacts()
+    symbols = facts.symbols
+    depth = 0
+    open_ = []                  # [qual, kind, depth before its line, opened, line]
+    starts, callers, own_names = [], [], {}
+    caller = None               # the innermost function whose body is open
+    offset = 0
+    for number, full in enumerate(text.split("\n"), 1):
+        starts.append(offset)
+        callers.append(caller)
+        changed = False
+        line = full[:GRAPH_LINE_CHARS] if len(full) > GRAPH_LINE_CHARS else full
+        if line and not line.isspace():
+            defined = match = None
+            inside = False           # not looked up yet
+            for rule in rules:
+                if rule[0] not in line:
+                    continue
+                match = rule[1].match(line)
+                if not match:
+                    continue
+                if inside is False:
+                    inside = next((entry for entry in reversed(open_) if entry[3]), None)
+                kind = rule[2]
+                found = kind(match, inside) if callable(kind) else (match.group(1), kind)
+                if found is None:
+                    continue
+                if found[1] in ("function", "method") and statement_end and \
+                        rule[3:] != (False,):
+                    rest = text[offset + match.end():offset + match.end() + 4000]
+                    brace, semicolon = rest.find("{"), rest.find(";")
+                    if (brace < 0 or 0 <= semicolon < brace) and not (
+                            inside is not None and inside[1] == "interface"):
+                        continue
+                defined = found
+                break
+            in_function = bool(inside) and inside[1] == "function"
+            if defined and not (in_function and not (nested_functions and
+                                                     defined[1] == "function")):
+                name, what = defined
+                if what == "function" and inside and inside[1] in _GRAPH_CLASSLIKE:
+                    what = "method"
+                if "." in name and what == "function":
+                    what = "method"           # Foo::bar defined outside its class
+                qual = "%s.%s" % (inside[0], name) if inside and (
+                    inside[1] != "function" or what == "function") else name
+                short = name.rsplit(".", 1)[-1]
+                own_names[number] = short
+                if what != "impl":
+                    symbols.append((short, qual, what, number, None, _graph_signature(line)))
+                after = full[match.end():]
+                one_line = "{" in after and after.count("{") <= after.count("}")
+                if (what in _GRAPH_CONTAINERS or what in ("function", "method")) and \
+                        not one_line:
+                    open_.append([qual, "function" if what in ("function", "method")
+                                  else what, depth, False, number])
+                    changed = True
+        if "{" in full or "}" in full:
+            depth += full.count("{") - full.count("}")
+            if depth < 0:
+                depth = 0
+        while open_:
+            entry = open_[-1]
+            if entry[3]:
+                if depth <= entry[2]:
+                    open_.pop()           # its body ended on this line
+                    changed = True
+                    continue
+                break
+            if depth > entry[2]:
+                entry[3] = True           # its body opened
+                changed = True
+                break
+            if number > entry[4] and (number - entry[4] > 4 or ";" in line or "}" in line):
+                open_.pop()               # a declaration, not a definition with a body
+                changed = True
+                continue
+            break
+        if changed:
+            caller = next((entry[0] for entry in reversed(open_)
+                           if entry[1] == "function" and entry[3]), None)
+        offset += len(full) + 1
+    calls = facts.calls
+    for call in _GRAPH_CALL.finditer(text):
+        at = call.start()
+        number = bisect.bisect_right(starts, at)
+        name = call.group(1)
+        if name in keywords or at - starts[number - 1] >= GRAPH_LINE_CHARS or \
+                own_names.get(number) == name:
+            continue
+        calls.append((number, name, callers[number - 1]))
+    return facts
+
+
+def _graph_imports(text, patterns, group=1):
+    """(line, spec) of every match of ``patterns`` over the comment-blanked text."""
+    lines = _GraphLines(text)
+    found = []
+    for regex in patterns:
+        for match in regex.finditer(text):
+            found.append((lines.number(match.start()), match.group(group).strip()))
+    found.sort()
+    return found
+
+
+_GRAPH_JS_KEYWORDS = frozenset((
+    "if", "for", "while", "switch", "catch", "return", "function", "typeof", "new", "await",
+    "yield", "super", "import", "require", "delete", "void", "in", "of", "instanceof",
+    "constructor", "do", "else", "case", "throw", "with", "async"))
+_GRAPH_JS_ID = r"[A-Za-z_$][\w$]*"
+_GRAPH_JS_RULES = [
+    ("class", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:abstract\s+)?"
+                         r"class\s+(%s)" % _GRAPH_JS_ID), "class"),
+    ("function", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:async\s+)?"
+                            r"function\b\s*\*?\s*(%s)" % _GRAPH_JS_ID), "function"),
+    ("interface", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?interface\s+(%s)" % _GRAPH_JS_ID),
+     "interface"),
+    ("type", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?type\s+(%s)\s*(?:<[^>\n]{0,200}>)?\s*="
+                % _GRAPH_JS_ID), "type"),
+    ("enum", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const\s+)?enum\s+(%s)"
+                        % _GRAPH_JS_ID), "enum"),
+    ("{", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:namespace|module)\s+(%s)\s*\{"
+                % _GRAPH_JS_ID), "module"),
+    ("=", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const|let|var)\s+(%s)\s*"
+                r"(?::[^=\n]{0,200})?=\s*(?:async\s+)?"
+                r"(?:function\b|\([^()\n]{0,300}\)\s*(?::[^=\n]{0,100})?=>|%s\s*=>)"
+                % (_GRAPH_JS_ID, _GRAPH_JS_ID)),
+     lambda match, inside: (match.group(1), "function") if inside is None or
+     inside[1] != "function" else None, False),
+    ("", re.compile(r"^(?:export\s+)?(?:const|let|var)\s+(%s)\b" % _GRAPH_JS_ID),
+     lambda match, inside: (match.group(1), "variable") if inside is None else None),
+    ("(", re.compile(r"^\s*(?:(?:public|private|protected|static|async|readonly|abstract|override|"
+                r"get|set|declare)\s+)*\*?\s*(#?%s)\s*(?:<[^>\n]{0,200}>)?\s*\(" % _GRAPH_JS_ID),
+     lambda match, inside: (match.group(1), "function")
+     if inside is not None and inside[1] == "class"
+     and match.group(1) not in _GRAPH_JS_KEYWORDS else None),
+]
+_GRAPH_JS_IMPORTS = [
+    re.compile(r"\bimport\s+(?:type\s+)?(?:[\w*$\s{},]{0,2000}?\bfrom\s*)?([\"'])([^\"'\n]{1,500})"
+               r"\1"),
+    re.compile(r"\bexport\s+(?:type\s+)?(?:\*(?:\s+as\s+[\w$]+)?|\{[^}]{0,2000}\})\s*from\s*"
+               r"([\"'])([^\"'\n]{1,500})\1"),
+    re.compile(r"\brequire\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+    re.compile(r"\bimport\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+]
+
+
+def _graph_javascript(text):
+    commented, code = graph_blank(text, "javascript")
+    facts = _graph_scan(code, _GRAPH_JS_RULES, _GRAPH_JS_KEYWORDS, nested_functions=True)
+    facts.imports = [(line, spec, spec) for line, spec in
+                     _graph_imports(commented, _GRAPH_JS_IMPORTS, group=2)]
+    return facts
+
+
+_GRAPH_GO_KEYWORDS = frozenset(("if", "for", "switch", "return", "func", "go", "defer",
+                                "import", "const", "var",
+                                "select", "case", "range", "make", "new", "len", "cap",
+                                "append", "panic", "copy", "delete", "close", "type"))
+
+
+def _graph_go_func(match, inside):
+    receiver, name = match.group(1), match.group(2)
+    if receiver:
+        return "%s.%s" % (receiver.lstrip("*").split("[")[0], name), "method"
+    return name, "function"
+
+
+_GRAPH_GO_RULES = [
+    ("func", re.compile(r"^func\s+(?:\(\s*(?:[A-Za-z_]\w*\s+)?\*?\s*([A-Za-z_][\w.]*)"
+                        r"(?:\[[^\]\n]*\])?\s*\)\s*)?([A-Za-z_]\w*)"), _graph_go_func),
+    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?struct\b"), "struct"),
+    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?interface\b"), "interface"),
+    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\b"), "type"),
+    ("const", re.compile(r"^const\s+([A-Za-z_]\w*)"), "constant"),
+    ("var", re.compile(r"^var\s+([A-Za-z_]\w*)"), "variable"),
+]
+_GRAPH_GO_GROUP = re.compile(r"^(const|var|type)\s*\(\s*$")
+_GRAPH_GO_GROUP_ITEM = re.compile(r"^\s+([A-Za-z_]\w*)\b")
+_GRAPH_GO_IMPORTS = [
+    re.compile(r"^import\s+(?:[\w.]+\s+)?\"([^\"\n]{1,500})\"", re.M),
+]
+_GRAPH_GO_IMPORT_BLOCK = re.compile(r"^import\s*\(([^)]{0,20000})\)", re.M)
+_GRAPH_GO_IMPORT_ITEM = re.compile(r"(?:^|\n)[ \t]*(?:[\w.]+[ \t]+)?\"([^\"\n]{1,500})\"")
+
+
+def _graph_go(text):
+    commented, code = graph_blank(text, "go")
+    facts = _graph_scan(code, _GRAPH_GO_RULES, _GRAPH_GO_KEYWORDS, statement_end=False)
+    # Grouped declarations: `const (`, `var (` and `type (` blocks, one name a line.
+    group = None
+    for number, line in enumerate(code.split("\n"), 1):
+        line = line[:GRAPH_LINE_CHARS]
+        if group is None:
+            match = _GRAPH_GO_GROUP.match(line)
+            group = match.group(1) if match else None
+            continue
+        if line.startswith(")"):
+            group = None
+            continue
+        match = _GRAPH_GO_GROUP_ITEM.match(line)
+        if match and line[:1] == "\t" and not line[1:2].isspace():
+            facts.symbols.append((match.group(1), match.group(1),
+                                  {"const": "constant", "var": "variable"}.get(group, "type"),
+                                  number, None, _graph_signature(line)))
+    imports = _graph_imports(commented, _GRAPH_GO_IMPORTS)
+    lines = _GraphLines(commented)
+    for block in _GRAPH_GO_IMPORT_BLOCK.finditer(commented):
+        for item in _GRAPH_GO_IMPORT_ITEM.finditer(block.group(1)):
+            imports.append((lines.number(block.start(1) + item.start(1)), item.group(1)))
+    facts.imports = [(line, spec, spec) for line, spec in sorted(imports)]
+    return facts
+
+
+_GRAPH_RUST_KEYWORDS = frozenset(("if", "for", "while", "match", "return", "fn", "loop",
+                                  "Some", "Ok", "Err", "Box", "Vec", "as", "in", "move",
+                                  "unsafe", "where", "impl", "dyn", "pub"))
+_GRAPH_RUST_VIS = r"(?:pub(?:\s*\([^)\n]{0,60}\))?\s+)?"
+_GRAPH_RUST_RULES = [
+    ("fn", re.compile(r"^\s*%s(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
+                r"(?:extern\s+\"[^\"\n]*\"\s+)?fn\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "function"),
+    ("struct", re.compile(r"^\s*%sstruct\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "struct"),
+    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "enum"),
+    ("union", re.compile(r"^\s*%sunion\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "union"),
+    ("trait", re.compile(r"^\s*%s(?:unsafe\s+)?trait\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "trait"),
+    ("type", re.compile(r"^\s*%stype\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "type"),
+    ("mod", re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*\{" % _GRAPH_RUST_VIS), "module"),
+    (":", re.compile(r"^\s*%s(?:const|static(?:\s+mut)?)\s+([A-Za-z_]\w*)\s*:" % _GRAPH_RUST_VIS),
+     "constant"),
+    ("macro_rules", re.compile(r"^\s*macro_rules!\s*([A-Za-z_]\w*)"), "macro"),
+    ("impl", re.compile(r"^\s*(?:unsafe\s+)?impl\b(?:\s*<[^{\n]{0,300}?>)?\s+"
+                        r"(?:[^{\n]{0,300}?\s+for\s+)?(?:[\w]+::)*([A-Za-z_]\w*)"), "impl"),
+]
+_GRAPH_RUST_USE = re.compile(r"^\s*%suse\s+([^;]{1,2000});" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_MOD = re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*;" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_CRATE = re.compile(r"^\s*extern\s+crate\s+([A-Za-z_]\w*)", re.M)
+
+
+def graph_rust_use_paths(tree, limit=200):
+    """The paths one ``use`` names: ``a::{b, c::{d, e}}`` gives a::b, a::c::d, a::c::e
+    (at most ``limit``; a brace left open ends the list)."""
+    tree = re.sub(r"\s+", "", tree)
+    out = []
+
+    def expand(prefix, rest, depth):
+        if depth > 8:
+            return
+        items, level, start = [], 0, 0
+        for index, char in enumerate(rest):
+            if char == "{":
+                level += 1
+            elif char == "}":
+                level -= 1
+            elif char == "," and level == 0:
+                items.append(rest[start:index])
+                start = index + 1
+        items.append(rest[start:])
+        for item in items:
+            if len(out) >= limit or not item:
+                continue
+            brace = item.find("{")
+            if brace >= 0:
+                expand(prefix + item[:brace], item[brace + 1:item.rfind("}")]
+                       if item.rfind("}") > brace else item[brace + 1:], depth + 1)
+            else:
+                out.append(prefix + item)
+    expand("", tree, 0)
+    return [path.rstrip(":") for path in out if path.strip(":")]
+
+
+def _graph_rust(text):
+    commented, code = graph_blank(text, "rust")
+    facts = _graph_scan(code, _GRAPH_RUST_RULES, _GRAPH_RUST_KEYWORDS)
+    lines = _GraphLines(commented)
+    imports = []
+    for match in _GRAPH_RUST_USE.finditer(commented):
+        number = lines.number(match.start(1))
+        for path in graph_rust_use_paths(re.sub(r"\bas\s+\w+", "", match.group(1))):
+            imports.append((number, path, "use:" + path))
+    for match in _GRAPH_RUST_MOD.finditer(commented):
+        imports.append((lines.number(match.start(1)), "mod " + match.group(1),
+                        "mod:" + match.group(1)))
+    for match in _GRAPH_RUST_CRATE.finditer(commented):
+        imports.append((lines.number(match.start(1)), "extern crate " + match.group(1),
+                        "crate:" + match.group(1)))
+    facts.imports = sorted(imports)
+    return facts
+
+
+_GRAPH_JAVA_KEYWORDS = frozenset(("if", "for", "while", "switch", "catch", "return", "new",
+                                  "throw", "synchronized", "super", "this", "else", "do",
+                                  "try", "assert", "case"))
+_GRAPH_JAVA_MODIFIERS = r"(?:(?:public|protected|private|abstract|static|final|sealed|" \
+                        r"non-sealed|strictfp|synchronized|native|default|transient|" \
+                        r"volatile)\s+|@[\w.]+(?:\([^)\n]{0,200}\))?\s+)*"
+
+
+def _graph_java_method(match, inside):
+    if inside is None or inside[1] not in ("class", "interface", "enum") or \
+            match.group(1) in _GRAPH_JAVA_KEYWORDS:
+        return None
+    return match.group(1), "function"
+
+
+_GRAPH_JAVA_RULES = [
+    ("", re.compile(r"^\s*%s(?:class|record)\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "class"),
+    ("interface", re.compile(r"^\s*%s@?interface\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS),
+     "interface"),
+    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "enum"),
+    ("(", re.compile(r"^\s*%s(?:<[^>\n]{0,200}>\s+)?[\w.$]+(?:<[^;{}()\n]{0,200}>)?(?:\[\s*\])*\s+"
+                r"([A-Za-z_$][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS), _graph_java_method),
+    ("(", re.compile(r"^\s*%s([A-Z][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS),
+     lambda match, inside: (match.group(1), "function")
+     if inside is not None and inside[0].rsplit(".", 1)[-1] == match.group(1) else None),
+]
+_GRAPH_JAVA_IMPORTS = [re.compile(r"^\s*import\s+(?:static\s+)?([\w.]+(?:\.\*)?)\s*;", re.M)]
+
+
+def _graph_java(text):
+    commented, code = graph_blank(text, "java")
+    facts = _graph_scan(code, _GRAPH_JAVA_RULES, _GRAPH_JAVA_KEYWORDS)
+    facts.imports = [(line, spec, spec) for line, spec in
+                     _graph_imports(commented, _GRAPH_JAVA_IMPORTS)]
+    return facts
+
+
+_GRAPH_C_KEYWORDS = frozenset((
+    "if", "for", "while", "switch", "return", "sizeof", "alignof", "decltype", "catch",
+    "static_assert", "defined", "typeof", "__attribute__", "__declspec", "else", "do",
+    "case", "new", "delete", "throw", "operator", "template", "typename", "using"))
+
+
+def _graph_c_function(match, inside):
+    name = match.group(1)
+    if name.rsplit("::", 1)[-1].lstrip("~") in _GRAPH_C_KEYWORDS:
+        return None
+    return name.replace("::", "."), "function"
+
+
+_GRAPH_C_RULES = [
+    ("#", re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)"), "macro"),
+    ("namespace", re.compile(r"^\s*namespace\s+([A-Za-z_][\w:]*)\s*\{"),
+     lambda match, inside: (match.group(1).replace("::", "."), "module")),
+    ("", re.compile(r"^\s*(?:typedef\s+)?(?:template\s*<[^>\n]{0,300}>\s*)?"
+                r"(class|struct|union|enum)(?:\s+class)?\s+(?:\[\[[^\]\n]*\]\]\s*)?"
+                r"(?:[A-Z_][A-Z0-9_]*\s+)?([A-Za-z_]\w*)\s*(?:final\s*)?(?::[^{;\n]{0,300})?"
+                r"(?:\{|$)"),
+     lambda match, inside: (match.group(2), match.group(1))),
+    ("typedef", re.compile(r"^\s*typedef\b[^;\n]{0,300}?\b([A-Za-z_]\w*)\s*;"), "type"),
+    ("(", re.compile(r"^(?!\s*#)\s*(?:[\w:*&<>,~\[\]]+\s+|[\w:<>,]+[*&]+\s*){0,8}"
+                r"((?:[A-Za-z_]\w*::)*~?[A-Za-z_]\w*)\s*\("), _graph_c_function),
+]
+_GRAPH_C_INCLUDES = re.compile(r"^\s*#\s*include\s*([<\"])([^>\"\n]{1,300})[>\"]", re.M)
+
+
+def _graph_c(text, lang="c"):
+    commented, code = graph_blank(text, lang)
+    facts = _graph_scan(code, _GRAPH_C_RULES, _GRAPH_C_KEYWORDS)
+    # #include paths are strings: they are read where only comments are blanked.
+    lines = _GraphLines(commented)
+    facts.imports = [(lines.number(match.start(2)),
+                      "%s%s%s" % (match.group(1), match.group(2),
+                                  ">" if match.group(1) == "<" else '"'),
+                      ("local:" if match.group(1) == '"' else "system:") + match.group(2))
+                     for match in _GRAPH_C_INCLUDES.finditer(commented)]
+    return facts
+
+
+_GRAPH_LEXERS = {"javascript": _graph_javascript, "typescript": _graph_javascript,
+                 "go": _graph_go, "rust": _graph_rust, "java": _graph_java,
+                 "c": _graph_c, "cpp": lambda text: _graph_c(text, "cpp")}
+
+
+# ============================================================================
+# src/ferrus/graph.py (from its line 42)
+# ============================================================================
+# The repository graph: definitions, imports and calls, its cache and its queries.
+#
+# The project's definitions, imports and calls live in a rebuildable sqlite3 cache, which
+# agents (the repository_graph_* tools) and people (``ferrus graph``) search.
+#
+# ``ferrus graph index`` lists the project's files (``git ls-files``: tracked and untracked,
+# never what git ignores; without git, a walk that leaves out VCS and dependency folders),
+# re-reads only a file whose size or modification time changed, and extracts it again
+# (graph_extract.py) only when its content hash changed.  Binary files, files over
+# GRAPH_MAX_FILE_BYTES, special files and symbolic links — those out of the tree are never
+# read — are listed with why they were skipped.  It all lives in
+# ``.ferrus/graph/repo-graph.db``: a cache, which ``index --full`` rebuilds from the tree.
+#
+# A parallel task's worktree is laid over that shared graph as an overlay of its own
+# (``.ferrus/graph/overlays/<task>.db``): the files its diff names are indexed there, and a
+# query made for the task sees the overlay's files in place of the shared graph's, which is
+# never written for a task.  Queries refresh what they read (at most every
+# GRAPH_REFRESH_SECS per process), and their answers are ranked, cut at GRAPH_ANSWER_CHARS
+# and paged with ``offset`` like the log resource.
+
+GRAPH_DIR = "graph"                        # in .ferrus/
+GRAPH_DB_FILE = "repo-graph.db"
+GRAPH_OVERLAY_DIR = "overlays"             # in .ferrus/graph/: one database per task
+GRAPH_SCHEMA_VERSION = 1
+# A file larger than this is listed as "huge" and never read.
+GRAPH_MAX_FILE_BYTES = 1 << 20
+# At most this many files are listed; the rest are counted and left out.
+GRAPH_MAX_FILES = 200_000
+# A query builds a graph that does not exist yet only for a project of at most this many
+# files (a larger one takes `ferrus graph index` once).
+GRAPH_AUTO_BUILD_FILES = 5_000
+# A process refreshes the same graph at most this often while answering queries.
+GRAPH_REFRESH_SECS = 2.0
+# A file is trusted unchanged by its size and mtime only when that mtime is this much
+# older than the moment it was hashed (a write in the same clock tick keeps both).
+GRAPH_RACY_NS = 2_000_000_000
+# How long a writer waits for another process's write to the same graph to end.
+GRAPH_BUSY_SECS = 10.0
+GRAPH_PAGE_DEFAULT = 20
+GRAPH_PAGE_MAX = 100
+GRAPH_ANSWER_CHARS = 24 * 1024
+GRAPH_EXCERPT_LINES = 60
+# Without git, folders of these names are not walked into.
+GRAPH_WALK_SKIPPED = frozenset((".git", ".hg", ".svn", ".bzr", FERRUS_DIR, "node_modules",
+                                "__pycache__", ".venv", "venv", ".tox", ".mypy_cache",
+                                ".pytest_cache", ".ruff_cache", "target", "dist", "build"))
+# How definitions rank among equally good name matches.
+GRAPH_KIND_RANK = {"class": 0, "struct": 0, "interface": 0, "trait": 0, "enum": 0,
+                   "type": 1, "union": 1, "function": 1, "method": 1, "module": 2,
+                   "macro": 3, "constant": 3, "variable": 3, "file": 4}
+
+
+# -- the database ---------------------------------------------------------------------------
+
+_GRAPH_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (
+    path TEXT PRIMARY KEY, lang TEXT NOT NULL, status TEXT NOT NULL, note TEXT,
+    size INTEGER, mtime_ns INTEGER, hashed_ns INTEGER, hash TEXT, lines INTEGER,
+    module TEXT);
+CREATE TABLE IF NOT EXISTS symbols (
+    path TEXT NOT NULL, name TEXT NOT NULL, lname TEXT NOT NULL, words TEXT NOT NULL,
+    qualname TEXT NOT NULL, lqual TEXT NOT NULL, kind TEXT NOT NULL, line INTEGER NOT NULL,
+    end_line INTEGER, signature TEXT);
+CREATE TABLE IF NOT EXISTS imports (
+    path TEXT NOT NULL, line INTEGER NOT NULL, spec TEXT NOT NULL, keys TEXT NOT NULL,
+    target TEXT);
+CREATE TABLE IF NOT EXISTS calls (
+    path TEXT NOT NULL, line INTEGER NOT NULL, name TEXT NOT NULL, caller TEXT);
+CREATE TABLE IF NOT EXISTS gone (path TEXT PRIMARY KEY);
+"""
+_GRAPH_INDEXES = (("symbols_by_name", "symbols(lname)"), ("symbols_by_qual", "symbols(lqual)"),
+                  ("symbols_by_path", "symbols(path)"), ("imports_by_path", "imports(path)"),
+                  ("imports_by_target", "imports(target)"), ("calls_by_name", "calls(name)"),
+                  ("calls_by_path", "calls(path)"))
+_GRAPH_TABLES = ("files", "symbols", "imports", "calls")
+
+
+class GraphUnavailable(FerrusError):
+    """A graph database sqlite cannot read (it is a cache, rebuilt from the tree), or one
+    another process is writing for longer than sqlite waits."""
+
+
+
+def graph_db_path(store):
+    return store.path(GRAPH_DIR, GRAPH_DB_FILE)
+
+
+def graph_overlay_path(store, task):
+    return store.path(GRAPH_DIR, GRAPH_OVERLAY_DIR, task + ".db")
+
+
+def graph_connect(path, create=True):
+    """An autocommit connection to the graph database at ``path`` with the current
+    schema; a file of another schema version or one sqlite cannot read is replaced
+    (it is a cache).  None when ``create`` is False and there is no database."""
+    sqlite3 = import_sqlite3("the repository graph")
+    if not create and not os.path.isfile(path):
+        return None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for attempt in (1, 2):
+        try:
+            connection = sqlite3.connect(path, timeout=GRAPH_BUSY_SECS, isolation_level=None,
+                                         check_same_thread=False)
+            try:
+                version = connection.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, GRAPH_SCHEMA_VERSION):
+                    raise sqlite3.DatabaseError("schema version %d" % version)
+                # A cache: no fsync (a file a power cut damaged is made again), and the
+                # rollback journal, whose closing costs nothing (WAL checkpoints then).
+                connection.execute("PRAGMA synchronous=OFF")
+                if version == 0:
+                    connection.executescript(_GRAPH_SCHEMA + "".join(
+                        "CREATE INDEX IF NOT EXISTS %s ON %s;\n" % index
+                        for index in _GRAPH_INDEXES))
+                    connection.execute("PRAGMA user_version=%d" % GRAPH_SCHEMA_VERSION)
+                return connection
+            except BaseException:
+                connection.close()
+                raise
+        except sqlite3.DatabaseError as err:
+            if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
+                raise GraphUnavailable("the repository graph %s is locked by another process "
+                                   "(%s)" % (path, err), "try again in a moment") from err
+            if attempt == 2 or not create:
+                raise GraphUnavailable("the repository graph %s cannot be read: %s" % (path, err),
+                                   "`ferrus graph index --full` rebuilds it") from err
+            log.warning("the repository graph %s cannot be read (%s): rebuilding it",
+                        path, err)
+            graph_remove_database(path)
+    raise AssertionError("unreachable")
+
+
+def graph_remove_database(path):
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + suffix)
+
+
+# -- which files there are --------------------------------------------------------------------
+
+def graph_listing(root):
+    """(project-relative /-separated paths, how many were left out past GRAPH_MAX_FILES,
+    how the list was made): git's tracked and untracked files (what git ignores left
+    out), or a walk of the tree without git.  .ferrus/ is never listed."""
+    paths = None
+    how = "git ls-files"
+    with contextlib.suppress(GitUnavailable):
+        git_repository(root)
+        try:
+            out = run_git(root, ["ls-files", "-z", "--cached", "--others", "--exclude-standard"])
+            paths = sorted(set(os.fsdecode(out).split("\0")) - {""})
+        except GitError as err:
+            log.warning("git ls-files failed (%s): walking the tree instead", err.message)
+    if paths is None:
+        how = "a walk of the tree (no git)"
+        paths = []
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(name for name in dirs if name not in GRAPH_WALK_SKIPPED
+                             and not name.startswith("."))
+            rel = os.path.relpath(folder, root)
+            prefix = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
+            paths.extend(prefix + name for name in sorted(files))
+            if len(paths) > GRAPH_MAX_FILES:
+                break
+    paths = [path for path in paths if not (path == FERRUS_DIR or
+                                            path.startswith(FERRUS_DIR + "/"))]
+    left_out = max(0, len(paths) - GRAPH_MAX_FILES)
+    return paths[:GRAPH_MAX_FILES], left_out, how
+
+
+def _graph_inside(path, root):
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+@deferred_dataclass
+class GraphIndexReport:
+    """What one index run did."""
+
+    files: int = 0
+    read: int = 0            # files whose content was read and hashed
+    extracted: int = 0       # files whose facts were extracted again
+    removed: int = 0
+    skipped: dict = dataclasses.field(default_factory=dict)   # status -> count
+    left_out: int = 0
+    listing: str = ""
+    symbols: int = 0
+    seconds: float = 0.0
+    full: bool = False
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+
+def _graph_classify(root, path, max_bytes):
+    """(status, lang, stat or None, note) of one listed file, from lstat alone."""
+    full = os.path.join(root, *path.split("/"))
+    lang = graph_language(path)
+    try:
+        info = os.lstat(full)
+    except OSError:
+        return "gone", lang, None, ""
+    if stat.S_ISLNK(info.st_mode):
+        if not _graph_inside(full, root):
+            return "outside", lang, info, "a symbolic link out of the tree (not followed)"
+        return "link", lang, info, "a symbolic link (its target is listed on its own)"
+    if not stat.S_ISREG(info.st_mode):
+        return "special", lang, info, "not a regular file"
+    if info.st_size > max_bytes:
+        return "huge", lang, info, "larger than %d bytes" % max_bytes
+    return "ok", lang, info, ""
+
+
+def graph_index_files(connection, root, paths, full=False, remove_missing=True,
+                      max_bytes=GRAPH_MAX_FILE_BYTES, report=None, base_rows=None):
+    """Bring the database up to date with ``paths`` (project-relative) under ``root``:
+    unchanged files (same size and mtime, hashed well after that mtime) are not read,
+    read files whose hash is unchanged are not extracted again.  With
+    ``remove_missing`` the files the database has and ``paths`` lacks are dropped.
+    ``base_rows``: the (path, lang, module) of the shared graph an overlay lies over,
+    whose files its imports may name too.  Returns the GraphIndexReport."""
+    import hashlib             # kept off every command's start-up
+    report = report or GraphIndexReport()
+    report.full = full
+    report.files = len(paths)
+    known = {row[0]: row[1:] for row in connection.execute(
+        "SELECT path, size, mtime_ns, hashed_ns, hash, status FROM files")}
+    changed_set = False
+    extracted = []
+    _graph_begin(connection)
+    try:
+        if not known:
+            # Filling an empty database: its indexes are made once at the end, which is
+            # much faster than keeping them up to date row by row.
+            for name, _ in _GRAPH_INDEXES:
+                connection.execute("DROP INDEX IF EXISTS %s" % name)
+        for path in paths:
+            status, lang, info, note = _graph_classify(root, path, max_bytes)
+            before = known.get(path)
+            if status == "gone":
+                if before is not None:
+                    _graph_drop(connection, path)       # listed by git, deleted from disk
+                    report.removed += 1
+                    changed_set = True
+                continue
+            if status != "ok":
+                report.skipped[status] = report.skipped.get(status, 0) + 1
+                if before is None or before[4] != status:
+                    _graph_drop(connection, path, before is not None)
+                    connection.execute(
+                        "INSERT INTO files (path, lang, status, note, size, mtime_ns) "
+                        "VALUES (?, ?, ?, ?, ?, ?)", (path, lang, status, note, info.st_size,
+                                                      info.st_mtime_ns))
+                    changed_set = changed_set or before is None
+                continue
+            if before is None:
+                changed_set = True
+            if not lang:
+                # Not a language ferrus reads: listed for path searches, never opened.
+                if before is None or before[4] != "listed" or before[0] != info.st_size:
+                    _graph_drop(connection, path, before is not None)
+                    connection.execute(
+                        "INSERT INTO files (path, lang, status, size, mtime_ns) "
+                        "VALUES (?, '', 'listed', ?, ?)", (path, info.st_size,
+                                                           info.st_mtime_ns))
+                continue
+            if (not full and before is not None and before[0] == info.st_size
+                    and before[1] == info.st_mtime_ns and before[2] is not None
+                    and before[2] - info.st_mtime_ns > GRAPH_RACY_NS):
+                continue
+            try:
+                with open_inside(root, *path.split("/")) as handle:
+                    data = handle.read(max_bytes + 1)
+            except (OSError, UnsafePath) as err:
+                # open_inside refuses a folder on the way that leads out of the tree, and
+                # a file swapped for a link since it was listed.
+                status = "outside" if isinstance(err, UnsafePath) else "unreadable"
+                report.skipped[status] = report.skipped.get(status, 0) + 1
+                _graph_drop(connection, path, before is not None)
+                connection.execute(
+                    "INSERT INTO files (path, lang, status, note) VALUES (?, ?, ?, ?)",
+                    (path, lang, status, str(getattr(err, "strerror", None) or err)[:200]))
+                continue
+            report.read += 1
+            hashed = time.time_ns()
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            if not full and before is not None and before[3] == digest and \
+                    before[4] in ("indexed", "binary"):
+                connection.execute("UPDATE files SET size = ?, mtime_ns = ?, hashed_ns = ? "
+                                   "WHERE path = ?", (info.st_size, info.st_mtime_ns, hashed,
+                                                      path))
+                continue
+            _graph_drop(connection, path, before is not None)
+            text, note = graph_decode(data)
+            if text is None:
+                report.skipped["binary"] = report.skipped.get("binary", 0) + 1
+                connection.execute(
+                    "INSERT INTO files (path, lang, status, note, size, mtime_ns, hashed_ns, "
+                    "hash) VALUES (?, ?, 'binary', ?, ?, ?, ?, ?)",
+                    (path, lang, note, info.st_size, info.st_mtime_ns, hashed, digest))
+                continue
+            facts = graph_extract(path, text, lang)
+            note = "; ".join(part for part in (note, facts.note) if part)
+            connection.execute(
+                "INSERT INTO files (path, lang, status, note, size, mtime_ns, hashed_ns, hash, "
+                "lines, module) VALUES (?, ?, 'indexed', ?, ?, ?, ?, ?, ?, ?)",
+                (path, lang, note or None, info.st_size, info.st_mtime_ns, hashed, digest,
+                 text.count("\n") + 1, facts.module))
+            _graph_insert_facts(connection, path, facts)
+            extracted.append(path)
+        if remove_missing:
+            listed = set(paths)
+            for path in known:
+                if path not in listed:
+                    _graph_drop(connection, path)
+                    report.removed += 1
+            changed_set = changed_set or bool(report.removed)
+        report.extracted = len(extracted)
+        for name, definition in _GRAPH_INDEXES:
+            connection.execute("CREATE INDEX IF NOT EXISTS %s ON %s" % (name, definition))
+        if base_rows is not None:
+            own = connection.execute(
+                "SELECT path, lang, module FROM files WHERE status = 'indexed'").fetchall()
+            mine = {row[0] for row in own}
+            graph_resolve_imports(connection, None, [row for row in base_rows
+                                                     if row[0] not in mine] + own)
+        else:
+            graph_resolve_imports(connection, None if changed_set else extracted)
+        connection.execute("INSERT OR REPLACE INTO meta VALUES ('indexed_at', ?)",
+                           (format_timestamp(utc_now()),))
+        connection.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            connection.execute("ROLLBACK")
+        raise
+    report.symbols = connection.execute("SELECT count(*) FROM symbols").fetchone()[0]
+    return report
+
+
+def _graph_begin(connection):
+    """Start a write transaction, waiting (sqlite's timeout) for another writer."""
+    import sqlite3             # kept off every command's start-up
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as err:
+        raise GraphUnavailable("the repository graph is being written by another process "
+                               "(%s)" % err, "try again in a moment") from err
+
+
+def _graph_drop(connection, path, known=True):
+    if not known:
+        return                  # nothing of it is stored (a full build's empty database)
+    for table in _GRAPH_TABLES:
+        connection.execute("DELETE FROM %s WHERE path = ?" % table, (path,))
+
+
+_GRAPH_CAMEL = re.compile(r"([a-z0-9])([A-Z])|([A-Za-z])([0-9])")
+_GRAPH_ACRONYM = re.compile(r"([A-Z]+)([A-Z][a-z])")
+_GRAPH_NOT_WORD = re.compile(r"[^A-Za-z0-9]+")
+
+
+def _graph_space(match):
+    return "%s %s" % ((match.group(1), match.group(2)) if match.group(1) else
+                      (match.group(3), match.group(4)))
+
+
+def _graph_words(name):
+    """A name split into its lower-case words, each after a space: readState and
+    read_state give " read state", item12 " item 12" (a word prefix is then found as
+    " re")."""
+    if name.isalpha() and name.islower():
+        return " " + name
+    spaced = _GRAPH_ACRONYM.sub(r"\1 \2", _GRAPH_CAMEL.sub(_graph_space, name))
+    return "".join(" " + word for word in _GRAPH_NOT_WORD.split(spaced.lower()) if word)
+
+
+def _graph_insert_facts(connection, path, facts):
+    connection.executemany(
+        "INSERT INTO symbols (path, name, lname, words, qualname, lqual, kind, line, end_line, "
+        "signature) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(path, name, name.lower(), _graph_words(name), qual, qual.lower(), kind, line, end,
+          signature) for name, qual, kind, line, end, signature in facts.symbols])
+    connection.executemany(
+        "INSERT INTO imports (path, line, spec, keys) VALUES (?, ?, ?, ?)",
+        [(path, line, spec[:500], keys[:1000]) for line, spec, keys in facts.imports])
+    connection.executemany(
+        "INSERT INTO calls (path, line, name, caller) VALUES (?, ?, ?, ?)",
+        [(path, line, name, caller) for line, name, caller in facts.calls])
+
+
+# -- which file an import names ---------------------------------------------------------------
+
+class _GraphResolver:
+    """The files of the graph, looked up the ways imports name them."""
+
+    JS_EXTENSIONS = ("", ".ts", ".tsx", ".d.ts", ".js", ".jsx", ".mjs", ".cjs", ".mts",
+                     ".cts", "/index.ts", "/index.tsx", "/index.js", "/index.jsx",
+                     "/index.mjs")
+
+    def __init__(self, rows):
+        self.paths = set()
+        self.modules = {}            # python dotted suffix -> [paths]
+        self.folders = {}            # folder suffix -> folder (go, java)
+        self.names = {}              # file name -> [paths]
+        for path, lang, module in rows:
+            self.paths.add(path)
+            self.names.setdefault(path.rsplit("/", 1)[-1], []).append(path)
+            if lang == "python" and module:
+                parts = module.split(".")
+                for start in range(len(parts)):
+                    self.modules.setdefault(".".join(parts[start:]), []).append(path)
+            if lang in ("go", "java"):
+                folder = path.rsplit("/", 1)[0] if "/" in path else ""
+                parts = folder.split("/") if folder else []
+                for start in range(len(parts)):
+                    self.folders.setdefault("/".join(parts[start:]), folder)
+
+    @staticmethod
+    def _closest(importer, candidates):
+        """The candidate sharing the longest folder prefix with the importer."""
+        if not candidates:
+            return None
+        return min(candidates, key=lambda path: (-len(os.path.commonprefix([path, importer])),
+                                                 len(path), path))
+
+    def resolve(self, importer, lang, keys):
+        if lang == "python":
+            for key in keys.split("|"):
+                found = self._closest(importer, self.modules.get(key))
+                if key and found:
+                    return found
+            return None
+        folder = importer.rsplit("/", 1)[0] if "/" in importer else ""
+        if lang in ("javascript", "typescript"):
+            if not keys.startswith("."):
+                return None
+            base = os.path.normpath(os.path.join(folder, keys)).replace(os.sep, "/")
+            if base.startswith(".."):
+                return None
+            return next((base + ext for ext in self.JS_EXTENSIONS if base + ext in self.paths),
+                        None)
+        if lang == "go":
+            parts = keys.split("/")
+            for start in range(len(parts)):
+                found = self.folders.get("/".join(parts[start:]))
+                if found is not None and found:
+                    return found + "/"
+            return None
+        if lang == "java":
+            dotted = keys[:-2] if keys.endswith(".*") else keys
+            if keys.endswith(".*"):
+                found = self.folders.get(dotted.replace(".", "/"))
+                return found + "/" if found else None
+            return self._by_suffix(importer, dotted.replace(".", "/") + ".java")
+        if lang == "rust":
+            return self._rust(importer, folder, keys)
+        if lang in ("c", "cpp"):
+            kind, _, name = keys.partition(":")
+            if kind == "local":
+                near = os.path.normpath(os.path.join(folder, name)).replace(os.sep, "/")
+                if near in self.paths:
+                    return near
+            return self._by_suffix(importer, name)
+        return None
+
+    def _by_suffix(self, importer, suffix):
+        suffix = suffix.lstrip("/")
+        candidates = [path for path in self.names.get(suffix.rsplit("/", 1)[-1], ())
+                      if path == suffix or path.endswith("/" + suffix)]
+        return self._closest(importer, candidates)
+
+    def _rust(self, importer, folder, keys):
+        kind, _, rest = keys.partition(":")
+        stem = importer.rsplit("/", 1)[-1][:-3]
+        if kind == "mod":
+            here = folder if stem in ("mod", "lib", "main") else \
+                (folder + "/" if folder else "") + stem
+            for candidate in ("%s/%s.rs" % (here, rest), "%s/%s/mod.rs" % (here, rest)):
+                candidate = candidate.lstrip("/")
+                if candidate in self.paths:
+                    return candidate
+            return None
+        if kind != "use":
+            return None
+        parts = [part for part in rest.split("::") if part]
+        if not parts or parts[0] not in ("crate", "self", "super"):
+            return None
+        if parts[0] == "crate":
+            top = importer.split("/src/")[0] + "/src" if "/src/" in importer else \
+                ("src" if importer.startswith("src/") else folder)
+        else:
+            top = folder if parts[0] == "self" else folder.rsplit("/", 1)[0] if "/" in folder \
+                else ""
+        parts = parts[1:]
+        for cut in range(len(parts), 0, -1):
+            joined = "/".join(parts[:cut])
+            for candidate in ("%s/%s.rs" % (top, joined), "%s/%s/mod.rs" % (top, joined)):
+                candidate = candidate.lstrip("/")
+                if candidate in self.paths:
+                    return candidate
+        return None
+
+
+def graph_resolve_imports(connection, paths=None, resolver_rows=None):
+    """Fill in the file each import names (None: external or unknown), for the imports
+    of ``paths``, or of every file when the set of files changed (``paths`` None)."""
+    rows = resolver_rows if resolver_rows is not None else connection.execute(
+        "SELECT path, lang, module FROM files WHERE status = 'indexed'").fetchall()
+    resolver = _GraphResolver(rows)
+    langs = {path: lang for path, lang, _ in rows}
+    if paths is None:
+        imports = connection.execute("SELECT rowid, path, keys FROM imports").fetchall()
+    else:
+        imports = []
+        for path in paths:
+            imports.extend(connection.execute(
+                "SELECT rowid, path, keys FROM imports WHERE path = ?", (path,)).fetchall())
+    updates = []
+    for rowid, path, keys in imports:
+        target = resolver.resolve(path, langs.get(path, ""), keys) if keys else None
+        updates.append((target, rowid))
+    connection.executemany("UPDATE imports SET target = ? WHERE rowid = ?", updates)
+
+
+# -- keeping the graph up to date ------------------------------------------------------------
+
+def graph_index(store, full=False):
+    """Index the project's files into the shared graph (``full``: from scratch).
+    Returns the GraphIndexReport."""
+    started = time.monotonic()
+    path = graph_db_path(store)
+    if full:
+        graph_remove_database(path)
+    paths, left_out, how = graph_listing(store.root)
+    connection = graph_connect(path)
+    try:
+        report = graph_index_files(connection, store.root, paths, full=full)
+    finally:
+        connection.close()
+    report.left_out, report.listing = left_out, how
+    report.seconds = round(time.monotonic() - started, 3)
+    _graph_forget_ended_overlays(store)
+    with _GRAPH_REFRESH_LOCK:
+        _GRAPH_REFRESHED[path] = time.monotonic()
+    return report
+
+
+def graph_index_before_task(store):
+    """Bring the shared graph up to date where a task starts, so its agents' first
+    repository_graph_* call does not wait for the indexing: as a query would (a graph
+    never built is built only in a project of at most GRAPH_AUTO_BUILD_FILES files).
+    Never raises: a graph that cannot be indexed now is indexed by the first query,
+    which says why not."""
+    try:
+        if not os.path.isfile(graph_db_path(store)):
+            paths, _, _ = graph_listing(store.root)
+            if len(paths) > GRAPH_AUTO_BUILD_FILES:
+                return None
+        return graph_index(store)
+    except (FerrusError, OSError) as err:
+        log.info("the repository graph was not indexed before the task: %s",
+                 getattr(err, "message", err))
+    except Exception as err:          # sqlite3.Error and the like
+        log.info("the repository graph was not indexed before the task: %s", err)
+    return None
+
+
+def _graph_forget_ended_overlays(store):
+    """Overlays of tasks that ended or left the queue go: the task's work is merged into
+    the shared graph's tree, or gone."""
+    folder = store.path(GRAPH_DIR, GRAPH_OVERLAY_DIR)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    live = set(queued_task_ids(store))
+    for name in names:
+        task = name[:-3] if name.endswith(".db") else None
+        if task is None:
+            continue
+        record, problem = load_task_record(store.dir, task) if task in live else ({}, None)
+        if task not in live or (not problem and record.get("status") in ENDED_STATUSES):
+            graph_remove_database(os.path.join(folder, name))
+
+
+def graph_task_worktree(store):
+    """The worktree folder a task store's code is in, when it is not the checkout."""
+    if store.task is None:
+        return None
+    try:
+        workdir = store.workdir
+    except FerrusError:
+        return None
+    if os.path.normcase(os.path.abspath(workdir)) == os.path.normcase(store.root):
+        return None
+    return workdir if os.path.isdir(workdir) else None
+
+
+def graph_refresh_overlay(store, base_connection):
+    """Index a parallel task's changes (its diff: base → worktree) into its overlay,
+    over the shared graph ``base_connection`` holds.  Returns (overlay path, report)."""
+    workdir = graph_task_worktree(store)
+    data = store.read_state()
+    diff = task_diff(task_git_site(store), data.task_base, task_diff_exclusions(store),
+                     patch=False)
+    present, gone = [], set()
+    for changed in diff.files:
+        if changed.old_path:
+            gone.add(changed.old_path)
+        if os.path.lexists(os.path.join(workdir, *changed.path.split("/"))):
+            present.append(changed.path)
+        else:
+            gone.add(changed.path)
+    gone -= set(present)
+    path = graph_overlay_path(store, store.task)
+    connection = graph_connect(path)
+    try:
+        base_rows = base_connection.execute(
+            "SELECT path, lang, module FROM files WHERE status = 'indexed'").fetchall()
+        base_rows = [row for row in base_rows if row[0] not in gone]
+        report = graph_index_files(connection, workdir, sorted(present), base_rows=base_rows)
+        _graph_begin(connection)
+        connection.execute("DELETE FROM gone")
+        connection.executemany("INSERT INTO gone (path) VALUES (?)", [(p,) for p in gone])
+        connection.execute("INSERT OR REPLACE INTO meta VALUES ('worktree', ?)", (workdir,))
+        connection.execute("COMMIT")
+    finally:
+        connection.close()
+    return path, report
+
+
+# {database path: monotonic time of its last refresh in this process}
+_GRAPH_REFRESHED = {}
+_GRAPH_REFRESH_LOCK = threading.Lock()
+
+
+def _graph_due(path, clock=time.monotonic):
+    with _GRAPH_REFRESH_LOCK:
+        last = _GRAPH_REFRESHED.get(path)
+        if last is not None and clock() - last < GRAPH_REFRESH_SECS:
+            return False
+        _GRAPH_REFRESHED[path] = clock()
+        return True
+
+
+class GraphView:
+    """The graph as one task sees it: the shared graph, with the task's overlay laid
+    over it when it works in a worktree.  Queries read the g_* views."""
+
+    def __init__(self, store, connection, overlay=None, notes=()):
+        self.store = store
+        self.connection = connection
+        self.overlay = overlay
+        self.notes = list(notes)
+        hidden = "(SELECT path FROM overlay.files UNION SELECT path FROM overlay.gone)"
+        for table in ("files", "symbols", "imports", "calls"):
+            if overlay:
+                sql = ("CREATE TEMP VIEW g_%s AS SELECT * FROM main.%s WHERE path NOT IN %s "
+                       "UNION ALL SELECT * FROM overlay.%s" % (table, table, hidden, table))
+            else:
+                sql = "CREATE TEMP VIEW g_%s AS SELECT * FROM main.%s" % (table, table)
+            connection.execute(sql)
+
+    def close(self):
+        self.connection.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def workdir(self):
+        """Where the files the view shows are on disk."""
+        return graph_task_worktree(self.store) if self.overlay else self.store.root
+
+    def rows(self, sql, params=()):
+        return self.connection.execute(sql, params).fetchall()
+
+
+def graph_open(store, refresh=True):
+    """The GraphView for ``store`` (a task's store gets its overlay), after an
+    incremental refresh of what it reads (``refresh``; at most every
+    GRAPH_REFRESH_SECS per process).  A graph never built is built first when the
+    project has at most GRAPH_AUTO_BUILD_FILES files, else FerrusError says how."""
+    path = graph_db_path(store)
+    notes = []
+    if not os.path.isfile(path):
+        paths, _, _ = graph_listing(store.root)
+        if len(paths) > GRAPH_AUTO_BUILD_FILES:
+            raise FerrusError("the repository graph is not built yet, and this project has "
+                              "%d files" % len(paths),
+                              "run `ferrus graph index` once in the project (later queries "
+                              "keep it up to date)")
+        graph_index(store)
+    elif refresh and _graph_due(path):
+        try:
+            graph_index(store)
+        except GraphUnavailable as err:
+            notes.append("the graph was not refreshed: %s" % err.message)
+    connection = graph_connect(path)
+    overlay = None
+    try:
+        if graph_task_worktree(store):
+            overlay = graph_overlay_path(store, store.task)
+            try:
+                if not refresh or not _graph_due(overlay):
+                    if not os.path.isfile(overlay):
+                        graph_refresh_overlay(store, connection)
+                else:
+                    graph_refresh_overlay(store, connection)
+            except (GitUnavailable, GitError, GraphUnavailable) as err:
+                notes.append("task %s's changes are not laid over the graph: %s"
+                             % (store.task, err.message))
+                overlay = None if not os.path.isfile(overlay) else overlay
+            if overlay:
+                connection.execute("ATTACH DATABASE ? AS overlay", (overlay,))
+        return GraphView(store, connection, overlay, notes)
+    except BaseException:
+        connection.close()
+        raise
+
+
+# -- queries ------------------------------------------------------------------------------------
+
+_GRAPH_RANK_SQL = "CASE kind %s ELSE 5 END" % " ".join(
+    "WHEN '%s' THEN %d" % item for item in sorted(GRAPH_KIND_RANK.items()))
+_GRAPH_SYMBOL_COLUMNS = "path, line, name, qualname, kind, signature, end_line"
+
+
+def _graph_like(text):
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _graph_symbol(row, match):
+    path, line, name, qual, kind, signature, end = row
+    return {"path": path, "line": line, "end_line": end, "name": name, "qualname": qual,
+            "kind": kind, "signature": signature or "", "match": match,
+            "location": "%s:%d" % (path, line)}
+
+
+def graph_search(view, query, kind=None, path=None, limit=GRAPH_PAGE_DEFAULT, offset=0):
+    """(hits, more) for ``query``: a name, a qualified name (Class.method, Type::fn), a
+    path, or words ("read state").  Best first: the exact name, the exact qualified name,
+    the name in any case, a qualified name ending so, a name starting so, a name holding
+    it, every word at the start of a word of the name; a path (or its end) after those,
+    or first when the query holds a "/".  Ties: classes and types before functions
+    before variables, shorter names first, then path and line."""
+    text = query.strip()
+    lower = text.lower()
+    qual = re.sub(r"::|->|#", ".", lower)
+    where, params = [], []
+    if kind:
+        where.append("kind = ?")
+        params.append(kind)
+    if path:
+        folder = path.strip("/")
+        where.append("(path = ? OR substr(path, 1, ?) = ?)")
+        params += [folder, len(folder) + 1, folder + "/"]
+    extra = "".join(" AND " + clause for clause in where)
+    need = offset + limit + 1
+    tiers = [("exact", "lname = ? AND name = ?", [lower, text]),
+             ("qualified", "lqual = ?", [qual]), ("name", "lname = ?", [lower])]
+    if "." in qual:
+        # Store.read_state also finds pkg.Store.read_state: its last part is the name.
+        tiers.append(("qualified-suffix", "lname = ? AND lqual LIKE ? ESCAPE '\\'",
+                      [qual.rsplit(".", 1)[-1], "%." + _graph_like(qual)]))
+    tiers.append(("prefix", "lname >= ? AND lname < ?", [lower, lower + "\U0010ffff"]))
+    # The tiers above use an index; the substring and the words tiers are read in one
+    # scan of the definitions (the scan is what a search costs at 100,000 of them).
+    scan, scan_args = "instr(lname, ?) > 0", [lower]
+    words = re.findall(r"[a-z0-9]+", _graph_split_query(text))
+    if len(words) > 1:
+        scan = "%s OR (%s)" % (scan, " AND ".join(["instr(words, ?) > 0"] * len(words)))
+        scan_args += [" " + word for word in words]
+    tiers.append((None, scan, scan_args))
+    path_first = "/" in text
+    hits, seen = [], set()
+    if path_first:
+        _graph_path_hits(view, text, path, need, hits, seen)
+    for name, condition, args in tiers:
+        if len(hits) >= need or not lower:
+            break
+        for row in view.rows(
+                "SELECT %s, instr(lname, ?) > 0 FROM g_symbols WHERE (%s)%s ORDER BY "
+                "instr(lname, ?) = 0, %s, length(name), path, line LIMIT ?" % (
+                    _GRAPH_SYMBOL_COLUMNS, condition, extra, _GRAPH_RANK_SQL),
+                [lower] + args + params + [lower, need]):
+            key = (row[0], row[1], row[3])
+            if key not in seen:
+                seen.add(key)
+                hits.append(_graph_symbol(row[:-1], name or (
+                    "substring" if row[-1] else "words")))
+    if not path_first and len(hits) < need and not kind and \
+            ("." in text or "/" in text):
+        _graph_path_hits(view, text, path, need, hits, seen)
+    return hits[offset:offset + limit], len(hits) > offset + limit
+
+
+def _graph_split_query(text):
+    return _graph_words(text)
+
+
+def _graph_path_hits(view, text, within, need, hits, seen):
+    needle = text.strip().lstrip("./").lower()
+    if not needle:
+        return
+    rows = view.rows("SELECT path, lang, status FROM g_files WHERE path = ? UNION ALL "
+                     "SELECT path, lang, status FROM g_files WHERE instr(lower(path), ?) > 0 "
+                     "AND path != ? ORDER BY 1 LIMIT ?", (needle, needle, needle, need * 4))
+    ranked = sorted(rows, key=lambda row: (row[0] != needle, not row[0].lower().endswith(
+        "/" + needle), len(row[0]), row[0]))
+    for path, lang, status in ranked:
+        if within and not (path == within.strip("/") or
+                           path.startswith(within.strip("/") + "/")):
+            continue
+        if len(hits) >= need:
+            return
+        key = (path, 1, None)
+        if key not in seen:
+            seen.add(key)
+            hits.append({"path": path, "line": 1, "end_line": None,
+                         "name": path.rsplit("/", 1)[-1], "qualname": path, "kind": "file",
+                         "signature": "%s file%s" % (lang or "other",
+                                                     "" if status in ("indexed", "listed")
+                                                     else " (%s)" % status),
+                         "match": "path", "location": "%s:1" % path})
+
+
+def graph_file(view, path):
+    rows = view.rows("SELECT path, lang, status, note, size, lines FROM g_files WHERE path = ?",
+                     (path,))
+    if not rows:
+        return None
+    path, lang, status, note, size, lines = rows[0]
+    return {"path": path, "lang": lang or "other", "status": status, "note": note or "",
+            "size": size, "lines": lines}
+
+
+def graph_resolve_target(view, target):
+    """(file path, symbol name or None) that ``target`` names: PATH, PATH:SYMBOL (the last
+    colon that leaves a known path), or a bare symbol name (its best definitions' files
+    are looked at by the caller).  A path typed with ./ or a Windows separator is
+    normalised."""
+    text = target.strip().replace("\\", "/")
+    while text.startswith("./"):
+        text = text[2:]
+    if graph_file(view, text.rstrip("/")):
+        return text.rstrip("/"), None
+    cut = text.rfind(":")
+    while cut > 0:
+        if graph_file(view, text[:cut]):
+            return text[:cut], text[cut + 1:].strip() or None
+        cut = text.rfind(":", 0, cut)
+    return None, text
+
+
+def graph_definitions(view, path, symbol):
+    """The definitions in ``path`` that ``symbol`` names (qualified name first)."""
+    lower = re.sub(r"::|->|#", ".", symbol.lower())
+    rows = view.rows("SELECT %s FROM g_symbols WHERE path = ? AND (lqual = ? OR lname = ? "
+                     "OR lqual LIKE ? ESCAPE '\\') ORDER BY lqual != ?, line LIMIT 20"
+                     % _GRAPH_SYMBOL_COLUMNS,
+                     (path, lower, lower, "%." + _graph_like(lower), lower))
+    return [_graph_symbol(row, "definition") for row in rows]
+
+
+def graph_outline(view, path):
+    return [_graph_symbol(row, "definition") for row in view.rows(
+        "SELECT %s FROM g_symbols WHERE path = ? ORDER BY line, qualname"
+        % _GRAPH_SYMBOL_COLUMNS, (path,))]
+
+
+def graph_imports_of(view, path):
+    return [{"path": path, "line": line, "spec": spec, "target": target,
+             "location": "%s:%d" % (path, line)}
+            for line, spec, target in view.rows(
+                "SELECT line, spec, target FROM g_imports WHERE path = ? ORDER BY line, spec",
+                (path,))]
+
+
+def graph_importers_of(view, path):
+    folder = path.rsplit("/", 1)[0] + "/" if "/" in path else "/"
+    return [{"path": importer, "line": line, "spec": spec, "target": target,
+             "location": "%s:%d" % (importer, line)}
+            for importer, line, spec, target in view.rows(
+                "SELECT path, line, spec, target FROM g_imports WHERE (target = ? OR target = ?) "
+                "AND path != ? ORDER BY path, line", (path, folder, path))]
+
+
+def graph_callers_of(view, names, path=None, importers=(), limit=2000):
+    """Call sites of ``names`` outside ``path`` (the files in ``importers`` first): by
+    name only — a call of another ``read`` is one too."""
+    names = sorted(set(names))
+    rows = []
+    for start in range(0, len(names), 400):
+        chunk = names[start:start + 400]
+        rows += view.rows("SELECT path, line, name, caller FROM g_calls WHERE name IN (%s)%s "
+                          "ORDER BY path, line LIMIT ?" % (
+                              ", ".join("?" * len(chunk)), " AND path != ?" if path else ""),
+                          chunk + ([path] if path else []) + [limit])
+    importers = set(importers)
+    rows.sort(key=lambda row: (row[0] not in importers, row[0], row[1]))
+    return [{"path": where, "line": line, "name": name, "caller": caller,
+             "location": "%s:%d" % (where, line)} for where, line, name, caller in rows[:limit]]
+
+
+def graph_calls_from(view, path, qualname):
+    return [{"path": path, "line": line, "name": name, "caller": qualname,
+             "location": "%s:%d" % (path, line)}
+            for line, name in view.rows(
+                "SELECT line, name FROM g_calls WHERE path = ? AND caller = ? ORDER BY line",
+                (path, qualname))]
+
+
+def _graph_called_names(outline):
+    """The names in a file others would call it by (not variables, not dunders)."""
+    return [item["name"] for item in outline
+            if item["kind"] not in ("variable", "constant", "module", "impl")
+            and not (item["name"].startswith("__") and item["name"].endswith("__"))
+            and len(item["name"]) > 2]
+
+
+def graph_excerpt(view, path, line, end_line, before=0):
+    """The lines [line - before, end_line] of ``path`` as it is on disk now, at most
+    GRAPH_EXCERPT_LINES of them ("" when it cannot be read)."""
+    try:
+        with open_inside(view.workdir, *path.split("/")) as handle:
+            data = handle.read(GRAPH_MAX_FILE_BYTES + 1)
+    except (OSError, UnsafePath):
+        return ""
+    text, _ = graph_decode(data)
+    if text is None:
+        return ""
+    lines = text.split("\n")
+    first = max(1, line - before)
+    last = min(len(lines), max(end_line or line, line), first + GRAPH_EXCERPT_LINES - 1)
+    return "\n".join("%5d  %s" % (number, lines[number - 1][:GRAPH_LINE_CHARS])
+                     for number in range(first, last + 1))
+
+
+def graph_status(view):
+    """Counts and times of what the view holds."""
+    counts = dict(view.rows("SELECT status, count(*) FROM g_files GROUP BY status"))
+    langs = dict(view.rows("SELECT lang, count(*) FROM g_files WHERE status = 'indexed' "
+                           "GROUP BY lang"))
+    meta = dict(view.rows("SELECT key, value FROM main.meta"))
+    status = {"built": True, "database": view.store.relpath(graph_db_path(view.store)),
+              "indexed_at": meta.get("indexed_at"),
+              "files": sum(counts.values()), "files_by_status": counts,
+              "languages": langs,
+              "symbols": view.rows("SELECT count(*) FROM g_symbols")[0][0],
+              "imports": view.rows("SELECT count(*) FROM g_imports")[0][0],
+              "calls": view.rows("SELECT count(*) FROM g_calls")[0][0],
+              "overlay": None, "notes": view.notes}
+    if view.overlay:
+        status["overlay"] = {
+            "task": view.store.task, "worktree": view.workdir,
+            "files": view.rows("SELECT count(*) FROM overlay.files")[0][0],
+            "gone": view.rows("SELECT count(*) FROM overlay.gone")[0][0]}
+    return status
+
+
+# -- operations (CLI, MCP) ----------------------------------------------------------------------
+
+def graph_page_bounds(limit, offset, default):
+    """(limit, offset) of a paged query: ``limit`` 1..GRAPH_PAGE_MAX (default ``default``),
+    ``offset`` from 0; FerrusError for what is not."""
+    limit = default if limit is None else limit
+    offset = 0 if offset is None else offset
+    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise FerrusError("%s must be a whole number of at least %d, not %r"
+                              % (name, low, value), "leave it out for the default")
+    return min(limit, GRAPH_PAGE_MAX), offset
+
+
+def _graph_line(item):
+    relation = item.get("relation") or "defines"
+    if relation in ("defines", "definition"):
+        line = "%s  %s  %s" % (item["location"], item["kind"], item["qualname"])
+        if item.get("signature") and item["kind"] != "file":
+            line += "  — " + item["signature"]
+        return line
+    if relation == "imports":
+        return "%s  imports %s → %s" % (item["location"], item["spec"],
+                                         item.get("target") or "(outside the project)")
+    if relation == "imported_by":
+        return "%s  imports it (%s)" % (item["location"], item["spec"])
+    if relation == "calls":
+        return "%s  calls %s" % (item["location"], item["name"])
+    return "%s  calls %s%s" % (item["location"], item["name"],
+                               "  (in %s)" % item["caller"] if item.get("caller") else "")
+
+
+_GRAPH_HEADINGS = {"defines": "Definitions:", "imports": "Imports:",
+                   "imported_by": "Imported by:", "called_from": "Called from:",
+                   "calls": "Calls:"}
+
+
+def _graph_render(head, items, offset, more, notes=(), sections=True):
+    """(text, the items that fit, next offset or None): ``items`` one line each under
+    their section headings, cut at GRAPH_ANSWER_CHARS; a last line says how to read on."""
+    lines = [head] if head else []
+    size = len(head)
+    shown = []
+    section = None
+    for item in items:
+        line = _graph_line(item)
+        heading = _GRAPH_HEADINGS.get(item.get("relation") or "defines") if sections else None
+        add = len(line) + 3 + (len(heading) + 1 if heading and heading != section else 0)
+        if shown and size + add > GRAPH_ANSWER_CHARS:
+            more = True
+            break
+        if heading and heading != section:
+            lines.append(heading)
+            section = heading
+        lines.append("  " + line if sections else line)
+        size += add
+        shown.append(item)
+    following = offset + len(shown) if more else None
+    if following is not None:
+        lines.append("[ferrus: there is more; call again with offset=%d]" % following)
+    lines += ["note: %s" % note for note in notes]
+    return "\n".join(lines), shown, following
+
+
+def op_graph_index(store, caller, full=False):
+    """`ferrus graph index`: bring the shared graph up to date (``full``: rebuild it),
+    and the overlay of ``store``'s task when it works in a worktree."""
+    store.require()
+    report = graph_index(store, full=full)
+    skipped = ", ".join("%d %s" % (count, _GRAPH_SKIP_WORDS.get(status, status))
+                        for status, count in sorted(report.skipped.items()))
+    text = ("Indexed %d files in %.2f s (%d read, %d extracted, %d removed): %d "
+            "definitions." % (report.files, report.seconds, report.read, report.extracted,
+                              report.removed, report.symbols))
+    if skipped:
+        text += " Skipped: %s." % skipped
+    if report.left_out:
+        text += " %d more files were left out (at most %d are indexed)." % (
+            report.left_out, GRAPH_MAX_FILES)
+    data = {"report": report.to_json(), "overlay": None}
+    if graph_task_worktree(store):
+        connection = graph_connect(graph_db_path(store))
+        try:
+            _, overlay = graph_refresh_overlay(store, connection)
+        finally:
+            connection.close()
+        data["overlay"] = overlay.to_json()
+        text += " Task %s's worktree: %d changed files laid over it." % (store.task,
+                                                                         overlay.files)
+    return Outcome(text, data)
+
+
+_GRAPH_SKIP_WORDS = {"binary": "binary", "huge": "over the size limit",
+                     "outside": "links out of the tree", "link": "symbolic links",
+                     "special": "special files", "unreadable": "unreadable"}
+
+
+def op_graph_status(store, caller):
+    """`ferrus graph status` and repository_graph_status: what the graph holds."""
+    store.require()
+    import_sqlite3("the repository graph")        # said first: no graph can be built without
+    if not os.path.isfile(graph_db_path(store)):
+        text = ("The repository graph is not built yet: `ferrus graph index` builds it (a "
+                "query builds it by itself in a project of at most %d files)."
+                % GRAPH_AUTO_BUILD_FILES)
+        return Outcome(text, {"built": False, "database": store.relpath(graph_db_path(store)),
+                              "indexed_at": None, "files": 0, "files_by_status": {},
+                              "languages": {}, "symbols": 0, "imports": 0, "calls": 0,
+                              "overlay": None, "notes": []})
+    with graph_open(store, refresh=False) as view:
+        status = graph_status(view)
+    skipped = {key: value for key, value in status["files_by_status"].items()
+               if key not in ("indexed", "listed")}
+    text = ("Repository graph (%s), indexed %s: %d files (%d read for definitions%s), %d "
+            "definitions, %d imports, %d calls." % (
+                status["database"], status["indexed_at"] or "?", status["files"],
+                status["files_by_status"].get("indexed", 0),
+                "; skipped: " + ", ".join("%d %s" % (count, _GRAPH_SKIP_WORDS.get(key, key))
+                                          for key, count in sorted(skipped.items()))
+                if skipped else "", status["symbols"], status["imports"], status["calls"]))
+    if status["languages"]:
+        text += "\nLanguages: " + ", ".join("%s %d" % item for item in
+                                            sorted(status["languages"].items()) if item[0])
+    if status["overlay"]:
+        text += ("\nTask %s: its worktree's %d changed files (and %d it deleted) are laid "
+                 "over the shared graph." % (status["overlay"]["task"],
+                                             status["overlay"]["files"],
+                                             status["overlay"]["gone"]))
+    text += "".join("\nnote: %s" % note for note in status["notes"])
+    return Outcome(text, status)
+
+
+def _graph_text_argument(value, name, limit=1000):
+    if not isinstance(value, str) or not value.strip():
+        raise FerrusError("%s must be non-empty text" % name,
+                          "pass a name, a qualified name (Class.method) or a path")
+    if len(value) > limit:
+        raise FerrusError("%s is %d characters long; at most %d are taken" % (
+            name, len(value), limit), "pass a shorter %s" % name)
+    return value
+
+
+def op_graph_search(store, caller, query, kind=None, path=None, limit=None, offset=None):
+    """`ferrus graph search` and repository_graph_search: definitions by name, qualified
+    name, words or path, best first (see graph_search), with file:line."""
+    _graph_text_argument(query, "query")
+    for name, value in (("kind", kind), ("path", path)):
+        if value is not None:
+            _graph_text_argument(value, name, 500)
+    limit, offset = graph_page_bounds(limit, offset, GRAPH_PAGE_DEFAULT)
+    store.require()
+    with graph_open(store) as view:
+        hits, more = graph_search(view, query, kind and kind.strip(),
+                                  path and path.strip().replace("\\", "/"), limit, offset)
+        notes = view.notes
+    if not hits:
+        text = "No definition or file matches %r%s." % (query.strip(), "" if not offset
+                                                        else " past offset %d" % offset)
+        return Outcome(text + "".join("\nnote: %s" % n for n in notes),
+                       {"query": query, "hits": [], "offset": offset, "next_offset": None,
+                        "notes": notes})
+    text, shown, following = _graph_render("", hits, offset, more, notes, sections=False)
+    return Outcome(text, {"query": query, "hits": shown, "offset": offset,
+                          "next_offset": following, "notes": notes})
+
+
+def _graph_named(view, target):
+    """(path, symbol, definitions) for a target: a file, a definition in a file, or a
+    bare name (its best definitions anywhere); FerrusError when it names nothing."""
+    path, symbol = graph_resolve_target(view, target)
+    if path is not None and symbol is None:
+        return path, None, []
+    if path is not None:
+        found = graph_definitions(view, path, symbol)
+        if not found:
+            raise FerrusError("%s defines no %s" % (path, symbol),
+                              "`ferrus graph show %s` lists what it defines" % path)
+        return path, symbol, found
+    hits, _ = graph_search(view, symbol, limit=10)
+    found = [hit for hit in hits if hit["match"] in ("exact", "qualified", "name",
+                                                       "qualified-suffix")]
+    if not found:
+        raise FerrusError("no file or definition is named %s" % target.strip(),
+                          "`ferrus graph search %s` finds near matches" % target.strip())
+    paths = {hit["path"] for hit in found}
+    return (found[0]["path"] if len(paths) == 1 else None), symbol, found
+
+
+def op_graph_show(store, caller, target, limit=None, offset=None):
+    """`ferrus graph show PATH[:SYMBOL]`: a file's definitions (outline) and imports, or a
+    definition with its source lines and the calls it makes."""
+    _graph_text_argument(target, "target")
+    limit, offset = graph_page_bounds(limit, offset, GRAPH_PAGE_MAX)
+    store.require()
+    with graph_open(store) as view:
+        path, symbol, found = _graph_named(view, target)
+        info = graph_file(view, path) if path else None
+        notes = view.notes
+        if symbol is None:
+            items = graph_outline(view, path)
+            if offset == 0:
+                items += [dict(item, relation="imports") for item in graph_imports_of(view,
+                                                                                      path)]
+            head = "%s — %s, %s%s" % (path, info["lang"], "%s lines" % info["lines"]
+                                       if info["lines"] else info["status"],
+                                       " (%s)" % info["note"] if info["note"] else "")
+            page = items[offset:offset + limit]
+            text, shown, following = _graph_render(head, page, offset,
+                                                   len(items) > offset + limit, notes)
+            return Outcome(text, {"target": target, "file": info, "items": shown,
+                                  "excerpt": "", "offset": offset, "next_offset": following,
+                                  "notes": notes})
+        first = found[0]
+        excerpt = graph_excerpt(view, first["path"], first["line"], first["end_line"])
+        items = list(found) + [dict(item, relation="calls") for item in
+                               graph_calls_from(view, first["path"], first["qualname"])]
+    page = items[offset:offset + limit]
+    head = "%s%s" % (first["location"], "" if len(found) == 1 else
+                     " (and %d more definitions of %s)" % (len(found) - 1, symbol))
+    if excerpt and offset == 0:
+        head += "\n" + excerpt
+    text, shown, following = _graph_render(head, page, offset, len(items) > offset + limit,
+                                           notes)
+    return Outcome(text, {"target": target, "file": info, "items": shown,
+                          "excerpt": excerpt if offset == 0 else "", "offset": offset,
+                          "next_offset": following, "notes": notes})
+
+
+def op_graph_context(store, caller, target, limit=None, offset=None):
+    """`ferrus graph context` and repository_graph_context: a file's or a definition's
+    neighbours — what it defines, what it imports, who imports it, who calls its
+    names (files that import it first) — paged."""
+    _graph_text_argument(target, "target")
+    limit, offset = graph_page_bounds(limit, offset, 50)
+    store.require()
+    with graph_open(store) as view:
+        path, symbol, found = _graph_named(view, target)
+        info = graph_file(view, path) if path else None
+        notes = view.notes
+        if symbol is None:
+            outline = graph_outline(view, path)
+            importers = graph_importers_of(view, path)
+            items = (outline + [dict(item, relation="imports")
+                                for item in graph_imports_of(view, path)]
+                     + [dict(item, relation="imported_by") for item in importers]
+                     + [dict(item, relation="called_from") for item in graph_callers_of(
+                         view, _graph_called_names(outline), path,
+                         [item["path"] for item in importers])])
+            head = "Context of %s (%s)" % (path, info["lang"])
+        else:
+            names = {item["name"] for item in found}
+            own = {(item["path"], item["line"]) for item in found}
+            importers = [item["path"] for definition in found
+                         for item in graph_importers_of(view, definition["path"])]
+            callers = [item for item in graph_callers_of(view, names, None, importers)
+                       if (item["path"], item["line"]) not in own]
+            items = (list(found)
+                     + [dict(item, relation="calls") for definition in found[:1]
+                        for item in graph_calls_from(view, definition["path"],
+                                                     definition["qualname"])]
+                     + [dict(item, relation="called_from") for item in callers])
+            head = "Context of %s" % (found[0]["qualname"] if len(found) == 1 else symbol)
+    page = items[offset:offset + limit]
+    text, shown, following = _graph_render(head, page, offset, len(items) > offset + limit,
+                                           notes)
+    return Outcome(text, {"target": target, "file": info, "items": shown, "offset": offset,
+                          "next_offset": following, "notes": notes})
+
+
+# -- MCP tools ----------------------------------------------------------------------------------
+
+_GRAPH_PAGE_PARAMS = (
+    Param("limit", "integer", "Optional: how many items (default %d, at most %d)."
+          % (GRAPH_PAGE_DEFAULT, GRAPH_PAGE_MAX), required=False),
+    Param("offset", "integer", "Optional: where to go on from (the next_offset of the "
+                               "previous answer).", required=False))
+_GRAPH_PAGE_OUT = {"offset": "integer", "next_offset": "integer?", "notes": "array"}
+
+GRAPH_TOOLS = (
+    Tool("repository_graph_status", "Repository graph status",
+         "What the repository graph knows: files by status and language, definitions, "
+         "imports and calls, when it was indexed, and (for a task in its own worktree) the "
+         "changed files laid over it. Read-only.", ROLES,
+         lambda st, c: op_graph_status(st, c), (),
+         {"built": "boolean", "database": "string", "indexed_at": "string?", "files": "integer",
+          "files_by_status": "object", "languages": "object", "symbols": "integer",
+          "imports": "integer", "calls": "integer", "overlay": "object?", "notes": "array"},
+         read_only=True, idempotent=True),
+    Tool("repository_graph_search", "Search the repository graph",
+         "Find definitions by name (load_config), qualified name (Store.read_state, "
+         "Config::new), words (\"read state\") or file path: ranked hits with file:line, "
+         "kind and signature, best first. Use it before reading files to know where to "
+         "look. Paged: pass next_offset as offset for more. Read-only.", ROLES,
+         lambda st, c, query, kind=None, path=None, limit=None, offset=None: op_graph_search(
+             st, c, query, kind, path, limit, offset),
+         (Param("query", "string", "A name, Class.method, words or a path."),
+          Param("kind", "string", "Optional: only this kind (class, function, method, "
+                                  "struct, interface, trait, enum, type, module, macro, "
+                                  "constant, variable).", required=False),
+          Param("path", "string", "Optional: only under this folder or in this file "
+                                  "(relative to the project).", required=False))
+         + _GRAPH_PAGE_PARAMS,
+         dict(_GRAPH_PAGE_OUT, query="string", hits="array"), read_only=True, idempotent=True),
+    Tool("repository_graph_context", "Repository graph context",
+         "The neighbours of a file or a definition: what it defines, what it imports, which "
+         "files import it and where its names are called (by name: another definition of "
+         "the same name counts too), each with file:line. Target: a path (src/app.py), a "
+         "definition in it (src/app.py:Store.load) or a bare name. Paged like search. "
+         "Read-only.", ROLES,
+         lambda st, c, target, limit=None, offset=None: op_graph_context(st, c, target, limit,
+                                                                         offset),
+         (Param("target", "string", "A path, PATH:SYMBOL, or a name."),) + _GRAPH_PAGE_PARAMS,
+         dict(_GRAPH_PAGE_OUT, target="string", file="object?", items="array"),
+         read_only=True, idempotent=True),
+)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def _graph_cli_path(store, text):
+    """A path typed in a shell (relative to where the user stands) as the graph names it,
+    when it is a file or folder of the project; else the text as given."""
+    full = os.path.abspath(text)
+    if os.path.exists(full):
+        relative = os.path.relpath(full, store.root)
+        if relative != os.pardir and not relative.startswith(os.pardir + os.sep) and \
+                not os.path.isabs(relative):
+            return relative.replace(os.sep, "/")
+    return text
+
+
+def cmd_graph(args, root):
+    store = Store(root).require()
+    if getattr(args, "task", None):
+        store = task_store_of(store, require_task_id(store, args.task))
+    command = args.graph_command
+    if command == "index":
+        outcome = op_graph_index(store, HUMAN, full=args.full)
+    elif command == "status":
+        outcome = op_graph_status(store, HUMAN)
+    elif command == "search":
+        path = _graph_cli_path(store, args.path) if args.path else None
+        outcome = op_graph_search(store, HUMAN, " ".join(args.query), args.kind, path,
+                                  args.n, args.offset)
+    else:
+        target = args.target
+        head, colon, symbol = target.rpartition(":")
+        if colon and head and not os.path.exists(target) and os.path.exists(head):
+            target = "%s:%s" % (_graph_cli_path(store, head), symbol)
+        else:
+            target = _graph_cli_path(store, target)
+        run = op_graph_show if command == "show" else op_graph_context
+        outcome = run(store, HUMAN, target, args.n, args.offset)
+    if args.json:
+        print(json_for_terminal(compact_json(outcome.data)))
+    else:
+        say(outcome.text)
+    return 0
+
+
+def add_graph_parser(sub):
+    """`ferrus graph …` on the top-level subparsers."""
+    p = sub.add_parser("graph", help="the repository graph: where things are defined, "
+                                     "imported and called")
+    commands = p.add_subparsers(dest="graph_command", metavar="COMMAND")
+    commands.required = True
+    c = commands.add_parser("index", help="bring .ferrus/graph/repo-graph.db up to date "
+                                          "(only changed files are read again)")
+    c.add_argument("--full", action="store_true",
+                   help="rebuild it from scratch instead of incrementally")
+    c.add_argument("--task", metavar="ID", help="also index this parallel task's worktree "
+                                                "changes into its overlay")
+    c.add_argument("--json", action="store_true", help="the report as one JSON object")
+    c = commands.add_parser("status", help="what the graph holds and when it was indexed")
+    c.add_argument("--task", metavar="ID", help="as this parallel task sees it (its overlay)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c = commands.add_parser("search", help="definitions by name, Class.method, words or path")
+    c.add_argument("query", nargs="+", metavar="NAME", help="what to look for")
+    c.add_argument("--kind", metavar="K", help="only definitions of this kind (class, "
+                                                "function, method, struct, …)")
+    c.add_argument("--path", metavar="P", help="only in this file or under this folder")
+    for name, what in (("show", "a file's definitions and imports, or a definition with its "
+                                "source lines and the calls it makes"),
+                       ("context", "a file's or a definition's neighbours: what it defines "
+                                   "and imports, who imports it, who calls its names")):
+        d = commands.add_parser(name, help=what)
+        d.add_argument("target", metavar="PATH[:SYMBOL]",
+                       help="a file, a definition in it (src/app.py:Store.load) or a name")
+    for c in commands.choices.values():
+        if c.prog.split()[-1] in ("search", "show", "context"):
+            c.add_argument("-n", type=int, default=None, metavar="N",
+                           help="at most N items (default 20 for search, 50 for context, "
+                                "100 for show; at most 100)")
+            c.add_argument("--offset", type=int, default=None, metavar="K",
+                           help="go on from item K (what the last line of a cut answer "
+                                "says)")
+            c.add_argument("--task", metavar="ID",
+                           help="as this parallel task sees it: its worktree's changes laid "
+                                "over the shared graph")
+            c.add_argument("--json", action="store_true", help="the answer as one JSON object")
+    p.set_defaults(run=cmd_graph)
+
+
+# ============================================================================
+# src/ferrus/memory.py (from its line 43)
+# ============================================================================
+# Project memory: records of ended tasks and specs, their search, `spec archive`.
+#
+# A record of every task that ended and every archived spec, searched by words and by
+# path; the few most relevant of them are named in an executor's prompt.
+#
+# What a record holds comes from what ferrus already writes: the journal (create_task,
+# submit, reject, integration_failed, approve, integrated and the queue's task_* ends,
+# with the texts they carry), the task's record and files (task.json, TASK.md, the last
+# SUBMISSION.md and REVIEW.md while they are still that task's), and git (the files its
+# merged or submitted commit changed).  A sync reads only the journal entries after the
+# last one it saw, keeps each running task's facts until it ends, then writes the task's
+# record to ``.ferrus/memory/records/<task>.json`` — the copy that outlives the journal's
+# rotation — and into ``.ferrus/memory/project-memory.db``, a sqlite3 cache searched with
+# FTS5 where the interpreter's SQLite has it and with a plain term index where not.
+# ``ferrus memory rebuild`` makes the database again from the record files, the journal
+# and the archived specs (``<spec dir>/archive/*.md``, whose ``## Outcome`` ``ferrus spec
+# archive`` writes).  Answers are ranked, bounded and paged with ``offset``.
+
+MEMORY_DIR = "memory"                      # in .ferrus/
+MEMORY_DB_FILE = "project-memory.db"
+MEMORY_RECORDS_DIR = "records"             # in .ferrus/memory/: one JSON file per task
+MEMORY_SCHEMA_VERSION = 1
+SPEC_ARCHIVE_DIR = "archive"               # in the spec directory
+# How much of each text a record keeps.
+MEMORY_TEXT_CHARS = 4000
+MEMORY_DESCRIPTION_CHARS = 2000
+MEMORY_LIST_ENTRIES = 20                   # submissions and reviews kept (the last ones)
+MEMORY_FILES = 500
+# What one answer may hold.
+MEMORY_PAGE_DEFAULT = 10
+MEMORY_PAGE_MAX = 50
+MEMORY_SNIPPET_CHARS = 240
+MEMORY_RECORD_CHARS = 16 * 1024            # project_context: one page of a record
+# The executor's prompt names at most this many records, in at most this many characters.
+MEMORY_PROMPT_RECORDS = 3
+MEMORY_PROMPT_CHARS = 1500
+MEMORY_QUERY_WORDS = 32
+# How long a sync waits for another process's write to the memory database to end.
+MEMORY_BUSY_SECS = 10.0
+_MEMORY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+_MEMORY_WORD_RE = re.compile(r"[^\W_]+(?:_[^\W_]+)*", re.UNICODE)
+_MEMORY_PATH_RE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)+[\w.-]+|[\w-][\w.-]*\.[A-Za-z0-9]{1,8})"
+                             r"(?![\w/])")
+# Words too common in task texts to tell records apart.
+_MEMORY_STOPWORDS = frozenset("""
+a an and are as at be been but by can do does for from has have how if in into is it its
+may must no not of on or so such than that the their then there these this to use used
+using was we were what when where which while who will with without you your should would
+could all any each every more most other some only also just one two new add make sure
+task tasks file files code change changes changed please need needs like via per same
+""".split())
+
+# The journal events that end a task for good (the queue's, and a human's reset).
+_MEMORY_QUEUE_ENDS = {"task_merged": "merged", "task_done": "done",
+                      "task_unchanged": "unchanged", "task_failed": "failed",
+                      "task_cancelled": "cancelled", "cancel_task": "cancelled"}
+
+
+
+def memory_db_path(store):
+    return store.path(MEMORY_DIR, MEMORY_DB_FILE)
+
+
+def memory_records_dir(store):
+    return store.path(MEMORY_DIR, MEMORY_RECORDS_DIR)
+
+
+def memory_fts5_available():
+    """Whether this interpreter's SQLite has FTS5 (some builds leave it out)."""
+    sqlite3 = import_sqlite3("project memory")
+    connection = sqlite3.connect(":memory:")
+    try:
+        connection.execute("CREATE VIRTUAL TABLE probe USING fts5(text)")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        connection.close()
+
+
+# -- the database ---------------------------------------------------------------------------------
+
+_MEMORY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    id TEXT PRIMARY KEY, kind TEXT NOT NULL, title TEXT NOT NULL, outcome TEXT NOT NULL,
+    ended_at TEXT, spec TEXT, milestone TEXT, body TEXT NOT NULL, json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS record_files (id TEXT NOT NULL, path TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS record_files_by_path ON record_files(path);
+CREATE INDEX IF NOT EXISTS record_files_by_id ON record_files(id);
+CREATE TABLE IF NOT EXISTS task_facts (task TEXT PRIMARY KEY, json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS archived_specs (path TEXT PRIMARY KEY, size INTEGER,
+                                           mtime_ns INTEGER);
+CREATE TABLE IF NOT EXISTS terms (term TEXT NOT NULL, id TEXT NOT NULL, weight REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS terms_by_term ON terms(term);
+CREATE INDEX IF NOT EXISTS terms_by_id ON terms(id);
+"""
+_MEMORY_FTS = ("CREATE VIRTUAL TABLE IF NOT EXISTS records_fts USING fts5("
+               "id UNINDEXED, title, body, files, tokenize = 'unicode61 remove_diacritics 2')")
+
+
+class MemoryUnavailable(FerrusError):
+    """The memory database cannot be opened or written now."""
+
+
+def memory_connect(store, fts5=None):
+    """An autocommit connection to the memory database with the current schema; a file
+    of another schema version or one sqlite cannot read is replaced (the records are
+    read again from their files and the journal).  ``fts5``: whether a new database
+    uses FTS5 (default: when this SQLite has it)."""
+    sqlite3 = import_sqlite3("project memory")
+    path = memory_db_path(store)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for attempt in (1, 2):
+        try:
+            connection = sqlite3.connect(path, timeout=MEMORY_BUSY_SECS, isolation_level=None,
+                                         check_same_thread=False)
+            try:
+                version = connection.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, MEMORY_SCHEMA_VERSION):
+                    raise sqlite3.DatabaseError("schema version %d" % version)
+                # A cache: no fsync (a file a power cut damaged is made again, the
+                # records read back from their files).
+                connection.execute("PRAGMA synchronous=OFF")
+                if version == 0:
+                    connection.executescript(_MEMORY_SCHEMA)
+                    backend = "fts5" if (memory_fts5_available() if fts5 is None else fts5) \
+                        else "plain"
+                    if backend == "fts5":
+                        connection.execute(_MEMORY_FTS)
+                    connection.execute("INSERT OR REPLACE INTO meta VALUES ('backend', ?)",
+                                       (backend,))
+                    connection.execute("PRAGMA user_version=%d" % MEMORY_SCHEMA_VERSION)
+                return connection
+            except BaseException:
+                connection.close()
+                raise
+        except sqlite3.DatabaseError as err:
+            if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
+                raise MemoryUnavailable("the project memory %s is locked by another process"
+                                        % store.relpath(path), "try again in a moment") from err
+            if attempt == 2:
+                raise MemoryUnavailable("the project memory %s cannot be opened: %s" % (
+                    store.relpath(path), err), "`ferrus memory rebuild` makes it again") from err
+            log.warning("the project memory %s cannot be read (%s): making it again",
+                        path, err)
+            memory_remove_database(store)
+    raise AssertionError("unreachable")
+
+
+def memory_remove_database(store):
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(memory_db_path(store) + suffix)
+
+
+def _memory_meta(connection, key, default=None):
+    row = connection.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return row[0] if row else default
+
+
+def _memory_set_meta(connection, key, value):
+    connection.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+
+def memory_words(text):
+    """The lower-case words of ``text`` (letters and digits, snake_case kept whole and
+    split too: read_state gives read_state, read, state)."""
+    words = []
+    for match in _MEMORY_WORD_RE.finditer(text.lower()):
+        word = match.group()
+        words.append(word)
+        if "_" in word:
+            words.extend(part for part in word.split("_") if part)
+    return words
+
+
+# -- records: what a task's end leaves ------------------------------------------------------------
+
+def _memory_cut(text, limit=MEMORY_TEXT_CHARS):
+    text = (text or "").replace("\r\n", "\n").strip()
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def _memory_facts(connection, cache, task):
+    if task not in cache:
+        row = connection.execute("SELECT json FROM task_facts WHERE task = ?",
+                                 (task,)).fetchone()
+        cache[task] = _memory_json(row[0]) if row else {}
+        cache[task].setdefault("id", task)
+    return cache[task]
+
+
+def _memory_json(text):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _memory_append(facts, key, item):
+    items = facts.setdefault(key, [])
+    items.append(item)
+    del items[:-MEMORY_LIST_ENTRIES]
+
+
+def _memory_text(detail):
+    """The text a journal entry carries (submit: the summary; reject, human_reject,
+    integration_failed, approve: the notes) under ``text``, or None (a journal written
+    before entries carried it)."""
+    value = detail.get("text")
+    return _memory_cut(value) if isinstance(value, str) and value.strip() else None
+
+
+def memory_apply_entry(facts_of, entry, ends, foreground):
+    """Fold one journal entry into the facts of the task it is about; ``ends`` collects
+    (task, outcome) of the tasks it ended; ``foreground`` ([task id]) is the project's
+    own current task, which a reset (whose entry names no task) ends."""
+    event = entry.get("event") or ""
+    detail = entry.get("detail") or {}
+    task = entry.get("task_id")
+    time_ = entry.get("time")
+    if not task:
+        if event in ("reset", "force_reset") and foreground[0] and \
+                entry.get("from") not in (S.IDLE.value, S.COMPLETE.value, S.FAILED.value):
+            facts = facts_of(foreground[0])
+            if not facts.get("outcome"):
+                facts.setdefault("reason", "reset to Idle by %s" % (entry.get("actor") or "?"))
+                ends.append((foreground[0], "cancelled", time_))
+        return
+    if not _MEMORY_ID_RE.match(task):
+        return
+    facts = facts_of(task)
+    if event == "create_task":
+        facts["started_at"] = time_
+        for key in ("spec", "milestone", "base", "branch", "title"):
+            if isinstance(detail.get(key), str):
+                facts[key] = detail[key]
+        if not facts.get("queued_at"):
+            foreground[0] = task     # the checkout's own task (the queue's end by task_*)
+    elif event == "enqueue_task":
+        facts["queued_at"] = time_
+        for key in ("title", "spec", "milestone"):
+            if isinstance(detail.get(key), str):
+                facts[key] = detail[key]
+    elif event == "submit":
+        # A parallel task's entry numbers its submission; the checkout's are counted.
+        facts["submitted"] = (facts.get("submitted") or 0) + 1
+        _memory_append(facts, "submissions", {
+            "n": detail.get("n") or facts["submitted"], "time": time_,
+            "commit": detail.get("submission") if isinstance(detail.get("submission"), str)
+            else None, "summary": _memory_text(detail)})
+    elif event in ("reject", "human_reject", "integration_failed"):
+        review = {"verdict": {"reject": "rejected", "human_reject": "rejected by a human",
+                              "integration_failed": "integration failed"}[event],
+                  "time": time_, "by": entry.get("actor"),
+                  "cycle": detail.get("review_cycles"), "notes": _memory_text(detail)}
+        if event == "integration_failed":
+            review["cause"] = detail.get("cause") if isinstance(detail.get("cause"), str) \
+                else None
+            files = detail.get("files")
+            if isinstance(files, list):
+                review["files"] = [str(path) for path in files[:50]]
+        _memory_append(facts, "reviews", review)
+    elif event in ("approve", "human_approve"):
+        _memory_append(facts, "reviews", {
+            "verdict": "approved" if event == "approve" else "approved by a human",
+            "time": time_, "by": entry.get("actor"), "notes": _memory_text(detail)})
+        if isinstance(detail.get("commit"), str):
+            facts["commit"] = detail["commit"]
+    elif event == "check_failed":
+        failed = detail.get("failed")
+        if isinstance(failed, list):
+            facts["checks_failed"] = [str(command)[:200] for command in failed[:10]]
+    elif event == "integrated":
+        if isinstance(detail.get("commit"), str):
+            facts["commit"] = detail["commit"]
+    elif event == "retry_task":
+        facts["retried"] = (facts.get("retried") or 0) + 1
+        for key in ("outcome", "reason", "checks_failed"):     # the failed attempt's
+            facts.pop(key, None)
+    if event in _MEMORY_QUEUE_ENDS:
+        if isinstance(detail.get("reason"), str):
+            facts["reason"] = _memory_cut(detail["reason"], 500)
+        ends.append((task, _MEMORY_QUEUE_ENDS[event], time_))
+    elif entry.get("to") != entry.get("from") and entry.get("to") in (
+            S.COMPLETE.value, S.FAILED.value) and not facts.get("queued_at"):
+        # The project's own task (a queue task ends with one of the task_* events).
+        ends.append((task, "complete" if entry["to"] == S.COMPLETE.value else "failed",
+                     time_))
+
+
+def _memory_task_files(store, task):
+    """(folder of the task's content files, its STATE.json data or None) while they are
+    still that task's: a queue task's own folder, or the project's while its STATE.json
+    names the task."""
+    folder = store.path(TASKS_DIR, task)
+    task_store = store.for_task(task)
+    if os.path.isfile(task_store.task_path("STATE.json")):
+        with contextlib.suppress(FerrusError, OSError):
+            data = task_store.read_state()
+            if data.task_id in (None, task):
+                return folder, data
+    with contextlib.suppress(FerrusError, OSError):
+        data = store.project_state()
+        if data.task_id == task:
+            return store.dir, data
+    if os.path.isfile(os.path.join(folder, "TASK.md")):
+        return folder, None
+    return None, None
+
+
+def _memory_read(folder, name):
+    try:
+        with open_inside(folder, name) as handle:
+            return handle.read(MEMORY_TEXT_CHARS * 4).decode("utf-8", errors="replace")
+    except (OSError, UnsafePath):
+        return ""
+
+
+def _memory_top_relative(store):
+    """The project folder's place in its repository ("" at the top, None without git)."""
+    try:
+        repo = git_repository(store.root)
+    except GitUnavailable:
+        return None
+    relative = os.path.relpath(store.root, repo.toplevel).replace(os.sep, "/")
+    return "" if relative == os.curdir else relative + "/"
+
+
+def _memory_changed_files(store, facts, record, data):
+    """The project-relative paths the task changed, from the best source there is: its
+    merged commit, its committed approval, its last submission, or (the project's own
+    task, still current) its working tree."""
+    prefix = None
+    pairs = []
+    merged = record.get("merged_commit")
+    if merged:
+        pairs.append(((record.get("integration") or {}).get("target_head") or merged + "^",
+                      merged))
+    base = record.get("base") or facts.get("base")
+    if facts.get("commit") and base and not merged:
+        pairs.append((base, facts["commit"]))
+    last = next((item.get("commit") for item in reversed(facts.get("submissions") or [])
+                 if item.get("commit")), None)
+    if last and base:
+        pairs.append((base, last))
+    for old, new in pairs:
+        try:
+            if prefix is None:
+                prefix = _memory_top_relative(store)
+                if prefix is None:
+                    return []
+            paths = changed_paths(store.root, old, new)
+        except (GitUnavailable, GitError):
+            continue
+        return [path[len(prefix):] for path in paths if path.startswith(prefix)][:MEMORY_FILES]
+    if data is not None and data.task_id == facts["id"] and store.task is None:
+        with contextlib.suppress(GitUnavailable, GitError, FerrusError):
+            diff = task_diff(task_git_site(store), data.task_base, task_diff_exclusions(store),
+                             patch=False)
+            return [changed.path for changed in diff.files][:MEMORY_FILES]
+    return []
+
+
+def memory_build_record(store, facts, outcome, ended_at):
+    """The record of a task that ended with ``outcome``, from its journal facts and what
+    its record and files still say."""
+    task = facts["id"]
+    record, _ = load_task_record(store.dir, task)
+    folder, data = _memory_task_files(store, task)
+    description = _memory_read(folder, "TASK.md") if folder else ""
+    title = facts.get("title") or record.get("title") or task_title(description) or task
+    submissions = [dict(item) for item in facts.get("submissions") or []]
+    reviews = [dict(item) for item in facts.get("reviews") or []]
+    if folder and data is not None:
+        # The files hold the last submission and review while the task is current: they
+        # fill in what a journal written before its entries carried texts lacks.
+        if submissions and not submissions[-1].get("summary"):
+            summary = _memory_read(folder, "SUBMISSION.md")
+            submissions[-1]["summary"] = _memory_cut(summary) or None
+        # REVIEW.md is written by each rejection (and integration failure) and emptied
+        # only when the task is created or reset: it holds the last one's notes.
+        sent_back = [item for item in reviews if not item["verdict"].startswith("approved")]
+        if sent_back and not sent_back[-1].get("notes"):
+            sent_back[-1]["notes"] = _memory_cut(_memory_read(folder, "REVIEW.md")) or None
+        approved = [item for item in reviews if item["verdict"].startswith("approved")]
+        if approved and not approved[-1].get("notes"):
+            approved[-1]["notes"] = _memory_cut(_memory_read(folder, "APPROVAL.md")) or None
+    for item in submissions:
+        if not item.get("summary") and item.get("commit"):
+            with contextlib.suppress(GitUnavailable, GitError, FerrusError):
+                item["summary"] = _memory_cut(commit_message(store.root, item["commit"]))
+    reason = facts.get("reason") or record.get("reason")
+    if not reason and data is not None and data.failure_reason and outcome == "failed":
+        reason = _memory_cut(data.failure_reason, 500)
+    if not reason and outcome == "failed" and facts.get("checks_failed"):
+        reason = "checks failed: " + ", ".join(facts["checks_failed"])
+    origin = record.get("origin") or {}
+    return {
+        "id": task, "kind": "task", "title": _memory_cut(title, 300), "outcome": outcome,
+        "reason": reason or None,
+        "spec": facts.get("spec") or origin.get("spec"),
+        "milestone": facts.get("milestone") or origin.get("milestone"),
+        "started_at": facts.get("started_at") or facts.get("queued_at"),
+        "ended_at": ended_at or record.get("ended_at"),
+        "description": _memory_cut(description, MEMORY_DESCRIPTION_CHARS),
+        "submissions": submissions, "reviews": reviews,
+        "files": _memory_changed_files(store, facts, record, data),
+        "commit": record.get("merged_commit") or facts.get("commit"),
+        "retried": facts.get("retried") or 0,
+    }
+
+
+def _memory_merge(old, new):
+    """``new`` with what only ``old`` knew kept (a rebuild from a rotated journal knows
+    less than the record written when the task ended)."""
+    if not old:
+        return new
+    merged = dict(old)
+    for key, value in new.items():
+        if value not in (None, "", [], 0) or key not in merged:
+            merged[key] = value
+    if new.get("outcome") != old.get("outcome"):
+        merged["reason"] = new.get("reason")     # why it failed is no reason once it merged
+    for key, identity in (("submissions", lambda item: (item.get("n"), item.get("time"))),
+                          ("reviews", lambda item: (item.get("verdict"), item.get("time")))):
+        seen, items = set(), []
+        for item in (old.get(key) or []) + (new.get(key) or []):
+            mark = identity(item)
+            if mark in seen:
+                for index, kept in enumerate(items):
+                    if identity(kept) == mark:
+                        items[index] = dict(kept, **{k: v for k, v in item.items() if v})
+                continue
+            seen.add(mark)
+            items.append(item)
+        merged[key] = sorted(items, key=lambda item: item.get("time") or "")[
+            -MEMORY_LIST_ENTRIES:]
+    return merged
+
+
+def memory_record_text(record):
+    """(title, body, files) of a record as they are searched."""
+    parts = [record.get("description") or "", record.get("reason") or "",
+             " ".join(filter(None, (record.get("spec"), record.get("milestone"))))]
+    parts += [item.get("summary") or "" for item in record.get("submissions") or []]
+    parts += [item.get("notes") or "" for item in record.get("reviews") or []]
+    parts += [record.get("outcome_text") or ""]
+    return (record.get("title") or "", "\n".join(part for part in parts if part),
+            " ".join(record.get("files") or []))
+
+
+def _memory_store_record(connection, record, backend):
+    title, body, files = memory_record_text(record)
+    identity = record["id"]
+    for table in ("records", "record_files", "terms"):
+        connection.execute("DELETE FROM %s WHERE id = ?" % table, (identity,))
+    if backend == "fts5":
+        connection.execute("DELETE FROM records_fts WHERE id = ?", (identity,))
+        connection.execute("INSERT INTO records_fts (id, title, body, files) VALUES (?, ?, ?, ?)",
+                           (identity, title, body, files))
+    else:
+        weights = {}
+        for field, weight in ((title, 4.0), (body, 1.0), (files, 2.0)):
+            for word in memory_words(field):
+                weights[word] = weights.get(word, 0.0) + weight
+        connection.executemany("INSERT INTO terms (term, id, weight) VALUES (?, ?, ?)",
+                               [(term, identity, value) for term, value in weights.items()])
+    connection.execute(
+        "INSERT INTO records (id, kind, title, outcome, ended_at, spec, milestone, body, json) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (identity, record.get("kind") or "task", title, record.get("outcome") or "",
+         record.get("ended_at"), record.get("spec"), record.get("milestone"), body,
+         compact_json(record)))
+    connection.executemany("INSERT INTO record_files (id, path) VALUES (?, ?)",
+                           [(identity, path) for path in (record.get("files") or [])])
+
+
+def _memory_write_record_file(store, record):
+    folder = memory_records_dir(store)
+    os.makedirs(folder, exist_ok=True)
+    atomic_write(os.path.join(folder, record["id"] + ".json"), pretty_json(record) + "\n",
+                 durable=False)
+
+
+def _memory_read_record_files(store):
+    folder = memory_records_dir(store)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    records = []
+    for name in names:
+        if not name.endswith(".json") or not _MEMORY_ID_RE.match(name[:-5]):
+            continue
+        try:
+            with open_inside(folder, name) as handle:
+                record = _memory_json(handle.read(1 << 20).decode("utf-8", "replace"))
+        except (OSError, UnsafePath):
+            continue
+        if record.get("id") == name[:-5] and record.get("kind") == "task":
+            records.append(record)
+    return records
+
+
+# -- archived specs ------------------------------------------------------------------------------
+
+def spec_archive_dir(store):
+    return os.path.join(spec_directory(store.root, store.config()), SPEC_ARCHIVE_DIR)
+
+
+def spec_outcome_section(text):
+    """The text of a spec's ``## Outcome`` section ("" when it has none)."""
+    lines = text.split("\n")
+    start = _spec_outcome_line(lines)
+    if start is None:
+        return ""
+    body = []
+    for line in lines[start + 1:]:
+        if re.match(r"^#{1,2}\s", line):
+            break
+        body.append(line)
+    return "\n".join(body).strip()
+
+
+def _spec_outcome_line(lines):
+    fenced = False
+    for index, line in enumerate(lines):
+        if re.match(r"^\s*(```|~~~)", line):
+            fenced = not fenced
+        elif not fenced and re.match(r"^##\s+Outcome\s*$", line.strip()):
+            return index
+    return None
+
+
+def memory_spec_record(store, path, text):
+    """The record of an archived spec (``path`` relative to the project)."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    milestones = parse_spec(text)
+    outcome = spec_outcome_section(text)
+    return {"id": "spec:" + name, "kind": "spec", "title": _memory_cut(spec_title(text), 300),
+            "outcome": "archived", "reason": None, "spec": path, "milestone": None,
+            "started_at": None, "ended_at": None,
+            "description": _memory_cut(text, MEMORY_DESCRIPTION_CHARS),
+            "outcome_text": _memory_cut(outcome), "submissions": [], "reviews": [],
+            "milestones": ["%s %s (%s)%s" % (m.marker, m.title, m.id,
+                                             "" if m.completed else " — not done")
+                           for m in milestones][:100],
+            "files": memory_paths(outcome)[:MEMORY_FILES],
+            "commit": None, "retried": 0}
+
+
+def _memory_sync_specs(store, connection, backend):
+    """Read the archived specs that are new or changed since the last sync; forget the
+    ones that are gone.  Returns how many were read."""
+    try:
+        folder = spec_archive_dir(store)
+    except FerrusError:
+        return 0
+    known = {row[0]: row[1:] for row in connection.execute(
+        "SELECT path, size, mtime_ns FROM archived_specs")}
+    try:
+        names = sorted(name for name in os.listdir(folder) if name.endswith(".md"))
+    except OSError:
+        names = []
+    read = 0
+    present = set()
+    for name in names:
+        full = os.path.join(folder, name)
+        path = store.relpath(full)
+        try:
+            info = os.lstat(full)
+        except OSError:
+            continue
+        if not os.path.isfile(full) or os.path.islink(full):
+            continue
+        present.add(path)
+        if known.get(path) == (info.st_size, info.st_mtime_ns):
+            continue
+        try:
+            with open_inside(folder, name) as handle:
+                text = handle.read(1 << 20).decode("utf-8", errors="replace")
+        except (OSError, UnsafePath):
+            continue
+        _memory_store_record(connection, memory_spec_record(store, path, text), backend)
+        connection.execute("INSERT OR REPLACE INTO archived_specs VALUES (?, ?, ?)",
+                           (path, info.st_size, info.st_mtime_ns))
+        read += 1
+    for path in set(known) - present:
+        connection.execute("DELETE FROM archived_specs WHERE path = ?", (path,))
+        name = os.path.splitext(os.path.basename(path))[0]
+        for table in ("records", "record_files", "terms"):
+            connection.execute("DELETE FROM %s WHERE id = ?" % table, ("spec:" + name,))
+        if backend == "fts5":
+            connection.execute("DELETE FROM records_fts WHERE id = ?", ("spec:" + name,))
+    return read
+
+
+# -- the sync ------------------------------------------------------------------------------------
+
+_MEMORY_SYNC_LOCK = threading.Lock()
+
+
+# The events a record is made of (memory_apply_entry): the first sync of a long journal
+# parses only their lines, not the heartbeats, sessions and gate decisions around them.
+_MEMORY_EVENT_LINE = re.compile(
+    rb'"event"\s*:\s*"(?:create_task|enqueue_task|submit|reject|human_reject|'
+    rb'integration_failed|approve|human_approve|check_failed|integrated|retry_task|'
+    rb'cancel_task|task_[a-z]+|reset|force_reset)"')
+
+
+def memory_journal_entries(store):
+    """The journal's entries that matter to memory, oldest first (the archive, then
+    events.jsonl), each seq once — as Store.journal_entries, parsing only the lines of
+    the events a record is made of."""
+    above = None
+    for path in (store.journal_archive_path(), store.journal_path()):
+        if not os.path.exists(path):
+            continue
+        for line in _lines_forward(path):
+            if line is None or not _MEMORY_EVENT_LINE.search(line):
+                continue
+            entry = journal_entry(line.decode("utf-8", "replace"))
+            if entry is None or (above is not None and entry["seq"] <= above):
+                continue
+            above = entry["seq"]
+            yield entry
+
+
+def _memory_journal_stamp(store):
+    try:
+        info = os.stat(store.journal_path())
+    except OSError:
+        return "none"
+    return "%d:%d" % (info.st_ino, info.st_size)
+
+
+def memory_sync(store, rebuild=False):
+    """Bring the memory up to date with the journal, the task records and the archived
+    specs; ``rebuild``: make the database again from scratch (the record files, the whole
+    journal that is left, the archived specs).  Returns a dict of what it did."""
+    store.require()
+    if rebuild:
+        memory_remove_database(store)
+    with _MEMORY_SYNC_LOCK:
+        connection = memory_connect(store)
+        try:
+            return _memory_sync(store, connection)
+        finally:
+            connection.close()
+
+
+def _memory_sync(store, connection):
+    import sqlite3             # kept off every command's start-up
+    backend = _memory_meta(connection, "backend", "plain")
+    last_seq = int(_memory_meta(connection, "last_seq", "0"))
+    stamp = _memory_journal_stamp(store)
+    done = {"entries": 0, "ended": [], "specs": 0, "records_loaded": 0, "lost": None}
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as err:
+        raise MemoryUnavailable("the project memory is being written by another process",
+                                "try again in a moment") from err
+    try:
+        if _memory_meta(connection, "loaded_files") is None:
+            for record in _memory_read_record_files(store):
+                _memory_store_record(connection, record, backend)
+                done["records_loaded"] += 1
+            _memory_set_meta(connection, "loaded_files", "1")
+        if stamp != _memory_meta(connection, "journal_stamp"):
+            last = store.last_journal_seq()
+            if last < last_seq:
+                last_seq = 0             # the journal was replaced (doctor, a restore)
+            entries = memory_journal_entries(store) if last_seq == 0 else \
+                store.read_journal(after_seq=last_seq)
+            facts_cache = {}
+            foreground = [_memory_meta(connection, "foreground") or None]
+            ends = []
+            first = None
+            for entry in entries:
+                if entry["seq"] <= last_seq:
+                    continue
+                first = entry["seq"] if first is None else first
+                memory_apply_entry(lambda task: _memory_facts(connection, facts_cache, task),
+                                   entry, ends, foreground)
+                last_seq = entry["seq"]
+                done["entries"] += 1
+            if first is not None and first > int(_memory_meta(connection, "last_seq", "0")) + 1:
+                done["lost"] = "journal entries %d to %d were gone before memory read them" % (
+                    int(_memory_meta(connection, "last_seq", "0")) + 1, first - 1)
+            for task, outcome, ended_at in ends:
+                facts = facts_cache[task]
+                facts["outcome"] = outcome
+                record = memory_build_record(store, facts, outcome, ended_at)
+                old = connection.execute("SELECT json FROM records WHERE id = ?",
+                                         (task,)).fetchone()
+                record = _memory_merge(_memory_json(old[0]) if old else None, record)
+                _memory_write_record_file(store, record)
+                _memory_store_record(connection, record, backend)
+                done["ended"].append(task)
+            for task, facts in facts_cache.items():
+                connection.execute("INSERT OR REPLACE INTO task_facts VALUES (?, ?)",
+                                   (task, compact_json(facts)))
+            _memory_set_meta(connection, "last_seq", last_seq)
+            _memory_set_meta(connection, "journal_stamp", stamp)
+            _memory_set_meta(connection, "foreground", foreground[0] or "")
+            if done["lost"]:
+                _memory_set_meta(connection, "lost", done["lost"])
+        done["specs"] = _memory_sync_specs(store, connection, backend)
+        _memory_set_meta(connection, "synced_at", format_timestamp(utc_now()))
+        connection.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            connection.execute("ROLLBACK")
+        raise
+    done["ended"] = sorted(set(done["ended"]))
+    return done
+
+
+# Whether this process has said that project memory is off for want of sqlite3: once is
+# enough (every task's end and every executor's start would say it again).
+_MEMORY_OFF_SAID = []
+
+
+def _memory_off(err):
+    if not _MEMORY_OFF_SAID:
+        _MEMORY_OFF_SAID.append(True)
+        log.warning("project memory is off: %s", err.message)
+
+
+def memory_after_task_end(store):
+    """Record the tasks that ended (called where a task ends: the run loop, HQ, the
+    merge queue).  Never raises: memory must not stop the loop; a failure is logged."""
+    try:
+        return memory_sync(store)
+    except SqliteMissing as err:
+        _memory_off(err)
+    except (FerrusError, OSError) as err:
+        log.warning("project memory was not updated: %s", getattr(err, "message", err))
+    except Exception as err:          # sqlite3.Error and the like
+        log.warning("project memory was not updated: %s", err)
+    return None
+
+
+# -- search --------------------------------------------------------------------------------------
+
+def memory_paths(text):
+    """The file paths ``text`` names: names with a folder, or with an extension holding a
+    letter (so a version such as 1.0 or a milestone marker #2.1 is not a file)."""
+    return sorted(set(match for match in _MEMORY_PATH_RE.findall(text)
+                      if "/" in match or re.search(r"\.[0-9]*[A-Za-z][A-Za-z0-9]*$",
+                                                   match.strip("."))))
+
+
+def memory_query_terms(text, limit=MEMORY_QUERY_WORDS):
+    """(words, paths) of a query: its distinct words (stop words left out, most frequent
+    first when there are more than ``limit``) and the file paths it names."""
+    paths = memory_paths(text)
+    counts = {}
+    for word in memory_words(text):
+        if len(word) >= 2 and word not in _MEMORY_STOPWORDS and not word.isdigit():
+            counts[word] = counts.get(word, 0) + 1
+    words = sorted(counts, key=lambda word: (-counts[word], list(counts).index(word)))
+    return words[:limit], paths
+
+
+def _memory_text_scores(connection, backend, words):
+    """{id: (score, snippet or None)} of the records whose text holds any of ``words``."""
+    if not words:
+        return {}
+    if backend == "fts5":
+        query = " OR ".join('"%s"*' % word.replace('"', '""') for word in words)
+        rows = connection.execute(
+            "SELECT id, bm25(records_fts, 0.0, 4.0, 1.0, 2.0), "
+            "snippet(records_fts, 2, '[', ']', ' … ', 16) FROM records_fts "
+            "WHERE records_fts MATCH ? ORDER BY 2 LIMIT 500", (query,)).fetchall()
+        return {identity: (-score, snippet) for identity, score, snippet in rows}
+    total = connection.execute("SELECT count(*) FROM records").fetchone()[0] or 1
+    scores = {}
+    for word in words:
+        rows = connection.execute("SELECT id, weight FROM terms WHERE term >= ? AND term < ?",
+                                  (word, word + "\U0010ffff")).fetchall()
+        documents = {identity for identity, _ in rows}
+        idf = math.log(1.0 + total / max(1, len(documents)))
+        for identity, weight in rows:
+            scores[identity] = scores.get(identity, 0.0) + idf * (1.0 + math.log(weight))
+    return {identity: (score, None) for identity, score in scores.items()}
+
+
+def _memory_path_scores(connection, paths):
+    scores = {}
+    for path in paths:
+        path = path.strip("/").replace("\\", "/")
+        name = path.rsplit("/", 1)[-1]
+        for identity, found in connection.execute(
+                "SELECT id, path FROM record_files WHERE path = ? OR path LIKE ? ESCAPE '\\' "
+                "OR substr(path, 1, ?) = ?",
+                (path, "%/" + name.replace("\\", "\\\\").replace("%", "\\%")
+                 .replace("_", "\\_"), len(path) + 1, path + "/")).fetchall():
+            score = 3.0 if found == path else 1.5 if found.startswith(path + "/") else 1.0
+            scores[identity] = max(scores.get(identity, 0.0), score)
+    return scores
+
+
+def _memory_snippet(body, words):
+    """A short window of ``body`` around the first of ``words`` it holds."""
+    lower = body.lower()
+    at = min((lower.find(word) for word in words if word in lower), default=-1)
+    if at < 0:
+        text = body[:MEMORY_SNIPPET_CHARS]
+    else:
+        start = max(0, at - MEMORY_SNIPPET_CHARS // 3)
+        text = ("…" if start else "") + body[start:start + MEMORY_SNIPPET_CHARS]
+    return " ".join(text.split())
+
+
+def memory_search(connection, query, path=None, limit=MEMORY_PAGE_DEFAULT, offset=0,
+                  exclude=()):
+    """(hits, more): records ranked by their text's match of the query's words (FTS5's
+    bm25, or term weights by inverse document frequency), plus a bonus for each file the
+    query (or ``path``) names that the record's task changed; newest first among
+    equals."""
+    backend = _memory_meta(connection, "backend", "plain")
+    words, paths = memory_query_terms(query)
+    if path:
+        paths.append(path)
+    text = _memory_text_scores(connection, backend, words)
+    files = _memory_path_scores(connection, paths)
+    top = max([score for score, _ in text.values()] + [0.0]) or 1.0
+    combined = {}
+    for identity, (score, _) in text.items():
+        combined[identity] = score / top
+    for identity, score in files.items():
+        combined[identity] = combined.get(identity, 0.0) + score
+    for identity in exclude:
+        combined.pop(identity, None)
+    if not combined:
+        return [], False
+    rows = {}
+    ids = list(combined)
+    for start in range(0, len(ids), 400):
+        chunk = ids[start:start + 400]
+        for row in connection.execute(
+                "SELECT id, kind, title, outcome, ended_at, spec, milestone, body, json "
+                "FROM records WHERE id IN (%s)" % ", ".join("?" * len(chunk)), chunk):
+            rows[row[0]] = row
+    # Newest first among equal scores: sorted by id, then time (newest first), then score
+    # (each sort keeps the order of the one before among equals).
+    ranked = sorted(identity for identity in combined if identity in rows)
+    ranked.sort(key=lambda identity: rows[identity][4] or "", reverse=True)
+    ranked.sort(key=lambda identity: round(combined[identity], 6), reverse=True)
+    hits = []
+    for identity in ranked[offset:offset + limit]:
+        _, kind, title, outcome, ended_at, spec, milestone, body, whole = rows[identity]
+        snippet = text.get(identity, (0, None))[1] or _memory_snippet(body, words)
+        changed = [found for (found,) in connection.execute(
+            "SELECT path FROM record_files WHERE id = ? LIMIT 6", (identity,))]
+        hits.append({"id": identity, "kind": kind, "title": title, "outcome": outcome,
+                     "ended_at": ended_at, "spec": spec, "milestone": milestone,
+                     "score": round(combined[identity], 3),
+                     "note": _memory_key_note(_memory_json(whole)),
+                     "snippet": " ".join(snippet.split())[:MEMORY_SNIPPET_CHARS * 2],
+                     "files": changed[:5], "more_files": len(changed) > 5,
+                     "matched_paths": identity in files})
+    return hits, len(ranked) > offset + limit
+
+
+def memory_record(connection, identity):
+    """The record ``identity`` names: its id, the unique end of a task id (3fa2c1), or
+    spec:<name>; FerrusError when none or several match."""
+    identity = identity.strip()
+    row = connection.execute("SELECT json FROM records WHERE id = ?", (identity,)).fetchone()
+    if row is None and len(identity) >= 4:
+        rows = connection.execute(
+            "SELECT json FROM records WHERE substr(id, -?) = ? LIMIT 2",
+            (len(identity), identity)).fetchall()
+        if len(rows) > 1:
+            raise FerrusError("more than one memory record ends in %s" % identity[:80],
+                              "give more of its id (`ferrus memory search` lists them)")
+        row = rows[0] if rows else None
+    if row is None:
+        raise FerrusError("no memory record %s" % identity[:80],
+                          "`ferrus memory search WORDS` finds records; a task's record is "
+                          "made when it ends")
+    return _memory_json(row[0])
+
+
+def memory_render_record(record):
+    """A record as Markdown for people and agents."""
+    lines = ["# %s — %s" % (record.get("id"), record.get("title") or "")]
+    facts = [("outcome", record.get("outcome")), ("reason", record.get("reason")),
+             ("spec", record.get("spec")), ("milestone", record.get("milestone")),
+             ("started", record.get("started_at")), ("ended", record.get("ended_at")),
+             ("commit", record.get("commit")),
+             ("retried", record.get("retried") or None)]
+    lines += ["%s: %s" % (name, value) for name, value in facts if value]
+    if record.get("files"):
+        lines += ["", "## Files changed", ""] + ["- %s" % path for path in record["files"]]
+    if record.get("milestones"):
+        lines += ["", "## Milestones", ""] + ["- %s" % item for item in record["milestones"]]
+    if record.get("outcome_text"):
+        lines += ["", "## Outcome", "", record["outcome_text"]]
+    for item in record.get("reviews") or []:
+        lines += ["", "## Review: %s%s%s" % (item.get("verdict"), " (%s)" % item["time"]
+                                             if item.get("time") else "",
+                                             ", cause: %s" % item["cause"]
+                                             if item.get("cause") else ""), ""]
+        lines.append(item.get("notes") or "(the notes are not recorded)")
+    for item in record.get("submissions") or []:
+        lines += ["", "## Submission %s%s" % (item.get("n") or "", " (%s)" % item["time"]
+                                              if item.get("time") else ""), ""]
+        lines.append(item.get("summary") or "(the summary is not recorded)")
+    if record.get("description"):
+        lines += ["", "## %s" % ("Task" if record.get("kind") == "task" else "Spec"), "",
+                  record["description"]]
+    return "\n".join(lines) + "\n"
+
+
+def memory_status(connection, store):
+    counts = dict(connection.execute("SELECT outcome, count(*) FROM records WHERE kind = 'task' "
+                                     "GROUP BY outcome"))
+    return {"database": store.relpath(memory_db_path(store)),
+            "backend": _memory_meta(connection, "backend", "plain"),
+            "records": connection.execute("SELECT count(*) FROM records").fetchone()[0],
+            "tasks_by_outcome": counts,
+            "specs": connection.execute("SELECT count(*) FROM records WHERE kind = 'spec'")
+            .fetchone()[0],
+            "running_tasks_followed": connection.execute(
+                "SELECT count(*) FROM task_facts WHERE json NOT LIKE '%\"outcome\"%'")
+            .fetchone()[0],
+            "journal_seq": int(_memory_meta(connection, "last_seq", "0")),
+            "synced_at": _memory_meta(connection, "synced_at"),
+            "lost": _memory_meta(connection, "lost")}
+
+
+# -- the executor's prompt -------------------------------------------------------------------------
+
+def _memory_key_note(record):
+    """The one thing a later executor should know of a record: why its work was sent
+    back, else why it failed, else what was done."""
+    for item in reversed(record.get("reviews") or []):
+        if not item.get("verdict", "").startswith("approved") and item.get("notes"):
+            return "%s: \"%s\"" % (item["verdict"], _memory_line(item["notes"], 220))
+    if record.get("reason"):
+        return _memory_line(record["reason"], 220)
+    for item in reversed(record.get("submissions") or []):
+        if item.get("summary"):
+            return "done: \"%s\"" % _memory_line(item["summary"], 160)
+    if record.get("outcome_text"):
+        return "outcome: \"%s\"" % _memory_line(record["outcome_text"], 160)
+    return ""
+
+
+def _memory_line(text, limit):
+    text = " ".join((text or "")[:limit * 2].split())
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def memory_prompt_section(store, description, exclude=()):
+    """The paragraph of an executor's prompt naming the MEMORY_PROMPT_RECORDS past records
+    most relevant to a task described so (sharing a file it names, or at least two of its
+    distinctive words), with the one thing to know of each; "" when none is.  At most
+    MEMORY_PROMPT_CHARS long."""
+    words, paths = memory_query_terms(description)
+    if not words and not paths:
+        return ""
+    memory_sync(store)
+    connection = memory_connect(store)
+    try:
+        hits, _ = memory_search(connection, description, limit=10, exclude=exclude)
+        wanted = set(words)
+        chosen = []
+        for hit in hits:
+            record = memory_record(connection, hit["id"])
+            title, body, files = memory_record_text(record)
+            shared = wanted & set(memory_words("%s\n%s\n%s" % (title, body, files)))
+            if hit["matched_paths"] or len(shared) >= min(2, len(wanted)):
+                chosen.append(record)
+            if len(chosen) == MEMORY_PROMPT_RECORDS:
+                break
+    finally:
+        connection.close()
+    if not chosen:
+        return ""
+    lines = ["Project memory — earlier work on the same ground (the tool project_context "
+             "with an id shows a whole record, project_context_search finds more):"]
+    size = len(lines[0])
+    for record in chosen:
+        note = _memory_key_note(record)
+        line = "- %s \"%s\" — %s%s" % (record["id"], _memory_line(record.get("title"), 80),
+                                      record.get("outcome") or "?",
+                                      "; " + note if note else "")
+        if record.get("files"):
+            line += " (files: %s%s)" % (", ".join(record["files"][:4]),
+                                        ", …" if len(record["files"]) > 4 else "")
+        line = _memory_line(line, 500)
+        if size + len(line) + 1 > MEMORY_PROMPT_CHARS:
+            break
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
+def memory_executor_prompt(store, data):
+    """What the executor's prompt gets from project memory for the task ``data`` is
+    about ("" or the section after a blank line).  Never raises: a memory that cannot be
+    read leaves the prompt as it was (and is logged)."""
+    try:
+        description = store.read_file("TASK.md")
+        section = memory_prompt_section(store, description, exclude=(data.task_id,))
+    except SqliteMissing as err:
+        _memory_off(err)
+        return ""
+    except (FerrusError, OSError) as err:
+        log.warning("project memory left out of the executor's prompt: %s",
+                    getattr(err, "message", err))
+        return ""
+    except Exception as err:          # sqlite3.Error and the like
+        log.warning("project memory left out of the executor's prompt: %s", err)
+        return ""
+    return "\n\n" + section if section else ""
+
+
+# -- ferrus spec archive ---------------------------------------------------------------------------
+
+def spec_with_outcome(text, outcome):
+    """The spec text with its ``## Outcome`` section set to ``outcome`` (replacing the one
+    it has, else added at its end); every other line unchanged."""
+    lines = text.split("\n")
+    section = ["## Outcome", "", outcome.strip(), ""]
+    start = _spec_outcome_line(lines)
+    if start is None:
+        while lines and not lines[-1].strip():
+            lines.pop()
+        return "\n".join(lines + [""] + section)
+    end = start + 1
+    while end < len(lines) and not re.match(r"^#{1,2}\s", lines[end]):
+        end += 1
+    return "\n".join(lines[:start] + section + lines[end:])
+
+
+def _spec_tasks_outcome(store, path, milestones):
+    """(the generated part of an Outcome: each milestone and the tasks that implemented
+    it, from project memory; None, or why the tasks are not listed)."""
+    try:
+        memory_sync(store)
+        connection = memory_connect(store)
+    except SqliteMissing as err:
+        # The spec is archived all the same: its milestones, without their tasks.
+        return "\n".join("- [%s] %s %s (%s)" % ("x" if m.completed else " ", m.marker,
+                                                m.title, m.id) for m in milestones), \
+            "its tasks are not listed: %s" % err.message
+    try:
+        rows = [_memory_json(row[0]) for row in connection.execute(
+            "SELECT json FROM records WHERE kind = 'task' AND spec = ? ORDER BY ended_at",
+            (path,))]
+    finally:
+        connection.close()
+    lines = []
+    for milestone in milestones:
+        tasks = [record for record in rows if record.get("milestone") == milestone.id]
+        mark = "x" if milestone.completed else " "
+        lines.append("- [%s] %s %s (%s)%s" % (mark, milestone.marker, milestone.title,
+                                              milestone.id, "" if tasks else ": no task"))
+        for record in tasks:
+            note = _memory_key_note(record)
+            lines.append("  - task %s: %s%s%s" % (record["id"], record.get("outcome"),
+                                                  " at %s" % record["commit"][:12]
+                                                  if record.get("commit") else "",
+                                                  " — " + note if note else ""))
+    others = [record for record in rows if not record.get("milestone")]
+    for record in others:
+        lines.append("- task %s (%s): %s" % (record["id"], record.get("title"),
+                                             record.get("outcome")))
+    return ("\n".join(lines) if lines else "No task of ferrus worked on this spec."), None
+
+
+def spec_archive_path(store, spec):
+    """(project-relative path, absolute path) of the spec ``spec`` names: a path relative
+    to the project (or the current folder), or a file name in the spec directory."""
+    directory = spec_directory(store.root, store.config())
+    candidates = [os.path.abspath(spec), os.path.join(store.root, spec),
+                  os.path.join(directory, spec), os.path.join(directory, spec + ".md")]
+    full = next((path for path in candidates if os.path.isfile(path)), None)
+    if full is None:
+        known = list_spec_paths(store.root, store.config())
+        raise FerrusError("no spec %s" % spec, "the specs are %s" % ", ".join(known) if known else
+                          "there is no spec yet (`create_spec` writes one)")
+    if os.path.normcase(os.path.dirname(os.path.realpath(full))) != \
+            os.path.normcase(os.path.realpath(directory)):
+        raise FerrusError("%s is not a spec of the spec directory %s" % (
+            spec, store.relpath(directory)), "archive a spec listed in [spec].directory")
+    return store.relpath(full), full
+
+
+def op_spec_archive(store, caller, spec, outcome=None, force=False):
+    """`ferrus spec archive SPEC`: write the spec's ``## Outcome`` (``outcome``, the
+    approved text, followed by the tasks that implemented each milestone — or only
+    those) and file it as <spec dir>/archive/<name>.md, where project memory reads it.
+    Refused while a task of the spec is queued or in flight, and while a milestone is
+    open unless ``force``."""
+    store.require()
+    if outcome is not None and not isinstance(outcome, str):
+        raise FerrusError("the outcome must be text")
+    path, full = spec_archive_path(store, spec)
+    text = read_text(full)
+    milestones = parse_spec(text)
+    open_ = [milestone for milestone in milestones if not milestone.completed]
+    if open_ and not force:
+        raise FerrusError("%s has %d open milestone%s: %s" % (
+            path, len(open_), "" if len(open_) == 1 else "s",
+            ", ".join("%s %s" % (m.marker, m.title) for m in open_[:5])),
+            "finish them, or pass --force to archive it as it is")
+    busy = [task for task, record in task_records(store)
+            if record.get("status") in ("queued", "running")
+            and (record.get("origin") or {}).get("spec") == path]
+    data = store.project_state()
+    if data.state in ACTIVE_STATES and data.task_spec == path and data.task_id:
+        busy.append(data.task_id)
+    if busy:
+        raise FerrusError("%s is worked on by task %s" % (path, ", ".join(busy)),
+                          "archive it once its tasks ended (`ferrus tasks` lists them)")
+    archive = spec_archive_dir(store)
+    destination = os.path.join(archive, os.path.basename(full))
+    if os.path.lexists(destination):
+        raise FerrusError("%s already exists" % store.relpath(destination),
+                          "rename one of the two specs first")
+    generated, unlisted = _spec_tasks_outcome(store, path, milestones)
+    body = (outcome.strip() + "\n\n### Tasks\n\n" + generated) if outcome and outcome.strip() \
+        else generated
+    os.makedirs(archive, exist_ok=True)
+    atomic_write(destination, spec_with_outcome(text, body))
+    try:
+        os.unlink(full)
+    except OSError as err:
+        raise FerrusError("%s was archived as %s, but could not be removed: %s" % (
+            path, store.relpath(destination), err.strerror or err),
+            "remove it by hand (the archived copy is complete)") from err
+    if data.selected_spec == path:
+        op_clear_selection(store, caller)
+    store.append_event(caller.agent_id, "spec_archived",
+                       {"spec": path, "archive": store.relpath(destination),
+                        "milestones": len(milestones), "open": len(open_)}, task_id="")
+    memory_after_task_end(store)
+    return Outcome("Archived %s as %s with its ## Outcome%s.%s" % (
+        path, store.relpath(destination), " (%d milestone%s still open)" % (
+            len(open_), "" if len(open_) == 1 else "s") if open_ else "",
+        "\nnote: %s" % unlisted if unlisted else ""),
+        {"spec": path, "archive": store.relpath(destination), "outcome": body,
+         "open_milestones": [m.id for m in open_]})
+
+
+# -- operations (CLI, MCP) -----------------------------------------------------------------------
+
+def memory_page_bounds(limit, offset, default, most):
+    limit = default if limit is None else limit
+    offset = 0 if offset is None else offset
+    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise FerrusError("%s must be a whole number of at least %d, not %r"
+                              % (name, low, value), "leave it out for the default")
+    return min(limit, most), offset
+
+
+def _memory_open(store):
+    """A synced connection (a sync that cannot run now is noted, the last state read)."""
+    notes = []
+    try:
+        memory_sync(store)
+    except MemoryUnavailable as err:
+        notes.append("memory was not brought up to date: %s" % err.message)
+    return memory_connect(store), notes
+
+
+def op_memory_search(store, caller, query, path=None, limit=None, offset=None):
+    """`ferrus memory search` and project_context_search: past tasks and archived specs
+    ranked by the query's words and the paths it (or ``path``) names."""
+    if not isinstance(query, str) or not query.strip() or len(query) > 4000:
+        raise FerrusError("the query must be non-empty text of at most 4000 characters",
+                          "pass a few words, or a file path")
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise FerrusError("path must be non-empty text", "leave it out, or name a file")
+    limit, offset = memory_page_bounds(limit, offset, MEMORY_PAGE_DEFAULT, MEMORY_PAGE_MAX)
+    store.require()
+    connection, notes = _memory_open(store)
+    try:
+        hits, more = memory_search(connection, query, path and path.strip(), limit, offset)
+    finally:
+        connection.close()
+    following = offset + len(hits) if more else None
+    if not hits:
+        text = "No task or spec in project memory matches %r." % query.strip()[:200]
+    else:
+        lines = []
+        for hit in hits:
+            lines.append("%s  %s  %s%s" % (hit["id"], hit["outcome"], hit["title"],
+                                           "  (%s)" % hit["ended_at"] if hit["ended_at"]
+                                           else ""))
+            if hit["note"]:
+                lines.append("    %s" % hit["note"])
+            lines.append("    %s" % hit["snippet"])
+            if hit["files"]:
+                lines.append("    files: %s%s" % (", ".join(hit["files"]),
+                                                  ", …" if hit["more_files"] else ""))
+        if following is not None:
+            lines.append("[ferrus: there is more; call again with offset=%d]" % following)
+        text = "\n".join(lines)
+    text += "".join("\nnote: %s" % note for note in notes)
+    return Outcome(text, {"query": query, "hits": hits, "offset": offset,
+                          "next_offset": following, "notes": notes})
+
+
+def op_memory_show(store, caller, identity, offset=None):
+    """`ferrus memory show ID` and project_context: one record in full, in pages of
+    MEMORY_RECORD_CHARS."""
+    if not isinstance(identity, str) or not identity.strip():
+        raise FerrusError("the record id is empty", "`ferrus memory search` lists ids")
+    _, offset = memory_page_bounds(1, offset, 1, 1)
+    store.require()
+    connection, notes = _memory_open(store)
+    try:
+        record = memory_record(connection, identity)
+    finally:
+        connection.close()
+    text = memory_render_record(record)
+    page = text[offset:offset + MEMORY_RECORD_CHARS]
+    following = offset + len(page) if offset + len(page) < len(text) else None
+    shown = page
+    if following is not None:
+        shown += "\n[ferrus: this record has %d characters; call again with offset=%d]" % (
+            len(text), following)
+    shown += "".join("\nnote: %s" % note for note in notes)
+    return Outcome(shown, {"id": record["id"], "record": record, "text": page,
+                           "offset": offset, "next_offset": following, "notes": notes})
+
+
+def op_memory_status(store, caller):
+    """`ferrus memory status` and project_memory_status."""
+    store.require()
+    connection, notes = _memory_open(store)
+    try:
+        status = memory_status(connection, store)
+    finally:
+        connection.close()
+    status["notes"] = notes
+    counts = ", ".join("%d %s" % (count, outcome) for outcome, count in
+                       sorted(status["tasks_by_outcome"].items())) or "no task ended yet"
+    text = ("Project memory (%s, search by %s): %d records — tasks: %s; %d archived spec%s. "
+            "Read up to journal entry %d%s." % (
+                status["database"], "FTS5" if status["backend"] == "fts5" else
+                "a plain term index (this SQLite has no FTS5)", status["records"], counts,
+                status["specs"], "" if status["specs"] == 1 else "s", status["journal_seq"],
+                "; %d running task%s followed" % (status["running_tasks_followed"],
+                                                 "" if status["running_tasks_followed"] == 1
+                                                 else "s")
+                if status["running_tasks_followed"] else ""))
+    if status["lost"]:
+        text += "\nnote: %s (their tasks' records may lack them)" % status["lost"]
+    text += "".join("\nnote: %s" % note for note in notes)
+    return Outcome(text, status)
+
+
+def op_memory_rebuild(store, caller):
+    """`ferrus memory rebuild`: the database made again from the record files, the
+    journal and the archived specs."""
+    done = memory_sync(store, rebuild=True)
+    outcome = op_memory_status(store, caller)
+    return Outcome("Rebuilt project memory: %d record files read, %d journal entries, %d "
+                   "archived specs.\n%s" % (done["records_loaded"], done["entries"],
+                                            done["specs"], outcome.text),
+                   dict(outcome.data, rebuilt=done))
+
+
+# -- MCP tools ------------------------------------------------------------------------------------
+
+MEMORY_TOOLS = (
+    Tool("project_memory_status", "Project memory status",
+         "What project memory holds: the records of ended tasks by outcome and the archived "
+         "specs, whether it searches with FTS5, and how far it has read the journal. "
+         "Read-only.", ROLES, lambda st, c: op_memory_status(st, c), (),
+         {"database": "string", "backend": "string", "records": "integer",
+          "tasks_by_outcome": "object", "specs": "integer", "running_tasks_followed":
+          "integer", "journal_seq": "integer", "synced_at": "string?", "lost": "string?",
+          "notes": "array"}, read_only=True, idempotent=True),
+    Tool("project_context_search", "Search project memory",
+         "Search what earlier tasks decided: each ended task's title, outcome, submission "
+         "summaries, the reviewers' notes (why work was sent back), failure reasons and "
+         "files changed, and archived specs' outcomes. Words are ranked; a file path (in "
+         "the query or as path) finds the tasks that changed it. Ranked hits with "
+         "snippets; paged with offset. Read-only.", ROLES,
+         lambda st, c, query, path=None, limit=None, offset=None: op_memory_search(
+             st, c, query, path, limit, offset),
+         (Param("query", "string", "Words, or a file path."),
+          Param("path", "string", "Optional: a file or folder (relative to the project) "
+                                  "whose tasks rank first.", required=False),
+          Param("limit", "integer", "Optional: how many hits (default %d, at most %d)."
+                % (MEMORY_PAGE_DEFAULT, MEMORY_PAGE_MAX), required=False),
+          Param("offset", "integer", "Optional: the next_offset of the previous answer.",
+                required=False)),
+         {"query": "string", "hits": "array", "offset": "integer", "next_offset": "integer?",
+          "notes": "array"}, read_only=True, idempotent=True),
+    Tool("project_context", "Project memory record",
+         "One project memory record in full: a past task (its id, or the end of it as "
+         "project_context_search shows it) or an archived spec (spec:<name>), with its "
+         "reviews, submissions and files. Long records come in pages: pass next_offset as "
+         "offset. Read-only.", ROLES,
+         lambda st, c, id, offset=None: op_memory_show(st, c, id, offset),
+         (Param("id", "string", "The record's id."),
+          Param("offset", "integer", "Optional: the next_offset of the previous page.",
+                required=False)),
+         {"id": "string", "record": "object", "text": "string", "offset": "integer",
+          "next_offset": "integer?", "notes": "array"}, read_only=True, idempotent=True),
+)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def cmd_memory(args, root):
+    store = Store(root).require()
+    command = args.memory_command
+    if command == "search":
+        path = args.path
+        if path and os.path.exists(path):
+            relative = os.path.relpath(os.path.abspath(path), store.root)
+            if not relative.startswith(os.pardir):
+                path = relative.replace(os.sep, "/")
+        outcome = op_memory_search(store, HUMAN, " ".join(args.text), path, args.n,
+                                   args.offset)
+    elif command == "show":
+        outcome = op_memory_show(store, HUMAN, args.id, args.offset)
+    elif command == "rebuild":
+        outcome = op_memory_rebuild(store, HUMAN)
+    else:
+        outcome = op_memory_status(store, HUMAN)
+    if args.json:
+        print(json_for_terminal(compact_json(outcome.data)))
+    else:
+        say(outcome.text)
+    return 0
+
+
+def add_memory_parser(sub):
+    """`ferrus memory …` on the top-level subparsers."""
+    p = sub.add_parser("memory", help="project memory: what earlier tasks did, and why their "
+                                      "work was sent back")
+    commands = p.add_subparsers(dest="memory_command", metavar="COMMAND")
+    commands.required = True
+    c = commands.add_parser("search", help="ended tasks and archived specs, ranked by words "
+                                           "and the files they changed")
+    c.add_argument("text", nargs="+", metavar="TEXT", help="words, or a file path")
+    c.add_argument("--path", metavar="P", help="rank the tasks that changed this file or "
+                                               "folder first")
+    c.add_argument("-n", type=int, default=None, metavar="N",
+                   help="at most N hits (default %d, at most %d)" % (MEMORY_PAGE_DEFAULT,
+                                                                     MEMORY_PAGE_MAX))
+    c.add_argument("--offset", type=int, default=None, metavar="K",
+                   help="go on from hit K (what the last line of a cut answer says)")
+    c.add_argument("--json", action="store_true", help="the hits as one JSON object")
+    c = commands.add_parser("show", help="one record in full: a task (its id or the end of "
+                                         "it) or spec:<name>")
+    c.add_argument("id", metavar="ID", help="the record's id")
+    c.add_argument("--offset", type=int, default=None, metavar="K",
+                   help="go on from character K of a long record")
+    c.add_argument("--json", action="store_true", help="the record as one JSON object")
+    c = commands.add_parser("rebuild", help="make .ferrus/memory/project-memory.db again from "
+                                            "the record files, the journal and the archived "
+                                            "specs")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c = commands.add_parser("status", help="how many records, by outcome; FTS5 or not; how "
+                                           "far the journal was read")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_memory)
+
+
+def cmd_spec(args, root):
+    store = Store(root).require()
+    outcome_text = args.outcome
+    if args.outcome_file:
+        if outcome_text is not None:
+            raise UsageError("give the outcome once: --outcome TEXT or --outcome-file F")
+        try:
+            outcome_text = read_text(args.outcome_file) if args.outcome_file != "-" else \
+                sys.stdin.read()
+        except OSError as err:
+            raise FerrusError("cannot read --outcome-file %s: %s" % (
+                args.outcome_file, err.strerror), "give a text file, or - for stdin") from err
+    outcome = op_spec_archive(store, HUMAN, args.spec, outcome_text, args.force)
+    say(outcome.text)
+    return 0
+
+
+def add_spec_parser(sub):
+    """`ferrus spec archive …` on the top-level subparsers."""
+    p = sub.add_parser("spec", help="specs: file a finished one with its outcome")
+    commands = p.add_subparsers(dest="spec_command", metavar="COMMAND")
+    commands.required = True
+    c = commands.add_parser("archive", help="write the spec's ## Outcome and move it to "
+                                            "<spec dir>/archive/, where project memory "
+                                            "reads it")
+    c.add_argument("spec", metavar="SPEC", help="the spec: its path or its file name")
+    c.add_argument("--outcome", metavar="TEXT", help="the approved outcome, in Markdown "
+                                                     "(the tasks of each milestone follow it)")
+    c.add_argument("--outcome-file", metavar="F", help="the outcome from this file (- for "
+                                                       "stdin)")
+    c.add_argument("--force", action="store_true",
+                   help="archive it even though milestones are open")
+    p.set_defaults(run=cmd_spec)
+
+
+# ============================================================================
 # src/ferrus/jsonrpc.py (from its line 15)
 # ============================================================================
 # JSON-RPC: a generic 2.0 server on stdio for every MCP era.
@@ -9775,54 +13364,13 @@ def _valid_id(value):
 
 
 # ============================================================================
-# src/ferrus/mcp.py (from its line 44)
+# src/ferrus/mcp.py (from its line 45)
 # ============================================================================
 # MCP: ferrus's tools, resources and prompts per role, and the server.
 #
 # Role scoping is a hard boundary: a tool outside the role is neither listed nor
 # callable.  Input schemas stay flat; tool failures are isError results with the whole
 # cause; resources never follow a symbolic link out of .ferrus/.
-
-@deferred_dataclass
-class Param:
-    """One parameter of an MCP tool, for its JSON input schema."""
-
-    name: str
-    type: str
-    description: str
-    required: bool = True
-
-
-@deferred_dataclass
-class Tool:
-    """One MCP tool: its schema, the roles that get it, the operation it calls."""
-
-    name: str
-    title: str
-    description: str
-    roles: tuple
-    run: object                     # callable(store, caller, **arguments) -> Outcome
-    params: tuple = ()
-    output: dict = dataclasses.field(default_factory=dict)
-    read_only: bool = False
-    destructive: bool = False
-    idempotent: bool = False
-
-    def input_schema(self):
-        return {"type": "object",
-                "properties": {p.name: {"type": p.type, "description": p.description}
-                               for p in self.params},
-                "required": [p.name for p in self.params if p.required]}
-
-    def output_schema(self):
-        properties = {}
-        for name, kind in self.output.items():
-            if kind.endswith("?"):
-                properties[name] = {"type": [kind[:-1], "null"]}
-            else:
-                properties[name] = {"type": kind}
-        return {"type": "object", "properties": properties}
-
 
 SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")
@@ -9959,7 +13507,7 @@ TOOLS = (
                                       "id.", required=False),),
          {"status": "string", "claimed_by": "string?", "lease_until": "string?",
           "code": "string", "message": "string"}, idempotent=True),
-)
+) + MEMORY_TOOLS + GRAPH_TOOLS   # read-only, every role, after the task tools (fixed order)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
@@ -10602,10 +14150,13 @@ class FerrusMcpServer:
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
 
-# Tools that may block for long (waits, check commands): they run in their own
-# bounded lane so they never hold up quick calls.
+# Tools that may block for long (waits, check commands, the repository graph's reading
+# and hashing of files): they run in their own bounded lane so they never hold up quick
+# calls.
 BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
-                            "wait_for_answer", "check", "submit", "review_pending"))
+                            "wait_for_answer", "check", "submit", "review_pending",
+                            "repository_graph_status", "repository_graph_search",
+                            "repository_graph_context"))
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "the disk is full; free some space and call it again",
@@ -16406,7 +19957,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 45)
+# src/ferrus/controller.py (from its line 46)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -16629,6 +20180,8 @@ class HqController(JournalView):
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
                                     "failed", {"task_id": data.task_id,
                                                "reason": data.failure_reason}))
+            if data.state in (S.COMPLETE, S.FAILED):
+                memory_after_task_end(self.store)
             if data.state == S.IDLE:
                 self.stop_all(quiet=True)
             # An agent that ended the task (the reviewer's approve) is still saying its
@@ -16661,6 +20214,10 @@ class HqController(JournalView):
                 self._step(slot, SessionEvent("WorktreeReady"))
             if slot.session.state == SS.BUILDING_PROMPT:
                 text = prompt
+                if slot.name == "executor" and data.state in WORK_STATES:
+                    # Once per executor session: what earlier tasks on the same ground
+                    # decided, and why their work was sent back.
+                    text += memory_executor_prompt(self.store, data)
                 if slot.session.urgent:
                     text += "\n\nURGENT message from the operator (act on it first):\n" + \
                         slot.session.urgent
@@ -17679,7 +21236,7 @@ class MergeQueue:
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 52)
+# src/ferrus/parallel.py (from its line 53)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -18464,6 +22021,7 @@ class ParallelRunner(MergeQueue):
             if reason:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
+            memory_after_task_end(self.store)
         if status in (MERGED_STATUS, UNCHANGED_STATUS):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
@@ -18660,7 +22218,7 @@ def cancel_queue_task(store, caller, task, discard=False, out=None):
 
 
 # ============================================================================
-# src/ferrus/run.py (from its line 38)
+# src/ferrus/run.py (from its line 40)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
 #
@@ -18781,6 +22339,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              warning=NO_CHECKS_WARNING)
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
+    # No agent has started yet: their first repository_graph_* call finds it indexed.
+    graph_index_before_task(store)
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
     told_board = set()          # the waits (state, entered at) left to the board
@@ -18798,6 +22358,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        # However the run ends (Complete, Failed, a timeout, a human's reset seen), what
+        # ended goes into project memory.
+        memory_after_task_end(store)
         task_id = store.read_state().task_id
         used = task_usage(store, task_id)
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
@@ -18937,6 +22500,7 @@ def _record_checkout_end(store, task, code, reason, note=None):
             and note is not None:
         note("task %s was approved, and it changed nothing (its diff is empty): approved, "
              "no change" % short_task_id(task), "warning", task_id=task, status=status)
+    memory_after_task_end(store)
 
 
 def _changed_nothing(store):
@@ -20570,6 +24134,11 @@ heartbeat.
 Executor: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
 wait_for_answer, answer, status, heartbeat.
 
+Both, read-only: project_memory_status, project_context_search, project_context
+(what earlier tasks did and why their work was sent back), repository_graph_status,
+repository_graph_search, repository_graph_context (where names are defined, imported
+and called, as `path:line`).
+
 Every `wait_*` tool returns `{"status":"timeout"}` when nothing happened within
 `wait_timeout_secs`; simply call it again.  Call `heartbeat` about every
 `lease.heartbeat_interval_secs` while you hold a task.
@@ -20614,7 +24183,9 @@ description: Playbook for the ferrus supervisor — defining tasks, reviewing su
 
 Tools: create_task, create_spec, wait_for_review, review_pending, approve,
 reject, respond_consult, ask_human, wait_for_answer, answer, status, reset,
-heartbeat.
+heartbeat; read-only: project_memory_status, project_context_search,
+project_context, repository_graph_status, repository_graph_search,
+repository_graph_context.
 """
 
 ROLE_SUPERVISOR = """---
@@ -20643,6 +24214,9 @@ description: Playbook for the ferrus executor — implementing a task, using the
   the review notes you must address.
 - Read the code around the change before editing.  Prefer the smallest diff
   that fully solves the task; follow the project's existing style.
+- To find where a name is defined or used, ask `repository_graph_search` and
+  `repository_graph_context` before reading files one by one;
+  `project_context_search` tells what earlier tasks on the same files decided.
 - Run `check` whenever you want feedback and always right before `submit`.
   Each failure uses one retry from a limited budget, so read the output.
 - Call `heartbeat` regularly so your lease does not expire.
@@ -20658,7 +24232,9 @@ description: Playbook for the ferrus executor — implementing a task, using the
   how you verified it, and list anything left undone.
 
 Tools: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
-wait_for_answer, answer, status, heartbeat.
+wait_for_answer, answer, status, heartbeat; read-only: project_memory_status,
+project_context_search, project_context, repository_graph_status,
+repository_graph_search, repository_graph_context.
 """
 
 ROLE_EXECUTOR = """---
@@ -20737,7 +24313,7 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/doctor.py (from its line 40)
+# src/ferrus/doctor.py (from its line 41)
 # ============================================================================
 # Doctor: checking .ferrus/ and ferrus.toml, and safe repairs.
 #
@@ -20807,7 +24383,7 @@ def doctor_findings(root):
     findings.extend(parallel_task_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
-    for folder in ("usage", CHECK_PROCESS_DIR):
+    for folder in ("usage", CHECK_PROCESS_DIR, MEMORY_DIR + "/" + MEMORY_RECORDS_DIR):
         if os.path.isdir(store.path(folder)):
             stray += [folder + "/" + name for name in os.listdir(store.path(folder))
                       if name.endswith(TEMP_SUFFIX)]
@@ -21543,6 +25119,8 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    if entry.get("event") in JOURNAL_TEXT_EVENTS:
+        detail.pop("text", None)    # notes and summaries: in `ferrus log --json`
     if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
         # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
         change = "the run is now %s" % phase_words(detail["phase"])
@@ -24756,7 +28334,7 @@ def web_signin_html(nonce, message, hint=None):
 
 
 # ============================================================================
-# src/ferrus/web_api.py (from its line 39)
+# src/ferrus/web_api.py (from its line 40)
 # ============================================================================
 # The web board's API: what it shows of the store, and what its actions call.
 #
@@ -26108,7 +29686,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 49)
+# src/ferrus/cli.py (from its line 51)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -26876,6 +30454,9 @@ COMMAND_PARSERS = (
     ("hq", _add_hq_parser),
     ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
+    ("memory", add_memory_parser),
+    ("spec", add_spec_parser),
+    ("graph", add_graph_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )
@@ -27006,7 +30587,7 @@ def _main(argv):
 
 
 # ============================================================================
-# src/ferrus/api.py (from its line 32)
+# src/ferrus/api.py (from its line 36)
 # ============================================================================
 # The public interface: what other programs may import, and the entry point.
 #
@@ -27034,6 +30615,12 @@ __all__ = [
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
     "op_enqueue_ready", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
+    # project memory (memory)
+    "op_memory_search", "op_memory_show", "op_memory_status", "op_memory_rebuild",
+    "op_spec_archive",
+    # the repository graph (graph)
+    "op_graph_index", "op_graph_status", "op_graph_search", "op_graph_show",
+    "op_graph_context",
     # the MCP server over stdio (mcp)
     "serve_stdio",
 ]

@@ -1692,6 +1692,113 @@ def fig_nano_turn(bench, fig):
         all_mean <= nano_bench.BAR_MS)
 
 
+def fig_repository_graph(bench, fig):
+    """`ferrus graph index` of 2,000 generated files, full and after one change, and
+    search with ~100,000 definitions (bench/graph.py)."""
+    import shutil
+    import graph as graph_bench          # bench/graph.py
+    if shutil.which("git") is None:
+        fig.na("git is not installed", "≤ 2 s / ≤ 200 ms; ≤ 50 ms")
+        return
+    module = graph_bench.graph_module(bench.ferrus, bench.ferrus_path)
+    if module is None:
+        fig.na("this ferrus has no repository graph", "≤ 2 s / ≤ 200 ms; ≤ 50 ms")
+        return
+    options = argparse.Namespace(quick=bench.quick, files=2000, keep=bench.args.keep,
+                                 ferrus=bench.ferrus_path)
+    rows, values = graph_bench.measure(options, bench.ferrus, module)
+    fig.values.update(values)
+    for name, measured, bar, ok in rows:
+        if ok is None:
+            fig.info("(info) %s: %s" % (name, measured))
+        else:
+            fig.check("%s: %s" % (name, measured), bar, ok)
+
+
+MEMORY_RECORDS = 1000
+MEMORY_WORDS = ("lease heartbeat journal rotation review notes submission merge queue "
+                "worktree branch config toml check gate timeout retry backoff capacity "
+                "session prompt cache index graph search parser token usage session "
+                "notify bell desktop spec milestone outcome archive reset doctor").split()
+
+
+def _memory_record(index, rng):
+    """One generated record of an ended task: one word in four from MEMORY_WORDS (every
+    task's vocabulary), the rest from a tail of 5,000 rarer ones (each task's own
+    names), a few files, a rejection with notes on every third task."""
+    words = lambda count: " ".join(  # noqa: E731
+        rng.choice(MEMORY_WORDS) if rng.random() < 0.25 else "name%d" % rng.randrange(5000)
+        for _ in range(count))
+    files = ["src/pkg%d/mod%d.py" % (rng.randrange(20), rng.randrange(200))
+             for _ in range(rng.randrange(1, 6))]
+    reviews = [{"verdict": "rejected", "time": "2026-01-01T00:00:00Z", "by": "reviewer",
+                "notes": "The %s is wrong: %s." % (words(2), words(20))}] if index % 3 == 0 else []
+    return {"id": "t-20260101T%06d-%06x" % (index, index), "kind": "task",
+            "title": words(6).capitalize(), "outcome": "merged" if index % 7 else "failed",
+            "ended_at": "2026-01-%02dT00:00:00Z" % (1 + index % 28),
+            "description": words(60), "files": files, "reviews": reviews,
+            "submissions": [{"n": 1, "time": "2026-01-01T00:00:00Z", "summary": words(30)}]}
+
+
+def fig_project_memory(bench, fig):
+    """Project memory with 1,000 ended tasks' records: `ferrus memory rebuild`, a search,
+    and the memory section of an executor's prompt (made between create_task and the
+    executor's spawn, so on hq_reaction's path)."""
+    ferrus = bench.ferrus
+    if not hasattr(ferrus, "memory_executor_prompt"):
+        fig.na("this ferrus has no project memory", "≤ 50 ms; ≤ 20 ms")
+        return
+    try:
+        ferrus.import_sqlite3("project memory")
+    except ferrus.FerrusError as err:
+        fig.na(err.message, "≤ 50 ms; ≤ 20 ms")
+        return
+    root = bench.project("memory")
+    store = ferrus.Store(root)
+    folder = ferrus.memory_records_dir(store)
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(26)
+    for index in range(MEMORY_RECORDS):
+        record = _memory_record(index, rng)
+        with open(os.path.join(folder, record["id"] + ".json"), "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+    started = time.perf_counter()
+    ferrus.memory_sync(store, rebuild=True)
+    rebuild = time.perf_counter() - started
+    status = ferrus.op_memory_status(store, ferrus.HUMAN).data
+    if status["records"] != MEMORY_RECORDS:
+        raise BenchError("memory holds fewer records than were written: %s" % status)
+    queries = ("lease heartbeat", "review notes merge", "src/pkg3/mod17.py", "nothing_like_this")
+    searches, cpus = [], []
+    for _ in range(bench.reps(11, 3)):
+        for query in queries:
+            cpu, started = time.process_time(), time.perf_counter()
+            ferrus.op_memory_search(store, ferrus.HUMAN, query)
+            searches.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu)
+    supervisor = ferrus.Caller("supervisor", "supervisor:bench:0")
+    ferrus.op_create_task(store, supervisor, "Make the lease heartbeat survive a journal "
+                          "rotation; see src/pkg3/mod17.py and the review notes.")
+    data = store.read_state()
+    prompts = []
+    for _ in range(bench.reps(21, 5)):
+        started = time.perf_counter()
+        section = ferrus.memory_executor_prompt(store, data)
+        prompts.append(time.perf_counter() - started)
+    if "lease" not in section.lower():
+        raise BenchError("the executor's memory section names no earlier task: %r" % section)
+    search, prompt = median(searches), median(prompts)
+    fig.values.update({"records": MEMORY_RECORDS, "backend": status.get("backend"),
+                       "rebuild_s": rebuild, "search_s": searches, "search_cpu_s": cpus,
+                       "prompt_s": prompts, "prompt_chars": len(section)})
+    fig.info("%d records (%s): `memory rebuild` %s" % (MEMORY_RECORDS, status.get("backend"),
+                                                       ms(rebuild)))
+    fig.check("project_context_search %s (median of %d; CPU %s)" % (
+        ms(search), len(searches), ms(median(cpus))), "≤ 50 ms", search <= 0.05)
+    fig.check("executor prompt's memory section %s (median of %d, %d characters)" % (
+        ms(prompt), len(prompts), len(section)), "≤ 20 ms", prompt <= 0.02)
+
+
 FIGURES = (
     ("serve_cold_start", fig_serve_cold_start),
     ("status_from_shell", fig_status_from_shell),
@@ -1709,6 +1816,8 @@ FIGURES = (
     ("hq_reaction_8_active", fig_hq_reaction_8_active),
     ("web_first_paint", fig_web_first_paint),
     ("nano_turn", fig_nano_turn),
+    ("repository_graph", fig_repository_graph),
+    ("project_memory", fig_project_memory),
 )
 
 

@@ -13,8 +13,11 @@ tools its prompt asks for.  What it decides is steered by the environment:
                      tool calls, tokens and cost as Claude Code's stream-json does:
                      each tool call an assistant event worth 100 tokens in and 10 out,
                      printed twice as Claude repeats a message per block, and a final
-                     result event with the totals and $0.001 per call)
-  SCRIPTED_DIR       a directory for its memory between sessions (flag files)
+                     result event with the totals and $0.001 per call), search-memory
+                     (the executor asks project_context_search about its task's first
+                     line and appends the answer to memory-search in SCRIPTED_DIR)
+  SCRIPTED_DIR       a directory for its memory between sessions (flag files; each
+                     session's prompt is appended to prompts-<mode> there)
   SCRIPTED_QUESTION  the question `ask` sends (default: a question about a colour)
 
 The executor writes work.txt, or, when the task has lines `WRITE <file>: <text>`, those
@@ -131,6 +134,8 @@ def main():
     if os.path.isdir(os.environ.get("SCRIPTED_DIR", "")):
         with open(flag("cwd-" + mode), "a") as handle:     # where each session started
             handle.write(os.getcwd() + "\n")
+        with open(flag("prompts-" + mode), "a") as handle:  # what each session was told
+            handle.write(prompt + "\n=== end of prompt ===\n")
     if "crash-" + mode in behavior:
         print("crashing on purpose", flush=True)
         return 3
@@ -164,6 +169,11 @@ def main():
             if claimed.get("review"):       # the review notes this session was given
                 with open(flag("reviews-seen"), "a") as handle:
                     handle.write(claimed["review"] + "\n")
+            if "search-memory" in behavior:
+                first_line = (claimed.get("task") or "").strip().split("\n")[0]
+                _, answer, _ = mcp.call("project_context_search", query=first_line)
+                with open(flag("memory-search"), "a") as handle:
+                    handle.write(answer + "\n")
             if "consult" in behavior and once("consulted"):
                 mcp.call("consult", question="## Problem\nx\n## What I tried\ny\n"
                                              "## Options (if any)\nA or B\n## Question\nWhich?")

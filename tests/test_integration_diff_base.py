@@ -26,4 +26,6 @@ def test_a_task_sent_back_for_red_checks_after_the_merge_diffs_against_the_targe
     sent_back = [e for e in store.read_journal() if e["event"] == "integration_failed"]
     main_head = ferrus.target_head(str(repo), "main")
     assert sent_back and all(e["detail"]["onto"] == main_head[:12] for e in sent_back)
+    # Each entry carries the notes the executor was given (REVIEW.md holds the last).
+    assert sent_back[-1]["detail"]["text"] == task_store.read_file("REVIEW.md").strip()
     assert task_store.read_state().task_base["commit"] == main_head

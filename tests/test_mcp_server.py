@@ -43,6 +43,13 @@ ALL_TOOLS = ["create_task", "enqueue_task", "create_spec", "wait_for_review", "r
              "reject", "respond_consult", "wait_for_task", "check", "consult", "submit",
              "wait_for_consult", "wait_for_answer", "ask_human", "answer", "status", "reset",
              "heartbeat"]
+# Project memory and the repository graph: read-only, every role, after the task tools.
+MEMORY_AND_MAP_TOOLS = ["project_memory_status", "project_context_search", "project_context",
+                        "repository_graph_status", "repository_graph_search",
+                        "repository_graph_context"]
+SUPERVISOR_TOOLS += MEMORY_AND_MAP_TOOLS
+EXECUTOR_TOOLS += MEMORY_AND_MAP_TOOLS
+ALL_TOOLS += MEMORY_AND_MAP_TOOLS
 
 CONSULT_QUESTION = ("## Problem\nThe parser is slow.\n\n## What I tried\nProfiling.\n\n"
                     "## Options (if any)\nA cache.\n\n## Question\nMay I add a cache?\n")

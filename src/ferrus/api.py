@@ -26,6 +26,10 @@ from .work import (op_answer, op_ask_human, op_check, op_consult, op_force_reset
                    op_wait_for_task)
 from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
                          op_enqueue_task, op_merged_task_diff, op_retry_task, op_task_diff)
+from .graph import (op_graph_context, op_graph_index, op_graph_search, op_graph_show,
+                    op_graph_status)
+from .memory import (op_memory_rebuild, op_memory_search, op_memory_show, op_memory_status,
+                     op_spec_archive)
 from .mcp import serve_stdio
 from .cli import main
 
@@ -48,6 +52,12 @@ __all__ = [
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
     "op_enqueue_ready", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
+    # project memory (memory)
+    "op_memory_search", "op_memory_show", "op_memory_status", "op_memory_rebuild",
+    "op_spec_archive",
+    # the repository graph (graph)
+    "op_graph_index", "op_graph_status", "op_graph_search", "op_graph_show",
+    "op_graph_context",
     # the MCP server over stdio (mcp)
     "serve_stdio",
 ]

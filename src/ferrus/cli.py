@@ -26,6 +26,8 @@ from .work import op_check, op_force_reset, op_run_checks_only
 from .task_queue import (op_enqueue_milestone, op_enqueue_ready, op_enqueue_task,
                          op_retry_task, stores_awaiting_confirmation, task_records,
                          task_store_of)
+from .graph import add_graph_parser
+from .memory import add_memory_parser, add_spec_parser
 from .mcp import SESSION_ENV, serve_stdio
 from .nano import add_nano_parser
 from .probe import add_probe_option, report_probes
@@ -808,6 +810,9 @@ COMMAND_PARSERS = (
     ("hq", _add_hq_parser),
     ("web", add_web_parser),
     ("pipeline", add_pipeline_parser),
+    ("memory", add_memory_parser),
+    ("spec", add_spec_parser),
+    ("graph", add_graph_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )

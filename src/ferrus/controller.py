@@ -16,7 +16,7 @@ from .basics import (FerrusError, UsageError, format_duration, format_timestamp,
                      new_id, parse_timestamp, utc_now)
 from .system import IS_WINDOWS
 from .config import AgentChoice, LeaseConfig
-from .task_machine import ACTIVE_STATES, S
+from .task_machine import ACTIVE_STATES, S, WORK_STATES
 from .session_machine import (CANCEL_SESSION, CHECKPOINT, CONTINUE, EMERGENCY_STOP,
                               FORCE_STOP_SESSION, LOG_FATAL, SS, Session, SessionEvent,
                               THROTTLE, session_step)
@@ -28,6 +28,7 @@ from .worktrees import changed_paths, own_checkout, reset_gate, review_checkout_
 from .operations import (confirmation_summary, describe_task_commit, guarded_paths,
                          task_git_site)
 from .work import op_release_sessions
+from .memory import memory_after_task_end, memory_executor_prompt
 from .mcp import SESSION_ENV, session_id_for_task, tool_calls_for_task
 from .agent_files import edit_json_file
 from .register import adapter_for, copy_agent_configuration
@@ -256,6 +257,8 @@ class HqController(JournalView):
                 self.emit(HqMessage("error", "Task failed: %s" % (data.failure_reason or ""),
                                     "failed", {"task_id": data.task_id,
                                                "reason": data.failure_reason}))
+            if data.state in (S.COMPLETE, S.FAILED):
+                memory_after_task_end(self.store)
             if data.state == S.IDLE:
                 self.stop_all(quiet=True)
             # An agent that ended the task (the reviewer's approve) is still saying its
@@ -288,6 +291,10 @@ class HqController(JournalView):
                 self._step(slot, SessionEvent("WorktreeReady"))
             if slot.session.state == SS.BUILDING_PROMPT:
                 text = prompt
+                if slot.name == "executor" and data.state in WORK_STATES:
+                    # Once per executor session: what earlier tasks on the same ground
+                    # decided, and why their work was sent back.
+                    text += memory_executor_prompt(self.store, data)
                 if slot.session.urgent:
                     text += "\n\nURGENT message from the operator (act on it first):\n" + \
                         slot.session.urgent

@@ -28,8 +28,9 @@ from .git import GitUnavailable, _same_path, display_path, task_checkout
 from .worktrees import (_relative_inside, default_worktree_dir, list_task_worktrees,
                         remove_task_worktree, target_head, worktree_changes)
 from .specs import list_spec_paths, parse_spec
-from .operations import ROLES, short_task_id, task_diff_exclusions
-from .task_queue import _TASK_ID_RE, queued_task_ids, task_title, write_task_record
+from .operations import ROLES, short_task_id, task_diff_exclusions, task_title
+from .task_queue import _TASK_ID_RE, queued_task_ids, write_task_record
+from .memory import MEMORY_DIR, MEMORY_RECORDS_DIR
 from .nano_model import nano_settings_findings
 from .register import permission_warnings
 from .sessions import SESSIONS_DIR
@@ -100,7 +101,7 @@ def doctor_findings(root):
     findings.extend(parallel_task_findings(store))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
-    for folder in ("usage", CHECK_PROCESS_DIR):
+    for folder in ("usage", CHECK_PROCESS_DIR, MEMORY_DIR + "/" + MEMORY_RECORDS_DIR):
         if os.path.isdir(store.path(folder)):
             stray += [folder + "/" + name for name in os.listdir(store.path(folder))
                       if name.endswith(TEMP_SUFFIX)]

@@ -13,7 +13,7 @@ from .basics import (FerrusError, UsageError, compact_json, format_duration,
 from .session_machine import CONTINUE
 from .gates import _is_phase, phase_words
 from .store import ENDED_STATUSES, QUEUED_STATUS, RUNNING_STATUS, is_story
-from .operations import short_task_id
+from .operations import JOURNAL_TEXT_EVENTS, short_task_id
 from .task_queue import (DAMAGED_WORD, count_statuses, describe_task_event,
                          last_task_events, queued_order, queued_task_ids, task_elapsed,
                          task_rows, task_state_word)
@@ -70,6 +70,8 @@ def format_event(entry, color=False):
         if moved else terminal_safe(entry.get("to"))
     detail = dict(entry.get("detail") or {})
     detail.pop("said", None)        # the text itself is shown by HQ and `ferrus run`
+    if entry.get("event") in JOURNAL_TEXT_EVENTS:
+        detail.pop("text", None)    # notes and summaries: in `ferrus log --json`
     if entry.get("event") == "phase" and _is_phase(detail.get("phase")):
         # A parallel run's step, in words; its GateRecord is in `ferrus log --json`.
         change = "the run is now %s" % phase_words(detail["phase"])

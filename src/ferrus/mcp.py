@@ -6,7 +6,6 @@ cause; resources never follow a symbolic link out of .ferrus/."""
 
 import base64
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -18,19 +17,21 @@ import threading
 import time
 import urllib.parse
 
-from .basics import (FerrusError, LazyPattern, UsageError, __version__, compact_json,
-                     deferred_dataclass, log, new_id, pretty_json)
+from .basics import (FerrusError, LazyPattern, UsageError, __version__, compact_json, log,
+                     new_id, pretty_json)
 from .system import IS_WINDOWS, UnsafePath, atomic_write, open_inside, read_text
 from .store import (FERRUS_DIR, JOURNAL_FILE, STATE_FILE, Store, TASKS_DIR, TASK_FILES,
                     TASK_RECORD_FILE, task_record_path)
 from .checks import end_active_checks, report_orphaned_checks
 from .specs import SPEC_TEMPLATE
-from .operations import (Caller, op_approve, op_create_spec, op_create_task, op_diff,
-                         op_reject, op_respond_consult, op_review_pending)
+from .operations import (Caller, Param, Tool, op_approve, op_create_spec, op_create_task,
+                         op_diff, op_reject, op_respond_consult, op_review_pending)
 from .work import (op_answer, op_ask_human, op_check, op_consult, op_heartbeat, op_reset,
                    op_status, op_submit, op_wait_for_answer, op_wait_for_consult,
                    op_wait_for_review, op_wait_for_task)
 from .task_queue import _TASK_ID_RE, op_enqueue_task
+from .graph import GRAPH_TOOLS
+from .memory import MEMORY_TOOLS
 from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcServer,
                       LOG_LEVELS, MCP_ALL_VERSIONS, MCP_LEGACY_VERSIONS,
                       MCP_MODERN_VERSIONS, META_CLIENT_CAPABILITIES, META_LOG_LEVEL,
@@ -40,47 +41,6 @@ from .jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, JsonRpcSe
 
 
 # -- ferrus tools ---------------------------------------------------------------------
-
-@deferred_dataclass
-class Param:
-    """One parameter of an MCP tool, for its JSON input schema."""
-
-    name: str
-    type: str
-    description: str
-    required: bool = True
-
-
-@deferred_dataclass
-class Tool:
-    """One MCP tool: its schema, the roles that get it, the operation it calls."""
-
-    name: str
-    title: str
-    description: str
-    roles: tuple
-    run: object                     # callable(store, caller, **arguments) -> Outcome
-    params: tuple = ()
-    output: dict = dataclasses.field(default_factory=dict)
-    read_only: bool = False
-    destructive: bool = False
-    idempotent: bool = False
-
-    def input_schema(self):
-        return {"type": "object",
-                "properties": {p.name: {"type": p.type, "description": p.description}
-                               for p in self.params},
-                "required": [p.name for p in self.params if p.required]}
-
-    def output_schema(self):
-        properties = {}
-        for name, kind in self.output.items():
-            if kind.endswith("?"):
-                properties[name] = {"type": [kind[:-1], "null"]}
-            else:
-                properties[name] = {"type": kind}
-        return {"type": "object", "properties": properties}
-
 
 SUP, EXE = ("supervisor",), ("executor",)
 BOTH = ("supervisor", "executor")
@@ -217,7 +177,7 @@ TOOLS = (
                                       "id.", required=False),),
          {"status": "string", "claimed_by": "string?", "lease_until": "string?",
           "code": "string", "message": "string"}, idempotent=True),
-)
+) + MEMORY_TOOLS + GRAPH_TOOLS   # read-only, every role, after the task tools (fixed order)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
@@ -860,10 +820,13 @@ class FerrusMcpServer:
                 "messages": [{"role": "user", "content": {"type": "text", "text": text}}]}
 
 
-# Tools that may block for long (waits, check commands): they run in their own
-# bounded lane so they never hold up quick calls.
+# Tools that may block for long (waits, check commands, the repository graph's reading
+# and hashing of files): they run in their own bounded lane so they never hold up quick
+# calls.
 BLOCKING_TOOLS = frozenset(("wait_for_task", "wait_for_review", "wait_for_consult",
-                            "wait_for_answer", "check", "submit", "review_pending"))
+                            "wait_for_answer", "check", "submit", "review_pending",
+                            "repository_graph_status", "repository_graph_search",
+                            "repository_graph_context"))
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "the disk is full; free some space and call it again",

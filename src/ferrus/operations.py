@@ -4,7 +4,7 @@ One function per behaviour; the MCP tools, the CLI, HQ and the web board call th
 and nothing else changes .ferrus/.  A refusal raises FerrusError; success returns an
 Outcome whose text agents read and whose data is the structured form.  Here: creating
 a task, its diff, review, approval and rejection, [git] commit, the human's
-confirmation, consultations and specs."""
+confirmation, consultations and specs; and the shape of an MCP tool (Param, Tool)."""
 
 import contextlib
 import dataclasses
@@ -102,6 +102,31 @@ def _git_config(store):
         return GitConfig()
 
 
+TASK_TITLE_CHARS = 72
+
+
+def task_title(description):
+    """A task's title: the first non-blank line of its description, shortened."""
+    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
+                  if line.strip().lstrip("#").strip()), "")
+    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
+        else title
+
+
+# How much of a text (a submission's summary, review notes) its journal entry carries:
+# the content files hold only the last of each, and project memory reads them all here.
+JOURNAL_TEXT_CHARS = 4000
+# The entries whose ``text`` is such a text (`ferrus log` leaves it out of their line).
+JOURNAL_TEXT_EVENTS = frozenset(("submit", "reject", "human_reject", "integration_failed",
+                                 "approve"))
+
+
+def journal_text(text):
+    """``text`` as a journal entry carries it: at most JOURNAL_TEXT_CHARS characters."""
+    text = (text or "").strip()
+    return text if len(text) <= JOURNAL_TEXT_CHARS else text[:JOURNAL_TEXT_CHARS - 1] + "…"
+
+
 def op_create_task(store, caller, description, origin=None, task_id=None):
     """Idle → Executing.  ``origin`` (spec path, milestone id) names the milestone the task
     implements; without it the origin HQ staged for the supervisor (pending_task_*) applies.
@@ -142,7 +167,7 @@ def op_create_task(store, caller, description, origin=None, task_id=None):
                 data = data.copy()
                 data.pending_task_spec, data.pending_task_milestone = origin
             new = t_create_task(data, store.clock(), task_id, base)
-            detail = {"task_id": task_id}
+            detail = {"task_id": task_id, "title": task_title(description)}
             if base.get("git"):
                 detail["base"] = (base["commit"] or "")[:12]
             if branch:
@@ -517,6 +542,8 @@ def op_approve(store, caller, notes=None):
                    **_complete_task(store, tx, data, new))
         else:
             tx.set(new, "approve", awaiting="human")
+        if notes and notes.strip():
+            tx.detail["text"] = journal_text(notes)
     if new.state == S.INTEGRATING:
         return _outcome("Task approved. State: Integrating — ferrus merges it into the target "
                         "branch once the checks pass on the merged result. Your review is "
@@ -543,7 +570,7 @@ def op_reject(store, caller, notes):
         _guard_lease(store, data, caller, "reject")
         new = t_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "reject", review_cycles=new.review_cycles)
+        tx.set(new, "reject", review_cycles=new.review_cycles, text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Review cycle limit reached (%d/%d).\n\nState is now Failed. A human must call "
                 "/reset to recover." % (new.review_cycles, limits.max_review_cycles))
@@ -620,7 +647,8 @@ def op_human_reject(store, caller, notes, via="cli"):
             raise _nothing_to_confirm(data, "reject")
         new = t_human_reject(data, store.clock(), limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles)
+        tx.set(new, "human_reject", by=human_name(), via=via, review_cycles=new.review_cycles,
+               text=journal_text(notes))
     if new.state == S.FAILED:
         text = ("Rejected; the review cycle limit is reached (%d/%d), so the task is now "
                 "Failed. `ferrus reset` clears it." % (new.review_cycles,
@@ -897,3 +925,46 @@ def short_task_id(task):
     """What the lines of a parallel run show for a task: the random end of its id."""
     return task.rsplit("-", 1)[-1] if task else ""
 ORCHESTRATOR = Caller("hq", "ferrus")
+
+
+# -- the shape of an MCP tool (mcp lists them; memory and graph define their own) ------------
+
+@deferred_dataclass
+class Param:
+    """One parameter of an MCP tool, for its JSON input schema."""
+
+    name: str
+    type: str
+    description: str
+    required: bool = True
+
+
+@deferred_dataclass
+class Tool:
+    """One MCP tool: its schema, the roles that get it, the operation it calls."""
+
+    name: str
+    title: str
+    description: str
+    roles: tuple
+    run: object                     # callable(store, caller, **arguments) -> Outcome
+    params: tuple = ()
+    output: dict = dataclasses.field(default_factory=dict)
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+
+    def input_schema(self):
+        return {"type": "object",
+                "properties": {p.name: {"type": p.type, "description": p.description}
+                               for p in self.params},
+                "required": [p.name for p in self.params if p.required]}
+
+    def output_schema(self):
+        properties = {}
+        for name, kind in self.output.items():
+            if kind.endswith("?"):
+                properties[name] = {"type": [kind[:-1], "null"]}
+            else:
+                properties[name] = {"type": kind}
+        return {"type": "object", "properties": properties}

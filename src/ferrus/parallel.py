@@ -38,6 +38,7 @@ from .base_checks import (RedBaseRefused, cached_base_check, check_base,
                           without_red_base_note)
 from .task_queue import (_TASK_ID_RE, _remove_task_leftovers, checked_task_records,
                          count_statuses, task_records, update_task)
+from .memory import memory_after_task_end
 from .register import copy_agent_configuration
 from .sessions import HqMessage
 from .web_link import web_board_url
@@ -826,6 +827,7 @@ class ParallelRunner(MergeQueue):
             if reason:
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
+            memory_after_task_end(self.store)
         if status in (MERGED_STATUS, UNCHANGED_STATUS):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now

@@ -25,6 +25,8 @@ from .operations import (HUMAN, confirmation_summary, find_milestone, op_create_
                          short_task_id, task_diff_exclusions)
 from .work import op_answer, op_force_reset
 from .task_queue import checked_task_records, task_records, update_task, write_task_record
+from .graph import graph_index_before_task
+from .memory import memory_after_task_end
 from .adapters import CustomAgent
 from .nano_model import nano_endpoint, nano_settings
 from .register import adapter_for
@@ -149,6 +151,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
              warning=NO_CHECKS_WARNING)
     # The task's creation (Idle → Executing) first, then where the run starts from.
     controller.drain_journal()
+    # No agent has started yet: their first repository_graph_* call finds it indexed.
+    graph_index_before_task(store)
     run_task = store.read_state().task_id
     note(controller.describe_state(), task_id=run_task)
     told_board = set()          # the waits (state, entered at) left to the board
@@ -166,6 +170,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        # However the run ends (Complete, Failed, a timeout, a human's reset seen), what
+        # ended goes into project memory.
+        memory_after_task_end(store)
         task_id = store.read_state().task_id
         used = task_usage(store, task_id)
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
@@ -305,6 +312,7 @@ def _record_checkout_end(store, task, code, reason, note=None):
             and note is not None:
         note("task %s was approved, and it changed nothing (its diff is empty): approved, "
              "no change" % short_task_id(task), "warning", task_id=task, status=status)
+    memory_after_task_end(store)
 
 
 def _changed_nothing(store):

@@ -132,6 +132,11 @@ heartbeat.
 Executor: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
 wait_for_answer, answer, status, heartbeat.
 
+Both, read-only: project_memory_status, project_context_search, project_context
+(what earlier tasks did and why their work was sent back), repository_graph_status,
+repository_graph_search, repository_graph_context (where names are defined, imported
+and called, as `path:line`).
+
 Every `wait_*` tool returns `{"status":"timeout"}` when nothing happened within
 `wait_timeout_secs`; simply call it again.  Call `heartbeat` about every
 `lease.heartbeat_interval_secs` while you hold a task.
@@ -176,7 +181,9 @@ description: Playbook for the ferrus supervisor — defining tasks, reviewing su
 
 Tools: create_task, create_spec, wait_for_review, review_pending, approve,
 reject, respond_consult, ask_human, wait_for_answer, answer, status, reset,
-heartbeat.
+heartbeat; read-only: project_memory_status, project_context_search,
+project_context, repository_graph_status, repository_graph_search,
+repository_graph_context.
 """
 
 ROLE_SUPERVISOR = """---
@@ -205,6 +212,9 @@ description: Playbook for the ferrus executor — implementing a task, using the
   the review notes you must address.
 - Read the code around the change before editing.  Prefer the smallest diff
   that fully solves the task; follow the project's existing style.
+- To find where a name is defined or used, ask `repository_graph_search` and
+  `repository_graph_context` before reading files one by one;
+  `project_context_search` tells what earlier tasks on the same files decided.
 - Run `check` whenever you want feedback and always right before `submit`.
   Each failure uses one retry from a limited budget, so read the output.
 - Call `heartbeat` regularly so your lease does not expire.
@@ -220,7 +230,9 @@ description: Playbook for the ferrus executor — implementing a task, using the
   how you verified it, and list anything left undone.
 
 Tools: wait_for_task, check, consult, wait_for_consult, submit, ask_human,
-wait_for_answer, answer, status, heartbeat.
+wait_for_answer, answer, status, heartbeat; read-only: project_memory_status,
+project_context_search, project_context, repository_graph_status,
+repository_graph_search, repository_graph_context.
 """
 
 ROLE_EXECUTOR = """---

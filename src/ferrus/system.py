@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -389,3 +390,23 @@ try:
     import tomllib
 except ImportError:  # Python 3.9 and 3.10: the built-in parser below takes over
     tomllib = None
+
+
+class SqliteMissing(FerrusError):
+    """This Python was built without its sqlite3 module (some minimal builds are)."""
+
+
+def import_sqlite3(feature):
+    """The sqlite3 module, imported where ``feature`` (project memory, the repository
+    graph) needs it — kept off every command's start-up, and so that a Python built
+    without it still runs every other command; SqliteMissing when it has none."""
+    try:
+        import sqlite3
+    except ImportError as err:
+        raise SqliteMissing(
+            "%s needs Python's sqlite3 module, and this Python (%s) was built without it"
+            % (feature, sys.executable or "python"),
+            "run ferrus with a Python that has sqlite3 (on Debian/Ubuntu it is part of "
+            "python3; a Python built from source needs the SQLite headers, e.g. "
+            "libsqlite3-dev); every other ferrus command works without it") from err
+    return sqlite3

@@ -23,8 +23,8 @@ from .git import (GitUnavailable, commit_parent, set_task_ref, snapshot_worktree
                   stream_git, task_checkout, task_ref)
 from .worktrees import _tree_of, remove_review_checkout, remove_task_worktree, target_head
 from .specs import milestone_task_text, parse_spec, unmet_dependencies
-from .operations import (HUMAN, _nonblank, _outcome, op_diff, short_task_id,
-                         task_diff_exclusions)
+from .operations import (HUMAN, TASK_TITLE_CHARS, _nonblank, _outcome, op_diff,
+                         short_task_id, task_diff_exclusions, task_title)
 from .work import op_force_reset
 
 
@@ -72,17 +72,6 @@ def count_statuses(statuses):
                                              if status not in TASK_STATUS_ORDER))
     return ", ".join("%d %s" % (counts[status], status_word(status))
                      for status in order if counts[status])
-
-
-TASK_TITLE_CHARS = 72
-
-
-def task_title(description):
-    """A task's title: the first non-blank line of its description, shortened."""
-    title = next((line.strip().lstrip("#").strip() for line in description.splitlines()
-                  if line.strip().lstrip("#").strip()), "")
-    return title[:TASK_TITLE_CHARS - 3].rstrip() + "..." if len(title) > TASK_TITLE_CHARS \
-        else title
 
 
 def queued_task_ids(store):

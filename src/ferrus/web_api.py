@@ -22,12 +22,13 @@ from .task_machine import S
 from .store import (APPROVED_STATUSES, CANCELLED_STATUS, DONE_STATUS, FAILED_STATUS,
                     FERRUS_DIR, MERGED_STATUS, PARALLEL_MIRROR_KEY, QUEUED_STATUS,
                     RUNNING_STATUS, journal_story, read_task_record, task_record_path)
-from .operations import Caller, op_diff, op_human_approve, op_human_reject, short_task_id
+from .operations import (Caller, op_diff, op_human_approve, op_human_reject, short_task_id,
+                         task_title)
 from .work import op_answer
 from .task_queue import (describe_task_event, diff_store_of, last_task_events,
                          op_enqueue_task, op_merged_task_diff, op_retry_task,
                          queued_task_ids, require_task_id, task_elapsed, task_rows,
-                         task_state_word, task_store_of, task_title)
+                         task_state_word, task_store_of)
 from .mcp import SESSION_ENV
 from .agents import tool_display_name, tool_reason
 from .register import adapter_for

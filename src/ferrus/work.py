@@ -24,8 +24,8 @@ from .checks import run_checks
 from .git import TaskCheckout, set_task_ref, snapshot_worktree, task_diff, task_ref
 from .worktrees import changed_paths
 from .operations import (GUARDED_SHOWN, Outcome, _approval_file_if_any, _guard_lease,
-                         _json_outcome, _nonblank, _outcome, guarded_paths, review_diff,
-                         task_diff_exclusions, task_git_site)
+                         _json_outcome, _nonblank, _outcome, guarded_paths, journal_text,
+                         review_diff, task_diff_exclusions, task_git_site)
 
 
 # -- waiting ------------------------------------------------------------------
@@ -288,7 +288,7 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            detail = {"log": log_path}
+            detail = {"log": log_path, "text": journal_text(content)}
             if submitted is not None:
                 left_out = submitted.pop("left_out", [])
                 if left_out:
@@ -658,5 +658,5 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
         tx.write("REVIEW.md", notes)
-        tx.set(new, "integration_failed", **detail)
+        tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
