@@ -6,33 +6,16 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import git, run_cli, write
 from mcp_client import McpProcess, tool_json, tool_text
 import ferrus
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-
-
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main", "-c",
-                           "protocol.file.allow=always"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
-def write(root, rel, text):
-    path = os.path.join(str(root), *rel.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
 
 
 @pytest.fixture

@@ -8,26 +8,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import run_cli, set_config
+from conftest import git, run_cli, set_config, write
 import ferrus
-from test_git_diff import write
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 EXECUTOR = ferrus.Caller("executor", "executor:test:1")
 REVIEWER = ferrus.Caller("supervisor", "supervisor:test:1")
-
-
-def git(root, *args, check=True, env=None):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    clean.update(GIT_CONFIG_NOSYSTEM="1")
-    clean.update(env or {})
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=clean, capture_output=True, text=True, check=check)
 
 
 def read(root, rel):

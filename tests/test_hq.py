@@ -8,21 +8,11 @@ import os
 import subprocess
 import time
 
-import pytest
-
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CONFIG, scripted_project
+from conftest import FERRUS_CMD, SCRIPTED_CONFIG, FakeMonotonic
 
 S, SS = ferrus.S, ferrus.SS
 CONFIG = SCRIPTED_CONFIG
-
-
-@pytest.fixture
-def scripted(project, tmp_path, monkeypatch):
-    store = scripted_project(project, tmp_path / "memory")
-    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
-    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    return store
 
 
 def run(store, task="Make work.txt", **kw):
@@ -94,14 +84,6 @@ def test_question_without_a_human_ends_the_run_with_4(scripted, monkeypatch):
     assert code == ferrus.RUN_NEEDS_HUMAN
     assert any("Which colour" in line for line in lines)
     assert scripted.read_state().state == S.AWAITING_HUMAN
-
-
-class FakeMonotonic:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def drive(controller, until, clock=None, step=0.0, limit=30.0):

@@ -18,7 +18,6 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_PY
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 

@@ -15,8 +15,8 @@ import types
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CHECK
-from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, wait_until
+from test_hq import cli_env
 from test_milestones import write_spec
 
 S, SS = ferrus.S, ferrus.SS
@@ -168,13 +168,6 @@ def test_commands_that_need_no_running_agent(scripted, hq):  # noqa: F811
     assert not any("Traceback" in line for line in shell.out), "\n".join(shell.out)
 
 
-def wait_until(condition, timeout=60, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for %s" % what
-        time.sleep(0.05)
-
-
 def executor_sessions(store):
     """The executor slot's session moves, from the journal: [(to, trigger)]."""
     return [(e["detail"]["to"], e["detail"].get("trigger")) for e in store.read_journal()
@@ -185,7 +178,7 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     shell = hq(SCRIPTED_BEHAVIOR="slow-executor")
     shell.send("/task Make work.txt")
     wait_until(lambda: ("Running", "SessionStarted") in executor_sessions(scripted),
-               what="the executor to run")
+               "the executor to run")
     assert scripted.read_state().state == S.EXECUTING
     shell.command("/task Another", "error: a task is in flight (Executing)")
 
@@ -200,7 +193,7 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     started = executor_sessions(scripted).count(("Running", "SessionStarted"))
     shell.send("/tell executor use tabs, not spaces")
     wait_until(lambda: executor_sessions(scripted).count(("Running", "SessionStarted"))
-               > started, what="the executor's next session")
+               > started, "the executor's next session")
     moves = executor_sessions(scripted)
     assert moves.index(("Interrupting", "UrgentMessage")) < len(moves) - 1 - moves[::-1].index(
         ("Running", "SessionStarted"))
@@ -211,10 +204,10 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     shell.command("/stop", "Stop every agent session? [y/N]")
     shell.command("y", "Stopped. /resume starts them again.")
     wait_until(lambda: executor_sessions(scripted)[-1][0] == SS.STOPPED,
-               what="the executor to stop")
+               "the executor to stop")
     shell.command("/resume", "Resuming the task (Executing).")
     wait_until(lambda: executor_sessions(scripted)[-1] == ("Running", "SessionStarted"),
-               what="the executor to run again")
+               "the executor to run again")
 
     # /reset asks, stops the agents and returns to Idle.
     shell.command("/reset", "The task is Executing. Reset it to Idle and clear its files? [y/N]")

@@ -10,13 +10,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import threading
 
 import pytest
 
 import ferrus
-from conftest import SCRIPTED_CONFIG, run_cli, scripted_project, set_config
+from conftest import SCRIPTED_CONFIG, git, run_cli, scripted_project, set_config, write
 from mcp_client import InProcessMcp, tool_text
 from test_hq import moves, run
 
@@ -155,15 +154,11 @@ def test_a_human_approval_counts_as_a_completed_task_for_the_capacity_gate(store
 
 
 def test_the_confirmation_shows_the_diff_stat(store, project):
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com"] +
-                       list(args), cwd=str(project), check=True, capture_output=True)
     set_config(project, HUMAN_REVIEW)
-    git("init", "-q")
-    with open(os.path.join(str(project), "widget.py"), "w") as handle:
-        handle.write("one\n")
-    git("add", "-A")
-    git("commit", "-q", "-m", "start")
+    git(project, "init", "-q")
+    write(project, "widget.py", "one\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "start")
     ferrus.op_create_task(store, ferrus.HUMAN, "Grow the widget.")
     with open(os.path.join(str(project), "widget.py"), "a") as handle:
         handle.write("two\nthree\n")

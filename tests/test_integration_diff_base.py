@@ -4,15 +4,15 @@ task's diff -- what its reviewer is shown, `ferrus diff`, HQ's /diff -- is measu
 that target head: the task's own work, not what other tasks brought to the target."""
 
 import ferrus
-from test_parallel import enqueue, repo, run, setup, statuses  # noqa: F401 (repo: fixture)
+from conftest import enqueue, run_tasks, scripted_setup, statuses
 
 
-def test_a_task_sent_back_for_red_checks_after_the_merge_diffs_against_the_target(repo):
+def test_a_task_sent_back_for_red_checks_after_the_merge_diffs_against_the_target(git_project):
     # The check fails when both files exist: each task alone passes it.
-    store = setup(repo, ["test ! -f left.txt || test ! -f right.txt"])
+    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"])
     enqueue(store, "Left.\n\nWRITE left.txt: left\n")
     enqueue(store, "Right.\n\nWRITE right.txt: right\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_FAILED, "\n".join(lines)
     failed = [task for task, status in statuses(store).items() if status == "failed"]
     assert len(failed) == 1
@@ -24,6 +24,6 @@ def test_a_task_sent_back_for_red_checks_after_the_merge_diffs_against_the_targe
     assert other not in diff.text
     assert "the merge queue put the task's branch on the target's head" in diff.text
     sent_back = [e for e in store.read_journal() if e["event"] == "integration_failed"]
-    main_head = ferrus.target_head(str(repo), "main")
+    main_head = ferrus.target_head(str(git_project), "main")
     assert sent_back and all(e["detail"]["onto"] == main_head[:12] for e in sent_back)
     assert task_store.read_state().task_base["commit"] == main_head

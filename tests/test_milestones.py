@@ -10,7 +10,7 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_CMD, SCRIPTED_CHECK, set_config
-from test_hq import CONFIG, cli_env, moves, scripted  # noqa: F401  (scripted: the fixture)
+from test_hq import CONFIG, cli_env, moves
 
 S = ferrus.S
 

@@ -8,8 +8,7 @@ import os
 import threading
 
 import ferrus
-from conftest import set_config
-from test_parallel import enqueue, repo, run, setup, statuses  # noqa: F401  (repo: fixture)
+from conftest import enqueue, run_tasks, scripted_setup, set_config, statuses, wait_until
 
 
 def hanging_command(pid_file):
@@ -27,14 +26,6 @@ def alive(pid):
         return False
     with open("/proc/%d/stat" % pid) as handle:       # a zombie is not running
         return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(condition, what, limit=60):
-    import time
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, "gave up waiting for " + what
-        time.sleep(0.02)
 
 
 def test_notify_returns_before_the_notifier_has_even_started(project, monkeypatch):
@@ -86,14 +77,15 @@ def test_no_more_than_the_bound_of_notifiers_run_at_once(project, tmp_path):
                 os.kill(pid, 9)
 
 
-def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path,  # noqa: F811
+def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(git_project, tmp_path,
                                                                 monkeypatch):
     """Each task's end waited up to 5 s for the notifiers its events had started, then
     stopped them, whatever timeout_secs said; now they run on, stopped at timeout_secs or
     once at the run's end."""
     pid_file = tmp_path / "pids"
-    store = setup(repo, ["test -f README.md"], '[notify]\nbell = false\ntimeout_secs = 600\n'
-                  'events = ["complete"]\ncommand = %s\n\n' % hanging_command(pid_file))
+    store = scripted_setup(git_project, ["test -f README.md"],
+                           '[notify]\nbell = false\ntimeout_secs = 600\n'
+                           'events = ["complete"]\ncommand = %s\n\n' % hanging_command(pid_file))
     tasks = [enqueue(store, "T%d.\n\nWRITE n%d.txt: %d\n" % (i, i, i)) for i in range(2)]
     at_task_ends, finished = [], []
     real_end, real_finish = ferrus.ParallelRunner._end_task, ferrus.Notifier.finish
@@ -110,7 +102,7 @@ def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path, 
     monkeypatch.setattr(ferrus.ParallelRunner, "_end_task", end_task)
     monkeypatch.setattr(ferrus.Notifier, "finish", finish)
     try:
-        code, lines = run(store, 2)
+        code, lines = run_tasks(store, 2)
     finally:
         for pid in pids_in(pid_file):
             if alive(pid):

@@ -16,17 +16,9 @@ import pytest
 
 import conftest
 import ferrus
-from conftest import FERRUS_CMD, run_cli, set_config
+from conftest import FERRUS_CMD, FakeMonotonic, run_cli, set_config, wait_until
 
 S, SS = ferrus.S, ferrus.SS
-
-
-class FakeMonotonic:
-    def __init__(self, start=1000.0):
-        self.now = start
-
-    def __call__(self):
-        return self.now
 
 
 def custom_agent_config(argv, prompt="stdin"):
@@ -227,14 +219,6 @@ def cli(root, tmp_path, *args, behavior="", **kw):
     return subprocess.Popen(FERRUS_CMD + list(args), cwd=str(root), env=env,
                             stdin=kw.pop("stdin", subprocess.DEVNULL), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
-
-
-def wait_until(condition, what, limit=60.0):
-    import time
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for " + what
-        time.sleep(0.05)
 
 
 def executor_claimed(store):

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD
+from conftest import FERRUS_CMD, branches, git
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -19,21 +19,9 @@ FERRUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 S = ferrus.TaskState
 
 
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
 def cli(root, *args):
     return subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
                           capture_output=True, timeout=120)
-
-
-def branches(root):
-    return git(root, "for-each-ref", "--format=%(refname:short)", "refs/heads/").stdout.split()
 
 
 @pytest.fixture

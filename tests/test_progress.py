@@ -14,7 +14,7 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
-from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
+from test_hq import run
 
 S = ferrus.S
 

@@ -12,7 +12,6 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_CMD
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
 
 # OSC 52 (set the clipboard), OSC 0 (window title), CSI 2J (clear the screen), a carriage
 # return that overprints the line with a lie, and a UTF-8-encoded C1 CSI.
