@@ -21,22 +21,6 @@ def _project(tmp_path):
     return root
 
 
-def test_empty_task_is_refused_before_the_complete_task_is_cleared(tmp_path, capsys):
-    root = _project(tmp_path)
-    store = ferrus.Store(str(root))
-    ferrus.op_create_task(store, ferrus.HUMAN, "first")
-    with store.transaction("test") as tx:           # pretend it was approved
-        done = tx.state.copy()
-        done.state = S.COMPLETE
-        tx.set(done, "approve")
-    before = store.read_state()
-    assert ferrus.main(["-C", str(root), "run", "--task", "   "]) == 2
-    err = capsys.readouterr().err
-    assert "the task description is empty" in err and "hint:" in err
-    after = store.read_state()
-    assert (after.state, after.rev) == (S.COMPLETE, before.rev), "nothing was reset"
-
-
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, signum):
@@ -61,29 +45,6 @@ def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, sign
             proc.kill()
     assert proc.returncode == 128 + signum, proc.communicate()
     assert not record.exists(), "the orchestrator record was left behind"
-
-
-def test_bare_register_registers_the_agents_ferrus_toml_names(tmp_path, capsys):
-    root = _project(tmp_path)
-    config = ferrus.load_config(str(root))
-    expected = {"supervisor": config.supervisor.agent, "executor": config.executor.agent}
-    capsys.readouterr()
-    assert ferrus.main(["-C", str(root), "register"]) == 0
-    out = capsys.readouterr().out
-    assert "Registering the agents ferrus.toml names" in out
-    for role, agent in expected.items():
-        assert "%s %s" % (role, agent) in out
-    rows = {row["role"]: row for row in ferrus.agents_report(str(root),
-                                                            probe=lambda argv: None)}
-    assert rows["executor"]["agent"] == expected["executor"]
-
-
-def test_bare_register_without_configured_agents_says_how(tmp_path, capsys):
-    root = _project(tmp_path)
-    (root / "ferrus.toml").write_text('[checks]\ncommands = ["true"]\n')
-    assert ferrus.main(["-C", str(root), "register"]) == 2
-    err = capsys.readouterr().err
-    assert "At least one of --supervisor or --executor" in err and "[hq.supervisor]" in err
 
 
 def test_hq_milestones_without_specs_says_how_to_write_one(store):

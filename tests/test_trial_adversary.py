@@ -162,38 +162,6 @@ def test_a_task_reset_from_outside_ends_the_run(tmp_path):
     assert "task %s is gone: the state is Idle, changed outside this run" % task_id in out, out
 
 
-@pytest.mark.skipif(os.name == "nt", reason="POSIX argv bytes")
-def test_text_that_is_not_utf8_is_refused_without_a_traceback(tmp_path):
-    """A byte that is not UTF-8 in `ferrus run --task` (or a line typed into HQ)
-    reached the commit as a lone surrogate and crashed it with a traceback; now the
-    command says what is wrong, and nothing changes.  A Complete task is kept too."""
-    root = tmp_path / "proj"
-    root.mkdir()
-    assert ferrus.main(["-C", str(root), "init"]) == 0
-    store = ferrus.Store(str(root))
-    env = dict(os.environ, FERRUS_LOG="warning")
-    bad = b"fix \xff it"
-    run = subprocess.run([sys.executable.encode(), FERRUS_PY.encode(), b"-C",
-                          os.fsencode(str(root)), b"run", b"--task", bad],
-                         stdin=subprocess.DEVNULL, capture_output=True, env=env, timeout=120)
-    err = run.stderr.decode("utf-8", "replace")
-    assert run.returncode == 1 and "Traceback" not in err, err
-    assert "the task description is not valid UTF-8: it holds the byte 0xff at character 5" \
-        in err and "hint:" in err, err
-    assert store.read_state().state == ferrus.S.IDLE
-    hq = subprocess.run(FERRUS_CMD + ["-C", str(root), "hq", "--no-tui"],
-                        input=b"/task " + bad + b"\n/tell executor " + bad + b"\n/quit\n",
-                        capture_output=True, env=env,
-                        timeout=120)
-    out = hq.stdout.decode("utf-8", "replace") + hq.stderr.decode("utf-8", "replace")
-    assert "Traceback" not in out and out.count("not valid UTF-8") == 2, out
-    assert store.read_state().state == ferrus.S.IDLE
-    before = store.read_state().rev
-    with pytest.raises(ferrus.FerrusError):
-        ferrus.op_create_task(store, ferrus.HUMAN, "fix \udcff it")
-    assert store.read_state().rev == before
-
-
 def test_a_check_command_that_is_no_string_is_named(tmp_path):
     """`commands = ["pytest", 1]` was reported as "must be an array of strings, got an
     array", which left the user looking for what is wrong."""
