@@ -1,6 +1,7 @@
 """The check runner (`ferrus.run_checks`) and the `ferrus check` command."""
 
 import glob
+import io
 import json
 import os
 import resource
@@ -341,6 +342,25 @@ def test_cli_check_refused_outside_a_work_state(project):
     assert done.returncode == 1
     assert "Cannot run checks from state Idle" in done.stderr
     assert ferrus.Store(str(project)).read_journal() == []
+
+
+def test_check_outside_a_task_points_at_force(project):
+    result = run_cli("check", cwd=project)
+    assert result.returncode == 1
+    assert "Cannot run checks from state Idle" in result.stderr
+    assert "hint: `ferrus check --force`" in result.stderr
+
+
+def test_hq_check_outside_a_task_points_at_force_as_the_cli_does(store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    try:
+        shell.handle("/check")
+    finally:
+        shell.controller.shutdown()
+    text = out.getvalue()
+    assert "error: Cannot run checks from state Idle." in text
+    assert "hint: /check --force runs the checks in any state and changes nothing" in text
 
 
 def test_cli_check_counts_retries_and_fails_at_max(project):

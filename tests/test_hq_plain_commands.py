@@ -2,7 +2,8 @@
 
 HQ runs as a real process on a project whose agents are the scripted agents of
 test_hq.py; a reader thread collects what it prints, and each step waits for the
-line it expects instead of sleeping.
+line it expects instead of sleeping.  What one command answers, and what HQ says when
+its input ends, is checked on the plain shell (ferrus.HqShell) in this process.
 """
 
 import io
@@ -252,3 +253,30 @@ def test_hq_register_checks_its_options_as_the_cli_does(project):
         FERRUS_CMD + ["register", "--supervisor-model", "opus"],
         cwd=str(project), capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "At least one of --supervisor or --executor" in cli.stderr
+
+
+def test_a_mistyped_command_gets_a_suggestion(store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/stauts")
+    assert "unknown command /stauts — did you mean /status? /help lists them" in out.getvalue()
+
+
+def test_input_ending_with_a_task_in_flight_says_where_the_task_stays(scripted):
+    """Plain HQ fed by a pipe ends with its input; with a task in flight it says so and
+    where the task stays, instead of vanishing with its agents stopped and nothing said."""
+    out = io.StringIO()
+    shell = ferrus.HqShell(scripted, stdin=io.StringIO("/task Make work.txt\n"), stdout=out,
+                           resume=False)
+    assert shell.run() == 0
+    text = out.getvalue()
+    assert "Input ended: HQ leaves" in text
+    assert "the task stays Executing. `ferrus run --resume` or `ferrus hq` goes on" in text
+    data = scripted.read_state()
+    assert data.state == ferrus.S.EXECUTING and data.claimed_by is None
+
+
+def test_input_ending_with_nothing_in_flight_says_nothing_more(scripted):
+    out = io.StringIO()
+    assert ferrus.HqShell(scripted, stdin=io.StringIO("/status\n"), stdout=out).run() == 0
+    assert "Input ended" not in out.getvalue()

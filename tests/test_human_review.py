@@ -295,6 +295,31 @@ def test_cli_status_approve_and_reject(project):
     assert again.returncode == 1 and "the task is already Complete" in again.stderr
 
 
+def test_status_says_what_gives_the_humans_word(store, project):
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.task_id = S.AWAITING_CONFIRMATION, "t-1"
+        tx.set(data, "test_state")
+    out = run_cli("status", cwd=project).stdout
+    assert "your word  the reviewer approved: `ferrus approve`, or `ferrus reject NOTES`" in out
+
+
+def test_run_task_over_a_task_awaiting_confirmation_names_approve_and_reject(store, project):
+    """The refusal says what the human can do (approve, reject), not only `ferrus run
+    --resume`."""
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.task_id = S.AWAITING_CONFIRMATION, "t-1"
+        tx.set(data, "test_state")
+    result = run_cli("run", "--task", "another", cwd=project)
+    assert result.returncode == 1
+    assert "a task is already in flight (state AwaitingConfirmation): the reviewer approved " \
+        "it and it waits for your word" in result.stderr
+    assert "hint: `ferrus approve` completes it, `ferrus reject NOTES` sends it back" \
+        in result.stderr
+    assert store.read_state().state == S.AWAITING_CONFIRMATION
+
+
 def test_hq_shows_the_summary_and_takes_approve_and_reject(project):
     store = ferrus.Store(str(project))
     set_config(project, HUMAN_REVIEW)

@@ -45,11 +45,3 @@ def test_terminated_orchestrator_releases_the_project_like_ctrl_c(tmp_path, sign
             proc.kill()
     assert proc.returncode == 128 + signum, proc.communicate()
     assert not record.exists(), "the orchestrator record was left behind"
-
-
-def test_hq_milestones_without_specs_says_how_to_write_one(store):
-    import io
-    out = io.StringIO()
-    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
-    shell.cmd_milestones("")
-    assert "no specs in docs/specs/ yet: /spec drafts one" in out.getvalue()
