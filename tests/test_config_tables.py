@@ -109,6 +109,16 @@ def test_every_bad_value_is_listed_even_two_in_one_table(project, cli):
     assert "lists all 6 problems" in err.value.hint
 
 
+def test_a_check_command_that_is_no_string_is_named(project):
+    """Not "must be an array of strings, got an array", which left the user looking for
+    what is wrong: the item and its type are named."""
+    set_config(project, '[checks]\ncommands = ["pytest", 1]\n')
+    with pytest.raises(ferrus.FerrusError) as err:
+        ferrus.load_config(str(project))
+    assert "[checks.commands] must be an array of strings, got an array whose item 2 is " \
+        "1 (an integer)" in err.value.message
+
+
 UNKNOWN_KEYS = """
 [checks]
 commands = ["true"]

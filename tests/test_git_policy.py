@@ -419,6 +419,23 @@ def test_reset_without_git_says_nothing_about_git(project, store):
     assert "Uncommitted" not in text and "branch" not in text
 
 
+def test_reset_counts_the_files_it_leaves_changed_in_good_english(project):
+    """One file differs, two files differ."""
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "start")
+    store = ferrus.Store(str(project))
+    for count, verb in ((1, "differs"), (2, "differ")):
+        ferrus.op_create_task(store, ferrus.HUMAN, "Change files")
+        for index in range(count):
+            (project / ("changed%d.txt" % index)).write_text("round %d\n" % count)
+        out = run_cli("reset", "--yes", cwd=project).stdout
+        assert "%d file%s in the work tree %s from HEAD" % (
+            count, "" if count == 1 else "s", verb) in out
+        git(project, "add", "-A")
+        git(project, "commit", "-q", "-m", "more")
+
+
 def test_hq_says_the_commit_failed_when_the_task_completes(repo, store):
     hook = os.path.join(str(repo), ".git", "hooks", "commit-msg")
     with open(hook, "w") as handle:

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CONFIG, FakeMonotonic
+from conftest import FERRUS_CMD, SCRIPTED_CONFIG, FakeMonotonic, wait_until
 
 S, SS = ferrus.S, ferrus.SS
 CONFIG = SCRIPTED_CONFIG
@@ -252,6 +252,28 @@ def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
                            capture_output=True, text=True, timeout=120, env=env,
                            stdin=subprocess.DEVNULL)
     assert asked.returncode == 4 and "Which colour" in asked.stdout
+
+
+def test_a_task_reset_from_outside_ends_the_run(scripted):
+    """`ferrus reset` in another shell while `ferrus run` drives the task: the run says
+    the task is gone and ends, instead of waiting for ever in Idle (no agent moves a reset
+    task)."""
+    env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_BEHAVIOR="slow-executor")
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", scripted.root, "run", "--task", "work"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_until(lambda: scripted.read_state().claimed_by, "the executor to claim the task",
+                   proc=proc)
+        task_id = scripted.read_state().task_id
+        ferrus.op_force_reset(scripted, ferrus.HUMAN)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == ferrus.RUN_FAILED, out
+    assert "task %s is gone: the state is Idle, changed outside this run" % task_id in out, out
 
 
 def test_plain_hq_runs_a_task_to_complete(scripted, tmp_path):
