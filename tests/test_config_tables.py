@@ -75,6 +75,22 @@ def test_every_table_the_file_knows_has_a_case():
     assert {table for table, _, _ in plain_table_cases()} == set(ferrus.PLAIN_TABLES)
 
 
+def test_the_default_config_has_a_parallel_block_at_the_defaults(tmp_path):
+    """`ferrus init` writes a [parallel] block holding every key at its default."""
+    text = ferrus.default_config_text()
+    assert "\n[parallel]\n" in text
+    parsed = ferrus.parse_toml(text)["parallel"]
+    defaults = ferrus.ParallelConfig()
+    assert set(parsed) == {field.name for field in dataclasses.fields(defaults)}
+    for key, value in parsed.items():
+        assert value == getattr(defaults, key), key
+    root = tmp_path / "fresh"
+    root.mkdir()
+    ferrus.init_project(str(root), report=lambda m: None)
+    config = ferrus.load_config(str(root))
+    assert config.parallel == defaults and not config.unknown_keys
+
+
 @pytest.mark.parametrize("table,text,expected", plain_table_cases() + NESTED_TABLE_CASES)
 def test_a_bad_value_in_any_table_is_named_with_its_type(project, table, text, expected):
     set_config(project, '[checks]\ncommands = ["true"]\n' + text if table != "checks"

@@ -27,7 +27,7 @@ import types
 import pytest
 
 import ferrus
-from conftest import FakeClock, set_config
+from conftest import FakeClock, run_cli, set_config
 from mcp_client import (McpError, McpProcess, InProcessMcp, modern_meta, tool_json,
                         tool_text)
 
@@ -478,6 +478,27 @@ def test_tool_outside_role_is_exactly_like_unknown_tool(bench):
         sup.call_tool("wait_for_consult")
     assert info.value.code == -32602
     assert state_of(root).state == ferrus.S.IDLE
+
+
+def test_serve_refuses_a_session_of_an_unknown_or_unstarted_task(project):
+    request = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}) + "\n"
+    unknown = "t-20260101T000000-abcdef"
+    done = run_cli("serve", "--role", "executor", "--session", unknown + ".s-1", cwd=project,
+                   input=request)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "not a task of this project" in done.stderr and "hint:" in done.stderr
+    store = ferrus.Store(str(project))
+    queued = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Later.").data["task_id"]
+    done = run_cli("serve", "--role", "executor", cwd=project, input=request,
+                   env={"FERRUS_SESSION": queued + ".s-2"})
+    assert done.returncode == 1 and done.stdout == ""
+    assert "has not started" in done.stderr
+    # the project's own session is served as before
+    done = run_cli("serve", "--role", "executor", "--session", "s-3", cwd=project,
+                   input=request)
+    assert done.returncode == 0 and '"result"' in done.stdout
 
 
 # ============================================================================

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, branches, git
+from conftest import (FERRUS_CMD, branches, git, run_cli, scripted_config, scripted_setup,
+                      set_config)
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -250,3 +251,28 @@ def test_a_live_parallel_run_is_not_stale(repo):
         assert ferrus.live_parallel_run(store)["pid"] == os.getpid()
         assert "parallel.json" not in cli(repo, "doctor").stdout
     assert ferrus.live_parallel_run(store) is None
+
+
+def test_doctor_reports_a_worktree_dir_inside_the_repository_and_a_missing_target(git_project):
+    """The [parallel] settings `ferrus run --parallel` refuses: warnings, errors once
+    max_tasks > 1 makes every `ferrus run` parallel."""
+    scripted_setup(git_project, ["test -f README.md"])
+    base = scripted_config(["test -f README.md"])
+    set_config(git_project, base + '\n[parallel]\nworktree_dir = "trees"\ntarget = "nope"\n')
+    findings = {f.problem: f for f in ferrus.doctor_findings(str(git_project))}
+    inside = [f for p, f in findings.items() if "worktree_dir" in p]
+    target = [f for p, f in findings.items() if "target" in p and "nope" in p]
+    assert len(inside) == 1 and "not git-ignored" in inside[0].problem
+    assert "/trees/" in inside[0].repair and inside[0].severity == "warning"
+    assert len(target) == 1 and target[0].severity == "warning"
+    # with max_tasks > 1 every `ferrus run` is parallel: both are errors
+    set_config(git_project, base + '\n[parallel]\nmax_tasks = 2\nworktree_dir = "trees"\n'
+               'target = "nope"\n')
+    done = run_cli("doctor", cwd=git_project)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "worktree_dir" in done.stdout + done.stderr and '"nope"' in done.stdout + done.stderr
+    # ignored, and an existing branch: nothing to report
+    (git_project / ".gitignore").write_text("/trees/\n")
+    git(git_project, "branch", "nope")
+    assert not [f for f in ferrus.doctor_findings(str(git_project))
+                if "[parallel]" in f.problem]
