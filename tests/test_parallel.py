@@ -5,6 +5,7 @@ queue only when the checks pass on the merged result (ferrus run --parallel N)."
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -213,7 +214,6 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(git_pr
         with pytest.raises(KeyboardInterrupt):
             for _ in range(3000):
                 runner.step()
-                import time
                 time.sleep(0.01)
     finally:
         ferrus.t_integrated = real
@@ -233,7 +233,6 @@ def run_cli_until(git_project, event_test, env_extra=None, timeout=120):
     """Start `ferrus run --parallel 2` and SIGKILL it (and only it) once the journal
     holds an entry ``event_test`` accepts."""
     import signal
-    import time
     env = dict(os.environ, **(env_extra or {}))
     proc = subprocess.Popen(FERRUS_CMD + ["run", "--parallel", "2"],
                             cwd=str(git_project), env=env, stdout=subprocess.PIPE,
@@ -346,7 +345,6 @@ def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(gi
     """The real kill: `ferrus run --parallel` killed while [parallel] setup runs in the new
     worktree (the record RUNNING, the task's state Idle, no task created yet)."""
     import signal
-    import time
     started, release = tmp_path / "setup.started", tmp_path / "setup.release"
     # (The merge gate's clean checkout runs the setup too, before the run starts the
     # task: only the task's worktree, named by its id, waits.)
@@ -431,8 +429,21 @@ def test_without_a_git_identity_the_integration_waits_and_says_why(git_project, 
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(empty))
     monkeypatch.setenv("HOME", str(git_project.parent))
     git(git_project, "config", "user.useConfigOnly", "true")
-    code, lines = run_tasks(store, 2, timeout=15)
+    # The integration is tried again every INTEGRATION_RETRY_SECS.  Made short, the tries
+    # come quickly; after the third the run's clock jumps past its timeout, so it ends
+    # as a run that waited that long does, without the test waiting for it.
+    monkeypatch.setattr(ferrus, "INTEGRATION_RETRY_SECS", 0.05)
+    tries = []
+    real_wait = ferrus.MergeQueue._wait
+
+    def counted_wait(queue, task_id, why):
+        tries.append(why)
+        return real_wait(queue, task_id, why)
+    monkeypatch.setattr(ferrus.MergeQueue, "_wait", counted_wait)
+    code, lines = run_tasks(store, 2, timeout=600, clock=lambda: time.monotonic() + (
+        600 if len(tries) >= 3 else 0))
     assert code == ferrus.RUN_TIMEOUT, "\n".join(lines)
+    assert len(tries) >= 3 and len(set(tries)) == 1, tries
     text = "\n".join(lines)
     assert "waits" in text and text.count("ready to merge, and waits") == 1
     data = store.for_task(task).read_state()
@@ -508,7 +519,6 @@ def test_an_empty_answer_asks_again(git_project, monkeypatch):
 
 
 def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_goes(git_project):
-    import time
     # Slow only in the integration, where the task's commit ("T.") is HEAD.
     store = scripted_setup(git_project,
                            ["if [ \"$(git log -1 --format=%s)\" = T. ]; then sleep 60; fi"])
