@@ -242,7 +242,7 @@ def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
                            capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))
     assert again.returncode == 2 and "nothing to run" in again.stderr
     env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="slow-executor")
-    slow = subprocess.run(FERRUS_CMD + ["run", "--task", "slow", "--timeout", "3"],
+    slow = subprocess.run(FERRUS_CMD + ["run", "--task", "slow", "--timeout", "1"],
                           cwd=root, capture_output=True, text=True, timeout=60, env=env,
                           stdin=subprocess.DEVNULL)
     assert slow.returncode == 3 and "timed out" in slow.stdout
