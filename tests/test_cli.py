@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, FERRUS_PY, REPO, run_cli
+from conftest import FERRUS_CMD, REPO, run_cli
 
 S = ferrus.S
 
@@ -337,7 +337,7 @@ def test_text_that_is_not_utf8_is_refused_without_a_traceback(project):
     store = ferrus.Store(str(project))
     env = dict(os.environ, FERRUS_LOG="warning")
     bad = b"fix \xff it"
-    run = subprocess.run([sys.executable.encode(), FERRUS_PY.encode(), b"-C",
+    run = subprocess.run([os.fsencode(part) for part in FERRUS_CMD] + [b"-C",
                           os.fsencode(str(project)), b"run", b"--task", bad],
                          stdin=subprocess.DEVNULL, capture_output=True, env=env, timeout=120)
     err = run.stderr.decode("utf-8", "replace")

@@ -142,7 +142,7 @@ def registered_repo(tmp_path, agent, trust):
     git(repo, "init", "-q")
     for args in (["init"], ["register", "--supervisor", agent, "--executor", agent]
                  + (["--trust"] if trust else [])):
-        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE] + args,
+        result = subprocess.run(FERRUS_CMD + args,
                                 cwd=str(repo), env=env, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
     return repo, env
@@ -246,8 +246,8 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     turn, home = claude_loop(project, tmp_path)
     with FakeAnthropic(turn) as fake:
         env = claude_env(fake, str(home))
-        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE, "run",
-                                 "--task", "Create hello.txt containing hi.", "--timeout", "240"],
+        result = subprocess.run(FERRUS_CMD + ["run", "--task", "Create hello.txt containing hi.",
+                                              "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
@@ -292,7 +292,7 @@ def assert_usage_from_claude_result_events(store, pipeline=None):
         assert record["output_tokens"] == usage["output_tokens"] > 0
         assert record["outcome"] == "success" and record["model"], record
     report = json.loads(subprocess.run(
-        [__import__("sys").executable, ferrus.FERRUS_FILE, "usage", "--json"], cwd=store.root,
+        FERRUS_CMD + ["usage", "--json"], cwd=store.root,
         capture_output=True, text=True, check=True).stdout)
     group = report["pipelines"][0] if pipeline else report["tasks"][0]
     assert group["sessions"] == len(records) and group["cost_unknown"] == 0
