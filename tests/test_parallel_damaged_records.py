@@ -61,7 +61,7 @@ def cli(root, *args, stdin=None):
 # -- what the validation calls damaged ------------------------------------------------------
 
 TASK = "t-20260101T000000-abcdef"
-WORKTREE = "/work/git_project.ferrus-worktrees/" + TASK
+WORKTREE = "/work/repo.ferrus-worktrees/" + TASK
 GOOD = {"id": TASK, "title": "T", "status": "running", "created_at": "2026-01-01T00:00:00Z",
         "origin": {"by": "human", "spec": "specs/a.md", "milestone": "m1"}, "agent": "codex",
         "worktree": WORKTREE, "workdir": WORKTREE + "/svc", "branch": "ferrus/" + TASK,
