@@ -5507,24 +5507,37 @@ def task_ref(task, name):
     return "%s%s/%s" % (TASK_REF_PREFIX, task, name)
 
 
-def snapshot_worktree(checkout, base, exclude, message):
+def snapshot_worktree(checkout, base, exclude, message, left_out=None):
     """The commit (not yet on any ref) of the files of the task's worktree: the tree of
     ``base`` with every path of the project folder (``checkout.cwd``) as the worktree
     has it — tracked or untracked, .gitignore honoured — except ``exclude`` (ferrus's own
     files), which stay as ``base`` has them, as does everything outside the project
     folder.  Its parent is ``base``.  The worktree, its index and its branch are left as
-    they are."""
+    they are.  An untracked folder holding a git repository of its own is left out (git
+    would record it as a bare link to a commit of that repository, or fail on one
+    without a commit): its path (relative to the project folder, with a "/") is added
+    to the list ``left_out`` when one is given."""
+    nested = nested_repositories(checkout)
+    if left_out is not None:
+        left_out.extend(nested)
     with private_index(checkout.git_dir) as index_file:
         # Everything as the base has it first (the executor may have committed or staged
         # anything), keeping the cached stat data of the files that did not change.
         run_git(checkout, ["reset", "-q", base, "--", ":/"], index_file=index_file)
-        run_git(checkout, ["add", "-A"] + _pathspecs(exclude), index_file=index_file,
-                ok=(0, 1))
+        run_git(checkout, ["add", "-A"] + _pathspecs(list(exclude) + nested),
+                index_file=index_file, ok=(0, 1))
         if exclude:
             run_git(checkout, ["reset", "-q", base, "--"] +
                     [":(literal)" + path for path in exclude], index_file=index_file)
         tree = os.fsdecode(run_git(checkout, ["write-tree"], index_file=index_file)).strip()
     return commit_tree(checkout, tree, [base], message, SNAPSHOT_IDENTITY)
+
+
+def nested_repositories(checkout):
+    """The untracked folders of the project folder that hold a git repository of their
+    own (git lists each as one entry ending in "/"), relative to the project folder."""
+    out = run_git(checkout, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    return sorted(os.fsdecode(name) for name in out.split(b"\0") if name.endswith(b"/"))
 
 
 def commit_tree(where, tree, parents, message, identity=None):
@@ -6142,6 +6155,20 @@ def target_head(root, branch):
     return os.fsdecode(out).strip() or None
 
 
+def foreign_commits(root, known, head, limit=50):
+    """One line per commit ``head`` has and ``known`` lacks ("<short> <author>: <subject>",
+    newest first, at most ``limit``+1 so a caller can say "more"); [] when either is None
+    or git cannot tell."""
+    if not known or not head:
+        return []
+    try:
+        out = run_git(root, ["log", "--max-count=%d" % (limit + 1), "--format=%h %an: %s",
+                             "%s..%s" % (known, head), "--"])
+    except GitError:
+        return []
+    return os.fsdecode(out).splitlines()
+
+
 # -- git: the merge gate's own clean checkout ---------------------------------------------
 #
 # The merge gate never works in a task's worktree: the executor owns it (and whatever it
@@ -6160,6 +6187,8 @@ def target_head(root, branch):
 
 # The gate's folder in the worktree folder (task worktrees are named by their ids, t-...).
 GATE_FOLDER = "ferrus-gate"
+# A task's review checkout is its worktree's path and this.
+REVIEW_SUFFIX = ".review"
 CONFLICT_MARKER = LazyPattern(rb"^(?:<{7}|>{7})(?: |\r?$)", re.M)
 # How much build_candidate says about a conflict (the executor reads it in REVIEW.md).
 CONFLICT_TEXT_CHARS = 4096
@@ -6170,25 +6199,45 @@ CONFLICT_LINE_CHARS = 200
 
 
 def gate_checkout(root, worktree_dir, start):
-    """ferrus's clean checkout for the merge gate: a detached worktree at
-    ``<worktree_dir>/ferrus-gate`` of the repository of the user's checkout ``root``,
-    made (at ``start``) when missing, and made again when damaged or tampered with (the
-    checks run the tasks' code there).  Returns its TaskCheckout."""
-    path = os.path.join(worktree_dir, GATE_FOLDER)
+    """ferrus's clean checkout for the merge gate: ``<worktree_dir>/ferrus-gate`` (see
+    own_checkout; the checks run the tasks' code there).  Returns its TaskCheckout."""
+    return own_checkout(root, os.path.join(worktree_dir, GATE_FOLDER), start)
+
+
+def review_checkout_path(worktree):
+    """Where the checkout a task's reviewer and consultant work in lives: beside the
+    task's worktree ``worktree``."""
+    return worktree.rstrip("/\\") + REVIEW_SUFFIX
+
+
+def remove_review_checkout(root, worktree):
+    """The review checkout of the task whose worktree is ``worktree`` goes (the task
+    ended); nothing of anyone's is in it.  True when there was one."""
+    path = review_checkout_path(worktree)
+    if not os.path.lexists(path) and worktree_admin_dir(common_git_dir(root), path) is None:
+        return False
+    remove_task_worktree(root, path, None)
+    return True
+
+
+def own_checkout(root, path, start):
+    """A detached worktree of ferrus's own at ``path`` (the repository of the user's
+    checkout ``root``): made (at ``start``) when missing, and made again when damaged
+    or tampered with — nothing of anyone's lives there.  Returns its TaskCheckout."""
     try:
-        gate = task_checkout(root, path)
+        checkout = task_checkout(root, path)
     except GitError:
         common = common_git_dir(root)
         if worktree_admin_dir(common, path) is None and _folder_has_files(path):
-            raise GitError("%s is in the way of the merge gate's checkout" % path,
-                           "ferrus keeps its clean checkout there: move that folder away"
-                           ) from None
+            raise GitError("%s is in the way of a checkout of ferrus's" % path,
+                           "ferrus keeps its own clean checkouts there: move that folder "
+                           "away") from None
         _discard_worktree(root, path)
-        os.makedirs(worktree_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         run_git(root, ["worktree", "add", "-q", "--detach", "--no-checkout", path,
                        start + "^{commit}"])
-        gate = task_checkout(root, path)
-    return gate
+        checkout = task_checkout(root, path)
+    return checkout
 
 
 def reset_gate(gate, commit):
@@ -8002,6 +8051,9 @@ def _gate_operation(store, caller, action, content=None):
             tx.write("SUBMISSION.md", content)
             detail = {"log": log_path}
             if submitted is not None:
+                left_out = submitted.pop("left_out", [])
+                if left_out:
+                    detail["left_out"] = left_out[:GUARDED_SHOWN]
                 submitted["n"] = ((tx.state.task_submitted or {}).get("n") or 0) + 1
                 set_task_ref(store.root, task_ref(store.task, "submit-%d" % submitted["n"]),
                              submitted["commit"])
@@ -8027,6 +8079,8 @@ def _gate_operation(store, caller, action, content=None):
         "state": new.state, "retries": new.check_retries, "max": limits.max_check_retries,
         "report": "" if passed else run.report(limits.max_feedback_lines)}
     if passed:
+        if submitted is not None:
+            text += left_out_note(tx.detail.get("left_out"))
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
@@ -8048,15 +8102,27 @@ def _record_submission(store, caller, summary):
     checkout = task_git_site(store)
     if not isinstance(checkout, TaskCheckout):
         return None
+    left_out = []
     commit = snapshot_worktree(checkout, base, task_diff_exclusions(store),
-                               (summary or "").strip() or "(no summary)")
+                               (summary or "").strip() or "(no summary)", left_out)
     changed = changed_paths(store.root, base, commit)
     try:
         extra = store.config().parallel.guarded
     except FerrusError:
         extra = []
-    return {"commit": commit, "base": base, "guarded": guarded_paths(
+    return {"commit": commit, "base": base, "left_out": left_out, "guarded": guarded_paths(
         [_project_relative(store, path) for path in changed], extra)}
+
+
+def left_out_note(paths):
+    """What the submit says about folders its commit could not hold ("" for none)."""
+    if not paths:
+        return ""
+    shown = ", ".join(paths[:GUARDED_SHOWN]) + (
+        " and %d more" % (len(paths) - GUARDED_SHOWN) if len(paths) > GUARDED_SHOWN else "")
+    return ("\n\nLeft out of the submission: %s — a folder with a git repository of its "
+            "own, which a task's commit cannot hold. To include its files, remove its .git "
+            "folder and submit again." % shown)
 
 
 def _project_relative(store, path):
@@ -9122,6 +9188,8 @@ def _remove_task_leftovers(store, record):
             return (" Its worktree %s stays: its work could not be saved (%s); look at it "
                     "there, or `ferrus task cancel --discard` drops it." % (
                         worktree, err.message)), {}
+    with contextlib.suppress(FerrusError, OSError):
+        remove_review_checkout(store.root, worktree)
     try:
         head = target_head(store.root, branch)
         done = remove_task_worktree(store.root, worktree, branch)
@@ -9135,9 +9203,12 @@ def _remove_task_leftovers(store, record):
         parts.append("its worktree %s" % worktree)
         removed["worktree"] = worktree
     if done["branch_deleted"]:
-        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
-            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings back what it "
+                     "had committed)" % (branch, head[:12], branch, head[:12]) if head
+                     else "its branch %s" % branch)
         removed["branch"] = branch
+    if record.get("discard"):
+        saved_text = " Its work was dropped (--discard): nothing of it was kept."
     return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
 
 
@@ -13082,6 +13153,8 @@ PROGRESS_EVENTS = (
     "sent_back",       # back to its executor: cause, reason, failed (the red checks with
                        # command, status, exit, log, tail), files
     "conflict",        # back to its executor to resolve a conflict: files
+    "target_moved",    # the run stopped: the target gained commits it did not check
+                       # (target, head, known: where the run had left it)
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
 
 
@@ -13855,7 +13928,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 42)
+# src/ferrus/controller.py (from its line 46)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -13863,6 +13936,45 @@ class JournalView:
 # supervised by the session state machine), passes every spawn and transition through
 # the capacity gate, and keeps session records; front ends feed it input and print
 # what it emits.
+
+def review_folder(store):
+    """The folder a parallel task's reviewer and consultant start in: ferrus's own
+    checkout of the task's submission (of its base before the first one), beside its
+    worktree, reset to that commit, with the files that instruct or configure agents as
+    the base has them (the reviewer reads their changes in the diff; they do not act on
+    it) and ferrus's agent settings copied in.  The executor's worktree — where it may
+    have written agent settings, hooks and instructions, before or after it submitted —
+    is never where another agent starts.  Raises FerrusError when it cannot be made."""
+    record = read_task_record(store.dir, store.task)
+    worktree = record.get("worktree")
+    data = store.read_state()
+    submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+    base = submitted.get("base") or (data.task_base or {}).get("commit")
+    commit = submitted.get("commit") or base
+    if not isinstance(worktree, str) or not commit:
+        raise FerrusError("task %s has no worktree or base commit to review" % store.task,
+                          "`ferrus doctor` checks the task's records")
+    repo = git_repository(store.root)
+    checkout = own_checkout(store.root, review_checkout_path(worktree), commit)
+    reset_gate(checkout, commit)
+    inside = os.path.relpath(store.root, repo.toplevel).replace(os.sep, "/")
+    prefix = "" if inside == "." else inside + "/"
+    try:
+        extra = store.config().parallel.guarded
+    except FerrusError:
+        extra = []
+    if commit != base:
+        changed = [path for path in changed_paths(store.root, base, commit)
+                   if path.startswith(prefix)]
+        steered = [path for path in changed if guarded_paths([path[len(prefix):]], extra)]
+        if steered:
+            run_git(checkout, ["restore", "--source=" + base, "--worktree", "--"] +
+                    [":(top,literal)" + path for path in steered])
+    folder = checkout.work_tree if inside == "." else os.path.join(checkout.work_tree,
+                                                                    *inside.split("/"))
+    copy_agent_configuration(store.root, folder)
+    return folder
+
 
 class HqController(JournalView):
     """The UI-independent HQ: journal in, sessions supervised, messages out.
@@ -14226,7 +14338,13 @@ class HqController(JournalView):
         launch = dataclasses.replace(launch, env=dict(launch.env,
                                                       **{SESSION_ENV: slot.session_id}))
         try:
-            slot.process = AgentProcess(launch, self.store.workdir, log_path, parse_line)
+            folder = self.agent_folder(slot)
+            slot.process = AgentProcess(launch, folder, log_path, parse_line)
+        except FerrusError as err:
+            self.emit(HqMessage("error", "could not prepare where the %s works: %s" % (
+                slot.name, err.full_text())))
+            self._step(slot, SessionEvent("FatalError", err.full_text()))
+            return
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
@@ -14249,6 +14367,14 @@ class HqController(JournalView):
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
+
+    def agent_folder(self, slot):
+        """Where a slot's agent starts: the task's code for its executor; for a parallel
+        task's reviewer and consultant, ferrus's own checkout of what was submitted
+        (review_folder) — never the executor's worktree."""
+        if self.store.task is None or slot.name == "executor":
+            return self.store.workdir
+        return review_folder(self.store)
 
     def agent_choice(self, role, config=None):
         """The agent (and model) that plays ``role`` here: [hq.<role>], or for a parallel
@@ -14346,6 +14472,10 @@ class HqController(JournalView):
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        if self._worktree_tampered():
+            # Not restarted: the parallel run fails the task at once, saying why.
+            self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            return
         said = "\n  its last words: %s" % last_words if last_words else \
             "\n  it wrote nothing before it ended"
         facts = {"slot": slot.name, "exit": code, "last_words": last_words,
@@ -14362,6 +14492,18 @@ class HqController(JournalView):
                 facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
+
+    def _worktree_tampered(self):
+        """Whether this is a parallel task whose worktree's .git was rewritten."""
+        if self.store.task is None:
+            return False
+        try:
+            task_git_site(self.store)
+        except TamperedWorktree:
+            return True
+        except FerrusError:
+            pass
+        return False
 
     def _arm_backoff(self, slot):
         if slot.state == SS.COOLING_DOWN:
@@ -14601,13 +14743,15 @@ class HqController(JournalView):
 
 
 # ============================================================================
-# src/ferrus/merge_queue.py (from its line 35)
+# src/ferrus/merge_queue.py (from its line 36)
 # ============================================================================
 # The merge queue: approved tasks built, checked and merged one by one.
 #
 # Approved parallel tasks built, checked and merged one at a time.
 
 INTEGRATION_RETRY_SECS = 5.0
+# How many of the commits that moved the target outside a run its halt message lists.
+FOREIGN_COMMITS_SHOWN = 10
 
 
 class MergeQueue:
@@ -14662,6 +14806,8 @@ class MergeQueue:
             # The target was fast-forwarded, and the run stopped before it said so.
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
+            return
+        if self._moved_outside(head):
             return
         held = self.held_candidate
         if held is not None and held[0] == task and head == held[1].target_head:
@@ -14747,9 +14893,9 @@ class MergeQueue:
                                self.repo.toplevel).replace(os.sep, "/")
 
     def _integration_steps(self, task, task_store, data, submitted):
-        """[(commit, message)] for build_candidate: the approved submission, or with
-        linear history every submission on the same base, each a commit on the one
-        before (their messages say what each submission was)."""
+        """[(commit, message)] for build_candidate: the approved submission (its message
+        names every submission), or with linear history every submission on the same
+        base, each a commit on the one before (their messages say what each was)."""
         root = self.store.root
         description = task_store.read_file("TASK.md")
         refs = task_refs(root, task)
@@ -14763,7 +14909,11 @@ class MergeQueue:
             same_base = [(upto or 0, submitted["commit"])]
         summaries = [commit_message(root, commit) for _, commit in same_base]
         if self._history() != "linear" or len(same_base) == 1:
-            return [(submitted["commit"], task_commit_message(task, description, summaries))]
+            # One commit holds the work of every submission, those made before the task
+            # was brought up to date with the target too: its message names them all.
+            every = [commit_message(root, commit) for n, commit in numbered
+                     if upto is None or n <= upto] or summaries
+            return [(submitted["commit"], task_commit_message(task, description, every))]
         steps, parent = [], submitted["base"]
         for index, (n, commit) in enumerate(same_base):
             parent = commit_tree(root, _tree_of(root, commit), [parent], summaries[index],
@@ -14937,8 +15087,7 @@ class MergeQueue:
         if won == MERGED_STATUS:
             self._merged(task, head)
         elif moved.status == "moved":
-            self.note("the target %s moved during the integration of %s; integrating again"
-                      % (self.target, short_task_id(task)), task_id=task)
+            self._moved_outside(moved.head)
         else:
             self.held_candidate = (task, built)
             self._wait(task, moved.text + (" (commit or stash them; ferrus never overwrites "
@@ -14979,7 +15128,37 @@ class MergeQueue:
             self.note("\n".join(lines), "warning", event="sent_back", failed=failed,
                       files=files, **facts)
 
+    def _moved_outside(self, head):
+        """Whether the target has commits this run did not put there (since its base
+        check, or its last merge): then the run stops, naming them.  What lands on the
+        target must have passed the gate, and a task's checks or hooks (unconfined unless
+        a sandbox place is set) could have moved the branch as well as its user."""
+        known = self.known_target
+        if known is None or head == known:
+            return False
+        commits = foreign_commits(self.store.root, known, head)
+        listed = "\n".join("  " + line for line in commits[:FOREIGN_COMMITS_SHOWN])
+        if len(commits) > FOREIGN_COMMITS_SHOWN:
+            listed += "\n  ... and %d more" % (len(commits) - FOREIGN_COMMITS_SHOWN)
+        if head is None:
+            what = "%s was deleted" % self.target
+        else:
+            what = "%s moved from %s to %s outside this run%s" % (
+                self.target, known[:12], head[:12],
+                ":\n" + listed if listed else " (it is no descendant of where it was)")
+        self.halted = what
+        self.note("stopped: %s\nferrus merges only work its gate has checked, and it did not "
+                  "check these. Look at them (a task's checks or hooks run unconfined unless "
+                  "a sandbox place is set, and can move branches); when they are right, "
+                  "`ferrus run --parallel` tries the checks on the new head and goes on with "
+                  "every task where it stopped." % what, "error", event="target_moved",
+                  target=self.target, head=head, known=known)
+        self.finished = True
+        return True
+
     def _merged(self, task, head):
+        if head is not None:
+            self.known_target = head
         if head is None and self._integrated_unchanged(task):
             self._unchanged(task, None)    # a run that stopped before it recorded the end
             return
@@ -14991,12 +15170,18 @@ class MergeQueue:
         """An approved task whose work the target already has: it ends Complete, nothing
         is merged, and it is counted as approved with no change, never as merged."""
         task_store = self.controllers[task].store
-        if task_store.read_state().state == S.INTEGRATING:
+        data = task_store.read_state()
+        if data.state == S.INTEGRATING:
             op_integrated(task_store, ORCHESTRATOR, target=self.target, unchanged=True,
                           target_head=(target_head or "")[:12] or None)
+        submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+        empty = False
+        with contextlib.suppress(FerrusError, TypeError, KeyError):
+            empty = _tree_of(self.store.root, submitted["commit"]) == _tree_of(
+                self.store.root, submitted["base"])
         self.tasks_completed += 1
         self.waiting_said = None
-        self._end_task(task, UNCHANGED_STATUS, None)
+        self._end_task(task, UNCHANGED_STATUS, None, empty=empty)
 
     def _integrated_unchanged(self, task):
         """Whether ``task``'s newest integrated entry (read back a bounded stretch of the
@@ -15147,6 +15332,8 @@ class ParallelRunner(MergeQueue):
         self.waiting_human = set()
         self.checkpoint = None
         self.finished = False
+        self.halted = None             # why the run stopped itself (the target moved outside)
+        self.known_target = None       # the target's head as this run last left it
         self.tasks_completed = 0
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
@@ -15300,6 +15487,7 @@ class ParallelRunner(MergeQueue):
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
         self._check_base()
+        self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None
         if isinstance(interrupted, int) and 1 <= interrupted <= 7:
             self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
@@ -15308,8 +15496,12 @@ class ParallelRunner(MergeQueue):
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped while %s; going on from there"
-                      % phase_words(interrupted))
+            if previous.get("pid"):        # it died working (a kill, a crash)
+                self.note("the previous run stopped while %s; going on from there"
+                          % phase_words(interrupted))
+            else:                          # it ended on purpose, tasks still in flight
+                self.note("going on where the previous run left off (%s)"
+                          % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
 
@@ -15752,7 +15944,7 @@ class ParallelRunner(MergeQueue):
         if controller is not None:
             controller.shutdown()
 
-    def _end_task(self, task, status, reason, head=None):
+    def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
         branch go, a failed one's stay for a look (until `ferrus task cancel`; `doctor`
         notes them).  An approved task's `complete` notification goes out now, once it is
@@ -15763,8 +15955,9 @@ class ParallelRunner(MergeQueue):
         title = record.get("title", "")
         said = {MERGED_STATUS: "merged into %s%s: %s" % (
                     self.target, " at %s" % head[:12] if head else "", title),
-                UNCHANGED_STATUS: "approved, no change (%s already has its work): %s" % (
-                    self.target, title)}.get(status)
+                UNCHANGED_STATUS: "approved, no change (%s): %s" % (
+                    "its submission changed no file" if empty else
+                    "%s already has its work" % self.target, title)}.get(status)
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
@@ -15784,6 +15977,9 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
         saved_note = ""
+        if record.get("worktree"):
+            with contextlib.suppress(FerrusError, OSError):
+                remove_review_checkout(self.store.root, record["worktree"])
         if status in (MERGED_STATUS, UNCHANGED_STATUS) and record.get("worktree"):
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
@@ -15842,7 +16038,7 @@ class ParallelRunner(MergeQueue):
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.halted or self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -15854,7 +16050,7 @@ class ParallelRunner(MergeQueue):
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
         self.notifier.finish()
-        if self.target is not None and not self.finished:
+        if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
@@ -15881,15 +16077,24 @@ def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=
             result.checked_at) if result.cached else ""), cached=result.cached,
             **result.to_json())
         return ""
-    tell("warning" if allow_red else "error", "\n".join(describe_base_check(result, where)),
+    broken = result.cannot_run()
+    allowed = allow_red and not broken
+    tell("warning" if allowed else "error", "\n".join(describe_base_check(result, where)),
          cached=result.cached, **result.to_json())
+    if broken and allow_red:
+        # A red base is work for the executor; a check that cannot run is not: every
+        # submission would fail it the same way, whatever the work.
+        raise RedBaseRefused(
+            "no agent was started: `%s` cannot run on %s (exit %s)" % (
+                broken[0].get("command"), where, broken[0].get("exit")),
+            "--allow-red-base starts a run on failing checks, not on a check that cannot "
+            "run at all: fix it in [checks] of %s (`ferrus doctor` checks the commands)"
+            % CONFIG_FILE)
     if not allow_red:
-        broken = result.cannot_run()
         raise RedBaseRefused(
             "no agent was started: the checks already fail on %s" % where,
             ("`%s` could not run: fix it in [checks] of %s (`ferrus doctor` checks the "
-             "commands) — or pass --allow-red-base to start anyway" % (
-                 broken[0].get("command"), CONFIG_FILE)) if broken else
+             "commands)" % (broken[0].get("command"), CONFIG_FILE)) if broken else
             "fix what fails (the lines and logs above), or pass --allow-red-base to start "
             "anyway: the executor is then told which checks failed before it began")
     tell("warning", "going on anyway (--allow-red-base): the executor is told which checks "
@@ -19328,6 +19533,12 @@ class HqShell(HqTaskCommands):
             self.show(HqMessage("error", "the parallel run stopped: %s (/run starts it again)"
                                 % err.full_text(), "run"))
             return
+        if runner.finished and runner.halted:
+            self.runner = self.run_width = None     # it starts again only when asked
+            runner.shutdown()
+            self.show(HqMessage("error", "the parallel run stopped (see above); /run starts "
+                                "it again", "run"))
+            return
         if runner.finished:
             self.runner = None
             runner.shutdown()
@@ -20981,12 +21192,17 @@ def cmd_diff(args, root):
     return 0
 
 
-def format_task_row(row, now_width=None):
-    """One line of `ferrus tasks`: id, state, agent, age, title."""
-    age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
-    return "%-25s %-12s %-12s %7s  %s" % (row["id"], task_state_word(row),
-                                         row.get("agent") or "-", age,
-                                         row["title"])
+def task_table(rows):
+    """The lines of `ferrus tasks`: a heading, then id, state, agent, age and title of
+    each row, the columns as wide as their longest entry (a state such as "approved (no
+    change)" or "AwaitingConfirmation" never pushes the rest of its line aside)."""
+    cells = [(row["id"], task_state_word(row), row.get("agent") or "-",
+              format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?",
+              row["title"]) for row in rows]
+    heading = ("TASK", "STATE", "AGENT", "AGE", "TITLE")
+    widths = [max(len(cell[column]) for cell in cells + [heading]) for column in range(4)]
+    pattern = "%%-%ds %%-%ds %%-%ds %%%ds  %%s" % tuple(widths)
+    return [pattern % heading] + [pattern % cell for cell in cells], widths[0]
 
 
 # `ferrus tasks` without --all: the tasks in the queue's hands, and the ended ones that
@@ -21048,17 +21264,17 @@ def cmd_tasks(args, root):
             " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
             if older else ""))
         return 0
-    say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
-    for row in rows:
-        line = format_task_row(row)
+    lines, indent = task_table(rows)
+    say(lines[0])
+    for row, line in zip(rows, lines[1:]):
         if row.get("tokens"):
             line += "  (%s tok)" % compact_count(row["tokens"])
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
-            say("%25s worktree %s" % ("", row["worktree"]))
+            say("%*s worktree %s" % (indent, "", row["worktree"]))
         elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
-            say("%25s merged at %s (`ferrus diff --task %s`)" % (
-                "", row["merged_commit"][:12], short_task_id(row["id"])))
+            say("%*s merged at %s (`ferrus diff --task %s`)" % (
+                indent, "", row["merged_commit"][:12], short_task_id(row["id"])))
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
@@ -21231,7 +21447,11 @@ def cmd_approve(args, root):
         if not confirm("Approve task %s?" % (data.task_id or "")):
             say("Nothing changed.")
             return 1
-    say(op_human_approve(store, caller).text)
+    outcome = op_human_approve(store, caller)
+    say(outcome.text)
+    if outcome.data.get("state") == S.INTEGRATING.value and live_parallel_run(Store(root)) is None:
+        say("No run is working the queue now: the next `ferrus run --parallel` (or HQ's "
+            "/run) merges it.")
     return 0
 
 

@@ -1370,11 +1370,12 @@ def parallel_run_once(bench, label):
     stamps = collections.defaultdict(dict)
     git_runs = [0]
     originals = {name: getattr(ferrus, name) for name in
-                 ("prepare_integration", "remove_task_worktree", "_git_argv")}
+                 ("remove_task_worktree", "_git_argv")}
+    work = ferrus.MergeQueue._integration_work
 
-    def prepare_integration(workdir, *args, **kwargs):
-        stamps[os.path.basename(workdir)]["integrate"] = time.time()
-        return originals["prepare_integration"](workdir, *args, **kwargs)
+    def integration_work(runner, job, task, *args, **kwargs):
+        stamps[task]["integrate"] = time.time()
+        return work(runner, job, task, *args, **kwargs)
 
     def remove_task_worktree(root_, worktree, *args, **kwargs):
         try:
@@ -1382,12 +1383,12 @@ def parallel_run_once(bench, label):
         finally:
             stamps[os.path.basename(worktree)]["end"] = time.time()
 
-    def git_argv(args):
+    def git_argv(*args, **kwargs):
         git_runs[0] += 1
-        return originals["_git_argv"](args)
+        return originals["_git_argv"](*args, **kwargs)
 
     lines = []
-    ferrus.prepare_integration = prepare_integration
+    ferrus.MergeQueue._integration_work = integration_work
     ferrus.remove_task_worktree = remove_task_worktree
     ferrus._git_argv = git_argv
     def cpu_times():
@@ -1405,6 +1406,7 @@ def parallel_run_once(bench, label):
     finally:
         for name, value in originals.items():
             setattr(ferrus, name, value)
+        ferrus.MergeQueue._integration_work = work
     wall = time.time() - started
     agents.join()
     cpu_self, cpu_children = [after - before for before, after in

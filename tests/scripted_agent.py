@@ -21,8 +21,9 @@ The executor writes work.txt, or, when the task has lines `WRITE <file>: <text>`
 files; review notes that say `git rebase BRANCH` (or `git merge BRANCH`) make it do that
 first, its own side winning each conflict.  A hostile executor is played by task lines
 `SHELL <command>` (run in its worktree before it checks and submits: anything its edit
-rights allow) and `AFTER-SUBMIT <command>` (left running after it submitted, as a
-process an agent forgot: it runs half a second later).
+rights allow), `EXIT-WITHOUT-SUBMIT` (the session ends after the SHELL lines, exit 0)
+and `AFTER-SUBMIT <command>` (left running after it submitted, as a process an agent
+forgot: it runs half a second later).
 
 Usage: scripted_agent.py ROLE MCP_CONFIG
 """
@@ -127,6 +128,9 @@ def main():
             "consultant" if "CONSULTATION mode" in prompt else role)
     print("scripted agent: role %s, mode %s, behavior %s" % (role, mode, sorted(behavior)),
           flush=True)
+    if os.path.isdir(os.environ.get("SCRIPTED_DIR", "")):
+        with open(flag("cwd-" + mode), "a") as handle:     # where each session started
+            handle.write(os.getcwd() + "\n")
     if "crash-" + mode in behavior:
         print("crashing on purpose", flush=True)
         return 3
@@ -191,6 +195,8 @@ def main():
                     handle.write("work\n")
             for command in re.findall(r"^SHELL (.+)$", claimed.get("task") or "", re.M):
                 subprocess.run(["sh", "-c", command], stdout=sys.stderr, stderr=sys.stderr)
+            if re.search(r"^EXIT-WITHOUT-SUBMIT$", claimed.get("task") or "", re.M):
+                return 0
             mcp.call("check")
             mcp.call("submit", content="Did the work.")
             for command in re.findall(r"^AFTER-SUBMIT (.+)$", claimed.get("task") or "", re.M):

@@ -50,7 +50,7 @@ def test_a_check_command_that_cannot_run_stops_the_run_before_any_agent(project,
     assert "ferrus: no agent was started: the checks already fail on the project folder" \
         in done.stderr
     assert "hint: `%s` could not run: fix it in [checks] of ferrus.toml" % MISSING in done.stderr
-    assert "--allow-red-base" in done.stderr
+    assert "--allow-red-base" not in done.stderr     # it would not help: see below
     out = done.stdout
     assert "ferrus run: the checks fail on the project folder, before any agent started:" in out
     assert "    check failed: %s (exit 127: the command could not run — not found or not " \
@@ -59,6 +59,15 @@ def test_a_check_command_that_cannot_run_stops_the_run_before_any_agent(project,
     # Nothing started: no task, no agent session.
     assert store.read_state().state == ferrus.S.IDLE
     assert not [e for e in store.read_journal() if e["event"] == "create_task"]
+    assert ferrus.read_session_records(store) == []
+    # --allow-red-base starts on failing checks, never on one that cannot run.
+    done = cli(project, "run", "--allow-red-base", "--task", "Make work.txt",
+               tmp_path=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ferrus: no agent was started: `%s` cannot run on the project folder (exit 127)" \
+        % MISSING in done.stderr
+    assert "not on a check that cannot run at all" in done.stderr
+    assert "going on anyway" not in done.stdout
     assert ferrus.read_session_records(store) == []
 
 

@@ -179,7 +179,9 @@ def test_two_tasks_in_parallel_with_real_claude_are_both_integrated(project, tmp
 # -- Codex, Qwen Code, Gemini CLI: each in its task's worktree -------------------------------
 
 
-WORKTREE = re.compile(r"/[^\s\"'\\\\<>]*\.ferrus-worktrees/t-[0-9]{8}T[0-9]{6}-[0-9a-f]{6}")
+# A task's worktree, or the review checkout beside it (its reviewer's folder).
+WORKTREE = re.compile(r"/[^\s\"'\\\\<>]*\.ferrus-worktrees/t-[0-9]{8}T[0-9]{6}-[0-9a-f]{6}"
+                      r"(?:\.review)?")
 
 
 class TwoTasksOffline:
@@ -277,10 +279,13 @@ def assert_both_merged_each_on_its_own(project, tasks, seen, agent, output):
     store = ferrus.Store(str(project))
     worktrees = {task: ferrus.read_task_record(store.dir, task)["worktree"] for task in tasks}
     assert not any(os.path.exists(path) for path in worktrees.values())
-    # Each CLI ran in its own task's worktree (it told its model so) and was handed that
-    # task: the executor and the reviewer of the task that adds alpha.txt, and beta.txt's.
+    # Each CLI was handed its own task: the executor worked in that task's worktree (it
+    # told its model so), the reviewer in ferrus's own checkout of the submission beside
+    # it — the executor of alpha.txt's task and its reviewer, and beta.txt's.
     names = {task: re.search(r"\w+\.txt", rows[task]["title"]).group() for task in tasks}
-    assert sorted(seen) == sorted((role, task, worktrees[task], names[task])
+    folders = {"executor": lambda path: path,
+               "supervisor": ferrus.review_checkout_path}
+    assert sorted(seen) == sorted((role, task, folders[role](worktrees[task]), names[task])
                                   for task in tasks for role in ("executor", "supervisor"))
     # Every tool call landed on the task of the session that made it, and on no other:
     # FERRUS_SESSION reached each CLI's ferrus server.

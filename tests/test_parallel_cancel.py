@@ -39,7 +39,8 @@ def test_cancel_with_no_orchestrator_removes_the_worktree_and_branch(repo):
     assert out.returncode == 0, out.stderr
     assert "Task %s cancelled. Removed its worktree %s and its branch %s" % (
         task, path, branch) in out.stdout
-    assert "`git branch %s %s` brings it back" % (branch, head[:12]) in out.stdout
+    assert "`git branch %s %s` brings back what it had committed" % (branch, head[:12]) \
+        in out.stdout
     assert not os.path.exists(path) and branch not in branches(repo)
     assert ferrus.read_task_record(store.dir, task)["status"] == "cancelled"
     assert store.for_task(task).read_state().state == S.IDLE
@@ -87,6 +88,7 @@ def test_cancel_with_discard_drops_the_work(repo):
     out = cli(repo, "task", "cancel", "--yes", "--discard", ferrus.short_task_id(task))
     assert out.returncode == 0, out.stderr
     assert "saved" not in out.stdout and not os.path.exists(path)
+    assert "Its work was dropped (--discard)" in out.stdout
     assert ferrus.task_refs(repo, task) == {}
 
 

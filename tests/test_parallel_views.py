@@ -104,6 +104,8 @@ def test_approve_and_reject_find_the_waiting_parallel_task(repo):
     approved = cli(repo, "approve", "--yes")
     assert approved.returncode == 0, approved.stderr
     assert "State: Integrating" in approved.stdout
+    assert "No run is working the queue now: the next `ferrus run --parallel`" in \
+        approved.stdout
     assert store.for_task(first).read_state().state == S.INTEGRATING
     none = cli(repo, "approve", "--yes")
     assert none.returncode == 1 and "no approval waits for your confirmation" in none.stderr

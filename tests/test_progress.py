@@ -490,7 +490,7 @@ def test_ctrl_c_while_ferrus_loads_exits_130_before_doing_anything(project, monk
 
 
 def test_ctrl_c_anywhere_in_main_exits_130_without_a_traceback(monkeypatch, capsys):
-    def interrupted(*args, **kwargs):
+    def interrupted(*args):
         raise KeyboardInterrupt
     monkeypatch.setattr(ferrus, "build_parser", interrupted)
     assert ferrus.main(["status"]) == 130

@@ -63,7 +63,7 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(git_proj
     assert sorted(item[2] for item in complete) == sorted([same, new])
     said = {item[2]: item[3] for item in complete}
     assert said[new].startswith("merged into main at %s" % merged[0]["commit"][:12])
-    assert said[same].startswith("approved, no change")
+    assert said[same].startswith("approved, no change (its submission changed no file)")
     def first(event):
         return next(i for i, item in enumerate(log) if isinstance(item, str) and
                     json.loads(item)["event"] == event and json.loads(item)["task_id"] == new)
@@ -75,6 +75,10 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(git_proj
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(same))
     assert "approved (no change)" in row and "merged" not in row
+    # The columns are as wide as their longest entry: every title starts in one column.
+    other = next(line for line in listed.stdout.splitlines() if line.startswith(new))
+    assert row.index("Keep the greeting.") == other.index("Add alpha.") == \
+        listed.stdout.splitlines()[0].index("TITLE")
     assert "1 merged, 1 approved (no change)" in cli(git_project, "status").stdout
     diff = cli(git_project, "diff", "--task", ferrus.short_task_id(same))
     assert diff.returncode == 1 and "approved and changed nothing" in diff.stderr

@@ -196,7 +196,11 @@ def cmd_approve(args, root):
         if not confirm("Approve task %s?" % (data.task_id or "")):
             say("Nothing changed.")
             return 1
-    say(op_human_approve(store, caller).text)
+    outcome = op_human_approve(store, caller)
+    say(outcome.text)
+    if outcome.data.get("state") == S.INTEGRATING.value and live_parallel_run(Store(root)) is None:
+        say("No run is working the queue now: the next `ferrus run --parallel` (or HQ's "
+            "/run) merges it.")
     return 0
 
 

@@ -497,12 +497,17 @@ def cmd_diff(args, root):
     return 0
 
 
-def format_task_row(row, now_width=None):
-    """One line of `ferrus tasks`: id, state, agent, age, title."""
-    age = format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?"
-    return "%-25s %-12s %-12s %7s  %s" % (row["id"], task_state_word(row),
-                                         row.get("agent") or "-", age,
-                                         row["title"])
+def task_table(rows):
+    """The lines of `ferrus tasks`: a heading, then id, state, agent, age and title of
+    each row, the columns as wide as their longest entry (a state such as "approved (no
+    change)" or "AwaitingConfirmation" never pushes the rest of its line aside)."""
+    cells = [(row["id"], task_state_word(row), row.get("agent") or "-",
+              format_duration(row["age_secs"]) if row.get("age_secs") is not None else "?",
+              row["title"]) for row in rows]
+    heading = ("TASK", "STATE", "AGENT", "AGE", "TITLE")
+    widths = [max(len(cell[column]) for cell in cells + [heading]) for column in range(4)]
+    pattern = "%%-%ds %%-%ds %%-%ds %%%ds  %%s" % tuple(widths)
+    return [pattern % heading] + [pattern % cell for cell in cells], widths[0]
 
 
 # `ferrus tasks` without --all: the tasks in the queue's hands, and the ended ones that
@@ -564,17 +569,17 @@ def cmd_tasks(args, root):
             " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
             if older else ""))
         return 0
-    say("%-25s %-12s %-12s %7s  %s" % ("TASK", "STATE", "AGENT", "AGE", "TITLE"))
-    for row in rows:
-        line = format_task_row(row)
+    lines, indent = task_table(rows)
+    say(lines[0])
+    for row, line in zip(rows, lines[1:]):
         if row.get("tokens"):
             line += "  (%s tok)" % compact_count(row["tokens"])
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
-            say("%25s worktree %s" % ("", row["worktree"]))
+            say("%*s worktree %s" % (indent, "", row["worktree"]))
         elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
-            say("%25s merged at %s (`ferrus diff --task %s`)" % (
-                "", row["merged_commit"][:12], short_task_id(row["id"])))
+            say("%*s merged at %s (`ferrus diff --task %s`)" % (
+                indent, "", row["merged_commit"][:12], short_task_id(row["id"])))
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))

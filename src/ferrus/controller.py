@@ -21,13 +21,17 @@ from .session_machine import (CANCEL_SESSION, CHECKPOINT, CONTINUE, EMERGENCY_ST
                               FORCE_STOP_SESSION, LOG_FATAL, SS, Session, SessionEvent,
                               THROTTLE, session_step)
 from .gates import Signals, classify, gate_record
-from .store import PARALLEL_MIRROR_KEY, STATE_FILE, TASKS_DIR
+from .store import PARALLEL_MIRROR_KEY, STATE_FILE, TASKS_DIR, read_task_record
 from .checks import end_orphaned_checks
-from .operations import confirmation_summary, describe_task_commit
+from .git import TamperedWorktree, git_repository, run_git
+from .worktrees import changed_paths, own_checkout, reset_gate, review_checkout_path
+from .operations import (confirmation_summary, describe_task_commit, guarded_paths,
+                         task_git_site)
 from .work import op_release_sessions
 from .mcp import SESSION_ENV, session_id_for_task, tool_calls_for_task
 from .agent_files import edit_json_file
 from .adapters import adapter_for
+from .register import copy_agent_configuration
 from .prompts import executor_prompt_for, prompt_consultant, prompt_reviewer
 from .sessions import (AgentProcess, HqMessage, SESSION_RECORD_EVERY, SLOT_PROGRESS,
                        SLOT_ROLES, _number, _spawn_error_hint, close_session_record,
@@ -37,6 +41,45 @@ from .sessions import (AgentProcess, HqMessage, SESSION_RECORD_EVERY, SLOT_PROGR
 from .notify import Notifier, SessionSlot
 from .orchestrator import TASK_SESSIONS_KEY, clear_capacity_checkpoint
 from .journal_view import JournalView
+
+
+def review_folder(store):
+    """The folder a parallel task's reviewer and consultant start in: ferrus's own
+    checkout of the task's submission (of its base before the first one), beside its
+    worktree, reset to that commit, with the files that instruct or configure agents as
+    the base has them (the reviewer reads their changes in the diff; they do not act on
+    it) and ferrus's agent settings copied in.  The executor's worktree — where it may
+    have written agent settings, hooks and instructions, before or after it submitted —
+    is never where another agent starts.  Raises FerrusError when it cannot be made."""
+    record = read_task_record(store.dir, store.task)
+    worktree = record.get("worktree")
+    data = store.read_state()
+    submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+    base = submitted.get("base") or (data.task_base or {}).get("commit")
+    commit = submitted.get("commit") or base
+    if not isinstance(worktree, str) or not commit:
+        raise FerrusError("task %s has no worktree or base commit to review" % store.task,
+                          "`ferrus doctor` checks the task's records")
+    repo = git_repository(store.root)
+    checkout = own_checkout(store.root, review_checkout_path(worktree), commit)
+    reset_gate(checkout, commit)
+    inside = os.path.relpath(store.root, repo.toplevel).replace(os.sep, "/")
+    prefix = "" if inside == "." else inside + "/"
+    try:
+        extra = store.config().parallel.guarded
+    except FerrusError:
+        extra = []
+    if commit != base:
+        changed = [path for path in changed_paths(store.root, base, commit)
+                   if path.startswith(prefix)]
+        steered = [path for path in changed if guarded_paths([path[len(prefix):]], extra)]
+        if steered:
+            run_git(checkout, ["restore", "--source=" + base, "--worktree", "--"] +
+                    [":(top,literal)" + path for path in steered])
+    folder = checkout.work_tree if inside == "." else os.path.join(checkout.work_tree,
+                                                                    *inside.split("/"))
+    copy_agent_configuration(store.root, folder)
+    return folder
 
 
 class HqController(JournalView):
@@ -401,7 +444,13 @@ class HqController(JournalView):
         launch = dataclasses.replace(launch, env=dict(launch.env,
                                                       **{SESSION_ENV: slot.session_id}))
         try:
-            slot.process = AgentProcess(launch, self.store.workdir, log_path, parse_line)
+            folder = self.agent_folder(slot)
+            slot.process = AgentProcess(launch, folder, log_path, parse_line)
+        except FerrusError as err:
+            self.emit(HqMessage("error", "could not prepare where the %s works: %s" % (
+                slot.name, err.full_text())))
+            self._step(slot, SessionEvent("FatalError", err.full_text()))
+            return
         except OSError as err:
             self.emit(HqMessage("error", "could not start the %s (%s): %s%s" % (
                 slot.name, launch.argv[0], err.strerror or err, _spawn_error_hint(err))))
@@ -424,6 +473,14 @@ class HqController(JournalView):
         self._open_record(slot, launch, log_path, slot.process.pid)
         self._step(slot, SessionEvent("SessionStarted", slot.session.session_seq))
         self._record_agent(slot, "running")
+
+    def agent_folder(self, slot):
+        """Where a slot's agent starts: the task's code for its executor; for a parallel
+        task's reviewer and consultant, ferrus's own checkout of what was submitted
+        (review_folder) — never the executor's worktree."""
+        if self.store.task is None or slot.name == "executor":
+            return self.store.workdir
+        return review_folder(self.store)
 
     def agent_choice(self, role, config=None):
         """The agent (and model) that plays ``role`` here: [hq.<role>], or for a parallel
@@ -521,6 +578,10 @@ class HqController(JournalView):
                  "flag": "the agent refused an option"}[kind],
                 hint, self.store.relpath(process.log_path))))
             return
+        if self._worktree_tampered():
+            # Not restarted: the parallel run fails the task at once, saying why.
+            self._step(slot, SessionEvent("SessionExited", outcome="error"))
+            return
         said = "\n  its last words: %s" % last_words if last_words else \
             "\n  it wrote nothing before it ended"
         facts = {"slot": slot.name, "exit": code, "last_words": last_words,
@@ -537,6 +598,18 @@ class HqController(JournalView):
                 facts))
         self._step(slot, SessionEvent("SessionExited", outcome="error"))
         self._arm_backoff(slot)
+
+    def _worktree_tampered(self):
+        """Whether this is a parallel task whose worktree's .git was rewritten."""
+        if self.store.task is None:
+            return False
+        try:
+            task_git_site(self.store)
+        except TamperedWorktree:
+            return True
+        except FerrusError:
+            pass
+        return False
 
     def _arm_backoff(self, slot):
         if slot.state == SS.COOLING_DOWN:

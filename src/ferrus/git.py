@@ -863,24 +863,37 @@ def task_ref(task, name):
     return "%s%s/%s" % (TASK_REF_PREFIX, task, name)
 
 
-def snapshot_worktree(checkout, base, exclude, message):
+def snapshot_worktree(checkout, base, exclude, message, left_out=None):
     """The commit (not yet on any ref) of the files of the task's worktree: the tree of
     ``base`` with every path of the project folder (``checkout.cwd``) as the worktree
     has it — tracked or untracked, .gitignore honoured — except ``exclude`` (ferrus's own
     files), which stay as ``base`` has them, as does everything outside the project
     folder.  Its parent is ``base``.  The worktree, its index and its branch are left as
-    they are."""
+    they are.  An untracked folder holding a git repository of its own is left out (git
+    would record it as a bare link to a commit of that repository, or fail on one
+    without a commit): its path (relative to the project folder, with a "/") is added
+    to the list ``left_out`` when one is given."""
+    nested = nested_repositories(checkout)
+    if left_out is not None:
+        left_out.extend(nested)
     with private_index(checkout.git_dir) as index_file:
         # Everything as the base has it first (the executor may have committed or staged
         # anything), keeping the cached stat data of the files that did not change.
         run_git(checkout, ["reset", "-q", base, "--", ":/"], index_file=index_file)
-        run_git(checkout, ["add", "-A"] + _pathspecs(exclude), index_file=index_file,
-                ok=(0, 1))
+        run_git(checkout, ["add", "-A"] + _pathspecs(list(exclude) + nested),
+                index_file=index_file, ok=(0, 1))
         if exclude:
             run_git(checkout, ["reset", "-q", base, "--"] +
                     [":(literal)" + path for path in exclude], index_file=index_file)
         tree = os.fsdecode(run_git(checkout, ["write-tree"], index_file=index_file)).strip()
     return commit_tree(checkout, tree, [base], message, SNAPSHOT_IDENTITY)
+
+
+def nested_repositories(checkout):
+    """The untracked folders of the project folder that hold a git repository of their
+    own (git lists each as one entry ending in "/"), relative to the project folder."""
+    out = run_git(checkout, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    return sorted(os.fsdecode(name) for name in out.split(b"\0") if name.endswith(b"/"))
 
 
 def commit_tree(where, tree, parents, message, identity=None):

@@ -101,6 +101,12 @@ class HqShell(HqTaskCommands):
             self.show(HqMessage("error", "the parallel run stopped: %s (/run starts it again)"
                                 % err.full_text(), "run"))
             return
+        if runner.finished and runner.halted:
+            self.runner = self.run_width = None     # it starts again only when asked
+            runner.shutdown()
+            self.show(HqMessage("error", "the parallel run stopped (see above); /run starts "
+                                "it again", "run"))
+            return
         if runner.finished:
             self.runner = None
             runner.shutdown()

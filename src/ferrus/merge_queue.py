@@ -21,6 +21,7 @@ from .git import (GitError, SNAPSHOT_IDENTITY, TamperedWorktree, TaskCheckout,
                   commit_message, commit_parent, commit_tree, set_task_ref,
                   snapshot_worktree, task_ref, task_refs)
 from .worktrees import (_tree_of, build_candidate, changed_paths, fast_forward_target,
+                        foreign_commits,
                         gate_checkout, markers_left, move_task_worktree, rechain,
                         reset_gate, target_head)
 from .specs import mark_milestone_complete, parse_spec
@@ -33,6 +34,8 @@ from .sessions import first_lines
 
 # How long an integration that waits (the target's checkout is dirty) waits between tries.
 INTEGRATION_RETRY_SECS = 5.0
+# How many of the commits that moved the target outside a run its halt message lists.
+FOREIGN_COMMITS_SHOWN = 10
 
 
 class MergeQueue:
@@ -87,6 +90,8 @@ class MergeQueue:
             # The target was fast-forwarded, and the run stopped before it said so.
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
+            return
+        if self._moved_outside(head):
             return
         held = self.held_candidate
         if held is not None and held[0] == task and head == held[1].target_head:
@@ -172,9 +177,9 @@ class MergeQueue:
                                self.repo.toplevel).replace(os.sep, "/")
 
     def _integration_steps(self, task, task_store, data, submitted):
-        """[(commit, message)] for build_candidate: the approved submission, or with
-        linear history every submission on the same base, each a commit on the one
-        before (their messages say what each submission was)."""
+        """[(commit, message)] for build_candidate: the approved submission (its message
+        names every submission), or with linear history every submission on the same
+        base, each a commit on the one before (their messages say what each was)."""
         root = self.store.root
         description = task_store.read_file("TASK.md")
         refs = task_refs(root, task)
@@ -188,7 +193,11 @@ class MergeQueue:
             same_base = [(upto or 0, submitted["commit"])]
         summaries = [commit_message(root, commit) for _, commit in same_base]
         if self._history() != "linear" or len(same_base) == 1:
-            return [(submitted["commit"], task_commit_message(task, description, summaries))]
+            # One commit holds the work of every submission, those made before the task
+            # was brought up to date with the target too: its message names them all.
+            every = [commit_message(root, commit) for n, commit in numbered
+                     if upto is None or n <= upto] or summaries
+            return [(submitted["commit"], task_commit_message(task, description, every))]
         steps, parent = [], submitted["base"]
         for index, (n, commit) in enumerate(same_base):
             parent = commit_tree(root, _tree_of(root, commit), [parent], summaries[index],
@@ -362,8 +371,7 @@ class MergeQueue:
         if won == MERGED_STATUS:
             self._merged(task, head)
         elif moved.status == "moved":
-            self.note("the target %s moved during the integration of %s; integrating again"
-                      % (self.target, short_task_id(task)), task_id=task)
+            self._moved_outside(moved.head)
         else:
             self.held_candidate = (task, built)
             self._wait(task, moved.text + (" (commit or stash them; ferrus never overwrites "
@@ -404,7 +412,37 @@ class MergeQueue:
             self.note("\n".join(lines), "warning", event="sent_back", failed=failed,
                       files=files, **facts)
 
+    def _moved_outside(self, head):
+        """Whether the target has commits this run did not put there (since its base
+        check, or its last merge): then the run stops, naming them.  What lands on the
+        target must have passed the gate, and a task's checks or hooks (unconfined unless
+        a sandbox place is set) could have moved the branch as well as its user."""
+        known = self.known_target
+        if known is None or head == known:
+            return False
+        commits = foreign_commits(self.store.root, known, head)
+        listed = "\n".join("  " + line for line in commits[:FOREIGN_COMMITS_SHOWN])
+        if len(commits) > FOREIGN_COMMITS_SHOWN:
+            listed += "\n  ... and %d more" % (len(commits) - FOREIGN_COMMITS_SHOWN)
+        if head is None:
+            what = "%s was deleted" % self.target
+        else:
+            what = "%s moved from %s to %s outside this run%s" % (
+                self.target, known[:12], head[:12],
+                ":\n" + listed if listed else " (it is no descendant of where it was)")
+        self.halted = what
+        self.note("stopped: %s\nferrus merges only work its gate has checked, and it did not "
+                  "check these. Look at them (a task's checks or hooks run unconfined unless "
+                  "a sandbox place is set, and can move branches); when they are right, "
+                  "`ferrus run --parallel` tries the checks on the new head and goes on with "
+                  "every task where it stopped." % what, "error", event="target_moved",
+                  target=self.target, head=head, known=known)
+        self.finished = True
+        return True
+
     def _merged(self, task, head):
+        if head is not None:
+            self.known_target = head
         if head is None and self._integrated_unchanged(task):
             self._unchanged(task, None)    # a run that stopped before it recorded the end
             return
@@ -416,12 +454,18 @@ class MergeQueue:
         """An approved task whose work the target already has: it ends Complete, nothing
         is merged, and it is counted as approved with no change, never as merged."""
         task_store = self.controllers[task].store
-        if task_store.read_state().state == S.INTEGRATING:
+        data = task_store.read_state()
+        if data.state == S.INTEGRATING:
             op_integrated(task_store, ORCHESTRATOR, target=self.target, unchanged=True,
                           target_head=(target_head or "")[:12] or None)
+        submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+        empty = False
+        with contextlib.suppress(FerrusError, TypeError, KeyError):
+            empty = _tree_of(self.store.root, submitted["commit"]) == _tree_of(
+                self.store.root, submitted["base"])
         self.tasks_completed += 1
         self.waiting_said = None
-        self._end_task(task, UNCHANGED_STATUS, None)
+        self._end_task(task, UNCHANGED_STATUS, None, empty=empty)
 
     def _integrated_unchanged(self, task):
         """Whether ``task``'s newest integrated entry (read back a bounded stretch of the

@@ -28,7 +28,7 @@ from .checks import _status_note, run_checks
 from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_refs,
                   git_repository, record_task_base, run_git)
 from .worktrees import (create_task_worktree, default_worktree_dir, list_task_worktrees,
-                        remove_task_worktree, target_head)
+                        remove_review_checkout, remove_task_worktree, target_head)
 from .operations import (HUMAN, ORCHESTRATOR, confirmation_summary, op_create_task,
                          op_human_approve, op_human_reject, short_task_id,
                          task_diff_exclusions, task_git_site)
@@ -171,6 +171,8 @@ class ParallelRunner(MergeQueue):
         self.waiting_human = set()
         self.checkpoint = None
         self.finished = False
+        self.halted = None             # why the run stopped itself (the target moved outside)
+        self.known_target = None       # the target's head as this run last left it
         self.tasks_completed = 0
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
@@ -324,6 +326,7 @@ class ParallelRunner(MergeQueue):
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
         self._check_base()
+        self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None
         if isinstance(interrupted, int) and 1 <= interrupted <= 7:
             self.batch = [t for t in previous.get("batch") or [] if isinstance(t, str)]
@@ -332,8 +335,12 @@ class ParallelRunner(MergeQueue):
                 with contextlib.suppress(TypeError):     # a damaged record: dispatch again
                     self.dispatched.append(DispatchRecord(**saved))
             self.machine.set_recovery_target(interrupted)
-            self.note("the previous run stopped while %s; going on from there"
-                      % phase_words(interrupted))
+            if previous.get("pid"):        # it died working (a kill, a crash)
+                self.note("the previous run stopped while %s; going on from there"
+                          % phase_words(interrupted))
+            else:                          # it ended on purpose, tasks still in flight
+                self.note("going on where the previous run left off (%s)"
+                          % phase_words(interrupted))
             return self.advance(interrupted)
         return self.advance(1)
 
@@ -776,7 +783,7 @@ class ParallelRunner(MergeQueue):
         if controller is not None:
             controller.shutdown()
 
-    def _end_task(self, task, status, reason, head=None):
+    def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
         branch go, a failed one's stay for a look (until `ferrus task cancel`; `doctor`
         notes them).  An approved task's `complete` notification goes out now, once it is
@@ -787,8 +794,9 @@ class ParallelRunner(MergeQueue):
         title = record.get("title", "")
         said = {MERGED_STATUS: "merged into %s%s: %s" % (
                     self.target, " at %s" % head[:12] if head else "", title),
-                UNCHANGED_STATUS: "approved, no change (%s already has its work): %s" % (
-                    self.target, title)}.get(status)
+                UNCHANGED_STATUS: "approved, no change (%s): %s" % (
+                    "its submission changed no file" if empty else
+                    "%s already has its work" % self.target, title)}.get(status)
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
@@ -808,6 +816,9 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
         saved_note = ""
+        if record.get("worktree"):
+            with contextlib.suppress(FerrusError, OSError):
+                remove_review_checkout(self.store.root, record["worktree"])
         if status in (MERGED_STATUS, UNCHANGED_STATUS) and record.get("worktree"):
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
@@ -866,7 +877,7 @@ class ParallelRunner(MergeQueue):
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.halted or self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -878,7 +889,7 @@ class ParallelRunner(MergeQueue):
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
         self.notifier.finish()
-        if self.target is not None and not self.finished:
+        if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
@@ -905,15 +916,24 @@ def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=
             result.checked_at) if result.cached else ""), cached=result.cached,
             **result.to_json())
         return ""
-    tell("warning" if allow_red else "error", "\n".join(describe_base_check(result, where)),
+    broken = result.cannot_run()
+    allowed = allow_red and not broken
+    tell("warning" if allowed else "error", "\n".join(describe_base_check(result, where)),
          cached=result.cached, **result.to_json())
+    if broken and allow_red:
+        # A red base is work for the executor; a check that cannot run is not: every
+        # submission would fail it the same way, whatever the work.
+        raise RedBaseRefused(
+            "no agent was started: `%s` cannot run on %s (exit %s)" % (
+                broken[0].get("command"), where, broken[0].get("exit")),
+            "--allow-red-base starts a run on failing checks, not on a check that cannot "
+            "run at all: fix it in [checks] of %s (`ferrus doctor` checks the commands)"
+            % CONFIG_FILE)
     if not allow_red:
-        broken = result.cannot_run()
         raise RedBaseRefused(
             "no agent was started: the checks already fail on %s" % where,
             ("`%s` could not run: fix it in [checks] of %s (`ferrus doctor` checks the "
-             "commands) — or pass --allow-red-base to start anyway" % (
-                 broken[0].get("command"), CONFIG_FILE)) if broken else
+             "commands)" % (broken[0].get("command"), CONFIG_FILE)) if broken else
             "fix what fails (the lines and logs above), or pass --allow-red-base to start "
             "anyway: the executor is then told which checks failed before it began")
     tell("warning", "going on anyway (--allow-red-base): the executor is told which checks "

@@ -482,6 +482,8 @@ PROGRESS_EVENTS = (
     "sent_back",       # back to its executor: cause, reason, failed (the red checks with
                        # command, status, exit, log, tail), files
     "conflict",        # back to its executor to resolve a conflict: files
+    "target_moved",    # the run stopped: the target gained commits it did not check
+                       # (target, head, known: where the run had left it)
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
 
 

@@ -21,7 +21,7 @@ from .store import (APPROVED_STATUSES, CANCELLED_STATUS, DONE_STATUS, FAILED_STA
                     load_task_record, read_task_record, require_utf8, task_record_path)
 from .git import (GitUnavailable, commit_parent, set_task_ref, snapshot_worktree,
                   stream_git, task_checkout, task_ref)
-from .worktrees import _tree_of, remove_task_worktree, target_head
+from .worktrees import _tree_of, remove_review_checkout, remove_task_worktree, target_head
 from .specs import milestone_task_text, parse_spec, unmet_dependencies
 from .operations import (HUMAN, _nonblank, _outcome, op_diff, short_task_id,
                          task_diff_exclusions)
@@ -610,6 +610,8 @@ def _remove_task_leftovers(store, record):
             return (" Its worktree %s stays: its work could not be saved (%s); look at it "
                     "there, or `ferrus task cancel --discard` drops it." % (
                         worktree, err.message)), {}
+    with contextlib.suppress(FerrusError, OSError):
+        remove_review_checkout(store.root, worktree)
     try:
         head = target_head(store.root, branch)
         done = remove_task_worktree(store.root, worktree, branch)
@@ -623,9 +625,12 @@ def _remove_task_leftovers(store, record):
         parts.append("its worktree %s" % worktree)
         removed["worktree"] = worktree
     if done["branch_deleted"]:
-        parts.append("its branch %s (it was at %s: `git branch %s %s` brings it back)" % (
-            branch, head[:12], branch, head[:12]) if head else "its branch %s" % branch)
+        parts.append("its branch %s (it was at %s: `git branch %s %s` brings back what it "
+                     "had committed)" % (branch, head[:12], branch, head[:12]) if head
+                     else "its branch %s" % branch)
         removed["branch"] = branch
+    if record.get("discard"):
+        saved_text = " Its work was dropped (--discard): nothing of it was kept."
     return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
 
 

@@ -290,6 +290,9 @@ def _gate_operation(store, caller, action, content=None):
             tx.write("SUBMISSION.md", content)
             detail = {"log": log_path}
             if submitted is not None:
+                left_out = submitted.pop("left_out", [])
+                if left_out:
+                    detail["left_out"] = left_out[:GUARDED_SHOWN]
                 submitted["n"] = ((tx.state.task_submitted or {}).get("n") or 0) + 1
                 set_task_ref(store.root, task_ref(store.task, "submit-%d" % submitted["n"]),
                              submitted["commit"])
@@ -315,6 +318,8 @@ def _gate_operation(store, caller, action, content=None):
         "state": new.state, "retries": new.check_retries, "max": limits.max_check_retries,
         "report": "" if passed else run.report(limits.max_feedback_lines)}
     if passed:
+        if submitted is not None:
+            text += left_out_note(tx.detail.get("left_out"))
         return _outcome(text, new.state, passed=True, log=run.log_path if run else None)
     return _outcome(text, new.state, passed=False, log=run.log_path,
                     check_retries=new.check_retries)
@@ -336,15 +341,27 @@ def _record_submission(store, caller, summary):
     checkout = task_git_site(store)
     if not isinstance(checkout, TaskCheckout):
         return None
+    left_out = []
     commit = snapshot_worktree(checkout, base, task_diff_exclusions(store),
-                               (summary or "").strip() or "(no summary)")
+                               (summary or "").strip() or "(no summary)", left_out)
     changed = changed_paths(store.root, base, commit)
     try:
         extra = store.config().parallel.guarded
     except FerrusError:
         extra = []
-    return {"commit": commit, "base": base, "guarded": guarded_paths(
+    return {"commit": commit, "base": base, "left_out": left_out, "guarded": guarded_paths(
         [_project_relative(store, path) for path in changed], extra)}
+
+
+def left_out_note(paths):
+    """What the submit says about folders its commit could not hold ("" for none)."""
+    if not paths:
+        return ""
+    shown = ", ".join(paths[:GUARDED_SHOWN]) + (
+        " and %d more" % (len(paths) - GUARDED_SHOWN) if len(paths) > GUARDED_SHOWN else "")
+    return ("\n\nLeft out of the submission: %s — a folder with a git repository of its "
+            "own, which a task's commit cannot hold. To include its files, remove its .git "
+            "folder and submit again." % shown)
 
 
 def _project_relative(store, path):

@@ -384,6 +384,20 @@ def target_head(root, branch):
     return os.fsdecode(out).strip() or None
 
 
+def foreign_commits(root, known, head, limit=50):
+    """One line per commit ``head`` has and ``known`` lacks ("<short> <author>: <subject>",
+    newest first, at most ``limit``+1 so a caller can say "more"); [] when either is None
+    or git cannot tell."""
+    if not known or not head:
+        return []
+    try:
+        out = run_git(root, ["log", "--max-count=%d" % (limit + 1), "--format=%h %an: %s",
+                             "%s..%s" % (known, head), "--"])
+    except GitError:
+        return []
+    return os.fsdecode(out).splitlines()
+
+
 # -- git: the merge gate's own clean checkout ---------------------------------------------
 #
 # The merge gate never works in a task's worktree: the executor owns it (and whatever it
@@ -402,6 +416,8 @@ def target_head(root, branch):
 
 # The gate's folder in the worktree folder (task worktrees are named by their ids, t-...).
 GATE_FOLDER = "ferrus-gate"
+# A task's review checkout is its worktree's path and this.
+REVIEW_SUFFIX = ".review"
 CONFLICT_MARKER = LazyPattern(rb"^(?:<{7}|>{7})(?: |\r?$)", re.M)
 # How much build_candidate says about a conflict (the executor reads it in REVIEW.md).
 CONFLICT_TEXT_CHARS = 4096
@@ -412,25 +428,45 @@ CONFLICT_LINE_CHARS = 200
 
 
 def gate_checkout(root, worktree_dir, start):
-    """ferrus's clean checkout for the merge gate: a detached worktree at
-    ``<worktree_dir>/ferrus-gate`` of the repository of the user's checkout ``root``,
-    made (at ``start``) when missing, and made again when damaged or tampered with (the
-    checks run the tasks' code there).  Returns its TaskCheckout."""
-    path = os.path.join(worktree_dir, GATE_FOLDER)
+    """ferrus's clean checkout for the merge gate: ``<worktree_dir>/ferrus-gate`` (see
+    own_checkout; the checks run the tasks' code there).  Returns its TaskCheckout."""
+    return own_checkout(root, os.path.join(worktree_dir, GATE_FOLDER), start)
+
+
+def review_checkout_path(worktree):
+    """Where the checkout a task's reviewer and consultant work in lives: beside the
+    task's worktree ``worktree``."""
+    return worktree.rstrip("/\\") + REVIEW_SUFFIX
+
+
+def remove_review_checkout(root, worktree):
+    """The review checkout of the task whose worktree is ``worktree`` goes (the task
+    ended); nothing of anyone's is in it.  True when there was one."""
+    path = review_checkout_path(worktree)
+    if not os.path.lexists(path) and worktree_admin_dir(common_git_dir(root), path) is None:
+        return False
+    remove_task_worktree(root, path, None)
+    return True
+
+
+def own_checkout(root, path, start):
+    """A detached worktree of ferrus's own at ``path`` (the repository of the user's
+    checkout ``root``): made (at ``start``) when missing, and made again when damaged
+    or tampered with — nothing of anyone's lives there.  Returns its TaskCheckout."""
     try:
-        gate = task_checkout(root, path)
+        checkout = task_checkout(root, path)
     except GitError:
         common = common_git_dir(root)
         if worktree_admin_dir(common, path) is None and _folder_has_files(path):
-            raise GitError("%s is in the way of the merge gate's checkout" % path,
-                           "ferrus keeps its clean checkout there: move that folder away"
-                           ) from None
+            raise GitError("%s is in the way of a checkout of ferrus's" % path,
+                           "ferrus keeps its own clean checkouts there: move that folder "
+                           "away") from None
         _discard_worktree(root, path)
-        os.makedirs(worktree_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         run_git(root, ["worktree", "add", "-q", "--detach", "--no-checkout", path,
                        start + "^{commit}"])
-        gate = task_checkout(root, path)
-    return gate
+        checkout = task_checkout(root, path)
+    return checkout
 
 
 def reset_gate(gate, commit):
