@@ -58,6 +58,17 @@ def cli(root, *args, stdin=None):
     return done
 
 
+def in_process(capsys, root, *args):
+    """`ferrus ARGS` as ferrus.main in this process, returned as cli() returns a program's
+    end: what a view or doctor says of a damaged record is the point, not starting a
+    program (each run that meets the damage is a real `ferrus run`)."""
+    capsys.readouterr()
+    code = ferrus.main(["-C", str(root)] + list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 # -- what the validation calls damaged ------------------------------------------------------
 
 TASK = "t-20260101T000000-abcdef"
@@ -134,8 +145,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("what, stage, change, before", CASES, ids=[c[0] for c in CASES])
-def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(git_project, what, stage,
-                                                                 change, before):
+def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(git_project, capsys, what,
+                                                                 stage, change, before):
     store = scripted_setup(git_project, ["test -f README.md"])
     bad = prepared(store, "Bad.\n\nWRITE bad.txt: bad\n") if stage == "running" else \
         enqueue(store, "Bad.\n\nWRITE bad.txt: bad\n")
@@ -154,13 +165,13 @@ def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(git_project, wha
     assert open(ferrus.task_record_path(store.dir, bad)).read() == text   # nothing written
     # every view says so, with the repair, and none breaks
     for view in (["tasks"], ["status"]):
-        shown = cli(git_project, *view)
+        shown = in_process(capsys, git_project, *view)
         assert shown.returncode == 0 and "damaged" in shown.stdout, shown.stdout
         assert "`ferrus doctor --fix` repairs it" in shown.stdout
     if stage == "running":      # the checkout's state mirrors it
         assert "(parallel task, its task.json is damaged: `ferrus doctor --fix` repairs " \
-            "it;" in cli(git_project, "status").stdout
-    listed = json.loads(cli(git_project, "tasks", "--json").stdout)
+            "it;" in in_process(capsys, git_project, "status").stdout
+    listed = json.loads(in_process(capsys, git_project, "tasks", "--json").stdout)
     assert any(row["id"] == bad and row["problem"] == problem for row in (
         listed["tasks"] if isinstance(listed, dict) else listed))
     board = io.StringIO()
@@ -170,12 +181,12 @@ def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(git_project, wha
     finally:
         shell.shutdown()
     assert "damaged" in board.getvalue(), board.getvalue()
-    doctor = cli(git_project, "doctor")
+    doctor = in_process(capsys, git_project, "doctor")
     assert "%s/%s/%s is damaged (%s)" % (".ferrus/tasks", bad, "task.json", problem) in \
         doctor.stdout, doctor.stdout
     # doctor --fix repairs it: a task that had started is failed with its worktree kept
     # (retry goes on there), one that had not is queued again
-    fixed = cli(git_project, "doctor", "--fix")
+    fixed = in_process(capsys, git_project, "doctor", "--fix")
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     record, problem = ferrus.load_task_record(store.dir, bad)
     assert problem is None and record["title"] == "Bad."
