@@ -127,11 +127,14 @@ def write(root, rel, data):
 
 
 def wait_until(condition, what, timeout=60, proc=None, interval=0.02):
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds naming ``what``,
-    or at once when ``proc`` (a Popen) ends first.  Tests wait for the event they check,
-    never for a fixed time."""
+    """Poll ``condition`` until it holds and return what it returned; fail after
+    ``timeout`` seconds naming ``what``, or at once when ``proc`` (a Popen) ends first.
+    Tests wait for the event they check, never for a fixed time."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while True:
+        value = condition()
+        if value:
+            return value
         if proc is not None and proc.poll() is not None:
             raise AssertionError("the process ended before %s: %r" % (what, proc.communicate()))
         if time.monotonic() > deadline:
