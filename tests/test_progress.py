@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
+from conftest import (FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config,
+                      wait_until)
 from test_hq import run
 
 S = ferrus.S
@@ -344,14 +346,16 @@ def test_a_failing_or_hanging_notifier_never_blocks_and_is_reported_once(project
                'timeout_secs = 1\n' % sys.executable.replace("\\", "/"))
     notifier = ferrus.Notifier(store, messages.append)
     import time
+    earlier = set(threading.enumerate())
     started = time.monotonic()
     notifier.notify("complete", "t-1", "done")
     notifier.notify("failed", "t-1", "boom")
     assert time.monotonic() - started < 5      # detached: notify returns at once
-    deadline = time.monotonic() + 20
-    while not messages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.5)
+    # Both hang until their timeout: once each watch has ended, one failure was reported.
+    wait_until(lambda: messages and not [thread for thread in threading.enumerate()
+                                         if thread.name == "ferrus-notify" and
+                                         thread not in earlier],
+               "both notifiers to be stopped", timeout=20)
     assert len(messages) == 1 and "was still running after 1s" in messages[0].text
     set_config(str(project), '[notify]\ncommand = ["/nonexistent/notifier"]\n')
     other = ferrus.Notifier(store, messages.append)
