@@ -11,7 +11,7 @@ import pytest
 
 import ferrus
 from conftest import (FERRUS_CMD, committed, enqueue, git, run_tasks, scripted_config,
-                      scripted_setup, set_config, statuses)
+                      scripted_setup, set_config, statuses, wait_until)
 
 S = ferrus.TaskState
 
@@ -522,9 +522,12 @@ def test_an_empty_answer_asks_again(git_project, monkeypatch):
 
 
 def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_goes(git_project):
-    # Slow only in the integration, where the task's commit ("T.") is HEAD.
-    store = scripted_setup(git_project,
-                           ["if [ \"$(git log -1 --format=%s)\" = T. ]; then sleep 60; fi"])
+    # Slow only in the integration, where the task's commit ("T.") is HEAD; it says when
+    # it starts there.
+    started_file = os.path.join(os.path.dirname(str(git_project)), "gate-check.started")
+    store = scripted_setup(git_project, [
+        "if [ \"$(git log -1 --format=%%s)\" = T. ]; then touch '%s'; sleep 60; fi"
+        % started_file])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 2)
     runner.start()
@@ -533,7 +536,7 @@ def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_go
         runner.step()
         time.sleep(0.01)
     assert runner.integration is not None
-    time.sleep(1)                                   # its checks are running now
+    wait_until(lambda: os.path.exists(started_file), "the merge gate's check to start")
     assert runner.integration["thread"].is_alive()
     started = time.monotonic()
     ferrus.op_cancel_task(store, ferrus.HUMAN, task)
