@@ -82,8 +82,10 @@ def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrat
 
 
 def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back(git_project):
-    # The check fails when both files exist: each task alone passes it.
-    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"])
+    # The check fails when both files exist: each task alone passes it.  The task sent
+    # back fails it on every try: two tries end it (not the default 20).
+    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"],
+                           extra="max_check_retries = 2\n")
     left = enqueue(store, "Left.\n\nWRITE left.txt: left\n")
     right = enqueue(store, "Right.\n\nWRITE right.txt: right\n")
     code, lines = run_tasks(store, 2)
