@@ -208,8 +208,10 @@ def test_a_task_the_merge_queue_sent_back_diffs_against_the_target_head(git_proj
     conflict), the task's diff -- what its reviewer is shown, `ferrus diff`, HQ's /diff --
     is measured from that target head: the task's own work, not what other tasks brought
     to the target."""
-    # The check fails when both files exist: each task alone passes it.
-    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"])
+    # The check fails when both files exist: each task alone passes it.  The task sent
+    # back fails it on every try: two tries end it (not the default 20).
+    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"],
+                           extra="max_check_retries = 2\n")
     enqueue(store, "Left.\n\nWRITE left.txt: left\n")
     enqueue(store, "Right.\n\nWRITE right.txt: right\n")
     code, lines = run_tasks(store, 2)
