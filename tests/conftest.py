@@ -100,14 +100,19 @@ def set_config(root, text):
 
 
 def run_cli(*args, cwd, input=None, env=None, timeout=60):
-    """Run `python ferrus.py ARGS` and return the CompletedProcess (text mode)."""
+    """Run `ferrus ARGS` in ``cwd`` and return the CompletedProcess (text mode).
+
+    ``input`` is its stdin (without it, stdin is empty: however pytest was started, no
+    ferrus asks a terminal); ``env`` adds or overrides variables, after NO_COLOR=1 and
+    without the caller's FERRUS_DEBUG."""
     full_env = dict(os.environ)
     full_env.pop("FERRUS_DEBUG", None)
     full_env["NO_COLOR"] = "1"
     if env:
         full_env.update(env)
-    return subprocess.run(FERRUS_CMD + list(args), cwd=str(cwd), input=input,
-                          capture_output=True, text=True, env=full_env, timeout=timeout)
+    stdin = {"stdin": subprocess.DEVNULL} if input is None else {"input": input}
+    return subprocess.run(FERRUS_CMD + list(args), cwd=str(cwd), capture_output=True,
+                          text=True, env=full_env, timeout=timeout, **stdin)
 
 
 @pytest.fixture

@@ -13,23 +13,19 @@ import glob
 import io
 import json
 import os
-import subprocess
 
 import ferrus
-from conftest import (FERRUS_CMD, SCRIPTED_CONFIG, SCRIPTED_CHECK, enqueue, git, scripted_project,
+from conftest import (SCRIPTED_CONFIG, SCRIPTED_CHECK, enqueue, git, run_cli, scripted_project,
                       scripted_setup, set_config)
 
 MISSING = "nosuchtool-for-ferrus --version"
 
 
 def cli(root, *args, tmp_path=None, timeout=240):
-    env = dict(os.environ, NO_COLOR="1", SCRIPTED_BEHAVIOR="")
+    env = {"SCRIPTED_BEHAVIOR": ""}
     if tmp_path is not None:
         env["SCRIPTED_DIR"] = str(tmp_path / "memory")
-    env.pop("FERRUS_DEBUG", None)
-    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_cli(*args, cwd=root, env=env, timeout=timeout)
 
 
 def with_checks(commands):

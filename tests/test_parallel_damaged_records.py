@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, enqueue, git, scripted_setup, statuses
+from conftest import enqueue, git, run_cli, scripted_setup, statuses
 from test_parallel import crash_state
 
 S = ferrus.TaskState
@@ -51,9 +51,7 @@ def setting(key, value):
 
 
 def cli(root, *args, stdin=None):
-    done = subprocess.run(FERRUS_CMD + list(args), cwd=str(root),
-                          text=True, input=stdin, capture_output=True, timeout=240,
-                          env=dict(os.environ, NO_COLOR="1"))
+    done = run_cli(*args, cwd=root, input=stdin, timeout=240)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
 

@@ -6,13 +6,11 @@ task states set aside, and a parallel run that stopped part way."""
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
 import ferrus
-from conftest import (FERRUS_CMD, branches, git, run_cli, scripted_config, scripted_setup,
-                      set_config)
+from conftest import branches, git, run_cli, scripted_config, scripted_setup, set_config
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -21,8 +19,7 @@ S = ferrus.TaskState
 
 
 def cli(root, *args):
-    return subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
-                          capture_output=True, timeout=120)
+    return run_cli(*args, cwd=root, timeout=120)
 
 
 @pytest.fixture

@@ -15,16 +15,12 @@ import re
 import subprocess
 
 import ferrus
-from conftest import (FERRUS_CMD, committed, enqueue, git, run_tasks, scripted_config,
-                      scripted_setup, set_config, statuses)
+from conftest import (FERRUS_CMD, committed, enqueue, git, run_cli, run_tasks,
+                      scripted_config, scripted_setup, set_config, statuses)
 
 
 def cli(root, *args, timeout=240):
-    env = dict(os.environ, NO_COLOR="1")
-    env.pop("FERRUS_DEBUG", None)
-    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_cli(*args, cwd=root, timeout=timeout)
 
 
 def json_lines(stdout):

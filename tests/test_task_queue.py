@@ -4,20 +4,18 @@ and the project's STATE.json that numbers every commit and mirrors the foregroun
 
 import json
 import os
-import subprocess
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, enqueue, scripted_config, scripted_setup, set_config, statuses
+from conftest import enqueue, run_cli, scripted_config, scripted_setup, set_config, statuses
 
 FERRUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ferrus.py")
 S = ferrus.TaskState
 
 
 def cli(root, *args, check=True):
-    proc = subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
-                          capture_output=True, timeout=120)
+    proc = run_cli(*args, cwd=root, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc
