@@ -237,11 +237,13 @@ def scripted(project, tmp_path, monkeypatch):
 
 # -- the scripted agent in a git repository (queued and parallel tasks) -----------------
 
-def scripted_config(checks, extra="", checks_extra=""):
+def scripted_config(checks, extra="", checks_extra="", review_cycles=3):
     """ferrus.toml text for the scripted agent in both roles with [checks] ``checks``
-    (``checks_extra``: more lines of [checks]), three review cycles, then ``extra``."""
+    (``checks_extra``: more lines of [checks]), ``review_cycles`` review cycles, then
+    ``extra`` (its first lines still in [limits])."""
     return ("[checks]\ncommands = %s\n%s\n[limits]\nwait_timeout_secs = 5\n"
-            "max_review_cycles = 3\n\n" % (json.dumps(checks), checks_extra) + extra +
+            "max_review_cycles = %d\n\n" % (json.dumps(checks), checks_extra, review_cycles) +
+            extra +
             custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
                                              "{mcp_config}"]))
 
@@ -264,11 +266,11 @@ def git_project(tmp_path, monkeypatch):
     return root
 
 
-def scripted_setup(root, checks, extra="", checks_extra=""):
+def scripted_setup(root, checks, extra="", checks_extra="", review_cycles=3):
     """``root`` (a git_project) configured by scripted_config(), the scripted agent
     registered in both roles, a README.md, and everything committed on main (the user's
     checkout, clean); returns the project's Store."""
-    set_config(root, scripted_config(checks, extra, checks_extra))
+    set_config(root, scripted_config(checks, extra, checks_extra, review_cycles))
     ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
                                        "executor": ("scripted", None)}, report=lambda m: None)
     write(root, "README.md", "hello\n")

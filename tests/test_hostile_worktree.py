@@ -268,7 +268,9 @@ def test_commits_on_the_target_the_run_did_not_make_stop_it(git_project):
 # -- the gate checks what the target will hold ---------------------------------------------
 
 def test_an_ignored_file_in_the_worktree_cannot_make_the_gate_green(git_project):
-    store = scripted_setup(git_project, ["test -f build/ok"])
+    # One review cycle: the gate's first red check fails the task (three cycles only
+    # repeated it).
+    store = scripted_setup(git_project, ["test -f build/ok"], review_cycles=1)
     with open(os.path.join(str(git_project), ".gitignore"), "a") as handle:
         handle.write("build/\n")
     git(git_project, "commit", "-qam", "ignore build/")
