@@ -1,4 +1,5 @@
-"""Agent adapters: argv for every mode, register/unregister files, `ferrus agents`, prompts."""
+"""Agent adapters: argv for every mode, register/unregister (the names and models it takes,
+the files it writes and takes back), `ferrus agents`, prompts."""
 
 import dataclasses
 import json
@@ -276,6 +277,28 @@ def test_unregister_removes_what_register_added(project):
     assert {name: (project / name).read_text() for name in before} == before
 
 
+def test_unregister_removes_the_files_it_emptied(project, cli):
+    (project / "CLAUDE.md").write_text("# my notes\n")
+    gitignore_before = (project / ".gitignore").read_text()
+    before = sorted(os.listdir(str(project)))
+    for agent in ("claude-code", "codex", "qwen-code", "gemini-cli"):
+        assert cli("register", "--supervisor", agent, "--executor", agent,
+                   cwd=project).returncode == 0
+        result = cli("unregister", cwd=project)
+        assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(str(project))) == before
+    assert (project / ".gitignore").read_text() == gitignore_before
+    assert (project / "CLAUDE.md").read_text().startswith("# my notes")
+
+
+def test_unregister_keeps_a_file_with_other_content(project, cli):
+    (project / ".qwen").mkdir()
+    (project / ".qwen" / "settings.json").write_text('{"theme": "dark"}')
+    cli("register", "--executor", "qwen-code", cwd=project)
+    cli("unregister", cwd=project)
+    assert '"theme": "dark"' in (project / ".qwen" / "settings.json").read_text()
+
+
 def test_register_model_rules_and_flat_hq_migration(project):
     """Upstream bug 10: a stale model survived an agent switch; flat [hq] broke loading."""
     root = str(project)
@@ -289,6 +312,20 @@ def test_register_model_rules_and_flat_hq_migration(project):
     ferrus.register_agents(root, {"executor": ("qwen-code", None)}, report=lambda m: None)
     config = ferrus.load_config(root)
     assert (config.executor.agent, config.executor.model) == ("qwen-code", "")
+
+
+def test_setting_a_model_says_which_model_was_written(project):
+    """Setting a role's model (`/model`, `ferrus register --executor-model`) names the
+    model written, or cleared, not only the agent."""
+    said = []
+    ferrus.update_hq_config(str(project), "executor", "codex", "gpt-big ", said.append)
+    ferrus.update_hq_config(str(project), "executor", "codex", "", said.append)
+    ferrus.update_hq_config(str(project), "supervisor", "codex", None, said.append)
+    assert said == [
+        'Set [hq.executor] agent = "codex", model = "gpt-big" in ferrus.toml',
+        'Set [hq.executor] agent = "codex", model = "" (the agent\'s own default) in ferrus.toml',
+        'Set [hq.supervisor] agent = "codex" in ferrus.toml']
+    assert ferrus.load_config(str(project)).require_hq().executor.model == ""
 
 
 def test_register_validates_before_writing_anything(project, cli):
@@ -305,6 +342,40 @@ def test_register_validates_before_writing_anything(project, cli):
     empty.mkdir()
     result = cli("register", "--executor", "codex", cwd=empty)
     assert "ferrus.toml not found" in result.stderr and not (empty / ".codex").exists()
+
+
+def test_a_mistyped_agent_name_gets_the_closest_known_one(project):
+    """The short names are listed, and the name meant is suggested."""
+    result = run_cli("register", "--supervisor", "claud", "--executor", "codex", cwd=project)
+    assert result.returncode == 1
+    assert "Unknown agent 'claud'. Supported values: \"claude-code\", \"codex\", " \
+        "\"qwen-code\", \"gemini-cli\" (or \"claude\", \"qwen\", \"gemini\" for short)" \
+        in result.stderr
+    assert 'hint: did you mean "claude"? Otherwise describe it under [agents.custom.<name>]' \
+        in result.stderr
+    far = run_cli("register", "--supervisor", "zzz", "--executor", "codex", cwd=project)
+    assert "hint: or describe it under [agents.custom.<name>]" in far.stderr
+
+
+def test_bare_register_registers_the_agents_ferrus_toml_names(project, capsys):
+    root = str(project)
+    config = ferrus.load_config(root)
+    expected = {"supervisor": config.supervisor.agent, "executor": config.executor.agent}
+    capsys.readouterr()
+    assert ferrus.main(["-C", root, "register"]) == 0
+    out = capsys.readouterr().out
+    assert "Registering the agents ferrus.toml names" in out
+    for role, agent in expected.items():
+        assert "%s %s" % (role, agent) in out
+    rows = {row["role"]: row for row in ferrus.agents_report(root, probe=lambda argv: None)}
+    assert rows["executor"]["agent"] == expected["executor"]
+
+
+def test_bare_register_without_configured_agents_says_how(project, capsys):
+    (project / "ferrus.toml").write_text('[checks]\ncommands = ["true"]\n')
+    assert ferrus.main(["-C", str(project), "register"]) == 2
+    err = capsys.readouterr().err
+    assert "At least one of --supervisor or --executor" in err and "[hq.supervisor]" in err
 
 
 def test_register_refuses_a_broken_user_file(project):

@@ -13,23 +13,19 @@ import glob
 import io
 import json
 import os
-import subprocess
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CONFIG, SCRIPTED_CHECK, scripted_project, set_config
-from test_parallel import enqueue, git, parallel_config, repo, setup  # noqa: F401
+from conftest import (SCRIPTED_CONFIG, SCRIPTED_CHECK, enqueue, git, run_cli, scripted_project,
+                      scripted_setup, set_config)
 
 MISSING = "nosuchtool-for-ferrus --version"
 
 
 def cli(root, *args, tmp_path=None, timeout=240):
-    env = dict(os.environ, NO_COLOR="1", SCRIPTED_BEHAVIOR="")
+    env = {"SCRIPTED_BEHAVIOR": ""}
     if tmp_path is not None:
         env["SCRIPTED_DIR"] = str(tmp_path / "memory")
-    env.pop("FERRUS_DEBUG", None)
-    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_cli(*args, cwd=root, env=env, timeout=timeout)
 
 
 def with_checks(commands):
@@ -91,9 +87,9 @@ def test_allow_red_base_goes_on_and_the_executor_is_told_what_failed_before(proj
 
 
 def test_a_green_base_is_checked_once_per_commit_and_a_changed_checkout_every_time(
-        repo, tmp_path, monkeypatch):
+        git_project, tmp_path, monkeypatch):
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    root = repo
+    root = git_project
     scripted_project(root, tmp_path / "memory")
     with open(os.path.join(str(root), ".gitignore"), "a") as handle:
         handle.write("work.txt\n")                   # the executor's work keeps it clean
@@ -147,14 +143,14 @@ def test_the_queue_in_the_checkout_keeps_its_task_when_the_base_is_red(project, 
     assert ferrus.read_session_records(store) == []
 
 
-def test_a_parallel_run_tries_the_checks_on_a_clean_checkout_of_the_target(repo):
-    store = setup(repo, ["test -f README.md", "test -f alpha.txt"])
-    head = git(repo, "rev-parse", "main").stdout.strip()
+def test_a_parallel_run_tries_the_checks_on_a_clean_checkout_of_the_target(git_project):
+    store = scripted_setup(git_project, ["test -f README.md", "test -f alpha.txt"])
+    head = git(git_project, "rev-parse", "main").stdout.strip()
     task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     # An untracked file in the user's checkout is not in the clean checkout.
-    with open(os.path.join(str(repo), "alpha.txt"), "w") as handle:
+    with open(os.path.join(str(git_project), "alpha.txt"), "w") as handle:
         handle.write("only here\n")
-    done = cli(repo, "run", "--parallel", "2")
+    done = cli(git_project, "run", "--parallel", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ferrus: no agent was started: the checks already fail on main at %s" % head[:12] \
         in done.stderr
@@ -162,13 +158,13 @@ def test_a_parallel_run_tries_the_checks_on_a_clean_checkout_of_the_target(repo)
         in done.stdout
     assert ferrus.read_task_record(store.dir, task)["status"] == "queued"
     # Nothing of the run is left: no task worktree or branch, no temporary checkout.
-    assert git(repo, "worktree", "list", "--porcelain").stdout.count("worktree ") == 1
-    assert git(repo, "branch", "--list", "ferrus/*").stdout.strip() == ""
-    folder = ferrus.default_worktree_dir(str(repo))
+    assert git(git_project, "worktree", "list", "--porcelain").stdout.count("worktree ") == 1
+    assert git(git_project, "branch", "--list", "ferrus/*").stdout.strip() == ""
+    folder = ferrus.default_worktree_dir(str(git_project))
     assert not os.path.isdir(folder) or not os.listdir(folder)
-    os.remove(os.path.join(str(repo), "alpha.txt"))
+    os.remove(os.path.join(str(git_project), "alpha.txt"))
     # Going on anyway: the task's executor reads which checks failed before it began.
-    done = cli(repo, "run", "--parallel", "2", "--allow-red-base")
+    done = cli(git_project, "run", "--parallel", "2", "--allow-red-base")
     assert done.returncode == 0, done.stdout + done.stderr
     assert ferrus.read_task_record(store.dir, task)["status"] == "merged"
     told = store.for_task(task).read_file("TASK.md")
@@ -176,8 +172,8 @@ def test_a_parallel_run_tries_the_checks_on_a_clean_checkout_of_the_target(repo)
     assert "- `test -f alpha.txt` (exit 1)" in told
 
 
-def test_hq_run_refuses_a_red_target_and_starts_no_agent(repo):
-    store = setup(repo, ["test -f alpha.txt"])
+def test_hq_run_refuses_a_red_target_and_starts_no_agent(git_project):
+    store = scripted_setup(git_project, ["test -f alpha.txt"])
     task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     out = io.StringIO()
     shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)

@@ -9,7 +9,8 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_CMD, set_config
-from test_hq import CONFIG, FakeMonotonic, drive, scripted  # noqa: F401 (fixture)
+from conftest import FakeMonotonic
+from test_hq import CONFIG, drive
 
 SS = ferrus.SS
 

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -13,7 +14,8 @@ import time
 import pytest
 
 import ferrus
-from conftest import run_cli, set_config
+from conftest import (FERRUS_CMD, SCRIPTED_AGENT, custom_agent_config, run_cli, set_config,
+                      wait_until)
 from mcp_client import McpProcess
 
 pytestmark = pytest.mark.skipif(not ferrus.HAS_PROC, reason="finding processes that left their "
@@ -163,7 +165,10 @@ def test_pid_file_names_the_check_while_it_runs(project):
                                   kwargs={"cancel": cancel})
         thread.start()
         shell = wait_for_pid(project, "shell.pid")
-        (name,) = record_files(project)
+        # (The rewrite with the shell's pid may be under way: its temporary file is not
+        # a second record.)
+        (name,) = [name for name in record_files(project)
+                   if not name.endswith(ferrus.TEMP_SUFFIX)]
         record = {}
         deadline = time.monotonic() + 15
         # The file is written before the shell starts and again with its pid just after.
@@ -208,6 +213,39 @@ def test_a_forking_storm_cannot_outrun_the_sweep(project):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     assert not survivors, "processes of the check survived: %s" % survivors
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_run_ends_the_check_its_agent_was_running(project, tmp_path, signum):
+    """`ferrus run` stopped while the executor's check runs: the agent and its MCP
+    server are stopped, and so is the check command (in a process group of its own),
+    instead of running on for minutes with nobody to read its result."""
+    set_config(project, '[checks]\ncommands = ["echo $$ > check.pid; exec sleep 120"]\n'
+               '[limits]\nwait_timeout_secs = 5\n' +
+               custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
+                                                "{mcp_config}"]))
+    ferrus.register_agents(str(project), {"supervisor": ("scripted", None),
+                                          "executor": ("scripted", None)},
+                           report=lambda message: None)
+    env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_DIR=str(tmp_path))
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", str(project), "run", "--task", "work"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    pid_file = project / "check.pid"
+    with reaping("check.pid", root=project):
+        try:
+            wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(),
+                       "the check to start", proc=proc)
+            check_pid = int(pid_file.read_text())
+            proc.send_signal(signum)
+            proc.communicate(timeout=60)
+            wait_until(lambda: gone(check_pid), "the check to end", timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert not os.listdir(project / ".ferrus" / ferrus.CHECK_PROCESS_DIR), \
+        "the check's pid file was left behind"
 
 
 def check_processes_in(root):

@@ -1,6 +1,7 @@
 """The check runner (`ferrus.run_checks`) and the `ferrus check` command."""
 
 import glob
+import io
 import json
 import os
 import resource
@@ -8,7 +9,7 @@ import threading
 import time
 
 import ferrus
-from conftest import run_cli, set_config
+from conftest import run_cli, set_config, wait_until
 
 SUP = ferrus.Caller("supervisor", "supervisor:test:0")
 
@@ -38,14 +39,6 @@ def process_gone(pid):
     except OSError:  # pragma: no cover - no /proc: fall back to kill(0)
         return not ferrus.pid_alive(pid)
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
-        time.sleep(0.01)
 
 
 def write_config(root, commands=(), max_check_retries=20, max_feedback_lines=30,
@@ -183,7 +176,7 @@ def test_timeout_kills_the_whole_process_group(project):
     assert "(timed out after 1 s)" in result.report(30)
     with open(pid_file) as handle:
         grandchild = int(handle.read())
-    wait_until(lambda: process_gone(grandchild), 3, "the background grandchild to die")
+    wait_until(lambda: process_gone(grandchild), "the background grandchild to die", 3)
 
 
 def test_grandchild_left_running_after_exit_does_not_hang_the_gate(project):
@@ -194,7 +187,7 @@ def test_grandchild_left_running_after_exit_does_not_hang_the_gate(project):
     assert result.passed and result.results[0].tail == ["done"]
     with open(pid_file) as handle:
         daemon = int(handle.read())
-    wait_until(lambda: process_gone(daemon), 3, "the leftover background process to die")
+    wait_until(lambda: process_gone(daemon), "the leftover background process to die", 3)
 
 
 def test_fail_fast_sequential_skips_the_rest(project):
@@ -229,8 +222,8 @@ def test_cancel_event_kills_the_run(project):
         "run", run(project, checks(command, "touch never-ran"), cancel=cancel)))
     thread.start()
     pid_file = os.path.join(str(project), "cancel.pid")
-    wait_until(lambda: os.path.exists(pid_file) and os.path.getsize(pid_file), 10,
-               "the check to start")
+    wait_until(lambda: os.path.exists(pid_file) and os.path.getsize(pid_file),
+               "the check to start", 10)
     started = time.monotonic()
     cancel.set()
     thread.join(120)
@@ -242,7 +235,7 @@ def test_cancel_event_kills_the_run(project):
     assert not os.path.exists(os.path.join(str(project), "never-ran"))
     with open(pid_file) as handle:
         pid = int(handle.read())
-    wait_until(lambda: process_gone(pid), 3, "the cancelled command's child to die")
+    wait_until(lambda: process_gone(pid), "the cancelled command's child to die", 3)
 
 
 # ============================================================================
@@ -349,6 +342,25 @@ def test_cli_check_refused_outside_a_work_state(project):
     assert done.returncode == 1
     assert "Cannot run checks from state Idle" in done.stderr
     assert ferrus.Store(str(project)).read_journal() == []
+
+
+def test_check_outside_a_task_points_at_force(project):
+    result = run_cli("check", cwd=project)
+    assert result.returncode == 1
+    assert "Cannot run checks from state Idle" in result.stderr
+    assert "hint: `ferrus check --force`" in result.stderr
+
+
+def test_hq_check_outside_a_task_points_at_force_as_the_cli_does(store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    try:
+        shell.handle("/check")
+    finally:
+        shell.controller.shutdown()
+    text = out.getvalue()
+    assert "error: Cannot run checks from state Idle." in text
+    assert "hint: /check --force runs the checks in any state and changes nothing" in text
 
 
 def test_cli_check_counts_retries_and_fails_at_max(project):

@@ -1,4 +1,5 @@
-"""The CLI as a user meets it: init, status, log, reset, doctor, launchers, error messages."""
+"""The CLI as a user meets it: init and the next steps it names, status, log, reset,
+doctor, launchers, the task text `run` takes, error messages and their suggestions."""
 
 import json
 import os
@@ -10,6 +11,8 @@ import pytest
 
 import ferrus
 from conftest import FERRUS_CMD, REPO, run_cli
+
+S = ferrus.S
 
 
 def test_version(tmp_path):
@@ -84,6 +87,22 @@ def test_gitignore_line_is_appended_with_a_newline(tmp_path):
     assert (tmp_path / ".gitignore").read_text() == "build\n.ferrus/\n"
 
 
+def test_init_in_a_fresh_folder_names_every_next_step(tmp_path):
+    """`ferrus init` ends with the next steps still to do: in a fresh folder all three."""
+    out = run_cli("init", cwd=tmp_path).stdout.strip().splitlines()[-1]
+    assert out.startswith("ferrus is initialized. Next: put your lint and test commands in "
+                          "[checks] of ferrus.toml, then `")
+    assert " register` (the agents [hq.*] names" in out and " run --task " in out
+
+
+def test_init_in_a_set_up_project_names_only_run(scripted):
+    """In a project whose checks are set and agents registered, only `run` is left."""
+    out = run_cli("init", cwd=scripted.root).stdout.strip().splitlines()[-1]
+    assert out.startswith("ferrus is initialized. Next: `") and out.endswith(
+        ' run --task "..."`.')
+    assert "[checks]" not in out and "register" not in out
+
+
 def test_status_text_and_json(project):
     store = ferrus.Store(str(project))
     ferrus.op_create_task(store, ferrus.HUMAN, "write the thing")
@@ -105,6 +124,47 @@ def test_status_outside_a_project_explains(tmp_path):
     assert result.stderr.startswith("ferrus: no .ferrus/ directory")
     assert "hint: run `ferrus init`" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_status_shows_the_pending_question_and_where_to_answer_it(store, project):
+    executor = ferrus.Caller("executor", "executor:test:1")
+    ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")
+    ferrus.op_wait_for_task(store, executor)
+    ferrus.op_ask_human(store, executor, "Which colour should the button be?\n\nBlue or red.")
+    out = run_cli("status", cwd=project).stdout
+    rows = [line.strip() for line in out.splitlines()]
+    assert "question  Which colour should the button be?" in rows
+    assert "Blue or red." in rows
+    assert "answer  in HQ (`ferrus`), or `ferrus run --resume` in a terminal" in rows
+
+
+def test_a_failure_summary_joins_a_line_ending_in_a_colon_with_the_next():
+    assert ferrus.failure_summary("Check failed 2 consecutive times. Last failure:\n"
+                                  "Commands failed: a, b\n") == \
+        "Check failed 2 consecutive times. Last failure: Commands failed: a, b"
+    assert ferrus.failure_summary("Task rejected 3 times without resolution.") == \
+        "Task rejected 3 times without resolution."
+    assert ferrus.failure_summary(None) == ferrus.failure_summary("  \n") == "no reason recorded"
+
+
+def test_status_and_a_refused_run_name_the_commands_a_task_failed_on(store, project):
+    """A task that failed on its check retries says why in one line — `ferrus status`, a
+    refused `ferrus run --task` — with the failing commands, not a line ending "Last
+    failure:"."""
+    reason = ferrus.t_check_failed(ferrus.StateData(state=S.EXECUTING), ferrus.utc_now(),
+                                   "Commands failed: python3 -m pytest -q", 1).failure_reason
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.failure_reason = S.FAILED, reason
+        tx.set(data, "test_fail")
+    assert reason.splitlines()[0].endswith("Last failure:")      # what is recorded
+    status = run_cli("status", cwd=project)
+    assert "Last failure: Commands failed: python3 -m pytest -q" in status.stdout
+    refused = run_cli("run", "--task", "again", cwd=project)
+    assert refused.returncode == 1
+    assert "the last task failed: Check failed 1 consecutive times. Last failure: " \
+        "Commands failed: python3 -m pytest -q" in refused.stderr
+    assert store.read_state().state == S.FAILED
 
 
 def test_log_text_json_and_tail(project):
@@ -222,6 +282,80 @@ def test_a_bad_hq_agent_does_not_break_the_check_gate(project):
     assert run_cli("check", cwd=project).returncode == 0
     findings = ferrus.doctor_findings(str(project))
     assert any("codx" in f.problem for f in findings)
+
+
+def test_a_mistyped_command_or_option_gets_a_suggestion(project):
+    result = run_cli("stauts", cwd=project)
+    assert result.returncode == 2 and "hint: did you mean status?" in result.stderr
+    result = run_cli("status", "--jsno", cwd=project)
+    assert result.returncode == 2 and "hint: did you mean --json?" in result.stderr
+    result = run_cli("run", "--untill-done", cwd=project)
+    assert "hint: did you mean --until-done?" in result.stderr
+    result = run_cli("serve", "--role", "executr", cwd=project)
+    assert "hint: did you mean executor?" in result.stderr
+    result = run_cli("pipeline", "stauts", cwd=project)
+    assert "hint: did you mean status?" in result.stderr
+    result = run_cli("xyzzy", cwd=project)
+    assert result.returncode == 2 and "did you mean" not in result.stderr
+
+
+def test_an_empty_task_is_refused_before_the_complete_task_is_cleared(project, capsys):
+    store = ferrus.Store(str(project))
+    ferrus.op_create_task(store, ferrus.HUMAN, "first")
+    with store.transaction("test") as tx:           # pretend it was approved
+        done = tx.state.copy()
+        done.state = S.COMPLETE
+        tx.set(done, "approve")
+    before = store.read_state()
+    assert ferrus.main(["-C", str(project), "run", "--task", "   "]) == 2
+    err = capsys.readouterr().err
+    assert "the task description is empty" in err and "hint:" in err
+    after = store.read_state()
+    assert (after.state, after.rev) == (S.COMPLETE, before.rev), "nothing was reset"
+
+
+def test_run_task_file_dash_reads_the_task_from_stdin(scripted):
+    """`ferrus run --task-file -` reads the task from stdin, as `ferrus reject --file -`
+    does."""
+    result = run_cli("run", "--quiet", "--task-file", "-", cwd=scripted.root,
+                     input="Make work.txt\nwith a second line\n", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Task complete." in result.stdout
+    assert scripted.read_file("TASK.md").strip() == "Make work.txt\nwith a second line"
+
+
+def test_run_task_file_dash_with_an_empty_stdin_is_an_empty_task(project):
+    result = run_cli("run", "--task-file", "-", cwd=project, input="  \n")
+    assert result.returncode == 2 and "the task description is empty" in result.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX argv bytes")
+def test_text_that_is_not_utf8_is_refused_without_a_traceback(project):
+    """A byte that is not UTF-8 in `ferrus run --task` (or a line typed into HQ) is
+    refused with what is wrong and nothing changes, instead of reaching the commit as a
+    lone surrogate and crashing it with a traceback.  A Complete task is kept too."""
+    store = ferrus.Store(str(project))
+    env = dict(os.environ, FERRUS_LOG="warning")
+    bad = b"fix \xff it"
+    run = subprocess.run([os.fsencode(part) for part in FERRUS_CMD] + [b"-C",
+                          os.fsencode(str(project)), b"run", b"--task", bad],
+                         stdin=subprocess.DEVNULL, capture_output=True, env=env, timeout=120)
+    err = run.stderr.decode("utf-8", "replace")
+    assert run.returncode == 1 and "Traceback" not in err, err
+    assert "the task description is not valid UTF-8: it holds the byte 0xff at character 5" \
+        in err and "hint:" in err, err
+    assert store.read_state().state == ferrus.S.IDLE
+    hq = subprocess.run(FERRUS_CMD + ["-C", str(project), "hq", "--no-tui"],
+                        input=b"/task " + bad + b"\n/tell executor " + bad + b"\n/quit\n",
+                        capture_output=True, env=env,
+                        timeout=120)
+    out = hq.stdout.decode("utf-8", "replace") + hq.stderr.decode("utf-8", "replace")
+    assert "Traceback" not in out and out.count("not valid UTF-8") == 2, out
+    assert store.read_state().state == ferrus.S.IDLE
+    before = store.read_state().rev
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.op_create_task(store, ferrus.HUMAN, "fix \udcff it")
+    assert store.read_state().rev == before
 
 
 def test_config_is_reread_when_it_changes(project):

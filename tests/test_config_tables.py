@@ -75,6 +75,22 @@ def test_every_table_the_file_knows_has_a_case():
     assert {table for table, _, _ in plain_table_cases()} == set(ferrus.PLAIN_TABLES)
 
 
+def test_the_default_config_has_a_parallel_block_at_the_defaults(tmp_path):
+    """`ferrus init` writes a [parallel] block holding every key at its default."""
+    text = ferrus.default_config_text()
+    assert "\n[parallel]\n" in text
+    parsed = ferrus.parse_toml(text)["parallel"]
+    defaults = ferrus.ParallelConfig()
+    assert set(parsed) == {field.name for field in dataclasses.fields(defaults)}
+    for key, value in parsed.items():
+        assert value == getattr(defaults, key), key
+    root = tmp_path / "fresh"
+    root.mkdir()
+    ferrus.init_project(str(root), report=lambda m: None)
+    config = ferrus.load_config(str(root))
+    assert config.parallel == defaults and not config.unknown_keys
+
+
 @pytest.mark.parametrize("table,text,expected", plain_table_cases() + NESTED_TABLE_CASES)
 def test_a_bad_value_in_any_table_is_named_with_its_type(project, table, text, expected):
     set_config(project, '[checks]\ncommands = ["true"]\n' + text if table != "checks"
@@ -87,11 +103,13 @@ def test_a_bad_value_in_any_table_is_named_with_its_type(project, table, text, e
 @pytest.mark.parametrize("table,text,expected", [
     next(case for case in plain_table_cases() if case[0] == table)
     for table in ferrus.PLAIN_TABLES] + NESTED_TABLE_CASES)
-def test_doctor_reports_a_bad_value_in_each_table_in_turn(project, cli, table, text, expected):
+def test_doctor_reports_a_bad_value_in_each_table_in_turn(project, capsys, table, text, expected):
+    # `ferrus doctor` in this process: its report is the point, not starting a program.
     set_config(project, text)
-    result = cli("doctor", cwd=project)
-    assert result.returncode == 1, result.stdout
-    assert expected in result.stdout, result.stdout
+    code = ferrus.main(["-C", str(project), "doctor"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert expected in out, out
 
 
 def test_every_bad_value_is_listed_even_two_in_one_table(project, cli):
@@ -107,6 +125,16 @@ def test_every_bad_value_is_listed_even_two_in_one_table(project, cli):
         ferrus.load_config(str(project))
     assert "[checks.parallel]" in err.value.message
     assert "lists all 6 problems" in err.value.hint
+
+
+def test_a_check_command_that_is_no_string_is_named(project):
+    """Not "must be an array of strings, got an array", which left the user looking for
+    what is wrong: the item and its type are named."""
+    set_config(project, '[checks]\ncommands = ["pytest", 1]\n')
+    with pytest.raises(ferrus.FerrusError) as err:
+        ferrus.load_config(str(project))
+    assert "[checks.commands] must be an array of strings, got an array whose item 2 is " \
+        "1 (an integer)" in err.value.message
 
 
 UNKNOWN_KEYS = """

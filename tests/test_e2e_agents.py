@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, set_config
+from conftest import FERRUS_CMD, git, set_config
 from fake_anthropic import (FakeAnthropic, ScriptedAgent, claude_env, find_agent, text, tool_use,
                             turns_by_ferrus_role)
 
@@ -56,10 +56,8 @@ def test_claude_executor_then_reviewer_reach_complete(project, tmp_path):
                                           "executor": ("claude-code", None)},
                            report=lambda message: None)
     # A git repository with everything committed: the task's base is a clean HEAD.
-    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
-                   GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "before the task"]):
-        subprocess.run(["git"] + args, cwd=str(project), env=git_env, check=True)
+        git(project, *args)
     store = ferrus.Store(str(project))
     ferrus.op_create_task(store, ferrus.HUMAN, "Create hello.txt containing hi.")
     assert store.read_state().task_base["dirty_count"] == 0
@@ -141,10 +139,10 @@ def registered_repo(tmp_path, agent, trust):
     home = tmp_path / "home"
     home.mkdir()
     env = isolated_env(home)
-    subprocess.run(["git", "init", "-q"], cwd=str(repo), check=True)
+    git(repo, "init", "-q")
     for args in (["init"], ["register", "--supervisor", agent, "--executor", agent]
                  + (["--trust"] if trust else [])):
-        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE] + args,
+        result = subprocess.run(FERRUS_CMD + args,
                                 cwd=str(repo), env=env, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
     return repo, env
@@ -248,8 +246,8 @@ def test_ferrus_run_with_real_claude_reaches_complete(project, tmp_path):
     turn, home = claude_loop(project, tmp_path)
     with FakeAnthropic(turn) as fake:
         env = claude_env(fake, str(home))
-        result = subprocess.run([__import__("sys").executable, ferrus.FERRUS_FILE, "run",
-                                 "--task", "Create hello.txt containing hi.", "--timeout", "240"],
+        result = subprocess.run(FERRUS_CMD + ["run", "--task", "Create hello.txt containing hi.",
+                                              "--timeout", "240"],
                                 cwd=str(project), env=env, capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
@@ -294,7 +292,7 @@ def assert_usage_from_claude_result_events(store, pipeline=None):
         assert record["output_tokens"] == usage["output_tokens"] > 0
         assert record["outcome"] == "success" and record["model"], record
     report = json.loads(subprocess.run(
-        [__import__("sys").executable, ferrus.FERRUS_FILE, "usage", "--json"], cwd=store.root,
+        FERRUS_CMD + ["usage", "--json"], cwd=store.root,
         capture_output=True, text=True, check=True).stdout)
     group = report["pipelines"][0] if pipeline else report["tasks"][0]
     assert group["sessions"] == len(records) and group["cost_unknown"] == 0

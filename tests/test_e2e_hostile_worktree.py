@@ -16,7 +16,8 @@ import ferrus
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
 from fake_models import FakeModels, agent_env, call, say
 from test_e2e_offline_agents import offline_setup
-from test_e2e_parallel import (WORKTREE, all_tool_results, ferrus_cli, git, repository,
+from conftest import git
+from test_e2e_parallel import (WORKTREE, all_tool_results, ferrus_cli, repository,
                                system_text)
 
 pytestmark = pytest.mark.e2e
@@ -74,7 +75,7 @@ def test_a_hostile_claude_executor_gets_nothing_unreviewed_onto_the_target(proje
     with FakeAnthropic(HostileExecutor(main_git)) as fake:
         env = claude_env(fake, str(home))
         repository(project, "claude-code", env)
-        before = git(project, "rev-parse", "main").strip()
+        before = git(project, "rev-parse", "main").stdout.strip()
         for title in ("Tamper with the worktree.", "Sneak past the review."):
             added = ferrus_cli(project, "task", "add", title, env=env)
             assert added.returncode == 0, added.stderr
@@ -88,15 +89,15 @@ def test_a_hostile_claude_executor_gets_nothing_unreviewed_onto_the_target(proje
                        "Sneak past the review.": "merged"}, output[-4000:]
     # Claude Code would not write .git (a "sensitive file"): that task's own file merged.
     assert "sensitive file" in open(_executor_log(store, "Tamper")).read()
-    files = git(project, "ls-tree", "-r", "--name-only", "main").split()
+    files = git(project, "ls-tree", "-r", "--name-only", "main").stdout.split()
     assert "tamper.txt" in files and ".mcp.json" not in files
     # What the reviewer approved, not the edit made after the submit.
-    assert git(project, "show", "main:sneak.txt") == "sneak\n"
-    assert git(project, "rev-list", "--count", before + "..main").strip() == "2"
+    assert git(project, "show", "main:sneak.txt").stdout == "sneak\n"
+    assert git(project, "rev-list", "--count", before + "..main").stdout.strip() == "2"
     # The user's checkout followed the target and nothing else: its index and files
     # are main's, with no commit of the tampered task in between.
-    assert git(project, "rev-parse", "HEAD").strip() == git(project, "rev-parse", "main").strip()
-    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git(project, "rev-parse", "HEAD").stdout == git(project, "rev-parse", "main").stdout
+    assert git(project, "status", "--porcelain", "--untracked-files=no").stdout == ""
 
 
 def _executor_log(store, title_word):
@@ -155,7 +156,7 @@ def test_a_qwen_executor_that_rewrites_its_git_file_fails_and_merges_nothing(pro
     home.mkdir()
     env = agent_env(home)
     repository(project, "qwen-code", env)
-    before = git(project, "rev-parse", "main").strip()
+    before = git(project, "rev-parse", "main").stdout.strip()
     for title in ("Tamper with the worktree.", "Honest work."):
         added = ferrus_cli(project, "task", "add", title, env=env)
         assert added.returncode == 0, added.stderr
@@ -172,8 +173,8 @@ def test_a_qwen_executor_that_rewrites_its_git_file_fails_and_merges_nothing(pro
     tampered = outcome["Tamper with the worktree."]
     assert tampered["status"] == "failed" and "tampered" in output
     assert "did not write" in ferrus.read_task_record(store.dir, tampered["id"])["reason"]
-    files = git(project, "ls-tree", "-r", "--name-only", "main").split()
+    files = git(project, "ls-tree", "-r", "--name-only", "main").stdout.split()
     assert "honest.txt" in files and "tamper.txt" not in files
-    assert git(project, "rev-list", "--count", before + "..main").strip() == "1"
-    assert git(project, "rev-parse", "HEAD").strip() == git(project, "rev-parse", "main").strip()
-    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git(project, "rev-list", "--count", before + "..main").stdout.strip() == "1"
+    assert git(project, "rev-parse", "HEAD").stdout == git(project, "rev-parse", "main").stdout
+    assert git(project, "status", "--porcelain", "--untracked-files=no").stdout == ""

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, set_config
+from conftest import FERRUS_CMD, git, set_config
 from fake_models import FakeModels, agent_env, call, find_agent, say
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +114,7 @@ def test_ferrus_run_with_real_agent_as_executor_and_reviewer(agent, project, tmp
             AGENTS[agent], ferrus.ADAPTERS[agent].package))
     home = tmp_path / "home"
     home.mkdir()
-    subprocess.run(["git", "init", "-q"], cwd=str(project), check=True)
+    git(project, "init", "-q")
     set_config(project, CONFIG)
     env = agent_env(home)
     registered = subprocess.run(FERRUS_CMD + ["register", "--supervisor",

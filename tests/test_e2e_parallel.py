@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, set_config
+from conftest import FERRUS_CMD, git, set_config
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
 from fake_models import FakeModels, agent_env, call, say
 from test_e2e_offline_agents import AGENTS, offline_setup
@@ -45,14 +45,6 @@ def ferrus_cli(root, *args, env=None, timeout=60):
     return subprocess.run(FERRUS_CMD + list(args), cwd=str(root),
                           env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
-
-
-def git(root, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=True).stdout
 
 
 def repository(project, agent, env):
@@ -278,12 +270,12 @@ def assert_both_merged_each_on_its_own(project, tasks, seen, agent, output):
             ["tasks"]}
     assert {task: rows[task]["status"] for task in tasks} == {task: "merged" for task in tasks}
     for name in ("alpha", "beta"):
-        assert git(project, "show", "main:%s.txt" % name) == name + "\n"
+        assert git(project, "show", "main:%s.txt" % name).stdout == name + "\n"
     assert subprocess.run(CHECK, shell=True, cwd=str(project)).returncode == 0
-    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git(project, "status", "--porcelain", "--untracked-files=no").stdout == ""
     # Worktrees and branches gone.
-    assert git(project, "branch", "--list", "ferrus/*").strip() == ""
-    assert git(project, "worktree", "list", "--porcelain").count("worktree ") == 1
+    assert git(project, "branch", "--list", "ferrus/*").stdout.strip() == ""
+    assert git(project, "worktree", "list", "--porcelain").stdout.count("worktree ") == 1
     store = ferrus.Store(str(project))
     worktrees = {task: ferrus.read_task_record(store.dir, task)["worktree"] for task in tasks}
     assert not any(os.path.exists(path) for path in worktrees.values())
@@ -308,5 +300,5 @@ def assert_both_merged_each_on_its_own(project, tasks, seen, agent, output):
         assert store.for_task(task).read_state().state == ferrus.S.COMPLETE
     # The merge queue moved main to each task's checked commit, one after the other.
     merged = [e["detail"]["commit"] for e in store.read_journal() if e["event"] == "integrated"]
-    history = git(project, "log", "--format=%H", "main")
+    history = git(project, "log", "--format=%H", "main").stdout
     assert len(merged) == 2 and all(commit in history for commit in merged)

@@ -17,11 +17,11 @@ import re
 import pytest
 
 import ferrus
-from conftest import set_config
+from conftest import git, set_config
 from fake_anthropic import FakeAnthropic, claude_env, find_agent, text, tool_use
 from fake_models import FakeModels, agent_env, call, say
 from test_e2e_offline_agents import AGENTS, offline_setup
-from test_e2e_parallel import WORKTREE, ferrus_cli, git, system_text
+from test_e2e_parallel import WORKTREE, ferrus_cli, system_text
 
 pytestmark = pytest.mark.e2e
 
@@ -212,16 +212,16 @@ def assert_resolved_and_merged(project, tasks, output):
 
     # The target holds both sides' lines, the checks pass there, and no marker (nor
     # ferrus's own merge commit) is anywhere in its history.
-    on_main = git(project, "show", "main:greeting.txt")
+    on_main = git(project, "show", "main:greeting.txt").stdout
     assert sorted(on_main.splitlines()) == sorted(["hello from alpha", "hello from beta"])
-    history = git(project, "log", "-p", "main")
+    history = git(project, "log", "-p", "main").stdout
     assert "<<<<<<<" not in history and ">>>>>>>" not in history and "=======" not in history
-    assert "ferrus: main merged into" not in git(project, "log", "--format=%s", "main")
-    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    assert "ferrus: main merged into" not in git(project, "log", "--format=%s", "main").stdout
+    assert git(project, "status", "--porcelain", "--untracked-files=no").stdout == ""
 
     # Worktrees and branches gone.
-    assert git(project, "branch", "--list", "ferrus/*").strip() == ""
-    assert git(project, "worktree", "list", "--porcelain").count("worktree ") == 1
+    assert git(project, "branch", "--list", "ferrus/*").stdout.strip() == ""
+    assert git(project, "worktree", "list", "--porcelain").stdout.count("worktree ") == 1
     for task in tasks:
         assert not os.path.exists(ferrus.read_task_record(store.dir, task)["worktree"])
     return second

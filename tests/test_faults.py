@@ -40,7 +40,7 @@ import traceback
 import pytest
 
 import ferrus
-from conftest import run_cli, set_config
+from conftest import run_cli, set_config, write
 from mcp_client import InProcessMcp, McpProcess, tool_text
 
 S = ferrus.S
@@ -653,16 +653,11 @@ def _read(root, rel):
         return handle.read()
 
 
-def _write(root, rel, data):
-    with open(os.path.join(str(root), rel), "wb") as handle:
-        handle.write(data if isinstance(data, bytes) else data.encode("utf-8"))
-
-
 def _edit_state(**changes):
     def mutate(root):
         data = json.loads(_read(root, ".ferrus/STATE.json"))
         data.update(changes)
-        _write(root, ".ferrus/STATE.json", json.dumps(data, indent=2))   # ASCII escapes
+        write(root, ".ferrus/STATE.json", json.dumps(data, indent=2))   # ASCII escapes
     return mutate
 
 
@@ -676,32 +671,32 @@ def _append_journal(line):
 def _journal_garbage_in_the_middle(root):
     lines = _read(root, ".ferrus/events.jsonl").splitlines(True)
     lines.insert(1, b"\x00\xff\xfe not json at all\n")
-    _write(root, ".ferrus/events.jsonl", b"".join(lines))
+    write(root, ".ferrus/events.jsonl", b"".join(lines))
 
 
 def _config_replace(old, new):
     def mutate(root):
         text = _read(root, "ferrus.toml").decode("utf-8")
         assert old in text
-        _write(root, "ferrus.toml", text.replace(old, new, 1))
+        write(root, "ferrus.toml", text.replace(old, new, 1))
     return mutate
 
 
 def _config_cut_in_a_header(root):
     text = _read(root, "ferrus.toml")
-    _write(root, "ferrus.toml", text[:text.index(b"[limits]") + 4])
+    write(root, "ferrus.toml", text[:text.index(b"[limits]") + 4])
 
 
 # name -> (which file, how it is damaged)
 DAMAGE = {
-    "state-truncated": ("state", lambda r: _write(r, ".ferrus/STATE.json",
+    "state-truncated": ("state", lambda r: write(r, ".ferrus/STATE.json",
                                                   _read(r, ".ferrus/STATE.json")[:60])),
-    "state-empty": ("state", lambda r: _write(r, ".ferrus/STATE.json", b"")),
-    "state-binary": ("state", lambda r: _write(r, ".ferrus/STATE.json", b"\x00\xff\xfe\x80 {")),
+    "state-empty": ("state", lambda r: write(r, ".ferrus/STATE.json", b"")),
+    "state-binary": ("state", lambda r: write(r, ".ferrus/STATE.json", b"\x00\xff\xfe\x80 {")),
     "state-unknown-state": ("state", _edit_state(state="Finished")),
     "state-wrong-type": ("state", _edit_state(check_retries="two")),
-    "state-not-an-object": ("state", lambda r: _write(r, ".ferrus/STATE.json", b"[1, 2]\n")),
-    "state-nested-deep": ("state", lambda r: _write(r, ".ferrus/STATE.json", b"[" * 100000)),
+    "state-not-an-object": ("state", lambda r: write(r, ".ferrus/STATE.json", b"[1, 2]\n")),
+    "state-nested-deep": ("state", lambda r: write(r, ".ferrus/STATE.json", b"[" * 100000)),
     "state-date-out-of-range": ("state", _edit_state(updated_at="9999-12-31T23:59:59-01:00")),
     "state-lone-surrogate": ("state", _edit_state(task_id="t-\ud800")),
     "journal-torn": ("journal", _append_journal(b'{"seq": 3, "time": "2026-')),
@@ -714,7 +709,7 @@ DAMAGE = {
     "config-truncated": ("config", _config_cut_in_a_header),
     "config-bad-value": ("config", _config_replace("wait_timeout_secs = 60",
                                                    'wait_timeout_secs = "soon"')),
-    "config-nested-deep": ("config", lambda r: _write(
+    "config-nested-deep": ("config", lambda r: write(
         r, "ferrus.toml", b"x = " + b"[" * 100000 + b"\n" + _read(r, "ferrus.toml"))),
 }
 # The subprocess runs: every command for a truncated STATE.json, the commands that read

@@ -6,33 +6,16 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import enqueue, git, run_cli, run_tasks, scripted_setup, statuses, write
 from mcp_client import McpProcess, tool_json, tool_text
 import ferrus
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-
-
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main", "-c",
-                           "protocol.file.allow=always"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
-def write(root, rel, text):
-    path = os.path.join(str(root), *rel.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
 
 
 @pytest.fixture
@@ -178,6 +161,24 @@ def test_head_moved_since_the_base_is_noted_and_commits_count(repo, store):
     assert [f["path"] for f in outcome.data["files"]] == ["app.py"]
 
 
+@pytest.mark.skipif(os.name == "nt", reason="a newline in a file name")
+def test_a_file_name_cannot_forge_lines_of_the_diff_stat(repo, capsys):
+    """A file name holding a newline is quoted as git quotes it, in `ferrus diff --stat`
+    (and the reviewer's stat) and in the list of files changed before the task: printed
+    raw, it let an agent add a fake line such as ` README.md | 1 +`."""
+    forged = "x\n README.md | 99 +++"
+    (repo / forged).write_text("x\n")
+    (repo / "ünï cödé.txt").write_text("u\n")
+    outcome = ferrus.op_create_task(ferrus.Store(str(repo)), ferrus.HUMAN, "t")
+    assert '"x\\n README.md | 99 +++"' in " ".join(outcome.data.get("warnings") or [outcome.text])
+    capsys.readouterr()
+    assert ferrus.main(["-C", str(repo), "diff", "--stat"]) == 0
+    out = capsys.readouterr().out
+    assert 'the diff includes those changes): "x\\n README.md | 99 +++"' in out, out
+    assert not any(line.startswith(" README.md") for line in out.splitlines()), out
+    assert ' "x\\n README.md | 99 +++" |' in out and " ünï cödé.txt " in out, out
+
+
 def test_project_in_a_subfolder_of_the_repository(tmp_path):
     top = tmp_path / "mono"
     top.mkdir()
@@ -199,6 +200,35 @@ def test_project_in_a_subfolder_of_the_repository(tmp_path):
     assert [f["path"] for f in outcome.data["files"]] == ["main.py"], (
         outcome.text, store.read_state().task_base,
         git(top, "status", "--porcelain", "--untracked-files=all").stdout)
+
+
+def test_a_task_the_merge_queue_sent_back_diffs_against_the_target_head(git_project):
+    """After the merge queue sends a task back with its branch moved onto the target
+    (rebased for a red check on the merged result, or merged with the target for a
+    conflict), the task's diff -- what its reviewer is shown, `ferrus diff`, HQ's /diff --
+    is measured from that target head: the task's own work, not what other tasks brought
+    to the target."""
+    # The check fails when both files exist: each task alone passes it.  The task sent
+    # back fails it on every try: two tries end it (not the default 20).
+    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"],
+                           extra="max_check_retries = 2\n")
+    enqueue(store, "Left.\n\nWRITE left.txt: left\n")
+    enqueue(store, "Right.\n\nWRITE right.txt: right\n")
+    code, lines = run_tasks(store, 2)
+    assert code == ferrus.RUN_FAILED, "\n".join(lines)
+    failed = [task for task, status in statuses(store).items() if status == "failed"]
+    assert len(failed) == 1
+    task_store = store.for_task(failed[0])
+    mine = "right.txt" if "right" in task_store.read_file("TASK.md") else "left.txt"
+    other = {"right.txt": "left.txt", "left.txt": "right.txt"}[mine]
+    diff = ferrus.op_diff(task_store)
+    assert [f["path"] for f in diff.data["files"]] == [mine], diff.text
+    assert other not in diff.text
+    assert "the merge queue put the task's branch on the target's head" in diff.text
+    sent_back = [e for e in store.read_journal() if e["event"] == "integration_failed"]
+    main_head = ferrus.target_head(str(git_project), "main")
+    assert sent_back and all(e["detail"]["onto"] == main_head[:12] for e in sent_back)
+    assert task_store.read_state().task_base["commit"] == main_head
 
 
 # -- without a diff: not a repository, no git, and git's special states ------------------

@@ -8,26 +8,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import run_cli, set_config
+from conftest import git, run_cli, set_config, write
 import ferrus
-from test_git_diff import write
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 EXECUTOR = ferrus.Caller("executor", "executor:test:1")
 REVIEWER = ferrus.Caller("supervisor", "supervisor:test:1")
-
-
-def git(root, *args, check=True, env=None):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    clean.update(GIT_CONFIG_NOSYSTEM="1")
-    clean.update(env or {})
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=clean, capture_output=True, text=True, check=check)
 
 
 def read(root, rel):
@@ -427,6 +417,23 @@ def test_reset_without_git_says_nothing_about_git(project, store):
     ferrus.op_create_task(store, ferrus.HUMAN, "Change the greeting.")
     text = ferrus.op_force_reset(store, ferrus.HUMAN).text
     assert "Uncommitted" not in text and "branch" not in text
+
+
+def test_reset_counts_the_files_it_leaves_changed_in_good_english(project):
+    """One file differs, two files differ."""
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "start")
+    store = ferrus.Store(str(project))
+    for count, verb in ((1, "differs"), (2, "differ")):
+        ferrus.op_create_task(store, ferrus.HUMAN, "Change files")
+        for index in range(count):
+            (project / ("changed%d.txt" % index)).write_text("round %d\n" % count)
+        out = run_cli("reset", "--yes", cwd=project).stdout
+        assert "%d file%s in the work tree %s from HEAD" % (
+            count, "" if count == 1 else "s", verb) in out
+        git(project, "add", "-A")
+        git(project, "commit", "-q", "-m", "more")
 
 
 def test_hq_says_the_commit_failed_when_the_task_completes(repo, store):

@@ -8,21 +8,11 @@ import os
 import subprocess
 import time
 
-import pytest
-
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CONFIG, scripted_project
+from conftest import FERRUS_CMD, SCRIPTED_CONFIG, FakeMonotonic, wait_until
 
 S, SS = ferrus.S, ferrus.SS
 CONFIG = SCRIPTED_CONFIG
-
-
-@pytest.fixture
-def scripted(project, tmp_path, monkeypatch):
-    store = scripted_project(project, tmp_path / "memory")
-    monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
-    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
-    return store
 
 
 def run(store, task="Make work.txt", **kw):
@@ -94,14 +84,6 @@ def test_question_without_a_human_ends_the_run_with_4(scripted, monkeypatch):
     assert code == ferrus.RUN_NEEDS_HUMAN
     assert any("Which colour" in line for line in lines)
     assert scripted.read_state().state == S.AWAITING_HUMAN
-
-
-class FakeMonotonic:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def drive(controller, until, clock=None, step=0.0, limit=30.0):
@@ -260,7 +242,7 @@ def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
                            capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))
     assert again.returncode == 2 and "nothing to run" in again.stderr
     env = dict(cli_env(tmp_path), SCRIPTED_BEHAVIOR="slow-executor")
-    slow = subprocess.run(FERRUS_CMD + ["run", "--task", "slow", "--timeout", "3"],
+    slow = subprocess.run(FERRUS_CMD + ["run", "--task", "slow", "--timeout", "1"],
                           cwd=root, capture_output=True, text=True, timeout=60, env=env,
                           stdin=subprocess.DEVNULL)
     assert slow.returncode == 3 and "timed out" in slow.stdout
@@ -270,6 +252,28 @@ def test_ferrus_run_cli_exit_codes(scripted, tmp_path, monkeypatch):
                            capture_output=True, text=True, timeout=120, env=env,
                            stdin=subprocess.DEVNULL)
     assert asked.returncode == 4 and "Which colour" in asked.stdout
+
+
+def test_a_task_reset_from_outside_ends_the_run(scripted):
+    """`ferrus reset` in another shell while `ferrus run` drives the task: the run says
+    the task is gone and ends, instead of waiting for ever in Idle (no agent moves a reset
+    task)."""
+    env = dict(os.environ, FERRUS_LOG="warning", SCRIPTED_BEHAVIOR="slow-executor")
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", scripted.root, "run", "--task", "work"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_until(lambda: scripted.read_state().claimed_by, "the executor to claim the task",
+                   proc=proc)
+        task_id = scripted.read_state().task_id
+        ferrus.op_force_reset(scripted, ferrus.HUMAN)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == ferrus.RUN_FAILED, out
+    assert "task %s is gone: the state is Idle, changed outside this run" % task_id in out, out
 
 
 def test_plain_hq_runs_a_task_to_complete(scripted, tmp_path):

@@ -10,15 +10,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_PY
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
+from conftest import FERRUS_CMD
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -40,7 +38,7 @@ class Pane:
             full_env.pop(name, None)
         # tmux gives panes its own TERM, so the command sets the one under test.
         command = "cd %s && TERM=xterm-256color %s %s hq; echo $? > %s; stty -a > %s" % tuple(
-            shlex.quote(str(part)) for part in (root, sys.executable, FERRUS_PY,
+            shlex.quote(str(part)) for part in (root, *FERRUS_CMD,
                                                 self.exit_file, self.stty_file))
         subprocess.run(self.tmux + ["new-session", "-d", "-s", "hq", "-x", "120", "-y", "40",
                                     command], env=full_env, check=True, timeout=30)

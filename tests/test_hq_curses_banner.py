@@ -3,7 +3,6 @@ itself and `[y/N]` — on screen: a long failure reason used to push them off th
 
 import ferrus
 from test_hq_curses import pane_for, Pane  # noqa: F401  (fixtures)
-from test_hq import scripted  # noqa: F401
 
 S = ferrus.S
 

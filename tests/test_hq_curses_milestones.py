@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
 from test_hq_curses import pane_for  # noqa: F401  (the fixture: `ferrus hq` in tmux)
 from test_milestones import write_spec
 

@@ -8,7 +8,6 @@ import subprocess
 import pytest
 
 import ferrus
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
 from test_hq_curses import Pane, assert_terminal_restored
 from test_hq_parallel_run import make_git_project
 

@@ -9,8 +9,8 @@ import threading
 import time
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CHECK, set_config
-from test_hq import CONFIG, cli_env, scripted  # noqa: F401  (scripted: the fixture)
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, git, set_config
+from test_hq import CONFIG, cli_env
 from test_hq_plain_commands import PipedHq, hq  # noqa: F401  (hq: the fixture)
 
 S = ferrus.S
@@ -18,11 +18,6 @@ S = ferrus.S
 
 def short(task):
     return ferrus.short_task_id(task)
-
-
-def git(root, *args):
-    return subprocess.run(["git", "-C", str(root)] + list(args), check=True,
-                          capture_output=True, text=True).stdout
 
 
 def exact_line(shell, since, line, timeout=30):
@@ -55,12 +50,11 @@ def make_git_project(root, max_tasks=2):
                + "\n[parallel]\nmax_tasks = %d\n" % max_tasks)
     with open(os.path.join(str(root), ".gitignore"), "a") as handle:
         handle.write(".ferrus/\n")
-    git(root, "init", "-q", "-b", "main")
+    git(root, "init", "-q")
     git(root, "config", "user.email", "test@example.com")
     git(root, "config", "user.name", "test")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "start")
-
 
 
 # -- a parallel run in HQ ---------------------------------------------------------------------------
@@ -68,7 +62,7 @@ def make_git_project(root, max_tasks=2):
 def test_hq_runs_two_parallel_tasks_to_integration(scripted, hq, tmp_path):  # noqa: F811
     root = scripted.root
     make_git_project(root)
-    base = git(root, "rev-parse", "HEAD").strip()
+    base = git(root, "rev-parse", "HEAD").stdout.strip()
     shell = hq(SCRIPTED_BEHAVIOR="ask")
     shell.command("/task add WRITE alpha.txt: alpha", "/run works the queue (2 at a time")
     shell.command("/task add WRITE beta.txt: beta", "/run works the queue")
@@ -108,10 +102,10 @@ def test_hq_runs_two_parallel_tasks_to_integration(scripted, hq, tmp_path):  # n
     assert any(line.startswith("Task %s merged into main at " % short(second)) for line in out)
     shell.quit()
     # Both tasks' files (and the answer the asking one wrote) are on main, checked.
-    files = git(root, "ls-tree", "--name-only", "main").split()
+    files = git(root, "ls-tree", "--name-only", "main").stdout.split()
     assert {"alpha.txt", "beta.txt", "gamma.txt", "answer.txt"} <= set(files)
-    assert git(root, "show", "main:answer.txt") == "blue"
-    assert git(root, "rev-list", "--count", "%s..main" % base).strip() == "3"
+    assert git(root, "show", "main:answer.txt").stdout == "blue"
+    assert git(root, "rev-list", "--count", "%s..main" % base).stdout.strip() == "3"
     assert [ferrus.read_task_record(scripted.dir, t)["status"] for t in (first, second)] == [
         "merged", "merged"]
     assert asking in (first, second)
@@ -149,6 +143,6 @@ def test_hq_resumes_parallel_tasks_a_previous_hq_left(scripted, hq, tmp_path):  
         resuming.quit()
     finally:
         resuming.close()
-    assert {"alpha.txt", "beta.txt"} <= set(git(root, "ls-tree", "--name-only", "main").split())
+    assert {"alpha.txt", "beta.txt"} <= set(git(root, "ls-tree", "--name-only", "main").stdout.split())
     assert [ferrus.read_task_record(scripted.dir, t)["status"] for t in tasks] == [
         "merged", "merged"]

@@ -2,7 +2,8 @@
 
 HQ runs as a real process on a project whose agents are the scripted agents of
 test_hq.py; a reader thread collects what it prints, and each step waits for the
-line it expects instead of sleeping.
+line it expects instead of sleeping.  What one command answers, and what HQ says when
+its input ends, is checked on the plain shell (ferrus.HqShell) in this process.
 """
 
 import io
@@ -15,8 +16,8 @@ import types
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CHECK
-from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, wait_until
+from test_hq import cli_env
 from test_milestones import write_spec
 
 S, SS = ferrus.S, ferrus.SS
@@ -168,13 +169,6 @@ def test_commands_that_need_no_running_agent(scripted, hq):  # noqa: F811
     assert not any("Traceback" in line for line in shell.out), "\n".join(shell.out)
 
 
-def wait_until(condition, timeout=60, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for %s" % what
-        time.sleep(0.05)
-
-
 def executor_sessions(store):
     """The executor slot's session moves, from the journal: [(to, trigger)]."""
     return [(e["detail"]["to"], e["detail"].get("trigger")) for e in store.read_journal()
@@ -185,7 +179,7 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     shell = hq(SCRIPTED_BEHAVIOR="slow-executor")
     shell.send("/task Make work.txt")
     wait_until(lambda: ("Running", "SessionStarted") in executor_sessions(scripted),
-               what="the executor to run")
+               "the executor to run")
     assert scripted.read_state().state == S.EXECUTING
     shell.command("/task Another", "error: a task is in flight (Executing)")
 
@@ -200,7 +194,7 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     started = executor_sessions(scripted).count(("Running", "SessionStarted"))
     shell.send("/tell executor use tabs, not spaces")
     wait_until(lambda: executor_sessions(scripted).count(("Running", "SessionStarted"))
-               > started, what="the executor's next session")
+               > started, "the executor's next session")
     moves = executor_sessions(scripted)
     assert moves.index(("Interrupting", "UrgentMessage")) < len(moves) - 1 - moves[::-1].index(
         ("Running", "SessionStarted"))
@@ -211,10 +205,10 @@ def test_commands_on_running_agents(scripted, hq):  # noqa: F811
     shell.command("/stop", "Stop every agent session? [y/N]")
     shell.command("y", "Stopped. /resume starts them again.")
     wait_until(lambda: executor_sessions(scripted)[-1][0] == SS.STOPPED,
-               what="the executor to stop")
+               "the executor to stop")
     shell.command("/resume", "Resuming the task (Executing).")
     wait_until(lambda: executor_sessions(scripted)[-1] == ("Running", "SessionStarted"),
-               what="the executor to run again")
+               "the executor to run again")
 
     # /reset asks, stops the agents and returns to Idle.
     shell.command("/reset", "The task is Executing. Reset it to Idle and clear its files? [y/N]")
@@ -259,3 +253,30 @@ def test_hq_register_checks_its_options_as_the_cli_does(project):
         FERRUS_CMD + ["register", "--supervisor-model", "opus"],
         cwd=str(project), capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "At least one of --supervisor or --executor" in cli.stderr
+
+
+def test_a_mistyped_command_gets_a_suggestion(store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.handle("/stauts")
+    assert "unknown command /stauts — did you mean /status? /help lists them" in out.getvalue()
+
+
+def test_input_ending_with_a_task_in_flight_says_where_the_task_stays(scripted):
+    """Plain HQ fed by a pipe ends with its input; with a task in flight it says so and
+    where the task stays, instead of vanishing with its agents stopped and nothing said."""
+    out = io.StringIO()
+    shell = ferrus.HqShell(scripted, stdin=io.StringIO("/task Make work.txt\n"), stdout=out,
+                           resume=False)
+    assert shell.run() == 0
+    text = out.getvalue()
+    assert "Input ended: HQ leaves" in text
+    assert "the task stays Executing. `ferrus run --resume` or `ferrus hq` goes on" in text
+    data = scripted.read_state()
+    assert data.state == ferrus.S.EXECUTING and data.claimed_by is None
+
+
+def test_input_ending_with_nothing_in_flight_says_nothing_more(scripted):
+    out = io.StringIO()
+    assert ferrus.HqShell(scripted, stdin=io.StringIO("/status\n"), stdout=out).run() == 0
+    assert "Input ended" not in out.getvalue()

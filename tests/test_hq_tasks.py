@@ -10,7 +10,6 @@ import subprocess
 
 import ferrus
 from conftest import FERRUS_CMD
-from test_hq import scripted  # noqa: F401  (scripted: the fixture)
 from test_hq_plain_commands import hq  # noqa: F401  (hq: the fixture)
 from test_milestones import write_spec
 

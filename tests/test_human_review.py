@@ -10,13 +10,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import threading
 
 import pytest
 
 import ferrus
-from conftest import SCRIPTED_CONFIG, run_cli, scripted_project, set_config
+from conftest import SCRIPTED_CONFIG, git, run_cli, scripted_project, set_config, write
 from mcp_client import InProcessMcp, tool_text
 from test_hq import moves, run
 
@@ -155,15 +154,11 @@ def test_a_human_approval_counts_as_a_completed_task_for_the_capacity_gate(store
 
 
 def test_the_confirmation_shows_the_diff_stat(store, project):
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com"] +
-                       list(args), cwd=str(project), check=True, capture_output=True)
     set_config(project, HUMAN_REVIEW)
-    git("init", "-q")
-    with open(os.path.join(str(project), "widget.py"), "w") as handle:
-        handle.write("one\n")
-    git("add", "-A")
-    git("commit", "-q", "-m", "start")
+    git(project, "init", "-q")
+    write(project, "widget.py", "one\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "start")
     ferrus.op_create_task(store, ferrus.HUMAN, "Grow the widget.")
     with open(os.path.join(str(project), "widget.py"), "a") as handle:
         handle.write("two\nthree\n")
@@ -298,6 +293,31 @@ def test_cli_status_approve_and_reject(project):
         "human_approve", "human", "cli")
     again = run_cli("approve", "--yes", cwd=project)
     assert again.returncode == 1 and "the task is already Complete" in again.stderr
+
+
+def test_status_says_what_gives_the_humans_word(store, project):
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.task_id = S.AWAITING_CONFIRMATION, "t-1"
+        tx.set(data, "test_state")
+    out = run_cli("status", cwd=project).stdout
+    assert "your word  the reviewer approved: `ferrus approve`, or `ferrus reject NOTES`" in out
+
+
+def test_run_task_over_a_task_awaiting_confirmation_names_approve_and_reject(store, project):
+    """The refusal says what the human can do (approve, reject), not only `ferrus run
+    --resume`."""
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.task_id = S.AWAITING_CONFIRMATION, "t-1"
+        tx.set(data, "test_state")
+    result = run_cli("run", "--task", "another", cwd=project)
+    assert result.returncode == 1
+    assert "a task is already in flight (state AwaitingConfirmation): the reviewer approved " \
+        "it and it waits for your word" in result.stderr
+    assert "hint: `ferrus approve` completes it, `ferrus reject NOTES` sends it back" \
+        in result.stderr
+    assert store.read_state().state == S.AWAITING_CONFIRMATION
 
 
 def test_hq_shows_the_summary_and_takes_approve_and_reject(project):

@@ -27,7 +27,7 @@ import types
 import pytest
 
 import ferrus
-from conftest import FakeClock, set_config
+from conftest import FakeClock, run_cli, set_config, wait_until
 from mcp_client import (McpError, McpProcess, InProcessMcp, modern_meta, tool_json,
                         tool_text)
 
@@ -239,15 +239,6 @@ def failed(result):
 def ok(result):
     assert result["isError"] is False, tool_text(result)
     return result
-
-
-def wait_for(predicate, timeout=10, what="condition"):
-    """Poll an event-driven condition (a file appearing, a state committed)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for %s" % what)
-        time.sleep(0.005)
 
 
 def executor_with_task(bench, description="Implement the widget."):
@@ -485,6 +476,27 @@ def test_tool_outside_role_is_exactly_like_unknown_tool(bench):
         sup.call_tool("wait_for_consult")
     assert info.value.code == -32602
     assert state_of(root).state == ferrus.S.IDLE
+
+
+def test_serve_refuses_a_session_of_an_unknown_or_unstarted_task(project):
+    request = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}) + "\n"
+    unknown = "t-20260101T000000-abcdef"
+    done = run_cli("serve", "--role", "executor", "--session", unknown + ".s-1", cwd=project,
+                   input=request)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "not a task of this project" in done.stderr and "hint:" in done.stderr
+    store = ferrus.Store(str(project))
+    queued = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Later.").data["task_id"]
+    done = run_cli("serve", "--role", "executor", cwd=project, input=request,
+                   env={"FERRUS_SESSION": queued + ".s-2"})
+    assert done.returncode == 1 and done.stdout == ""
+    assert "has not started" in done.stderr
+    # the project's own session is served as before
+    done = run_cli("serve", "--role", "executor", "--session", "s-3", cwd=project,
+                   input=request)
+    assert done.returncode == 0 and '"result"' in done.stdout
 
 
 # ============================================================================
@@ -955,13 +967,13 @@ def test_cancelled_check_kills_its_commands_and_changes_nothing(bench):
     before = bench.store.read_state()
     pid_file = os.path.join(str(bench.root), "check.pid")
     request_id = exe.start_tool("check")
-    wait_for(lambda: os.path.exists(pid_file) and os.path.getsize(pid_file), what="the check")
+    wait_until(lambda: os.path.exists(pid_file) and os.path.getsize(pid_file), "the check")
     with open(pid_file) as handle:
         pid = int(handle.read())
     started = time.monotonic()
     exe.notify("notifications/cancelled", {"requestId": request_id})
-    wait_for(lambda: not ferrus.pid_alive(pid) or _zombie(pid), timeout=60,
-             what="the cancelled check's process to die")
+    wait_until(lambda: not ferrus.pid_alive(pid) or _zombie(pid),
+               "the cancelled check's process to die", timeout=60)
     assert time.monotonic() - started < 60      # killed, far below its own 600 s
     assert exe.result("ping") == {}
     after = bench.store.read_state()
@@ -1222,7 +1234,7 @@ def test_upstream_bug_7_check_does_not_write_back_a_stale_state(bench):
     store = bench.store
     logs = os.path.join(str(bench.root), ".ferrus", "logs")
     request_id = exe.start_tool("check")
-    wait_for(lambda: glob.glob(os.path.join(logs, "check_1_*.1.log")), what="the check to start")
+    wait_until(lambda: glob.glob(os.path.join(logs, "check_1_*.1.log")), "the check to start")
     ferrus.op_force_reset(store, ferrus.HUMAN)
     created = ferrus.op_create_task(store, SUP, "the new task")
     rev = store.read_state().rev
@@ -1287,7 +1299,7 @@ def test_submit_is_refused_when_the_lease_was_taken_over_during_the_check(projec
     thread.start()
     try:
         logs = os.path.join(str(project), ".ferrus", "logs")
-        wait_for(lambda: glob.glob(os.path.join(logs, "check_1_*.1.log")), what="the check")
+        wait_until(lambda: glob.glob(os.path.join(logs, "check_1_*.1.log")), "the check")
         clock.advance(61)
         assert ferrus.op_wait_for_task(store, b).data["status"] == "claimed"
     finally:

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, SCRIPTED_CHECK, set_config
-from test_hq import CONFIG, cli_env, moves, scripted  # noqa: F401  (scripted: the fixture)
+from conftest import FERRUS_CMD, SCRIPTED_CHECK, run_cli, set_config
+from test_hq import CONFIG, cli_env
 
 S = ferrus.S
 
@@ -229,6 +229,48 @@ def test_status_shows_the_milestone_a_task_implements(store, project, cli):
     ferrus.op_create_task(store, ferrus.HUMAN, "first", origin=(rel, "m1"))
     result = cli("status", cwd=project)
     assert "task from  milestone m1 of %s" % rel in result.stdout
+
+
+def put_milestone_task(store, state):
+    """A task made from milestone m1.0 of docs/specs/demo.md, in ``state``."""
+    with store.transaction("test") as tx:
+        data = tx.state.copy()
+        data.state, data.task_id = state, "t-1"
+        data.task_milestone, data.task_spec = "m1.0", "docs/specs/demo.md"
+        if state == S.FAILED:
+            data.failure_reason = "Task rejected 3 times without resolution."
+        tx.set(data, "test_state")
+
+
+@pytest.mark.parametrize("state, note", [
+    (S.EXECUTING, "approving ticks it"),
+    (S.COMPLETE, "ticked when it was approved"),
+    (S.FAILED, "not ticked: the task failed"),
+])
+def test_status_says_what_approval_does_or_did_to_the_milestones_box(store, project, state,
+                                                                      note):
+    """After Complete the box is ticked already, after Failed it is not."""
+    put_milestone_task(store, state)
+    out = run_cli("status", cwd=project).stdout
+    row = next(line for line in out.splitlines() if "task from" in line)
+    assert row.strip() == "task from  milestone m1.0 of docs/specs/demo.md (%s)" % note
+
+
+def test_run_milestone_next_without_a_spec_names_the_template(project):
+    """`ferrus run --milestone next` without any spec says how to write one by hand: from
+    .ferrus/SPEC_TEMPLATE.md, which `init` wrote."""
+    result = run_cli("run", "--milestone", "next", cwd=project)
+    assert result.returncode == 1
+    assert "ferrus: there is no spec in docs/specs" in result.stderr
+    assert "by hand from the template in .ferrus/SPEC_TEMPLATE.md" in result.stderr
+    assert (project / ".ferrus" / "SPEC_TEMPLATE.md").is_file()
+
+
+def test_hq_milestones_without_specs_says_how_to_write_one(store):
+    out = io.StringIO()
+    shell = ferrus.HqShell(store, stdin=io.StringIO(""), stdout=out)
+    shell.cmd_milestones("")
+    assert "no specs in docs/specs/ yet: /spec drafts one" in out.getvalue()
 
 
 def test_run_milestone_over_a_task_in_flight_keeps_the_selection(store, project):

@@ -7,12 +7,16 @@ project, a notification carries the task's link on it ({url}, FERRUS_URL, the de
 notification's second line)."""
 
 import contextlib
+import json
 import os
+import signal
+import sys
 import threading
+import tracemalloc
 
 import ferrus
-from conftest import set_config
-from test_parallel import enqueue, repo, run, setup, statuses  # noqa: F401  (repo: fixture)
+from conftest import (SCRIPTED_CONFIG, enqueue, run_cli, run_tasks, scripted_setup, set_config,
+                      statuses, wait_until)
 
 
 def hanging_command(pid_file):
@@ -30,14 +34,6 @@ def alive(pid):
         return False
     with open("/proc/%d/stat" % pid) as handle:       # a zombie is not running
         return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(condition, what, limit=60):
-    import time
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, "gave up waiting for " + what
-        time.sleep(0.02)
 
 
 def test_notify_returns_before_the_notifier_has_even_started(project, monkeypatch):
@@ -89,14 +85,56 @@ def test_no_more_than_the_bound_of_notifiers_run_at_once(project, tmp_path):
                 os.kill(pid, 9)
 
 
-def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path,  # noqa: F811
+def test_a_hung_notifier_does_not_outlive_the_run(scripted):
+    """[notify] says a notifier still running after timeout_secs is stopped; the run
+    that started it ending first must not leave it running for good."""
+    pid_file = os.path.join(scripted.root, "notifier.pid")
+    set_config(scripted.root, SCRIPTED_CONFIG + '[notify]\nbell = false\ntimeout_secs = 600\n'
+               'command = %s\n' % hanging_command(pid_file))
+    done = run_cli("run", "--task", "work", cwd=scripted.root, input="",
+                   env={"FERRUS_LOG": "warning"}, timeout=300)
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert pids_in(pid_file), "the notifier never ran"
+        notifier = pids_in(pid_file)[0]
+        wait_until(lambda: not alive(notifier), "the notifier to be stopped", timeout=30)
+        assert "[notify] command failed: sh was still running when ferrus ended" in \
+            done.stdout, done.stdout
+    finally:
+        for pid in pids_in(pid_file):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_notifier_flooding_stderr_costs_bounded_memory(project):
+    """Only the end of a notifier's stderr is kept (it was read whole into memory), and
+    its last line still explains the failure."""
+    script = ("import sys; sys.stderr.write('x' * (64 << 20) + '\\nthe real reason\\n'); "
+              "sys.exit(2)")
+    set_config(project, '[notify]\ncommand = [%s, "-c", %s]\n' % (
+        json.dumps(sys.executable), json.dumps(script)))
+    messages = []
+    notifier = ferrus.Notifier(ferrus.Store(str(project)), messages.append)
+    tracemalloc.start()
+    try:
+        notifier.notify("complete", "t-1", "done")
+        wait_until(lambda: messages, "the notifier's warning")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "exited with code 2: the real reason" in messages[0].text, messages[0].text
+    assert peak < 16 << 20, "reading the notifier's stderr took %d bytes" % peak
+
+
+def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(git_project, tmp_path,
                                                                 monkeypatch):
     """Each task's end waited up to 5 s for the notifiers its events had started, then
     stopped them, whatever timeout_secs said; now they run on, stopped at timeout_secs or
     once at the run's end."""
     pid_file = tmp_path / "pids"
-    store = setup(repo, ["test -f README.md"], '[notify]\nbell = false\ntimeout_secs = 600\n'
-                  'events = ["complete"]\ncommand = %s\n\n' % hanging_command(pid_file))
+    store = scripted_setup(git_project, ["test -f README.md"],
+                           '[notify]\nbell = false\ntimeout_secs = 600\n'
+                           'events = ["complete"]\ncommand = %s\n\n' % hanging_command(pid_file))
     tasks = [enqueue(store, "T%d.\n\nWRITE n%d.txt: %d\n" % (i, i, i)) for i in range(2)]
     at_task_ends, finished = [], []
     real_end, real_finish = ferrus.ParallelRunner._end_task, ferrus.Notifier.finish
@@ -113,7 +151,7 @@ def test_a_hanging_notifier_outlives_its_task_in_a_parallel_run(repo, tmp_path, 
     monkeypatch.setattr(ferrus.ParallelRunner, "_end_task", end_task)
     monkeypatch.setattr(ferrus.Notifier, "finish", finish)
     try:
-        code, lines = run(store, 2)
+        code, lines = run_tasks(store, 2)
     finally:
         for pid in pids_in(pid_file):
             if alive(pid):

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -16,17 +17,9 @@ import pytest
 
 import conftest
 import ferrus
-from conftest import FERRUS_CMD, run_cli, set_config
+from conftest import FERRUS_CMD, FakeMonotonic, run_cli, set_config, wait_until
 
 S, SS = ferrus.S, ferrus.SS
-
-
-class FakeMonotonic:
-    def __init__(self, start=1000.0):
-        self.now = start
-
-    def __call__(self):
-        return self.now
 
 
 def custom_agent_config(argv, prompt="stdin"):
@@ -210,6 +203,21 @@ def test_an_agent_failing_for_other_reasons_is_still_retried(project, tmp_path):
     controller.shutdown()
 
 
+def test_giving_up_on_a_stopped_agent_says_the_task_stays_and_how_to_go_on(project, tmp_path):
+    """When `ferrus run` gives up on a stopped agent the task is still in flight (a second
+    `ferrus run --task` is refused): the last line says where the task stays and that
+    `ferrus run --resume` goes on once the cause is fixed."""
+    program = failing_agent(tmp_path, "Not logged in \u00b7 Please run /login")
+    set_config(project, custom_agent_config([program, "{role}"]))
+    result = run_cli("run", "--task", "a task", cwd=project, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == ("ferrus run: giving up: the executor is stopped (the reason is above); "
+                    "the task stays Executing — once that is fixed, `ferrus run --resume` "
+                    "goes on with it (`ferrus reset` drops it)")
+    assert ferrus.Store(str(project)).read_state().state == S.EXECUTING
+
+
 # -- one orchestrator per project ----------------------------------------------------------------
 
 SCRIPTED_CONFIG = conftest.SCRIPTED_CONFIG
@@ -227,14 +235,6 @@ def cli(root, tmp_path, *args, behavior="", **kw):
     return subprocess.Popen(FERRUS_CMD + list(args), cwd=str(root), env=env,
                             stdin=kw.pop("stdin", subprocess.DEVNULL), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
-
-
-def wait_until(condition, what, limit=60.0):
-    import time
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for " + what
-        time.sleep(0.05)
 
 
 def executor_claimed(store):
@@ -318,6 +318,27 @@ def test_the_lock_is_released_and_a_clean_exit_leaves_no_record(project):
     assert ferrus.read_orchestrator_record(store) is None
     with ferrus.OrchestratorLock(store, "again") as held:
         assert held.notes == []
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_orchestrator_releases_the_project_like_ctrl_c(project, signum):
+    """SIGTERM/SIGHUP unwind `ferrus hq` like Ctrl+C: the orchestrator record is removed
+    and the exit status is 128 + the signal; by default the signal killed ferrus alone."""
+    env = dict(os.environ, FERRUS_LOG="warning")
+    proc = subprocess.Popen(FERRUS_CMD + ["-C", str(project), "hq", "--no-tui"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    record = project / ".ferrus" / ferrus.ORCHESTRATOR_RECORD
+    try:
+        wait_until(record.exists, "HQ to take the orchestrator lock", proc=proc)
+        proc.send_signal(signum)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, proc.communicate()
+    assert not record.exists(), "the orchestrator record was left behind"
 
 
 # -- a lease names one agent session --------------------------------------------------------------

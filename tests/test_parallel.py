@@ -5,92 +5,32 @@ queue only when the checks pass on the merged result (ferrus run --parallel N)."
 import json
 import os
 import subprocess
-import sys
+import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, custom_agent_config, set_config, SCRIPTED_AGENT
+from conftest import (FERRUS_CMD, committed, enqueue, git, run_tasks, scripted_config,
+                      scripted_setup, set_config, statuses, wait_until)
 
 S = ferrus.TaskState
 
 
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
-def parallel_config(checks, extra=""):
-    return ("[checks]\ncommands = %s\n\n[limits]\nwait_timeout_secs = 5\n"
-            "max_review_cycles = 3\n\n" % json.dumps(checks) + extra +
-            custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
-                                             "{mcp_config}"]))
-
-
-@pytest.fixture
-def repo(tmp_path, monkeypatch):
-    """A git repository with ferrus initialised, the scripted agent in both roles, and
-    everything committed on main (the user's checkout, clean)."""
-    root = tmp_path / "project"
-    root.mkdir()
-    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
-    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@example.com")
-    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
-    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@example.com")
-    memory = tmp_path / "memory"
-    memory.mkdir()
-    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
-    git(root, "init", "-q")
-    ferrus.init_project(str(root), report=lambda m: None)
-    return root
-
-
-def setup(root, checks, extra=""):
-    set_config(root, parallel_config(checks, extra))
-    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
-                                       "executor": ("scripted", None)}, report=lambda m: None)
-    with open(os.path.join(str(root), "README.md"), "w") as handle:
-        handle.write("hello\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "start")
-    return ferrus.Store(str(root))
-
-
-def run(store, n, timeout=240, **kwargs):
-    lines = []
-    code = ferrus.run_parallel(store, n, timeout=timeout, out=lines.append, **kwargs)
-    return code, lines
-
-
-def enqueue(store, text):
-    return ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
-
-
-def committed(root, rev="main"):
-    return sorted(git(root, "ls-tree", "-r", "--name-only", rev).stdout.split())
-
-
-def statuses(store):
-    return {row["id"]: row["status"] for row in ferrus.task_rows(store)}
-
-
-def test_three_tasks_in_parallel_are_all_integrated_with_the_checks_green(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_three_tasks_in_parallel_are_all_integrated_with_the_checks_green(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     tasks = [enqueue(store, "Add %s.\n\nWRITE %s.txt: %s\n" % (name, name, name))
              for name in ("alpha", "beta", "gamma")]
-    code, lines = run(store, 3)
+    code, lines = run_tasks(store, 3)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {task: "merged" for task in tasks}
-    files = committed(repo)
+    files = committed(git_project)
     for name in ("alpha", "beta", "gamma"):
         assert "%s.txt" % name in files
-        assert open(os.path.join(str(repo), "%s.txt" % name)).read() == name + "\n"
+        assert open(os.path.join(str(git_project), "%s.txt" % name)).read() == name + "\n"
     # the user's checkout followed the target, and is clean
-    assert git(repo, "status", "--porcelain", "--untracked-files=no").stdout == ""
+    assert git(git_project, "status", "--porcelain", "--untracked-files=no").stdout == ""
     # every worktree and branch of a merged task is gone
-    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b]
+    assert not [b for b in git(git_project, "branch", "--list", "ferrus/*").stdout.split() if b]
     for task in tasks:
         record = ferrus.read_task_record(store.dir, task)
         assert not os.path.exists(record["worktree"])
@@ -114,11 +54,11 @@ def test_three_tasks_in_parallel_are_all_integrated_with_the_checks_green(repo):
     assert len(creates) == 3 and all(e["seq"] < first_approve for e in creates)
 
 
-def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrates(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrates(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     first = enqueue(store, "Greeting one.\n\nWRITE greeting.txt: hello from one\n")
     second = enqueue(store, "Greeting two.\n\nWRITE greeting.txt: hello from two\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {first: "merged", second: "merged"}
     entries = store.read_journal()
@@ -129,24 +69,26 @@ def test_two_tasks_editing_the_same_lines_the_second_goes_back_and_then_integrat
     assert "conflicts with" in "\n".join(lines)
     # the loser's executor was told the cause; its side won the scripted resolution
     assert store.for_task(loser).read_state().review_cycles == 1
-    assert open(os.path.join(str(repo), "greeting.txt")).read() == \
+    assert open(os.path.join(str(git_project), "greeting.txt")).read() == \
         "hello from %s\n" % ("one" if loser == first else "two")
     # ferrus merged the target into the loser's branch itself, markers for the executor
     # to edit (no agent has to run git), and none of that reached the target
     handed = [e for e in entries if e["event"] == "conflict_handed_over"]
     assert handed and handed[0]["task_id"] == loser and handed[0]["detail"]["files"] == \
         ["greeting.txt"]
-    history = git(repo, "log", "-p", "main").stdout
+    history = git(git_project, "log", "-p", "main").stdout
     assert "<<<<<<<" not in history and ">>>>>>>" not in history
-    assert "ferrus: main merged into" not in git(repo, "log", "--format=%s", "main").stdout
+    assert "ferrus: main merged into" not in git(git_project, "log", "--format=%s", "main").stdout
 
 
-def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back(repo):
-    # The check fails when both files exist: each task alone passes it.
-    store = setup(repo, ["test ! -f left.txt || test ! -f right.txt"])
+def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back(git_project):
+    # The check fails when both files exist: each task alone passes it.  The task sent
+    # back fails it on every try: two tries end it (not the default 20).
+    store = scripted_setup(git_project, ["test ! -f left.txt || test ! -f right.txt"],
+                           extra="max_check_retries = 2\n")
     left = enqueue(store, "Left.\n\nWRITE left.txt: left\n")
     right = enqueue(store, "Right.\n\nWRITE right.txt: right\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_FAILED, "\n".join(lines)
     result = statuses(store)
     merged = [t for t, s in result.items() if s == "merged"]
@@ -156,37 +98,38 @@ def test_a_check_that_passes_alone_but_fails_after_the_merge_sends_the_task_back
     causes = [e["detail"]["cause"] for e in entries if e["event"] == "integration_failed"]
     assert causes and set(causes) == {"checks"}
     # the target never went red: exactly one of the files is on it
-    files = committed(repo)
+    files = committed(git_project)
     assert ("left.txt" in files) != ("right.txt" in files)
     # the failed task's worktree is kept for a look
     record = ferrus.read_task_record(store.dir, failed[0])
     assert os.path.isdir(record["worktree"])
 
 
-def test_max_tasks_one_queue_in_parallel_mode_takes_one_at_a_time(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_max_tasks_one_queue_in_parallel_mode_takes_one_at_a_time(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     tasks = [enqueue(store, "Task %d.\n\nWRITE f%d.txt: %d\n" % (i, i, i)) for i in range(2)]
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE
     assert all(status == "merged" for status in statuses(store).values())
 
 
 # -- dispatch gates in a run ---------------------------------------------------------------
 
-def test_a_task_split_off_by_a_team_lead_to_an_agent_the_topology_refuses_fails(repo):
-    store = setup(repo, ["test -f README.md"], '[parallel]\ndelegates = ["scripted"]\n\n')
+def test_a_task_split_off_by_a_team_lead_to_an_agent_the_topology_refuses_fails(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"],
+                           '[parallel]\ndelegates = ["scripted"]\n\n')
     lead = ferrus.Caller("supervisor", "supervisor:scripted:0/s-lead")
     ok = ferrus.op_enqueue_task(store, lead, "Fine.\n\nWRITE ok.txt: ok\n").data["task_id"]
     refused = ferrus.op_enqueue_task(store, lead, "Elsewhere.\n\nWRITE no.txt: no\n",
                                      agent="codex").data["task_id"]
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_FAILED
     assert statuses(store) == {ok: "merged", refused: "failed"}
     record = ferrus.read_task_record(store.dir, refused)
     assert "dispatch gate delegation" in record["reason"] and "codex" in record["reason"]
     gates = [e for e in store.read_journal() if e["event"] == "dispatch_gate"]
     assert gates[0]["detail"]["gate"] == "delegation" and gates[0]["detail"]["tasks"] == [refused]
-    assert "no.txt" not in committed(repo)
+    assert "no.txt" not in committed(git_project)
 
 
 def crash_state(store, phase, batch, dispatched=()):
@@ -197,8 +140,8 @@ def crash_state(store, phase, batch, dispatched=()):
                      for t in dispatched], "ended": False, "pid": 1}))
 
 
-def test_a_batch_larger_than_the_run_allows_sends_the_rest_back_to_the_queue(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_a_batch_larger_than_the_run_allows_sends_the_rest_back_to_the_queue(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     tasks = [enqueue(store, "T%d.\n\nWRITE t%d.txt: %d\n" % (i, i, i)) for i in range(3)]
     # A run with 3 slots was killed after it prepared its batch; this one has 2 slots.
     runner = ferrus.ParallelRunner(store, lambda m: None, 3)
@@ -206,7 +149,7 @@ def test_a_batch_larger_than_the_run_allows_sends_the_rest_back_to_the_queue(rep
     runner.step()          # P1: the batch of 3
     runner.step()          # P2: prepared
     crash_state(store, 3, tasks)
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert all(status == "merged" for status in statuses(store).values())
     gates = [e["detail"] for e in store.read_journal() if e["event"] == "dispatch_gate"]
@@ -215,11 +158,11 @@ def test_a_batch_larger_than_the_run_allows_sends_the_rest_back_to_the_queue(rep
     assert requeued == tasks[2:]
 
 
-def test_a_task_chosen_but_never_prepared_is_not_dispatched_and_goes_back_to_the_queue(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_a_task_chosen_but_never_prepared_is_not_dispatched_and_goes_back_to_the_queue(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     crash_state(store, 3, [task])          # chosen, but its worktree was never made
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     gates = [e["detail"] for e in store.read_journal() if e["event"] == "dispatch_gate"]
     assert gates[0]["gate"] == "coverage" and gates[0]["tasks"] == [task]
@@ -233,8 +176,8 @@ def phases_of(store):
             if e["event"] == "phase"]
 
 
-def test_after_a_crash_P0_goes_only_to_the_interrupted_phase(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_after_a_crash_P0_goes_only_to_the_interrupted_phase(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 2)
     runner.start()
@@ -242,7 +185,7 @@ def test_after_a_crash_P0_goes_only_to_the_interrupted_phase(repo):
     runner.step()          # P2 → P3: prepared, not dispatched
     assert runner.machine.phase == 3
     del runner             # killed here: nothing shut down
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     moves = phases_of(store)
     resumed = moves.index((0, 3))
@@ -254,8 +197,8 @@ def test_after_a_crash_P0_goes_only_to_the_interrupted_phase(repo):
         machine.transition(1, ferrus.Signals(), ferrus.CapacityConfig())
 
 
-def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 1)
     runner.start()
@@ -273,32 +216,30 @@ def test_a_crash_after_the_fast_forward_is_finished_without_merging_twice(repo):
         with pytest.raises(KeyboardInterrupt):
             for _ in range(3000):
                 runner.step()
-                import time
                 time.sleep(0.01)
     finally:
         ferrus.t_integrated = real
         for controller in runner.controllers.values():
             controller.shutdown()
     assert crashed.is_set()
-    head = git(repo, "rev-parse", "main").stdout.strip()
+    head = git(git_project, "rev-parse", "main").stdout.strip()
     assert store.for_task(task).read_state().state == S.INTEGRATING
-    code, lines = run(store, 1)
+    code, lines = run_tasks(store, 1)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
-    assert git(repo, "rev-parse", "main").stdout.strip() == head     # not merged again
+    assert git(git_project, "rev-parse", "main").stdout.strip() == head     # not merged again
     assert statuses(store) == {task: "merged"}
-    assert git(repo, "log", "--oneline", "main").stdout.count("T.") == 1
+    assert git(git_project, "log", "--oneline", "main").stdout.count("T.") == 1
 
 
-def run_cli_until(repo, event_test, env_extra=None, timeout=120):
+def run_cli_until(git_project, event_test, env_extra=None, timeout=120):
     """Start `ferrus run --parallel 2` and SIGKILL it (and only it) once the journal
     holds an entry ``event_test`` accepts."""
     import signal
-    import time
     env = dict(os.environ, **(env_extra or {}))
     proc = subprocess.Popen(FERRUS_CMD + ["run", "--parallel", "2"],
-                            cwd=str(repo), env=env, stdout=subprocess.PIPE,
+                            cwd=str(git_project), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    store = ferrus.Store(str(repo))
+    store = ferrus.Store(str(git_project))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -316,22 +257,25 @@ def run_cli_until(repo, event_test, env_extra=None, timeout=120):
         proc.stdout.close()
 
 
-def assert_all_merged_and_tidy(repo, store, tasks, lines=()):
+def assert_all_merged_and_tidy(git_project, store, tasks, lines=()):
     assert statuses(store) == {task: "merged" for task in tasks}, "\n".join(lines)
-    files = committed(repo)
+    files = committed(git_project)
     for task in tasks:
         assert store.for_task(task).read_state().state == S.COMPLETE
-    assert not [b for b in git(repo, "branch", "--list", "ferrus/*").stdout.split() if b], \
+    assert not [b for b in git(git_project, "branch", "--list", "ferrus/*").stdout.split() if b], \
         "\n".join(lines)
-    listed = git(repo, "worktree", "list", "--porcelain").stdout
+    listed = git(git_project, "worktree", "list", "--porcelain").stdout
     assert listed.count("worktree ") == 1, listed
     return files
 
 
 @pytest.mark.parametrize("point", ["collect", "integrate"])
-def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
-    checks = ["sleep 1", "test -f README.md"] if point == "integrate" else ["test -f README.md"]
-    store = setup(repo, checks)
+def test_sigkill_during_a_run_then_resume_loses_nothing(git_project, point):
+    # Killed at an integration, the run must still be at work: the merge gate's check of a
+    # task's commit (its title "T0." or "T1." is HEAD only there) takes a second.
+    slow_gate = 'case "$(git log -1 --format=%s)" in T?.) sleep 1;; esac'
+    checks = [slow_gate, "test -f README.md"] if point == "integrate" else ["test -f README.md"]
+    store = scripted_setup(git_project, checks)
     tasks = [enqueue(store, "T%d.\n\nWRITE k%d.txt: %d\n" % (i, i, i)) for i in range(2)]
     if point == "collect":
         def reached(entry):
@@ -339,12 +283,12 @@ def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
     else:
         def reached(entry):      # the candidate is checked, the target not yet moved
             return entry["event"] == "integration_ready"
-    run_cli_until(repo, reached)
+    run_cli_until(git_project, reached)
     interrupted = json.loads(open(store.path(ferrus.PARALLEL_RUN_FILE)).read())["phase"]
-    before = git(repo, "rev-parse", "main").stdout.strip()
-    code, lines = run(store, 2)
+    before = git(git_project, "rev-parse", "main").stdout.strip()
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
-    files = assert_all_merged_and_tidy(repo, store, tasks, lines)
+    files = assert_all_merged_and_tidy(git_project, store, tasks, lines)
     assert "k0.txt" in files and "k1.txt" in files
     # the dead run's agents were stopped before anything started again
     assert any("previous" in line or "resuming" in line for line in lines), "\n".join(lines)
@@ -353,7 +297,8 @@ def test_sigkill_during_a_run_then_resume_loses_nothing(repo, point):
     # collect, or dispatch when the kill came between journaling a move and saving it)
     assert (0, interrupted) in moves and interrupted in ((3, 4) if point == "collect" else (5,))
     # the target only moved forward, to checked merges
-    assert git(repo, "merge-base", "--is-ancestor", before, "main", check=False).returncode == 0
+    assert git(git_project, "merge-base", "--is-ancestor", before, "main",
+               check=False).returncode == 0
 
 
 def half_prepare(store, task, stage):
@@ -376,20 +321,20 @@ def half_prepare(store, task, stage):
 
 @pytest.mark.parametrize("stage", ["record", "worktree", "idle state"])
 @pytest.mark.parametrize("phase", [3, 4])
-def test_a_task_a_killed_run_prepared_half_way_is_prepared_again_not_cancelled(repo, stage,
+def test_a_task_a_killed_run_prepared_half_way_is_prepared_again_not_cancelled(git_project, stage,
                                                                                phase):
     """A run killed inside _prepare_task left a RUNNING record whose state is missing or
     Idle; the next run took Idle for a cancel (or left it running for good)."""
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     other = enqueue(store, "U.\n\nWRITE u.txt: u\n")
     path = half_prepare(store, task, stage)
     # killed in P2 (its batch saved) or while P4 → P3 prepared more (the batch not saved)
     crash_state(store, phase, [task] if phase == 3 else [])
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {task: "merged", other: "merged"}, "\n".join(lines)
-    assert "t.txt" in committed(repo) and "u.txt" in committed(repo)
+    assert "t.txt" in committed(git_project) and "u.txt" in committed(git_project)
     entries = [e for e in store.read_journal() if e["task_id"] == task]
     assert not [e for e in entries if e["event"] in ("cancel_task", "task_cancelled")]
     requeued = [e for e in entries if e["event"] == "requeue_task"]
@@ -400,20 +345,22 @@ def test_a_task_a_killed_run_prepared_half_way_is_prepared_again_not_cancelled(r
     assert ferrus.read_task_record(store.dir, task)["worktree"] == path
 
 
-def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(repo, tmp_path):
+def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(git_project,
+                                                                              tmp_path):
     """The real kill: `ferrus run --parallel` killed while [parallel] setup runs in the new
     worktree (the record RUNNING, the task's state Idle, no task created yet)."""
     import signal
-    import time
     started, release = tmp_path / "setup.started", tmp_path / "setup.release"
     # (The merge gate's clean checkout runs the setup too, before the run starts the
     # task: only the task's worktree, named by its id, waits.)
-    store = setup(repo, ["test -f README.md"], '[parallel]\nsetup = [%s]\n\n' % json.dumps(
+    store = scripted_setup(git_project, ["test -f README.md"],
+                           '[parallel]\nsetup = [%s]\n\n' % json.dumps(
         'case "$(basename "$PWD")" in t-*) touch %s; while [ ! -f %s ]; do sleep 0.05; '
         'done;; esac' % (started, release)))
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     proc = subprocess.Popen(FERRUS_CMD + ["run", "--parallel", "2"],
-                            cwd=str(repo), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                            cwd=str(git_project), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not started.exists():
@@ -428,28 +375,29 @@ def test_sigkill_while_a_task_is_prepared_then_the_next_run_prepares_it_again(re
         release.touch()                 # the setup command it left behind ends too
     assert ferrus.read_task_record(store.dir, task)["status"] == "running"
     assert store.for_task(task).read_state().state == S.IDLE
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {task: "merged"}
-    assert "t.txt" in committed(repo)
+    assert "t.txt" in committed(git_project)
 
 
-def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(repo):
-    with open(os.path.join(str(repo), ".gitignore"), "a") as handle:
+def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(git_project):
+    with open(os.path.join(str(git_project), ".gitignore"), "a") as handle:
         handle.write("built.flag\n")
-    store = setup(repo, ["test -f built.flag"], '[parallel]\nsetup = ["touch built.flag"]\n\n')
+    store = scripted_setup(git_project, ["test -f built.flag"],
+                           '[parallel]\nsetup = ["touch built.flag"]\n\n')
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
-    assert "built.flag" not in committed(repo) and "t.txt" in committed(repo)
-    set_config(repo, parallel_config(["true"], '[parallel]\nsetup = ["exit 7"]\n\n'))
+    assert "built.flag" not in committed(git_project) and "t.txt" in committed(git_project)
+    set_config(git_project, scripted_config(["true"], '[parallel]\nsetup = ["exit 7"]\n\n'))
     broken = enqueue(store, "U.\n\nWRITE u.txt: u\n")
     # Tried on a clean checkout of the target before any agent starts, the setup fails:
     # the run stops there, naming it.
     with pytest.raises(ferrus.RedBaseRefused):
-        run(store, 2)
+        run_tasks(store, 2)
     assert ferrus.read_task_record(store.dir, broken)["status"] == "queued"
-    code, lines = run(store, 2, allow_red_base=True)
+    code, lines = run_tasks(store, 2, allow_red_base=True)
     assert any("[parallel] setup failed: exit 7" in line for line in lines), lines
     assert code == ferrus.RUN_FAILED
     reason = ferrus.read_task_record(store.dir, broken)["reason"]
@@ -467,65 +415,78 @@ def test_a_project_in_a_subfolder_of_its_repository_works_in_that_subfolder(tmp_
     monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path))
     git(top, "init", "-q")
     ferrus.init_project(str(project), report=lambda m: None)
-    store = setup(project, ["test -f README.md"])
+    store = scripted_setup(project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE sub.txt: sub\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert "svc/sub.txt" in committed(top)
     assert ferrus.read_task_record(store.dir, task)["workdir"].endswith(os.sep + "svc")
 
 
-def test_without_a_git_identity_the_integration_waits_and_says_why(repo, monkeypatch):
-    store = setup(repo, ["test -f README.md"])
+def test_without_a_git_identity_the_integration_waits_and_says_why(git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     for name in ("NAME", "EMAIL"):
         monkeypatch.delenv("GIT_AUTHOR_" + name)
         monkeypatch.delenv("GIT_COMMITTER_" + name)
-    empty = repo.parent / "empty.gitconfig"
+    empty = git_project.parent / "empty.gitconfig"
     empty.write_text("")
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(empty))
-    monkeypatch.setenv("HOME", str(repo.parent))
-    git(repo, "config", "user.useConfigOnly", "true")
-    code, lines = run(store, 2, timeout=15)
+    monkeypatch.setenv("HOME", str(git_project.parent))
+    git(git_project, "config", "user.useConfigOnly", "true")
+    # The integration is tried again every INTEGRATION_RETRY_SECS.  Made short, the tries
+    # come quickly; after the third the run's clock jumps past its timeout, so it ends
+    # as a run that waited that long does, without the test waiting for it.
+    monkeypatch.setattr(ferrus, "INTEGRATION_RETRY_SECS", 0.05)
+    tries = []
+    real_wait = ferrus.MergeQueue._wait
+
+    def counted_wait(queue, task_id, why):
+        tries.append(why)
+        return real_wait(queue, task_id, why)
+    monkeypatch.setattr(ferrus.MergeQueue, "_wait", counted_wait)
+    code, lines = run_tasks(store, 2, timeout=600, clock=lambda: time.monotonic() + (
+        600 if len(tries) >= 3 else 0))
     assert code == ferrus.RUN_TIMEOUT, "\n".join(lines)
+    assert len(tries) >= 3 and len(set(tries)) == 1, tries
     text = "\n".join(lines)
     assert "waits" in text and text.count("ready to merge, and waits") == 1
     data = store.for_task(task).read_state()
     assert data.state == S.INTEGRATING and data.review_cycles == 0
-    git(repo, "config", "user.name", "Someone")
-    git(repo, "config", "user.email", "someone@example.com")
-    code, lines = run(store, 2)
+    git(git_project, "config", "user.name", "Someone")
+    git(git_project, "config", "user.email", "someone@example.com")
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
-    assert "t.txt" in committed(repo)
+    assert "t.txt" in committed(git_project)
 
 
-def test_a_task_that_changes_ferrus_toml_is_never_merged(repo):
-    store = setup(repo, ["test -f README.md"])
-    before = open(os.path.join(str(repo), "ferrus.toml")).read()
+def test_a_task_that_changes_ferrus_toml_is_never_merged(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    before = open(os.path.join(str(git_project), "ferrus.toml")).read()
     task = enqueue(store, "Loosen the checks.\n\nWRITE ferrus.toml: [checks]\n")
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_FAILED, "\n".join(lines)
     causes = [e["detail"]["cause"] for e in store.read_journal()
               if e["event"] == "integration_failed"]
     assert causes and set(causes) == {"config"}
-    assert open(os.path.join(str(repo), "ferrus.toml")).read() == before
-    assert git(repo, "show", "main:ferrus.toml").stdout == before
+    assert open(os.path.join(str(git_project), "ferrus.toml")).read() == before
+    assert git(git_project, "show", "main:ferrus.toml").stdout == before
 
 
-def test_a_task_whose_executor_is_stopped_fails_and_the_run_ends(repo, monkeypatch):
-    store = setup(repo, ["test -f README.md"],
+def test_a_task_whose_executor_is_stopped_fails_and_the_run_ends(git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"],
                   "[sessions]\nmax_consecutive_errors = 1\n\n")
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "crash-executor")
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
-    code, lines = run(store, 2, timeout=120)
+    code, lines = run_tasks(store, 2, timeout=120)
     assert code == ferrus.RUN_FAILED, "\n".join(lines)
     record = ferrus.read_task_record(store.dir, task)
     assert record["status"] == "failed" and "executor is stopped" in record["reason"]
 
 
-def test_a_running_tasks_deleted_worktree_is_made_again_from_its_branch(repo):
+def test_a_running_tasks_deleted_worktree_is_made_again_from_its_branch(git_project):
     import shutil
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 2)
     runner.start()
@@ -533,22 +494,22 @@ def test_a_running_tasks_deleted_worktree_is_made_again_from_its_branch(repo):
     runner.step()          # prepared, not dispatched: then the run died
     record = ferrus.read_task_record(store.dir, task)
     shutil.rmtree(record["worktree"])
-    code, lines = run(store, 2)
+    code, lines = run_tasks(store, 2)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert "made it again" in "\n".join(lines)
     assert statuses(store) == {task: "merged"}
 
 
-def test_without_a_human_here_a_full_run_waiting_for_confirmations_exits_4(repo):
-    store = setup(repo, ["test -f README.md"], "[hq]\nhuman_review = true\n\n")
+def test_without_a_human_here_a_full_run_waiting_for_confirmations_exits_4(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"], "[hq]\nhuman_review = true\n\n")
     tasks = [enqueue(store, "T%d.\n\nWRITE w%d.txt: %d\n" % (i, i, i)) for i in range(3)]
-    code, lines = run(store, 2, timeout=120)
+    code, lines = run_tasks(store, 2, timeout=120)
     assert code == ferrus.RUN_NEEDS_HUMAN, "\n".join(lines)
     assert sorted(statuses(store).values()) == ["queued", "running", "running"]
 
 
-def test_an_empty_answer_asks_again(repo, monkeypatch):
-    store = setup(repo, ["test -f README.md"])
+def test_an_empty_answer_asks_again(git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"])
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     answers = iter(["", "blue"])
@@ -557,15 +518,18 @@ def test_an_empty_answer_asks_again(repo, monkeypatch):
     def ask(question):
         asked.append(question)
         return next(answers)
-    code, lines = run(store, 2, timeout=120, ask=ask)
+    code, lines = run_tasks(store, 2, timeout=120, ask=ask)
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert len(asked) == 2 and statuses(store) == {task: "merged"}
 
 
-def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_goes(repo):
-    import time
-    # Slow only in the integration, where the task's commit ("T.") is HEAD.
-    store = setup(repo, ["if [ \"$(git log -1 --format=%s)\" = T. ]; then sleep 60; fi"])
+def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_goes(git_project):
+    # Slow only in the integration, where the task's commit ("T.") is HEAD; it says when
+    # it starts there.
+    started_file = os.path.join(os.path.dirname(str(git_project)), "gate-check.started")
+    store = scripted_setup(git_project, [
+        "if [ \"$(git log -1 --format=%%s)\" = T. ]; then touch '%s'; sleep 60; fi"
+        % started_file])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 2)
     runner.start()
@@ -574,7 +538,7 @@ def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_go
         runner.step()
         time.sleep(0.01)
     assert runner.integration is not None
-    time.sleep(1)                                   # its checks are running now
+    wait_until(lambda: os.path.exists(started_file), "the merge gate's check to start")
     assert runner.integration["thread"].is_alive()
     started = time.monotonic()
     ferrus.op_cancel_task(store, ferrus.HUMAN, task)
@@ -585,8 +549,8 @@ def test_a_cancel_during_the_integration_stops_its_checks_before_the_worktree_go
     runner.shutdown()
 
 
-def test_a_stopped_runner_no_longer_claims_the_queue(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_a_stopped_runner_no_longer_claims_the_queue(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     enqueue(store, "T.\n\nWRITE t.txt: t\n")
     runner = ferrus.ParallelRunner(store, lambda m: None, 2)
     runner.start()

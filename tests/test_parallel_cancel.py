@@ -14,8 +14,8 @@ import time
 import pytest
 
 import ferrus
-from conftest import SCRIPTED_AGENT, custom_agent_config, set_config
-from test_parallel_doctor import branches, cli, commit_in, git, set_status, start_task
+from conftest import branches, git, scripted_setup
+from test_parallel_doctor import cli, commit_in, set_status, start_task
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -23,30 +23,12 @@ S = ferrus.TaskState
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
+def repo(git_project, monkeypatch):
     """A git repository with ferrus initialised, the scripted agent in both roles (each
     session of it stays at work a while), everything committed on main."""
-    root = tmp_path / "project"
-    root.mkdir()
-    for name in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv("GIT_%s_NAME" % name, "t")
-        monkeypatch.setenv("GIT_%s_EMAIL" % name, "t@example.com")
-    memory = tmp_path / "memory"
-    memory.mkdir()
-    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "slow-executor")
-    git(root, "init", "-q")
-    ferrus.init_project(str(root), report=lambda m: None)
-    set_config(root, '[checks]\ncommands = ["true"]\n\n[limits]\nwait_timeout_secs = 5\n'
-               + custom_agent_config("scripted", [sys.executable, SCRIPTED_AGENT, "{role}",
-                                                  "{mcp_config}"]))
-    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
-                                       "executor": ("scripted", None)}, report=lambda m: None)
-    with open(os.path.join(str(root), "README.md"), "w") as handle:
-        handle.write("hello\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "start")
-    return str(root)
+    scripted_setup(git_project, ["true"])
+    return str(git_project)
 
 
 def test_cancel_with_no_orchestrator_removes_the_worktree_and_branch(repo):

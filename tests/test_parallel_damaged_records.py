@@ -15,8 +15,8 @@ import subprocess
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD
-from test_parallel import crash_state, enqueue, git, repo, setup, statuses  # noqa: F401
+from conftest import enqueue, git, run_cli, scripted_setup, statuses
+from test_parallel import crash_state
 
 S = ferrus.TaskState
 
@@ -51,11 +51,20 @@ def setting(key, value):
 
 
 def cli(root, *args, stdin=None):
-    done = subprocess.run(FERRUS_CMD + list(args), cwd=str(root),
-                          text=True, input=stdin, capture_output=True, timeout=240,
-                          env=dict(os.environ, NO_COLOR="1"))
+    done = run_cli(*args, cwd=root, input=stdin, timeout=240)
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
+
+
+def in_process(capsys, root, *args):
+    """`ferrus ARGS` as ferrus.main in this process, returned as cli() returns a program's
+    end: what a view or doctor says of a damaged record is the point, not starting a
+    program (each run that meets the damage is a real `ferrus run`)."""
+    capsys.readouterr()
+    code = ferrus.main(["-C", str(root)] + list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
 # -- what the validation calls damaged ------------------------------------------------------
@@ -100,8 +109,8 @@ def test_a_field_ferrus_never_writes_makes_the_record_damaged(key, value, said):
     assert problem and said in problem, problem
 
 
-def test_what_ferrus_writes_is_never_called_damaged(repo):  # noqa: F811
-    store = setup(repo, ["test -f README.md"])
+def test_what_ferrus_writes_is_never_called_damaged(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     queued = enqueue(store, "Queued.")
     running = prepared(store, "Running.")
     ferrus.op_cancel_task(store, ferrus.HUMAN, running)
@@ -134,19 +143,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("what, stage, change, before", CASES, ids=[c[0] for c in CASES])
-def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(repo, what, stage,  # noqa: F811
-                                                                 change, before):
-    store = setup(repo, ["test -f README.md"])
+def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(git_project, capsys, what,
+                                                                 stage, change, before):
+    store = scripted_setup(git_project, ["test -f README.md"])
     bad = prepared(store, "Bad.\n\nWRITE bad.txt: bad\n") if stage == "running" else \
         enqueue(store, "Bad.\n\nWRITE bad.txt: bad\n")
     good = enqueue(store, "Good.\n\nWRITE good.txt: good\n")
     text = damage(store, bad, change)
-    done = cli(repo, "run", "--parallel", "2", "--timeout", "200")
+    done = cli(git_project, "run", "--parallel", "2", "--timeout", "200")
     out = done.stdout + done.stderr
     assert done.returncode == ferrus.RUN_FAILED, out
     assert ferrus.read_task_record(store.dir, good)["status"] == "merged", out
-    assert "good.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
-    assert "bad.txt" not in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
+    assert "good.txt" in git(git_project, "ls-tree", "-r", "--name-only", "main").stdout
+    assert "bad.txt" not in git(git_project, "ls-tree", "-r", "--name-only", "main").stdout
     problem = ferrus.load_task_record(store.dir, bad)[1]
     assert "task %s: its .ferrus/tasks/%s/task.json is damaged (%s)" % (bad, bad, problem) \
         in out and "`ferrus doctor --fix`" in out and "this run leaves the task alone" in out
@@ -154,28 +163,28 @@ def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(repo, what, stag
     assert open(ferrus.task_record_path(store.dir, bad)).read() == text   # nothing written
     # every view says so, with the repair, and none breaks
     for view in (["tasks"], ["status"]):
-        shown = cli(repo, *view)
+        shown = in_process(capsys, git_project, *view)
         assert shown.returncode == 0 and "damaged" in shown.stdout, shown.stdout
         assert "`ferrus doctor --fix` repairs it" in shown.stdout
     if stage == "running":      # the checkout's state mirrors it
         assert "(parallel task, its task.json is damaged: `ferrus doctor --fix` repairs " \
-            "it;" in cli(repo, "status").stdout
-    listed = json.loads(cli(repo, "tasks", "--json").stdout)
+            "it;" in in_process(capsys, git_project, "status").stdout
+    listed = json.loads(in_process(capsys, git_project, "tasks", "--json").stdout)
     assert any(row["id"] == bad and row["problem"] == problem for row in (
         listed["tasks"] if isinstance(listed, dict) else listed))
     board = io.StringIO()
-    shell = ferrus.HqShell(ferrus.Store(repo), stdin=io.StringIO(), stdout=board)
+    shell = ferrus.HqShell(ferrus.Store(git_project), stdin=io.StringIO(), stdout=board)
     try:
         shell.handle("/tasks")
     finally:
         shell.shutdown()
     assert "damaged" in board.getvalue(), board.getvalue()
-    doctor = cli(repo, "doctor")
+    doctor = in_process(capsys, git_project, "doctor")
     assert "%s/%s/%s is damaged (%s)" % (".ferrus/tasks", bad, "task.json", problem) in \
         doctor.stdout, doctor.stdout
     # doctor --fix repairs it: a task that had started is failed with its worktree kept
     # (retry goes on there), one that had not is queued again
-    fixed = cli(repo, "doctor", "--fix")
+    fixed = in_process(capsys, git_project, "doctor", "--fix")
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     record, problem = ferrus.load_task_record(store.dir, bad)
     assert problem is None and record["title"] == "Bad."
@@ -184,27 +193,27 @@ def test_a_damaged_task_is_left_alone_and_the_other_tasks_go_on(repo, what, stag
         store.dir, bad))) if name.startswith("task.json.corrupt-")]
 
 
-def test_a_task_repaired_by_doctor_is_retried_and_merged(repo):  # noqa: F811
-    store = setup(repo, ["test -f README.md"])
+def test_a_task_repaired_by_doctor_is_retried_and_merged(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     bad = prepared(store, "Bad.\n\nWRITE bad.txt: bad\n")
     damage(store, bad, setting("integration", "x"))
-    assert cli(repo, "doctor", "--fix").returncode == 0
-    assert cli(repo, "task", "retry", ferrus.short_task_id(bad)).returncode == 0
-    done = cli(repo, "run", "--parallel", "2", "--timeout", "200")
+    assert cli(git_project, "doctor", "--fix").returncode == 0
+    assert cli(git_project, "task", "retry", ferrus.short_task_id(bad)).returncode == 0
+    done = cli(git_project, "run", "--parallel", "2", "--timeout", "200")
     assert done.returncode == 0, done.stdout + done.stderr
     assert statuses(store) == {bad: "merged"}
-    assert "bad.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
+    assert "bad.txt" in git(git_project, "ls-tree", "-r", "--name-only", "main").stdout
 
 
-def test_doctor_keeps_the_end_of_a_task_that_had_ended(repo):  # noqa: F811
+def test_doctor_keeps_the_end_of_a_task_that_had_ended(git_project):
     """A merged task whose record was damaged came back as failed, and retry would have
     run it again."""
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "Done.\n\nWRITE d.txt: d\n")
-    assert cli(repo, "run", "--parallel", "2", "--timeout", "200").returncode == 0
+    assert cli(git_project, "run", "--parallel", "2", "--timeout", "200").returncode == 0
     merged = ferrus.read_task_record(store.dir, task)
     damage(store, task, setting("agent", 5))
-    assert cli(repo, "doctor", "--fix").returncode == 0
+    assert cli(git_project, "doctor", "--fix").returncode == 0
     record, problem = ferrus.load_task_record(store.dir, task)
     assert problem is None and record["status"] == "merged"
     for key in ("merged_commit", "ended_at", "target", "created_at", "origin"):
@@ -212,13 +221,13 @@ def test_doctor_keeps_the_end_of_a_task_that_had_ended(repo):  # noqa: F811
     assert "agent" not in record
 
 
-def test_cancel_and_retry_write_nothing_over_a_damaged_record(repo):  # noqa: F811
-    store = setup(repo, ["test -f README.md"])
+def test_cancel_and_retry_write_nothing_over_a_damaged_record(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     queued, running = enqueue(store, "Queued."), prepared(store, "Running.")
     for task in (queued, running):
         text = damage(store, task, setting("origin", 5))
         for verb in ("cancel", "retry"):
-            done = cli(repo, "task", verb, ferrus.short_task_id(task))
+            done = cli(git_project, "task", verb, ferrus.short_task_id(task))
             assert done.returncode == 1
             assert "ferrus: task %s: its .ferrus/tasks/%s/task.json is damaged (origin is 5, " \
                 "not an object)" % (task, task) in done.stderr, done.stderr
@@ -227,11 +236,11 @@ def test_cancel_and_retry_write_nothing_over_a_damaged_record(repo):  # noqa: F8
     assert store.for_task(running).read_state().state == S.EXECUTING
 
 
-def test_one_at_a_time_in_the_checkout_a_damaged_task_is_said_and_skipped(repo):  # noqa: F811
-    store = setup(repo, ["test -f README.md"])
+def test_one_at_a_time_in_the_checkout_a_damaged_task_is_said_and_skipped(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     bad, good = enqueue(store, "Bad."), enqueue(store, "Good.\n\nWRITE good.txt: good\n")
     text = damage(store, bad, "[1, 2]")
-    done = cli(repo, "run", "--timeout", "200")          # [parallel] max_tasks = 1
+    done = cli(git_project, "run", "--timeout", "200")          # [parallel] max_tasks = 1
     assert done.returncode == ferrus.RUN_FAILED, done.stdout + done.stderr
     assert "ferrus run: task %s: its .ferrus/tasks/%s/task.json is damaged (not a JSON " \
         "object) — this run leaves the task alone" % (bad, bad) in done.stdout
@@ -239,9 +248,9 @@ def test_one_at_a_time_in_the_checkout_a_damaged_task_is_said_and_skipped(repo):
     assert open(ferrus.task_record_path(store.dir, bad)).read() == text
 
 
-def test_a_record_damaged_while_its_task_runs_stops_only_that_task(repo):  # noqa: F811
+def test_a_record_damaged_while_its_task_runs_stops_only_that_task(git_project):
     import time
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     bad = enqueue(store, "Bad.\n\nWRITE bad.txt: bad\n")
     good = enqueue(store, "Good.\n\nWRITE good.txt: good\n")
     lines = []
@@ -281,14 +290,14 @@ def test_a_record_damaged_while_its_task_runs_stops_only_that_task(repo):  # noq
     ({"phase": "4", "target": "main", "batch": [], "dispatch": [], "ended": False, "pid": 1},
      "phase \"4\" is none of 0 to 7"),
 ], ids=["batch a number", "dispatch a number", "batch text", "target a number", "phase text"])
-def test_a_damaged_parallel_json_is_set_aside_by_the_run_and_by_doctor(repo, saved,  # noqa: F811
+def test_a_damaged_parallel_json_is_set_aside_by_the_run_and_by_doctor(git_project, saved,
                                                                        said):
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
     ferrus.atomic_write(store.path(ferrus.PARALLEL_RUN_FILE), json.dumps(saved))
-    doctor = cli(repo, "doctor")
+    doctor = cli(git_project, "doctor")
     assert ".ferrus/parallel.json is damaged (%s" % said in doctor.stdout, doctor.stdout
-    done = cli(repo, "run", "--parallel", "2", "--timeout", "200")
+    done = cli(git_project, "run", "--parallel", "2", "--timeout", "200")
     assert done.returncode == 0, done.stdout + done.stderr
     assert ".ferrus/parallel.json is damaged (%s" % said in done.stdout
     assert "this run starts afresh (" in done.stdout
@@ -296,28 +305,28 @@ def test_a_damaged_parallel_json_is_set_aside_by_the_run_and_by_doctor(repo, sav
 
 
 def test_a_parallel_run_whose_target_branch_was_deleted_no_longer_blocks_every_run(
-        repo):  # noqa: F811
+        git_project):
     """The interrupted run merged into a branch deleted since: every later run refused
     ("there is no branch ... to merge tasks into") until parallel.json was removed by hand."""
-    store = setup(repo, ["test -f README.md"])
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "T.\n\nWRITE t.txt: t\n")
-    git(repo, "branch", "release")
+    git(git_project, "branch", "release")
     crash_state(store, 4, [])
     saved = json.loads(open(store.path(ferrus.PARALLEL_RUN_FILE)).read())
     ferrus.atomic_write(store.path(ferrus.PARALLEL_RUN_FILE),
                         json.dumps(dict(saved, target="release")))
-    git(repo, "branch", "-D", "release")
-    doctor = cli(repo, "doctor")
+    git(git_project, "branch", "-D", "release")
+    doctor = cli(git_project, "doctor")
     assert "merged into release, which is no branch any more" in doctor.stdout, doctor.stdout
-    done = cli(repo, "run", "--parallel", "2", "--timeout", "200")
+    done = cli(git_project, "run", "--parallel", "2", "--timeout", "200")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the interrupted run merged into release, which is no branch any more: the " \
         "tasks now merge into main" in done.stdout
     assert statuses(store) == {task: "merged"}
-    assert "t.txt" in git(repo, "ls-tree", "-r", "--name-only", "main").stdout
+    assert "t.txt" in git(git_project, "ls-tree", "-r", "--name-only", "main").stdout
     # and doctor --fix sets such a file aside
     crash_state(store, 4, [])
     ferrus.atomic_write(store.path(ferrus.PARALLEL_RUN_FILE),
                         json.dumps(dict(saved, target="gone")))
-    assert cli(repo, "doctor", "--fix").returncode == 0
+    assert cli(git_project, "doctor", "--fix").returncode == 0
     assert not os.path.exists(store.path(ferrus.PARALLEL_RUN_FILE))

@@ -6,12 +6,11 @@ task states set aside, and a parallel run that stopped part way."""
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD
+from conftest import branches, git, run_cli, scripted_config, scripted_setup, set_config
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -19,21 +18,8 @@ FERRUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 S = ferrus.TaskState
 
 
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
 def cli(root, *args):
-    return subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
-                          capture_output=True, timeout=120)
-
-
-def branches(root):
-    return git(root, "for-each-ref", "--format=%(refname:short)", "refs/heads/").stdout.split()
+    return run_cli(*args, cwd=root, timeout=120)
 
 
 @pytest.fixture
@@ -262,3 +248,28 @@ def test_a_live_parallel_run_is_not_stale(repo):
         assert ferrus.live_parallel_run(store)["pid"] == os.getpid()
         assert "parallel.json" not in cli(repo, "doctor").stdout
     assert ferrus.live_parallel_run(store) is None
+
+
+def test_doctor_reports_a_worktree_dir_inside_the_repository_and_a_missing_target(git_project):
+    """The [parallel] settings `ferrus run --parallel` refuses: warnings, errors once
+    max_tasks > 1 makes every `ferrus run` parallel."""
+    scripted_setup(git_project, ["test -f README.md"])
+    base = scripted_config(["test -f README.md"])
+    set_config(git_project, base + '\n[parallel]\nworktree_dir = "trees"\ntarget = "nope"\n')
+    findings = {f.problem: f for f in ferrus.doctor_findings(str(git_project))}
+    inside = [f for p, f in findings.items() if "worktree_dir" in p]
+    target = [f for p, f in findings.items() if "target" in p and "nope" in p]
+    assert len(inside) == 1 and "not git-ignored" in inside[0].problem
+    assert "/trees/" in inside[0].repair and inside[0].severity == "warning"
+    assert len(target) == 1 and target[0].severity == "warning"
+    # with max_tasks > 1 every `ferrus run` is parallel: both are errors
+    set_config(git_project, base + '\n[parallel]\nmax_tasks = 2\nworktree_dir = "trees"\n'
+               'target = "nope"\n')
+    done = run_cli("doctor", cwd=git_project)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "worktree_dir" in done.stdout + done.stderr and '"nope"' in done.stdout + done.stderr
+    # ignored, and an existing branch: nothing to report
+    (git_project / ".gitignore").write_text("/trees/\n")
+    git(git_project, "branch", "nope")
+    assert not [f for f in ferrus.doctor_findings(str(git_project))
+                if "[parallel]" in f.problem]

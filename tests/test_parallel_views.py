@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 import ferrus
+from conftest import enqueue, git, run_cli, run_tasks, scripted_setup
 from test_parallel_doctor import cli, edit_config, repo, start_task  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -108,3 +109,49 @@ def test_approve_and_reject_find_the_waiting_parallel_task(repo):
     assert store.for_task(first).read_state().state == S.INTEGRATING
     none = cli(repo, "approve", "--yes")
     assert none.returncode == 1 and "no approval waits for your confirmation" in none.stderr
+
+
+def test_plain_status_and_diff_show_the_mirrored_parallel_task(git_project, monkeypatch):
+    """The views of the task STATE.json mirrors, in its worktree and once merged."""
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
+    store = scripted_setup(git_project, ["test -f README.md"])
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    (git_project / "mine.txt").write_text("the user's own change\n")
+    code, lines = run_tasks(store, 2)
+    assert code == ferrus.RUN_NEEDS_HUMAN, "\n".join(lines)
+    assert store.project_state().extra["mirrors_task"] == task
+    assert ferrus.foreground_store(store).task == task
+    done = run_cli("status", cwd=git_project)
+    assert done.returncode == 0, done.stderr
+    assert "question  Which colour should the button be?" in done.stdout
+    assert "QUESTION.md is empty" not in done.stdout
+    assert "run --resume" not in done.stdout and "`ferrus run --parallel N`" in done.stdout
+    assert "(parallel task, in its worktree" in done.stdout
+    status = json.loads(run_cli("status", "--json", cwd=git_project).stdout)
+    assert status["parallel_task"] == task
+    # the task's diff, in its worktree: never the user's own change in the checkout
+    worktree = ferrus.read_task_record(store.dir, task)["worktree"]
+    with open(os.path.join(worktree, "wip.txt"), "w") as handle:
+        handle.write("work in progress\n")
+    done = run_cli("diff", "--stat", cwd=git_project)
+    assert done.returncode == 0, done.stderr
+    assert "wip.txt" in done.stdout and "mine.txt" not in done.stdout
+    # answered, the run goes on and merges it: the views say so, not its deleted branch
+    ferrus.op_answer(store.for_task(task), ferrus.HUMAN, "blue")
+    monkeypatch.setenv("SCRIPTED_BEHAVIOR", "")
+    code, more = run_tasks(store, 2)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines + more)
+    merged = ferrus.read_task_record(store.dir, task)["merged_commit"]
+    done = run_cli("status", cwd=git_project)
+    assert "merged into main at %s" % merged[:12] in done.stdout
+    assert "on branch ferrus/" not in done.stdout
+    # Its diff, as the README says: what its merged commit changed (`git show` of it).
+    shown = git(git_project, "show", "--format=", "--stat", merged).stdout
+    for args in (("diff", "--stat"), ("diff", "--stat", "--task",
+                                      ferrus.short_task_id(task))):
+        done = run_cli(*args, cwd=git_project)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("Task %s merged into main at %s" % (
+            ferrus.short_task_id(task), merged[:12]))
+        assert shown.strip() in done.stdout
+        assert "wip.txt" in done.stdout

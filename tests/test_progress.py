@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config
-from test_hq import run, scripted  # noqa: F401  (scripted: the fixture)
+from conftest import (FERRUS_CMD, FERRUS_PY, SCRIPTED_CHECK, SCRIPTED_CONFIG, set_config,
+                      wait_until)
+from test_hq import run
 
 S = ferrus.S
 
@@ -180,6 +182,34 @@ def test_a_task_completed_before_hq_started_is_not_announced_again(scripted):
     assert all(slot.label() == "idle" for slot in controller.slots.values())
 
 
+CONSULT_QUESTION = ("## Problem\nx\n## What I tried\ny\n## Options (if any)\nA or B\n"
+                    "## Question\nWhich?")
+
+
+def test_the_supervisors_answer_is_shown_after_the_executor_took_it(store):
+    """The supervisor's answer to a consultation reaches HQ and `ferrus run` even when the
+    waiting executor has already taken it: wait_for_consult empties CONSULT_RESPONSE.md in
+    the same moment, so the answer shown comes from the journal entry, not the file."""
+    executor = ferrus.Caller("executor", "executor:test:1")
+    supervisor = ferrus.Caller("supervisor", "supervisor:test:1")
+    shown = []
+    controller = ferrus.HqController(store, emit=shown.append)      # HQ watching
+    ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")
+    ferrus.op_wait_for_task(store, executor)
+    ferrus.op_consult(store, executor, CONSULT_QUESTION)
+    ferrus.op_respond_consult(store, supervisor, "Use option A.\n\nBecause B is slower.")
+    ferrus.op_wait_for_consult(store, executor)       # takes the answer and empties the file
+    assert store.read_file("CONSULT_RESPONSE.md") == ""
+    controller.drain_journal()                        # HQ reads the entries only now
+    answers = [m for m in shown if m.event == "consult_answer"]
+    assert [m.text for m in answers] == [
+        "the supervisor answers:\n  Use option A.\n  Because B is slower."]
+    assert answers[0].data["answer"] == "Use option A.\nBecause B is slower."
+    # `ferrus log` keeps its one line per entry: the answer's text is not in it.
+    entry = next(e for e in store.read_journal() if e["event"] == "respond_consult")
+    assert "said" in entry["detail"] and "said=" not in ferrus.format_event(entry)
+
+
 def test_log_hides_bookkeeping_unless_all(scripted, tmp_path):
     assert run(scripted)[0] == ferrus.RUN_COMPLETE
     short = subprocess.run(FERRUS_CMD + ["log", "-n", "3"], cwd=scripted.root,
@@ -319,14 +349,16 @@ def test_a_failing_or_hanging_notifier_never_blocks_and_is_reported_once(project
                'timeout_secs = 1\n' % sys.executable.replace("\\", "/"))
     notifier = ferrus.Notifier(store, messages.append)
     import time
+    earlier = set(threading.enumerate())
     started = time.monotonic()
     notifier.notify("complete", "t-1", "done")
     notifier.notify("failed", "t-1", "boom")
     assert time.monotonic() - started < 5      # detached: notify returns at once
-    deadline = time.monotonic() + 20
-    while not messages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.5)
+    # Both hang until their timeout: once each watch has ended, one failure was reported.
+    wait_until(lambda: messages and not [thread for thread in threading.enumerate()
+                                         if thread.name == "ferrus-notify" and
+                                         thread not in earlier],
+               "both notifiers to be stopped", timeout=20)
     assert len(messages) == 1 and "was still running after 1s" in messages[0].text
     set_config(str(project), '[notify]\ncommand = ["/nonexistent/notifier"]\n')
     other = ferrus.Notifier(store, messages.append)

@@ -20,17 +20,12 @@ import time
 import urllib.request
 
 import ferrus
-from conftest import FERRUS_CMD, set_config
-from test_parallel import (committed, enqueue, git, parallel_config, repo, run,  # noqa: F401
-                           setup, statuses)
+from conftest import (FERRUS_CMD, committed, enqueue, git, run_cli, run_tasks,
+                      scripted_config, scripted_setup, set_config, statuses)
 
 
 def cli(root, *args, timeout=240):
-    env = dict(os.environ, NO_COLOR="1")
-    env.pop("FERRUS_DEBUG", None)
-    return subprocess.run(FERRUS_CMD + list(args), cwd=str(root), env=env,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return run_cli(*args, cwd=root, timeout=timeout)
 
 
 def json_lines(stdout):
@@ -40,20 +35,20 @@ def json_lines(stdout):
 
 # -- approved, no change ------------------------------------------------------------------
 
-def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, monkeypatch):
-    store = setup(repo, ["test -f README.md"])          # README.md holds "hello"
+def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"])          # README.md holds "hello"
     same = enqueue(store, "Keep the greeting.\n\nWRITE README.md: hello\n")
     new = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     log = []
     monkeypatch.setattr(ferrus.Notifier, "notify", lambda self, event, task, summary:
                         log.append(("notified", event, task, summary)))
-    head = git(repo, "rev-parse", "main").stdout.strip()
+    head = git(git_project, "rev-parse", "main").stdout.strip()
     code = ferrus.run_parallel(store, 2, timeout=240, out=log.append, mode="json")
     lines = [item for item in log if isinstance(item, str)]
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     assert statuses(store) == {same: "unchanged", new: "merged"}
-    assert "alpha.txt" in committed(repo)
-    assert git(repo, "rev-list", "--count", "%s..main" % head).stdout.strip() == "1"
+    assert "alpha.txt" in committed(git_project)
+    assert git(git_project, "rev-list", "--count", "%s..main" % head).stdout.strip() == "1"
     events = [json.loads(line) for line in lines]
     unchanged = [e for e in events if e["event"] == "unchanged"]
     assert [e["task_id"] for e in unchanged] == [same]
@@ -77,7 +72,7 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, mo
                 item[1:3] == ("complete", new))
     assert first("integrating") < told < first("merged")
     # What the views say.
-    listed = cli(repo, "tasks")
+    listed = cli(git_project, "tasks")
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(same))
     assert "approved (no change)" in row and "merged" not in row
@@ -85,15 +80,15 @@ def test_an_approved_task_that_changes_nothing_is_not_counted_as_merged(repo, mo
     other = next(line for line in listed.stdout.splitlines() if line.startswith(new))
     assert row.index("Keep the greeting.") == other.index("Add alpha.") == \
         listed.stdout.splitlines()[0].index("TITLE")
-    assert "1 merged, 1 approved (no change)" in cli(repo, "status").stdout
-    diff = cli(repo, "diff", "--task", ferrus.short_task_id(same))
+    assert "1 merged, 1 approved (no change)" in cli(git_project, "status").stdout
+    diff = cli(git_project, "diff", "--task", ferrus.short_task_id(same))
     assert diff.returncode == 1 and "approved and changed nothing" in diff.stderr
 
 
-def test_a_queued_task_that_changes_nothing_in_the_checkout_is_unchanged(repo):
-    store = setup(repo, ["test -f README.md"])
-    set_config(repo, parallel_config(["test -f README.md"], "[parallel]\nmax_tasks = 1\n\n"))
-    git(repo, "commit", "-qam", "one at a time")
+def test_a_queued_task_that_changes_nothing_in_the_checkout_is_unchanged(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    set_config(git_project, scripted_config(["test -f README.md"], "[parallel]\nmax_tasks = 1\n\n"))
+    git(git_project, "commit", "-qam", "one at a time")
     same = enqueue(store, "Keep the greeting.\n\nWRITE README.md: hello\n")
     done = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     lines = []
@@ -105,17 +100,17 @@ def test_a_queued_task_that_changes_nothing_in_the_checkout_is_unchanged(repo):
 
 # -- ferrus run --json: only JSON, an event per step of an integration -----------------------
 
-def test_json_run_prints_only_json_and_each_step_of_the_merge_queue(repo):
+def test_json_run_prints_only_json_and_each_step_of_the_merge_queue(git_project):
     # The check fails when both files exist: each task alone passes, the second merged
     # onto the first does not, and goes back to its executor with the red check.
     check = "test ! -f left.txt || test ! -f right.txt || { echo left and right clash; exit 1; }"
-    store = setup(repo, [check])
-    set_config(repo, parallel_config([check]).replace("max_review_cycles = 3",
+    store = scripted_setup(git_project, [check])
+    set_config(git_project, scripted_config([check]).replace("max_review_cycles = 3",
                                                       "max_review_cycles = 1"))
-    git(repo, "commit", "-qam", "one review cycle")
+    git(git_project, "commit", "-qam", "one review cycle")
     left = enqueue(store, "Left.\n\nWRITE left.txt: left\n")
     right = enqueue(store, "Right.\n\nWRITE right.txt: right\n")
-    done = cli(repo, "run", "--parallel", "2", "--json")
+    done = cli(git_project, "run", "--parallel", "2", "--json")
     events = json_lines(done.stdout)            # nothing but JSON on stdout
     assert done.returncode == ferrus.RUN_FAILED, done.stdout[-3000:] + done.stderr
     kinds = [e["event"] for e in events]
@@ -132,7 +127,7 @@ def test_json_run_prints_only_json_and_each_step_of_the_merge_queue(repo):
     assert red["command"] == check and red["exit"] == 1
     assert red["tail"] == ["left and right clash"]
     assert red["log"].startswith(".ferrus/logs/") and os.path.isfile(
-        os.path.join(str(repo), red["log"]))
+        os.path.join(str(git_project), red["log"]))
     # The line a person reads says the same.
     lines = back["text"].splitlines()
     assert lines[0] == "ferrus run: task %s goes back to its executor: the checks fail on " \
@@ -142,11 +137,11 @@ def test_json_run_prints_only_json_and_each_step_of_the_merge_queue(repo):
     assert not any("P5" in e["text"] or "P4" in e["text"] for e in events)
 
 
-def test_a_conflict_lists_its_files(repo):
-    store = setup(repo, ["test -f README.md"])
+def test_a_conflict_lists_its_files(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
     enqueue(store, "Greeting one.\n\nWRITE greeting.txt: hello from one\n")
     enqueue(store, "Greeting two.\n\nWRITE greeting.txt: hello from two\n")
-    code, lines = run(store, 2, mode="json")
+    code, lines = run_tasks(store, 2, mode="json")
     assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
     events = [json.loads(line) for line in lines]
     [conflict] = [e for e in events if e["event"] == "conflict"]
@@ -155,7 +150,7 @@ def test_a_conflict_lists_its_files(repo):
                                "with main in greeting.txt" % ferrus.short_task_id(
                                    conflict["task_id"])
     # `ferrus log` tells the run's steps in words, never by their phase codes.
-    shown = cli(repo, "log", "-n", "400").stdout
+    shown = cli(git_project, "log", "-n", "400").stdout
     assert "phase            the run is now merging approved tasks into the target branch  " \
            "capacity Green, Continue" in shown
     assert "the run is now waiting for the agents' work" in shown
@@ -210,11 +205,11 @@ def test_tasks_lists_active_and_recent_ones_and_all_with_all(project):
 
 # -- a queue's tasks each start from the user's branch ---------------------------------------
 
-def test_with_a_branch_per_task_the_next_queued_task_starts_from_the_users_branch(repo):
-    store = setup(repo, ["test -f README.md"])
-    set_config(repo, parallel_config(["test -f README.md"], '[git]\nbranch = '
+def test_with_a_branch_per_task_the_next_queued_task_starts_from_the_users_branch(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    set_config(git_project, scripted_config(["test -f README.md"], '[git]\nbranch = '
                                      '"ferrus/{task_id}"\ncommit = "on_approve"\n\n'))
-    git(repo, "commit", "-qam", "a branch per task")
+    git(git_project, "commit", "-qam", "a branch per task")
     first = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     second = enqueue(store, "Add beta.\n\nWRITE beta.txt: beta\n")
     lines = []
@@ -224,9 +219,9 @@ def test_with_a_branch_per_task_the_next_queued_task_starts_from_the_users_branc
     creates = {e["task_id"]: e for e in store.read_journal() if e["event"] == "create_task"}
     assert creates[second]["detail"]["branch"] == "ferrus/" + second
     # The second task's branch forked from main, so it holds beta, not alpha.
-    assert "alpha.txt" not in committed(repo, "ferrus/" + second)
-    assert "beta.txt" in committed(repo, "ferrus/" + second)
-    assert "alpha.txt" in committed(repo, "ferrus/" + first)
+    assert "alpha.txt" not in committed(git_project, "ferrus/" + second)
+    assert "beta.txt" in committed(git_project, "ferrus/" + second)
+    assert "alpha.txt" in committed(git_project, "ferrus/" + first)
     assert any(line == "ferrus run: back on main, so the next task starts from it (the last "
                "task's work stays on its branch ferrus/%s)" % first for line in lines), lines
 

@@ -9,7 +9,7 @@ import os
 import time
 
 import ferrus
-from conftest import run_cli, scripted_project
+from conftest import SCRIPTED_CONFIG, run_cli, scripted_project, set_config
 
 
 def calls_per_session(store):
@@ -62,6 +62,9 @@ def test_hq_shows_a_running_agents_ferrus_tool_calls_when_its_output_has_none(
     # The scripted agent prints no stream-json: only its MCP server counts its calls.
     # It asks a question and waits for the answer, so it is still running when looked at.
     store = scripted_project(project, tmp_path / "memory")
+    # The count on disk reaches two when the first wait for the answer returns, after
+    # wait_timeout_secs: one second here, not SCRIPTED_CONFIG's five.
+    set_config(project, SCRIPTED_CONFIG.replace("wait_timeout_secs = 5", "wait_timeout_secs = 1"))
     monkeypatch.setenv("SCRIPTED_DIR", str(tmp_path / "memory"))
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
     ferrus.op_create_task(store, ferrus.HUMAN, "Make work.txt")

@@ -7,7 +7,8 @@ without waiting; the agent is a real scripted process that would work for 30 s.
 
 import ferrus
 from conftest import set_config
-from test_hq import CONFIG, FakeMonotonic, drive, scripted  # noqa: F401  (the fixture)
+from conftest import FakeMonotonic
+from test_hq import CONFIG, drive
 
 SS = ferrus.SS
 

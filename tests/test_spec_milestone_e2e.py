@@ -11,7 +11,7 @@ import subprocess
 import ferrus
 from conftest import FERRUS_CMD
 from mcp_client import McpProcess, tool_text
-from test_hq import cli_env, scripted  # noqa: F401  (scripted: the fixture)
+from test_hq import cli_env
 from test_hq_plain_commands import PipedHq
 from test_milestones import SPEC, ticked
 

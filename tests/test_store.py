@@ -117,9 +117,10 @@ def test_a_write_failing_mid_transaction_keeps_the_previous_state(store, monkeyp
 
 # -- concurrency ----------------------------------------------------------------
 
-def _hammer(root, worker, count):
+def _hammer(root, worker, count, start):
     # Generous bounds: on a loaded 2-core machine one lock wait can take many seconds.
     store = ferrus.Store(root, lock_timeout=600)
+    start.wait(600)         # every worker writes at once: their updates contend
     for i in range(count):
         if i % 2 == 0:
             store.append_event("worker-%d" % worker, "tick", {"i": i})
@@ -132,9 +133,10 @@ def _hammer(root, worker, count):
 
 def test_eight_processes_lose_no_update(project):
     root = str(project)
-    workers, each = 8, 200
+    workers, each = 8, 50
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_hammer, args=(root, w, each)) for w in range(workers)]
+    start = ctx.Barrier(workers)
+    procs = [ctx.Process(target=_hammer, args=(root, w, each, start)) for w in range(workers)]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -4,20 +4,18 @@ and the project's STATE.json that numbers every commit and mirrors the foregroun
 
 import json
 import os
-import subprocess
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, set_config
+from conftest import enqueue, run_cli, scripted_config, scripted_setup, set_config, statuses
 
 FERRUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ferrus.py")
 S = ferrus.TaskState
 
 
 def cli(root, *args, check=True):
-    proc = subprocess.run(FERRUS_CMD + [*args], cwd=str(root), text=True,
-                          capture_output=True, timeout=120)
+    proc = run_cli(*args, cwd=root, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc
@@ -221,3 +219,66 @@ def test_a_cancel_never_turns_a_merged_task_into_a_cancelled_one(project, monkey
         ferrus.op_cancel_task(store, ferrus.HUMAN, task)
     assert "already merged" in err.value.message
     assert real(store.dir, task)["status"] == "merged"
+
+
+# -- `ferrus run` working the queue in the checkout ------------------------------------------
+
+def test_a_config_that_does_not_load_takes_no_task_from_the_queue(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    first = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    second = enqueue(store, "Two.\n\nWRITE two.txt: two\n")
+    set_config(git_project, scripted_config(["test -f README.md"],
+                                            checks_extra='timeout_secs = "soon"\n'))
+    lines = []
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.run_queue(store, out=lines.append)
+    assert "timeout_secs" in refused.value.message
+    assert statuses(store) == {first: "queued", second: "queued"}
+    assert "dispatch_task" not in [e["event"] for e in store.read_journal()]
+    set_config(git_project, scripted_config(["test -f README.md"]))
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {first: "done", second: "done"}
+
+
+def test_a_run_that_raises_before_its_task_began_puts_the_task_back(git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+
+    def refused(*args, **kwargs):
+        raise ferrus.FerrusError("the agents would not start")
+    monkeypatch.setattr(ferrus, "run_loop", refused)
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.run_queue(store, out=lambda line: None)
+    assert statuses(store) == {task: "queued"}
+    entry = [e for e in store.read_journal() if e["event"] == "requeue_task"][-1]
+    assert entry["task_id"] == task and "would not start" in entry["detail"]["reason"]
+    record = ferrus.read_task_record(store.dir, task)
+    assert "store" not in record and "started_at" not in record
+
+
+def test_a_task_left_running_without_a_state_is_recovered_not_failed(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    # What a run killed between taking the task and creating it leaves behind.
+    ferrus.update_task(store, ferrus.HUMAN, task, "dispatch_task",
+                       {"status": "running", "store": "project"})
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "back in the queue" in text
+    assert statuses(store) == {task: "done"}
+    assert (git_project / "one.txt").read_text() == "one\n"
+
+
+def test_a_task_replaced_in_the_checkout_is_failed_with_a_reason(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    ferrus.update_task(store, ferrus.HUMAN, task, "dispatch_task",
+                       {"status": "running", "store": "project"})
+    ferrus.op_create_task(store, ferrus.HUMAN, "One.", task_id=task)
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    ferrus.op_create_task(store, ferrus.HUMAN, "Something else.")
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    ferrus.run_queue(store, out=lambda line: None)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "failed" and "`ferrus log`" in record["reason"]

@@ -11,8 +11,7 @@ import time
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD
-from test_hq import scripted  # noqa: F401  (the fixture: a project with scripted agents)
+from conftest import FERRUS_CMD, enqueue, git, run_tasks, scripted_setup
 
 # OSC 52 (set the clipboard), OSC 0 (window title), CSI 2J (clear the screen), a carriage
 # return that overprints the line with a lie, and a UTF-8-encoded C1 CSI.
@@ -65,6 +64,20 @@ def test_json_for_terminal_is_exact_json_without_controls():
     text = ferrus.json_for_terminal(ferrus.compact_json(value))
     assert json.loads(text) == value
     assert_inert(text.encode("utf-8"))
+
+
+def test_commit_messages_carry_no_raw_control_characters(git_project):
+    message = ferrus.task_commit_message("t-1", "Red \x1b[31mtitle\x07 \x9b2J\r\nmore",
+                                         "notes\x1b]52;c;eA==\x07\r\nline two\ttab\x7f")
+    assert not any(ch in message for ch in "\x1b\x07\x9b\x7f\r")
+    assert message.startswith("Red ^[[31mtitle^G \\x9b2J\n\nnotes^[]52;c;eA==^G\nline two\ttab^?")
+    store = scripted_setup(git_project, ["test -f README.md"])
+    task = enqueue(store, "Bell \x07 and \x1b[2J escape\n\nWRITE bell.txt: bell\n")
+    code, lines = run_tasks(store, 1)
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines)
+    log = git(git_project, "log", "-1", "--format=%B", "main").stdout
+    assert "Ferrus-Task: %s" % task in log
+    assert "\x1b" not in log and "\x07" not in log and "Bell ^G and ^[[2J escape" in log
 
 
 # -- the front ends ----------------------------------------------------------------------

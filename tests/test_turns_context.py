@@ -8,7 +8,8 @@ import subprocess
 
 import ferrus
 from conftest import FERRUS_CMD, set_config
-from test_hq import CONFIG, FakeMonotonic, drive, scripted  # noqa: F401 (fixture)
+from conftest import FakeMonotonic
+from test_hq import CONFIG, drive
 
 
 def fold(adapter, events):

@@ -14,12 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import ferrus
-from conftest import FERRUS_CMD, run_cli, scripted_project, set_config, SCRIPTED_CONFIG
+from conftest import (FERRUS_CMD, run_cli, scripted_project, set_config, SCRIPTED_CONFIG,
+                      wait_until)
 
 S = ferrus.S
 
@@ -34,16 +34,6 @@ def scripted(project, tmp_path, monkeypatch):
 
 def records(store):
     return ferrus.read_session_records(store)
-
-
-def wait_for(condition, what, limit=60.0):
-    deadline = time.monotonic() + limit
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "never happened: " + what
-        time.sleep(0.05)
 
 
 # -- folding what the CLIs report ------------------------------------------------------------
@@ -215,9 +205,9 @@ def test_a_killed_orchestrator_leaves_a_record_that_says_so_and_the_next_one_clo
                             stderr=subprocess.DEVNULL)
     try:
         # The executor claimed the task (one tool call) and sleeps: its count is on disk.
-        record = wait_for(lambda: next((r for r in records(scripted)
-                                        if r["tool_calls"] >= 1), None),
-                          "the running executor's record shows its first tool call")
+        record = wait_until(lambda: next((r for r in records(scripted)
+                                          if r["tool_calls"] >= 1), None),
+                            "the running executor's record shows its first tool call")
         assert record["status"] == "running" and ferrus.session_state(record) == "running"
         assert record["orchestrator"]["kind"] == "ferrus run"
         assert record["orchestrator"]["pid"] == proc.pid
@@ -262,8 +252,8 @@ def test_a_running_sessions_counts_reach_the_gate_before_it_ends(scripted, monke
     ferrus.op_create_task(scripted, ferrus.HUMAN, "t")
     controller = ferrus.HqController(scripted, lambda message: None)
     try:
-        wait_for(lambda: controller.poll() or controller.slots["executor"].tool_calls >= 1,
-                 "the executor's first tool call")
+        wait_until(lambda: controller.poll() or controller.slots["executor"].tool_calls >= 1,
+                   "the executor's first tool call")
         # The gate reads the record, which is written before the signals are taken.
         assert controller.signals().tokens_used == 110
         assert records(scripted)[0]["input_tokens"] == 100
@@ -412,8 +402,8 @@ def test_a_reviewer_that_ended_the_task_gets_to_report_its_cost(store, tmp_path)
         return (ferrus.Launch([sys.executable, "-c", REVIEWER_LAST_WORDS, str(go)]),
                 ferrus._parse_claude_style)
     controller = ferrus.HqController(store, lambda message: None, launcher=launcher)
-    wait_for(lambda: controller.poll() or controller.slots["reviewer"].process is not None,
-             "the reviewer started")
+    wait_until(lambda: controller.poll() or controller.slots["reviewer"].process is not None,
+               "the reviewer started")
     ferrus.op_approve(store, ferrus.Caller("supervisor", "supervisor:test:1"))
     go.write_text("")
     controller.wind_down()               # without a poll since the approve

@@ -5,30 +5,18 @@ Every test builds a real git repository in a temporary folder (git is required).
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import pytest
 
 import ferrus
-from test_git_diff import write
+from conftest import branches, git, write
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 
-def git(root, *args, check=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1")
-    return subprocess.run(["git", "-c", "init.defaultBranch=main"] + list(args), cwd=str(root),
-                          env=env, capture_output=True, text=True, check=check)
-
-
 def rev(root, what="HEAD"):
     return git(root, "rev-parse", what).stdout.strip()
-
-
-def branches(root):
-    return git(root, "for-each-ref", "--format=%(refname:short)", "refs/heads/").stdout.split()
 
 
 def registered(root):
