@@ -10421,12 +10421,15 @@ def graph_index_files(connection, root, paths, full=False, remove_missing=True,
     report = report or GraphIndexReport()
     report.full = full
     report.files = len(paths)
-    known = {row[0]: row[1:] for row in connection.execute(
-        "SELECT path, size, mtime_ns, hashed_ns, hash, status FROM files")}
     changed_set = False
     extracted = []
     _graph_begin(connection)
     try:
+        # Read inside the write transaction: another indexer (the other role's server,
+        # or a second query's refresh) may have filled the database while this one
+        # waited for the lock, and its rows must not be inserted a second time.
+        known = {row[0]: row[1:] for row in connection.execute(
+            "SELECT path, size, mtime_ns, hashed_ns, hash, status FROM files")}
         if not known:
             # Filling an empty database: its indexes are made once at the end, which is
             # much faster than keeping them up to date row by row.

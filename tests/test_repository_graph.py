@@ -456,6 +456,32 @@ def test_a_graph_another_process_writes_answers_from_what_is_there(tmp_path, mon
     assert ferrus.op_graph_search(store, ferrus.HUMAN, "beta").data["hits"]
 
 
+def test_two_indexers_at_once_store_each_file_once(tmp_path, monkeypatch):
+    # The supervisor's and the executor's servers both build a graph never built: the
+    # second waits for the first's write lock, then finds its rows instead of inserting
+    # them again (a UNIQUE constraint failure before).
+    root = tmp_path / "twice"
+    root.mkdir()
+    (root / "a.py").write_text("def alpha():\n    pass\n")
+    (root / "b.py").write_text("def beta():\n    pass\n")
+    ferrus.init_project(str(root), report=lambda message: None)
+    store = ferrus.Store(str(root))
+    begin = ferrus._graph_begin
+    others = []
+
+    def another_indexer_first(connection):
+        if not others:                  # the other one takes the lock, fills, commits
+            others.append(None)
+            others[0] = ferrus.graph_index(store)
+        begin(connection)
+    monkeypatch.setattr(ferrus, "_graph_begin", another_indexer_first)
+    second = ferrus.graph_index(store)
+    assert others[0].extracted == 2 and second.extracted == 0
+    with ferrus.graph_open(store, refresh=False) as view:
+        assert sorted(view.rows("SELECT name, path FROM g_symbols")) == [
+            ("alpha", "a.py"), ("beta", "b.py")]
+
+
 def test_without_git_the_tree_is_walked_and_special_files_are_skipped(tmp_path):
     root = tmp_path / "plain"
     root.mkdir()
