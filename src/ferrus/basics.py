@@ -13,6 +13,8 @@ import sys
 
 
 __version__ = "0.1.0"
+# This very file (ferrus.py, once built): what MCP entries start and places get a copy of.
+FERRUS_FILE = os.path.abspath(__file__)
 
 
 log = logging.getLogger("ferrus")

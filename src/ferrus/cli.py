@@ -15,11 +15,12 @@ import threading
 from .basics import (FerrusError, UsageError, __version__, did_you_mean, log, say,
                      terminal_safe)
 from .system import read_text
-from .config import CONFIG_FILE, load_config
+from .config import CONFIG_FILE, PLACE_HERE, load_config
 from .task_machine import S, WORK_STATES
 from .store import (FERRUS_DIR, QUEUED_STATUS, RUNNING_STATUS, Store, read_task_record,
                     require_utf8)
 from .checks import _status_note, report_orphaned_checks
+from .sandbox import SANDBOX_RELAY_ENV
 from .operations import (Caller, HUMAN, ROLES, confirmation_summary, op_human_approve,
                          op_human_reject, short_task_id)
 from .work import op_check, op_force_reset, op_run_checks_only
@@ -30,6 +31,8 @@ from .mcp import SESSION_ENV, serve_stdio
 from .adapters import adapter_for
 from .register import (add_registration_options, agents_report, register_agents,
                        registration_choices, unregister_agents)
+from .sandbox_agents import relay_mcp_stdio, sandbox_agent_report
+from .places import add_places_parser
 from .sessions import HqMessage, describe_orchestrator
 from .notify import terminal_bell
 from .orchestrator import OrchestratorLock, running_orchestrator, stop_orphaned_agents
@@ -313,9 +316,19 @@ def cmd_unregister(args, root):
 
 def cmd_agents(args, root):
     rows = agents_report(root)
+    if load_config(root).places[PLACE_HERE].sandbox.enabled:
+        # Whether each CLI starts inside the sandbox its tasks' agents run in.
+        inside = sandbox_agent_report(root)
+        for row in rows:
+            found = next((r for r in inside if r["role"] in (row["role"], None)), None)
+            if found is not None:
+                row["sandbox"] = {key: found[key] for key in ("works", "note", "problem",
+                                                              "hint") if key in found}
+    failed = any("problem" in row or not row.get("sandbox", {"works": True})["works"]
+                 for row in rows)
     if args.json:
         say(json.dumps(rows, indent=2))
-        return 0 if not any("problem" in row for row in rows) else 1
+        return 1 if failed else 0
     for row in rows:
         if row["agent"] is None:
             say("%-10s (none)  %s" % (row["role"], row["problem"]))
@@ -334,10 +347,15 @@ def cmd_agents(args, root):
         for warning in row.get("warnings", ()):
             say("           warning: %s" % warning["warning"])
             say("           fix: %s" % warning["hint"])
+        sandbox = row.get("sandbox")
+        if sandbox is not None:
+            say("           sandbox: %s" % (sandbox.get("note") or sandbox.get("problem")))
+            if sandbox.get("hint"):
+                say("           fix: %s" % sandbox["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
-    return 0 if not any("problem" in row for row in rows) else 1
+    return 1 if failed else 0
 
 
 def cmd_run(args, root):
@@ -503,6 +521,11 @@ def add_pipeline_parser(sub):
 
 
 def cmd_serve(args, root):
+    relay = os.environ.get(SANDBOX_RELAY_ENV)
+    if relay:
+        # Inside a task's sandbox .ferrus/ is hidden: the server runs outside, behind the
+        # task's bridge, with the role and project the orchestrator chose.
+        return relay_mcp_stdio(relay)
     return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
 
 
@@ -776,6 +799,7 @@ COMMAND_PARSERS = (
     ("run", _add_run_parser),
     ("hq", _add_hq_parser),
     ("pipeline", add_pipeline_parser),
+    ("places", add_places_parser),
     ("serve", _add_serve_parser),
 )
 

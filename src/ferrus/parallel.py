@@ -571,21 +571,8 @@ class ParallelRunner(MergeQueue):
                         "which holds only what git tracks), then `ferrus task cancel %s` and "
                         "queue the task again" % short_task_id(task))
 
-    def _run_setup(self, path, where, hint):
-        """[parallel] setup in ``path``, with the check runner (logs, timeouts, process
-        groups); raises FerrusError naming the failed command and ``where`` it ran."""
-        if not self.parallel.setup:
-            return
-        config = self.store.config()
-        setup = dataclasses.replace(config.checks, commands=list(self.parallel.setup),
-                                    parallel=False, fail_fast=True)
-        run = run_checks(path, setup, self.store.path("logs"), 0,
-                         config.limits.max_feedback_lines, None, self.store.root)
-        if not run.passed:
-            failed = run.failed[0] if run.failed else None
-            raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
-                where, failed.command if failed else "?", _status_note(failed) if failed
-                else "", failed.log_path if failed else run.log_path), hint)
+    def _run_setup(self, path, where, hint, wrap=None):
+        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap)
 
     def _prepared_half_way(self, task):
         """A RUNNING task whose state was never created: _prepare_task marks the record
@@ -893,6 +880,24 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
+
+
+def run_worktree_setup(store, path, commands, where, hint, wrap=None):
+    """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
+    process groups; ``wrap``, a sandbox's); raises FerrusError naming the failed command
+    and ``where`` it ran."""
+    if not commands:
+        return
+    config = store.config()
+    setup = dataclasses.replace(config.checks, commands=list(commands), parallel=False,
+                                fail_fast=True)
+    run = run_checks(path, setup, store.path("logs"), 0, config.limits.max_feedback_lines,
+                     None, store.root, wrap=wrap)
+    if not run.passed:
+        failed = run.failed[0] if run.failed else None
+        raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
+            where, failed.command if failed else "?", _status_note(failed) if failed
+            else "", failed.log_path if failed else run.log_path), hint)
 
 
 def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
