@@ -557,3 +557,89 @@ def test_a_task_runs_to_complete_with_its_agents_confined(visible):
     executor_said = "".join(open(os.path.join(logs, name)).read() for name in os.listdir(logs)
                             if name.startswith("executor"))
     assert executor_said.count("Read-only file system") == 4, executor_said
+
+
+# -- `ferrus run --parallel` with [sandbox] on ------------------------------------------------
+
+def sandboxed_queue_project(visible):
+    """A repository whose queue runs with [sandbox] on; the scripted agent keeps its memory
+    in visible/memory, made writable inside."""
+    from conftest import SCRIPTED_CONFIG
+    memory = os.path.join(visible, "memory")
+    os.makedirs(memory, exist_ok=True)
+    root = os.path.join(visible, "proj")
+    os.makedirs(root)
+    git(root, "init", "-q", "-b", "main")
+    ferrus.init_project(root, report=lambda message: None)
+    set_config(root, SCRIPTED_CONFIG + "\n[sandbox]\nenabled = true\nwritable = [%s]\n\n"
+                                       "[parallel]\nmax_tasks = 2\n" % json.dumps(memory))
+    ferrus.register_agents(root, {"supervisor": ("scripted", None),
+                                  "executor": ("scripted", None)}, report=lambda m: None)
+    with open(os.path.join(root, ".gitignore"), "w") as handle:
+        handle.write(".ferrus/\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "base")
+    return ferrus.Store(root)
+
+
+def test_a_parallel_run_confines_each_tasks_agents_and_a_hostile_one_still_merges(
+        visible, monkeypatch):
+    """Two tasks through `ferrus run --parallel` with [sandbox] on: the hostile executor's
+    writes outside its worktree (home, /var/tmp, the project's checkout, its .git/hooks
+    and .ferrus/) all fail, its work and the other task's are merged."""
+    bwrap_or_skip()
+    store = sandboxed_queue_project(visible)
+    root = store.root
+    home = os.path.join(visible, "home")
+    memory = os.path.join(visible, "memory")
+    os.makedirs(home)
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.setenv("SCRIPTED_DIR", memory)
+    for name, value in GIT_IDENTITY.items():
+        monkeypatch.setenv(name, value)
+    targets = [os.path.join(home, "evil"), "/var/tmp/ferrus-evil-%d" % os.getpid(),
+               os.path.join(root, "evil.txt"), os.path.join(root, ".git", "hooks", "pre-commit")]
+    hostile = "Hostile work.\n\nWRITE work.txt: work\n" + "".join(
+        "SHELL echo x > %s\n" % path for path in targets) + \
+        "SHELL echo forged > %s/.ferrus/STATE.json\n" % root
+    tasks = [ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
+             for text in (hostile, "Plain work.\n\nWRITE plain.txt: plain\n")]
+    lines = []
+    try:
+        code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
+    finally:
+        written = [path for path in targets if os.path.exists(path)]
+        for path in written:
+            os.unlink(path)
+    assert not written, written
+    logs = os.path.join(root, ".ferrus", "logs")
+    assert code == ferrus.RUN_COMPLETE, "\n".join(lines) + "".join(
+        open(os.path.join(logs, name)).read()[-1500:] for name in sorted(os.listdir(logs))
+        if "executor" in name)[-3000:]
+    assert {row["id"]: row["status"] for row in ferrus.task_rows(store)} == {
+        task: "merged" for task in tasks}
+    assert git(root, "show", "main:work.txt").stdout == "work\n"
+    assert git(root, "show", "main:plain.txt").stdout == "plain\n"
+    assert json.loads(open(os.path.join(root, ".ferrus", "STATE.json")).read())["rev"]
+    logs = os.path.join(root, ".ferrus", "logs")
+    said = "".join(open(os.path.join(logs, name)).read() for name in os.listdir(logs)
+                   if tasks[0] in name and "executor" in name)
+    assert said.count("Read-only file system") + said.count("No such file or directory") >= \
+        len(targets), said
+    for task in tasks:      # each task's sandbox folder went with it
+        assert not os.path.exists(store.for_task(task).task_path("sandbox"))
+
+
+def test_a_parallel_run_with_the_sandbox_on_and_no_bwrap_refuses_to_start(visible,
+                                                                          monkeypatch):
+    store = sandboxed_queue_project(visible)
+    ferrus.op_enqueue_task(store, ferrus.HUMAN, "Plain work.\n\nWRITE plain.txt: plain\n")
+
+    def missing():
+        raise ferrus.SandboxUnavailable("bubblewrap (bwrap) is not installed",
+                                        ferrus.BWRAP_INSTALL_HINT)
+    monkeypatch.setattr(ferrus, "sandbox_tool", missing)
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.run_parallel(store, 2, timeout=30, out=lambda line: None)
+    assert "bubblewrap" in refused.value.message and "apt" in refused.value.hint
+    assert {row["status"] for row in ferrus.task_rows(store)} == {"queued"}

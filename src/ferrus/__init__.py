@@ -52,6 +52,7 @@ MODULES = (
     "orchestrator",
     "journal_view",
     "controller",
+    "place_tasks",
     "merge_queue",
     "parallel",
     "run",

@@ -14,7 +14,7 @@ import time
 
 from .basics import FerrusError, format_timestamp, pretty_json, terminal_safe
 from .system import atomic_write, read_text
-from .config import CONFIG_FILE, git_branch_name_problem
+from .config import CONFIG_FILE, PLACE_HERE, git_branch_name_problem
 from .task_machine import ACTIVE_STATES, S, StateData, failure_summary
 from .session_machine import EMERGENCY_STOP, SS
 from .gates import (DispatchGateError, DispatchRecord, PhaseMachine, ShutdownRequired,
@@ -29,6 +29,7 @@ from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_
                   git_repository, record_task_base, run_git)
 from .worktrees import (create_task_worktree, default_worktree_dir, list_task_worktrees,
                         remove_review_checkout, remove_task_worktree, target_head)
+from .sandbox import SandboxUnavailable, sandbox_tool
 from .operations import (HUMAN, ORCHESTRATOR, confirmation_summary, op_create_task,
                          op_human_approve, op_human_reject, short_task_id,
                          task_diff_exclusions, task_git_site)
@@ -39,10 +40,12 @@ from .base_checks import (RedBaseRefused, cached_base_check, check_base,
 from .task_queue import (_TASK_ID_RE, _remove_task_leftovers, checked_task_records,
                          count_statuses, task_records, update_task)
 from .register import copy_agent_configuration
+from .sandbox_agents import confine_controller
 from .sessions import HqMessage
 from .notify import Notifier
 from .orchestrator import running_orchestrator
 from .controller import HqController
+from .place_tasks import PlaceRunning, PlaceTask
 from .merge_queue import MergeQueue
 
 
@@ -134,7 +137,7 @@ def live_parallel_run(store):
     return holder
 
 
-class ParallelRunner(MergeQueue):
+class ParallelRunner(PlaceRunning, MergeQueue):
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
     ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
@@ -177,6 +180,7 @@ class ParallelRunner(MergeQueue):
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
+        self._init_places(config, max_tasks is not None)     # [parallel] places
 
     # -- messages --------------------------------------------------------------------------
 
@@ -304,6 +308,9 @@ class ParallelRunner(MergeQueue):
                               "create it, or set [parallel] target to an existing branch "
                               "(\"\" = the branch checked out)")
         self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
+        if PLACE_HERE in self.place_order and self.place_slots.get(PLACE_HERE) and \
+                self.place_configs[PLACE_HERE].sandbox.enabled:
+            sandbox_tool()       # SandboxUnavailable: no task here may start unconfined
         project = self.store.project_state()
         if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
             raise FerrusError("a task is in flight in the checkout itself (state %s)"
@@ -314,7 +321,8 @@ class ParallelRunner(MergeQueue):
         for task, record, problem in checked_task_records(self.store):
             if problem:
                 self._leave_damaged(task, problem)
-            if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
+            if record.get("status") != RUNNING_STATUS or not (
+                    record.get("worktree") or record.get("store") == "place"):
                 continue
             if self._prepared_half_way(task):
                 self._prepare_again(task)
@@ -461,7 +469,7 @@ class ParallelRunner(MergeQueue):
         return list(self._queued[1])
 
     def free_slots(self):
-        return max(0, self.max_tasks - len(self.controllers))
+        return min(max(0, self.max_tasks - len(self.controllers)), self.place_free_slots())
 
     def _plan(self):
         self.batch = self.queued()[:self.free_slots()]
@@ -473,6 +481,7 @@ class ParallelRunner(MergeQueue):
         for task, ready in zip(todo, self._prepare_side_by_side(todo)):
             if not ready:
                 self.batch.remove(task)
+                self._unplace(task)
         self.advance(3)
 
     def _prepare_side_by_side(self, tasks):
@@ -518,6 +527,12 @@ class ParallelRunner(MergeQueue):
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
+        place = record.get("place") if record.get("store") == "place" else None
+        place = place or self._choose_place(task)
+        if place is None:
+            return False                       # no free slot at any place just now
+        if place != PLACE_HERE:
+            return self._prepare_at_place(task, record, place, fail)
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         # A project in a subfolder of its repository works in that subfolder of the worktree.
@@ -605,6 +620,8 @@ class ParallelRunner(MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists() or record.get("status") != RUNNING_STATUS:
             return None             # cancelled (or ended) since it was chosen
+        if record.get("store") == "place":
+            return self._adopt_at_place(task, record)
         if record.get("worktree") and not os.path.isdir(task_store.workdir):
             # Its folder was deleted: put the worktree back on the task's branch (the work
             # committed there is kept; what was only in the folder is gone).
@@ -621,6 +638,15 @@ class ParallelRunner(MergeQueue):
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"), notifier=self.notifier)
+        try:
+            # [sandbox] on: its agents start confined, or the task fails saying how to
+            # install bubblewrap (it never starts unconfined).
+            self.sandboxes[task] = confine_controller(controller)
+        except SandboxUnavailable as err:
+            self._end_task(task, FAILED_STATUS, "its sandbox cannot start: %s" %
+                           err.full_text())
+            return None
+        self.task_place[task] = PLACE_HERE
         self.controllers[task] = controller
         return controller
 
@@ -631,6 +657,8 @@ class ParallelRunner(MergeQueue):
             for task in self.queued()[:self.free_slots()]:
                 if self._prepare_task(task):
                     self.batch.append(task)
+                else:
+                    self._unplace(task)
         for task in self.batch:
             if any(record.task_id == task for record in self.dispatched):
                 continue
@@ -642,10 +670,13 @@ class ParallelRunner(MergeQueue):
             self.dispatched.append(DispatchRecord(task_id=task, role="executor",
                                                   agent=choice.agent if choice else "",
                                                   session_id=""))
-            self.note("dispatched task %s (%s) to %s in %s" % (
-                short_task_id(task), read_task_record(self.store.dir, task).get("title", ""),
-                choice.agent if choice else "no agent", controller.store.workdir),
-                task_id=task)
+            record = read_task_record(self.store.dir, task)
+            self.note("dispatched task %s (%s) to %s %s" % (
+                short_task_id(task), record.get("title", ""),
+                choice.agent if choice else "no agent",
+                "at place %s" % record["place"] if record.get("store") == "place" else
+                "in %s" % controller.store.workdir), task_id=task,
+                place=record.get("place") or PLACE_HERE)
         self._run_dispatch_gates()
         self.batch = []
         self.advance(4)
@@ -701,6 +732,9 @@ class ParallelRunner(MergeQueue):
             raise TaskRecordDamaged(task, problem)
         if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if isinstance(controller, PlaceTask):
+            self._watch_place_task(task, controller, data, record)
             return
         if data.state == S.IDLE:
             # Idle and not cancelled (a cancel writes both in one commit): its state was
@@ -769,6 +803,10 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.pop(task, None)
         if controller is not None:
             controller.shutdown()
+        self.task_place.pop(task, None)
+        confinement = self.sandboxes.pop(task, None)
+        if confinement is not None:
+            confinement.close()
 
     def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
@@ -787,7 +825,10 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
+        confinement = self.sandboxes.get(task)
         self._stop_controller(task)
+        if confinement is not None and status != FAILED_STATUS:
+            confinement.remove()       # its temp folder and private objects
         self.waiting_human.discard(task)
         if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
             changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
@@ -803,6 +844,8 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
         saved_note = ""
+        if record.get("store") == "place":
+            saved_note = self._end_at_place(task, record, status, controller)
         if record.get("worktree"):
             with contextlib.suppress(FerrusError, OSError):
                 remove_review_checkout(self.store.root, record["worktree"])
@@ -814,7 +857,7 @@ class ParallelRunner(MergeQueue):
                           "removes what a finished task leaves)" % (
                               short_task_id(task), record["worktree"], err.message),
                           "warning", task_id=task)
-        elif status == CANCELLED_STATUS:
+        elif status == CANCELLED_STATUS and record.get("store") != "place":
             # Its work is saved first (unless cancelled with --discard).
             saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
                                                                              task))[0]

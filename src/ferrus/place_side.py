@@ -39,9 +39,10 @@ from .task_machine import ACTIVE_STATES, StateData, TaskState
 from .session_machine import SessionState
 from .store import (CANCELLED_STATUS, RUNNING_STATUS, STATE_FILE, Store,
                     TASK_BRANCH_PREFIX, TASK_SCRATCH_FILES, read_task_record)
-from .git import _git_argv, _git_env, run_git, set_task_ref, snapshot_worktree, task_ref
+from .git import (_git_argv, _git_env, delete_task_refs, run_git, set_task_ref,
+                  snapshot_worktree, task_ref)
 from .worktrees import (_tree_of, create_task_worktree, move_task_worktree,
-                        remove_task_worktree)
+                        remove_review_checkout, remove_task_worktree, review_checkout_path)
 from .operations import (HUMAN, ORCHESTRATOR, op_create_task, op_human_approve,
                          op_human_reject, task_diff_exclusions, task_git_site)
 from .work import op_answer, op_integrated, op_integration_failed
@@ -787,7 +788,14 @@ def remove_place_task(project, task):
         with contextlib.suppress(FerrusError):
             remove_task_worktree(project.checkout, worktree, TASK_BRANCH_PREFIX + task)
             removed.append(worktree)
-        for name in (task, task + "-resume"):
+        with contextlib.suppress(FerrusError, OSError):
+            # The reviewer's checkout of its submission, and its submission refs there
+            # (what it saved stays until the place is cleaned).
+            if remove_review_checkout(project.checkout, worktree):
+                removed.append(review_checkout_path(worktree))
+        with contextlib.suppress(FerrusError):
+            delete_task_refs(project.checkout, task)
+        for name in (task, task + "-resume", task + "-onto"):
             with contextlib.suppress(FerrusError):
                 run_git(project.checkout, ["update-ref", "-d", PLACE_REF_PREFIX + name])
     for folder in (worktree, project.store().path("tasks", task), project.job(task)):

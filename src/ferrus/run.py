@@ -26,6 +26,7 @@ from .operations import (HUMAN, confirmation_summary, find_milestone, op_create_
 from .work import op_answer, op_force_reset
 from .task_queue import checked_task_records, task_records, update_task, write_task_record
 from .adapters import CustomAgent, adapter_for
+from .sandbox_agents import confine_controller
 from .sessions import HqMessage, format_usage, task_usage
 from .controller import HqController
 from .parallel import (ParallelRunner, QUIET_EVENTS, RUN_CHECKPOINT, RUN_COMPLETE,
@@ -122,6 +123,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         show(HqMessage(level, "ferrus run: " + text, "run", data))
     data = store.read_state()
     controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
+    # [sandbox] on: the task's agents start confined, or the run refuses here, before
+    # anything is created (SandboxUnavailable says how to install bubblewrap).
+    confinement = confine_controller(controller)
     if not controller.recheck_checkpoint():
         note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
              "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
@@ -158,6 +162,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
             time.sleep(poll_interval)
     finally:
         controller.shutdown()
+        if confinement is not None:
+            confinement.close()
         task_id = store.read_state().task_id
         used = task_usage(store, task_id)
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage

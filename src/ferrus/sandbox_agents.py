@@ -260,6 +260,28 @@ class AgentSandbox(TaskSandbox):
         self.bridges = {}
 
 
+def confine_controller(controller, require=True):
+    """Confine the agents of ``controller`` (an HqController: of a parallel task, or of
+    the project's own task) when this machine's [sandbox] is on: its launcher is wrapped
+    and the AgentSandbox returned (close() it when the controller stops, remove() it when
+    the task has ended); None when the sandbox is off.  ``require``: raise
+    SandboxUnavailable now (saying how to install bubblewrap) rather than at the first
+    launch — a task never starts unconfined."""
+    store = controller.store
+    config = store.config()
+    agents = [choice.agent for choice in (config.supervisor, config.executor) if choice]
+    executor = getattr(controller, "executor_agent", None)
+    if executor and executor not in agents:
+        agents.append(executor)
+    confinement = AgentSandbox.for_task(store, config.places[PLACE_HERE].sandbox, agents)
+    if confinement is None:
+        return None
+    if require:
+        confinement.require()
+    controller.launcher = confinement.launcher_for(controller)
+    return confinement
+
+
 # -- does each agent CLI start inside? --------------------------------------------------------
 
 def sandbox_agent_report(root, config=None, run=subprocess.run, tool=None, home=None):

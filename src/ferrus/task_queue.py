@@ -646,6 +646,8 @@ def task_rows(store, tasks=None):
                "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
+               # The place it runs (or ran) at, when not here (places.py).
+               "place": record.get("place") if record.get("store") == "place" else None,
                "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
                "started_at": record.get("started_at"), "ended_at": record.get("ended_at")}
         task_store = store.for_task(task)

@@ -1,0 +1,183 @@
+"""Parallel tasks at places: `ferrus run --parallel` sends tasks to the places of
+[parallel] places, follows them there, merges them here through the merge gate, and
+removes them there; a conflict goes back to the executor at its place.
+
+The quick tests use `env` as an exec prefix (this machine, this user); the others a
+second local user reached through a real sshd on 127.0.0.1 and through `runuser -u USER
+--` (tests/places_harness.py; skipped, saying why, without root or openssh-server).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ferrus
+from conftest import SCRIPTED_AGENT, custom_agent_config, set_config
+from places_harness import (PLACE_PYTHON, exec_place, local_place, place_home,  # noqa: F401
+                            ssh_place, sshd)  # (exec_place ... sshd: the fixtures)
+
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+                "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+
+
+def git(where, *args):
+    return subprocess.run(["git"] + list(args), cwd=str(where), capture_output=True, text=True,
+                          env=dict(os.environ, **GIT_IDENTITY), check=True).stdout.strip()
+
+
+def toml_list(words):
+    return json.dumps(list(words))
+
+
+def place_table(place):
+    """ferrus.toml's [places.NAME] for the PlaceConfig of a fixture."""
+    keys = "%s = %s\n" % ("ssh" if place.ssh else "exec", toml_list(place.ssh or place.exec))
+    return "[places.%s]\n%sslots = 2\ndir = %s\npython = %s\n" % (
+        place.name, keys, json.dumps(place.dir), json.dumps(place.python))
+
+
+def project_at(tmp_path, monkeypatch, place, agent_argv, places=None, extra=""):
+    """A repository whose tasks run at ``place`` (a PlaceConfig), the scripted agent
+    (``agent_argv``, as the place runs it) in both roles."""
+    for name, value in GIT_IDENTITY.items():
+        monkeypatch.setenv(name, value)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("SCRIPTED_DIR", str(memory))
+    root = tmp_path / "project"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    ferrus.init_project(str(root), report=lambda message: None)
+    set_config(root, "[checks]\ncommands = [\"test -f README.md\"]\n\n[limits]\n"
+                     "wait_timeout_secs = 5\n\n[parallel]\nplaces = %s\n\n%s\n%s\n" % (
+                         toml_list(places or [place.name]), place_table(place), extra) +
+               custom_agent_config("scripted", agent_argv))
+    ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
+                                       "executor": ("scripted", None)},
+                           report=lambda message: None)
+    (root / "README.md").write_text("hello\n")
+    (root / ".gitignore").write_text(".ferrus/\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "start")
+    return ferrus.Store(str(root))
+
+
+def enqueue(store, text):
+    return ferrus.op_enqueue_task(store, ferrus.HUMAN, text).data["task_id"]
+
+
+def run(store, timeout=300):
+    lines = []
+    code = ferrus.run_parallel(store, None, timeout=timeout, out=lines.append)
+    return code, "\n".join(lines)
+
+
+def place_folder(place):
+    return place.dir if place.dir.startswith("/") else os.path.join(place_home(),
+                                                                      place.dir[2:])
+
+
+def tasks_left_there(place):
+    """Task worktrees, stores and jobs still at the place."""
+    left = []
+    for where, folders, _ in os.walk(place_folder(place)):
+        left += [os.path.join(where, f) for f in folders if f.startswith("t-")]
+    return left
+
+
+def check_merged_there(store, tasks, place, lines, code):
+    assert code == ferrus.RUN_COMPLETE, lines
+    rows = {row["id"]: row for row in ferrus.task_rows(store)}
+    assert {task: rows[task]["status"] for task in tasks} == {t: "merged" for t in tasks}
+    for task in tasks:
+        record = ferrus.read_task_record(store.dir, task)
+        assert record["place"] == place.name and record["store"] == "place"
+        assert "worktree" not in record
+        assert store.for_task(task).read_state().state == ferrus.TaskState.COMPLETE
+        assert "dispatched task %s" % ferrus.short_task_id(task) in lines
+    assert "at place %s" % place.name in lines
+    entries = store.read_journal()
+    assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+    for task in tasks:
+        events = [e["event"] for e in entries if e.get("task_id") == task]
+        for wanted in ("create_task", "submit", "approve", "integrated"):
+            assert wanted in events, (task, events)
+        assert any((e.get("detail") or {}).get("place") == place.name for e in entries
+                   if e.get("task_id") == task and e["event"] == "submit")
+    assert not tasks_left_there(place), tasks_left_there(place)
+
+
+def test_two_tasks_at_a_place_are_merged_here_and_removed_there(tmp_path, monkeypatch,
+                                                                 local_place):
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+    tasks = [enqueue(store, "Add %s.\n\nWRITE %s.txt: %s\n" % (name, name, name))
+             for name in ("alpha", "beta")]
+    code, lines = run(store)
+    check_merged_there(store, tasks, local_place, lines, code)
+    files = git(store.root, "ls-tree", "-r", "--name-only", "main").split()
+    assert "alpha.txt" in files and "beta.txt" in files
+    assert open(os.path.join(store.root, "alpha.txt")).read() == "alpha\n"
+    # nothing of the tasks was ever worked in a worktree here
+    assert not os.path.exists(store.root + ".ferrus-worktrees") or \
+        not os.listdir(store.root + ".ferrus-worktrees")
+    shown = subprocess.run([sys.executable, os.path.join(os.path.dirname(ferrus.__file__),
+                                                         "ferrus.py"), "tasks", "--all"],
+                           cwd=store.root, capture_output=True, text=True)
+    assert shown.stdout.count("ran at place %s" % local_place.name) == 2, shown.stdout
+
+
+def test_a_conflict_at_a_place_goes_back_to_its_executor_there_and_then_merges(
+        tmp_path, monkeypatch, local_place):
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+    tasks = [enqueue(store, "Greeting %s.\n\nWRITE greeting.txt: hello from %s\n" % (n, n))
+             for n in ("one", "two")]
+    code, lines = run(store)
+    check_merged_there(store, tasks, local_place, lines, code)
+    assert "goes back to its executor" in lines
+    entries = store.read_journal()
+    assert any(e["event"] == "integration_failed" for e in entries)
+
+
+def test_a_place_that_cannot_be_reached_leaves_its_tasks_queued_and_says_so(
+        tmp_path, monkeypatch, local_place):
+    local_place.exec = [str(tmp_path / "no-such-prefix")]
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    code, lines = run(store, timeout=8)
+    assert code == ferrus.RUN_TIMEOUT, lines
+    assert "place local failed task %s" % ferrus.short_task_id(task) in lines
+    assert "waits in the queue" in lines
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "queued" and not record.get("place")
+
+
+# -- another user, through sshd and runuser ---------------------------------------------------
+
+def remote_agent(place_config):
+    """The scripted agent, copied where the place's user can read it (its CLI, as the
+    place's admin installs it)."""
+    place = ferrus.Place(place_config)
+    folder = os.path.join(place_home(), place_config.dir[2:], "agents")
+    with open(SCRIPTED_AGENT, "rb") as handle:
+        place.run(["sh", "-c", 'mkdir -p "$1" && cat > "$1/scripted_agent.py"', "sh", folder],
+                  input=handle.read())
+    return [PLACE_PYTHON, os.path.join(folder, "scripted_agent.py"), "{role}", "{mcp_config}"]
+
+
+@pytest.fixture(params=["ssh", "exec"])
+def remote_place(request):
+    return request.getfixturevalue(request.param + "_place")
+
+
+def test_two_tasks_at_another_users_place_are_merged(tmp_path, monkeypatch, remote_place):
+    store = project_at(tmp_path, monkeypatch, remote_place, remote_agent(remote_place))
+    tasks = [enqueue(store, "Add %s.\n\nWRITE %s.txt: %s\n" % (name, name, name))
+             for name in ("alpha", "beta")]
+    code, lines = run(store)
+    check_merged_there(store, tasks, remote_place, lines, code)
