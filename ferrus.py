@@ -9821,7 +9821,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
 
 
 # What a task's record says about one attempt at it: dropped when it is queued again.
-_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit", "place_tidied")
 
 
 def op_retry_task(store, caller, task):
@@ -17311,12 +17311,26 @@ class PlaceRunning:
                             name, saved["commit"][:12], saved["ref"])
             if status != FAILED_STATUS:
                 place.call("remove", project=project, task=task)
+                update_task(self.store, ORCHESTRATOR, task, "place_tidied",
+                            {"place_tidied": True}, place=name)
         except FerrusError as err:
             self.note("task %s: place %s could not be tidied (%s); `ferrus places --clean` "
                       "removes what is left there" % (short_task_id(task), name,
                                                       err.full_text()), "warning",
                       task_id=task)
         return said
+
+    def _tidy_places(self, records):
+        """Tasks at a place cancelled while no run followed them (`ferrus task cancel`
+        with no orchestrator): their work is saved there and fetched, and they are removed
+        there, as a run does at a cancel."""
+        for task, record in records:
+            if record.get("store") == "place" and record.get("status") == CANCELLED_STATUS \
+                    and not record.get("place_tidied"):
+                said = self._end_at_place(task, record, CANCELLED_STATUS, None)
+                if said:
+                    self.note("task %s was cancelled while no run followed it.%s" % (
+                        short_task_id(task), said), "warning", task_id=task)
 
     # -- the merge queue's verdict, for a task at a place ------------------------------------
 
@@ -18092,6 +18106,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                               % project.state, "finish it with `ferrus run --resume` (or "
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
+        self._tidy_places(task_records(self.store))
         resumed = []
         for task, record, problem in checked_task_records(self.store):
             if problem:
@@ -18371,6 +18386,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return True
+        if read_task_record(self.store.dir, task).get("store") == "place":
+            return False    # prepared there; its mirror here stays Idle until it follows
         try:
             return task_store.read_state().state == S.IDLE
         except FerrusError:
@@ -21609,11 +21626,11 @@ def remove_place_task(project, task):
             removed.append(worktree)
         with contextlib.suppress(FerrusError, OSError):
             # The reviewer's checkout of its submission, and its submission refs there
-            # (what it saved stays until the place is cleaned).
+            # (what a cancel saved there was fetched first).
             if remove_review_checkout(project.checkout, worktree):
                 removed.append(review_checkout_path(worktree))
         with contextlib.suppress(FerrusError):
-            delete_task_refs(project.checkout, task)
+            delete_task_refs(project.checkout, task, keep=())
         for name in (task, task + "-resume", task + "-onto"):
             with contextlib.suppress(FerrusError):
                 run_git(project.checkout, ["update-ref", "-d", PLACE_REF_PREFIX + name])

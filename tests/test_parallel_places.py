@@ -7,6 +7,7 @@ second local user reached through a real sshd on 127.0.0.1 and through `runuser 
 --` (tests/places_harness.py; skipped, saying why, without root or openssh-server).
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -88,7 +89,7 @@ def tasks_left_there(place):
     return left
 
 
-def check_merged_there(store, tasks, place, lines, code):
+def check_merged_there(store, tasks, place, lines, code, dispatched=True):
     assert code == ferrus.RUN_COMPLETE, lines
     rows = {row["id"]: row for row in ferrus.task_rows(store)}
     assert {task: rows[task]["status"] for task in tasks} == {t: "merged" for t in tasks}
@@ -97,8 +98,8 @@ def check_merged_there(store, tasks, place, lines, code):
         assert record["place"] == place.name and record["store"] == "place"
         assert "worktree" not in record
         assert store.for_task(task).read_state().state == ferrus.TaskState.COMPLETE
-        assert "dispatched task %s" % ferrus.short_task_id(task) in lines
-    assert "at place %s" % place.name in lines
+        assert not dispatched or "dispatched task %s" % ferrus.short_task_id(task) in lines
+    assert not dispatched or "at place %s" % place.name in lines
     entries = store.read_journal()
     assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
     for task in tasks:
@@ -181,3 +182,72 @@ def test_two_tasks_at_another_users_place_are_merged(tmp_path, monkeypatch, remo
              for name in ("alpha", "beta")]
     code, lines = run(store)
     check_merged_there(store, tasks, remote_place, lines, code)
+
+
+def test_a_run_stopped_while_its_task_works_at_a_place_is_taken_up_by_the_next(
+        tmp_path, monkeypatch, local_place):
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    seen = []
+
+    def stop_once_dispatched(line):
+        seen.append(line)
+        if "dispatched task" in line:
+            raise KeyboardInterrupt        # Ctrl+C as the task starts there
+    with pytest.raises(KeyboardInterrupt):
+        ferrus.run_parallel(store, None, timeout=120, out=stop_once_dispatched)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "running" and record["place"] == local_place.name
+    code, lines = run(store)
+    assert "resuming 1 task" in lines, lines
+    check_merged_there(store, [task], local_place, lines, code, dispatched=False)
+
+
+def test_a_cancelled_task_at_a_place_keeps_its_work_here(tmp_path, monkeypatch, local_place):
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"])
+    # Its executor writes its file there and ends without submitting, again and again.
+    task = enqueue(store, "Slow work.\n\nWRITE slow.txt: slow\nEXIT-WITHOUT-SUBMIT\n")
+    lines = []
+
+    def cancel_once_it_worked(line):
+        lines.append(line)
+        if "executor" in line and "exited" in line and len(lines) < 1000:
+            with contextlib.suppress(ferrus.FerrusError):
+                ferrus.op_cancel_task(store, ferrus.HUMAN, task)
+    code = ferrus.run_parallel(store, None, timeout=120, out=cancel_once_it_worked)
+    lines = "\n".join(lines)
+    record = ferrus.read_task_record(store.dir, task)
+    assert record["status"] == "cancelled", lines
+    saved = record["saved"]
+    assert git(store.root, "show", saved["commit"] + ":slow.txt") == "slow"
+    assert git(store.root, "rev-parse", saved["ref"]) == saved["commit"]
+    assert "Its work at place local is saved as %s" % saved["commit"][:12] in lines
+    assert not tasks_left_there(local_place)
+    assert code == ferrus.RUN_COMPLETE, lines
+
+
+def test_a_killed_ssh_connection_mid_task_is_made_again_and_the_task_merges(
+        tmp_path, monkeypatch, ssh_place):
+    store = project_at(tmp_path, monkeypatch, ssh_place, remote_agent(ssh_place))
+    task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
+    prefix = ferrus.Place(ssh_place)._prefix()
+    cut = []
+
+    def cut_when_it_works_there(line):
+        if "dispatched task" in line and not cut:
+            # Every session over the shared connection ends at once (the follower's too).
+            cut.append(subprocess.run(prefix[:-1] + ["-O", "exit", prefix[-1]],
+                                      capture_output=True, text=True))
+    lines = []
+
+    def out(line):
+        lines.append(line)
+        cut_when_it_works_there(line)
+    code = ferrus.run_parallel(store, None, timeout=300, out=out)
+    assert cut and cut[0].returncode == 0, cut
+    check_merged_there(store, [task], ssh_place, "\n".join(lines), code)
+    seqs = [e["detail"]["place_seq"] for e in store.read_journal()
+            if (e.get("detail") or {}).get("place_seq")]
+    assert seqs == sorted(set(seqs)), "an entry of the place came twice: %s" % seqs

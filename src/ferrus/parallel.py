@@ -317,6 +317,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                               % project.state, "finish it with `ferrus run --resume` (or "
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
+        self._tidy_places(task_records(self.store))
         resumed = []
         for task, record, problem in checked_task_records(self.store):
             if problem:
@@ -596,6 +597,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return True
+        if read_task_record(self.store.dir, task).get("store") == "place":
+            return False    # prepared there; its mirror here stays Idle until it follows
         try:
             return task_store.read_state().state == S.IDLE
         except FerrusError:

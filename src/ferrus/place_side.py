@@ -790,11 +790,11 @@ def remove_place_task(project, task):
             removed.append(worktree)
         with contextlib.suppress(FerrusError, OSError):
             # The reviewer's checkout of its submission, and its submission refs there
-            # (what it saved stays until the place is cleaned).
+            # (what a cancel saved there was fetched first).
             if remove_review_checkout(project.checkout, worktree):
                 removed.append(review_checkout_path(worktree))
         with contextlib.suppress(FerrusError):
-            delete_task_refs(project.checkout, task)
+            delete_task_refs(project.checkout, task, keep=())
         for name in (task, task + "-resume", task + "-onto"):
             with contextlib.suppress(FerrusError):
                 run_git(project.checkout, ["update-ref", "-d", PLACE_REF_PREFIX + name])

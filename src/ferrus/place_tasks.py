@@ -597,12 +597,26 @@ class PlaceRunning:
                             name, saved["commit"][:12], saved["ref"])
             if status != FAILED_STATUS:
                 place.call("remove", project=project, task=task)
+                update_task(self.store, ORCHESTRATOR, task, "place_tidied",
+                            {"place_tidied": True}, place=name)
         except FerrusError as err:
             self.note("task %s: place %s could not be tidied (%s); `ferrus places --clean` "
                       "removes what is left there" % (short_task_id(task), name,
                                                       err.full_text()), "warning",
                       task_id=task)
         return said
+
+    def _tidy_places(self, records):
+        """Tasks at a place cancelled while no run followed them (`ferrus task cancel`
+        with no orchestrator): their work is saved there and fetched, and they are removed
+        there, as a run does at a cancel."""
+        for task, record in records:
+            if record.get("store") == "place" and record.get("status") == CANCELLED_STATUS \
+                    and not record.get("place_tidied"):
+                said = self._end_at_place(task, record, CANCELLED_STATUS, None)
+                if said:
+                    self.note("task %s was cancelled while no run followed it.%s" % (
+                        short_task_id(task), said), "warning", task_id=task)
 
     # -- the merge queue's verdict, for a task at a place ------------------------------------
 

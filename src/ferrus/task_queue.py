@@ -494,7 +494,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
 
 
 # What a task's record says about one attempt at it: dropped when it is queued again.
-_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit", "place_tidied")
 
 
 def op_retry_task(store, caller, task):
