@@ -251,3 +251,67 @@ def test_a_killed_ssh_connection_mid_task_is_made_again_and_the_task_merges(
     seqs = [e["detail"]["place_seq"] for e in store.read_journal()
             if (e.get("detail") or {}).get("place_seq")]
     assert seqs == sorted(set(seqs)), "an entry of the place came twice: %s" % seqs
+
+
+# -- the real Claude Code CLI at an ssh place --------------------------------------------------
+
+def claude_at_place(place_config, fake):
+    """The claude CLI installed at the place as its admin would: the binary (hard-linked
+    where the place's user can run it, else copied) behind a wrapper that points it at
+    the scripted model ``fake`` with a HOME of its own; the wrapper's folder goes first
+    on PATH there ([places.NAME] path)."""
+    from fake_anthropic import find_agent
+    binary = os.path.realpath(find_agent("claude"))
+    place = ferrus.Place(place_config)
+    folder = os.path.join(place_home(), place_config.dir[2:], "claude-bin")
+    place.run(["mkdir", "-p", folder + "/home"])
+    target = os.path.join(folder, "claude-real")
+    try:
+        os.link(binary, target)
+    except OSError:
+        import shutil
+        shutil.copy(binary, target)
+    os.chmod(target, 0o755)
+    wrapper = "#!/bin/sh\n" + "".join("export %s=%s\n" % (name, value) for name, value in (
+        ("ANTHROPIC_BASE_URL", fake.url), ("ANTHROPIC_API_KEY", "sk-ant-fake-key-for-tests"),
+        ("HOME", folder + "/home"), ("XDG_CONFIG_HOME", folder + "/home/.config"),
+        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"), ("DISABLE_TELEMETRY", "1"),
+        ("DISABLE_AUTOUPDATER", "1"), ("DISABLE_ERROR_REPORTING", "1"),
+        ("NO_PROXY", "127.0.0.1,localhost"))) + 'exec %s "$@"\n' % target
+    place.run(["sh", "-c", 'cat > "$1/claude" && chmod 755 "$1/claude"', "sh", folder],
+              input=wrapper.encode())
+    return folder
+
+
+@pytest.mark.e2e
+def test_two_tasks_at_an_ssh_place_with_the_real_claude_cli_are_merged(
+        tmp_path, monkeypatch, ssh_place):
+    from fake_anthropic import FakeAnthropic, claude_env, find_agent
+    from test_e2e_parallel import TwoTasks
+    if not find_agent("claude"):
+        pytest.skip("the claude CLI is not installed (npm install @anthropic-ai/claude-code)")
+    model = TwoTasks()
+    with FakeAnthropic(model) as fake:
+        ssh_place.path = [claude_at_place(ssh_place, fake)]
+        home = tmp_path / "home"
+        home.mkdir()
+        for name, value in claude_env(fake, str(home)).items():
+            monkeypatch.setenv(name, value)
+        store = project_at(tmp_path, monkeypatch, ssh_place, ["unused"],
+                           extra="path = %s\n" % toml_list(ssh_place.path))
+        ferrus.register_agents(store.root, {"supervisor": ("claude-code", None),
+                                            "executor": ("claude-code", None)},
+                               report=lambda message: None)
+        git(store.root, "add", "-A")
+        git(store.root, "commit", "-qm", "claude in both roles")
+        tasks = [enqueue(store, "Create %s.txt containing %s." % (name, name))
+                 for name in ("alpha", "beta")]
+        code, lines = run(store, timeout=300)
+        check_merged_there(store, tasks, ssh_place, lines + fake.describe(), code)
+    for name in ("alpha", "beta"):
+        assert git(store.root, "show", "main:%s.txt" % name) == name
+    roles = sorted((role, name) for role, _, _, name in model.seen)
+    assert roles == [("executor", "alpha.txt"), ("executor", "beta.txt"),
+                     ("supervisor", "alpha.txt"), ("supervisor", "beta.txt")], model.seen
+    # each agent worked in its task's worktree at the place, as the place's user
+    assert all(workdir.startswith(place_home()) for _, _, workdir, _ in model.seen), model.seen
