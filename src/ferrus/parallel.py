@@ -829,6 +829,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
         confinement = self.sandboxes.get(task)
+        if isinstance(controller, PlaceTask) and status != FAILED_STATUS:
+            controller.stop_job = False     # its removal there stops it (see _end_at_place)
         self._stop_controller(task)
         if confinement is not None and status != FAILED_STATUS:
             confinement.remove()       # its temp folder and private objects
@@ -921,6 +923,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        self.finish_place_removals()
         self.notifier.finish()
         if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):

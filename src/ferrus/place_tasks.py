@@ -21,8 +21,8 @@ from .basics import FerrusError, format_timestamp, log, terminal_safe
 from .config import AgentChoice, CONFIG_FILE, PLACE_HERE
 from .task_machine import S, StateData
 from .gates import Signals
-from .store import (CANCELLED_STATUS, FAILED_STATUS, QUEUED_STATUS, RUNNING_STATUS,
-                    read_task_record)
+from .store import (CANCELLED_STATUS, FAILED_STATUS, MERGED_STATUS, QUEUED_STATUS,
+                    RUNNING_STATUS, UNCHANGED_STATUS, read_task_record)
 from .git import task_ref
 from .worktrees import target_head
 from .operations import ORCHESTRATOR, confirmation_summary, short_task_id
@@ -100,15 +100,19 @@ class PlaceTask:
         self.seen_rev = None           # the local rev whose human acts were looked at
         self.fetched = set()
         self.retry_at = None           # when to try starting its job again (place down)
+        self.stop_job = True           # shutdown also stops its job there (not when it ends:
+                                       # its removal there does that)
         self.clock = store.monotonic
 
     # -- the job there ----------------------------------------------------------------------
 
-    def start(self):
-        """Start (or renew: idempotent) the task's job there and follow it from where the
-        mirror stands.  Raises FerrusError (the place cannot be reached or refused)."""
-        self.place.call("start", project=self.project, task=self.task,
-                        lease=self.lease_secs)
+    def start(self, started=False):
+        """Start (or renew: idempotent) the task's job there — unless ``started`` (its
+        prepare started it this very moment) — and follow it from where the mirror
+        stands.  Raises FerrusError (the place cannot be reached or refused)."""
+        if not started:
+            self.place.call("start", project=self.project, task=self.task,
+                            lease=self.lease_secs)
         self._follow()
         return self
 
@@ -192,7 +196,8 @@ class PlaceTask:
         if self.follower is not None:
             self.follower.stop()
             self.follower = None
-        self.stop_all()
+        if self.stop_job:
+            self.stop_all()
 
     # -- the mirror ----------------------------------------------------------------------------
 
@@ -420,6 +425,8 @@ class PlaceRunning:
         self.sandboxes = {}            # task here -> its AgentSandbox ([sandbox] on)
         self._placing = threading.Lock()
         self._place_moves = {}         # task -> the commit its worktree there moves to
+        self._started_there = set()    # tasks whose prepare there started their job
+        self._removals = []            # threads removing merged tasks there
 
     def _unplace(self, task):
         """A task chosen for a place but not prepared (nor running): its slot is free."""
@@ -480,7 +487,8 @@ class PlaceRunning:
                 self.store, task, start, without_red_base_note(task_store.read_file(
                     "TASK.md")) + self.base_note,
                 origin={key: origin.get(key) for key in ("spec", "milestone")},
-                agent=record.get("agent"), resume_from=record.get("resume_from"))
+                agent=record.get("agent"), resume_from=record.get("resume_from"),
+                lease=self._place_lease())      # its job starts in the same call
         except (PlaceUnreachable, PlaceBroken) as err:
             self._place_failed(task, name, err)
             return False
@@ -492,6 +500,7 @@ class PlaceRunning:
                 name, err.full_text()))
             return False
         self.places_down.worked(name)
+        self._started_there.add(task)
         task_store.create_state(StateData())     # the mirror's start (see PlaceTask)
         if record.get("resume_from"):
             update_task(self.store, ORCHESTRATOR, task, "task_work_restored",
@@ -525,7 +534,8 @@ class PlaceRunning:
         proxy = PlaceTask(self.store, task, self._channel(name), self._task_emitter(task),
                           self.note, self.notifier, self._place_lease())
         try:
-            proxy.start()
+            proxy.start(started=task in self._started_there)
+            self._started_there.discard(task)
         except (PlaceUnreachable, PlaceBroken) as err:
             secs = self.places_down.failed(name)
             self.note("place %s cannot be reached for task %s (%s): tried again in %ds" % (
@@ -595,10 +605,15 @@ class PlaceRunning:
                                     ref=saved["ref"])
                         said = " Its work at place %s is saved as %s (%s)." % (
                             name, saved["commit"][:12], saved["ref"])
-            if status != FAILED_STATUS:
-                place.call("remove", project=project, task=task)
-                update_task(self.store, ORCHESTRATOR, task, "place_tidied",
-                            {"place_tidied": True}, place=name)
+            if status in (MERGED_STATUS, UNCHANGED_STATUS):
+                # Nothing of it is needed there any more: removed beside the run, so the
+                # next task's merge does not wait for the place.
+                removal = threading.Thread(target=self._remove_there, args=(place, task, name),
+                                           daemon=True, name="ferrus-remove-%s" % task)
+                removal.start()
+                self._removals.append(removal)
+            elif status != FAILED_STATUS:
+                self._remove_there(place, task, name)
         except FerrusError as err:
             self.note("task %s: place %s could not be tidied (%s); `ferrus places --clean` "
                       "removes what is left there" % (short_task_id(task), name,
@@ -606,13 +621,32 @@ class PlaceRunning:
                       task_id=task)
         return said
 
+    def _remove_there(self, place, task, name):
+        try:
+            place.call("remove", project=place_project_key(self.store.root), task=task)
+            update_task(self.store, ORCHESTRATOR, task, "place_tidied",
+                        {"place_tidied": True}, place=name)
+        except FerrusError as err:
+            self.note("task %s: place %s could not remove it (%s); `ferrus places --clean` "
+                      "removes what is left there" % (short_task_id(task), name,
+                                                      err.full_text()), "warning",
+                      task_id=task)
+
+    def finish_place_removals(self, timeout=60):
+        """Wait for the removals under way at places (the run is ending)."""
+        for removal in self._removals:
+            removal.join(timeout)
+        self._removals = []
+
     def _tidy_places(self, records):
         """Tasks at a place cancelled while no run followed them (`ferrus task cancel`
         with no orchestrator): their work is saved there and fetched, and they are removed
-        there, as a run does at a cancel."""
+        there, as a run does at a cancel; merged ones whose removal there a stopped run
+        did not see through are removed now."""
         for task, record in records:
-            if record.get("store") == "place" and record.get("status") == CANCELLED_STATUS \
-                    and not record.get("place_tidied"):
+            if record.get("store") == "place" and record.get("status") in (
+                    CANCELLED_STATUS, MERGED_STATUS, UNCHANGED_STATUS) and \
+                    not record.get("place_tidied"):
                 said = self._end_at_place(task, record, CANCELLED_STATUS, None)
                 if said:
                     self.note("task %s was cancelled while no run followed it.%s" % (
