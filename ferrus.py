@@ -17866,7 +17866,7 @@ class MergeQueue:
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 54)
+# src/ferrus/parallel.py (from its line 55)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -18374,6 +18374,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
+            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
+            # the reviewer's start (in the runner's step) only a reset to the submission
+            # is left (see review_folder).
+            own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())

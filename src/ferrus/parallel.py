@@ -28,7 +28,8 @@ from .checks import _status_note, run_checks
 from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_refs,
                   git_repository, record_task_base, run_git)
 from .worktrees import (create_task_worktree, default_worktree_dir, list_task_worktrees,
-                        remove_review_checkout, remove_task_worktree, target_head)
+                        own_checkout, remove_review_checkout, remove_task_worktree,
+                        review_checkout_path, target_head)
 from .sandbox import SandboxUnavailable, sandbox_tool
 from .operations import (HUMAN, ORCHESTRATOR, confirmation_summary, op_create_task,
                          op_human_approve, op_human_reject, short_task_id,
@@ -551,6 +552,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
+            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
+            # the reviewer's start (in the runner's step) only a reset to the submission
+            # is left (see review_folder).
+            own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())
