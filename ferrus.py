@@ -17089,6 +17089,12 @@ class PlaceTask:
                     terminal_safe(err.full_text())), "error", task_id=self.task)
 
 
+def places_elsewhere(config):
+    """Whether [parallel] places names a place besides this machine (then `ferrus run`
+    works the queue with the parallel runner, whatever `--parallel`)."""
+    return any(name != PLACE_HERE for name in config.parallel.places)
+
+
 def place_for(places, config):
     """The Place channel of ``config`` (a PlaceConfig), one per place for the whole run:
     it caches which commits the place has, and ssh shares one connection per host."""
@@ -24908,7 +24914,7 @@ def cmd_journal(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 49)
+# src/ferrus/cli.py (from its line 50)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -25282,13 +25288,18 @@ def cmd_run(args, root):
     if args.parallel is not None and not 1 <= args.parallel <= 64:
         raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
                          % args.parallel, "ferrus run --parallel 3")
+    elsewhere = False
     parallel = args.parallel
     if parallel is None:
         # A ferrus.toml that does not load is reported by the run itself, as ever.
         with contextlib.suppress(FerrusError):
             parallel = store.config().parallel.max_tasks
     parallel = parallel or 1
-    if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
+    with contextlib.suppress(FerrusError):
+        # Tasks sent to places are always worked by the parallel runner (even one here).
+        elsewhere = places_elsewhere(store.config())
+    if (parallel > 1 or elsewhere) and (args.milestone or args.until_done or args.resume or
+                                        args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
                          "SPEC), then `ferrus run --parallel N`; an interrupted task is "
@@ -25298,12 +25309,14 @@ def cmd_run(args, root):
         show = run_printer(lambda text: say(text, flush=True), mode)
         for note in held.notes:
             show(HqMessage("info", "ferrus run: %s" % note, "run"))
-        if parallel > 1:
+        if parallel > 1 or elsewhere:
             if task is not None:
                 require_utf8(task, "the task description")
                 show(HqMessage("info", "ferrus run: " + op_enqueue_task(
                     store, human_caller(), task).text, "run"))
-            return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
+            # At places, without --parallel this machine's share is [places.here] slots.
+            return run_parallel(store, args.parallel if elsewhere else parallel,
+                                args.timeout, ask=ask, review=review,
                                 mode=mode, bell=bell, allow_red_base=args.allow_red_base)
         if args.milestone or args.until_done:
             return run_milestones(store, args.milestone or "next", args.until_done,

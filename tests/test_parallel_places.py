@@ -315,3 +315,27 @@ def test_two_tasks_at_an_ssh_place_with_the_real_claude_cli_are_merged(
                      ("supervisor", "alpha.txt"), ("supervisor", "beta.txt")], model.seen
     # each agent worked in its task's worktree at the place, as the place's user
     assert all(workdir.startswith(place_home()) for _, _, workdir, _ in model.seen), model.seen
+
+
+def test_ferrus_run_works_the_queue_at_the_places_without_parallel(tmp_path, monkeypatch,
+                                                                    local_place):
+    """`ferrus run` as a user types it: with a place in [parallel] places the queue goes
+    to the parallel runner even with max_tasks = 1 (here keeps its one slot)."""
+    from conftest import FERRUS_CMD
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"],
+                       places=["here", local_place.name])
+    tasks = [enqueue(store, "Add %s.\n\nWRITE %s.txt: %s\n" % (name, name, name))
+             for name in ("alpha", "beta", "gamma")]
+    done = subprocess.run(FERRUS_CMD + ["run", "--timeout", "240"], cwd=store.root,
+                          capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "at place %s" % local_place.name in done.stdout
+    records = [ferrus.read_task_record(store.dir, task) for task in tasks]
+    assert {record["status"] for record in records} == {"merged"}
+    assert {record.get("place") or "here" for record in records} == {"here",
+                                                                     local_place.name}
+    shown = subprocess.run(FERRUS_CMD + ["tasks"], cwd=store.root, capture_output=True,
+                           text=True, timeout=60)
+    assert "it ran at place %s" % local_place.name in shown.stdout, shown.stdout

@@ -375,6 +375,12 @@ class PlaceTask:
                     terminal_safe(err.full_text())), "error", task_id=self.task)
 
 
+def places_elsewhere(config):
+    """Whether [parallel] places names a place besides this machine (then `ferrus run`
+    works the queue with the parallel runner, whatever `--parallel`)."""
+    return any(name != PLACE_HERE for name in config.parallel.places)
+
+
 def place_for(places, config):
     """The Place channel of ``config`` (a PlaceConfig), one per place for the whole run:
     it caches which commits the place has, and ssh shares one connection per host."""
