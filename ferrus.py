@@ -25825,6 +25825,7 @@ __all__ = [
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
+    "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (operations, work, task_queue)

@@ -10,8 +10,8 @@ import sys
 from .basics import FerrusError, TransitionError, __version__
 from .config import (AgentChoice, AgentOptions, AgentsConfig, CapacityConfig, ChecksConfig,
                      Config, CustomAgentSpec, GitConfig, LeaseConfig, LimitsConfig,
-                     NotifyConfig, ParallelConfig, PipelinesConfig, SessionsConfig,
-                     SpecConfig, load_config)
+                     NotifyConfig, ParallelConfig, PipelinesConfig, PlaceConfig,
+                     SandboxConfig, SessionsConfig, SpecConfig, load_config)
 from .task_machine import StateData, TaskState
 from .store import Store
 from .operations import (Caller, HUMAN, Outcome, op_approve, op_clear_selection,
@@ -34,6 +34,7 @@ __all__ = [
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
+    "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (operations, work, task_queue)
