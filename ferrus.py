@@ -13502,26 +13502,77 @@ class AgentSandbox(TaskSandbox):
         self.bridges = {}
 
 
+class ControllerSandbox:
+    """The confinement of one HqController's agents (of a parallel task here, or of the
+    project's own task), decided at each launch by this machine's [sandbox] as ferrus.toml
+    says it then: on, the launch is confined (one AgentSandbox, its bridges kept); off,
+    it goes as it is.  A ferrus.toml that does not load fails the launch, saying why, as
+    it always did — never an agent started unconfined because the file could not be read."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.inner = controller.launcher
+        self.confinement = None
+
+    def sandbox(self):
+        """The AgentSandbox to launch in, or None ([sandbox] off).  Raises FerrusError
+        (ferrus.toml does not load) and SandboxUnavailable."""
+        store = self.controller.store
+        config = store.config()
+        wanted = config.places[PLACE_HERE].sandbox
+        if not wanted.enabled:
+            return None
+        if self.confinement is None or self.confinement.config != wanted:
+            agents = [choice.agent for choice in (config.supervisor, config.executor)
+                      if choice]
+            executor = getattr(self.controller, "executor_agent", None)
+            if executor and executor not in agents:
+                agents.append(executor)
+            if self.confinement is not None:
+                self.confinement.close()
+            self.confinement = AgentSandbox.for_task(store, wanted, agents)
+        return self.confinement
+
+    def launch(self, slot):
+        confinement = self.sandbox()
+        if confinement is None:
+            return self.inner(slot)
+
+        def agent_of_role(role):
+            choice = self.controller.agent_choice(role)
+            return choice.agent if choice else "agent"
+        return confinement.launcher(self.inner, agent_of_role)(slot)
+
+    def close(self):
+        """End the bridges (its agents have stopped)."""
+        if self.confinement is not None:
+            self.confinement.close()
+
+    def remove(self):
+        """The task's temp folder and private objects (the task has ended)."""
+        if self.confinement is not None:
+            self.confinement.remove()
+
+
 def confine_controller(controller, require=True):
-    """Confine the agents of ``controller`` (an HqController: of a parallel task, or of
-    the project's own task) when this machine's [sandbox] is on: its launcher is wrapped
-    and the AgentSandbox returned (close() it when the controller stops, remove() it when
-    the task has ended); None when the sandbox is off.  ``require``: raise
-    SandboxUnavailable now (saying how to install bubblewrap) rather than at the first
-    launch — a task never starts unconfined."""
-    store = controller.store
-    config = store.config()
-    agents = [choice.agent for choice in (config.supervisor, config.executor) if choice]
-    executor = getattr(controller, "executor_agent", None)
-    if executor and executor not in agents:
-        agents.append(executor)
-    confinement = AgentSandbox.for_task(store, config.places[PLACE_HERE].sandbox, agents)
-    if confinement is None:
-        return None
+    """Confine the agents of ``controller`` (an HqController) by this machine's [sandbox]
+    (see ControllerSandbox); returns the ControllerSandbox (close() it when the controller
+    stops, remove() it when its task has ended).  ``require``: when the sandbox is on,
+    raise SandboxUnavailable now (saying how to install bubblewrap) rather than at the
+    first launch — a task never starts unconfined.  A ferrus.toml that does not load is
+    left to the caller's own checks (and fails each launch)."""
+    confined = ControllerSandbox(controller)
     if require:
-        confinement.require()
-    controller.launcher = confinement.launcher_for(controller)
-    return confinement
+        try:
+            confinement = confined.sandbox()
+        except SandboxUnavailable:
+            raise
+        except FerrusError:
+            confinement = None
+        if confinement is not None:
+            confinement.require()
+    controller.launcher = confined.launch
+    return confined
 
 
 # -- does each agent CLI start inside? --------------------------------------------------------
@@ -17147,6 +17198,8 @@ class PlaceRunning:
         self._place_moves = {}         # task -> the commit its worktree there moves to
         self._started_there = set()    # tasks whose prepare there started their job
         self._removals = []            # threads removing merged tasks there
+        self._first_prepare = {}       # place -> Lock held by its first prepare of the run
+        self._prepared_at = set()      # places where a prepare of this run went through
 
     def _unplace(self, task):
         """A task chosen for a place but not prepared (nor running): its slot is free."""
@@ -17203,12 +17256,18 @@ class PlaceRunning:
                 # saved and fetched when it ended, and goes on from there: resume_from).
                 self._channel(record["place"]).call(
                     "remove", project=place_project_key(self.store.root), task=task)
-            self._channel(name).prepare_task(
-                self.store, task, start, without_red_base_note(task_store.read_file(
-                    "TASK.md")) + self.base_note,
-                origin={key: origin.get(key) for key in ("spec", "milestone")},
-                agent=record.get("agent"), resume_from=record.get("resume_from"),
-                lease=self._place_lease())      # its job starts in the same call
+            with self._placing:
+                first = self._first_prepare.setdefault(name, threading.Lock())
+            # The first prepare at a place may make the project's clone and store there:
+            # the others of the batch wait for it, then go side by side.
+            with first if name not in self._prepared_at else contextlib.nullcontext():
+                self._channel(name).prepare_task(
+                    self.store, task, start, without_red_base_note(task_store.read_file(
+                        "TASK.md")) + self.base_note,
+                    origin={key: origin.get(key) for key in ("spec", "milestone")},
+                    agent=record.get("agent"), resume_from=record.get("resume_from"),
+                    lease=self._place_lease())      # its job starts in the same call
+                self._prepared_at.add(name)
         except (PlaceUnreachable, PlaceBroken) as err:
             self._place_failed(task, name, err)
             return False
@@ -18713,7 +18772,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
                       % (short_task_id(task), failure_summary(reason or ""),
-                         record.get("worktree") or "-", short_task_id(task),
+                         record.get("worktree") or ("at place %s" % record["place"]
+                                                    if record.get("place") else "-"), short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",

@@ -885,7 +885,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
                       % (short_task_id(task), failure_summary(reason or ""),
-                         record.get("worktree") or "-", short_task_id(task),
+                         record.get("worktree") or ("at place %s" % record["place"]
+                                                    if record.get("place") else "-"), short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",

@@ -433,6 +433,8 @@ class PlaceRunning:
         self._place_moves = {}         # task -> the commit its worktree there moves to
         self._started_there = set()    # tasks whose prepare there started their job
         self._removals = []            # threads removing merged tasks there
+        self._first_prepare = {}       # place -> Lock held by its first prepare of the run
+        self._prepared_at = set()      # places where a prepare of this run went through
 
     def _unplace(self, task):
         """A task chosen for a place but not prepared (nor running): its slot is free."""
@@ -489,12 +491,18 @@ class PlaceRunning:
                 # saved and fetched when it ended, and goes on from there: resume_from).
                 self._channel(record["place"]).call(
                     "remove", project=place_project_key(self.store.root), task=task)
-            self._channel(name).prepare_task(
-                self.store, task, start, without_red_base_note(task_store.read_file(
-                    "TASK.md")) + self.base_note,
-                origin={key: origin.get(key) for key in ("spec", "milestone")},
-                agent=record.get("agent"), resume_from=record.get("resume_from"),
-                lease=self._place_lease())      # its job starts in the same call
+            with self._placing:
+                first = self._first_prepare.setdefault(name, threading.Lock())
+            # The first prepare at a place may make the project's clone and store there:
+            # the others of the batch wait for it, then go side by side.
+            with first if name not in self._prepared_at else contextlib.nullcontext():
+                self._channel(name).prepare_task(
+                    self.store, task, start, without_red_base_note(task_store.read_file(
+                        "TASK.md")) + self.base_note,
+                    origin={key: origin.get(key) for key in ("spec", "milestone")},
+                    agent=record.get("agent"), resume_from=record.get("resume_from"),
+                    lease=self._place_lease())      # its job starts in the same call
+                self._prepared_at.add(name)
         except (PlaceUnreachable, PlaceBroken) as err:
             self._place_failed(task, name, err)
             return False

@@ -260,26 +260,77 @@ class AgentSandbox(TaskSandbox):
         self.bridges = {}
 
 
+class ControllerSandbox:
+    """The confinement of one HqController's agents (of a parallel task here, or of the
+    project's own task), decided at each launch by this machine's [sandbox] as ferrus.toml
+    says it then: on, the launch is confined (one AgentSandbox, its bridges kept); off,
+    it goes as it is.  A ferrus.toml that does not load fails the launch, saying why, as
+    it always did — never an agent started unconfined because the file could not be read."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.inner = controller.launcher
+        self.confinement = None
+
+    def sandbox(self):
+        """The AgentSandbox to launch in, or None ([sandbox] off).  Raises FerrusError
+        (ferrus.toml does not load) and SandboxUnavailable."""
+        store = self.controller.store
+        config = store.config()
+        wanted = config.places[PLACE_HERE].sandbox
+        if not wanted.enabled:
+            return None
+        if self.confinement is None or self.confinement.config != wanted:
+            agents = [choice.agent for choice in (config.supervisor, config.executor)
+                      if choice]
+            executor = getattr(self.controller, "executor_agent", None)
+            if executor and executor not in agents:
+                agents.append(executor)
+            if self.confinement is not None:
+                self.confinement.close()
+            self.confinement = AgentSandbox.for_task(store, wanted, agents)
+        return self.confinement
+
+    def launch(self, slot):
+        confinement = self.sandbox()
+        if confinement is None:
+            return self.inner(slot)
+
+        def agent_of_role(role):
+            choice = self.controller.agent_choice(role)
+            return choice.agent if choice else "agent"
+        return confinement.launcher(self.inner, agent_of_role)(slot)
+
+    def close(self):
+        """End the bridges (its agents have stopped)."""
+        if self.confinement is not None:
+            self.confinement.close()
+
+    def remove(self):
+        """The task's temp folder and private objects (the task has ended)."""
+        if self.confinement is not None:
+            self.confinement.remove()
+
+
 def confine_controller(controller, require=True):
-    """Confine the agents of ``controller`` (an HqController: of a parallel task, or of
-    the project's own task) when this machine's [sandbox] is on: its launcher is wrapped
-    and the AgentSandbox returned (close() it when the controller stops, remove() it when
-    the task has ended); None when the sandbox is off.  ``require``: raise
-    SandboxUnavailable now (saying how to install bubblewrap) rather than at the first
-    launch — a task never starts unconfined."""
-    store = controller.store
-    config = store.config()
-    agents = [choice.agent for choice in (config.supervisor, config.executor) if choice]
-    executor = getattr(controller, "executor_agent", None)
-    if executor and executor not in agents:
-        agents.append(executor)
-    confinement = AgentSandbox.for_task(store, config.places[PLACE_HERE].sandbox, agents)
-    if confinement is None:
-        return None
+    """Confine the agents of ``controller`` (an HqController) by this machine's [sandbox]
+    (see ControllerSandbox); returns the ControllerSandbox (close() it when the controller
+    stops, remove() it when its task has ended).  ``require``: when the sandbox is on,
+    raise SandboxUnavailable now (saying how to install bubblewrap) rather than at the
+    first launch — a task never starts unconfined.  A ferrus.toml that does not load is
+    left to the caller's own checks (and fails each launch)."""
+    confined = ControllerSandbox(controller)
     if require:
-        confinement.require()
-    controller.launcher = confinement.launcher_for(controller)
-    return confinement
+        try:
+            confinement = confined.sandbox()
+        except SandboxUnavailable:
+            raise
+        except FerrusError:
+            confinement = None
+        if confinement is not None:
+            confinement.require()
+    controller.launcher = confined.launch
+    return confined
 
 
 # -- does each agent CLI start inside? --------------------------------------------------------
