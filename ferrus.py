@@ -37,6 +37,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     checks.py ............ the check gate's runner, bounded and killable
     git.py ............... a task's base and diff, its pinned worktree, submissions, [git] commit
     worktrees.py ......... task worktrees, the gate's clean checkout, candidates, fast-forward
+    sandbox.py ........... a task's agents and checks write only its worktree, temp and CLI state
     specs.py ............. milestones — parsing, selection, dependencies, completion
     operations.py ........ create, diff, review, approve, confirm, consult, specs
     work.py .............. waits, check and submit, questions, status, reset
@@ -55,6 +56,8 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     local_agents.py ...... the nano, opencode and goose adapters
     probe.py ............. a short tool-calling exercise that tells if a model can drive ferrus
     register.py .......... every agent by name, connecting agents to a project, `ferrus agents`
+    sandbox_agents.py .... their launches confined, ferrus's MCP server reached
+    places.py ............ where tasks run (here, ssh, an exec prefix) and the channel to them
     prompts.py ........... what each agent is told, for every role and mode
     sessions.py .......... session records, usage, agent processes, HQ's messages
     web_link.py .......... .ferrus/web.json, for [notify] and runs
@@ -62,6 +65,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     orchestrator.py ...... the lock, and what a dead one left
     journal_view.py ...... entries, checks, notifications, heartbeats
     controller.py ........ agent slots, capacity, reactions to the journal
+    place_tasks.py ....... a parallel task worked elsewhere, mirrored into this project
     merge_queue.py ....... approved tasks built, checked and merged one by one
     parallel.py .......... the queue worked in worktrees through the phase machine
     task_cancel.py ....... Cancelling a queue task from a front end: the question first, then the cancel
@@ -69,6 +73,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     pipeline_defs.py ..... workflows.json, worker processes, run records
     pipelines.py ......... the orchestrator, its reconcile loop and decision table
     scaffold.py .......... ferrus.toml, .ferrus/ and the skill files
+    place_side.py ........ what ferrus does there when an orchestrator asks
     doctor.py ............ checking .ferrus/ and ferrus.toml, and safe repairs
     build_backend.py ..... ferrus as its own PEP 517 build backend
     hq_board.py .......... colours, event lines, the task board, the command table
@@ -145,6 +150,7 @@ import errno
 import fnmatch
 import functools
 import getpass
+import hashlib
 import http.client
 import ipaddress
 import itertools
@@ -152,6 +158,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -175,6 +182,8 @@ import urllib.parse
 # agent, a check or a file wrote passes terminal_safe before it reaches a terminal.
 
 __version__ = "0.1.0"
+# This very file (ferrus.py, once built): what MCP entries start and places get a copy of.
+FERRUS_FILE = os.path.abspath(__file__)
 
 
 log = logging.getLogger("ferrus")
@@ -1720,6 +1729,8 @@ class ParallelConfig:
     # fnmatch patterns of more paths that, changed by a task, need a human's confirmation
     # (besides GUARDED_NAMES and GUARDED_FOLDERS).
     guarded: list = dataclasses.field(default_factory=list)
+    # Where tasks run, filled in this order: "here" (this machine) and [places.NAME] names.
+    places: list = dataclasses.field(default_factory=lambda: ["here"])
 
 
 HISTORY_MODES = ("squash", "linear")
@@ -1734,10 +1745,187 @@ def _check_parallel(path, parallel):
                             parallel.history)
 
 
+# -- [sandbox]: what confinement a task asks for -----------------------------------------
+
+@deferred_dataclass
+class SandboxConfig:
+    """[sandbox] (global) or [places.NAME.sandbox] (one place, over the global one): whether
+    a task's agents and checks are confined, what they may write besides their worktree,
+    whether they reach the network, and what else they must not see."""
+
+    enabled: bool = False
+    writable: list = dataclasses.field(default_factory=list)   # more read-write paths
+    network: bool = True
+    hidden: list = dataclasses.field(default_factory=list)     # more paths to hide
+
+
+SANDBOX_KEYS = ("enabled", "writable", "network", "hidden")
+
+
+def parse_sandbox_table(path, table, where="sandbox", inherit=None, found=None, unknown=None):
+    """The SandboxConfig of the TOML table ``table`` (``[where]`` in ``path``); the keys it
+    leaves out keep ``inherit``'s values (a place's table over the global [sandbox]).
+
+    A bad value is appended to ``found`` (its key keeps the inherited value), an unknown
+    key to ``unknown``; with ``found`` None the first problem is raised."""
+    result = dataclasses.replace(inherit) if inherit is not None else SandboxConfig()
+    problems = [] if found is None else found
+    if not isinstance(table, dict):
+        problems.append(_config_error(path, where, "must be a table", table))
+    else:
+        for key, value in table.items():
+            dotted = "%s.%s" % (where, key)
+            if key not in SANDBOX_KEYS:
+                if unknown is not None:
+                    unknown.append(dotted)
+                continue
+            problem = _sandbox_value_problem(key, value)
+            if problem:
+                problems.append(_config_error(path, dotted, problem, value))
+            else:
+                setattr(result, key, list(value) if isinstance(value, list) else value)
+    if found is None and problems:
+        raise problems[0]
+    return result
+
+
+def _sandbox_value_problem(key, value):
+    if key in ("enabled", "network"):
+        return None if isinstance(value, bool) else "must be true or false"
+    if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+        return "must be an array of paths"
+    for item in value:
+        if not (os.path.isabs(item) or item == "~" or item.startswith("~/")):
+            return "must list absolute paths or paths under ~/ (%s is neither)" % (
+                _describe_value(item))
+    return None
+
+
+PLACE_HERE = "here"
+PLACE_DEFAULT_DIR = "~/.ferrus-places"
+PLACE_NAME_RE = LazyPattern(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+# A word a shell takes as it is: the place's Python.
+PLACE_PYTHON_RE = LazyPattern(r"^[A-Za-z0-9_./+-]+$")
+PLACE_KEYS = ("ssh", "exec", "slots", "dir", "python", "path", "multiplex", "sandbox")
+PLACE_HERE_KEYS = ("slots", "sandbox")
+
+
+# -- [places.NAME] ---------------------------------------------------------------------------
+
+@deferred_dataclass
+class PlaceConfig:
+    """One [places.NAME] table: how to reach the place and what it offers."""
+
+    name: str
+    ssh: list = dataclasses.field(default_factory=list)     # argv prefix ending with the host
+    exec: list = dataclasses.field(default_factory=list)    # argv prefix running argv there
+    slots: "int | None" = 1                                 # tasks at once there (here:
+                                                            # None, [parallel] max_tasks)
+    dir: str = PLACE_DEFAULT_DIR                            # its clones and worktrees there
+    python: str = "python3"                                 # the place's Python (3.9+)
+    path: list = dataclasses.field(default_factory=list)    # folders put first on PATH there
+    multiplex: bool = True                                  # ssh: one connection for all calls
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+
+    @property
+    def kind(self):
+        return PLACE_HERE if self.name == PLACE_HERE else "ssh" if self.ssh else "exec"
+
+
+def parse_places_table(path, places, sandbox=None, found=None, unknown=None):
+    """{name: PlaceConfig} from ferrus.toml's ``[places]`` (``places``, a dict of tables);
+    ``sandbox`` is the global [sandbox] each place's own table goes over.  Problems go to
+    ``found`` (the place is left out) or, with ``found`` None, the first is raised."""
+    problems = [] if found is None else found
+    sandbox = sandbox or SandboxConfig()
+    # Here, slots None means [parallel] max_tasks.
+    result = {PLACE_HERE: PlaceConfig(PLACE_HERE, slots=None, sandbox=sandbox)}
+    if not isinstance(places, dict):
+        problems.append(_config_error(path, "places", "must be a table of [places.NAME] "
+                                                      "tables", places))
+        places = {}
+    for name, table in places.items():
+        before = len(problems)
+        place = _parse_place(path, name, table, sandbox, problems, unknown)
+        if len(problems) == before:
+            result[name] = place
+    if found is None and problems:
+        raise problems[0]
+    return result
+
+
+def _parse_place(path, name, table, sandbox, problems, unknown):
+    where = "places.%s" % name
+    if not PLACE_NAME_RE.match(name):
+        problems.append(_config_error(path, where, "is no place name: use letters, digits, "
+                                                   "- and _ (at most 32)"))
+        return None
+    if not isinstance(table, dict):
+        problems.append(_config_error(path, where, "must be a table", table))
+        return None
+    place = PlaceConfig(name, slots=None if name == PLACE_HERE else 1, sandbox=sandbox)
+    allowed = PLACE_HERE_KEYS if name == PLACE_HERE else PLACE_KEYS
+    for key, value in table.items():
+        dotted = "%s.%s" % (where, key)
+        if key not in allowed:
+            if name == PLACE_HERE and key in PLACE_KEYS:
+                problems.append(_config_error(path, dotted, "cannot be set: %s is this "
+                                              "machine (only slots and sandbox can)" % name))
+            elif unknown is not None:
+                unknown.append(dotted)
+            continue
+        if key == "sandbox":
+            place.sandbox = parse_sandbox_table(path, value, dotted, sandbox, problems, unknown)
+            continue
+        problem = _place_value_problem(key, value)
+        if problem:
+            problems.append(_config_error(path, dotted, problem, value))
+        else:
+            setattr(place, key, value)
+    if name != PLACE_HERE and bool(place.ssh) == bool(place.exec):
+        problems.append(_config_error(path, where, "needs exactly one of ssh = [...] (an ssh "
+                                                   "command ending with the host) or exec = "
+                                                   "[...] (a prefix that runs a command there)"))
+    return place
+
+
+def _place_value_problem(key, value):
+    if key in ("ssh", "exec", "path"):
+        if not (isinstance(value, list) and all(isinstance(v, str) and v for v in value)):
+            return "must be an array of non-empty strings"
+        return None if value or key == "path" else "must not be empty"
+    if key == "slots":
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+            return "must be an integer between 1 and 64"
+        return None
+    if key == "multiplex":
+        return None if isinstance(value, bool) else "must be true or false"
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    if key == "python" and not PLACE_PYTHON_RE.match(value):
+        return "must be a program name or path (letters, digits, _ . / + -)"
+    if key == "dir" and not (value.startswith("~/") or value.startswith("/")):
+        return "must be an absolute path or start with ~/"
+    return None
+
+
+def parallel_places_problem(names, places):
+    """What is wrong with [parallel] places (a list of place names), or None."""
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return "must be an array of place names"
+    for name in names:
+        if name not in places:
+            return "names %s, which is neither \"here\" nor a [places.%s] table" % (
+                _describe_value(name), name)
+    if len(set(names)) != len(names):
+        return "names a place twice"
+    return None
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
                 "notify", "parallel")
-KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git", "sandbox", "places")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
 AGENT_CHOICE_KEYS = ("agent", "model", "permissions")
@@ -1761,6 +1949,10 @@ class Config:
     notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     git: GitConfig = dataclasses.field(default_factory=GitConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    sandbox: "SandboxConfig" = dataclasses.field(default_factory=lambda: SandboxConfig())
+    # name -> PlaceConfig; always holds "here" (see parse_places_table)
+    places: dict = dataclasses.field(default_factory=lambda: parse_places_table(
+        CONFIG_FILE, {}))
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # [hq] human_review: the reviewer's approval waits for a human's confirmation.
@@ -2062,6 +2254,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     # not let the reviewer's approval complete a task the human meant to confirm.
     _parse_human_review(path, raw.get("hq", {}), config, found)
     _parse_git_table(path, raw.get("git", {}), config.git, unknown, found)
+    config.sandbox = parse_sandbox_table(path, raw.get("sandbox", {}), found=found,
+                                         unknown=unknown)
+    config.places = parse_places_table(path, raw.get("places", {}), config.sandbox, found,
+                                       unknown)
+    problem = parallel_places_problem(config.parallel.places, config.places)
+    if problem:
+        found.append(_config_error(path, "parallel.places", problem, config.parallel.places))
+        config.parallel.places = [PLACE_HERE]
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)
@@ -3366,7 +3566,7 @@ TASK_RECORD_MAX_BYTES = 1 << 20
 TASK_RECORD_TEXT_CHARS = 64 * 1024
 _TASK_RECORD_TEXT = ("id", "title", "created_at", "started_at", "ended_at", "agent",
                      "worktree", "workdir", "branch", "base", "target", "conflict_base",
-                     "reason", "merged_commit", "store", "resume_from")
+                     "reason", "merged_commit", "store", "resume_from", "place")
 _TASK_RECORD_COMMITS = ("base", "conflict_base", "merged_commit", "resume_from")
 _COMMIT_ID_RE = LazyPattern(r"[0-9a-f]{4,64}")
 
@@ -3425,8 +3625,8 @@ def task_record_problem(task, record):
             return "%s is %d characters long" % (key, len(value))
     if record.get("id") is not None and record["id"] != task:
         return "id %s is not the task's own" % _shown(record["id"])
-    if record.get("store") not in (None, "worktree", "project"):
-        return "store %s is neither worktree nor project" % _shown(record["store"])
+    if record.get("store") not in (None, "worktree", "project", "place"):
+        return "store %s is none of worktree, project, place" % _shown(record["store"])
     for key in ("worktree", "workdir"):
         if record.get(key) is not None and not os.path.isabs(record[key]):
             return "%s %s is no absolute path" % (key, _shown(record[key]))
@@ -3459,6 +3659,9 @@ def task_record_problem(task, record):
     if conflicts is not None and not (isinstance(conflicts, list) and
                                       all(isinstance(path, str) for path in conflicts)):
         return "conflicts is %s, not a list of paths" % _shown(conflicts)
+    if record["status"] == RUNNING_STATUS and record.get("store") == "place" and \
+            not record.get("place"):
+        return "it is running at a place but names none"
     if record["status"] == RUNNING_STATUS and record.get("store") == "worktree" and not (
             record.get("worktree") and record.get("branch")):
         return "it is running in a worktree but names no %s" % (
@@ -3526,6 +3729,10 @@ class Store:
                 # would work there.
                 raise TaskRecordDamaged(self.task, problem)
             worktree = record.get("workdir") or record.get("worktree")
+            if record.get("store") == "place" and not worktree:
+                # Its code is at a place (places.py): here it has no folder, and never
+                # the project's checkout instead.
+                worktree = os.path.join(self.task_dir, "at-place")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 
@@ -4267,8 +4474,9 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None):
-    """Run one check command to completion, timeout or ``stop``; fill ``result``."""
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None):
+    """Run one check command to completion, timeout or ``stop``; fill ``result``.
+    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py)."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
@@ -4281,14 +4489,18 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
-            proc = subprocess.Popen(shell_argv(result.command), cwd=root,
+            argv = shell_argv(result.command)
+            proc = subprocess.Popen(wrap(argv) if wrap else argv, cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, env=record.environment(),
                                     **process_group_kwargs())
-        except OSError as err:
+        except (OSError, FerrusError) as err:
+            # FerrusError: the sandbox the command must run in cannot be made here.
+            what = "the shell" if isinstance(err, OSError) else "it in its sandbox"
+            err = err.full_text() if isinstance(err, FerrusError) else err
             log.error("check command %r could not start: %s", result.command, err)
             result.status = "failed"
-            result.tail = ["could not start the shell: %s" % err]
+            result.tail = ["could not start %s: %s" % (what, err)]
             result.line_count = 1
             return
         record.started(proc)
@@ -4716,13 +4928,15 @@ class _StopFlag:
         return self._event.is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
-def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None):
+def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None,
+               wrap=None):
     """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
     file names them all, by paths relative to ``project`` (default ``root``: a parallel
     task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
-    threading.Event) stops the run and kills the process groups."""
+    threading.Event) stops the run and kills the process groups.  ``wrap(argv)``
+    confines each command (the task's sandbox)."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -4737,7 +4951,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
     def run(result):
         _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
-                         checks.max_log_bytes)
+                         checks.max_log_bytes, wrap=wrap)
         if checks.fail_fast and not result.passed:
             stop.set()
 
@@ -6760,6 +6974,538 @@ def _checkout_blockers(checkout, old_head, new_head):
 
 
 # ============================================================================
+# src/ferrus/sandbox.py (from its line 40)
+# ============================================================================
+# Sandbox: a task's agents and checks write only its worktree, temp and CLI state.
+#
+# With ``[sandbox] enabled = true`` (in ferrus.toml, or per place in ``[places.NAME.sandbox]``)
+# every agent and check of a task runs inside the system's own confinement tool:
+# bubblewrap (``bwrap``) on Linux, ``sandbox-exec`` on macOS.  A SandboxPlan says what the
+# command sees: the whole file system read-only; the task's worktree, its temp folder, the
+# agent CLIs' own state folders and ``writable`` read-write; secrets (``~/.ssh``, ``~/.aws``,
+# ``~/.config/gcloud``, ...), agent and container sockets, other repositories, ``/tmp`` and the
+# main repository hidden.  Of the main repository's ``.git`` only what git in a linked worktree
+# reads comes back (objects, refs, HEAD, info and a copy of its config without remotes or
+# credentials), read-only, plus the worktree's own admin folder read-write; new objects go to
+# a private object folder of the task (``GIT_OBJECT_DIRECTORY``, the repository's objects as
+# its alternate), so ``git status``, ``git add`` and ``git diff`` work while nothing the
+# repository already holds can be changed, and ``git commit`` fails (refs are read-only:
+# ferrus records the worktree itself at submit).  The network stays on unless
+# ``network = false``.
+#
+# Where no tool exists (Windows, a Linux without bubblewrap, a kernel that refuses user
+# namespaces) sandbox_tool raises SandboxUnavailable, which says how to install it: a task
+# that asked for the sandbox never runs unconfined.  TaskSandbox is one task's
+# confinement (its checks are wrapped with it); sandbox_agents.py adds the agents' side.
+
+BWRAP_INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "
+    "bubblewrap; Arch: pacman -S bubblewrap; Alpine: apk add bubblewrap), or set [sandbox] "
+    "enabled = false to run the tasks unconfined")
+SANDBOX_EXEC = "/usr/bin/sandbox-exec"
+# The variable that makes an agent's `ferrus serve` inside a sandbox relay its stdio to
+# the task's MCP bridge (sandbox_agents.py) instead of serving.
+SANDBOX_RELAY_ENV = "FERRUS_MCP_RELAY"
+
+
+class SandboxUnavailable(FerrusError):
+    """A task asked for the sandbox and this machine cannot give it: it does not start."""
+
+
+# {bwrap path: None when it works, else what it said}: asked once per process.
+_BWRAP_WORKS = {}
+
+
+def sandbox_tool(platform=None, which=shutil.which, run=subprocess.run):
+    """("bwrap" or "sandbox-exec", its path) for this machine; raises SandboxUnavailable
+    (saying how to install one) where there is none or it cannot confine anything."""
+    platform = platform or sys.platform
+    if platform.startswith("linux"):
+        path = which("bwrap")
+        if not path:
+            raise SandboxUnavailable("[sandbox] is enabled, but bubblewrap (bwrap) is not "
+                                     "installed", BWRAP_INSTALL_HINT)
+        problem = _BWRAP_WORKS.get(path, False)
+        if problem is False:
+            problem = _BWRAP_WORKS[path] = _bwrap_problem(path, run)
+        if problem:
+            raise SandboxUnavailable(
+                "bubblewrap (%s) cannot make a sandbox on this machine: %s" % (path, problem),
+                "it needs user namespaces: on Debian `sysctl kernel.unprivileged_userns_clone=1`, "
+                "on Ubuntu 24.04+ `sysctl kernel.apparmor_restrict_unprivileged_userns=0` (or an "
+                "AppArmor profile for bwrap); in a container, allow user namespaces (or run "
+                "the task at another place); or set [sandbox] enabled = false")
+        return "bwrap", path
+    if platform == "darwin":
+        if not os.path.exists(SANDBOX_EXEC) and not which("sandbox-exec"):
+            raise SandboxUnavailable("[sandbox] is enabled, but %s is missing" % SANDBOX_EXEC,
+                                     "it ships with macOS; set [sandbox] enabled = false to "
+                                     "run the tasks unconfined")
+        return "sandbox-exec", SANDBOX_EXEC if os.path.exists(SANDBOX_EXEC) else \
+            which("sandbox-exec")
+    raise SandboxUnavailable(
+        "[sandbox] is enabled, but ferrus has no sandbox on %s (it uses bubblewrap on Linux "
+        "and sandbox-exec on macOS)" % platform,
+        "run the tasks at a Linux place ([places.NAME] in ferrus.toml, with its own "
+        "[places.NAME.sandbox]), or set [sandbox] enabled = false to run them here unconfined")
+
+
+def _bwrap_problem(path, run):
+    try:
+        done = run([path, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--",
+                    "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return str(err)
+    if done.returncode != 0:
+        said = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        return said[-1] if said else "exit %d" % done.returncode
+    return None
+
+
+# -- the plan: what one sandboxed command sees -------------------------------------------
+
+# Secrets of the user's own (under ~), hidden whatever the config says; `hidden` adds more.
+SANDBOX_SECRET_PATHS = (
+    "~/.ssh", "~/.aws", "~/.config/gcloud", "~/.azure", "~/.kube", "~/.docker", "~/.gnupg",
+    "~/.password-store", "~/.netrc", "~/.git-credentials", "~/.config/gh", "~/.config/hub",
+    "~/.pypirc", "~/.npmrc", "~/.vault-token", "~/.terraform.d", "~/.local/share/keyrings",
+    "~/.config/op", "~/.m2/settings.xml", "~/.gradle/gradle.properties", "~/.cargo/credentials",
+    "~/.cargo/credentials.toml")
+# Sockets that act for the user (ssh-agent and gpg-agent live in the runtime folder) or
+# for root (a container engine): a read-only mount does not stop connect().
+SANDBOX_SOCKET_PATHS = ("/run/user/{uid}", "/run/docker.sock", "/var/run/docker.sock",
+                        "/run/podman", "/run/containerd", "/run/crio")
+# Variables that point at such a socket.
+SANDBOX_UNSET_VARIABLES = ("SSH_AUTH_SOCK", "GPG_AGENT_INFO", "DOCKER_HOST",
+                           "CONTAINER_HOST")
+# Where each built-in agent CLI keeps its own state (a folder ending in / is made when
+# missing, as the CLI would make it; the others are shown only when they exist).
+SANDBOX_AGENT_STATE = {
+    "claude-code": ("~/.claude/", "~/.claude.json", "~/.config/claude"),
+    "codex": ("$CODEX_HOME/", "~/.codex/"),
+    "qwen-code": ("~/.qwen/",),
+    "gemini-cli": ("~/.gemini/",),
+}
+# What git in a linked worktree reads of the repository's own .git (besides its config,
+# of which a copy without remotes and credentials is shown, and its admin folder).
+SANDBOX_GIT_ENTRIES = ("objects", "refs", "packed-refs", "HEAD", "info", "shallow",
+                       "reftable", "modules", "lfs")
+# Of the repository's config, only what says how to read the repository; the rest
+# (remotes with their URLs, credential helpers, url rewrites, hooks) stays outside.
+_SANDBOX_GIT_SECTIONS = ("core", "extensions", "index")
+_SANDBOX_GIT_DROPPED = ("core.hookspath", "core.fsmonitor", "core.sshcommand", "core.askpass",
+                        "core.editor", "core.pager", "core.gitproxy", "core.worktree",
+                        "core.alternaterefscommand", "core.attributesfile",
+                        "core.excludesfile")
+# Above this many entries, a folder is not searched for other repositories.
+_SANDBOX_SCAN_LIMIT = 5000
+
+
+@deferred_dataclass
+class SandboxPlan:
+    """Everything one sandboxed command may see and write, as absolute real paths.
+
+    ``readable`` holds (source, target) pairs shown read-only at target (a file shown in
+    place, or the config copy shown as the repository's); ``writable`` paths are shown
+    read-write; ``hidden`` ones are empty folders or empty files.  Deeper paths win over
+    the folders they are in, so a readable file inside the writable worktree (its .git
+    pointer) stays read-only, and a part of a hidden repository can come back."""
+
+    cwd: str
+    writable: list
+    readable: list
+    hidden: list
+    empty_file: str
+    network: bool = True
+    env: dict = dataclasses.field(default_factory=dict)
+    unset: tuple = SANDBOX_UNSET_VARIABLES
+
+
+def _real(path):
+    return os.path.realpath(os.path.abspath(path))
+
+
+def _expand(path, home):
+    """``path`` with ~ (and $CODEX_HOME & co.) expanded; None when it names nothing here."""
+    if path.startswith("$"):
+        name, _, rest = path[1:].partition("/")
+        value = os.environ.get(name)
+        return os.path.join(value, rest) if value else None
+    if path == "~" or path.startswith("~/"):
+        return os.path.join(home, path[2:]) if home else None
+    return path
+
+
+def _depth(path):
+    return len([part for part in path.split(os.sep) if part])
+
+
+def _inside(path, folder):
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _repositories_beside(path, keep):
+    """The git repositories (folders holding a .git) next to ``path``: the user's other
+    repositories beside the project, the other tasks' worktrees beside this one."""
+    parent = os.path.dirname(path)
+    if parent == path or parent == os.sep:
+        return []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    if len(names) > _SANDBOX_SCAN_LIMIT:
+        return []
+    found = []
+    for name in names:
+        candidate = os.path.join(parent, name)
+        if candidate == path or any(_inside(k, candidate) for k in keep):
+            continue
+        with contextlib.suppress(OSError):
+            if os.path.isdir(candidate) and os.path.lexists(os.path.join(candidate, ".git")):
+                found.append(_real(candidate))
+    return found
+
+
+def _paths_named(argv):
+    """Absolute paths of existing files an argv names (``/p`` or ``--opt=/p``): an agent's
+    MCP configuration may sit in the hidden project checkout, and must stay readable."""
+    found = []
+    for arg in argv[1:]:
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+        if os.path.isabs(value) and os.path.isfile(value):
+            found.append(_real(value))
+    return found
+
+
+def sanitized_git_config(common_dir, target):
+    """Write to ``target`` the repository's config reduced to how to read the repository
+    (core, extensions, index; no remote, URL, credential or hook setting), as the sandbox
+    shows it in place of the real one."""
+    out = run_git(common_dir, ["config", "--file", os.path.join(common_dir, "config"),
+                               "--list", "-z"], ok=(0, 1))
+    sections = {}
+    for entry in os.fsdecode(out).split("\0"):
+        key, _, value = entry.partition("\n")
+        section, dot, name = key.partition(".")
+        if not dot or "." in name or section not in _SANDBOX_GIT_SECTIONS or \
+                key in _SANDBOX_GIT_DROPPED or not name.replace("-", "").isalnum():
+            continue
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace(
+            "\n", "\\n").replace("\t", "\\t")
+        sections.setdefault(section, []).append('\t%s = "%s"\n' % (name, escaped))
+    text = "".join("[%s]\n%s" % (section, "".join(lines)) for section, lines in
+                   sections.items())
+    atomic_write(target, text, durable=False)
+    return target
+
+
+def plan_sandbox(config, work_tree, state_dir, cwd=None, repository=None, agents=(),
+                 home=None, readable=(), argv=(), store_dir=None):
+    """The SandboxPlan of a task whose files are at ``work_tree`` (a linked worktree of the
+    repository the checkout ``repository`` is in, or any folder) and whose sandbox keeps
+    its temp folder and private git objects in ``state_dir`` (outside the worktree).
+
+    ``agents`` are the agent CLIs it runs (their state folders are writable, made when
+    missing); ``readable`` more files to show read-only (ferrus itself is always shown);
+    ``argv`` a command whose named files stay readable; ``store_dir`` the project's
+    .ferrus/, hidden even where the task works in the project's own checkout.  A
+    worktree whose .git does not point where the repository keeps it is refused
+    (TamperedWorktree)."""
+    home = home or os.path.expanduser("~")
+    home = _real(home) if home != "~" else None          # "~": no HOME to speak of
+    work_tree = _real(work_tree)
+    state_dir = _real(state_dir)
+    temp = os.path.join(state_dir, "tmp")
+    objects = os.path.join(state_dir, "objects")
+    empty = os.path.join(state_dir, "empty")
+    for folder in (temp, objects):
+        os.makedirs(folder, exist_ok=True)
+    if not os.path.isfile(empty):
+        atomic_write(empty, "", durable=False)
+    writable = [work_tree, temp]
+    shown = [(path, path) for path in _ferrus_program_files()]
+    shown += [(_real(path), _real(path)) for path in list(readable) + _paths_named(argv)]
+    hidden = []
+    env = {"TMPDIR": temp, "TMP": temp, "TEMP": temp}
+    for agent in agents:
+        writable += _agent_state(agent, home)
+    writable += [_real(p) for p in filter(None, (_expand(w, home) for w in config.writable))
+                 if os.path.exists(p)]
+    toplevel = None
+    if repository is not None and os.path.isfile(os.path.join(work_tree, ".git")):
+        checkout = task_checkout(repository, work_tree)
+        toplevel = _real(_toplevel(repository))
+        git_shown, git_writable, git_hidden = _git_parts(checkout, state_dir)
+        shown += git_shown
+        writable += git_writable + [objects]
+        hidden += git_hidden
+        env["GIT_OBJECT_DIRECTORY"] = objects
+        env["GIT_ALTERNATE_OBJECT_DIRECTORIES"] = _real(os.path.join(checkout.common_dir,
+                                                                     "objects"))
+    elif os.path.isdir(os.path.join(work_tree, ".git")):
+        # A plain checkout: its .git is the repository itself, shown read-only (git reads
+        # work; git add cannot write the index there).
+        shown.append((os.path.join(work_tree, ".git"),) * 2)
+    if store_dir and os.path.isdir(store_dir):
+        hidden.append(_real(store_dir))
+    hidden += _hidden_paths(config, home, work_tree, toplevel, writable)
+    writable = _unique_paths(writable)
+    hidden = [path for path in _unique_paths(hidden) if path not in writable]
+    return SandboxPlan(cwd=_real(cwd or work_tree), writable=writable,
+                       readable=_unique_paths(shown), hidden=hidden, empty_file=empty,
+                       network=config.network, env=env)
+
+
+def _unique_paths(items):
+    seen, result = set(), []
+    for item in items:
+        if item not in seen:
+            seen.add(item)
+            result.append(item)
+    return result
+
+
+def _toplevel(repository):
+    return os.fsdecode(run_git(repository, ["rev-parse", "--show-toplevel"])).strip()
+
+
+def _ferrus_program_files():
+    """ferrus itself: an agent's `ferrus serve` inside must be able to start, wherever
+    ferrus.py lives."""
+    return [_real(FERRUS_FILE)] if os.path.isfile(FERRUS_FILE) else []
+
+
+def _agent_state(agent, home):
+    paths = []
+    for entry in SANDBOX_AGENT_STATE.get(agent, ()):
+        path = _expand(entry.rstrip("/"), home)
+        if not path:
+            continue
+        if entry.endswith("/") and not os.path.exists(path):
+            with contextlib.suppress(OSError):
+                os.makedirs(path, mode=0o700)
+        if os.path.exists(path):
+            paths.append(_real(path))
+    return paths
+
+
+def _git_parts(checkout, state_dir):
+    """(shown, writable, hidden) of the repository's .git for a sandboxed linked worktree:
+    the whole common dir hidden, what git reads of it shown read-only, the worktree's own
+    admin folder writable except the two files that tie it to its worktree."""
+    common = _real(checkout.common_dir)
+    admin = _real(checkout.git_dir)
+    shown = [(os.path.join(common, name),) * 2 for name in SANDBOX_GIT_ENTRIES
+             if os.path.lexists(os.path.join(common, name))]
+    shown.append((sanitized_git_config(common, os.path.join(state_dir, "git-config")),
+                   os.path.join(common, "config")))
+    alternates = os.path.join(common, "objects", "info", "alternates")
+    with contextlib.suppress(OSError):
+        with open(alternates, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    path = _real(line if os.path.isabs(line) else
+                                 os.path.join(common, "objects", line))
+                    if os.path.isdir(path):
+                        shown.append((path, path))
+    # Deeper than the admin folder, so they stay read-only in it: rewriting them would
+    # point the worktree (or ferrus's view of it) at another repository.
+    for name in ("gitdir", "commondir", "config.worktree"):
+        if os.path.isfile(os.path.join(admin, name)):
+            shown.append((os.path.join(admin, name),) * 2)
+    shown.append((os.path.join(_real(checkout.work_tree), ".git"),) * 2)
+    return shown, [admin], [common]
+
+
+def _hidden_paths(config, home, work_tree, toplevel, writable):
+    paths = [p for p in (_expand(s, home) for s in SANDBOX_SECRET_PATHS) if p]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    paths += [p.format(uid=uid) for p in SANDBOX_SOCKET_PATHS]
+    paths += [p for p in (_expand(h, home) for h in config.hidden) if p]
+    found = [_real(p) for p in paths if os.path.lexists(p)]
+    if sys.platform.startswith("linux"):
+        found.append("/tmp")          # other programs' temp files; its own comes back
+    keep = writable + ([toplevel] if toplevel else [])
+    if toplevel and toplevel != work_tree:
+        found.append(toplevel)        # the user's checkout, .ferrus/ and .git included
+        found += _repositories_beside(toplevel, keep)
+    found += _repositories_beside(work_tree, keep)
+    return found
+
+
+# -- the command line: bubblewrap ------------------------------------------------------------
+
+def bwrap_argv(plan, argv, bwrap="bwrap", terminal=False):
+    """``argv`` run by bubblewrap as ``plan`` says.  Its own pid namespace ends every
+    process inside when bwrap goes (and bwrap goes with its parent); a new session keeps
+    it from typing into the terminal (not with ``terminal``, for an interactive agent)."""
+    full = [bwrap, "--die-with-parent", "--unshare-pid"]
+    if not terminal:
+        full.append("--new-session")
+    if not plan.network:
+        full.append("--unshare-net")
+    full += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    mounts = []          # (depth, order, args): parents before what is inside them
+    folders = []
+    for path in plan.hidden:
+        if os.path.isdir(path) and not os.path.islink(path):
+            mounts.append((_depth(path), 0, ["--tmpfs", path]))
+            folders.append(path)
+        else:
+            mounts.append((_depth(path), 0, ["--ro-bind", plan.empty_file, path]))
+    for source, target in plan.readable:
+        mounts.append((_depth(target), 1, ["--ro-bind", source, target]))
+    for path in plan.writable:
+        mounts.append((_depth(path), 1, ["--bind", path, path]))
+    for _depth_, _order, args in sorted(mounts, key=lambda item: (item[0], item[1])):
+        full += args
+    # Last, once every mount point inside them is made: the hiding folders read-only,
+    # so a write meant for a hidden place fails instead of vanishing into memory.
+    for path in folders:
+        full += ["--remount-ro", path]
+    for name in plan.unset:
+        full += ["--unsetenv", name]
+    for name, value in sorted(plan.env.items()):
+        full += ["--setenv", name, value]
+    return full + ["--chdir", plan.cwd, "--"] + list(argv)
+
+
+# -- the command line: sandbox-exec (macOS) ---------------------------------------------------
+
+def sandbox_exec_profile(plan):
+    """(profile text, its -D parameters) for sandbox-exec.  Paths travel as parameters,
+    never inside the profile's text, so no path can change the profile.  Later rules win:
+    everything may be read and nothing written, then the writable paths, then the hidden
+    ones (no read, no write), then what comes back of them."""
+    params = {}
+
+    def param(kind, path):
+        name = "P%d" % len(params)
+        params[name] = path
+        return '(%s (param "%s"))' % (kind, name)
+
+    lines = ["(version 1)", "(allow default)", "(deny file-write*)",
+             "(allow file-write* (literal \"/dev/null\") (literal \"/dev/zero\") "
+             "(regex #\"^/dev/tty\") (regex #\"^/dev/fd/\"))"]
+    for path in plan.writable:
+        lines.append("(allow file-write* %s)" % param("subpath", path))
+    for path in plan.hidden:
+        kind = "subpath" if os.path.isdir(path) else "literal"
+        lines.append("(deny file-read* file-write* %s)" % param(kind, path))
+    for source, target in plan.readable:
+        if source != target:
+            continue          # no mounts here: the real config stays, read-only
+        kind = "subpath" if os.path.isdir(target) else "literal"
+        lines.append("(allow file-read* %s)" % param(kind, target))
+        lines.append("(deny file-write* %s)" % param(kind, target))
+    for path in plan.writable:
+        if any(_inside(path, hidden) for hidden in plan.hidden):
+            lines.append("(allow file-read* %s)" % param("subpath", path))
+    for source, target in plan.readable:
+        if source == target and any(_inside(target, w) for w in plan.writable):
+            lines.append("(deny file-write* %s)" % param("literal", target))
+    if not plan.network:
+        # IP networking only: the Unix socket to ferrus's MCP server stays reachable.
+        lines.append("(deny network* (remote ip))")
+        lines.append("(deny network* (local ip))")
+    return "\n".join(lines) + "\n", params
+
+
+def sandbox_exec_argv(plan, argv, tool=SANDBOX_EXEC):
+    profile, params = sandbox_exec_profile(plan)
+    full = [tool, "-p", profile]
+    for name, value in params.items():
+        full += ["-D", "%s=%s" % (name, value)]
+    env = ["/usr/bin/env"] + [arg for name in plan.unset for arg in ("-u", name)]
+    env += ["%s=%s" % item for item in sorted(plan.env.items())]
+    # sandbox-exec has no --chdir: the caller starts it in plan.cwd.
+    return full + env + list(argv)
+
+
+def sandbox_argv(plan, argv, tool=None, terminal=False):
+    """``argv`` confined as ``plan`` says, by ``tool`` ((kind, path) from sandbox_tool)."""
+    kind, path = tool or sandbox_tool()
+    if kind == "bwrap":
+        return bwrap_argv(plan, argv, path, terminal)
+    return sandbox_exec_argv(plan, argv, path)
+
+
+# -- one task's confinement -------------------------------------------------------------------
+
+class TaskSandbox:
+    """One task's confinement: its plan, made again for every command (so the repository's
+    config copy and the hidden repositories are current), and the wrap of a command.
+
+    ``state_dir`` is the task's own folder outside its worktree (``.ferrus/tasks/<id>/
+    sandbox``): its temp folder and its private git objects live there.  ``root`` is the
+    ferrus project whose store is hidden from the task, ``task`` its id (None for the
+    project's own task).  sandbox_agents.AgentSandbox adds its agents' side."""
+
+    def __init__(self, config, work_tree, state_dir, cwd=None, repository=None, agents=(),
+                 home=None, tool=None, root=None, task=None):
+        self.config = config
+        self.work_tree = work_tree
+        self.state_dir = state_dir
+        self.cwd = cwd
+        self.repository = repository
+        self.agents = tuple(agents)
+        self.home = home
+        self.tool = tool
+        self.root = root or repository
+        self.task = task
+
+    @classmethod
+    def for_task(cls, store, config, agents=()):
+        """The sandbox of the task of ``store`` (a parallel task's store: its worktree as
+        its record names it; else the project's own checkout), by ``config`` (the
+        [sandbox] of the place it runs at); None when that sandbox is off."""
+        if not config.enabled:
+            return None
+        if store.task is None:
+            return cls(config, store.root, store.path("sandbox"), repository=store.root,
+                       agents=agents, root=store.root)
+        record = read_task_record(store.dir, store.task)
+        return cls(config, record.get("worktree") or store.workdir,
+                   store.task_path("sandbox"), cwd=store.workdir, repository=store.root,
+                   agents=agents, root=store.root, task=store.task)
+
+    def require(self):
+        """The tool, or SandboxUnavailable: nothing of the task may start unconfined."""
+        if self.tool is None:
+            self.tool = sandbox_tool()
+        return self.tool
+
+    def plan(self, argv=(), readable=()):
+        return plan_sandbox(self.config, self.work_tree, self.state_dir, self.cwd,
+                            self.repository, self.agents, self.home, readable, argv,
+                            os.path.join(self.root, FERRUS_DIR) if self.root else None)
+
+    def wrap(self, argv, terminal=False):
+        """``argv`` (a check command's, say) confined to the task."""
+        tool = self.require()
+        return sandbox_argv(self.plan(argv), argv, tool, terminal)
+
+    def close(self):
+        """End what the sandbox keeps running (nothing here; the agents' side has more)."""
+
+    def remove(self):
+        """The task's temp folder and private objects (when the task has ended)."""
+        self.close()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def check_wrapper(store):
+    """The wrap of the check commands of ``store``'s task (TaskSandbox.wrap), or None when
+    the sandbox of the place it runs at is off."""
+    config = store.config()
+    confinement = TaskSandbox.for_task(store, config.places[PLACE_HERE].sandbox)
+    return confinement.wrap if confinement is not None else None
+
+
+# ============================================================================
 # src/ferrus/specs.py (from its line 12)
 # ============================================================================
 # Specs: milestones — parsing, selection, dependencies, completion.
@@ -7957,7 +8703,7 @@ class Tool:
 
 
 # ============================================================================
-# src/ferrus/work.py (from its line 33)
+# src/ferrus/work.py (from its line 34)
 # ============================================================================
 # Operations on the work: waits, check and submit, questions, status, reset.
 #
@@ -8166,8 +8912,10 @@ def _run_gate(store, caller, action):
     config = store.config()
     if not config.checks.commands:
         return data, None, config
+    # A sandboxed task's checks run confined as its agents do (they run its code).
     run = run_checks(store.workdir, config.checks, store.path("logs"), data.check_retries + 1,
-                     config.limits.max_feedback_lines, caller.cancel, store.root)
+                     config.limits.max_feedback_lines, caller.cancel, store.root,
+                     wrap=check_wrapper(store))
     if run.cancelled:
         raise FerrusError("The check run was cancelled; the state is unchanged.")
     return data, run, config
@@ -9236,7 +9984,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
 
 
 # What a task's record says about one attempt at it: dropped when it is queued again.
-_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit", "place_tidied")
 
 
 def op_retry_task(store, caller, task):
@@ -9388,6 +10136,8 @@ def task_rows(store, tasks=None):
                "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
+               # The place it runs (or ran) at, when not here (places.py).
+               "place": record.get("place") if record.get("store") == "place" else None,
                "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
                "started_at": record.get("started_at"), "ended_at": record.get("ended_at")}
         task_store = store.for_task(task)
@@ -14419,7 +15169,6 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
 # its cached bytecode), the events read from an agent's output (tool calls, failures,
 # usage) and the one name each tool is shown by, whichever CLI called it.
 
-FERRUS_FILE = os.path.abspath(__file__)
 DEFAULT_AGENT_INDEX = 1
 STDIN_PROMPT_POINTER = "Follow the instructions given on standard input."
 
@@ -14980,7 +15729,7 @@ def effective_permissions(config, role):
 
 
 # ============================================================================
-# src/ferrus/adapters.py (from its line 33)
+# src/ferrus/adapters.py (from its line 34)
 # ============================================================================
 # Adapters: Claude Code, Codex, Qwen Code, Gemini CLI, custom agents.
 #
@@ -15329,8 +16078,9 @@ class Codex(AgentAdapter):
                     ("startup_timeout_sec", 30),
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
                     ("default_tools_approval_mode", "approve"), ("enabled", True),
-                    # Codex passes only listed variables to servers: the session id must reach it.
-                    ("env_vars", [SESSION_ENV])]
+                    # Codex passes only listed variables to servers: the session id (and, in a
+                    # sandbox, its relay's socket) must reach it.
+                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
@@ -18488,6 +19238,1295 @@ def permission_warnings(config, role):
 
 
 # ============================================================================
+# src/ferrus/sandbox_agents.py (from its line 38)
+# ============================================================================
+# Sandbox, the agents' side: their launches confined, ferrus's MCP server reached.
+#
+# An agent reaches ferrus through its MCP server, which must write ``.ferrus/`` — hidden from
+# the agent.  So the server runs outside: each role of a sandboxed task gets a
+# SandboxMcpBridge, a Unix socket in a folder the sandbox may only read, and the ``ferrus
+# serve`` the agent starts inside finds ``FERRUS_MCP_RELAY`` in its environment and only
+# relays its stdio to that socket (relay_mcp_stdio), after one line naming its agent session.
+# For each connection the bridge starts the real ``ferrus serve`` outside with the project and
+# role the orchestrator chose; of the session it takes only one of its own task, so an agent
+# can never reach another task or another role's tools.  sandbox_agent_report tells, per
+# role, whether the agent CLI starts inside (`ferrus agents`).
+
+SANDBOX_BRIDGE_SERVERS = 8
+# The relay's first line names its agent session; longer than this is no session.
+_RELAY_HELLO_BYTES = 256
+_RELAY_CHUNK = 65536
+
+
+class SandboxMcpBridge:
+    """A Unix socket that starts ferrus's MCP server outside the sandbox for each
+    connection, with the connection as its stdin and stdout.  The server's role and
+    project are the bridge's; of the agent session the relay names in its first line,
+    only one of the bridge's own task is taken (an agent may name a session, never
+    reach another task or role).  The socket's folder is the sandbox's to read only."""
+
+    def __init__(self, root, role, agent_name, task=None, agent_index=DEFAULT_AGENT_INDEX,
+                 folder=None, log_path=None, env=None):
+        self.root = os.path.abspath(root)
+        self.role = role
+        self.agent_name = agent_name
+        self.task = task
+        self.agent_index = agent_index
+        base = dict(os.environ if env is None else env)
+        base.pop(SANDBOX_RELAY_ENV, None)        # the server outside serves; it never relays
+        self.env = base
+        # Unix socket paths are short (about 100 bytes): a folder of its own in the temp dir.
+        self.folder = folder or tempfile.mkdtemp(prefix="ferrus-mcp-")
+        self.path = os.path.join(self.folder, "mcp.sock")
+        self.log_path = log_path
+        self.servers = []
+        self._closed = threading.Event()
+        self._listener = None
+        self._thread = None
+
+    def start(self):
+        os.chmod(self.folder, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(SANDBOX_BRIDGE_SERVERS)
+        # accept() is not woken by close() from another thread on every system.
+        listener.settimeout(0.2)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="ferrus-mcp-bridge")
+        self._thread.start()
+        return self
+
+    def _serve(self):
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with connection:
+                connection.settimeout(5.0)     # a relay says hello at once, or not at all
+                session = self._session(_read_hello(connection))
+                connection.settimeout(None)
+                self.servers = [p for p in self.servers if p.poll() is None]
+                if session is None or len(self.servers) >= SANDBOX_BRIDGE_SERVERS:
+                    log.warning("MCP bridge %s refused a connection (%s)", self.path,
+                                "no session of task %s" % self.task if session is None
+                                else "%d servers already run" % len(self.servers))
+                    continue
+                self.servers.append(self._start_server(connection, session))
+
+    def _session(self, hello):
+        session = hello.get("session") if isinstance(hello, dict) else None
+        if not isinstance(session, str) or not _SESSION_RE.match(session):
+            return None
+        if self.task is not None and session_task(session) != self.task:
+            return None
+        return session
+
+    def server_argv(self, session):
+        """The argv of the ferrus MCP server this bridge starts for ``session``."""
+        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C", self.root,
+                "serve", "--role", self.role, "--agent-name", self.agent_name,
+                "--agent-index", str(self.agent_index), "--session", session]
+
+    def _start_server(self, connection, session):
+        errors = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            return subprocess.Popen(self.server_argv(session), stdin=connection.fileno(),
+                                    stdout=connection.fileno(), stderr=errors, cwd=self.root,
+                                    env=dict(self.env, **{SESSION_ENV: session}),
+                                    **process_group_kwargs())
+        finally:
+            if self.log_path:
+                errors.close()
+
+    def close(self, grace=2.0):
+        """Stop listening and end the servers still running (their agent is gone)."""
+        self._closed.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        for server in self.servers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(grace)
+            if server.poll() is None:
+                kill_process_tree(server)
+                server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+def _read_hello(connection):
+    """The relay's first line as JSON (one byte at a time, so nothing after it is taken
+    from the server's stdin); {} when there is none."""
+    line = bytearray()
+    with contextlib.suppress(OSError):
+        while len(line) < _RELAY_HELLO_BYTES:
+            byte = connection.recv(1)
+            if not byte or byte == b"\n":
+                break
+            line += byte
+    try:
+        return json.loads(line.decode("utf-8"))
+    except ValueError:
+        return {}
+
+
+def relay_mcp_stdio(path, session=None, stdin_fd=None, stdout_fd=None):
+    """The ``ferrus serve`` an agent starts inside a sandbox: it names its agent session
+    (``$FERRUS_SESSION``), then relays its stdio byte for byte to the bridge at ``path``.
+    Returns the exit code."""
+    stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
+    stdout_fd = sys.stdout.fileno() if stdout_fd is None else stdout_fd
+    session = os.environ.get(SESSION_ENV, "") if session is None else session
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+        connection.sendall((json.dumps({"session": session}) + "\n").encode("utf-8"))
+    except OSError as err:
+        sys.stderr.write("ferrus: cannot reach ferrus's MCP server through %s: %s\n"
+                         "hint: the agent runs in a sandbox whose orchestrator has ended; "
+                         "start the task again with `ferrus run`\n" % (path, err.strerror or err))
+        return 1
+
+    def forward():
+        try:
+            while True:
+                data = os.read(stdin_fd, _RELAY_CHUNK)
+                if not data:
+                    break
+                connection.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            connection.shutdown(socket.SHUT_WR)     # the server sees its stdin end
+    threading.Thread(target=forward, daemon=True).start()
+    try:
+        while True:
+            data = connection.recv(_RELAY_CHUNK)
+            if not data:
+                break
+            view = memoryview(data)
+            while view:
+                view = view[os.write(stdout_fd, view):]
+    except OSError:
+        return 1
+    finally:
+        connection.close()
+    return 0
+
+
+# -- one task's sandbox, agents included ---------------------------------------------------
+
+class AgentSandbox(TaskSandbox):
+    """A task's confinement with its agents: besides its checks, each agent's launch is
+    confined, and its ``ferrus serve`` reaches the real server outside through one MCP
+    bridge per role (made at the role's first launch, kept until close)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bridges = {}
+
+    def plan(self, argv=(), readable=(), relay=None):
+        plan = super().plan(argv, readable)
+        if relay is not None:
+            plan.readable.append((relay.folder, relay.folder))
+            plan.env[SANDBOX_RELAY_ENV] = relay.path
+        return plan
+
+    def wrap_launch(self, launch, role, agent_name, log_path=None):
+        """The agent's Launch confined to the task; its ``ferrus serve`` reaches the role's
+        bridge."""
+        tool = self.require()
+        bridge = self.bridges.get(role)
+        if bridge is None:
+            bridge = SandboxMcpBridge(self.root, role, agent_name, self.task,
+                                      log_path=log_path).start()
+            self.bridges[role] = bridge
+        plan = self.plan(launch.argv, relay=bridge)
+        return Launch(argv=sandbox_argv(plan, launch.argv, tool), stdin=launch.stdin,
+                      env=dict(launch.env))
+
+    def launcher(self, inner, agent_of_role):
+        """A launcher for an HqController of this task: ``inner(slot)``'s launch, confined
+        (``agent_of_role(role)`` names the agent for its MCP server's id)."""
+        def launch(slot):
+            plain, parse_line = inner(slot)
+            return self.wrap_launch(plain, slot.role, agent_of_role(slot.role)), parse_line
+        return launch
+
+    def launcher_for(self, controller):
+        """The launcher of ``controller`` (an HqController of this task), confined."""
+        def agent_of_role(role):
+            choice = controller.agent_choice(role)
+            return choice.agent if choice else "agent"
+        return self.launcher(controller.launcher, agent_of_role)
+
+    def close(self):
+        """End the bridges (the task's agents have stopped)."""
+        for bridge in self.bridges.values():
+            bridge.close()
+        self.bridges = {}
+
+
+class ControllerSandbox:
+    """The confinement of one HqController's agents (of a parallel task here, or of the
+    project's own task), decided at each launch by this machine's [sandbox] as ferrus.toml
+    says it then: on, the launch is confined (one AgentSandbox, its bridges kept); off,
+    it goes as it is.  A ferrus.toml that does not load fails the launch, saying why, as
+    it always did — never an agent started unconfined because the file could not be read."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.inner = controller.launcher
+        self.confinement = None
+
+    def sandbox(self):
+        """The AgentSandbox to launch in, or None ([sandbox] off).  Raises FerrusError
+        (ferrus.toml does not load) and SandboxUnavailable."""
+        store = self.controller.store
+        config = store.config()
+        wanted = config.places[PLACE_HERE].sandbox
+        if not wanted.enabled:
+            return None
+        if self.confinement is None or self.confinement.config != wanted:
+            agents = [choice.agent for choice in (config.supervisor, config.executor)
+                      if choice]
+            executor = getattr(self.controller, "executor_agent", None)
+            if executor and executor not in agents:
+                agents.append(executor)
+            if self.confinement is not None:
+                self.confinement.close()
+            self.confinement = AgentSandbox.for_task(store, wanted, agents)
+        return self.confinement
+
+    def launch(self, slot):
+        confinement = self.sandbox()
+        if confinement is None:
+            return self.inner(slot)
+
+        def agent_of_role(role):
+            choice = self.controller.agent_choice(role)
+            return choice.agent if choice else "agent"
+        return confinement.launcher(self.inner, agent_of_role)(slot)
+
+    def close(self):
+        """End the bridges (its agents have stopped)."""
+        if self.confinement is not None:
+            self.confinement.close()
+
+    def remove(self):
+        """The task's temp folder and private objects (the task has ended)."""
+        if self.confinement is not None:
+            self.confinement.remove()
+
+
+def confine_controller(controller, require=True):
+    """Confine the agents of ``controller`` (an HqController) by this machine's [sandbox]
+    (see ControllerSandbox); returns the ControllerSandbox (close() it when the controller
+    stops, remove() it when its task has ended).  ``require``: when the sandbox is on,
+    raise SandboxUnavailable now (saying how to install bubblewrap) rather than at the
+    first launch — a task never starts unconfined.  A ferrus.toml that does not load is
+    left to the caller's own checks (and fails each launch)."""
+    confined = ControllerSandbox(controller)
+    if require:
+        try:
+            confinement = confined.sandbox()
+        except SandboxUnavailable:
+            raise
+        except FerrusError:
+            confinement = None
+        if confinement is not None:
+            confinement.require()
+    controller.launcher = confined.launch
+    return confined
+
+
+# -- does each agent CLI start inside? --------------------------------------------------------
+
+def sandbox_agent_report(root, config=None, run=subprocess.run, tool=None, home=None):
+    """Per role with an agent: whether its CLI starts inside the sandbox (its version
+    command, in a scratch worktree with the same rules), as `ferrus agents` shows it.
+    Rows: {"role", "agent", "works": bool, "note"}; one row with "problem" when there is
+    no sandbox here at all."""
+    config = config or load_config(root)
+    sandbox = config.places[PLACE_HERE].sandbox
+    try:
+        tool = tool or sandbox_tool()
+    except SandboxUnavailable as err:
+        return [{"role": None, "agent": None, "works": False, "problem": err.message,
+                 "hint": err.hint}]
+    rows = []
+    for role in ROLES:
+        choice = getattr(config, role, None)
+        if choice is None:
+            continue
+        adapter = adapter_for(config, choice.agent)
+        if not adapter.executable():
+            rows.append({"role": role, "agent": choice.agent, "works": False,
+                         "note": "%s is not installed" % adapter.binary})
+            continue
+        rows.append(dict({"role": role, "agent": choice.agent},
+                         **_try_inside(adapter, sandbox, tool, run, home)))
+    return rows
+
+
+def _try_inside(adapter, sandbox, tool, run, home):
+    scratch = tempfile.mkdtemp(prefix="ferrus-sandbox-check-")
+    try:
+        work = os.path.join(scratch, "work")
+        os.makedirs(work)
+        plan = plan_sandbox(sandbox, work, os.path.join(scratch, "state"),
+                            agents=(adapter.name,), home=home,
+                            argv=adapter.version_argv())
+        argv = adapter.version_argv()
+        argv[0] = adapter.executable() or argv[0]
+        try:
+            done = run(sandbox_argv(plan, argv, tool), cwd=work, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        except (OSError, subprocess.SubprocessError) as err:
+            return {"works": False, "note": "could not start inside: %s" % err}
+        said = done.stdout.decode("utf-8", "replace").strip().splitlines()
+        if done.returncode == 0:
+            return {"works": True, "note": "starts inside the sandbox (%s)%s" % (
+                tool[0], ": " + said[-1][:80] if said else "")}
+        return {"works": False, "note": "fails inside the sandbox (exit %d)%s" % (
+            done.returncode, ": " + said[-1][:160] if said else "")}
+    except (FerrusError, OSError) as err:
+        return {"works": False, "note": "could not be tried inside: %s" % (
+            getattr(err, "message", None) or err)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ============================================================================
+# src/ferrus/places.py (from its line 56)
+# ============================================================================
+# Places: where tasks run (here, ssh, an exec prefix) and the channel to them.
+#
+# A place is ``[places.NAME]`` in ferrus.toml: ``ssh = [argv prefix ending with the host]``
+# or ``exec = [argv prefix that runs an argv there with stdio]`` (``docker exec -i NAME``,
+# ``kubectl exec -i POD --``, ``runuser -u USER --``), how many tasks at once (``slots``),
+# where its clones and worktrees live there (``dir``) and its own ``[places.NAME.sandbox]``.
+# ``here`` is this machine.
+#
+# A Place is the channel to one.  Every call is one process: the prefix, then the place's
+# Python running a small boot program (given on the command line, base64, so the remote
+# shell parses nothing but safe characters) with one request (a JSON object, base64 too:
+# no task title, branch or path can reach a shell there, and no secret is ever in it —
+# task text and config go on stdin).  The boot program prints a marker line first, so a
+# call that never reached Python (ssh exit 255, a prefix that failed) is told from one that
+# did; the first is retried with backoff, as is a connection that drops mid-call (every
+# request is idempotent).  It then either runs an argv there (``run``), takes a copy of
+# ferrus (``install``: the files, checked against their content hash, into
+# ``<dir>/ferrus-<hash>/``, once), or hands the request to that copy (place_side.py), which
+# answers.  A call made before ferrus is there gets exit 85 and installs it first.
+#
+# Commits move as git packs over the same channel (``git pack-objects --thin`` piped into
+# ``git index-pack --stdin --fix-thin`` at the other end, ``--strict`` when they come
+# back): no shared file system, no network share, nothing but the task's commits.
+# PlaceFollower follows a task there: its journal entries and its controller's messages
+# stream back, a dropped connection is reconnected with backoff from the last entry seen,
+# and its beats keep the task's lease at the place alive.
+
+def configured_places(root):
+    """(the project's Config, {name: PlaceConfig}, [parallel] places) — ferrus.toml's
+    [sandbox], [places.NAME] and [parallel] places, validated (FerrusError names the key)."""
+    config = load_config(root)
+    return config, config.places, config.parallel.places
+
+
+# -- probe: what the place has ----------------------------------------------------------------
+
+# Where each agent CLI keeps a login, and the variables that hold a key for it.
+PLACE_AGENT_LOGINS = {
+    "claude": (("~/.claude/.credentials.json",),
+               ("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_AUTH_TOKEN")),
+    "codex": (("~/.codex/auth.json",), ("OPENAI_API_KEY", "CODEX_API_KEY")),
+    "qwen": (("~/.qwen/oauth_creds.json",), ("OPENAI_API_KEY", "DASHSCOPE_API_KEY")),
+    "gemini": (("~/.gemini/oauth_creds.json",),
+               ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_APPLICATION_CREDENTIALS")),
+}
+
+
+def agent_login(binary, environ=None):
+    """How the agent CLI ``binary`` is logged in here (words), or None when it is not;
+    "" for a CLI ferrus cannot tell about."""
+    environ = os.environ if environ is None else environ
+    known = PLACE_AGENT_LOGINS.get(os.path.basename(binary))
+    if known is None:
+        return ""
+    files, variables = known
+    for path in files:
+        if os.path.isfile(os.path.expanduser(path)):
+            return "credentials in %s" % path
+    for name in variables:
+        if environ.get(name):
+            return "key in $%s" % name
+    if os.path.basename(binary) == "claude":
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            with open(os.path.expanduser("~/.claude.json"), encoding="utf-8") as handle:
+                if json.load(handle).get("oauthAccount"):
+                    return "account in ~/.claude.json"
+    return None
+
+
+def place_probe(binaries):
+    """What this machine offers a task: Python, git and the agent CLIs ``binaries`` (path,
+    version, login)."""
+    git = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "--version"], capture_output=True, text=True,
+                              timeout=20, stdin=subprocess.DEVNULL)
+        git = done.stdout.strip().rpartition(" ")[2] if done.returncode == 0 else ""
+    agents = {}
+    for binary in binaries:
+        path = shutil.which(binary)
+        version = ""
+        if path:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                done = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                      timeout=20, stdin=subprocess.DEVNULL)
+                lines = done.stdout.strip().splitlines()
+                version = lines[0].strip()[:80] if done.returncode == 0 and lines else ""
+        agents[binary] = {"path": path, "version": version,
+                          "login": agent_login(binary) if path else None}
+    return {"python": "%d.%d.%d" % sys.version_info[:3], "git": git, "agents": agents}
+
+
+# -- ferrus as a place gets it ----------------------------------------------------------------
+
+def place_program():
+    """(content hash, [(name, bytes)]) of ferrus as it is copied to a place: ferrus.py."""
+    with open(FERRUS_FILE, "rb") as handle:
+        contents = [("ferrus.py", handle.read())]
+    return program_hash(contents), contents
+
+
+def program_hash(contents):
+    digest = hashlib.sha256()
+    for name, data in sorted(contents):
+        digest.update(name.encode("utf-8") + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+# The boot program: what the place's Python runs first, whatever the request.  Written
+# for any Python 3 (it says which is too old), with no quote or backslash of its own
+# outside strings, as it travels base64-encoded on the command line.
+PLACE_BOOT = r'''
+import sys, os, json, base64, hashlib
+sys.stdout.write("ferrus-place 1\n")
+sys.stdout.flush()
+if sys.version_info < (3, 9):
+    sys.stderr.write("ferrus: this place runs Python %d.%d; ferrus needs 3.9 or later\n"
+                     % sys.version_info[:2])
+    sys.exit(86)
+import pwd
+request = json.loads(base64.b64decode(sys.argv[1]).decode("utf-8"))
+user = pwd.getpwuid(os.getuid())
+if not os.access(os.environ.get("HOME") or "/nonexistent", os.W_OK):
+    # An exec prefix such as `runuser -u USER --` keeps the caller's HOME.
+    os.environ.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+for folder in reversed(request.get("path") or []):
+    os.environ["PATH"] = os.path.expanduser(folder) + os.pathsep + os.environ.get("PATH", "")
+base = os.path.expanduser(request["dir"])
+program = os.path.join(base, "ferrus-" + request["hash"][:16])
+kind = request["kind"]
+if kind == "install":
+    header = json.loads(sys.stdin.buffer.readline().decode("utf-8"))
+    contents = [(name, sys.stdin.buffer.read(size)) for name, size in header["files"]]
+    digest = hashlib.sha256()
+    for name, data in sorted(contents):
+        digest.update(name.encode("utf-8") + b"\0" + str(len(data)).encode() + b"\0" + data)
+    if digest.hexdigest() != request["hash"]:
+        sys.stderr.write("ferrus: the copy of ferrus arrived damaged (hash mismatch)\n")
+        sys.exit(3)
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    temporary = "%s.%d.tmp" % (program, os.getpid())
+    os.makedirs(temporary)
+    import py_compile
+    for name, data in contents:
+        with open(os.path.join(temporary, os.path.basename(name)), "wb") as handle:
+            handle.write(data)
+        # Compiled once here, so no later call compiles ferrus again (even where the
+        # environment says not to write bytecode).
+        py_compile.compile(os.path.join(temporary, os.path.basename(name)),
+                           dfile=os.path.join(program, os.path.basename(name)), doraise=False)
+    open(os.path.join(temporary, ".complete"), "w").close()
+    try:
+        os.rename(temporary, program)
+    except OSError:
+        import shutil
+        shutil.rmtree(temporary, ignore_errors=True)
+    sys.stdout.write(json.dumps({"program": program}) + "\n")
+elif kind == "run":
+    os.chdir(os.path.expanduser(request.get("cwd") or "~"))
+    os.environ.update(request.get("env") or {})
+    sys.stdout.flush()
+    try:
+        os.execvp(request["argv"][0], request["argv"])
+    except OSError as err:
+        sys.stderr.write("ferrus: cannot run %s at this place: %s\n" % (request["argv"][0], err))
+        sys.exit(127)
+else:
+    if not os.path.isfile(os.path.join(program, ".complete")):
+        sys.exit(85)
+    sys.path.insert(0, program)
+    import ferrus
+    sys.exit(ferrus.place_side_main(request, base, program))
+'''
+PLACE_MARKER = b"ferrus-place 1\n"
+PLACE_EXIT_NO_FERRUS = 85
+PLACE_EXIT_OLD_PYTHON = 86
+# Seconds between tries of a call that did not reach the place or dropped (about 16 s).
+PLACE_RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+PLACE_CALL_TIMEOUT = 300.0
+# What a task's commits coming back may weigh at most.
+PLACE_MAX_PACK_BYTES = 2 << 30
+
+
+def place_boot_line():
+    """The `python -c` code that runs the boot program: safe characters only."""
+    encoded = base64.b64encode(PLACE_BOOT.encode("utf-8")).decode("ascii")
+    return 'import base64,sys;exec(base64.b64decode("%s"))' % encoded
+
+
+class PlaceUnreachable(FerrusError):
+    """A place that could not be reached (or kept dropping the connection) after retries."""
+
+
+class PlaceBroken(FerrusError):
+    """A place that answers but cannot run ferrus: no Python 3.9+, or the prefix is missing."""
+
+
+# -- the channel ------------------------------------------------------------------------------
+
+class Place:
+    """The channel to one place (see the module docstring).  ``sleep`` waits between
+    retries (tests pass their own), ``delays`` are those waits."""
+
+    def __init__(self, config, sleep=time.sleep, delays=PLACE_RETRY_DELAYS, program=None):
+        self.config = config
+        self.name = config.name
+        self.sleep = sleep
+        self.delays = tuple(delays)
+        self.program = program or place_program()
+        self.retries = 0             # calls tried again after a drop, in this process
+        self.known = {}              # {project: commits its repository there has}
+
+    def describe(self):
+        prefix = self.config.ssh or self.config.exec
+        return "%s %s" % (self.config.kind, " ".join(shlex.quote(w) for w in (
+            prefix[-1:] if self.config.ssh else prefix)))
+
+    def _prefix(self):
+        if self.config.exec:
+            return list(self.config.exec)
+        prefix = list(self.config.ssh)
+        # Never a password prompt (nobody would answer it), dead connections noticed,
+        # and one connection for every call when ssh can share one.  Before the host, so
+        # the user's own -o options (earlier) still win.
+        ours = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=15",
+                "-o", "ServerAliveCountMax=3"]
+        if self.config.multiplex and not IS_WINDOWS and \
+                os.path.basename(prefix[0]) == "ssh":
+            ours += ["-o", "ControlMaster=auto", "-o", "ControlPersist=60",
+                     "-o", "ControlPath=" + _control_folder() + "/%C"]
+        if os.path.basename(prefix[0]) == "ssh":
+            prefix[-1:-1] = ours
+        return prefix
+
+    def argv(self, request):
+        """The local argv that carries ``request`` to the place."""
+        request = dict(request, dir=self.config.dir, hash=self.program[0],
+                       path=list(self.config.path))
+        words = [self.config.python, "-c", place_boot_line(),
+                 base64.b64encode(json.dumps(request).encode("utf-8")).decode("ascii")]
+        if self.config.exec:
+            return self._prefix() + words
+        # ssh hands one string to the login shell there: every word is quoted, and none
+        # holds anything but letters, digits and a few signs anyway.
+        return self._prefix() + ["exec " + " ".join(shlex.quote(w) for w in words)]
+
+    # -- one call, with retries ----------------------------------------------------------
+
+    def request(self, request, input=None, feed=None, timeout=PLACE_CALL_TIMEOUT):
+        """(exit code, stdout after the marker, stderr) of ``request`` at the place;
+        ``input`` bytes or ``feed()`` (a fresh readable for each try) on its stdin.
+        Retries what did not reach the place or dropped; installs ferrus when missing."""
+        tries = 0
+        installed = False
+        while True:
+            code, out, err, reached = self._attempt(self.argv(request), input, feed, timeout)
+            verdict = self._verdict(code, err, reached, request.get("kind") == "ferrus")
+            if verdict == "ok":
+                return code, out, err
+            if verdict == "no-ferrus" and not installed:
+                self.install()
+                installed = True
+                continue
+            if verdict in ("unreachable", "dropped") and tries < len(self.delays):
+                self.sleep(self.delays[tries])
+                tries += 1
+                self.retries += 1
+                continue
+            raise self._failure(verdict, code, err, tries)
+
+    def _attempt(self, argv, input, feed, timeout):
+        finish = None
+        stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
+        if feed is not None:
+            stdin, finish = feed()
+        try:
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        except OSError as err:
+            if finish:
+                finish()
+            raise PlaceBroken("place %s: cannot start %s here: %s" % (
+                self.name, argv[0], err.strerror or err), "install it, or fix [places.%s] "
+                "in %s" % (self.name, CONFIG_FILE)) from None
+        if feed is not None:
+            stdin.close()         # the child has its own copy
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            code = None
+        finally:
+            if finish:
+                finish()
+        at = out.find(PLACE_MARKER)
+        reached = at >= 0
+        return code, out[at + len(PLACE_MARKER):] if reached else out, err, reached
+
+    def _verdict(self, code, err, reached, ferrus_call=False):
+        """What one try came to: ok, dropped or unreachable (tried again), no-ferrus
+        (copied, then tried again), no-python or old-python (the place cannot serve).
+        ``ferrus_call``: ferrus there answers 0 or 1 and nothing else, so any other exit
+        is the connection's (an exec prefix has no exit status of its own for that)."""
+        if reached:
+            if code == PLACE_EXIT_NO_FERRUS:
+                return "no-ferrus"
+            if code == PLACE_EXIT_OLD_PYTHON:
+                return "old-python"
+            if code is None or (self.config.ssh and code == 255) or \
+                    (ferrus_call and code not in (0, 1)):
+                return "dropped"
+            return "ok"
+        if code in (126, 127):
+            return "no-python"
+        return "unreachable"
+
+    def _failure(self, verdict, code, err, tries):
+        said = _said(err)
+        where = "place %s (%s)" % (self.name, self.describe())
+        if verdict == "old-python":
+            return PlaceBroken("%s: %s" % (where, said or "its Python is older than 3.9"),
+                               "install Python 3.9 or later there, and name it in "
+                               "[places.%s] python" % self.name)
+        if verdict == "no-python":
+            return PlaceBroken("%s: cannot run %s there%s" % (where, self.config.python,
+                                                               ": " + said if said else ""),
+                               "install Python 3.9 or later there (or name it in "
+                               "[places.%s] python)" % self.name)
+        if verdict == "no-ferrus":
+            return PlaceBroken("%s: ferrus is still missing there after copying it" % where,
+                               "check that [places.%s] dir is writable there" % self.name)
+        return PlaceUnreachable(
+            "%s %s%s" % (where, "could not be reached" if verdict == "unreachable" else
+                         "kept dropping the connection", " (%d tries): %s" % (tries + 1, said)
+                         if said else " (%d tries, exit %s)" % (tries + 1, code)),
+            "check that `%s true` works from this machine; its tasks wait or go to another "
+            "place" % " ".join(shlex.quote(w) for w in self.config.ssh or self.config.exec))
+
+    def install(self):
+        """Copy ferrus there (the boot program checks the content hash)."""
+        digest, contents = self.program
+        header = json.dumps({"files": [[name, len(data)] for name, data in contents]})
+        data = header.encode("utf-8") + b"\n" + b"".join(data for _, data in contents)
+        code, out, err = self.request({"kind": "install"}, input=data)
+        if code != 0:
+            raise PlaceBroken("place %s: ferrus could not be copied there: %s" % (
+                self.name, _said(err) or "exit %s" % code),
+                "check that [places.%s] dir (%s) can be written there" % (self.name,
+                                                                          self.config.dir))
+        return self._answer("install", code, out, err).get("program")
+
+    def call(self, op, input=None, timeout=PLACE_CALL_TIMEOUT, **fields):
+        """The JSON answer of ferrus's request ``op`` at the place (place_side.py)."""
+        data = json.dumps(input).encode("utf-8") if input is not None and \
+            not isinstance(input, bytes) else input
+        code, out, err = self.request(dict(fields, kind="ferrus", op=op), input=data,
+                                      timeout=timeout)
+        return self._answer(op, code, out, err)
+
+    def _answer(self, op, code, out, err):
+        try:
+            answer = json.loads(out.decode("utf-8").strip().rpartition("\n")[2] or "null")
+        except ValueError:
+            answer = None
+        if code == 0 and isinstance(answer, dict):
+            return answer
+        if isinstance(answer, dict) and "error" in answer:
+            raise FerrusError("place %s: %s" % (self.name, answer["error"]),
+                              answer.get("hint") or None)
+        raise FerrusError("place %s: %s failed (exit %s)%s" % (
+            self.name, op, code, ": " + _last_line(err) if _last_line(err) else ""),
+            "`ferrus places` checks the place")
+
+    def run(self, argv, cwd=None, env=None, input=None, timeout=PLACE_CALL_TIMEOUT):
+        """subprocess.CompletedProcess of ``argv`` run at the place in ``cwd`` (there;
+        ``~`` allowed) with ``env`` added; stdout and stderr as bytes."""
+        code, out, err = self.request({"kind": "run", "argv": list(argv), "cwd": cwd,
+                                       "env": dict(env or {})}, input=input, timeout=timeout)
+        return subprocess.CompletedProcess(list(argv), code, out, err)
+
+    def popen(self, request, **kwargs):
+        """A Popen carrying ``request`` (no retries: the caller streams, and reconnects),
+        in a process group of its own: ending it ends the prefix and whatever it started
+        here (an exec prefix such as runuser stays the parent of the far end)."""
+        return subprocess.Popen(self.argv(request), **dict(process_group_kwargs(), **kwargs))
+
+    # -- what the place has -------------------------------------------------------------------
+
+    def probe(self, binaries):
+        """The place's Python, git, agent CLIs (path, version, login) and jobs."""
+        return self.call("probe", binaries=list(binaries))
+
+    # -- commits there and back ---------------------------------------------------------------
+
+    def send_commit(self, root, project, commit, name):
+        """``commit`` (and what it needs that the place lacks) into the place's repository
+        of ``project``, kept there under the ref ``name``.  A commit this Place sent (or
+        saw there) before is not sent again: the task's prepare keeps it under its own
+        ref there."""
+        known = self.known.get(project)
+        if known is not None and commit in known:
+            return {"commit": commit}
+        known = self.known[project] = set(self.call("refs", project=project).get(
+            "commits") or [])
+        if commit in known:
+            return {"commit": commit}
+        haves = _commits_here(root, sorted(known))
+        revisions = ("\n".join([commit] + ["^" + h for h in haves]) + "\n").encode()
+
+        def feed():
+            pack = subprocess.Popen(_git_argv(["pack-objects", "--revs", "--thin", "--stdout",
+                                               "-q"]), cwd=root, env=_git_env(),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL)
+            pack.stdin.write(revisions)
+            pack.stdin.close()
+
+            def finish():
+                pack.stdout.close()
+                if pack.wait() != 0:
+                    raise GitError("git pack-objects failed for %s" % commit[:12],
+                                   "is the commit in this repository?")
+            return pack.stdout, finish
+        code, out, err = self.request(dict(kind="ferrus", op="receive", project=project,
+                                           commit=commit, name=name), feed=feed)
+        answer = self._answer("receive", code, out, err)
+        known.add(commit)
+        return answer
+
+    def fetch_commit(self, root, project, commit, haves=(), ref=None):
+        """``commit`` from the place's repository into this one (checked with index-pack
+        --strict); ``haves``: commits both have (the task's base), left out of the pack.
+        ``ref``: the local ref that keeps it."""
+        request = {"kind": "ferrus", "op": "send", "project": project, "commit": commit,
+                   "haves": list(haves)}
+        tries = 0
+        installed = False
+        while True:
+            verdict, code, said = self._fetch_once(root, request)
+            if verdict == "ok":
+                break
+            if verdict == "no-ferrus" and not installed:
+                self.install()
+                installed = True
+                continue
+            if verdict in ("dropped", "unreachable") and tries < len(self.delays):
+                self.sleep(self.delays[tries])
+                tries += 1
+                self.retries += 1
+                continue
+            raise self._failure(verdict, code, said, tries)
+        run_git(root, ["cat-file", "-e", commit + "^{commit}"])
+        if ref:
+            run_git(root, ["update-ref", ref, commit])
+        return commit
+
+    def _fetch_once(self, root, request):
+        """(verdict, exit code, what was said) of one try: the pack the place writes after
+        its marker, piped into index-pack here.  An error the place answers is raised."""
+        errors = tempfile.TemporaryFile()
+        with errors:
+            proc = self.popen(request, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=errors)
+            index = None
+            head, total, reached = b"", 0, False
+            try:
+                for chunk in iter(lambda: proc.stdout.read(65536), b""):
+                    if index is None:
+                        head += chunk
+                        at = head.find(PLACE_MARKER)
+                        if at < 0 or len(head) < at + len(PLACE_MARKER) + 4:
+                            continue
+                        reached, chunk = True, head[at + len(PLACE_MARKER):]
+                        if chunk.startswith(b"{"):           # an answer, not a pack
+                            head = chunk + proc.stdout.read(65536)
+                            break
+                        index = subprocess.Popen(
+                            _git_argv(["index-pack", "--stdin", "--fix-thin", "--strict"]),
+                            cwd=root, env=_git_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+                    total += len(chunk)
+                    if total > PLACE_MAX_PACK_BYTES:
+                        raise FerrusError("place %s sent more than %d MiB for commit %s" % (
+                            self.name, PLACE_MAX_PACK_BYTES >> 20, request["commit"][:12]),
+                            "are a task's commits that large? fetch them by hand")
+                    index.stdin.write(chunk)
+            except BrokenPipeError:
+                pass                          # index-pack gave up: its words say why
+            finally:
+                if index is not None:
+                    with contextlib.suppress(OSError):
+                        index.stdin.close()
+                if proc.poll() is None and index is None:
+                    proc.kill()
+                code = proc.wait()
+                indexed = b""
+                if index is not None:
+                    indexed = index.stderr.read()
+                    index.stderr.close()
+                    index.wait()
+            errors.seek(0)
+            said = errors.read(65536)
+        reached = reached or PLACE_MARKER in head
+        if index is None and reached and head.startswith(b"{"):
+            return "ok", code, self._answer("send", code, head, said)
+        if index is not None and code == 0 and index.returncode == 0:
+            return "ok", code, b""
+        if not reached:
+            return self._verdict(code, said, False), code, said
+        verdict = self._verdict(code, said, True, True)
+        return ("dropped", code, indexed or said) if verdict == "ok" else (verdict, code, said)
+
+    # -- a task there -------------------------------------------------------------------------
+
+    def prepare_task(self, store, task, base, text, origin=None, agent=None, resume_from=None,
+                     lease=None):
+        """Send ``base`` there and make the task's worktree and store there, the task
+        created from ``text`` (its files first put back as ``resume_from``, saved work of
+        an earlier try, has them); with ``lease`` its job starts in the same call.  The
+        answer names its worktree there (and its job)."""
+        project = place_project_key(store.root)
+        self.send_commit(store.root, project, base, task)
+        if resume_from:
+            self.send_commit(store.root, project, resume_from, task + "-resume")
+        config = store.config()
+        payload = {
+            "config": place_config_text(store.root, self.config.sandbox), "text": text,
+            "origin": origin or {}, "agent": agent, "setup": list(config.parallel.setup),
+            "resume_from": resume_from,
+            "agents": {role: [choice.agent, choice.model or None] for role, choice in (
+                ("supervisor", config.supervisor), ("executor", config.executor)) if choice}}
+        fields = {"start": True, "lease": lease} if lease else {}
+        return self.call("prepare", input=payload, project=project, task=task, base=base,
+                         inside=project_folder_in_repository(store.root), **fields)
+
+    def follow(self, store, task, after=0, messages_from=0, **options):
+        """A started PlaceFollower of ``task`` there."""
+        return PlaceFollower(self, place_project_key(store.root), task, after, messages_from,
+                             **options).start()
+
+
+def _control_folder():
+    """Where ssh keeps its shared connections: a private folder of this user's, short
+    (a socket path must fit in about 100 bytes)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = os.path.join(tempfile.gettempdir(), "ferrus-ssh-%d" % uid)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
+
+
+def _last_line(data):
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else (data or "")
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return terminal_safe(lines[-1])[:300] if lines else ""
+
+
+def _said(err):
+    """The last line a place wrote on stderr, without ferrus's own "ferrus: " before it."""
+    said = _last_line(err)
+    return said[len("ferrus: "):] if said.startswith("ferrus: ") else said
+
+
+def _commits_here(root, commits):
+    """Those of ``commits`` this repository has."""
+    if not commits:
+        return []
+    out = run_git(root, ["cat-file", "--batch-check=%(objectname) %(objecttype)"],
+                  stdin=("\n".join(commits) + "\n").encode())
+    return [line.split()[0] for line in out.decode().splitlines()
+            if line.endswith(" commit")]
+
+
+def place_project_key(root):
+    """The name a project has at every place: from this machine's name and its repository's
+    path, so two projects (or two machines) never share one there, and nothing of the path
+    itself leaves this machine."""
+    try:
+        where = git_repository(root).toplevel
+    except GitUnavailable:
+        where = root
+    digest = hashlib.sha256(("%s\0%s" % (socket.gethostname(), os.path.realpath(where)))
+                            .encode("utf-8")).hexdigest()
+    return "p-" + digest[:12]
+
+
+def project_folder_in_repository(root):
+    """The project's folder inside its repository ("." at its top), as the worktree there
+    has it."""
+    try:
+        top = git_repository(root).toplevel
+    except GitUnavailable:
+        return "."
+    return os.path.relpath(os.path.realpath(root), os.path.realpath(top)).replace(os.sep, "/")
+
+
+def place_config_text(root, sandbox=None):
+    """ferrus.toml as a place gets it: without [places] and [parallel] places (how this
+    machine reaches places) and [notify] (what runs here when a task ends, webhooks and
+    tokens included), its [sandbox] the place's own (``sandbox``: the place's table over
+    the global one)."""
+    text = read_text(os.path.join(root, CONFIG_FILE), default="")
+    for table in ("places", "notify"):
+        text = toml_remove_table(text, (table,))
+    text = toml_remove_key(text, ("parallel",), "places")
+    if sandbox is not None:
+        text = toml_replace_table(text, ("sandbox",), dataclasses.asdict(sandbox))
+    return text
+
+
+# -- following a task there -------------------------------------------------------------------
+
+class PlaceFollower:
+    """Follows one task at a place: its journal entries there ({"entry"}), its
+    STATE.json and scratch files whenever they change ({"task": {"state", "files"}}), its
+    controller's messages ({"message"}), beats ({"beat"}: the seq and the task's state
+    there) and the end of its job ({"end"}), as items of ``get()``.  A dropped connection
+    is opened again with backoff from the last entry and message seen, so nothing comes
+    twice and nothing is lost; after ``delays`` run out without a line, one {"lost": why}
+    item ends it."""
+
+    def __init__(self, place, project, task, after=0, messages_from=0, beat=2.0, lease=90.0,
+                 sleep=None, delays=None):
+        self.place = place
+        self.project = project
+        self.task = task
+        self.after = after
+        self.messages_from = messages_from
+        self.beat = beat
+        self.lease = lease
+        self.sleep = sleep or place.sleep
+        self.delays = tuple(delays if delays is not None else place.delays)
+        self.items = queue.Queue()
+        self.drops = 0
+        self.ended = None
+        self.lost = None
+        self.connection = None        # the process carrying the current connection
+        self._stopping = threading.Event()
+        self._thread = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="ferrus-follow-%s" % self.task)
+        self._thread.start()
+        return self
+
+    def get(self, timeout=None):
+        """The next item, or None when none came within ``timeout``."""
+        try:
+            return self.items.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stop(self):
+        self._stopping.set()
+        self.cut()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def cut(self):
+        """End the current connection (it is opened again unless stopping)."""
+        connection = self.connection
+        if connection is not None and connection.poll() is None:
+            kill_process_tree(connection, grace=0)
+
+    def _request(self):
+        return {"kind": "ferrus", "op": "follow", "project": self.project, "task": self.task,
+                "after": self.after, "messages_from": self.messages_from,
+                "beat": self.beat, "lease": self.lease}
+
+    def _run(self):
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                lines = self._connect_and_read()
+            except FerrusError as err:
+                self._lose(err.message)
+                return
+            if self.ended is not None or self.lost is not None or self._stopping.is_set():
+                return
+            # A connection that brought lines before it dropped is opened again at once;
+            # one that brought none waits longer each time, then the place is lost.
+            failures = 0 if lines else failures + 1
+            if failures > len(self.delays):
+                self._lose("the connection to place %s dropped %d times in a row without "
+                           "a word" % (self.place.name, failures))
+                return
+            self.drops += 1
+            if failures:
+                self.sleep(self.delays[failures - 1])
+
+    def _lose(self, why):
+        if self.drops:
+            why += " (after %d reconnection%s)" % (self.drops, "" if self.drops == 1 else "s")
+        self.lost = why
+        self.items.put({"lost": why})
+
+    def _connect_and_read(self):
+        errors = tempfile.TemporaryFile()
+        with errors:
+            try:
+                proc = self.place.popen(self._request(), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=errors)
+            except OSError as err:
+                raise PlaceBroken("cannot start %s here: %s" % (
+                    self.place.argv({})[0], err.strerror or err)) from None
+            self.connection = proc
+            reached, count = False, 0
+            with proc.stdout:
+                for raw in proc.stdout:
+                    if not reached:
+                        reached = raw == PLACE_MARKER
+                        continue
+                    try:
+                        item = json.loads(raw.decode("utf-8"))
+                    except ValueError:
+                        continue
+                    count += 1
+                    self._take(item)
+            code = proc.wait()
+            if code == PLACE_EXIT_NO_FERRUS and reached:
+                self.place.install()
+                return 1
+            if code in (126, 127, PLACE_EXIT_OLD_PYTHON):
+                errors.seek(0)
+                raise self.place._failure("no-python" if code != PLACE_EXIT_OLD_PYTHON
+                                          else "old-python", code, errors.read(4096), 0)
+            return count
+
+    def _take(self, item):
+        if "error" in item:
+            self._lose("place %s: %s" % (self.place.name, item["error"]))
+            return
+        if "entry" in item:
+            self.after = max(self.after, item["entry"].get("seq", 0))
+        if "message" in item:
+            self.messages_from = max(self.messages_from, item.get("at", 0))
+        if "beat" in item:
+            self.after = max(self.after, item["beat"].get("seq", 0))
+            self.messages_from = max(self.messages_from, item["beat"].get("at", 0))
+        if "end" in item:
+            self.ended = item["end"]
+        self.items.put(item)
+
+
+# -- `ferrus places` --------------------------------------------------------------------------
+
+def place_binaries(config):
+    """The agent CLIs the project's roles (and [parallel] delegates) run, by binary."""
+    names = [choice.agent for choice in (config.supervisor, config.executor) if choice]
+    names += list(config.parallel.delegates)
+    binaries = []
+    for name in names:
+        with contextlib.suppress(FerrusError):
+            binary = adapter_for(config, name).binary
+            if binary not in binaries:
+                binaries.append(binary)
+    return binaries
+
+
+def running_tasks(store):
+    """The ids of the project's tasks that are running (their work may be at a place)."""
+    return [task for task, record in task_records(store)
+            if record.get("status") == RUNNING_STATUS]
+
+
+def places_report(root, make_place=Place, clock=time.monotonic):
+    """`ferrus places`: one row per place, live: reachable, Python, git, the agent CLIs
+    there (installed, version, logged in), slots and how many are free."""
+    config, places, order = configured_places(root)
+    binaries = place_binaries(config)
+    rows = []
+    for name, place in sorted(places.items(), key=lambda item: (
+            item[0] not in order, order.index(item[0]) if item[0] in order else 0, item[0])):
+        row = {"place": name, "kind": place.kind, "in_use": name in order,
+               "slots": place.slots if place.slots is not None else
+               config.parallel.max_tasks}
+        started = clock()
+        try:
+            if name == PLACE_HERE:
+                found = place_probe(binaries)
+                row["reach"] = "this machine"
+            else:
+                channel = make_place(place)
+                row["reach"] = channel.describe()
+                found = channel.probe(binaries)
+        except FerrusError as err:
+            row.update(reachable=False, problem=err.message, hint=err.hint)
+            rows.append(row)
+            continue
+        row.update(reachable=True, secs=round(clock() - started, 3),
+                   python=found.get("python"), git=found.get("git") or None,
+                   agents=found.get("agents") or {})
+        if name == PLACE_HERE:
+            busy = len(running_tasks_here(root))
+        else:
+            busy = len([job for job in found.get("jobs") or [] if job.get("state") == "running"])
+        row["free"] = max(0, row["slots"] - busy)
+        problems = _place_problems(row, binaries)
+        if place.sandbox.enabled and name == PLACE_HERE:
+            try:
+                row["sandbox"] = "on (%s)" % sandbox_tool()[0]
+            except SandboxUnavailable as err:
+                problems.append((err.message, err.hint))
+        elif place.sandbox.enabled:
+            row["sandbox"] = "on (checked when a task starts there)"
+        if problems:
+            row["problem"], row["hint"] = problems[0]
+        rows.append(row)
+    return rows
+
+
+def running_tasks_here(root):
+    with contextlib.suppress(FerrusError, OSError):
+        return running_tasks(Store(root))
+    return []
+
+
+def _place_problems(row, binaries):
+    problems = []
+    if not row.get("git"):
+        problems.append(("git is not installed at place %s" % row["place"],
+                         "install git there (ferrus moves commits with it)"))
+    for binary in binaries:
+        agent = row["agents"].get(binary) or {}
+        if not agent.get("path"):
+            problems.append(("%s is not installed at place %s" % (binary, row["place"]),
+                             "install it there (for the npm CLIs: npm install -g ...), or "
+                             "add its folder to [places.%s] path" % row["place"]))
+        elif agent.get("login") is None:
+            problems.append(("%s is not logged in at place %s" % (binary, row["place"]),
+                             "log in there as the place's user (run it once interactively), "
+                             "or give it its API key in that user's environment"))
+    return problems
+
+
+def describe_place_row(row):
+    """`ferrus places` lines for one row."""
+    head = "%-10s %s" % (row["place"], row.get("reach") or row["kind"])
+    if not row.get("reachable"):
+        return [head + ": unreachable", "           problem: %s" % row["problem"],
+                "           fix: %s" % row["hint"]]
+    lines = [head + (" (%s)" % format_duration(row["secs"]) if row["place"] != PLACE_HERE
+                     else ""),
+             "           Python %s, git %s; %d slot%s, %d free%s%s" % (
+                 row["python"], row.get("git") or "missing", row["slots"],
+                 "" if row["slots"] == 1 else "s", row["free"],
+                 "; sandbox %s" % row["sandbox"] if row.get("sandbox") else "",
+                 "" if row["in_use"] else "; not in [parallel] places")]
+    for binary, agent in sorted(row.get("agents", {}).items()):
+        if not agent.get("path"):
+            lines.append("           %s: not installed" % binary)
+        else:
+            login = agent.get("login")
+            lines.append("           %s: %s, %s" % (binary, agent.get("version") or "version "
+                                                     "unknown", "not logged in" if login is None
+                                                     else "logged in (%s)" % login if login
+                                                     else "login unknown"))
+    if row.get("problem"):
+        lines += ["           problem: %s" % row["problem"], "           fix: %s" % row["hint"]]
+    return lines
+
+
+def clean_places(root, make_place=Place):
+    """What killed runs left at each place: tasks of this project no running task keeps,
+    and the copies of ferrus no job uses.  Returns (place, removed paths or problem) rows."""
+    config, places, order = configured_places(root)
+    project = place_project_key(root)
+    keep = [[project, task] for task in running_tasks(Store(root))]
+    results = []
+    for name, place in sorted(places.items()):
+        if name == PLACE_HERE:
+            continue
+        try:
+            answer = make_place(place).call("clean", project=project, keep=keep)
+            results.append((name, answer.get("removed") or [], None))
+        except FerrusError as err:
+            results.append((name, [], err.full_text()))
+    return results
+
+
+def cmd_places(args, root):
+    if args.clean:
+        failed = False
+        for name, removed, problem in clean_places(root):
+            if problem:
+                failed = True
+                say("%-10s could not be cleaned: %s" % (name, problem))
+            else:
+                say("%-10s %s" % (name, "removed %d leftover%s: %s" % (
+                    len(removed), "" if len(removed) == 1 else "s", ", ".join(removed))
+                    if removed else "nothing left over"))
+        return 1 if failed else 0
+    rows = places_report(root)
+    if args.json:
+        say(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            for line in describe_place_row(row):
+                say(line)
+    return 1 if any("problem" in row for row in rows if row["in_use"]) else 0
+
+
+def add_places_parser(sub):
+    """`ferrus places` on the top-level subparsers."""
+    p = sub.add_parser("places", help="where tasks run: each place, checked live (reachable, "
+                                      "Python, git, agent CLIs and their login, free slots)")
+    p.add_argument("--json", action="store_true", help="machine-readable rows")
+    p.add_argument("--clean", action="store_true",
+                   help="remove what killed runs left at the places (worktrees, stores, old "
+                        "copies of ferrus; never a running task's)")
+    p.set_defaults(run=cmd_places)
+
+
+# ============================================================================
 # src/ferrus/prompts.py (from its line 11)
 # ============================================================================
 # Prompts: what each agent is told, for every role and mode.
@@ -20781,6 +22820,684 @@ class HqController(JournalView):
 
 
 # ============================================================================
+# src/ferrus/place_tasks.py (from its line 37)
+# ============================================================================
+# Tasks at a place: a parallel task worked elsewhere, mirrored into this project.
+#
+# A task the parallel runner sends to a place (see places.py and docs/PLACES.md) keeps its
+# record here and a task store here that *mirrors* its state there: the state machine that
+# moves is the place's (its agents call its own ``ferrus serve``), the merge gate is
+# always this one.  PlaceTask stands where an HqController stands for a task here: the
+# runner polls it, reads its store, answers its questions and hands its verdicts through
+# it.  What the place's journal says of the task comes back as entries of this journal
+# (detail ``place``), its STATE.json and scratch files as one local commit each, its
+# controller's messages as the run's lines; the submitted commit is fetched (``index-pack
+# --strict``) before the mirror says Integrating, so the merge gate only ever reads a
+# commit this repository holds.  A human's word given here (HQ's /answer, ``ferrus
+# approve --task``) lands on the mirror first and is sent on to the place.
+
+PLACE_BACKOFF_FIRST_SECS = 30.0
+PLACE_BACKOFF_MAX_SECS = 600.0
+# A job that ended without finishing (its lease ran out, it was killed) is started again
+# this many times in a row before the task fails.
+PLACE_JOB_RESTARTS = 3
+# The local journal events that carry a human's word to a mirrored task.
+PLACE_RELAYED_EVENTS = {"answer": ("answer", "ANSWER.md"),
+                        "human_approve": ("approve", None),
+                        "human_reject": ("reject", "REVIEW.md")}
+_MESSAGE_KINDS = ("transition", "info", "warning", "error", "question", "agent", "confirm")
+
+
+class PlaceDown:
+    """The places a run left alone for a while, and until when (by ``clock``)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.until = {}            # name -> monotonic time it may be tried again
+        self.delay = {}            # name -> the backoff its next failure gets
+
+    def down(self, name):
+        return self.until.get(name, 0) > self.clock()
+
+    def failed(self, name):
+        """The place failed a task's prepare or start: leave it alone; returns for how long."""
+        delay = self.delay.get(name, PLACE_BACKOFF_FIRST_SECS)
+        self.until[name] = self.clock() + delay
+        self.delay[name] = min(delay * 2, PLACE_BACKOFF_MAX_SECS)
+        return delay
+
+    def worked(self, name):
+        self.until.pop(name, None)
+        self.delay.pop(name, None)
+
+
+class PlaceTask:
+    """One task at a place, as the parallel runner sees it (an HqController's face: store,
+    poll, slots, questions, signals, shutdown).  ``emit`` shows its lines, ``note`` says
+    the runner's own."""
+
+    def __init__(self, store, task, place, emit, note, notifier, lease_secs):
+        self.project_store = store
+        self.store = store.for_task(task)
+        self.task = task
+        self.place = place
+        self.project = place_project_key(store.root)
+        self.emit = emit
+        self.note = note
+        self.notifier = notifier
+        self.lease_secs = lease_secs
+        record = read_task_record(store.dir, task)
+        self.executor_agent = record.get("agent")
+        self.base = record.get("base")
+        self.slots = {}                # its agents run there, not here
+        self.shown_question = None
+        self.shown_confirmation = None
+        self.failure = None            # why it cannot go on (its agents stopped there)
+        self.follower = None
+        self.pending = []              # entries waiting for the state they led to
+        self.held = None               # a state item waiting for its submission's fetch
+        self.restarts = 0
+        self.place_rev = 0             # the place's rev of the newest state mirrored
+        self.acted_rev = 0             # the place's rev after this run's last act there
+        self.seen_rev = None           # the local rev whose human acts were looked at
+        self.fetched = set()
+        self.retry_at = None           # when to try starting its job again (place down)
+        self.stop_job = True           # shutdown also stops its job there (not when it ends:
+                                       # its removal there does that)
+        self.clock = store.monotonic
+
+    # -- the job there ----------------------------------------------------------------------
+
+    def start(self, started=False):
+        """Start (or renew: idempotent) the task's job there — unless ``started`` (its
+        prepare started it this very moment) — and follow it from where the mirror
+        stands.  Raises FerrusError (the place cannot be reached or refused)."""
+        if not started:
+            self.place.call("start", project=self.project, task=self.task,
+                            lease=self.lease_secs)
+        self._follow()
+        return self
+
+    def _follow(self):
+        after, messages_from = 0, 0
+        with contextlib.suppress(FerrusError):
+            extra = self.store.read_state().extra
+            after = int(extra.get("place_seq") or 0)
+            messages_from = int(extra.get("place_at") or 0)
+        if self.follower is not None:
+            self.follower.stop()
+        self.follower = self.place.follow(self.project_store, self.task, after=after,
+                                          messages_from=messages_from,
+                                          lease=self.lease_secs)
+
+    def act(self, action, text=None, **fields):
+        """An act on the task there (answer, approve, reject, integrated,
+        integration_failed, save); its answer.  The mirror then follows."""
+        answer = self.place.call("act", input=(text or "").encode("utf-8") if text is not None
+                                 else None, project=self.project, task=self.task,
+                                 action=action, **fields)
+        if isinstance(answer.get("rev"), int):
+            self.acted_rev = max(self.acted_rev, answer["rev"])
+        return answer
+
+    # -- what the runner asks of a controller ------------------------------------------------
+
+    def poll(self):
+        if self.follower is None:
+            if self.retry_at is None or self.clock() < self.retry_at:
+                return
+            try:
+                self.start()
+                self.retry_at = None
+            except FerrusError as err:
+                self.retry_at = self.clock() + PLACE_BACKOFF_FIRST_SECS
+                self.note("place %s still cannot be reached for task %s: %s" % (
+                    self.place.name, self.task, err.message), "warning", task_id=self.task)
+                return
+        self._relay_local_acts()
+        if self.held is not None:
+            item, self.held = self.held, None
+            self._take(item)
+        while self.held is None:
+            item = self.follower.get(timeout=0)
+            if item is None:
+                break
+            self._take(item)
+
+    def hold_session_moves(self):
+        pass
+
+    def release_session_moves(self):
+        pass
+
+    def running(self):
+        return []
+
+    def signals(self):
+        return Signals()        # its usage is counted by the place's own gates
+
+    def agent_choice(self, role):
+        config = self.store.config()
+        choice = getattr(config, role)
+        if role == "executor" and self.executor_agent and (
+                choice is None or choice.agent != self.executor_agent):
+            return AgentChoice(agent=self.executor_agent)
+        return choice
+
+    def continue_after_checkpoint(self):
+        pass
+
+    def stop_all(self, quiet=False):
+        """An emergency stop: the job there ends (its agents get SIGTERM)."""
+        with contextlib.suppress(FerrusError):
+            self.place.call("stop", project=self.project, task=self.task)
+
+    def shutdown(self):
+        """This run stops following; the job there ends its agents (their work stays in its
+        worktree there, for the next run to take up)."""
+        if self.follower is not None:
+            self.follower.stop()
+            self.follower = None
+        if self.stop_job:
+            self.stop_all()
+
+    # -- the mirror ----------------------------------------------------------------------------
+
+    def _take(self, item):
+        if "entry" in item and isinstance(item["entry"], dict):
+            self.pending.append(item["entry"])
+        elif "task" in item and isinstance(item["task"], dict):
+            if not self._mirror(item["task"]):
+                self.held = item
+        elif "message" in item and isinstance(item["message"], dict):
+            self._show(item["message"])
+        elif "beat" in item:
+            self._flush(at=item["beat"].get("at"))
+        elif "end" in item:
+            self._flush()
+            self._ended(item["end"])
+        elif "lost" in item:
+            self.note("task %s: lost touch with place %s (%s); following it again" % (
+                self.task, self.place.name, item["lost"]), "warning", task_id=self.task)
+            self._follow()
+
+    def _show(self, message):
+        kind = message.get("kind") if message.get("kind") in _MESSAGE_KINDS else "info"
+        data = message.get("data") if isinstance(message.get("data"), dict) else {}
+        self.emit(HqMessage(kind, str(message.get("text") or ""),
+                            str(message.get("event") or ""), dict(data, place=self.place.name)))
+
+    def _entry_detail(self, entry):
+        detail = entry.get("detail") if isinstance(entry.get("detail"), dict) else {}
+        return dict(detail, place=self.place.name, place_seq=entry.get("seq"))
+
+    def _flush(self, at=None):
+        """Entries that led to no new state (yet): journaled here as they were there."""
+        for entry in self.pending:
+            self._commit(None, None, entry, at)
+        self.pending = []
+
+    def _mirror(self, view):
+        """The task's state and scratch files as the place has them, committed here with
+        the entries that led to them; False when it must wait (its submission could not
+        be fetched yet)."""
+        try:
+            state = StateData.from_json(json.dumps(view.get("state") or {}),
+                                        "the STATE.json of task %s at place %s" % (
+                                            self.task, self.place.name))
+        except FerrusError as err:
+            self.note("task %s: place %s sent a state this ferrus cannot read (%s); it is "
+                      "left as it was" % (self.task, self.place.name, err.message), "warning",
+                      task_id=self.task)
+            return True
+        if state.rev < max(self.acted_rev, self.place_rev):
+            return True                 # older than what this run told the place since
+        if not self._fetch_submission(state):
+            return False
+        entries, self.pending = self.pending, []
+        for entry in entries[:-1]:
+            self._commit(None, None, entry, None)
+        files = view.get("files") if isinstance(view.get("files"), dict) else {}
+        self._commit(state, files, entries[-1] if entries else None, None)
+        self.place_rev = state.rev
+        self._watch(state)
+        return True
+
+    def _fetch_submission(self, state):
+        submitted = state.task_submitted if isinstance(state.task_submitted, dict) else {}
+        commit = submitted.get("commit")
+        if not isinstance(commit, str) or commit in self.fetched:
+            return True
+        ref = task_ref(self.task, "submit-%d" % submitted["n"]) if isinstance(
+            submitted.get("n"), int) else task_ref(self.task, "place-submit")
+        try:
+            haves = [self.base] if self.base else []
+            self.place.fetch_commit(self.project_store.root, self.project, commit,
+                                    haves=haves, ref=ref)
+        except FerrusError as err:
+            if state.state not in (S.INTEGRATING, S.COMPLETE):
+                log.debug("fetching %s from place %s failed: %s", commit, self.place.name,
+                          err.full_text())
+                return True          # the merge gate needs it later; tried again then
+            self.note("task %s: its submission %s could not be fetched from place %s: %s; "
+                      "tried again" % (self.task, commit[:12], self.place.name,
+                                       err.full_text()), "warning", task_id=self.task)
+            return False
+        self.fetched.add(commit)
+        return True
+
+    def _commit(self, state, files, entry, at):
+        """One local commit of the mirror: ``state`` (None: the state stays) and ``files``,
+        journaled as ``entry`` (None: as place_state)."""
+        actor = str(entry.get("actor") or "place") if entry else "place:%s" % self.place.name
+        event = str(entry.get("event") or "place_state") if entry else "place_state"
+        detail = self._entry_detail(entry) if entry else {"place": self.place.name}
+        with self.store.transaction(actor) as tx:
+            new = state.copy() if state is not None else tx.state.copy()
+            seq = entry.get("seq") if entry and isinstance(entry.get("seq"), int) else None
+            new.extra["place_seq"] = max(seq or 0, int(tx.state.extra.get("place_seq") or 0))
+            if at is not None or "place_at" in tx.state.extra:
+                new.extra["place_at"] = int(at if at is not None
+                                            else tx.state.extra.get("place_at") or 0)
+            for name, text in (files or {}).items():
+                if isinstance(name, str) and isinstance(text, str):
+                    tx.write(name, text)
+            tx.set(new, event, **detail)
+            tx.journal_task_id = self.task
+        self.seen_rev = tx.state.rev if tx.committed is None else tx.committed.seq
+
+    def _watch(self, state):
+        """A question or a confirmation the place's task now waits for, for the runner
+        (it answers through act); a notification when it needs a human."""
+        if state.state == S.AWAITING_HUMAN:
+            question = self.store.read_file("QUESTION.md").strip()
+            if question and question != self.shown_question:
+                self.shown_question = question
+                self.notifier.notify("awaiting_human", self.task, question)
+        else:
+            self.shown_question = None
+        if state.state == S.AWAITING_CONFIRMATION:
+            self.shown_confirmation = (self.task, state.state_entered_at)
+        else:
+            self.shown_confirmation = None
+
+    def _ended(self, end):
+        """The job there ended: Complete or Failed as the mirror says; else (a lease that
+        ran out, a kill) it is started again, a few times; agents that stopped for good
+        fail the task."""
+        job = end.get("job") if isinstance(end.get("job"), dict) else {}
+        view = end.get("task") if isinstance(end.get("task"), dict) else {}
+        if view.get("state") in (str(S.COMPLETE), str(S.FAILED)):
+            return
+        if job.get("reason") == "ended" and job.get("exit") == 1:
+            self.failure = "its agents at place %s stopped and cannot go on (the job's log " \
+                           "there says why)" % self.place.name
+            return
+        if self.restarts >= PLACE_JOB_RESTARTS:
+            self.failure = "its job at place %s ended %d times without finishing (%s)" % (
+                self.place.name, self.restarts + 1, job.get("reason") or "no reason given")
+            return
+        self.restarts += 1
+        self.note("task %s: its job at place %s ended (%s); started again" % (
+            self.task, self.place.name, job.get("reason") or "?"), "warning",
+            task_id=self.task)
+        try:
+            self.start()
+        except FerrusError as err:
+            self.failure = "its job at place %s could not be started again: %s" % (
+                self.place.name, err.full_text())
+
+    def _relay_local_acts(self):
+        """A human's answer, approval or rejection given here (HQ, `ferrus approve --task`)
+        went to the mirror: send it on to the place, which is where the task moves."""
+        try:
+            rev = self.store.read_state().rev
+        except FerrusError:
+            return
+        if self.seen_rev is None or rev == self.seen_rev:
+            self.seen_rev = rev
+            return
+        since, self.seen_rev = self.seen_rev, rev
+        found = []
+        for entry in self.project_store.journal_entries_backwards():
+            if entry.get("seq", 0) <= since:
+                break
+            detail = entry.get("detail") or {}
+            if entry.get("task_id") == self.task and entry.get("event") in \
+                    PLACE_RELAYED_EVENTS and "place" not in detail:
+                found.append(entry)
+        for entry in reversed(found):
+            action, source = PLACE_RELAYED_EVENTS[entry["event"]]
+            text = self.store.read_file(source) if source else None
+            try:
+                self.act(action, text)
+            except FerrusError as err:
+                self.note("task %s: the %s given here could not reach place %s: %s" % (
+                    self.task, entry["event"].replace("_", " "), self.place.name,
+                    terminal_safe(err.full_text())), "error", task_id=self.task)
+
+
+def places_elsewhere(config):
+    """Whether [parallel] places names a place besides this machine (then `ferrus run`
+    works the queue with the parallel runner, whatever `--parallel`)."""
+    return any(name != PLACE_HERE for name in config.parallel.places)
+
+
+def place_for(places, config):
+    """The Place channel of ``config`` (a PlaceConfig), one per place for the whole run:
+    it caches which commits the place has, and ssh shares one connection per host."""
+    place = places.get(config.name)
+    if place is None:
+        place = places[config.name] = Place(config)
+    return place
+
+
+def fetch_saved_work(place, root, project, task, base):
+    """A cancelled task's work there, saved there as a commit (None when its worktree
+    held nothing new) and fetched here under the same ref: {"ref", "commit"} or None."""
+    saved = place.call("act", project=project, task=task, action="save").get("saved")
+    if not isinstance(saved, dict) or not isinstance(saved.get("commit"), str):
+        return None
+    place.fetch_commit(root, project, saved["commit"], haves=[base] if base else [],
+                       ref=saved.get("ref"))
+    return {"ref": saved.get("ref"), "commit": saved["commit"]}
+
+
+def send_onto(place, root, project, commit, task):
+    """``commit`` (a target head, a merge gate's candidate) sent to the place before a
+    task there is sent back onto it."""
+    place.send_commit(root, project, commit, "%s-onto" % task)
+
+
+# -- the parallel runner's side: tasks sent to places ---------------------------------------
+
+class PlaceRunning:
+    """What ParallelRunner does for places (mixed in before MergeQueue): a free slot is
+    taken in [parallel] places order, a task at a place is prepared, followed, answered,
+    sent back and removed there; a place that fails is left alone for a backoff while
+    its tasks wait in the queue."""
+
+    def _init_places(self, config, max_tasks_given):
+        self.place_configs = config.places
+        self.place_order = list(config.parallel.places)
+        here = config.places[PLACE_HERE]
+        # `--parallel N` is this machine's share; without it, [places.here] slots, else
+        # [parallel] max_tasks.
+        here_slots = self.max_tasks if max_tasks_given or here.slots is None else here.slots
+        self.place_slots = {name: here_slots if name == PLACE_HERE else
+                            config.places[name].slots for name in self.place_order}
+        self.max_tasks = sum(self.place_slots.values()) or self.max_tasks
+        self.place_channels = {}       # name -> Place, one channel per place for the run
+        self.places_down = PlaceDown(self.clock)
+        self.task_place = {}           # task in flight (or being prepared) -> its place
+        self.sandboxes = {}            # task here -> its AgentSandbox ([sandbox] on)
+        self._placing = threading.Lock()
+        self._place_moves = {}         # task -> the commit its worktree there moves to
+        self._started_there = set()    # tasks whose prepare there started their job
+        self._removals = []            # threads removing merged tasks there
+        self._first_prepare = {}       # place -> Lock held by its first prepare of the run
+        self._prepared_at = set()      # places where a prepare of this run went through
+
+    def _unplace(self, task):
+        """A task chosen for a place but not prepared (nor running): its slot is free."""
+        if task not in self.controllers:
+            self.task_place.pop(task, None)
+
+    def _place_used(self, name):
+        return sum(1 for place in self.task_place.values() if place == name)
+
+    def place_free_slots(self):
+        """Free slots over every place of [parallel] places not left alone just now."""
+        return sum(max(0, slots - self._place_used(name))
+                   for name, slots in self.place_slots.items()
+                   if not self.places_down.down(name))
+
+    def _choose_place(self, task):
+        """The first place in [parallel] places order with a free slot (None: none is)."""
+        with self._placing:
+            if task in self.task_place:
+                return self.task_place[task]
+            for name in self.place_order:
+                if not self.places_down.down(name) and \
+                        self._place_used(name) < self.place_slots[name]:
+                    self.task_place[task] = name
+                    return name
+        return None
+
+    def _channel(self, name):
+        return place_for(self.place_channels, self.place_configs[name])
+
+    def _place_lease(self):
+        return max(60, self.store.config().lease.ttl_secs * 2)
+
+    def _prepare_at_place(self, task, record, name, fail):
+        """The task's base sent to place ``name``, its worktree and store made there and
+        the task created there (Executing), its job started; here its record says where.
+        A place that cannot be reached or refuses puts the task back in the queue (never
+        failed for the place's fault) and is left alone for a while."""
+        start = record.get("base") or target_head(self.store.root, self.target)
+        if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
+                "status": RUNNING_STATUS, "place": name, "store": "place", "base": start,
+                "target": self.target, "started_at": record.get("started_at") or
+                format_timestamp(self.store.clock())},
+                only_from=(QUEUED_STATUS, RUNNING_STATUS), place=name,
+                base=start[:12]) is None:
+            self.task_place.pop(task, None)
+            return False
+        task_store = self.store.for_task(task)
+        origin = record.get("origin") or {}
+        try:
+            if record.get("place") and record.get("store") != "place" and \
+                    record["place"] in self.place_configs:
+                # Retried: what its earlier try left at its place goes (its work was
+                # saved and fetched when it ended, and goes on from there: resume_from).
+                self._channel(record["place"]).call(
+                    "remove", project=place_project_key(self.store.root), task=task)
+            with self._placing:
+                first = self._first_prepare.setdefault(name, threading.Lock())
+            # The first prepare at a place may make the project's clone and store there:
+            # the others of the batch wait for it, then go side by side.
+            with first if name not in self._prepared_at else contextlib.nullcontext():
+                self._channel(name).prepare_task(
+                    self.store, task, start, without_red_base_note(task_store.read_file(
+                        "TASK.md")) + self.base_note,
+                    origin={key: origin.get(key) for key in ("spec", "milestone")},
+                    agent=record.get("agent"), resume_from=record.get("resume_from"),
+                    lease=self._place_lease())      # its job starts in the same call
+                self._prepared_at.add(name)
+        except (PlaceUnreachable, PlaceBroken) as err:
+            self._place_failed(task, name, err)
+            return False
+        except FerrusError as err:
+            self.task_place.pop(task, None)
+            if not fail:
+                raise
+            self._end_task(task, FAILED_STATUS, "could not prepare it at place %s: %s" % (
+                name, err.full_text()))
+            return False
+        self.places_down.worked(name)
+        self._started_there.add(task)
+        task_store.create_state(StateData())     # the mirror's start (see PlaceTask)
+        if record.get("resume_from"):
+            update_task(self.store, ORCHESTRATOR, task, "task_work_restored",
+                        {"resume_from": None}, commit=record["resume_from"][:12])
+        return True
+
+    def _place_failed(self, task, name, err):
+        """Place ``name`` failed ``task``'s prepare or start: the task is queued again and
+        the place left alone for a backoff."""
+        self.task_place.pop(task, None)
+        secs = self.places_down.failed(name)
+        update_task(self.store, ORCHESTRATOR, task, "requeue_task", {
+            "status": QUEUED_STATUS, "place": None, "store": None},
+            only_from=(RUNNING_STATUS,), reason="place %s: %s" % (name, err.message))
+        self.note("place %s failed task %s: %s; the task waits in the queue and the place "
+                  "is left alone for %ds (`ferrus places` checks it)" % (
+                      name, short_task_id(task), err.full_text(), secs), "warning",
+                  task_id=task, place=name)
+
+    def _adopt_at_place(self, task, record):
+        """The controller of a task running at a place: its job started (or renewed) there
+        and followed from where the mirror stands."""
+        name = record.get("place")
+        if name not in self.place_configs:
+            self._end_task(task, FAILED_STATUS, "it ran at place %s, which %s no longer "
+                           "names: add [places.%s] back and `ferrus task retry %s`, or "
+                           "`ferrus task cancel %s`" % (name, CONFIG_FILE, name,
+                                                        short_task_id(task),
+                                                        short_task_id(task)))
+            return None
+        proxy = PlaceTask(self.store, task, self._channel(name), self._task_emitter(task),
+                          self.note, self.notifier, self._place_lease())
+        try:
+            proxy.start(started=task in self._started_there)
+            self._started_there.discard(task)
+        except (PlaceUnreachable, PlaceBroken) as err:
+            secs = self.places_down.failed(name)
+            self.note("place %s cannot be reached for task %s (%s): tried again in %ds" % (
+                name, short_task_id(task), err.full_text(), secs), "warning", task_id=task)
+            proxy.retry_at = self.clock() + secs
+        self.task_place[task] = name
+        self.controllers[task] = proxy
+        return proxy
+
+    def _watch_place_task(self, task, controller, data, record):
+        """_watch_task for a task at a place: its failure there, its end, and the human's
+        word on its questions, which go there."""
+        if controller.failure:
+            self._end_task(task, FAILED_STATUS, controller.failure)
+            return
+        if data.state == S.FAILED:
+            self._end_task(task, FAILED_STATUS, data.failure_reason)
+            return
+        try:
+            if data.state == S.AWAITING_HUMAN and controller.shown_question:
+                answer = self.ask(controller.shown_question) if self.ask else None
+                if answer is None:
+                    self.waiting_human.add(task)
+                elif answer.strip():
+                    controller.act("answer", answer)
+                else:
+                    self._seen = None
+            elif data.state == S.AWAITING_CONFIRMATION and controller.shown_confirmation:
+                decision = self.review(confirmation_summary(controller.store, data)) \
+                    if self.review else None
+                if decision is None:
+                    self.waiting_human.add(task)
+                else:
+                    verdict, notes = decision
+                    if verdict == "approve":
+                        controller.act("approve")
+                    else:
+                        controller.act("reject", notes or "")
+            else:
+                self.waiting_human.discard(task)
+        except FerrusError as err:
+            self.note("task %s: the answer could not reach place %s: %s" % (
+                short_task_id(task), record.get("place"), err.full_text()), "error",
+                task_id=task)
+
+    def _end_at_place(self, task, record, status, controller):
+        """A task at a place ended here: a cancelled or failed one's job is stopped and its
+        work saved there and fetched (unless discarded); a merged, unchanged or cancelled
+        one is removed there, a failed one's worktree there kept for a look (`ferrus
+        places --clean` removes it).  Returns what to add to the end's line."""
+        name = record.get("place")
+        if name not in self.place_configs:
+            return ""
+        place = self._channel(name)
+        project = place_project_key(self.store.root)
+        said = ""
+        try:
+            if status in (CANCELLED_STATUS, FAILED_STATUS):
+                # Its work is saved there and fetched here (a retry goes on from it).
+                place.call("stop", project=project, task=task)
+                if not record.get("discard"):
+                    saved = fetch_saved_work(place, self.store.root, project, task,
+                                             record.get("base"))
+                    if saved:
+                        update_task(self.store, ORCHESTRATOR, task, "task_work_saved",
+                                    {"saved": saved}, commit=saved["commit"][:12],
+                                    ref=saved["ref"])
+                        said = " Its work at place %s is saved as %s (%s)." % (
+                            name, saved["commit"][:12], saved["ref"])
+            if status in (MERGED_STATUS, UNCHANGED_STATUS):
+                # Nothing of it is needed there any more: removed beside the run, so the
+                # next task's merge does not wait for the place.
+                removal = threading.Thread(target=self._remove_there, args=(place, task, name),
+                                           daemon=True, name="ferrus-remove-%s" % task)
+                removal.start()
+                self._removals.append(removal)
+            elif status != FAILED_STATUS:
+                self._remove_there(place, task, name)
+        except FerrusError as err:
+            self.note("task %s: place %s could not be tidied (%s); `ferrus places --clean` "
+                      "removes what is left there" % (short_task_id(task), name,
+                                                      err.full_text()), "warning",
+                      task_id=task)
+        return said
+
+    def _remove_there(self, place, task, name):
+        try:
+            place.call("remove", project=place_project_key(self.store.root), task=task)
+            update_task(self.store, ORCHESTRATOR, task, "place_tidied",
+                        {"place_tidied": True}, place=name)
+        except FerrusError as err:
+            self.note("task %s: place %s could not remove it (%s); `ferrus places --clean` "
+                      "removes what is left there" % (short_task_id(task), name,
+                                                      err.full_text()), "warning",
+                      task_id=task)
+
+    def finish_place_removals(self, timeout=60):
+        """Wait for the removals under way at places (the run is ending)."""
+        for removal in self._removals:
+            removal.join(timeout)
+        self._removals = []
+
+    def _tidy_places(self, records):
+        """Tasks at a place cancelled while no run followed them (`ferrus task cancel`
+        with no orchestrator): their work is saved there and fetched, and they are removed
+        there, as a run does at a cancel; merged ones whose removal there a stopped run
+        did not see through are removed now."""
+        for task, record in records:
+            if record.get("store") == "place" and record.get("status") in (
+                    CANCELLED_STATUS, MERGED_STATUS, UNCHANGED_STATUS) and \
+                    not record.get("place_tidied"):
+                said = self._end_at_place(task, record, CANCELLED_STATUS, None)
+                if said:
+                    self.note("task %s was cancelled while no run followed it.%s" % (
+                        short_task_id(task), said), "warning", task_id=task)
+
+    # -- the merge queue's verdict, for a task at a place ------------------------------------
+
+    def _move_worktree(self, task, checkout, submitted, commit):
+        if isinstance(self.controllers.get(task), PlaceTask):
+            self._place_moves[task] = commit     # the worktree there moves (see _send_back)
+            return
+        super()._move_worktree(task, checkout, submitted, commit)
+
+    def _send_back(self, task, notes, onto=None, checks=None, **detail):
+        controller = self.controllers.get(task)
+        if isinstance(controller, PlaceTask):
+            move_to = self._place_moves.pop(task, None)
+            project = place_project_key(self.store.root)
+            try:
+                for commit in (onto, move_to):
+                    if commit:
+                        send_onto(controller.place, self.store.root, project, commit, task)
+                fields = {"onto": onto} if onto else {}
+                if move_to:
+                    fields["move_to"] = move_to
+                controller.act("integration_failed", notes, detail=json.loads(json.dumps(
+                    detail, default=str)), **fields)
+            except FerrusError as err:
+                self._wait(task, "its verdict could not reach place %s: %s" % (
+                    controller.place.name, err.full_text()))
+                return
+        super()._send_back(task, notes, onto, checks, **detail)
+
+
+# ============================================================================
 # src/ferrus/merge_queue.py (from its line 36)
 # ============================================================================
 # The merge queue: approved tasks built, checked and merged one by one.
@@ -20993,11 +23710,13 @@ class MergeQueue:
         if not config.checks.commands:
             return built, None
         verdicts = []
+        wrap = self._gate_sandbox(gate)
         for commit in built.commits:
             reset_gate(gate, commit)
-            self._set_up_gate(gate)
+            self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
-                             0, config.limits.max_feedback_lines, cancel, self.store.root)
+                             0, config.limits.max_feedback_lines, cancel, self.store.root,
+                             wrap=wrap)
             verdicts.append(run)
             if run.cancelled or (not run.passed and self._history() != "linear"):
                 return built, run
@@ -21015,12 +23734,22 @@ class MergeQueue:
             built = dataclasses.replace(built, head=head, commits=[head])
         return built, last
 
-    def _set_up_gate(self, gate):
+    def _set_up_gate(self, gate, wrap=None):
         """[parallel] setup in the gate's checkout (it holds only the candidate's files)."""
         self._run_setup(self._gate_project(gate), "the merge gate's checkout %s"
                         % gate.work_tree, "fix the command (it runs in a clean checkout of "
                         "the candidate, which holds only what git tracks); the task waits and "
-                        "is integrated again")
+                        "is integrated again", wrap)
+
+    def _gate_sandbox(self, gate):
+        """The wrap of the gate's commands when this machine's [sandbox] is on: they run
+        the candidate's code, which is a task's (None when it is off)."""
+        config = self.store.config().places[PLACE_HERE].sandbox
+        if not config.enabled:
+            return None
+        return TaskSandbox(config, gate.work_tree, self.store.path("gate-sandbox"),
+                           cwd=self._gate_project(gate), repository=self.store.root,
+                           root=self.store.root).wrap
 
     def _move_worktree(self, task, checkout, submitted, commit):
         """Put the task's worktree at ``commit`` (what its executor must fix), after
@@ -21239,7 +23968,7 @@ class MergeQueue:
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 53)
+# src/ferrus/parallel.py (from its line 57)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -21333,7 +24062,7 @@ def live_parallel_run(store):
     return holder
 
 
-class ParallelRunner(MergeQueue):
+class ParallelRunner(PlaceRunning, MergeQueue):
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
     ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
@@ -21376,6 +24105,7 @@ class ParallelRunner(MergeQueue):
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
+        self._init_places(config, max_tasks is not None)     # [parallel] places
 
     # -- messages --------------------------------------------------------------------------
 
@@ -21503,17 +24233,22 @@ class ParallelRunner(MergeQueue):
                               "create it, or set [parallel] target to an existing branch "
                               "(\"\" = the branch checked out)")
         self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
+        if PLACE_HERE in self.place_order and self.place_slots.get(PLACE_HERE) and \
+                self.place_configs[PLACE_HERE].sandbox.enabled:
+            sandbox_tool()       # SandboxUnavailable: no task here may start unconfined
         project = self.store.project_state()
         if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
             raise FerrusError("a task is in flight in the checkout itself (state %s)"
                               % project.state, "finish it with `ferrus run --resume` (or "
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
+        self._tidy_places(task_records(self.store))
         resumed = []
         for task, record, problem in checked_task_records(self.store):
             if problem:
                 self._leave_damaged(task, problem)
-            if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
+            if record.get("status") != RUNNING_STATUS or not (
+                    record.get("worktree") or record.get("store") == "place"):
                 continue
             if self._prepared_half_way(task):
                 self._prepare_again(task)
@@ -21660,7 +24395,7 @@ class ParallelRunner(MergeQueue):
         return list(self._queued[1])
 
     def free_slots(self):
-        return max(0, self.max_tasks - len(self.controllers))
+        return min(max(0, self.max_tasks - len(self.controllers)), self.place_free_slots())
 
     def _plan(self):
         self.batch = self.queued()[:self.free_slots()]
@@ -21672,6 +24407,7 @@ class ParallelRunner(MergeQueue):
         for task, ready in zip(todo, self._prepare_side_by_side(todo)):
             if not ready:
                 self.batch.remove(task)
+                self._unplace(task)
         self.advance(3)
 
     def _prepare_side_by_side(self, tasks):
@@ -21717,6 +24453,12 @@ class ParallelRunner(MergeQueue):
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
+        place = record.get("place") if record.get("store") == "place" else None
+        place = place or self._choose_place(task)
+        if place is None:
+            return False                       # no free slot at any place just now
+        if place != PLACE_HERE:
+            return self._prepare_at_place(task, record, place, fail)
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         # A project in a subfolder of its repository works in that subfolder of the worktree.
@@ -21734,6 +24476,10 @@ class ParallelRunner(MergeQueue):
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
+            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
+            # the reviewer's start (in the runner's step) only a reset to the submission
+            # is left (see review_folder).
+            own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())
@@ -21770,21 +24516,8 @@ class ParallelRunner(MergeQueue):
                         "which holds only what git tracks), then `ferrus task cancel %s` and "
                         "queue the task again" % short_task_id(task))
 
-    def _run_setup(self, path, where, hint):
-        """[parallel] setup in ``path``, with the check runner (logs, timeouts, process
-        groups); raises FerrusError naming the failed command and ``where`` it ran."""
-        if not self.parallel.setup:
-            return
-        config = self.store.config()
-        setup = dataclasses.replace(config.checks, commands=list(self.parallel.setup),
-                                    parallel=False, fail_fast=True)
-        run = run_checks(path, setup, self.store.path("logs"), 0,
-                         config.limits.max_feedback_lines, None, self.store.root)
-        if not run.passed:
-            failed = run.failed[0] if run.failed else None
-            raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
-                where, failed.command if failed else "?", _status_note(failed) if failed
-                else "", failed.log_path if failed else run.log_path), hint)
+    def _run_setup(self, path, where, hint, wrap=None):
+        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap)
 
     def _prepared_half_way(self, task):
         """A RUNNING task whose state was never created: _prepare_task marks the record
@@ -21793,6 +24526,8 @@ class ParallelRunner(MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return True
+        if read_task_record(self.store.dir, task).get("store") == "place":
+            return False    # prepared there; its mirror here stays Idle until it follows
         try:
             return task_store.read_state().state == S.IDLE
         except FerrusError:
@@ -21817,6 +24552,8 @@ class ParallelRunner(MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists() or record.get("status") != RUNNING_STATUS:
             return None             # cancelled (or ended) since it was chosen
+        if record.get("store") == "place":
+            return self._adopt_at_place(task, record)
         if record.get("worktree") and not os.path.isdir(task_store.workdir):
             # Its folder was deleted: put the worktree back on the task's branch (the work
             # committed there is kept; what was only in the folder is gone).
@@ -21833,6 +24570,15 @@ class ParallelRunner(MergeQueue):
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"), notifier=self.notifier)
+        try:
+            # [sandbox] on: its agents start confined, or the task fails saying how to
+            # install bubblewrap (it never starts unconfined).
+            self.sandboxes[task] = confine_controller(controller)
+        except SandboxUnavailable as err:
+            self._end_task(task, FAILED_STATUS, "its sandbox cannot start: %s" %
+                           err.full_text())
+            return None
+        self.task_place[task] = PLACE_HERE
         self.controllers[task] = controller
         return controller
 
@@ -21843,6 +24589,8 @@ class ParallelRunner(MergeQueue):
             for task in self.queued()[:self.free_slots()]:
                 if self._prepare_task(task):
                     self.batch.append(task)
+                else:
+                    self._unplace(task)
         for task in self.batch:
             if any(record.task_id == task for record in self.dispatched):
                 continue
@@ -21854,10 +24602,13 @@ class ParallelRunner(MergeQueue):
             self.dispatched.append(DispatchRecord(task_id=task, role="executor",
                                                   agent=choice.agent if choice else "",
                                                   session_id=""))
-            self.note("dispatched task %s (%s) to %s in %s" % (
-                short_task_id(task), read_task_record(self.store.dir, task).get("title", ""),
-                choice.agent if choice else "no agent", controller.store.workdir),
-                task_id=task)
+            record = read_task_record(self.store.dir, task)
+            self.note("dispatched task %s (%s) to %s %s" % (
+                short_task_id(task), record.get("title", ""),
+                choice.agent if choice else "no agent",
+                "at place %s" % record["place"] if record.get("store") == "place" else
+                "in %s" % controller.store.workdir), task_id=task,
+                place=record.get("place") or PLACE_HERE)
         self._run_dispatch_gates()
         self.batch = []
         self.advance(4)
@@ -21913,6 +24664,9 @@ class ParallelRunner(MergeQueue):
             raise TaskRecordDamaged(task, problem)
         if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if isinstance(controller, PlaceTask):
+            self._watch_place_task(task, controller, data, record)
             return
         if data.state == S.IDLE:
             # Idle and not cancelled (a cancel writes both in one commit): its state was
@@ -21994,6 +24748,10 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.pop(task, None)
         if controller is not None:
             controller.shutdown()
+        self.task_place.pop(task, None)
+        confinement = self.sandboxes.pop(task, None)
+        if confinement is not None:
+            confinement.close()
 
     def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
@@ -22012,7 +24770,12 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
+        confinement = self.sandboxes.get(task)
+        if isinstance(controller, PlaceTask) and status != FAILED_STATUS:
+            controller.stop_job = False     # its removal there stops it (see _end_at_place)
         self._stop_controller(task)
+        if confinement is not None and status != FAILED_STATUS:
+            confinement.remove()       # its temp folder and private objects
         self.waiting_human.discard(task)
         if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
             changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
@@ -22029,6 +24792,8 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
         saved_note = ""
+        if record.get("store") == "place":
+            saved_note = self._end_at_place(task, record, status, controller)
         if record.get("worktree"):
             with contextlib.suppress(FerrusError, OSError):
                 remove_review_checkout(self.store.root, record["worktree"])
@@ -22040,7 +24805,7 @@ class ParallelRunner(MergeQueue):
                           "removes what a finished task leaves)" % (
                               short_task_id(task), record["worktree"], err.message),
                           "warning", task_id=task)
-        elif status == CANCELLED_STATUS:
+        elif status == CANCELLED_STATUS and record.get("store") != "place":
             # Its work is saved first (unless cancelled with --discard).
             saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
                                                                              task))[0]
@@ -22058,7 +24823,8 @@ class ParallelRunner(MergeQueue):
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
                       % (short_task_id(task), failure_summary(reason or ""),
-                         record.get("worktree") or "-", short_task_id(task),
+                         record.get("worktree") or ("at place %s" % record["place"]
+                                                    if record.get("place") else "-"), short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",
@@ -22101,11 +24867,30 @@ class ParallelRunner(MergeQueue):
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        self.finish_place_removals()
         self.notifier.finish()
         if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
+
+
+def run_worktree_setup(store, path, commands, where, hint, wrap=None):
+    """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
+    process groups; ``wrap``, a sandbox's); raises FerrusError naming the failed command
+    and ``where`` it ran."""
+    if not commands:
+        return
+    config = store.config()
+    setup = dataclasses.replace(config.checks, commands=list(commands), parallel=False,
+                                fail_fast=True)
+    run = run_checks(path, setup, store.path("logs"), 0, config.limits.max_feedback_lines,
+                     None, store.root, wrap=wrap)
+    if not run.passed:
+        failed = run.failed[0] if run.failed else None
+        raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
+            where, failed.command if failed else "?", _status_note(failed) if failed
+            else "", failed.log_path if failed else run.log_path), hint)
 
 
 def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
@@ -22221,7 +25006,7 @@ def cancel_queue_task(store, caller, task, discard=False, out=None):
 
 
 # ============================================================================
-# src/ferrus/run.py (from its line 40)
+# src/ferrus/run.py (from its line 41)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
 #
@@ -22321,6 +25106,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         show(HqMessage(level, "ferrus run: " + text, "run", data))
     data = store.read_state()
     controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
+    # [sandbox] on: the task's agents start confined, or the run refuses here, before
+    # anything is created (SandboxUnavailable says how to install bubblewrap).
+    confinement = confine_controller(controller)
     if not controller.recheck_checkpoint():
         note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
              "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
@@ -22364,6 +25152,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         # However the run ends (Complete, Failed, a timeout, a human's reset seen), what
         # ended goes into project memory.
         memory_after_task_end(store)
+        if confinement is not None:
+            confinement.close()
         task_id = store.read_state().task_id
         used = task_usage(store, task_id)
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage
@@ -24087,6 +26877,27 @@ worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repositor
 delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
 setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
+places = ["here"]      # where tasks run, filled in this order ("here": this machine)
+
+# [sandbox]
+# enabled = false      # true: each task's agents and checks may write only its worktree,
+#                      # its temp folder and their CLI's own state (bubblewrap on Linux,
+#                      # sandbox-exec on macOS; a task refuses to start without one)
+# writable = []        # more paths they may write, e.g. ["~/.cache/pip"]
+# network = true       # false: no network inside (ferrus's own MCP server still reachable)
+# hidden = []          # more paths they must not see (~/.ssh, ~/.aws, ... are hidden already)
+
+# Places: where tasks run besides this machine (docs/PLACES.md); name them in
+# [parallel] places, e.g. places = ["here", "box1"].
+# [places.box1]
+# ssh = ["ssh", "-p", "2222", "agents@build-1"]   # ends with the host
+# # exec = ["docker", "exec", "-i", "agents"]     # or any prefix that runs a command there
+# slots = 4            # its tasks at once
+# dir = "~/.ferrus-places"   # where ferrus, clones and worktrees live there
+# python = "python3"   # its Python (3.9+)
+# path = []            # folders put first on PATH there (agent CLIs)
+# [places.box1.sandbox]  # its own [sandbox] (over the one above)
+# enabled = true
 
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano
@@ -24316,7 +27127,821 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/doctor.py (from its line 41)
+# src/ferrus/place_side.py (from its line 59)
+# ============================================================================
+# The far end of a place: what ferrus does there when an orchestrator asks.
+#
+# The orchestrator (places.py) runs ferrus at a place with one request, a JSON object, and
+# reads one answer: a JSON line on stdout (or a byte stream, for git objects), an error as
+# ``{"error", "hint"}`` with exit 1.  Requests name projects and tasks, never paths: every
+# path is made here, under the place's folder (``[places.NAME] dir``)::
+#
+#     <dir>/ferrus-<hash>/                 ferrus as copied there (by content hash)
+#     <dir>/projects/<key>/checkout/       one project: a git repository with nothing checked
+#                                          out, its ferrus.toml and its .ferrus/ store
+#     <dir>/projects/<key>/tasks/<task>/   each task's worktree (a linked worktree of it)
+#     <dir>/projects/<key>/jobs/<task>/    each task's job: job.json, lease.json, job.log,
+#                                          messages.jsonl
+#
+# A task runs there as a job: a supervisor process, detached from the connection that
+# started it, runs ``run-task`` (an HqController over the task's store, its agents and their
+# ``ferrus serve`` beside it, confined when the place's [sandbox] says so) and ends it when
+# its lease runs out — the orchestrator renews the lease while it follows the task, so an
+# agent nobody watches any more stops within one lease.  ``follow`` streams the task's
+# journal entries and the controller's messages from where the orchestrator stopped reading,
+# with a beat line every few seconds (which renews the lease).
+
+PLACE_PROJECTS = "projects"
+PLACE_CHECKOUT = "checkout"
+PLACE_TASKS = "tasks"
+PLACE_JOBS = "jobs"
+# Names in a request: a project key (places.place_project_key) and a task id.
+PLACE_PROJECT_RE = re.compile(r"^p-[0-9a-f]{12}$")
+PLACE_TASK_RE = re.compile(r"^t-[0-9A-Za-z-]{1,60}$")
+PLACE_COMMIT_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+# The branch the place's checkout stands on: unborn, so nothing is ever checked out there.
+PLACE_CHECKOUT_BRANCH = "ferrus-place"
+# Where the commits sent to a place wait for their task.
+PLACE_REF_PREFIX = "refs/ferrus-place/"
+# The controller's messages kept for `follow`: beyond this, running commentary is dropped.
+PLACE_MESSAGES_MAX_BYTES = 8 * 1024 * 1024
+# How a job ends: its agents get this long after SIGTERM.
+PLACE_JOB_GRACE_SECS = 10.0
+
+
+class PlaceRequestError(FerrusError):
+    """A request the far end cannot carry out: answered as {"error", "hint"}, exit 1."""
+
+
+# -- paths, from names only ----------------------------------------------------------------
+
+@deferred_dataclass
+class PlaceProject:
+    """One project's folders at a place (see the module docstring)."""
+
+    base: str
+    key: str
+
+    @property
+    def folder(self):
+        return os.path.join(self.base, PLACE_PROJECTS, self.key)
+
+    @property
+    def checkout(self):
+        return os.path.join(self.folder, PLACE_CHECKOUT)
+
+    def worktree(self, task):
+        return os.path.join(self.folder, PLACE_TASKS, task)
+
+    def job(self, task):
+        return os.path.join(self.folder, PLACE_JOBS, task)
+
+    def store(self):
+        return Store(self.checkout)
+
+
+def _project(base, request):
+    key = request.get("project")
+    if not isinstance(key, str) or not PLACE_PROJECT_RE.match(key):
+        raise PlaceRequestError("no valid project key in the request: %r" % (key,),
+                                "the orchestrator sends its project's key (p- and 12 hex)")
+    return PlaceProject(base, key)
+
+
+def _task(request):
+    task = request.get("task")
+    if not isinstance(task, str) or not PLACE_TASK_RE.match(task):
+        raise PlaceRequestError("no valid task id in the request: %r" % (task,),
+                                "`ferrus tasks` lists the task ids")
+    return task
+
+
+def _commit(value, what):
+    if not isinstance(value, str) or not PLACE_COMMIT_RE.match(value):
+        raise PlaceRequestError("%s %r is no commit id" % (what, value),
+                                "the orchestrator sends full commit ids")
+    return value
+
+
+def _relative(value):
+    """The project's folder inside its repository ("." at its top): never out of it."""
+    value = value or "."
+    parts = value.replace("\\", "/").split("/")
+    if os.path.isabs(value) or ".." in parts:
+        raise PlaceRequestError("the project folder %r leaves its repository" % value,
+                                "the orchestrator sends a path inside the repository")
+    return os.path.normpath(value)
+
+
+# -- the entry point --------------------------------------------------------------------------
+
+def place_side_main(request, base, program):
+    """Carry out one request (the boot program calls this with the decoded request, the
+    place's folder and the folder ferrus was copied to).  Returns the exit code."""
+    out = sys.stdout.buffer
+    op = request.get("op")
+    handler = PLACE_OPS.get(op)
+    try:
+        if handler is None:
+            raise PlaceRequestError("this ferrus at the place knows no request %r" % (op,),
+                                    "the orchestrator and the place run the same ferrus; "
+                                    "copy it again (`ferrus places` does)")
+        answer = handler(request, base, program, sys.stdin.buffer, out)
+    except FerrusError as err:
+        out.write((compact_json({"error": err.message, "hint": err.hint or ""}) + "\n")
+                  .encode("utf-8"))
+        out.flush()
+        return 1
+    if answer is not None:
+        out.write((compact_json(answer) + "\n").encode("utf-8"))
+        out.flush()
+    return 0
+
+
+# -- probe: what the place has -------------------------------------------------------------
+
+def _op_probe(request, base, program, stdin, out):
+    # A program name, looked up on PATH there, or an absolute path there.
+    binaries = [b for b in request.get("binaries") or [] if isinstance(b, str) and b and
+                ("/" not in b or os.path.isabs(b))]
+    for folder in request.get("path") or []:
+        if isinstance(folder, str):
+            os.environ["PATH"] = os.path.expanduser(folder) + os.pathsep + os.environ["PATH"]
+    answer = place_probe(binaries)
+    answer.update(ferrus=os.path.basename(program), jobs=place_jobs(base))
+    return answer
+
+
+# -- git: the place's repository, commits in and out ------------------------------------------
+
+def _repository(project, create=False):
+    """The checkout of ``project`` at the place: a git repository standing on an unborn
+    branch (nothing checked out), made when ``create``."""
+    checkout = project.checkout
+    if not os.path.isdir(os.path.join(checkout, ".git")):
+        if not create:
+            raise PlaceRequestError("project %s has no repository at this place yet"
+                                    % project.key, "the orchestrator sends commits first")
+        os.makedirs(checkout, exist_ok=True)
+        run_git(checkout, ["init", "-q"])
+        run_git(checkout, ["symbolic-ref", "HEAD", "refs/heads/" + PLACE_CHECKOUT_BRANCH])
+    return checkout
+
+
+def _op_refs(request, base, program, stdin, out):
+    """The commits the place's repository has at its refs' tips (for a thin pack)."""
+    project = _project(base, request)
+    if not os.path.isdir(os.path.join(project.checkout, ".git")):
+        return {"commits": []}
+    listed = run_git(project.checkout, ["for-each-ref", "--count=200", "--sort=-committerdate",
+                                        "--format=%(objectname)", "refs/"])
+    return {"commits": sorted(set(os.fsdecode(listed).split()))}
+
+
+def _op_receive(request, base, program, stdin, out):
+    """A pack on stdin into the place's repository; ``commit`` then waits at ``ref``."""
+    project = _project(base, request)
+    commit = _commit(request.get("commit"), "the commit")
+    name = request.get("name") or ""
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,60}$", name):
+        raise PlaceRequestError("no valid ref name %r" % (name,), "a task id or 'base'")
+    checkout = _repository(project, create=True)
+    proc = subprocess.Popen(_git_argv(["index-pack", "--stdin", "--fix-thin"]), cwd=checkout,
+                            env=_git_env(), stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, said = proc.communicate()
+    if proc.returncode != 0:
+        raise PlaceRequestError("the commits did not arrive whole: git index-pack said %s" %
+                                said.decode("utf-8", "replace").strip()[-300:],
+                                "the connection may have dropped; the orchestrator sends "
+                                "them again")
+    run_git(checkout, ["update-ref", PLACE_REF_PREFIX + name, commit])
+    return {"commit": commit}
+
+
+def _op_send(request, base, program, stdin, out):
+    """A pack of ``commit`` without what ``haves`` hold, on stdout."""
+    project = _project(base, request)
+    commit = _commit(request.get("commit"), "the commit")
+    haves = [_commit(h, "a commit the orchestrator has") for h in request.get("haves") or []]
+    checkout = _repository(project)
+    try:
+        run_git(checkout, ["cat-file", "-e", commit + "^{commit}"])
+    except FerrusError:
+        raise PlaceRequestError("commit %s is not in this place's repository" % commit[:12],
+                                "it was never made or sent there; the task's journal at "
+                                "the place names its submissions") from None
+    known = set(run_git(checkout, ["cat-file", "--batch-check=%(objectname)"],
+                        stdin=("\n".join(haves) + "\n").encode()).decode().split())
+    revisions = [commit] + ["^" + h for h in haves if h in known]
+    out.flush()
+    done = subprocess.run(_git_argv(["pack-objects", "--revs", "--thin", "--stdout", "-q"]),
+                          cwd=checkout, env=_git_env(),
+                          input=("\n".join(revisions) + "\n").encode(), stdout=out,
+                          stderr=subprocess.PIPE)
+    if done.returncode != 0:
+        raise PlaceRequestError("git pack-objects failed at the place: %s" %
+                                done.stderr.decode("utf-8", "replace").strip()[-300:],
+                                "is the commit there? `ferrus places` checks the place")
+    return None
+
+
+# -- a task there: its worktree, its store ----------------------------------------------------
+
+def _op_prepare(request, base, program, stdin, out):
+    """The task's worktree on its branch from ``base``, the project's ferrus.toml and agent
+    registration, and the task's store with the task created (Executing).  Idempotent:
+    a prepare interrupted half-way is simply done again."""
+    project = _project(base, request)
+    task = _task(request)
+    start = _commit(request.get("base"), "the task's base")
+    inside = _relative(request.get("inside"))
+    payload = json.loads(stdin.read().decode("utf-8") or "{}")
+    checkout = _repository(project)
+    store = project.store()
+    if not os.path.isfile(store.path(STATE_FILE)):
+        init_project(checkout, report=lambda message: None)
+    config_text = payload.get("config")
+    if isinstance(config_text, str) and read_text(os.path.join(checkout, "ferrus.toml"),
+                                                  default=None) != config_text:
+        atomic_write(os.path.join(checkout, "ferrus.toml"), config_text)
+    choices = {role: tuple(choice) for role, choice in (payload.get("agents") or {}).items()
+               if isinstance(choice, list) and len(choice) == 2}
+    if choices:
+        register_agents(checkout, choices, report=lambda message: None)
+    worktree = project.worktree(task)
+    workdir = worktree if inside == "." else os.path.join(worktree, inside)
+    branch = TASK_BRANCH_PREFIX + task
+    # The base stays reachable under the task's own ref, whoever sent it.
+    run_git(checkout, ["update-ref", PLACE_REF_PREFIX + task, start])
+    create_task_worktree(checkout, worktree, branch, start)
+    copy_agent_configuration(checkout, workdir)
+    text = payload.get("text") or ""
+    record = read_task_record(store.dir, task)
+    if not record:
+        os.makedirs(store.path("tasks", task), exist_ok=True)
+        atomic_write(store.path("tasks", task, "TASK.md"), text)
+        record = {"id": task, "title": task_title(text), "status": RUNNING_STATUS,
+                  "created_at": format_timestamp(utc_now()), "origin": {"by": "place"},
+                  "worktree": worktree, "workdir": workdir, "branch": branch, "base": start,
+                  "store": "worktree", "started_at": format_timestamp(utc_now())}
+        if isinstance(payload.get("agent"), str):
+            record["agent"] = payload["agent"]
+        write_task_record(store, task, record)
+    task_store = store.for_task(task)
+    if not task_store.exists():
+        atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())
+    if task_store.read_state().state == TaskState.IDLE:
+        setup = [command for command in payload.get("setup") or [] if isinstance(command, str)]
+        run_worktree_setup(store, workdir, setup, "the task's worktree at the place",
+                           "fix the command (it runs in the new worktree there)")
+        resume = payload.get("resume_from")
+        if resume:
+            # Retried after a cancel saved its work: the files go back as they were.
+            run_git(task_git_site(task_store), ["restore", "--source=" + _commit(
+                resume, "the saved work"), "--worktree", "--", ":/"])
+        origin = payload.get("origin") or {}
+        op_create_task(task_store, ORCHESTRATOR, text,
+                       origin=(origin.get("spec"), origin.get("milestone")), task_id=task)
+    answer = {"worktree": worktree, "workdir": workdir, "checkout": checkout, "branch": branch}
+    if request.get("start"):
+        # Its job starts in the same call: one round trip less per task.
+        answer.update(_op_start(request, base, program, stdin, out))
+    return answer
+
+
+# -- jobs: a task's supervised process under a lease ------------------------------------------
+
+@deferred_dataclass
+class PlaceLease:
+    """How long a job may go on unseen, by the supervisor's own monotonic clock: each new
+    renewal token seen moves the deadline ``secs`` ahead (the wall clock may jump; the
+    deadline does not)."""
+
+    secs: float
+    clock: object = time.monotonic
+    token: object = None
+    deadline: float = 0.0
+
+    def __post_init__(self):
+        self.deadline = self.clock() + self.secs
+
+    def seen(self, token, secs=None):
+        if token != self.token:
+            self.token = token
+            if secs:
+                self.secs = secs
+            self.deadline = self.clock() + self.secs
+
+    def expired(self):
+        return self.clock() >= self.deadline
+
+
+def renew_lease(folder, secs):
+    """A new renewal token in ``folder``/lease.json (the supervisor notices it)."""
+    atomic_write(os.path.join(folder, "lease.json"), compact_json(
+        {"token": os.urandom(8).hex(), "secs": secs}), durable=False)
+
+
+def _read_json(path):
+    try:
+        value = json.loads(read_text(path, default="") or "{}")
+    except (ValueError, OSError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def job_state(folder):
+    """A job's job.json with "state" made true: "running" only while its supervisor is the
+    same live process; "lost" when it died without saying how the job ended."""
+    job = _read_json(os.path.join(folder, "job.json"))
+    if not job:
+        return {}
+    if job.get("state") == "running":
+        pid = job.get("pid")
+        alive = isinstance(pid, int) and pid_alive(pid) and (
+            job.get("start") is None or process_start(pid) == job.get("start"))
+        if not alive:
+            job["state"] = "lost"
+    return job
+
+
+def place_jobs(base):
+    """Every task under ``base`` (a worktree or a job there): project, task, its job's
+    state ("none" before its job started), why its job ended, when it started."""
+    rows = []
+    projects = os.path.join(base, PLACE_PROJECTS)
+    for key in sorted(os.listdir(projects)) if os.path.isdir(projects) else []:
+        project = PlaceProject(base, key)
+        tasks = set()
+        for sub in (PLACE_TASKS, PLACE_JOBS):
+            folder = os.path.join(project.folder, sub)
+            tasks.update(os.listdir(folder) if os.path.isdir(folder) else [])
+        for task in sorted(tasks):
+            job = job_state(project.job(task))
+            rows.append({"project": key, "task": task, "state": job.get("state", "none"),
+                         "reason": job.get("reason"), "started": job.get("started")})
+    return rows
+
+
+def _op_start(request, base, program, stdin, out):
+    """Start the task's job (a detached supervisor running run-task), unless it runs."""
+    project = _project(base, request)
+    task = _task(request)
+    lease = float(request.get("lease") or 90)
+    folder = project.job(task)
+    job = job_state(folder)
+    if job.get("state") == "running":
+        renew_lease(folder, lease)
+        return {"job": job, "started": False}
+    if not os.path.isdir(project.worktree(task)):
+        raise PlaceRequestError("task %s has no worktree at this place" % task,
+                                "the orchestrator prepares it first")
+    os.makedirs(folder, exist_ok=True)
+    renew_lease(folder, lease)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(folder, "stop"))
+    argv = place_self_argv(program, base, {"op": "supervise", "project": project.key,
+                                           "task": task, "lease": lease})
+    with open(os.path.join(folder, "job.log"), "ab") as log_file:
+        proc = subprocess.Popen(argv, cwd=project.checkout, stdin=subprocess.DEVNULL,
+                                stdout=log_file, stderr=log_file, **process_group_kwargs())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        job = job_state(folder)
+        if job.get("pid") == proc.pid:
+            return {"job": job, "started": True}
+        if proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    raise PlaceRequestError("the task's job did not start at the place (exit %s)" %
+                            proc.poll(), "its log is %s there" %
+                            os.path.join(folder, "job.log"))
+
+
+def place_self_argv(program, base, request):
+    """The argv that runs ``request`` with the ferrus copied to ``program``, from this
+    machine itself (the supervisor and its job)."""
+    code = ("import sys; sys.path.insert(0, %r); import ferrus, json, base64; "
+            "r = json.loads(base64.b64decode(sys.argv[1])); "
+            "sys.exit(ferrus.place_side_main(r, %r, %r))" % (program, base, program))
+    return [sys.executable, "-c", code,
+            base64.b64encode(json.dumps(request).encode()).decode("ascii")]
+
+
+def _op_supervise(request, base, program, stdin, out):
+    """The job's supervisor: run-task in a process group of its own, ended when the lease
+    runs out or a stop is asked for; job.json says how it went."""
+    project = _project(base, request)
+    task = _task(request)
+    folder = project.job(task)
+    record = {"pid": os.getpid(), "start": process_start(os.getpid()), "state": "running",
+              "started": format_timestamp(utc_now()), "ferrus": os.path.basename(program)}
+    atomic_write(os.path.join(folder, "job.json"), compact_json(record), durable=False)
+    argv = place_self_argv(program, base, {"op": "run-task", "project": project.key,
+                                           "task": task})
+    with open(os.path.join(folder, "job.log"), "ab") as log_file:
+        child = subprocess.Popen(argv, cwd=project.checkout, stdin=subprocess.DEVNULL,
+                                 stdout=log_file, stderr=log_file, **process_group_kwargs())
+    record["child"] = child.pid
+    atomic_write(os.path.join(folder, "job.json"), compact_json(record), durable=False)
+    lease = PlaceLease(float(request.get("lease") or 90))
+    reason = supervise_job(child, folder, lease)
+    if reason != "ended":
+        for note in stop_orphaned_agents(project.store(), task):
+            _log(folder, note)
+    record.update(state="ended", exit=child.returncode, reason=reason,
+                  ended=format_timestamp(utc_now()))
+    atomic_write(os.path.join(folder, "job.json"), compact_json(record), durable=False)
+    return None
+
+
+def supervise_job(child, folder, lease, poll=0.25, sleep=time.sleep):
+    """Wait for ``child``; end it when ``lease`` expires or a stop file appears.  Returns
+    "ended" (it exited by itself), "lease expired" or "stopped"."""
+    while child.poll() is None:
+        kept = _read_json(os.path.join(folder, "lease.json"))
+        lease.seen(kept.get("token"), kept.get("secs") if isinstance(kept.get("secs"),
+                                                                      (int, float)) else None)
+        reason = "stopped" if os.path.exists(os.path.join(folder, "stop")) else \
+            "lease expired" if lease.expired() else None
+        if reason:
+            _end_group(child)
+            return reason
+        sleep(poll)
+    return "ended"
+
+
+def _end_group(child, grace=PLACE_JOB_GRACE_SECS):
+    """SIGTERM to the job's process group (run-task stops its agents), SIGKILL after."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(grace)
+        if child.poll() is not None:
+            return
+
+
+def _log(folder, text):
+    with contextlib.suppress(OSError):
+        with open(os.path.join(folder, "job.log"), "a", encoding="utf-8") as handle:
+            handle.write("%s ferrus place: %s\n" % (format_timestamp(utc_now()), text))
+
+
+class PlaceMessageLog:
+    """The controller's messages, one JSON line each, for `follow` to stream: bounded, the
+    running commentary (tool calls, heartbeats) dropped once the file is large."""
+
+    def __init__(self, path, max_bytes=PLACE_MESSAGES_MAX_BYTES):
+        self.path = path
+        self.max_bytes = max_bytes
+
+    def write(self, message):
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            size = 0
+        if size > self.max_bytes and message.event in QUIET_EVENTS:
+            return
+        line = compact_json(dataclasses.asdict(message)) + "\n"
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+
+
+def run_place_task(project, task, poll=0.05, clock=time.monotonic, stop=None):
+    """The task's HqController at the place, until the task is Complete, Failed or
+    cancelled (Integrating waits: the merge gate's verdict comes from the orchestrator).
+    Returns 0, or 1 when its agents are stopped for good."""
+    store = project.store()
+    task_store = store.for_task(task)
+    messages = PlaceMessageLog(os.path.join(project.job(task), "messages.jsonl"))
+    controller = HqController(task_store, emit=messages.write, clock=clock,
+                              executor_agent=read_task_record(store.dir, task).get("agent"))
+    # The place's own [sandbox] (the orchestrator wrote it into the config it sent).
+    confinement = AgentSandbox.for_task(task_store, store.config().sandbox, _agents(store))
+    if confinement is not None:
+        confinement.require()            # never unconfined: the job ends here instead
+        controller.launcher = confinement.launcher_for(controller)
+    try:
+        while stop is None or not stop():
+            controller.poll()
+            data = task_store.read_state()
+            if data.state in (TaskState.COMPLETE, TaskState.FAILED):
+                controller.wind_down(poll)
+                return 0
+            if read_task_record(store.dir, task).get("status") == CANCELLED_STATUS:
+                return 0
+            if any(slot.state == SessionState.STOPPED for slot in controller.slots.values()) \
+                    and not controller.running() and data.state in ACTIVE_STATES:
+                return 1
+            time.sleep(poll)
+        return 0
+    finally:
+        controller.shutdown()
+        if confinement is not None:
+            confinement.close()
+
+
+def _agents(store):
+    config = store.config()
+    return [choice.agent for choice in (config.supervisor, config.executor) if choice]
+
+
+def _op_run_task(request, base, program, stdin, out):
+    project = _project(base, request)
+    task = _task(request)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        code = run_place_task(project, task)
+    except Terminated:
+        code = 143
+    sys.exit(code)
+
+
+def _op_stop(request, base, program, stdin, out):
+    """Ask the task's job to stop (its agents end, their work stays in the worktree) and
+    wait a little for it."""
+    project = _project(base, request)
+    task = _task(request)
+    folder = project.job(task)
+    if not os.path.isdir(folder):
+        return {"job": {}}
+    atomic_write(os.path.join(folder, "stop"), "stop\n", durable=False)
+    deadline = time.monotonic() + float(request.get("wait") or 20)
+    while time.monotonic() < deadline and job_state(folder).get("state") == "running":
+        time.sleep(0.05)
+    return {"job": job_state(folder)}
+
+
+# -- acting on the task: answers, the human's word, the merge gate's verdict ------------------
+
+def _op_act(request, base, program, stdin, out):
+    project = _project(base, request)
+    task = _task(request)
+    action = request.get("action")
+    text = stdin.read().decode("utf-8") if action in PLACE_TEXT_ACTIONS else ""
+    store = project.store().for_task(task)
+    if action == "renew":
+        renew_lease(project.job(task), float(request.get("lease") or 90))
+        return {"renewed": True}
+    if action == "save":
+        # A cancel keeps the work: the worktree there recorded as a commit on the task's
+        # base (None when it holds nothing new), for the orchestrator to fetch.
+        _, saved = save_task_work(project.store(), task,
+                                  read_task_record(project.store().dir, task))
+        return {"saved": saved}
+    if action == "answer":
+        outcome = op_answer(store, HUMAN, text)
+    elif action == "approve":
+        outcome = op_human_approve(store, HUMAN, via="place")
+    elif action == "reject":
+        outcome = op_human_reject(store, HUMAN, text, via="place")
+    elif action == "integrated":
+        outcome = op_integrated(store, ORCHESTRATOR)
+    elif action == "integration_failed":
+        onto = request.get("onto")
+        move_to = request.get("move_to")
+        if move_to:
+            saved = move_worktree_there(project, task, _commit(move_to, "the merge gate's "
+                                                               "candidate"))
+        outcome = op_integration_failed(store, ORCHESTRATOR, text,
+                                        onto=_commit(onto, "onto") if onto else None,
+                                        **_act_detail(request))
+    else:
+        raise PlaceRequestError("no action %r" % (action,), "one of: %s" % ", ".join(
+            PLACE_ACTIONS))
+    # The commit's seq: the orchestrator knows that entry as its own act's echo.
+    data = store.read_state()
+    answer = {"message": outcome.text, "state": str(data.state), "rev": data.rev}
+    if action == "integration_failed" and move_to:
+        answer["saved"] = saved
+    return answer
+
+
+def _act_detail(request):
+    """What the orchestrator's journal entry said of an act (its cause, files, failed
+    checks), for the place's own entry: plain JSON values only."""
+    detail = request.get("detail")
+    return {key: value for key, value in detail.items() if isinstance(key, str) and
+            key not in ("onto", "notes")} if isinstance(detail, dict) else {}
+
+
+def move_worktree_there(project, task, commit):
+    """The task's worktree there put at ``commit`` (the merge gate's candidate, sent there
+    first) as the merge queue does here: what it held saved under a ref first when that is
+    more than its last submission.  Returns that {"ref", "commit"}, or None."""
+    store = project.store()
+    task_store = store.for_task(task)
+    data = task_store.read_state()
+    submitted = data.task_submitted if isinstance(data.task_submitted, dict) else {}
+    checkout = task_git_site(task_store)
+    saved = None
+    if isinstance(submitted.get("base"), str) and isinstance(submitted.get("commit"), str):
+        held = snapshot_worktree(checkout, submitted["base"], task_diff_exclusions(task_store),
+                                 "ferrus: the worktree of task %s before the merge queue "
+                                 "moved it" % task)
+        if _tree_of(project.checkout, held) != _tree_of(project.checkout,
+                                                        submitted["commit"]):
+            saved = {"ref": task_ref(task, new_id("saved")), "commit": held}
+            set_task_ref(project.checkout, saved["ref"], held)
+    branch = read_task_record(store.dir, task).get("branch") or TASK_BRANCH_PREFIX + task
+    move_task_worktree(checkout, branch, commit)
+    return saved
+
+
+PLACE_ACTIONS = ("renew", "save", "answer", "approve", "reject", "integrated",
+                 "integration_failed")
+PLACE_TEXT_ACTIONS = ("answer", "reject", "integration_failed")
+
+
+# -- follow: the task's journal and messages, as they come ------------------------------------
+
+def _op_follow(request, base, program, stdin, out):
+    project = _project(base, request)
+    task = _task(request)
+    follow_place_task(project, task, int(request.get("after") or 0),
+                      int(request.get("messages_from") or 0), out,
+                      beat=float(request.get("beat") or 2.0),
+                      lease=float(request.get("lease") or 90))
+    return None
+
+
+def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=90.0,
+                      poll=0.02, clock=time.monotonic, sleep=time.sleep):
+    """Stream to ``out`` the task's journal entries after seq ``after`` and the messages
+    from byte ``messages_from`` on, one JSON line each; a beat line every ``beat`` seconds
+    (renewing the job's lease); an end line once the job has ended and all is sent.
+    Returns when that is written or ``out`` is gone (the connection dropped)."""
+    store = project.store()
+    folder = project.job(task)
+    messages = os.path.join(folder, "messages.jsonl")
+    position = None
+    next_beat = clock()
+    last_seq = after
+    shown = None
+    try:
+        while True:
+            job = job_state(folder)
+            lines = []
+            entries, position = store.journal_since(position, last_seq)
+            for entry in entries:
+                last_seq = max(last_seq, entry["seq"])
+                if entry.get("task_id") == task:
+                    lines.append({"entry": entry})
+            files = place_task_files(store, task, shown)
+            if files is not None:
+                shown = files["state"].get("rev")
+                lines.append({"task": files})
+            batch, messages_from = _messages_after(messages, messages_from)
+            lines += [{"message": message, "at": messages_from} for message in batch]
+            now = clock()
+            ended = job.get("state") in ("ended", "lost") and not entries and not batch
+            if now >= next_beat or ended:
+                if job.get("state") == "running":
+                    renew_lease(folder, lease)
+                lines.append({"beat": {"seq": last_seq, "at": messages_from,
+                                       "job": job.get("state", "none"),
+                                       "task": place_task_view(store, task)}})
+                next_beat = now + beat
+            if ended:
+                lines.append({"end": {"job": job, "task": place_task_view(store, task)}})
+            if lines:
+                out.write("".join(compact_json(line) + "\n" for line in lines).encode("utf-8"))
+                out.flush()
+            if ended:
+                return
+            sleep(poll)
+    except (BrokenPipeError, ConnectionResetError):
+        return
+
+
+def _messages_after(path, offset, limit=256 * 1024):
+    """(messages written after byte ``offset``, the offset after them): whole lines only."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(limit)
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    found = []
+    for line in data[:end].splitlines():
+        with contextlib.suppress(ValueError):
+            found.append(json.loads(line.decode("utf-8", "replace")))
+    return found, offset + end
+
+
+# The task's files the orchestrator mirrors, each cut at this many bytes.
+PLACE_FILE_BYTES = 64 * 1024
+
+
+def place_task_files(store, task, shown_rev):
+    """{"state": the task's STATE.json, "files": its scratch files} when its STATE.json is
+    at another rev than ``shown_rev`` (None: never shown), else None: what an orchestrator
+    needs to mirror the task (its status, its question, its review notes)."""
+    task_store = store.for_task(task)
+    try:
+        state = json.loads(read_text(task_store.task_path(STATE_FILE), default="") or "{}")
+    except (ValueError, OSError):
+        return None
+    if not isinstance(state, dict) or not state or (shown_rev is not None and
+                                                    state.get("rev") == shown_rev):
+        return None
+    files = {}
+    for name in TASK_SCRATCH_FILES:
+        text = task_store.read_file(name)
+        files[name] = text[:PLACE_FILE_BYTES]
+    return {"state": state, "files": files}
+
+
+def place_task_view(store, task):
+    """Where the task stands there: {"state", "submitted": the full commit of its last
+    submission (what the merge gate fetches), "n": its number}."""
+    try:
+        data = store.for_task(task).read_state()
+    except FerrusError as err:
+        return {"state": None, "problem": err.message}
+    submitted = data.task_submitted or {}
+    return {"state": str(data.state), "submitted": submitted.get("commit"),
+            "n": submitted.get("n")}
+
+
+# -- cleaning up: a task removed, what a killed run left --------------------------------------
+
+def _op_remove(request, base, program, stdin, out):
+    """Stop the task's job and remove its worktree, branch, store folder and job folder."""
+    project = _project(base, request)
+    task = _task(request)
+    _op_stop(dict(request, wait=30), base, program, stdin, out)
+    return {"removed": remove_place_task(project, task)}
+
+
+def remove_place_task(project, task):
+    removed = []
+    worktree = project.worktree(task)
+    if os.path.isdir(os.path.join(project.checkout, ".git")):
+        with contextlib.suppress(FerrusError):
+            remove_task_worktree(project.checkout, worktree, TASK_BRANCH_PREFIX + task)
+            removed.append(worktree)
+        with contextlib.suppress(FerrusError, OSError):
+            # The reviewer's checkout of its submission, and its submission refs there
+            # (what a cancel saved there was fetched first).
+            if remove_review_checkout(project.checkout, worktree):
+                removed.append(review_checkout_path(worktree))
+        with contextlib.suppress(FerrusError):
+            delete_task_refs(project.checkout, task, keep=())
+        for name in (task, task + "-resume", task + "-onto"):
+            with contextlib.suppress(FerrusError):
+                run_git(project.checkout, ["update-ref", "-d", PLACE_REF_PREFIX + name])
+    for folder in (worktree, project.store().path("tasks", task), project.job(task)):
+        if os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            if folder not in removed:
+                removed.append(folder)
+    return removed
+
+
+def _op_clean(request, base, program, stdin, out):
+    """What killed runs left: every task whose job is not running and that the
+    orchestrator does not keep (``keep``: [project, task] pairs; only ``project``'s when
+    given), and the copies of ferrus no running job uses."""
+    keep = {tuple(pair) for pair in request.get("keep") or [] if isinstance(pair, list)}
+    only = request.get("project")
+    removed = []
+    in_use = {os.path.basename(program)}
+    for row in place_jobs(base):
+        if row["state"] == "running":
+            in_use.add(job_state(PlaceProject(base, row["project"]).job(row["task"]))
+                       .get("ferrus"))
+            continue
+        if (row["project"], row["task"]) in keep or (only and row["project"] != only) or \
+                not PLACE_PROJECT_RE.match(row["project"]) or not PLACE_TASK_RE.match(
+                    row["task"]):
+            continue
+        removed += remove_place_task(PlaceProject(base, row["project"]), row["task"])
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if name.startswith("ferrus-") and name not in in_use and \
+                os.path.isdir(os.path.join(base, name)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(os.path.join(base, name))
+    return {"removed": removed}
+
+
+def _op_jobs(request, base, program, stdin, out):
+    return {"jobs": place_jobs(base)}
+
+
+PLACE_OPS = {
+    "probe": _op_probe, "refs": _op_refs, "receive": _op_receive, "send": _op_send,
+    "prepare": _op_prepare, "start": _op_start, "supervise": _op_supervise,
+    "run-task": _op_run_task, "stop": _op_stop, "act": _op_act, "follow": _op_follow,
+    "remove": _op_remove, "clean": _op_clean, "jobs": _op_jobs,
+}
+
+
+# ============================================================================
+# src/ferrus/doctor.py (from its line 43)
 # ============================================================================
 # Doctor: checking .ferrus/ and ferrus.toml, and safe repairs.
 #
@@ -24384,6 +28009,7 @@ def doctor_findings(root):
             severity="warning"))
     findings.extend(_record_findings(store))
     findings.extend(parallel_task_findings(store))
+    findings.extend(place_findings(root))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
     for folder in ("usage", CHECK_PROCESS_DIR, MEMORY_DIR + "/" + MEMORY_RECORDS_DIR):
@@ -24438,6 +28064,52 @@ def _record_findings(store):
 
 # -- doctor: parallel tasks' records, worktrees and branches -----------------------------
 #
+# -- places: what a killed run left there, a sandbox this machine cannot give --------
+
+def place_findings(root, make_place=Place):
+    """At each place, the tasks of this project a killed run left (not running here,
+    their job not running there), each with its removal as the repair; a place that
+    cannot be asked is a warning of its own.  And a sandbox this machine cannot give."""
+    try:
+        config, places, order = configured_places(root)
+    except FerrusError:
+        return []                   # config_findings names what is wrong
+    findings = []
+    if places[PLACE_HERE].sandbox.enabled and PLACE_HERE in order:
+        try:
+            sandbox_tool()
+        except SandboxUnavailable as err:
+            findings.append(Finding("%s: no task can start here while [sandbox] is on" %
+                                    err.message, err.hint))
+    if not any(name != PLACE_HERE for name in places):
+        return findings
+    project = place_project_key(root)
+    running = set(running_tasks(Store(root)))
+    for name, place in sorted(places.items()):
+        if name == PLACE_HERE:
+            continue
+        channel = make_place(place)
+        try:
+            rows = channel.call("jobs").get("jobs") or []
+        except FerrusError as err:
+            findings.append(Finding("place %s could not be checked for leftovers: %s" % (
+                name, err.message), err.hint or "`ferrus places` says what is wrong",
+                severity="warning"))
+            continue
+        for row in rows:
+            if row["project"] != project or row["state"] == "running" or \
+                    row["task"] in running:
+                continue
+            findings.append(Finding(
+                "place %s still holds task %s (its job %s%s): a run ended without removing "
+                "it" % (name, row["task"], row["state"], ", %s" % row["reason"]
+                        if row.get("reason") else ""),
+                "remove its worktree, branch and store there",
+                lambda channel=channel, task=row["task"]: channel.call(
+                    "remove", project=project, task=task), severity="warning"))
+    return findings
+
+
 # A parallel task leaves .ferrus/tasks/<id>/ (task.json, its STATE.json), a worktree under
 # the worktree folder and a branch ferrus/<id>.  The runner removes a merged or cancelled
 # task's worktree and branch and keeps a failed one's; whatever a crash, a deleted record
@@ -25275,6 +28947,7 @@ class TaskBoard:
             task_state_word(row), (row.get("agent") or "-")[:10],
             format_duration(elapsed) if elapsed is not None else "?",
             row.get("title", "") if row.get("status") == QUEUED_STATUS else
+            ("@%s " % row["place"] if row.get("place") else "") +
             describe_task_event(row.get("last_event"), self.store.clock()))
         text = terminal_safe(text)
         if width is not None and len(text) > width:
@@ -25623,7 +29296,7 @@ class HqTaskCommands:
 
 
 # ============================================================================
-# src/ferrus/hq_shell.py (from its line 43)
+# src/ferrus/hq_shell.py (from its line 44)
 # ============================================================================
 # HQ, plain lines: the shell over the controller.
 #
@@ -25653,6 +29326,9 @@ class HqShell(HqTaskCommands):
         self.done = False
         self.clock = clock
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+        # [sandbox] on: the project's own task's agents start confined (a missing
+        # bubblewrap fails each launch, saying how to install it; HQ itself still starts).
+        self.confinement = confine_controller(self.controller, require=False)
         self.runner = None          # the ParallelRunner of /run while it works the queue
         self.run_width = None       # how many at a time /run asked for, until /stop
         self.allow_red_base = False  # /run --allow-red-base: start even on a red target
@@ -25710,6 +29386,8 @@ class HqShell(HqTaskCommands):
                 self.runner.shutdown()
         finally:
             self.controller.shutdown()
+            if self.confinement is not None:
+                self.confinement.close()
 
     def _runner_emit(self, message):
         """The parallel run's lines: in HQ its own notes say "queue:", not "ferrus run:"."""
@@ -27154,6 +30832,8 @@ def describe_queue(rows):
         if row.get("status") == RUNNING_STATUS and row.get("worktree"):
             lines.append("  %-6s worktree %s%s" % ("", row["worktree"], " (branch %s)" % (
                 row["branch"]) if row.get("branch") else ""))
+        elif row.get("status") == RUNNING_STATUS and row.get("place"):
+            lines.append("  %-6s at place %s" % ("", row["place"]))
     return lines + more
 
 
@@ -27440,9 +31120,14 @@ def cmd_tasks(args, root):
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%*s worktree %s" % (indent, "", row["worktree"]))
+        elif row.get("place") and row["status"] == RUNNING_STATUS:
+            say("%*s at place %s" % (indent, "", row["place"]))
         elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
-            say("%*s merged at %s (`ferrus diff --task %s`)" % (
-                indent, "", row["merged_commit"][:12], short_task_id(row["id"])))
+            say("%*s merged at %s (`ferrus diff --task %s`)%s" % (
+                indent, "", row["merged_commit"][:12], short_task_id(row["id"]),
+                "; it ran at place %s" % row["place"] if row.get("place") else ""))
+        elif row.get("place"):
+            say("%*s ran at place %s" % (indent, "", row["place"]))
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
@@ -27817,7 +31502,7 @@ WEB_PAGE_SCRIPT = r"""
     } else if (task.state && task.column === "executing" && task.state !== "Executing") {
       add(meta, el("span", "badge", task.state));
     }
-    const parts = [task.short_id, task.place];
+    const parts = [task.short_id, task.place || "here"];
     if (task.agent || task.column === "queued") parts.push(task.agent || "no agent yet");
     parts.push(duration(task.elapsed_secs));
     if (task.tokens) parts.push(count(task.tokens) + " tok");
@@ -27885,7 +31570,7 @@ WEB_PAGE_SCRIPT = r"""
     view.title.textContent = task.title || task.id;
     clear(view.facts);
     const spent = task.cost_usd === null ? (task.tokens ? "unknown" : "-") : cost(task.cost_usd);
-    const facts = [["task", task.id], ["where", task.state_word], ["place", task.place],
+    const facts = [["task", task.id], ["where", task.state_word], ["place", task.place || "here"],
       ["agent", task.agent || "-"], ["age", duration(task.age_secs)],
       ["tokens", count(task.tokens)], ["cost", spent]];
     if (data.state) {
@@ -28410,7 +32095,7 @@ def web_board_column(row):
 
 
 def _board_fields(store, rows, now):
-    """What a card shows beyond the row: column, short id, place, state word, elapsed
+    """What a card shows beyond the row: column, short id, state word, elapsed
     time and the task's last event in a few words."""
     last = last_task_events(store, [row["id"] for row in rows])
     for row in rows:
@@ -28419,8 +32104,9 @@ def _board_fields(store, rows, now):
             # Failed before or outside its state machine (a red gate, a tampered worktree):
             # the queue's record says why.
             row["failure_reason"] = read_task_record(store.dir, row["id"]).get("reason")
+        # "place" stays as `ferrus tasks --json` has it: None is this machine ("here").
         row.update(column=web_board_column(row), short_id=short_task_id(row["id"]),
-                   place=row.get("place") or "here", state_word=task_state_word(row),
+                   state_word=task_state_word(row),
                    elapsed_secs=task_elapsed(row, now),
                    last_event=describe_task_event(entry) if entry else None,
                    last_event_at=entry.get("time") if entry else None)
@@ -29689,7 +33375,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 51)
+# src/ferrus/cli.py (from its line 55)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -29958,9 +33644,19 @@ def cmd_agents(args, root):
     if args.probe:
         return report_probes(root, as_json=args.json)
     rows = agents_report(root)
+    if load_config(root).places[PLACE_HERE].sandbox.enabled:
+        # Whether each CLI starts inside the sandbox its tasks' agents run in.
+        inside = sandbox_agent_report(root)
+        for row in rows:
+            found = next((r for r in inside if r["role"] in (row["role"], None)), None)
+            if found is not None:
+                row["sandbox"] = {key: found[key] for key in ("works", "note", "problem",
+                                                              "hint") if key in found}
+    failed = any("problem" in row or not row.get("sandbox", {"works": True})["works"]
+                 for row in rows)
     if args.json:
         say(json.dumps(rows, indent=2))
-        return 0 if not any("problem" in row for row in rows) else 1
+        return 1 if failed else 0
     for row in rows:
         if row["agent"] is None:
             say("%-10s (none)  %s" % (row["role"], row["problem"]))
@@ -29979,10 +33675,15 @@ def cmd_agents(args, root):
         for warning in row.get("warnings", ()):
             say("           warning: %s" % warning["warning"])
             say("           fix: %s" % warning["hint"])
+        sandbox = row.get("sandbox")
+        if sandbox is not None:
+            say("           sandbox: %s" % (sandbox.get("note") or sandbox.get("problem")))
+            if sandbox.get("hint"):
+                say("           fix: %s" % sandbox["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
-    return 0 if not any("problem" in row for row in rows) else 1
+    return 1 if failed else 0
 
 
 def cmd_run(args, root):
@@ -30041,13 +33742,18 @@ def cmd_run(args, root):
     if args.parallel is not None and not 1 <= args.parallel <= 64:
         raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
                          % args.parallel, "ferrus run --parallel 3")
+    elsewhere = False
     parallel = args.parallel
     if parallel is None:
         # A ferrus.toml that does not load is reported by the run itself, as ever.
         with contextlib.suppress(FerrusError):
             parallel = store.config().parallel.max_tasks
     parallel = parallel or 1
-    if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
+    with contextlib.suppress(FerrusError):
+        # Tasks sent to places are always worked by the parallel runner (even one here).
+        elsewhere = places_elsewhere(store.config())
+    if (parallel > 1 or elsewhere) and (args.milestone or args.until_done or args.resume or
+                                        args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
                          "SPEC), then `ferrus run --parallel N`; an interrupted task is "
@@ -30063,22 +33769,25 @@ def cmd_run(args, root):
                                  args.web_tls_cert, args.web_tls_key,
                                  args.web_allow_host) if args.web else None
         try:
-            return _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show)
+            return _run_as_asked(store, args, task, parallel, elsewhere, mode, ask, review,
+                                 bell, show)
         finally:
             if board is not None:
                 board.close()
 
 
-def _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show):
-    """cmd_run's work once the orchestrator lock is held: the queue in parallel,
-    milestones, the queue one task at a time, or the one task."""
-    if parallel > 1:
+def _run_as_asked(store, args, task, parallel, elsewhere, mode, ask, review, bell, show):
+    """cmd_run's work once the orchestrator lock is held: the queue in parallel (always
+    when tasks go to places), milestones, the queue one task at a time, or the one task."""
+    if parallel > 1 or elsewhere:
         if task is not None:
             require_utf8(task, "the task description")
             show(HqMessage("info", "ferrus run: " + op_enqueue_task(
                 store, human_caller(), task).text, "run"))
-        return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                            mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+        # At places, without --parallel this machine's share is [places.here] slots.
+        return run_parallel(store, args.parallel if elsewhere else parallel, args.timeout,
+                            ask=ask, review=review, mode=mode, bell=bell,
+                            allow_red_base=args.allow_red_base)
     if args.milestone or args.until_done:
         return run_milestones(store, args.milestone or "next", args.until_done,
                               args.timeout, args.resume, args.reset, ask=ask, review=review,
@@ -30171,6 +33880,11 @@ def add_pipeline_parser(sub):
 
 
 def cmd_serve(args, root):
+    relay = os.environ.get(SANDBOX_RELAY_ENV)
+    if relay:
+        # Inside a task's sandbox .ferrus/ is hidden: the server runs outside, behind the
+        # task's bridge, with the role and project the orchestrator chose.
+        return relay_mcp_stdio(relay)
     return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
 
 
@@ -30460,6 +34174,7 @@ COMMAND_PARSERS = (
     ("memory", add_memory_parser),
     ("spec", add_spec_parser),
     ("graph", add_graph_parser),
+    ("places", add_places_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )
@@ -30605,6 +34320,7 @@ __all__ = [
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
+    "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (operations, work, task_queue)

@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - Windows
     resource = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
@@ -1527,6 +1528,104 @@ def fig_parallel_overhead(bench, fig):
                  git_runs, git_runs / n))
 
 
+PLACE_TASKS = 2
+
+
+def place_run_once(bench, label, place):
+    """Wall seconds of `ferrus run --parallel 2` (run_parallel) of two queued tasks, each
+    writing its own file, worked by the scripted agent (tests/scripted_agent.py, real
+    processes) — here (``place`` None) or at ``place`` (a PlaceConfig), where the agent
+    is a copy the place's user can run."""
+    ferrus = bench.ferrus
+    root = bench.project("place-%s" % label)
+    agent = [bench.python, os.path.join(REPO, "tests", "scripted_agent.py")]
+    places = ""
+    if place is not None:
+        channel = ferrus.Place(place)
+        folder = place.dir[2:].rstrip("/") + "/agents"      # under the place user's home
+        with open(agent[1], "rb") as handle:
+            done = channel.run(["sh", "-c", 'cd && mkdir -p "$1" && cat > "$1/scripted_agent.py" '
+                                '&& echo "$HOME/$1"', "sh", folder], input=handle.read())
+        if done.returncode != 0:
+            raise BenchError("could not copy the scripted agent to the place: %s" %
+                             done.stderr.decode("utf-8", "replace")[-300:])
+        agent = [place.python, done.stdout.decode().strip() + "/scripted_agent.py"]
+        places = ("places = [%s]\n\n[places.%s]\nssh = %s\nslots = %d\ndir = %s\n"
+                  "python = %s\n" % (json.dumps(place.name), place.name, json.dumps(place.ssh),
+                                     PLACE_TASKS, json.dumps(place.dir),
+                                     json.dumps(place.python)))
+    argv = agent + ["{role}", "{mcp_config}"]
+    with open(os.path.join(root, "ferrus.toml"), "w", encoding="utf-8") as handle:
+        handle.write("[checks]\ncommands = [\"test -f README.md\"]\n\n[limits]\n"
+                     "wait_timeout_secs = 5\n\n[parallel]\n%s\n"
+                     "[agents.custom.scripted]\ninteractive = %s\nheadless = %s\n"
+                     "prompt = \"stdin\"\n\n[hq.supervisor]\nagent = \"scripted\"\n\n"
+                     "[hq.executor]\nagent = \"scripted\"\n" % (
+                         places, json.dumps(argv), json.dumps(argv)))
+    ferrus.register_agents(root, {"supervisor": ("scripted", None),
+                                  "executor": ("scripted", None)}, report=lambda message: None)
+    with open(os.path.join(root, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write("hello\n")
+    with open(os.path.join(root, ".gitignore"), "w", encoding="utf-8") as handle:
+        handle.write(".ferrus/\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "start")
+    store = bench.store(root)
+    tasks = [ferrus.op_enqueue_task(store, ferrus.HUMAN, "Add file %d.\n\nWRITE file%d.txt: %d\n"
+                                    % (i, i, i)).data["task_id"] for i in range(PLACE_TASKS)]
+    lines = []
+    started = time.time()
+    code = ferrus.run_parallel(store, PLACE_TASKS, timeout=300, out=lines.append)
+    wall = time.time() - started
+    status = {row["id"]: row["status"] for row in ferrus.task_rows(store)}
+    if code != 0 or any(status.get(task) != "merged" for task in tasks):
+        raise BenchError("the run %s exited %s: %s" % (
+            "at the place" if place else "here", code, " | ".join(lines[-5:])[-400:]))
+    return wall
+
+
+def fig_place_overhead(bench, fig):
+    """Two tasks at an ssh place on 127.0.0.1 vs here: what the channel adds per task."""
+    bar = "≤ 3 s per task more than here"
+    if not hasattr(bench.ferrus, "Place"):
+        fig.na("this ferrus has no places", bar)
+        return
+    tests = os.path.join(REPO, "tests")
+    for folder in (REPO, tests):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        import places_harness
+        places_harness.require_place_user()
+        server = places_harness.SshServer()
+    except BaseException as err:            # pytest's skip: the harness says why
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        fig.na("needs root, openssh-server and a second local user: %s" % (
+            getattr(err, "msg", None) or err), bar)
+        return
+    place = bench.ferrus.PlaceConfig("box", ssh=server.prefix(),
+                                     dir="~/.ferrus-places/bench-%d" % os.getpid(),
+                                     python=places_harness.PLACE_PYTHON)
+    try:
+        runs = bench.reps(2, 1)
+        here = [place_run_once(bench, "here-%d" % n, None) for n in range(runs)]
+        there = [place_run_once(bench, "box-%d" % n, place) for n in range(runs)]
+    finally:
+        with contextlib.suppress(Exception):
+            bench.ferrus.Place(place).run(["sh", "-c", 'cd && rm -rf "$1"', "sh",
+                                           place.dir[2:]])
+        server.stop()
+    added = (median(there) - median(here)) / PLACE_TASKS
+    fig.values.update({"here_wall_s": here, "place_wall_s": there, "added_per_task_s": added,
+                       "tasks": PLACE_TASKS})
+    fig.check("%d tasks (scripted agents, real processes) at an ssh place on 127.0.0.1, a "
+              "second user: %s wall vs %s here: %s more per task (%d run%s each)" % (
+                  PLACE_TASKS, ms(median(there)), ms(median(here)), ms(added), runs,
+                  "" if runs == 1 else "s"), bar, added <= 3.0)
+
+
 def measure_hq_reaction_parallel(bench, active, rounds):
     """Seconds from a committed `submit` of one of ``active`` parallel tasks to the
     ParallelRunner's controller for that task spawning its reviewer, and the runner's
@@ -1813,6 +1912,7 @@ FIGURES = (
     ("journal_scale", fig_journal_scale),
     ("diff_stat", fig_diff_stat),
     ("parallel_overhead", fig_parallel_overhead),
+    ("place_overhead", fig_place_overhead),
     ("hq_reaction_8_active", fig_hq_reaction_8_active),
     ("web_first_paint", fig_web_first_paint),
     ("nano_turn", fig_nano_turn),

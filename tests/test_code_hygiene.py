@@ -14,6 +14,8 @@ CALLED_FROM_OUTSIDE = {
     # Git's worktree and integration plumbing for parallel tasks, until that runner calls it.
     "default_worktree_dir", "create_task_worktree", "remove_task_worktree",
     "list_task_worktrees", "prepare_integration", "fast_forward_target",
+    # The far end of a place: the boot program sent there calls it by name (places.py).
+    "place_side_main",
 }
 
 

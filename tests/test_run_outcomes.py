@@ -296,9 +296,9 @@ def test_a_run_with_a_board_leaves_the_question_and_the_approval_to_it(project, 
     assert not (project / ".ferrus" / "web.json").exists()
 
 
-def test_a_parallel_run_with_a_board_waits_for_its_answer_instead_of_exit_4(repo,
-                                                                          monkeypatch):
-    store = setup(repo, ["test -f README.md"])
+def test_a_parallel_run_with_a_board_waits_for_its_answer_instead_of_exit_4(
+        git_project, monkeypatch):
+    store = scripted_setup(git_project, ["test -f README.md"])
     task = enqueue(store, "Add alpha.\n\nWRITE alpha.txt: alpha\n")
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
     board = ferrus.WebBoard(store, "127.0.0.1", 0).start()
@@ -314,7 +314,7 @@ def test_a_parallel_run_with_a_board_waits_for_its_answer_instead_of_exit_4(repo
     helper = threading.Thread(target=answer_from_the_board, daemon=True)
     helper.start()
     try:
-        code, lines = run(store, 2)         # no ask: nobody at this run's terminal
+        code, lines = run_tasks(store, 2)         # no ask: nobody at this run's terminal
     finally:
         board.close()
     helper.join(10)

@@ -18,6 +18,7 @@ from .system import atomic_write, read_text
 from .tomlfile import (TomlError, format_toml_value, parse_toml, toml_remove_table,
                        toml_replace_table)
 from .store import FERRUS_DIR
+from .sandbox import SANDBOX_RELAY_ENV
 from .operations import ROLES
 from .mcp import SESSION_ENV, tools_for_role
 from .agents import (AgentEvent, DEFAULT_AGENT_INDEX, Launch, STDIN_PROMPT_POINTER,
@@ -369,8 +370,9 @@ class Codex(AgentAdapter):
                     ("startup_timeout_sec", 30),
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
                     ("default_tools_approval_mode", "approve"), ("enabled", True),
-                    # Codex passes only listed variables to servers: the session id must reach it.
-                    ("env_vars", [SESSION_ENV])]
+                    # Codex passes only listed variables to servers: the session id (and, in a
+                    # sandbox, its relay's socket) must reach it.
+                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]

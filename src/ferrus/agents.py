@@ -12,10 +12,9 @@ import re
 import shutil
 import sys
 
-from .basics import LazyPattern, compact_json, deferred_dataclass
+from .basics import FERRUS_FILE, LazyPattern, compact_json, deferred_dataclass
 
 
-FERRUS_FILE = os.path.abspath(__file__)
 DEFAULT_AGENT_INDEX = 1
 STDIN_PROMPT_POINTER = "Follow the instructions given on standard input."
 

@@ -11,8 +11,8 @@ from .startup import STARTED_AS_PROGRAM
 from .basics import FerrusError, TransitionError, __version__, realize_dataclasses
 from .config import (AgentChoice, AgentOptions, AgentsConfig, CapacityConfig, ChecksConfig,
                      Config, CustomAgentSpec, GitConfig, LeaseConfig, LimitsConfig,
-                     NotifyConfig, ParallelConfig, PipelinesConfig, SessionsConfig,
-                     SpecConfig, load_config)
+                     NotifyConfig, ParallelConfig, PipelinesConfig, PlaceConfig,
+                     SandboxConfig, SessionsConfig, SpecConfig, load_config)
 from .task_machine import StateData, TaskState
 from .store import Store
 from .operations import (Caller, HUMAN, Outcome, op_approve, op_clear_selection,
@@ -39,6 +39,7 @@ __all__ = [
     "load_config", "Config", "ChecksConfig", "LimitsConfig", "LeaseConfig", "SpecConfig",
     "AgentChoice", "AgentOptions", "CustomAgentSpec", "AgentsConfig", "CapacityConfig",
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
+    "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
     # the operations and what they take and give (operations, work, task_queue)

@@ -15,6 +15,8 @@ import threading
 
 
 __version__ = "0.1.0"
+# This very file (ferrus.py, once built): what MCP entries start and places get a copy of.
+FERRUS_FILE = os.path.abspath(__file__)
 
 
 log = logging.getLogger("ferrus")

@@ -18,8 +18,8 @@ import subprocess
 import threading
 import time
 
-from .basics import (deferred_dataclass, format_timestamp, log, pretty_json, random_hex,
-                     utc_now)
+from .basics import (FerrusError, deferred_dataclass, format_timestamp, log, pretty_json,
+                     random_hex, utc_now)
 from .system import (HAS_PROC, IS_WINDOWS, _proc_stat, atomic_write, kill_process_tree,
                      pid_alive, process_environ_has, process_group_kwargs, process_start,
                      process_table, read_text, shell_argv)
@@ -334,8 +334,9 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None):
-    """Run one check command to completion, timeout or ``stop``; fill ``result``."""
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None):
+    """Run one check command to completion, timeout or ``stop``; fill ``result``.
+    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py)."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
@@ -348,14 +349,18 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
         handle.write(("$ %s\n" % result.command).encode("utf-8"))
         sink = _OutputSink(handle, keep_lines)
         try:
-            proc = subprocess.Popen(shell_argv(result.command), cwd=root,
+            argv = shell_argv(result.command)
+            proc = subprocess.Popen(wrap(argv) if wrap else argv, cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, env=record.environment(),
                                     **process_group_kwargs())
-        except OSError as err:
+        except (OSError, FerrusError) as err:
+            # FerrusError: the sandbox the command must run in cannot be made here.
+            what = "the shell" if isinstance(err, OSError) else "it in its sandbox"
+            err = err.full_text() if isinstance(err, FerrusError) else err
             log.error("check command %r could not start: %s", result.command, err)
             result.status = "failed"
-            result.tail = ["could not start the shell: %s" % err]
+            result.tail = ["could not start %s: %s" % (what, err)]
             result.line_count = 1
             return
         record.started(proc)
@@ -783,13 +788,15 @@ class _StopFlag:
         return self._event.is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
-def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None):
+def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None,
+               wrap=None):
     """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
     file names them all, by paths relative to ``project`` (default ``root``: a parallel
     task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
-    threading.Event) stops the run and kills the process groups."""
+    threading.Event) stops the run and kills the process groups.  ``wrap(argv)``
+    confines each command (the task's sandbox)."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -804,7 +811,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
     def run(result):
         _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
-                         checks.max_log_bytes)
+                         checks.max_log_bytes, wrap=wrap)
         if checks.fail_fast and not result.passed:
             stop.set()
 

@@ -15,11 +15,12 @@ import threading
 from .basics import (FerrusError, UsageError, __version__, did_you_mean, log, say,
                      terminal_safe)
 from .system import read_text
-from .config import CONFIG_FILE, load_config
+from .config import CONFIG_FILE, PLACE_HERE, load_config
 from .task_machine import S, WORK_STATES
 from .store import (FERRUS_DIR, QUEUED_STATUS, RUNNING_STATUS, Store, read_task_record,
                     require_utf8)
 from .checks import _status_note, report_orphaned_checks
+from .sandbox import SANDBOX_RELAY_ENV
 from .operations import (Caller, HUMAN, ROLES, confirmation_summary, op_human_approve,
                          op_human_reject, short_task_id)
 from .work import op_check, op_force_reset, op_run_checks_only
@@ -33,9 +34,12 @@ from .nano import add_nano_parser
 from .probe import add_probe_option, report_probes
 from .register import (adapter_for, add_registration_options, agents_report,
                        register_agents, registration_choices, unregister_agents)
+from .sandbox_agents import relay_mcp_stdio, sandbox_agent_report
+from .places import add_places_parser
 from .sessions import HqMessage
 from .notify import terminal_bell
 from .orchestrator import OrchestratorLock
+from .place_tasks import places_elsewhere
 from .parallel import live_parallel_run
 from .task_cancel import cancel_needs_confirmation, cancel_queue_task
 from .run import run_loop, run_milestones, run_parallel, run_printer, run_queue
@@ -311,9 +315,19 @@ def cmd_agents(args, root):
     if args.probe:
         return report_probes(root, as_json=args.json)
     rows = agents_report(root)
+    if load_config(root).places[PLACE_HERE].sandbox.enabled:
+        # Whether each CLI starts inside the sandbox its tasks' agents run in.
+        inside = sandbox_agent_report(root)
+        for row in rows:
+            found = next((r for r in inside if r["role"] in (row["role"], None)), None)
+            if found is not None:
+                row["sandbox"] = {key: found[key] for key in ("works", "note", "problem",
+                                                              "hint") if key in found}
+    failed = any("problem" in row or not row.get("sandbox", {"works": True})["works"]
+                 for row in rows)
     if args.json:
         say(json.dumps(rows, indent=2))
-        return 0 if not any("problem" in row for row in rows) else 1
+        return 1 if failed else 0
     for row in rows:
         if row["agent"] is None:
             say("%-10s (none)  %s" % (row["role"], row["problem"]))
@@ -332,10 +346,15 @@ def cmd_agents(args, root):
         for warning in row.get("warnings", ()):
             say("           warning: %s" % warning["warning"])
             say("           fix: %s" % warning["hint"])
+        sandbox = row.get("sandbox")
+        if sandbox is not None:
+            say("           sandbox: %s" % (sandbox.get("note") or sandbox.get("problem")))
+            if sandbox.get("hint"):
+                say("           fix: %s" % sandbox["hint"])
         if "problem" in row:
             say("           problem: %s" % row["problem"])
             say("           fix: %s" % row["hint"])
-    return 0 if not any("problem" in row for row in rows) else 1
+    return 1 if failed else 0
 
 
 def cmd_run(args, root):
@@ -394,13 +413,18 @@ def cmd_run(args, root):
     if args.parallel is not None and not 1 <= args.parallel <= 64:
         raise UsageError("--parallel takes a number of tasks from 1 to 64, got %d"
                          % args.parallel, "ferrus run --parallel 3")
+    elsewhere = False
     parallel = args.parallel
     if parallel is None:
         # A ferrus.toml that does not load is reported by the run itself, as ever.
         with contextlib.suppress(FerrusError):
             parallel = store.config().parallel.max_tasks
     parallel = parallel or 1
-    if parallel > 1 and (args.milestone or args.until_done or args.resume or args.reset):
+    with contextlib.suppress(FerrusError):
+        # Tasks sent to places are always worked by the parallel runner (even one here).
+        elsewhere = places_elsewhere(store.config())
+    if (parallel > 1 or elsewhere) and (args.milestone or args.until_done or args.resume or
+                                        args.reset):
         raise UsageError("tasks run in parallel come from the queue",
                          "queue them with `ferrus task add` (--milestone SPEC ID, --ready "
                          "SPEC), then `ferrus run --parallel N`; an interrupted task is "
@@ -416,22 +440,25 @@ def cmd_run(args, root):
                                  args.web_tls_cert, args.web_tls_key,
                                  args.web_allow_host) if args.web else None
         try:
-            return _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show)
+            return _run_as_asked(store, args, task, parallel, elsewhere, mode, ask, review,
+                                 bell, show)
         finally:
             if board is not None:
                 board.close()
 
 
-def _run_as_asked(store, args, task, parallel, mode, ask, review, bell, show):
-    """cmd_run's work once the orchestrator lock is held: the queue in parallel,
-    milestones, the queue one task at a time, or the one task."""
-    if parallel > 1:
+def _run_as_asked(store, args, task, parallel, elsewhere, mode, ask, review, bell, show):
+    """cmd_run's work once the orchestrator lock is held: the queue in parallel (always
+    when tasks go to places), milestones, the queue one task at a time, or the one task."""
+    if parallel > 1 or elsewhere:
         if task is not None:
             require_utf8(task, "the task description")
             show(HqMessage("info", "ferrus run: " + op_enqueue_task(
                 store, human_caller(), task).text, "run"))
-        return run_parallel(store, parallel, args.timeout, ask=ask, review=review,
-                            mode=mode, bell=bell, allow_red_base=args.allow_red_base)
+        # At places, without --parallel this machine's share is [places.here] slots.
+        return run_parallel(store, args.parallel if elsewhere else parallel, args.timeout,
+                            ask=ask, review=review, mode=mode, bell=bell,
+                            allow_red_base=args.allow_red_base)
     if args.milestone or args.until_done:
         return run_milestones(store, args.milestone or "next", args.until_done,
                               args.timeout, args.resume, args.reset, ask=ask, review=review,
@@ -524,6 +551,11 @@ def add_pipeline_parser(sub):
 
 
 def cmd_serve(args, root):
+    relay = os.environ.get(SANDBOX_RELAY_ENV)
+    if relay:
+        # Inside a task's sandbox .ferrus/ is hidden: the server runs outside, behind the
+        # task's bridge, with the role and project the orchestrator chose.
+        return relay_mcp_stdio(relay)
     return serve_stdio(root, args.role, args.agent_name, args.agent_index, args.session)
 
 
@@ -813,6 +845,7 @@ COMMAND_PARSERS = (
     ("memory", add_memory_parser),
     ("spec", add_spec_parser),
     ("graph", add_graph_parser),
+    ("places", add_places_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
 )

@@ -301,6 +301,8 @@ def describe_queue(rows):
         if row.get("status") == RUNNING_STATUS and row.get("worktree"):
             lines.append("  %-6s worktree %s%s" % ("", row["worktree"], " (branch %s)" % (
                 row["branch"]) if row.get("branch") else ""))
+        elif row.get("status") == RUNNING_STATUS and row.get("place"):
+            lines.append("  %-6s at place %s" % ("", row["place"]))
     return lines + more
 
 
@@ -587,9 +589,14 @@ def cmd_tasks(args, root):
         say(line)
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%*s worktree %s" % (indent, "", row["worktree"]))
+        elif row.get("place") and row["status"] == RUNNING_STATUS:
+            say("%*s at place %s" % (indent, "", row["place"]))
         elif row.get("status") == MERGED_STATUS and row.get("merged_commit"):
-            say("%*s merged at %s (`ferrus diff --task %s`)" % (
-                indent, "", row["merged_commit"][:12], short_task_id(row["id"])))
+            say("%*s merged at %s (`ferrus diff --task %s`)%s" % (
+                indent, "", row["merged_commit"][:12], short_task_id(row["id"]),
+                "; it ran at place %s" % row["place"] if row.get("place") else ""))
+        elif row.get("place"):
+            say("%*s ran at place %s" % (indent, "", row["place"]))
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))

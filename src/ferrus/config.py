@@ -9,7 +9,7 @@ import json
 import os
 import threading
 
-from .basics import FerrusError, deferred_dataclass, log
+from .basics import FerrusError, LazyPattern, deferred_dataclass, log
 from .system import read_text
 from .tomlfile import TomlError, parse_toml
 
@@ -219,6 +219,8 @@ class ParallelConfig:
     # fnmatch patterns of more paths that, changed by a task, need a human's confirmation
     # (besides GUARDED_NAMES and GUARDED_FOLDERS).
     guarded: list = dataclasses.field(default_factory=list)
+    # Where tasks run, filled in this order: "here" (this machine) and [places.NAME] names.
+    places: list = dataclasses.field(default_factory=lambda: ["here"])
 
 
 HISTORY_MODES = ("squash", "linear")
@@ -233,10 +235,187 @@ def _check_parallel(path, parallel):
                             parallel.history)
 
 
+# -- [sandbox]: what confinement a task asks for -----------------------------------------
+
+@deferred_dataclass
+class SandboxConfig:
+    """[sandbox] (global) or [places.NAME.sandbox] (one place, over the global one): whether
+    a task's agents and checks are confined, what they may write besides their worktree,
+    whether they reach the network, and what else they must not see."""
+
+    enabled: bool = False
+    writable: list = dataclasses.field(default_factory=list)   # more read-write paths
+    network: bool = True
+    hidden: list = dataclasses.field(default_factory=list)     # more paths to hide
+
+
+SANDBOX_KEYS = ("enabled", "writable", "network", "hidden")
+
+
+def parse_sandbox_table(path, table, where="sandbox", inherit=None, found=None, unknown=None):
+    """The SandboxConfig of the TOML table ``table`` (``[where]`` in ``path``); the keys it
+    leaves out keep ``inherit``'s values (a place's table over the global [sandbox]).
+
+    A bad value is appended to ``found`` (its key keeps the inherited value), an unknown
+    key to ``unknown``; with ``found`` None the first problem is raised."""
+    result = dataclasses.replace(inherit) if inherit is not None else SandboxConfig()
+    problems = [] if found is None else found
+    if not isinstance(table, dict):
+        problems.append(_config_error(path, where, "must be a table", table))
+    else:
+        for key, value in table.items():
+            dotted = "%s.%s" % (where, key)
+            if key not in SANDBOX_KEYS:
+                if unknown is not None:
+                    unknown.append(dotted)
+                continue
+            problem = _sandbox_value_problem(key, value)
+            if problem:
+                problems.append(_config_error(path, dotted, problem, value))
+            else:
+                setattr(result, key, list(value) if isinstance(value, list) else value)
+    if found is None and problems:
+        raise problems[0]
+    return result
+
+
+def _sandbox_value_problem(key, value):
+    if key in ("enabled", "network"):
+        return None if isinstance(value, bool) else "must be true or false"
+    if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+        return "must be an array of paths"
+    for item in value:
+        if not (os.path.isabs(item) or item == "~" or item.startswith("~/")):
+            return "must list absolute paths or paths under ~/ (%s is neither)" % (
+                _describe_value(item))
+    return None
+
+
+PLACE_HERE = "here"
+PLACE_DEFAULT_DIR = "~/.ferrus-places"
+PLACE_NAME_RE = LazyPattern(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+# A word a shell takes as it is: the place's Python.
+PLACE_PYTHON_RE = LazyPattern(r"^[A-Za-z0-9_./+-]+$")
+PLACE_KEYS = ("ssh", "exec", "slots", "dir", "python", "path", "multiplex", "sandbox")
+PLACE_HERE_KEYS = ("slots", "sandbox")
+
+
+# -- [places.NAME] ---------------------------------------------------------------------------
+
+@deferred_dataclass
+class PlaceConfig:
+    """One [places.NAME] table: how to reach the place and what it offers."""
+
+    name: str
+    ssh: list = dataclasses.field(default_factory=list)     # argv prefix ending with the host
+    exec: list = dataclasses.field(default_factory=list)    # argv prefix running argv there
+    slots: "int | None" = 1                                 # tasks at once there (here:
+                                                            # None, [parallel] max_tasks)
+    dir: str = PLACE_DEFAULT_DIR                            # its clones and worktrees there
+    python: str = "python3"                                 # the place's Python (3.9+)
+    path: list = dataclasses.field(default_factory=list)    # folders put first on PATH there
+    multiplex: bool = True                                  # ssh: one connection for all calls
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+
+    @property
+    def kind(self):
+        return PLACE_HERE if self.name == PLACE_HERE else "ssh" if self.ssh else "exec"
+
+
+def parse_places_table(path, places, sandbox=None, found=None, unknown=None):
+    """{name: PlaceConfig} from ferrus.toml's ``[places]`` (``places``, a dict of tables);
+    ``sandbox`` is the global [sandbox] each place's own table goes over.  Problems go to
+    ``found`` (the place is left out) or, with ``found`` None, the first is raised."""
+    problems = [] if found is None else found
+    sandbox = sandbox or SandboxConfig()
+    # Here, slots None means [parallel] max_tasks.
+    result = {PLACE_HERE: PlaceConfig(PLACE_HERE, slots=None, sandbox=sandbox)}
+    if not isinstance(places, dict):
+        problems.append(_config_error(path, "places", "must be a table of [places.NAME] "
+                                                      "tables", places))
+        places = {}
+    for name, table in places.items():
+        before = len(problems)
+        place = _parse_place(path, name, table, sandbox, problems, unknown)
+        if len(problems) == before:
+            result[name] = place
+    if found is None and problems:
+        raise problems[0]
+    return result
+
+
+def _parse_place(path, name, table, sandbox, problems, unknown):
+    where = "places.%s" % name
+    if not PLACE_NAME_RE.match(name):
+        problems.append(_config_error(path, where, "is no place name: use letters, digits, "
+                                                   "- and _ (at most 32)"))
+        return None
+    if not isinstance(table, dict):
+        problems.append(_config_error(path, where, "must be a table", table))
+        return None
+    place = PlaceConfig(name, slots=None if name == PLACE_HERE else 1, sandbox=sandbox)
+    allowed = PLACE_HERE_KEYS if name == PLACE_HERE else PLACE_KEYS
+    for key, value in table.items():
+        dotted = "%s.%s" % (where, key)
+        if key not in allowed:
+            if name == PLACE_HERE and key in PLACE_KEYS:
+                problems.append(_config_error(path, dotted, "cannot be set: %s is this "
+                                              "machine (only slots and sandbox can)" % name))
+            elif unknown is not None:
+                unknown.append(dotted)
+            continue
+        if key == "sandbox":
+            place.sandbox = parse_sandbox_table(path, value, dotted, sandbox, problems, unknown)
+            continue
+        problem = _place_value_problem(key, value)
+        if problem:
+            problems.append(_config_error(path, dotted, problem, value))
+        else:
+            setattr(place, key, value)
+    if name != PLACE_HERE and bool(place.ssh) == bool(place.exec):
+        problems.append(_config_error(path, where, "needs exactly one of ssh = [...] (an ssh "
+                                                   "command ending with the host) or exec = "
+                                                   "[...] (a prefix that runs a command there)"))
+    return place
+
+
+def _place_value_problem(key, value):
+    if key in ("ssh", "exec", "path"):
+        if not (isinstance(value, list) and all(isinstance(v, str) and v for v in value)):
+            return "must be an array of non-empty strings"
+        return None if value or key == "path" else "must not be empty"
+    if key == "slots":
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+            return "must be an integer between 1 and 64"
+        return None
+    if key == "multiplex":
+        return None if isinstance(value, bool) else "must be true or false"
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    if key == "python" and not PLACE_PYTHON_RE.match(value):
+        return "must be a program name or path (letters, digits, _ . / + -)"
+    if key == "dir" and not (value.startswith("~/") or value.startswith("/")):
+        return "must be an absolute path or start with ~/"
+    return None
+
+
+def parallel_places_problem(names, places):
+    """What is wrong with [parallel] places (a list of place names), or None."""
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return "must be an array of place names"
+    for name in names:
+        if name not in places:
+            return "names %s, which is neither \"here\" nor a [places.%s] table" % (
+                _describe_value(name), name)
+    if len(set(names)) != len(names):
+        return "names a place twice"
+    return None
+
+
 # The tables _fill_section reads straight into their dataclass, in file order.
 PLAIN_TABLES = ("checks", "limits", "lease", "spec", "capacity", "sessions", "pipelines",
                 "notify", "parallel")
-KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git")
+KNOWN_TABLES = PLAIN_TABLES + ("agents", "hq", "git", "sandbox", "places")
 # [hq.<role>] tables: which agent (and model, permissions) plays each role.
 HQ_ROLES = ("supervisor", "executor")
 AGENT_CHOICE_KEYS = ("agent", "model", "permissions")
@@ -260,6 +439,10 @@ class Config:
     notify: NotifyConfig = dataclasses.field(default_factory=NotifyConfig)
     git: GitConfig = dataclasses.field(default_factory=GitConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    sandbox: "SandboxConfig" = dataclasses.field(default_factory=lambda: SandboxConfig())
+    # name -> PlaceConfig; always holds "here" (see parse_places_table)
+    places: dict = dataclasses.field(default_factory=lambda: parse_places_table(
+        CONFIG_FILE, {}))
     supervisor: "AgentChoice | None" = None
     executor: "AgentChoice | None" = None
     # [hq] human_review: the reviewer's approval waits for a human's confirmation.
@@ -561,6 +744,14 @@ def parse_config(text, path=CONFIG_FILE, problems=None):
     # not let the reviewer's approval complete a task the human meant to confirm.
     _parse_human_review(path, raw.get("hq", {}), config, found)
     _parse_git_table(path, raw.get("git", {}), config.git, unknown, found)
+    config.sandbox = parse_sandbox_table(path, raw.get("sandbox", {}), found=found,
+                                         unknown=unknown)
+    config.places = parse_places_table(path, raw.get("places", {}), config.sandbox, found,
+                                       unknown)
+    problem = parallel_places_problem(config.parallel.places, config.places)
+    if problem:
+        found.append(_config_error(path, "parallel.places", problem, config.parallel.places))
+        config.parallel.places = [PLACE_HERE]
     unknown.extend(name for name in raw if name not in KNOWN_TABLES)
     if found and problems is None:
         first, count = found[0], len(found) + len(config.hq_problems)

@@ -12,7 +12,7 @@ import time
 from .basics import (FerrusError, deferred_dataclass, format_duration, format_timestamp,
                      log, pretty_json, terminal_safe, utc_now)
 from .system import TEMP_SUFFIX, atomic_write, fsync_directory, read_text
-from .config import (CONFIG_FILE, GitConfig, NO_CHECKS_HINT, NO_CHECKS_WARNING,
+from .config import (CONFIG_FILE, GitConfig, NO_CHECKS_HINT, NO_CHECKS_WARNING, PLACE_HERE,
                      ParallelConfig, load_config, parse_config)
 from .task_machine import S, StateCorrupt, StateData
 from .gates import phase_words
@@ -27,12 +27,14 @@ from .checks import (CHECK_PROCESS_DIR, end_orphaned_checks, missing_check_progr
 from .git import GitUnavailable, _same_path, display_path, task_checkout
 from .worktrees import (_relative_inside, default_worktree_dir, list_task_worktrees,
                         remove_task_worktree, target_head, worktree_changes)
+from .sandbox import SandboxUnavailable, sandbox_tool
 from .specs import list_spec_paths, parse_spec
 from .operations import ROLES, short_task_id, task_diff_exclusions, task_title
 from .task_queue import _TASK_ID_RE, queued_task_ids, write_task_record
 from .memory import MEMORY_DIR, MEMORY_RECORDS_DIR
 from .nano_model import nano_settings_findings
 from .register import permission_warnings
+from .places import Place, configured_places, place_project_key, running_tasks
 from .sessions import SESSIONS_DIR
 from .parallel import PARALLEL_RUN_FILE, live_parallel_run, load_parallel_run
 from .scaffold import init_project
@@ -99,6 +101,7 @@ def doctor_findings(root):
             severity="warning"))
     findings.extend(_record_findings(store))
     findings.extend(parallel_task_findings(store))
+    findings.extend(place_findings(root))
     stray = [name for name in os.listdir(store.dir)
              if name.endswith(TEMP_SUFFIX) or name == "STATE.json.tmp"]
     for folder in ("usage", CHECK_PROCESS_DIR, MEMORY_DIR + "/" + MEMORY_RECORDS_DIR):
@@ -153,6 +156,52 @@ def _record_findings(store):
 
 # -- doctor: parallel tasks' records, worktrees and branches -----------------------------
 #
+# -- places: what a killed run left there, a sandbox this machine cannot give --------
+
+def place_findings(root, make_place=Place):
+    """At each place, the tasks of this project a killed run left (not running here,
+    their job not running there), each with its removal as the repair; a place that
+    cannot be asked is a warning of its own.  And a sandbox this machine cannot give."""
+    try:
+        config, places, order = configured_places(root)
+    except FerrusError:
+        return []                   # config_findings names what is wrong
+    findings = []
+    if places[PLACE_HERE].sandbox.enabled and PLACE_HERE in order:
+        try:
+            sandbox_tool()
+        except SandboxUnavailable as err:
+            findings.append(Finding("%s: no task can start here while [sandbox] is on" %
+                                    err.message, err.hint))
+    if not any(name != PLACE_HERE for name in places):
+        return findings
+    project = place_project_key(root)
+    running = set(running_tasks(Store(root)))
+    for name, place in sorted(places.items()):
+        if name == PLACE_HERE:
+            continue
+        channel = make_place(place)
+        try:
+            rows = channel.call("jobs").get("jobs") or []
+        except FerrusError as err:
+            findings.append(Finding("place %s could not be checked for leftovers: %s" % (
+                name, err.message), err.hint or "`ferrus places` says what is wrong",
+                severity="warning"))
+            continue
+        for row in rows:
+            if row["project"] != project or row["state"] == "running" or \
+                    row["task"] in running:
+                continue
+            findings.append(Finding(
+                "place %s still holds task %s (its job %s%s): a run ended without removing "
+                "it" % (name, row["task"], row["state"], ", %s" % row["reason"]
+                        if row.get("reason") else ""),
+                "remove its worktree, branch and store there",
+                lambda channel=channel, task=row["task"]: channel.call(
+                    "remove", project=project, task=task), severity="warning"))
+    return findings
+
+
 # A parallel task leaves .ferrus/tasks/<id>/ (task.json, its STATE.json), a worktree under
 # the worktree folder and a branch ferrus/<id>.  The runner removes a merged or cancelled
 # task's worktree and branch and keeps a failed one's; whatever a crash, a deleted record

@@ -223,6 +223,7 @@ class TaskBoard:
             task_state_word(row), (row.get("agent") or "-")[:10],
             format_duration(elapsed) if elapsed is not None else "?",
             row.get("title", "") if row.get("status") == QUEUED_STATUS else
+            ("@%s " % row["place"] if row.get("place") else "") +
             describe_task_event(row.get("last_event"), self.store.clock()))
         text = terminal_safe(text)
         if width is not None and len(text) > width:

@@ -29,6 +29,7 @@ from .task_queue import (foreground_store, foreground_task, op_task_diff, requir
 from .mcp import SESSION_ENV
 from .register import (adapter_for, add_registration_options, agents_report,
                        register_agents, registration_choices, update_hq_config)
+from .sandbox_agents import confine_controller
 from .prompts import prompt_plan, prompt_spec
 from .sessions import (HqMessage, SLOT_ROLES, STATUS_SESSIONS_SHOWN, close_session_record,
                        describe_session, format_usage, open_session_record,
@@ -63,6 +64,9 @@ class HqShell(HqTaskCommands):
         self.done = False
         self.clock = clock
         self.controller = HqController(store, self.show, clock=clock, bell=self.ring_bell)
+        # [sandbox] on: the project's own task's agents start confined (a missing
+        # bubblewrap fails each launch, saying how to install it; HQ itself still starts).
+        self.confinement = confine_controller(self.controller, require=False)
         self.runner = None          # the ParallelRunner of /run while it works the queue
         self.run_width = None       # how many at a time /run asked for, until /stop
         self.allow_red_base = False  # /run --allow-red-base: start even on a red target
@@ -120,6 +124,8 @@ class HqShell(HqTaskCommands):
                 self.runner.shutdown()
         finally:
             self.controller.shutdown()
+            if self.confinement is not None:
+                self.confinement.close()
 
     def _runner_emit(self, message):
         """The parallel run's lines: in HQ its own notes say "queue:", not "ferrus run:"."""

@@ -12,7 +12,7 @@ import threading
 
 from .basics import FerrusError, log, new_id
 from .system import atomic_write, read_text
-from .config import CONFIG_FILE
+from .config import CONFIG_FILE, PLACE_HERE
 from .task_machine import S
 from .store import (CANCELLED_STATUS, FAILED_STATUS, MERGED_STATUS, TASK_BRANCH_PREFIX,
                     TaskRecordDamaged, UNCHANGED_STATUS, read_task_record)
@@ -21,9 +21,9 @@ from .git import (GitError, SNAPSHOT_IDENTITY, TamperedWorktree, TaskCheckout,
                   commit_message, commit_parent, commit_tree, set_task_ref,
                   snapshot_worktree, task_ref, task_refs)
 from .worktrees import (_tree_of, build_candidate, changed_paths, fast_forward_target,
-                        foreign_commits,
-                        gate_checkout, markers_left, move_task_worktree, rechain,
-                        reset_gate, target_head)
+                        foreign_commits, gate_checkout, markers_left, move_task_worktree,
+                        rechain, reset_gate, target_head)
+from .sandbox import TaskSandbox
 from .specs import mark_milestone_complete, parse_spec
 from .operations import (ORCHESTRATOR, fold_commit_messages, short_task_id,
                          task_commit_message, task_diff_exclusions, task_git_site)
@@ -239,11 +239,13 @@ class MergeQueue:
         if not config.checks.commands:
             return built, None
         verdicts = []
+        wrap = self._gate_sandbox(gate)
         for commit in built.commits:
             reset_gate(gate, commit)
-            self._set_up_gate(gate)
+            self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
-                             0, config.limits.max_feedback_lines, cancel, self.store.root)
+                             0, config.limits.max_feedback_lines, cancel, self.store.root,
+                             wrap=wrap)
             verdicts.append(run)
             if run.cancelled or (not run.passed and self._history() != "linear"):
                 return built, run
@@ -261,12 +263,22 @@ class MergeQueue:
             built = dataclasses.replace(built, head=head, commits=[head])
         return built, last
 
-    def _set_up_gate(self, gate):
+    def _set_up_gate(self, gate, wrap=None):
         """[parallel] setup in the gate's checkout (it holds only the candidate's files)."""
         self._run_setup(self._gate_project(gate), "the merge gate's checkout %s"
                         % gate.work_tree, "fix the command (it runs in a clean checkout of "
                         "the candidate, which holds only what git tracks); the task waits and "
-                        "is integrated again")
+                        "is integrated again", wrap)
+
+    def _gate_sandbox(self, gate):
+        """The wrap of the gate's commands when this machine's [sandbox] is on: they run
+        the candidate's code, which is a task's (None when it is off)."""
+        config = self.store.config().places[PLACE_HERE].sandbox
+        if not config.enabled:
+            return None
+        return TaskSandbox(config, gate.work_tree, self.store.path("gate-sandbox"),
+                           cwd=self._gate_project(gate), repository=self.store.root,
+                           root=self.store.root).wrap
 
     def _move_worktree(self, task, checkout, submitted, commit):
         """Put the task's worktree at ``commit`` (what its executor must fix), after

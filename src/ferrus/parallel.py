@@ -14,7 +14,7 @@ import time
 
 from .basics import FerrusError, fields_of, format_timestamp, pretty_json, terminal_safe
 from .system import atomic_write, read_text
-from .config import CONFIG_FILE, git_branch_name_problem
+from .config import CONFIG_FILE, PLACE_HERE, git_branch_name_problem
 from .task_machine import ACTIVE_STATES, S, StateData, failure_summary
 from .session_machine import EMERGENCY_STOP, SS
 from .gates import (DispatchGateError, DispatchRecord, PhaseMachine, ShutdownRequired,
@@ -28,7 +28,9 @@ from .checks import _status_note, run_checks
 from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_refs,
                   git_repository, record_task_base, run_git)
 from .worktrees import (create_task_worktree, default_worktree_dir, list_task_worktrees,
-                        remove_review_checkout, remove_task_worktree, target_head)
+                        own_checkout, remove_review_checkout, remove_task_worktree,
+                        review_checkout_path, target_head)
+from .sandbox import SandboxUnavailable, sandbox_tool
 from .operations import (HUMAN, ORCHESTRATOR, confirmation_summary, op_create_task,
                          op_human_approve, op_human_reject, short_task_id,
                          task_diff_exclusions, task_git_site)
@@ -40,11 +42,13 @@ from .task_queue import (_TASK_ID_RE, _remove_task_leftovers, checked_task_recor
                          count_statuses, task_records, update_task)
 from .memory import memory_after_task_end
 from .register import copy_agent_configuration
+from .sandbox_agents import confine_controller
 from .sessions import HqMessage
 from .web_link import web_board_url
 from .notify import Notifier
 from .orchestrator import running_orchestrator
 from .controller import HqController
+from .place_tasks import PlaceRunning, PlaceTask
 from .merge_queue import MergeQueue
 
 
@@ -136,7 +140,7 @@ def live_parallel_run(store):
     return holder
 
 
-class ParallelRunner(MergeQueue):
+class ParallelRunner(PlaceRunning, MergeQueue):
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
     ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
@@ -179,6 +183,7 @@ class ParallelRunner(MergeQueue):
         self._seen = None              # what step() last judged the tasks by
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
+        self._init_places(config, max_tasks is not None)     # [parallel] places
 
     # -- messages --------------------------------------------------------------------------
 
@@ -306,17 +311,22 @@ class ParallelRunner(MergeQueue):
                               "create it, or set [parallel] target to an existing branch "
                               "(\"\" = the branch checked out)")
         self.worktree_dir = default_worktree_dir(self.store.root, self.parallel.worktree_dir)
+        if PLACE_HERE in self.place_order and self.place_slots.get(PLACE_HERE) and \
+                self.place_configs[PLACE_HERE].sandbox.enabled:
+            sandbox_tool()       # SandboxUnavailable: no task here may start unconfined
         project = self.store.project_state()
         if project.state in ACTIVE_STATES and not project.extra.get(PARALLEL_MIRROR_KEY):
             raise FerrusError("a task is in flight in the checkout itself (state %s)"
                               % project.state, "finish it with `ferrus run --resume` (or "
                               "`ferrus reset` it) before running tasks in parallel")
         self._remove_leftovers()
+        self._tidy_places(task_records(self.store))
         resumed = []
         for task, record, problem in checked_task_records(self.store):
             if problem:
                 self._leave_damaged(task, problem)
-            if record.get("status") != RUNNING_STATUS or not record.get("worktree"):
+            if record.get("status") != RUNNING_STATUS or not (
+                    record.get("worktree") or record.get("store") == "place"):
                 continue
             if self._prepared_half_way(task):
                 self._prepare_again(task)
@@ -463,7 +473,7 @@ class ParallelRunner(MergeQueue):
         return list(self._queued[1])
 
     def free_slots(self):
-        return max(0, self.max_tasks - len(self.controllers))
+        return min(max(0, self.max_tasks - len(self.controllers)), self.place_free_slots())
 
     def _plan(self):
         self.batch = self.queued()[:self.free_slots()]
@@ -475,6 +485,7 @@ class ParallelRunner(MergeQueue):
         for task, ready in zip(todo, self._prepare_side_by_side(todo)):
             if not ready:
                 self.batch.remove(task)
+                self._unplace(task)
         self.advance(3)
 
     def _prepare_side_by_side(self, tasks):
@@ -520,6 +531,12 @@ class ParallelRunner(MergeQueue):
         record = read_task_record(self.store.dir, task)
         if record.get("status") not in (QUEUED_STATUS, RUNNING_STATUS):
             return False
+        place = record.get("place") if record.get("store") == "place" else None
+        place = place or self._choose_place(task)
+        if place is None:
+            return False                       # no free slot at any place just now
+        if place != PLACE_HERE:
+            return self._prepare_at_place(task, record, place, fail)
         path = record.get("worktree") or os.path.join(self.worktree_dir, task)
         branch = record.get("branch") or TASK_BRANCH_PREFIX + task
         # A project in a subfolder of its repository works in that subfolder of the worktree.
@@ -537,6 +554,10 @@ class ParallelRunner(MergeQueue):
                     worktree=path, branch=branch, base=start[:12]) is None:
                 return False                  # cancelled since it was read
             create_task_worktree(self.store.root, path, branch, start)
+            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
+            # the reviewer's start (in the runner's step) only a reset to the submission
+            # is left (see review_folder).
+            own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())
@@ -573,21 +594,8 @@ class ParallelRunner(MergeQueue):
                         "which holds only what git tracks), then `ferrus task cancel %s` and "
                         "queue the task again" % short_task_id(task))
 
-    def _run_setup(self, path, where, hint):
-        """[parallel] setup in ``path``, with the check runner (logs, timeouts, process
-        groups); raises FerrusError naming the failed command and ``where`` it ran."""
-        if not self.parallel.setup:
-            return
-        config = self.store.config()
-        setup = dataclasses.replace(config.checks, commands=list(self.parallel.setup),
-                                    parallel=False, fail_fast=True)
-        run = run_checks(path, setup, self.store.path("logs"), 0,
-                         config.limits.max_feedback_lines, None, self.store.root)
-        if not run.passed:
-            failed = run.failed[0] if run.failed else None
-            raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
-                where, failed.command if failed else "?", _status_note(failed) if failed
-                else "", failed.log_path if failed else run.log_path), hint)
+    def _run_setup(self, path, where, hint, wrap=None):
+        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap)
 
     def _prepared_half_way(self, task):
         """A RUNNING task whose state was never created: _prepare_task marks the record
@@ -596,6 +604,8 @@ class ParallelRunner(MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists():
             return True
+        if read_task_record(self.store.dir, task).get("store") == "place":
+            return False    # prepared there; its mirror here stays Idle until it follows
         try:
             return task_store.read_state().state == S.IDLE
         except FerrusError:
@@ -620,6 +630,8 @@ class ParallelRunner(MergeQueue):
         task_store = self.store.for_task(task)
         if not task_store.exists() or record.get("status") != RUNNING_STATUS:
             return None             # cancelled (or ended) since it was chosen
+        if record.get("store") == "place":
+            return self._adopt_at_place(task, record)
         if record.get("worktree") and not os.path.isdir(task_store.workdir):
             # Its folder was deleted: put the worktree back on the task's branch (the work
             # committed there is kept; what was only in the folder is gone).
@@ -636,6 +648,15 @@ class ParallelRunner(MergeQueue):
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"), notifier=self.notifier)
+        try:
+            # [sandbox] on: its agents start confined, or the task fails saying how to
+            # install bubblewrap (it never starts unconfined).
+            self.sandboxes[task] = confine_controller(controller)
+        except SandboxUnavailable as err:
+            self._end_task(task, FAILED_STATUS, "its sandbox cannot start: %s" %
+                           err.full_text())
+            return None
+        self.task_place[task] = PLACE_HERE
         self.controllers[task] = controller
         return controller
 
@@ -646,6 +667,8 @@ class ParallelRunner(MergeQueue):
             for task in self.queued()[:self.free_slots()]:
                 if self._prepare_task(task):
                     self.batch.append(task)
+                else:
+                    self._unplace(task)
         for task in self.batch:
             if any(record.task_id == task for record in self.dispatched):
                 continue
@@ -657,10 +680,13 @@ class ParallelRunner(MergeQueue):
             self.dispatched.append(DispatchRecord(task_id=task, role="executor",
                                                   agent=choice.agent if choice else "",
                                                   session_id=""))
-            self.note("dispatched task %s (%s) to %s in %s" % (
-                short_task_id(task), read_task_record(self.store.dir, task).get("title", ""),
-                choice.agent if choice else "no agent", controller.store.workdir),
-                task_id=task)
+            record = read_task_record(self.store.dir, task)
+            self.note("dispatched task %s (%s) to %s %s" % (
+                short_task_id(task), record.get("title", ""),
+                choice.agent if choice else "no agent",
+                "at place %s" % record["place"] if record.get("store") == "place" else
+                "in %s" % controller.store.workdir), task_id=task,
+                place=record.get("place") or PLACE_HERE)
         self._run_dispatch_gates()
         self.batch = []
         self.advance(4)
@@ -716,6 +742,9 @@ class ParallelRunner(MergeQueue):
             raise TaskRecordDamaged(task, problem)
         if record.get("status") == CANCELLED_STATUS:
             self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if isinstance(controller, PlaceTask):
+            self._watch_place_task(task, controller, data, record)
             return
         if data.state == S.IDLE:
             # Idle and not cancelled (a cancel writes both in one commit): its state was
@@ -797,6 +826,10 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.pop(task, None)
         if controller is not None:
             controller.shutdown()
+        self.task_place.pop(task, None)
+        confinement = self.sandboxes.pop(task, None)
+        if confinement is not None:
+            confinement.close()
 
     def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
@@ -815,7 +848,12 @@ class ParallelRunner(MergeQueue):
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
+        confinement = self.sandboxes.get(task)
+        if isinstance(controller, PlaceTask) and status != FAILED_STATUS:
+            controller.stop_job = False     # its removal there stops it (see _end_at_place)
         self._stop_controller(task)
+        if confinement is not None and status != FAILED_STATUS:
+            confinement.remove()       # its temp folder and private objects
         self.waiting_human.discard(task)
         if record.get("status") not in ENDED_STATUSES or record.get("status") != status:
             changes = {"status": status, "ended_at": format_timestamp(self.store.clock())}
@@ -832,6 +870,8 @@ class ParallelRunner(MergeQueue):
             with contextlib.suppress(FerrusError):
                 delete_task_refs(self.store.root, task)   # the target holds its work now
         saved_note = ""
+        if record.get("store") == "place":
+            saved_note = self._end_at_place(task, record, status, controller)
         if record.get("worktree"):
             with contextlib.suppress(FerrusError, OSError):
                 remove_review_checkout(self.store.root, record["worktree"])
@@ -843,7 +883,7 @@ class ParallelRunner(MergeQueue):
                           "removes what a finished task leaves)" % (
                               short_task_id(task), record["worktree"], err.message),
                           "warning", task_id=task)
-        elif status == CANCELLED_STATUS:
+        elif status == CANCELLED_STATUS and record.get("store") != "place":
             # Its work is saved first (unless cancelled with --discard).
             saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
                                                                              task))[0]
@@ -861,7 +901,8 @@ class ParallelRunner(MergeQueue):
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
                       % (short_task_id(task), failure_summary(reason or ""),
-                         record.get("worktree") or "-", short_task_id(task),
+                         record.get("worktree") or ("at place %s" % record["place"]
+                                                    if record.get("place") else "-"), short_task_id(task),
                          short_task_id(task)), "error", task_id=task, status=status)
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",
@@ -904,11 +945,30 @@ class ParallelRunner(MergeQueue):
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        self.finish_place_removals()
         self.notifier.finish()
         if self.target is not None and (not self.finished or self.halted):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
+
+
+def run_worktree_setup(store, path, commands, where, hint, wrap=None):
+    """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
+    process groups; ``wrap``, a sandbox's); raises FerrusError naming the failed command
+    and ``where`` it ran."""
+    if not commands:
+        return
+    config = store.config()
+    setup = dataclasses.replace(config.checks, commands=list(commands), parallel=False,
+                                fail_fast=True)
+    run = run_checks(path, setup, store.path("logs"), 0, config.limits.max_feedback_lines,
+                     None, store.root, wrap=wrap)
+    if not run.passed:
+        failed = run.failed[0] if run.failed else None
+        raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
+            where, failed.command if failed else "?", _status_note(failed) if failed
+            else "", failed.log_path if failed else run.log_path), hint)
 
 
 def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),

@@ -30,6 +30,7 @@ from .memory import memory_after_task_end
 from .adapters import CustomAgent
 from .nano_model import nano_endpoint, nano_settings
 from .register import adapter_for
+from .sandbox_agents import confine_controller
 from .sessions import HqMessage, format_usage, task_usage
 from .web_link import web_board_url
 from .controller import HqController
@@ -130,6 +131,9 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         show(HqMessage(level, "ferrus run: " + text, "run", data))
     data = store.read_state()
     controller = HqController(store, emit=show, clock=clock, launcher=launcher, bell=bell)
+    # [sandbox] on: the task's agents start confined, or the run refuses here, before
+    # anything is created (SandboxUnavailable says how to install bubblewrap).
+    confinement = confine_controller(controller)
     if not controller.recheck_checkpoint():
         note("the capacity checkpoint still holds (%s); raise the limit in [capacity] and run "
              "again" % controller.checkpoint.get("signal"), exit=RUN_CHECKPOINT)
@@ -173,6 +177,8 @@ def run_loop(store, task=None, timeout=None, resume=False, out=None, ask=None,
         # However the run ends (Complete, Failed, a timeout, a human's reset seen), what
         # ended goes into project memory.
         memory_after_task_end(store)
+        if confinement is not None:
+            confinement.close()
         task_id = store.read_state().task_id
         used = task_usage(store, task_id)
         if used["input_tokens"] or used["output_tokens"]:     # agents that report usage

@@ -82,6 +82,27 @@ worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repositor
 delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
 setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
+places = ["here"]      # where tasks run, filled in this order ("here": this machine)
+
+# [sandbox]
+# enabled = false      # true: each task's agents and checks may write only its worktree,
+#                      # its temp folder and their CLI's own state (bubblewrap on Linux,
+#                      # sandbox-exec on macOS; a task refuses to start without one)
+# writable = []        # more paths they may write, e.g. ["~/.cache/pip"]
+# network = true       # false: no network inside (ferrus's own MCP server still reachable)
+# hidden = []          # more paths they must not see (~/.ssh, ~/.aws, ... are hidden already)
+
+# Places: where tasks run besides this machine (docs/PLACES.md); name them in
+# [parallel] places, e.g. places = ["here", "box1"].
+# [places.box1]
+# ssh = ["ssh", "-p", "2222", "agents@build-1"]   # ends with the host
+# # exec = ["docker", "exec", "-i", "agents"]     # or any prefix that runs a command there
+# slots = 4            # its tasks at once
+# dir = "~/.ferrus-places"   # where ferrus, clones and worktrees live there
+# python = "python3"   # its Python (3.9+)
+# path = []            # folders put first on PATH there (agent CLIs)
+# [places.box1.sandbox]  # its own [sandbox] (over the one above)
+# enabled = true
 
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli | opencode | goose | nano

@@ -300,7 +300,7 @@ TASK_RECORD_MAX_BYTES = 1 << 20
 TASK_RECORD_TEXT_CHARS = 64 * 1024
 _TASK_RECORD_TEXT = ("id", "title", "created_at", "started_at", "ended_at", "agent",
                      "worktree", "workdir", "branch", "base", "target", "conflict_base",
-                     "reason", "merged_commit", "store", "resume_from")
+                     "reason", "merged_commit", "store", "resume_from", "place")
 _TASK_RECORD_COMMITS = ("base", "conflict_base", "merged_commit", "resume_from")
 _COMMIT_ID_RE = LazyPattern(r"[0-9a-f]{4,64}")
 
@@ -359,8 +359,8 @@ def task_record_problem(task, record):
             return "%s is %d characters long" % (key, len(value))
     if record.get("id") is not None and record["id"] != task:
         return "id %s is not the task's own" % _shown(record["id"])
-    if record.get("store") not in (None, "worktree", "project"):
-        return "store %s is neither worktree nor project" % _shown(record["store"])
+    if record.get("store") not in (None, "worktree", "project", "place"):
+        return "store %s is none of worktree, project, place" % _shown(record["store"])
     for key in ("worktree", "workdir"):
         if record.get(key) is not None and not os.path.isabs(record[key]):
             return "%s %s is no absolute path" % (key, _shown(record[key]))
@@ -393,6 +393,9 @@ def task_record_problem(task, record):
     if conflicts is not None and not (isinstance(conflicts, list) and
                                       all(isinstance(path, str) for path in conflicts)):
         return "conflicts is %s, not a list of paths" % _shown(conflicts)
+    if record["status"] == RUNNING_STATUS and record.get("store") == "place" and \
+            not record.get("place"):
+        return "it is running at a place but names none"
     if record["status"] == RUNNING_STATUS and record.get("store") == "worktree" and not (
             record.get("worktree") and record.get("branch")):
         return "it is running in a worktree but names no %s" % (
@@ -460,6 +463,10 @@ class Store:
                 # would work there.
                 raise TaskRecordDamaged(self.task, problem)
             worktree = record.get("workdir") or record.get("worktree")
+            if record.get("store") == "place" and not worktree:
+                # Its code is at a place (places.py): here it has no folder, and never
+                # the project's checkout instead.
+                worktree = os.path.join(self.task_dir, "at-place")
             self._workdir = worktree if isinstance(worktree, str) and worktree else self.root
         return self._workdir
 

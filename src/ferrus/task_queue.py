@@ -483,7 +483,7 @@ def op_cancel_task(store, caller, task, remove_worktree=False, discard=False):
 
 
 # What a task's record says about one attempt at it: dropped when it is queued again.
-_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit")
+_ATTEMPT_KEYS = ("reason", "ended_at", "integration", "merged_commit", "place_tidied")
 
 
 def op_retry_task(store, caller, task):
@@ -635,6 +635,8 @@ def task_rows(store, tasks=None):
                "status": record.get("status"),
                "state": None, "agent": record.get("agent"),
                "worktree": record.get("worktree"), "branch": record.get("branch"),
+               # The place it runs (or ran) at, when not here (places.py).
+               "place": record.get("place") if record.get("store") == "place" else None,
                "origin": record.get("origin") or {}, "created_at": record.get("created_at"),
                "started_at": record.get("started_at"), "ended_at": record.get("ended_at")}
         task_store = store.for_task(task)

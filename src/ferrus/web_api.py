@@ -95,7 +95,7 @@ def web_board_column(row):
 
 
 def _board_fields(store, rows, now):
-    """What a card shows beyond the row: column, short id, place, state word, elapsed
+    """What a card shows beyond the row: column, short id, state word, elapsed
     time and the task's last event in a few words."""
     last = last_task_events(store, [row["id"] for row in rows])
     for row in rows:
@@ -104,8 +104,9 @@ def _board_fields(store, rows, now):
             # Failed before or outside its state machine (a red gate, a tampered worktree):
             # the queue's record says why.
             row["failure_reason"] = read_task_record(store.dir, row["id"]).get("reason")
+        # "place" stays as `ferrus tasks --json` has it: None is this machine ("here").
         row.update(column=web_board_column(row), short_id=short_task_id(row["id"]),
-                   place=row.get("place") or "here", state_word=task_state_word(row),
+                   state_word=task_state_word(row),
                    elapsed_secs=task_elapsed(row, now),
                    last_event=describe_task_event(entry) if entry else None,
                    last_event_at=entry.get("time") if entry else None)

@@ -360,7 +360,7 @@ WEB_PAGE_SCRIPT = r"""
     } else if (task.state && task.column === "executing" && task.state !== "Executing") {
       add(meta, el("span", "badge", task.state));
     }
-    const parts = [task.short_id, task.place];
+    const parts = [task.short_id, task.place || "here"];
     if (task.agent || task.column === "queued") parts.push(task.agent || "no agent yet");
     parts.push(duration(task.elapsed_secs));
     if (task.tokens) parts.push(count(task.tokens) + " tok");
@@ -428,7 +428,7 @@ WEB_PAGE_SCRIPT = r"""
     view.title.textContent = task.title || task.id;
     clear(view.facts);
     const spent = task.cost_usd === null ? (task.tokens ? "unknown" : "-") : cost(task.cost_usd);
-    const facts = [["task", task.id], ["where", task.state_word], ["place", task.place],
+    const facts = [["task", task.id], ["where", task.state_word], ["place", task.place || "here"],
       ["agent", task.agent || "-"], ["age", duration(task.age_secs)],
       ["tokens", count(task.tokens)], ["cost", spent]];
     if (data.state) {
