@@ -4160,8 +4160,9 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None):
-    """Run one check command to completion, timeout or ``stop``; fill ``result``."""
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, env=None):
+    """Run one check command to completion, timeout or ``stop``; fill ``result``.
+    ``env`` adds variables to the command's environment."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
@@ -4176,7 +4177,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
         try:
             proc = subprocess.Popen(shell_argv(result.command), cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, env=record.environment(),
+                                    stderr=subprocess.STDOUT, env=record.environment(env),
                                     **process_group_kwargs())
         except OSError as err:
             log.error("check command %r could not start: %s", result.command, err)
@@ -4472,9 +4473,11 @@ class CheckProcessRecord:
         except OSError as err:
             log.warning("cannot record check processes in %s: %s", self.path, err)
 
-    def environment(self):
-        """The command's environment; also opens the pid window, just before the spawn."""
+    def environment(self, extra=None):
+        """The command's environment (with ``extra`` added); also opens the pid window,
+        just before the spawn."""
         env = dict(os.environ)
+        env.update(extra or {})
         env[CHECK_MARKER_ENV] = self.marker
         self.window = PidWindow()
         return env
@@ -4609,13 +4612,15 @@ class _StopFlag:
         return self._event.is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
-def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None):
+def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None,
+               env=None):
     """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
     file names them all, by paths relative to ``project`` (default ``root``: a parallel
     task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
-    threading.Event) stops the run and kills the process groups."""
+    threading.Event) stops the run and kills the process groups.  ``env`` adds
+    variables to each command's environment (a parallel task's FERRUS_TASK_PORT)."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -4630,7 +4635,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
     def run(result):
         _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
-                         checks.max_log_bytes)
+                         checks.max_log_bytes, env=env)
         if checks.fail_fast and not result.passed:
             stop.set()
 
