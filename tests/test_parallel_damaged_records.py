@@ -260,7 +260,7 @@ def test_a_record_damaged_while_its_task_runs_stops_only_that_task(repo):  # noq
     finally:
         runner.shutdown()
     assert bad not in runner.controllers and runner.damaged == {
-        bad: "status 7 is none of queued, running, merged, done, unchanged, failed, cancelled"}
+        bad: "status 7 is none of queued, running, merged, done, unchanged, published, failed, cancelled"}
     assert ferrus.read_task_record(store.dir, good)["status"] == "merged"
     assert runner.exit_code() == ferrus.RUN_FAILED
     assert sum("is damaged" in line for line in lines) == 1        # said once

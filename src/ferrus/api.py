@@ -25,6 +25,7 @@ from .work import (op_answer, op_ask_human, op_check, op_consult, op_force_reset
                    op_wait_for_task)
 from .task_queue import (op_cancel_task, op_enqueue_milestone, op_enqueue_ready,
                          op_enqueue_task, op_merged_task_diff, op_retry_task, op_task_diff)
+from .race import op_enqueue_race
 from .mcp import serve_stdio
 from .cli import main
 
@@ -36,7 +37,7 @@ __all__ = [
     "SessionsConfig", "PipelinesConfig", "NotifyConfig", "GitConfig", "ParallelConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
-    # the operations and what they take and give (operations, work, task_queue)
+    # the operations and what they take and give (operations, work, task_queue, race)
     "Caller", "HUMAN", "Outcome",
     "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
     "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
@@ -45,7 +46,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
-    "op_enqueue_ready", "op_cancel_task", "op_retry_task",
+    "op_enqueue_ready", "op_enqueue_race", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
     # the MCP server over stdio (mcp)
     "serve_stdio",

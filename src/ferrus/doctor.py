@@ -19,10 +19,11 @@ from .task_machine import S, StateCorrupt, StateData
 from .gates import phase_words
 from .store import (CANCELLED_STATUS, CONTENT_FILES, DONE_STATUS, FAILED_STATUS,
                     FERRUS_DIR, JOURNAL_FILE, JOURNAL_GAP_EVENT, LOCK_FILE, MERGED_STATUS,
-                    PARALLEL_MIRROR_KEY, QUEUED_STATUS, RUNNING_STATUS, STATE_FILE, Store,
-                    TASKS_DIR, TASK_BRANCH_PREFIX, TASK_RECORD_FILE, TASK_RECORD_MAX_BYTES,
-                    UNCHANGED_STATUS, _lines_forward, journal_entry, load_task_record,
-                    read_task_record, task_record_path, task_record_problem)
+                    PARALLEL_MIRROR_KEY, PUBLISHED_STATUS, QUEUED_STATUS, RUNNING_STATUS,
+                    STATE_FILE, Store, TASKS_DIR, TASK_BRANCH_PREFIX, TASK_RECORD_FILE,
+                    TASK_RECORD_MAX_BYTES, UNCHANGED_STATUS, _lines_forward, journal_entry,
+                    load_task_record, read_task_record, task_record_path,
+                    task_record_problem)
 from .checks import (CHECK_PROCESS_DIR, end_orphaned_checks, missing_check_programs,
                      orphaned_check_records)
 from .git import GitUnavailable, _same_path, display_path, task_checkout
@@ -270,6 +271,7 @@ def _orphan_finding(store, task, row, status, folder):
     """A worktree or branch of a task that is merged, cancelled or unknown."""
     why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
            UNCHANGED_STATUS: "task %s was approved with no change" % task,
+           PUBLISHED_STATUS: "task %s was published as a branch of its remote" % task,
            CANCELLED_STATUS: "task %s was cancelled" % task}.get(
         status, "task %s is %s" % (task, status))
     what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]

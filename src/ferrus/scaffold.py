@@ -58,6 +58,11 @@ path = %s              # where `ferrus init` writes the skill files
 [git]
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
+# The team's remote in `ferrus run --parallel` (docs/REFERENCE.md, "The team's remote"):
+fetch = false          # true: tasks start from and merge onto the target's upstream
+push = ""              # e.g. "origin": push the target after each merge (never forced)
+publish = "target"     # "branch": push each task's branch instead, for a pull request
+pr = ""                # with publish = "branch": "gh", "glab" or "tea" opens the request
 
 [notify]
 # When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
@@ -76,6 +81,12 @@ worktree_dir = ""      # "" = <repository>.ferrus-worktrees beside the repositor
 delegates = []         # agents a supervisor's split-off tasks may go to ([] = [hq.executor]'s)
 setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
+copy = []              # e.g. [".env"]: untracked files copied into each worktree, never committed
+copy_mode = "copy"     # "link": a symbolic link to the checkout's file instead
+copy_to_places = false # copied files also go to a task at another place (ssh, container)
+port_base = 20000      # each task's ports: FERRUS_TASK_PORT, {port} in setup (0: none)
+ports_per_task = 10
+teardown = []          # e.g. ["docker compose down"]: run in a worktree before it is removed
 
 [hq.supervisor]
 agent = "claude-code"  # claude-code | codex | qwen-code | gemini-cli

@@ -23,6 +23,7 @@ from .store import (FERRUS_DIR, JOURNAL_ARCHIVE_FILE, JOURNAL_FILE, TASK_SCRATCH
 from .checks import run_checks
 from .git import TaskCheckout, set_task_ref, snapshot_worktree, task_diff, task_ref
 from .worktrees import changed_paths
+from .bootstrap import store_environment
 from .operations import (GUARDED_SHOWN, Outcome, _approval_file_if_any, _guard_lease,
                          _json_outcome, _nonblank, _outcome, guarded_paths, review_diff,
                          task_diff_exclusions, task_git_site)
@@ -231,7 +232,8 @@ def _run_gate(store, caller, action):
     if not config.checks.commands:
         return data, None, config
     run = run_checks(store.workdir, config.checks, store.path("logs"), data.check_retries + 1,
-                     config.limits.max_feedback_lines, caller.cancel, store.root)
+                     config.limits.max_feedback_lines, caller.cancel, store.root,
+                     env=store_environment(store))
     if run.cancelled:
         raise FerrusError("The check run was cancelled; the state is unchanged.")
     return data, run, config
