@@ -16323,8 +16323,9 @@ class RaceRunner:
 
 def race_summary(store, race, now=None):
     """One dict per attempt of ``race`` (in attempt order): task, attempt, agent, model,
-    status, lost_to, secs (from its start to its end, or now), tokens, cost_usd (None
-    when an agent did not report one) and sessions."""
+    status, lost_to, secs (from its start to its end, or now), tokens, cost_usd (summed
+    over the sessions that reported one; None when none did), cost_unknown (how many
+    did not) and sessions."""
     now = now or store.clock()
     sessions = read_session_records(store)
     attempts = []
@@ -16342,7 +16343,7 @@ def race_summary(store, race, now=None):
             "status": record.get("status"), "lost_to": record.get("lost_to"),
             "secs": round(secs, 1) if secs is not None else None,
             "tokens": used["input_tokens"] + used["output_tokens"],
-            "cost_usd": None if used["cost_unknown"] else used["cost_usd"],
+            "cost_usd": used["cost_usd"], "cost_unknown": used["cost_unknown"],
             "sessions": used["sessions"]})
     return sorted(attempts, key=lambda a: a["attempt"] or 0)
 
@@ -16358,9 +16359,7 @@ def describe_attempt(attempt):
     if attempt.get("secs") is not None:
         parts.append(format_duration(attempt["secs"]))
     if attempt.get("sessions"):
-        parts.append(format_cost({"cost_usd": attempt.get("cost_usd"),
-                                  "cost_unknown": 0 if attempt.get("cost_usd") is not None
-                                  else attempt["sessions"]}))
+        parts.append(format_cost(attempt))
     return ", ".join(parts)
 
 
