@@ -19790,7 +19790,7 @@ def _rebuild_task_record(store, task):
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
         salvaged = _salvaged_task_fields(store, task)
         record.update(salvaged)
-        if salvaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+        if salvaged.get("status") in SALVAGED_ENDS:
             pass                        # it had ended: nothing of it runs again
         elif record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
@@ -19802,11 +19802,16 @@ def _rebuild_task_record(store, task):
         _set_aside(path, pretty_json(record))
 
 
+# The ends a rebuilt task.json keeps from the damaged one.
+SALVAGED_ENDS = (MERGED_STATUS, DONE_STATUS, PUBLISHED_STATUS, CANCELLED_STATUS)
+
+
 def _salvaged_task_fields(store, task):
     """What a damaged task.json still says that a new record can keep, each field only
     when it is what ferrus writes: when it was queued, its origin (the milestone it
-    implements) and the agent it was given — and, when it had ended (merged, done or
-    cancelled), that end: so a merged or done task is never run again."""
+    implements), the agent and model it was given and the race it is an attempt of — and,
+    when it had ended (merged, done, published or cancelled), that end: so a merged or
+    done task is never run again."""
     try:
         with open(task_record_path(store.dir, task), "rb") as handle:
             damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
@@ -19814,9 +19819,10 @@ def _salvaged_task_fields(store, task):
         return {}
     if not isinstance(damaged, dict):
         return {}
-    keys = ["created_at", "origin", "agent"]
-    if damaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
-        keys += ["status", "ended_at", "merged_commit", "target", "store", "started_at"]
+    keys = ["created_at", "origin", "agent", "model", "race"]
+    if damaged.get("status") in SALVAGED_ENDS:
+        keys += ["status", "ended_at", "merged_commit", "published", "target", "store",
+                 "started_at"]
     kept = {}
     for key in keys:
         if key in damaged and not task_record_problem(
