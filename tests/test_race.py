@@ -4,6 +4,7 @@ the merge gate is merged, the others are cancelled with their work saved — wit
 git and the scripted agent registered under several names."""
 
 import json
+import os
 import shutil
 import sys
 
@@ -11,9 +12,11 @@ import pytest
 
 import ferrus
 from conftest import SCRIPTED_AGENT, run_cli
-from test_parallel import committed, git, repo, run, setup, statuses  # noqa: F401
+from test_parallel import git, repo, run, setup, statuses  # noqa: F401
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
+              pytest.mark.skipif(os.name == "nt",
+                                 reason="POSIX shell scripts as the racers' commands")]
 
 
 def racer(name):

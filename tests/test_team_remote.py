@@ -12,7 +12,9 @@ import pytest
 import ferrus
 from test_parallel import committed, enqueue, git, repo, run, setup, statuses  # noqa: F401
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
+              pytest.mark.skipif(os.name == "nt",
+                                 reason="POSIX shell scripts as the remote's hook and the forge's CLI")]
 
 
 def with_origin(repo, tmp_path):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import ferrus
-from test_parallel import committed, enqueue, git, parallel_config, repo, run, setup  # noqa: F401
+from test_parallel import committed, enqueue, git, repo, run, setup  # noqa: F401
 from test_parallel_doctor import start_task
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
