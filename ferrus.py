@@ -16146,6 +16146,11 @@ def parse_race(spec, config, agent=None):
         if not 2 <= count <= RACE_ATTEMPTS_MAX:
             raise FerrusError("--race %s: a race has from 2 to %d attempts" % (
                 spec, RACE_ATTEMPTS_MAX), "ferrus task add TEXT --race 3")
+        if agent is not None:
+            agent = agent if agent in known else canonical_agent(agent)
+            if agent not in known:
+                raise FerrusError("--agent %s is not an agent ferrus knows" % agent,
+                                  "use %s (`ferrus agents` lists them)" % ", ".join(known))
         return [(agent, "")] * count
     if agent is not None:
         raise FerrusError("--agent goes with --race N; a list of agents names each "

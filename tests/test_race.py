@@ -118,6 +118,9 @@ def test_race_specs_name_known_agents_only(repo):
     config = store.config()
     assert ferrus.parse_race("3", config) == [(None, "")] * 3
     assert ferrus.parse_race("3", config, "one") == [("one", "")] * 3
+    with pytest.raises(ferrus.FerrusError) as err:
+        ferrus.parse_race("3", config, "nosuch")
+    assert "--agent nosuch is not an agent ferrus knows" in err.value.message
     assert ferrus.parse_race("one, claude:opus", config) == [("one", ""),
                                                             ("claude-code", "opus")]
     for spec, said in (("1", "from 2 to 64 attempts"), ("65", "from 2 to 64 attempts"),
