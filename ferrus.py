@@ -1636,7 +1636,9 @@ class ParallelConfig:
     # and never become part of the task's work.
     copy: list = dataclasses.field(default_factory=list)
     copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
-    copy_to_places: bool = False   # whether copied files also go to a task at a place
+    # Whether copied files also go to a task run at another place than this machine
+    # (validated now; every task runs in a local worktree today).
+    copy_to_places: bool = False
     # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
     # (the merge gate has the block at port_base; 0: no ports).
     port_base: int = 20000
@@ -8871,11 +8873,12 @@ def check_base(store, commit, checkout=None, setup=(), cancel=None, port=None):
 
     ``checkout`` is where the base is checked out as it is (the project's own checkout
     for a single task); None makes a clean one: a temporary detached worktree of
-    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
-    [parallel] setup commands) runs first and [parallel] teardown last, with the merge
-    gate's ports (``port``: {port} and FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green
-    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
-    with uncommitted changes) is checked every time."""
+    ``commit`` beside the repository (default_worktree_dir), holding what [parallel]
+    copy brings, where ``setup`` (the [parallel] setup commands) runs first and
+    [parallel] teardown last, with the merge gate's ports (``port``: {port} and
+    FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green verdict is kept
+    for it and these commands and reused; ``commit`` None (a checkout with uncommitted
+    changes) is checked every time."""
     config = store.config()
     commands = list(config.checks.commands)
     found = cached_base_check(store, commit, commands, setup)
@@ -19245,7 +19248,7 @@ setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merg
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 copy = []              # e.g. [".env"]: untracked files copied into each worktree, never committed
 copy_mode = "copy"     # "link": a symbolic link to the checkout's file instead
-copy_to_places = false # copied files also go to a task at another place (ssh, container)
+copy_to_places = false # also to a task run at another place (none yet: every task runs here)
 port_base = 20000      # each task's ports: FERRUS_TASK_PORT, {port} in setup (0: none)
 ports_per_task = 10
 teardown = []          # e.g. ["docker compose down"]: run in a worktree before it is removed

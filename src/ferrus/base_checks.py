@@ -96,11 +96,12 @@ def check_base(store, commit, checkout=None, setup=(), cancel=None, port=None):
 
     ``checkout`` is where the base is checked out as it is (the project's own checkout
     for a single task); None makes a clean one: a temporary detached worktree of
-    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
-    [parallel] setup commands) runs first and [parallel] teardown last, with the merge
-    gate's ports (``port``: {port} and FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green
-    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
-    with uncommitted changes) is checked every time."""
+    ``commit`` beside the repository (default_worktree_dir), holding what [parallel]
+    copy brings, where ``setup`` (the [parallel] setup commands) runs first and
+    [parallel] teardown last, with the merge gate's ports (``port``: {port} and
+    FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green verdict is kept
+    for it and these commands and reused; ``commit`` None (a checkout with uncommitted
+    changes) is checked every time."""
     config = store.config()
     commands = list(config.checks.commands)
     found = cached_base_check(store, commit, commands, setup)

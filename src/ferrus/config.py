@@ -231,7 +231,9 @@ class ParallelConfig:
     # and never become part of the task's work.
     copy: list = dataclasses.field(default_factory=list)
     copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
-    copy_to_places: bool = False   # whether copied files also go to a task at a place
+    # Whether copied files also go to a task run at another place than this machine
+    # (validated now; every task runs in a local worktree today).
+    copy_to_places: bool = False
     # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
     # (the merge gate has the block at port_base; 0: no ports).
     port_base: int = 20000
