@@ -38,6 +38,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     git.py ............... a task's base and diff, its pinned worktree, submissions, [git] commit
     worktrees.py ......... task worktrees, the gate's clean checkout, candidates, fast-forward
     sandbox.py ........... a task's agents and checks write only its worktree, temp and CLI state
+    bootstrap.py ......... the checkout's local files, a port block per task, teardown
     specs.py ............. milestones — parsing, selection, dependencies, completion
     operations.py ........ create, diff, review, approve, confirm, consult, specs
     work.py .............. waits, check and submit, questions, status, reset
@@ -46,6 +47,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     graph_extract.py ..... what a file defines, imports and calls
     graph.py ............. definitions, imports and calls, its cache and its queries
     memory.py ............ records of ended tasks and specs, their search, `spec archive`
+    remote.py ............ the target's upstream fetched, merges pushed, pull requests
     jsonrpc.py ........... a generic 2.0 server on stdio for every MCP era
     mcp.py ............... ferrus's tools, resources and prompts per role, and the server
     agents.py ............ launching ferrus elsewhere, agent events, tool names, usage
@@ -67,6 +69,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     controller.py ........ agent slots, capacity, reactions to the journal
     place_tasks.py ....... a parallel task worked elsewhere, mirrored into this project
     merge_queue.py ....... approved tasks built, checked and merged one by one
+    race.py .............. one task tried by several attempts at once; the first merged one wins
     parallel.py .......... the queue worked in worktrees through the phase machine
     task_cancel.py ....... Cancelling a queue task from a front end: the question first, then the cancel
     run.py ............... one task, the queue, milestones, or the queue in parallel
@@ -150,6 +153,7 @@ import errno
 import fnmatch
 import functools
 import getpass
+import glob
 import hashlib
 import http.client
 import ipaddress
@@ -1663,6 +1667,10 @@ class PipelinesConfig:
 
 # [git] commit: when ferrus commits a task's changes.
 GIT_COMMIT_POLICIES = ("off", "on_approve")
+# [git] publish: what a parallel run pushes after the merge gate passed a task.
+GIT_PUBLISH_MODES = ("target", "branch")
+# [git] pr: the CLIs that open a pull (or merge) request for a published branch.
+PULL_REQUEST_CLIS = ("gh", "glab", "tea")
 # The one placeholder a [git] branch template may hold (each task gets its own branch).
 GIT_BRANCH_PLACEHOLDER = "{task_id}"
 
@@ -1673,6 +1681,14 @@ class GitConfig:
 
     branch: str = ""               # e.g. "ferrus/{task_id}"; "" = no branch per task
     commit: str = "off"            # off | on_approve
+    # The team's remote in a parallel run (remote.py): fetch the target's upstream
+    # before a task is prepared and before each integration; push to this remote after
+    # a merge ("" = never); push the target, or the task's branch (with a pull request
+    # opened through ``pr``).
+    fetch: bool = False
+    push: str = ""
+    publish: str = "target"        # target | branch
+    pr: str = ""                   # "" | gh | glab | tea
 
     def branch_for(self, task_id):
         """The branch a task gets, or None when [git] branch is off."""
@@ -1731,9 +1747,26 @@ class ParallelConfig:
     guarded: list = dataclasses.field(default_factory=list)
     # Where tasks run, filled in this order: "here" (this machine) and [places.NAME] names.
     places: list = dataclasses.field(default_factory=lambda: ["here"])
+    # Worktree bootstrap (bootstrap.py): untracked files of the checkout matching these
+    # glob patterns (a .env, local settings) are copied (or linked) into each new worktree
+    # and never become part of the task's work.
+    copy: list = dataclasses.field(default_factory=list)
+    copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
+    # Whether copied files also go to a task run at another place than this machine
+    # (validated now; every task runs in a local worktree today).
+    copy_to_places: bool = False
+    # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
+    # (the merge gate has the block at port_base; 0: no ports).
+    port_base: int = 20000
+    ports_per_task: int = 10
+    # Shell commands run in a task's worktree before it is removed (stop a dev server).
+    teardown: list = dataclasses.field(default_factory=list)
 
 
 HISTORY_MODES = ("squash", "linear")
+COPY_MODES = ("copy", "link")
+# What [parallel] setup and teardown commands may hold in place of the task's first port.
+PORT_PLACEHOLDER = "{port}"
 
 
 def _check_parallel(path, parallel):
@@ -1743,6 +1776,41 @@ def _check_parallel(path, parallel):
     if parallel.history not in HISTORY_MODES:
         raise _config_error(path, "parallel.history", 'must be "squash" or "linear"',
                             parallel.history)
+    if parallel.copy_mode not in COPY_MODES:
+        raise _config_error(path, "parallel.copy_mode", 'must be "copy" or "link"',
+                            parallel.copy_mode)
+    for pattern in parallel.copy:
+        problem = copy_pattern_problem(pattern)
+        if problem:
+            raise _config_error(path, "parallel.copy", "must hold glob patterns relative to "
+                                "the project folder: %s" % problem, pattern)
+    if parallel.port_base and parallel.port_base < 1024:
+        raise _config_error(path, "parallel.port_base", "must be 0 (no ports) or from 1024 "
+                            "(ports below need root)", parallel.port_base)
+    last = parallel.port_base + parallel.ports_per_task * 65 - 1    # the gate's and 64 tasks'
+    if parallel.port_base and last > 65535:
+        raise _config_error(path, "parallel.port_base", "leaves no room for 64 tasks' ports "
+                            "of %d each below 65536 (the last would be %d)"
+                            % (parallel.ports_per_task, last), parallel.port_base)
+    uses_port = [c for c in parallel.setup + parallel.teardown if PORT_PLACEHOLDER in c]
+    if uses_port and not parallel.port_base:
+        raise _config_error(path, "parallel.port_base", "must be set: a setup or teardown "
+                            "command uses {port} (`%s`)" % uses_port[0], parallel.port_base)
+
+
+def copy_pattern_problem(pattern):
+    """Why ``pattern`` cannot be a [parallel] copy pattern, or None."""
+    parts = pattern.replace("\\", "/").split("/")
+    if not pattern.strip():
+        return "an empty pattern"
+    if os.path.isabs(pattern) or pattern.startswith(("/", "\\")) or (
+            len(parts[0]) == 2 and parts[0][1] == ":"):
+        return "it is an absolute path"
+    if ".." in parts:
+        return "it leaves the project folder (..)"
+    if parts[0] in (".git", ".ferrus"):
+        return "git's and ferrus's own folders are never copied"
+    return None
 
 
 # -- [sandbox]: what confinement a task asks for -----------------------------------------
@@ -1988,6 +2056,8 @@ _INT_LIMITS = {
     ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
     ("parallel", "max_tasks"): (1, 64),
+    ("parallel", "port_base"): (0, 65535),
+    ("parallel", "ports_per_task"): (1, 1000),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
     ("sessions", "max_consecutive_errors"): (1, 1_000_000),
@@ -2300,7 +2370,7 @@ def _parse_git_table(path, git, target, unknown, found):
         found.append(_config_error(path, "git", "must be a table", git))
         return
     for key, value in git.items():
-        if key not in ("branch", "commit"):
+        if key not in ("branch", "commit") + GIT_REMOTE_KEYS:
             unknown.append("git.%s" % key)
     branch = git.get("branch", "")
     if not isinstance(branch, str):
@@ -2328,6 +2398,45 @@ def _parse_git_table(path, git, target, unknown, found):
             json.dumps(p) for p in GIT_COMMIT_POLICIES), commit))
     else:
         target.commit = commit
+    _parse_git_remote_keys(path, git, target, found)
+
+
+GIT_REMOTE_KEYS = ("fetch", "push", "publish", "pr")
+
+
+def _parse_git_remote_keys(path, git, target, found):
+    """``[git]`` fetch, push, publish and pr: the team's remote in a parallel run."""
+    fetch = git.get("fetch", False)
+    if not isinstance(fetch, bool):
+        found.append(_config_error(path, "git.fetch", "must be true or false", fetch))
+    else:
+        target.fetch = fetch
+    push = git.get("push", "")
+    if not isinstance(push, str) or push.startswith("-") or any(
+            ch.isspace() or ord(ch) < 32 for ch in push):
+        found.append(_config_error(path, "git.push", "must be the name of a git remote "
+                                   "(such as \"origin\"), or \"\" never to push", push))
+        push = ""
+    else:
+        target.push = push
+    publish = git.get("publish", "target")
+    if publish not in GIT_PUBLISH_MODES:
+        found.append(_config_error(path, "git.publish", "must be \"target\" or \"branch\"",
+                                   publish))
+    elif publish == "branch" and not push:
+        found.append(_config_error(path, "git.publish", "= \"branch\" needs [git] push, "
+                                   "the remote the task's branch is pushed to", publish))
+    else:
+        target.publish = publish
+    pr = git.get("pr", "")
+    if pr not in PULL_REQUEST_CLIS + ("",):
+        found.append(_config_error(path, "git.pr", "must be one of %s (or \"\")" % ", ".join(
+            json.dumps(cli) for cli in PULL_REQUEST_CLIS), pr))
+    elif pr and target.publish != "branch":
+        found.append(_config_error(path, "git.pr", "needs publish = \"branch\": a pull request "
+                                   "is opened for the task's pushed branch", pr))
+    else:
+        target.pr = pr
 
 
 def load_config(root):
@@ -3501,10 +3610,13 @@ QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCEL
     "queued", "running", "merged", "done", "failed", "cancelled")
 # Approved, but its work changed nothing: there was nothing to merge (or commit).
 UNCHANGED_STATUS = "unchanged"
+# Approved and through the merge gate, its branch pushed for the team's pull request
+# ([git] publish = "branch"): the target itself was not moved.
+PUBLISHED_STATUS = "published"
 TASK_STATUSES = (QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS,
-                 FAILED_STATUS, CANCELLED_STATUS)
+                 PUBLISHED_STATUS, FAILED_STATUS, CANCELLED_STATUS)
 # Statuses of an approved task.
-APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS)
+APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS)
 # Statuses of a task that no orchestrator will take up again.
 ENDED_STATUSES = APPROVED_STATUSES + (FAILED_STATUS, CANCELLED_STATUS)
 # The order statuses are counted and listed in.
@@ -3666,6 +3778,37 @@ def task_record_problem(task, record):
             record.get("worktree") and record.get("branch")):
         return "it is running in a worktree but names no %s" % (
             "worktree" if not record.get("worktree") else "branch")
+    return _workflow_record_problem(record)
+
+
+def _workflow_record_problem(record):
+    """What is wrong with the bootstrap, remote and race fields of a task.json (see
+    bootstrap.py, remote.py, race.py), or None."""
+    copied = record.get("copied")
+    if copied is not None and not (isinstance(copied, list) and all(
+            isinstance(path, str) and path for path in copied)):
+        return "copied is %s, not a list of paths" % _shown(copied)
+    port = record.get("port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or
+                             not 0 < port < 65536):
+        return "port is %s, not a port number" % _shown(port)
+    for key, kinds in (("race", {"id": str, "attempt": int, "of": int}),
+                       ("push", {"remote": str, "status": str, "reason": str}),
+                       ("published", {"remote": str, "branch": str, "commit": str,
+                                      "pull_request": str})):
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return "%s is %s, not an object" % (key, _shown(value))
+        for name, kind in kinds.items():
+            item = value.get(name)
+            if item is not None and (not isinstance(item, kind) or isinstance(item, bool)):
+                return "%s.%s is %s, not %s" % (key, name, _shown(item),
+                                                "text" if kind is str else "a number")
+    for key in ("model", "lost_to"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return "%s is %s, not text" % (key, _shown(record[key]))
     return None
 
 
@@ -4474,9 +4617,11 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None):
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None,
+                     env=None):
     """Run one check command to completion, timeout or ``stop``; fill ``result``.
-    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py)."""
+    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py); ``env`` adds
+    variables to the command's environment."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
@@ -4492,7 +4637,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
             argv = shell_argv(result.command)
             proc = subprocess.Popen(wrap(argv) if wrap else argv, cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, env=record.environment(),
+                                    stderr=subprocess.STDOUT, env=record.environment(env),
                                     **process_group_kwargs())
         except (OSError, FerrusError) as err:
             # FerrusError: the sandbox the command must run in cannot be made here.
@@ -4791,9 +4936,11 @@ class CheckProcessRecord:
         except OSError as err:
             log.warning("cannot record check processes in %s: %s", self.path, err)
 
-    def environment(self):
-        """The command's environment; also opens the pid window, just before the spawn."""
+    def environment(self, extra=None):
+        """The command's environment (with ``extra`` added); also opens the pid window,
+        just before the spawn."""
         env = dict(os.environ)
+        env.update(extra or {})
         env[CHECK_MARKER_ENV] = self.marker
         self.window = PidWindow()
         return env
@@ -4929,14 +5076,15 @@ class _StopFlag:
 
 
 def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None,
-               wrap=None):
+               wrap=None, env=None):
     """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
     file names them all, by paths relative to ``project`` (default ``root``: a parallel
     task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
     threading.Event) stops the run and kills the process groups.  ``wrap(argv)``
-    confines each command (the task's sandbox)."""
+    confines each command (the task's sandbox); ``env`` adds variables to each command's
+    environment (a parallel task's FERRUS_TASK_PORT)."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -4951,7 +5099,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
     def run(result):
         _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
-                         checks.max_log_bytes, wrap=wrap)
+                         checks.max_log_bytes, wrap=wrap, env=env)
         if checks.fail_fast and not result.passed:
             stop.set()
 
@@ -7506,6 +7654,222 @@ def check_wrapper(store):
 
 
 # ============================================================================
+# src/ferrus/bootstrap.py (from its line 30)
+# ============================================================================
+# Worktree bootstrap: the checkout's local files, a port block per task, teardown.
+#
+# A new worktree holds only what git tracks: [parallel] copy brings the checkout's
+# untracked local files (a .env) into it and keeps them out of the task's commits; each
+# task gets a block of ports (FERRUS_TASK_PORT) for its agents, checks, setup and
+# teardown; [parallel] teardown runs before its worktree is removed.
+
+TASK_PORT_ENV = "FERRUS_TASK_PORT"
+NEVER_COPIED = (".git", FERRUS_DIR)
+
+
+def copy_sources(root, patterns, skip=()):
+    """The project-relative paths ("/"-separated, sorted) of what [parallel] copy brings
+    from the checkout at ``root``: each file or folder matching one of ``patterns``
+    (glob patterns; ``**`` spans folders; ``*`` does not match a leading dot) that git
+    does not track — a matched folder holding tracked files is gone through child by
+    child.  Never .git or .ferrus, nor anything inside one of the folders ``skip`` (the
+    worktrees' own folder)."""
+    matched = set()
+    for pattern in patterns:
+        for path in glob.glob(os.path.join(glob.escape(root), pattern), recursive=True):
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if rel in (".", "") or rel.startswith("../") or \
+                    set(rel.split("/")) & set(NEVER_COPIED) or \
+                    any(_resolves_inside(path, folder) for folder in skip):
+                continue
+            matched.add(rel)
+    # What lies inside another match comes with it.
+    matched = {rel for rel in matched if not any(
+        rel.startswith(other + "/") for other in matched if other != rel)}
+    if not matched:
+        return []
+    out = run_git(root, ["ls-files", "-z", "--cached", "--"] +
+                  [":(literal)" + rel for rel in sorted(matched)], ok=(0, 1))
+    tracked = {os.fsdecode(name) for name in out.split(b"\0") if name}
+    found = []
+    for rel in sorted(matched):
+        found.extend(_untracked_parts(root, rel, tracked))
+    return sorted(found)
+
+
+def _resolves_inside(path, folder):
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
+    return rel == os.curdir or not rel.startswith(os.pardir)
+
+
+def _untracked_parts(root, rel, tracked):
+    """``rel`` when git tracks nothing at or below it, else its untracked parts."""
+    if rel in tracked:
+        return []
+    prefix = rel + "/"
+    if not any(path.startswith(prefix) for path in tracked):
+        return [rel]
+    full = os.path.join(root, *rel.split("/"))
+    if os.path.islink(full) or not os.path.isdir(full):
+        return []
+    parts = []
+    for name in sorted(os.listdir(full)):
+        if name not in NEVER_COPIED:
+            parts.extend(_untracked_parts(root, prefix + name, tracked))
+    return parts
+
+
+def copy_into_worktree(root, workdir, paths, mode="copy"):
+    """Copy (``mode`` "copy") or symbolically link ("link") each of ``paths`` (from
+    copy_sources) from the checkout at ``root`` into the task's project folder
+    ``workdir``, replacing what an earlier try left there.  Raises FerrusError naming
+    the path and the reason when one cannot be."""
+    for rel in paths:
+        source = os.path.join(root, *rel.split("/"))
+        target = os.path.join(workdir, *rel.split("/"))
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if mode == "link":
+                if os.path.islink(target) and os.readlink(target) == source:
+                    continue
+                _remove(target)
+                os.symlink(source, target, target_is_directory=os.path.isdir(source))
+            else:
+                # Removed first: a link an earlier try left would be written through.
+                _remove(target)
+                if os.path.isdir(source) and not os.path.islink(source):
+                    shutil.copytree(source, target, symlinks=True)
+                else:
+                    shutil.copy2(source, target)
+        except OSError as err:
+            raise FerrusError(
+                "[parallel] copy could not %s %s into the worktree: %s" % (
+                    "link" if mode == "link" else "copy", rel, err.strerror or err),
+                "set copy_mode = \"copy\" where links cannot be made (Windows without "
+                "developer mode), or take the pattern out of [parallel] copy" if
+                mode == "link" else "check the file's permissions, or take the pattern "
+                "out of [parallel] copy") from err
+
+
+def copy_local_files(store, folder, worktree_dir):
+    """[parallel] copy into ``folder`` (a task's project folder, or the merge gate's
+    clean checkout: the checks need what the tasks had); the paths copied."""
+    parallel = store.config().parallel
+    if not parallel.copy:
+        return []
+    paths = copy_sources(store.root, parallel.copy, skip=[worktree_dir])
+    copy_into_worktree(store.root, folder, paths, parallel.copy_mode)
+    return paths
+
+
+def _remove(path):
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def copied_paths(record):
+    """The paths [parallel] copy put in a task's worktree, from its task.json."""
+    copied = record.get("copied")
+    return [path for path in copied if isinstance(path, str) and path] \
+        if isinstance(copied, list) else []
+
+
+# -- ports: a block per task, one for the merge gate ----------------------------------------
+#
+# Block 0 (from [parallel] port_base) is the merge gate's: its setup, checks and teardown,
+# and the checks tried on the base.  Each running task holds one of the blocks after it
+# (its record's "port"), so two tasks' dev servers or test databases never collide.  A
+# task keeps its block while it runs; an ended task's block is free again.
+
+TASK_PORT_BLOCKS = 64
+
+
+def choose_task_port(records, task, parallel):
+    """The first port of the block task ``task`` gets, given ``records`` ([(task id,
+    task.json)] of the queue): the block its record names when no other running task
+    holds it, else the lowest free one; None when ports are off (port_base = 0).  Raises
+    FerrusError when every block is held."""
+    if not parallel.port_base:
+        return None
+    held = {record.get("port") for other, record in records
+            if other != task and record.get("status") == RUNNING_STATUS}
+    blocks = [parallel.port_base + index * parallel.ports_per_task
+              for index in range(1, TASK_PORT_BLOCKS + 1)]
+    own = dict(records).get(task, {}).get("port")
+    if own in blocks and own not in held:
+        return own
+    for port in blocks:
+        if port not in held:
+            return port
+    raise FerrusError("every one of the %d port blocks is held by a running task"
+                      % TASK_PORT_BLOCKS, "let a task end first, or lower --parallel")
+
+
+def gate_port(parallel):
+    """The merge gate's first port (block 0), or None when ports are off."""
+    return parallel.port_base or None
+
+
+def port_environment(port):
+    """The variables a task's (or the gate's) agents and commands get for ``port``."""
+    return {TASK_PORT_ENV: str(port)} if port else {}
+
+
+def task_environment(record):
+    """port_environment of the block task.json ``record`` holds ({} when none)."""
+    port = record.get("port")
+    return port_environment(port if isinstance(port, int) and not isinstance(port, bool)
+                            else None)
+
+
+def store_environment(store):
+    """task_environment of ``store``'s parallel task ({} for the checkout's own task)."""
+    return task_environment(read_task_record(store.dir, store.task)) if store.task else {}
+
+
+def with_port(commands, port):
+    """``commands`` with {port} replaced by ``port`` (left as they are without one)."""
+    return [command.replace(PORT_PLACEHOLDER, str(port)) if port else command
+            for command in commands]
+
+
+# -- teardown: what setup started, stopped before a worktree goes ---------------------------
+
+def run_teardown(store, folder, port, where):
+    """[parallel] teardown in ``folder`` (a task's project folder, or the merge gate's),
+    with ``port``'s block in its environment and {port} replaced: every command runs,
+    whatever the one before did.  Returns "" when all passed (or there are none), else
+    what failed, for a warning (a failed teardown never keeps a worktree)."""
+    config = store.config()
+    commands = with_port(config.parallel.teardown, port)
+    if not commands or not os.path.isdir(folder):
+        return ""
+    steps = dataclasses.replace(config.checks, commands=commands, parallel=False,
+                                fail_fast=False)
+    run = run_checks(folder, steps, store.path("logs"), 0, config.limits.max_feedback_lines,
+                     None, store.root, env=port_environment(port))
+    return "; ".join("[parallel] teardown `%s` failed in %s%s, log %s" % (
+        failed.command, where, _status_note(failed), failed.log_path)
+        for failed in run.failed)
+
+
+def tear_down_task(store, record):
+    """run_teardown in the project folder of the task whose task.json is ``record``,
+    before its worktree is removed: "" or a warning's text (also when ferrus.toml does
+    not load: the worktree goes either way)."""
+    folder = record.get("workdir") or record.get("worktree")
+    if record.get("store") == "project" or not isinstance(folder, str):
+        return ""
+    port = record.get("port") if isinstance(record.get("port"), int) else None
+    try:
+        return run_teardown(store, folder, port, "its worktree %s" % folder)
+    except FerrusError as err:
+        return "[parallel] teardown did not run in %s: %s" % (folder, err.message)
+
+
+# ============================================================================
 # src/ferrus/specs.py (from its line 12)
 # ============================================================================
 # Specs: milestones — parsing, selection, dependencies, completion.
@@ -7751,7 +8115,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 
 
 # ============================================================================
-# src/ferrus/operations.py (from its line 32)
+# src/ferrus/operations.py (from its line 33)
 # ============================================================================
 # Operations: create, diff, review, approve, confirm, consult, specs.
 #
@@ -7937,7 +8301,12 @@ def task_diff_exclusions(store):
         agents_path = store.config().agents.path
     except FerrusError:
         agents_path = AgentsConfig.path
-    return diff_exclusions(agents_path)
+    exclude = diff_exclusions(agents_path)
+    if store.task is not None:
+        # What [parallel] copy brought from the checkout is never the task's work.
+        exclude += [path for path in copied_paths(read_task_record(store.dir, store.task))
+                    if path not in exclude]
+    return exclude
 
 
 def task_git_site(store):
@@ -8703,7 +9072,7 @@ class Tool:
 
 
 # ============================================================================
-# src/ferrus/work.py (from its line 34)
+# src/ferrus/work.py (from its line 35)
 # ============================================================================
 # Operations on the work: waits, check and submit, questions, status, reset.
 #
@@ -8915,7 +9284,7 @@ def _run_gate(store, caller, action):
     # A sandboxed task's checks run confined as its agents do (they run its code).
     run = run_checks(store.workdir, config.checks, store.path("logs"), data.check_retries + 1,
                      config.limits.max_feedback_lines, caller.cancel, store.root,
-                     wrap=check_wrapper(store))
+                     wrap=check_wrapper(store), env=store_environment(store))
     if run.cancelled:
         raise FerrusError("The check run was cancelled; the state is unchanged.")
     return data, run, config
@@ -9347,7 +9716,7 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
 
 
 # ============================================================================
-# src/ferrus/base_checks.py (from its line 26)
+# src/ferrus/base_checks.py (from its line 27)
 # ============================================================================
 # The gate tried on the base, before any agent starts.
 #
@@ -9421,23 +9790,27 @@ def _keep_base_check(store, result, commands, setup):
             {"checks": (entries + [entry])[-BASE_CHECKS_KEPT:]}))
 
 
-def check_base(store, commit, checkout=None, setup=(), cancel=None):
+def check_base(store, commit, checkout=None, setup=(), cancel=None, port=None):
     """Run the check gate on a task's base before any agent starts; a BaseCheck.
 
     ``checkout`` is where the base is checked out as it is (the project's own checkout
     for a single task); None makes a clean one: a temporary detached worktree of
-    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
-    [parallel] setup commands) runs first, removed afterwards.  With a ``commit`` a green
-    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
-    with uncommitted changes) is checked every time."""
+    ``commit`` beside the repository (default_worktree_dir), holding what [parallel]
+    copy brings, where ``setup`` (the [parallel] setup commands) runs first and
+    [parallel] teardown last, with the merge gate's ports (``port``: {port} and
+    FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green verdict is kept
+    for it and these commands and reused; ``commit`` None (a checkout with uncommitted
+    changes) is checked every time."""
     config = store.config()
     commands = list(config.checks.commands)
     found = cached_base_check(store, commit, commands, setup)
     if found is not None:
         return found
     if checkout is None:
-        result = _run_base_checks(store, _clean_checkout(store, commit), commit, setup,
-                                  cancel)
+        folder = _clean_checkout(store, commit)
+        copy_local_files(store, folder, default_worktree_dir(
+            store.root, store.config().parallel.worktree_dir))
+        result = _run_base_checks(store, folder, commit, setup, cancel, port)
     else:
         result = _run_base_checks(store, checkout, commit, (), cancel)
     # Only a green verdict is kept: a red one is tried again, as what fixes it (a tool
@@ -9448,21 +9821,27 @@ def check_base(store, commit, checkout=None, setup=(), cancel=None):
     return result
 
 
-def _run_base_checks(store, checkout, commit, setup, cancel):
+def _run_base_checks(store, checkout, commit, setup, cancel, port=None):
     config = store.config()
     keep = config.limits.max_feedback_lines
     failed, log_path = [], ""
+    env = port_environment(port)
     if setup:
-        steps = dataclasses.replace(config.checks, commands=list(setup), parallel=False,
-                                    fail_fast=True)
-        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root)
+        steps = dataclasses.replace(config.checks, commands=with_port(setup, port),
+                                    parallel=False, fail_fast=True)
+        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root,
+                         env=env)
         failed = [dict(failed_check_facts(r), setup=True) for r in run.failed]
         log_path = run.log_path
     if not failed:
         run = run_checks(checkout, config.checks, store.path("logs"), 0, keep, cancel,
-                         store.root)
+                         store.root, env=env)
         failed = [failed_check_facts(r) for r in run.failed]
         log_path = run.log_path
+    if setup:
+        torn = run_teardown(store, checkout, port, "the merge gate's checkout")
+        if torn:
+            log.warning("%s", torn)
     return BaseCheck(not failed, commit, failed, log_path,
                      format_timestamp(store.clock()))
 
@@ -9521,7 +9900,7 @@ def red_base_note(result, where):
 
 
 # ============================================================================
-# src/ferrus/task_queue.py (from its line 31)
+# src/ferrus/task_queue.py (from its line 33)
 # ============================================================================
 # The task queue: add, cancel, retry, task records and rows.
 #
@@ -9722,7 +10101,8 @@ def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192
     was merged onto (the commit's parent when that is not recorded) — `git show` of the
     task's one commit.  Its worktree and branch are gone; the commit stays."""
     record = read_task_record(store.dir, task)
-    commit = record.get("merged_commit") or ""
+    published = record.get("published") or {}
+    commit = record.get("merged_commit") or published.get("commit") or ""
     base = (record.get("integration") or {}).get("target_head") or commit + "^"
     args = ["diff", "--find-renames", "--stat" if stat_only else "--patch-with-stat", base,
             commit, "--"] + list(paths or [])
@@ -9731,8 +10111,10 @@ def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192
     if tail:
         text += "\n[… %d bytes not shown …]\n%s" % (total - len(head) - len(tail),
                                                     os.fsdecode(bytes(tail)))
-    title = "Task %s merged into %s at %s (%s..%s)" % (
-        short_task_id(task), record.get("target") or "its target", commit[:12], base[:12],
+    title = "Task %s %s at %s (%s..%s)" % (
+        short_task_id(task), "merged into %s" % (record.get("target") or "its target")
+        if not published else "published as %s's branch %s" % (
+            published.get("remote"), published.get("branch")), commit[:12], base[:12],
         commit[:12])
     return _outcome("%s\n\n%s" % (title, text.rstrip("\n")), None, available=True,
                     task_id=task, merged_commit=commit, base=base, target=record.get("target"),
@@ -9743,7 +10125,9 @@ def op_task_diff(store, task=None, stat_only=False, paths=None):
     """`ferrus diff` and HQ's /diff: the checkout's task (``task`` None), a queue task's
     work in its worktree, or a merged task's merged commit (op_merged_task_diff)."""
     record = read_task_record(store.dir, task) if task is not None else {}
-    if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
+    if (record.get("status") == MERGED_STATUS and record.get("merged_commit")) or (
+            record.get("status") == PUBLISHED_STATUS and (record.get("published") or {})
+            .get("commit")):
         return op_merged_task_diff(store, task, stat_only, paths)
     if task is not None:
         store = diff_store_of(store, task)
@@ -9908,6 +10292,8 @@ def _refuse_ended(task, record):
         raise FerrusError("task %s is already %s" % (task, status_word(record["status"])),
                           "its work is in the checkout; nothing to cancel"
                           if record["status"] == DONE_STATUS else
+                          "its branch was pushed for a pull request; close that to drop it"
+                          if record["status"] == PUBLISHED_STATUS else
                           "it was approved and changed nothing; nothing to cancel")
 
 
@@ -10001,6 +10387,14 @@ def op_retry_task(store, caller, task):
     if status not in (FAILED_STATUS, CANCELLED_STATUS):
         raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
                           % (task, status), "`ferrus tasks` lists the tasks and their states")
+    if record.get("lost_to"):
+        # Its race was won: a second attempt merged would be the same task twice.
+        saved = (record.get("saved") or {}).get("ref")
+        raise FerrusError("task %s lost its race: attempt %s was merged first" % (
+            task, short_task_id(record["lost_to"])),
+            "%s`ferrus task add` queues a new task to build on what was merged" % (
+                "its work is saved (`git branch NAME %s` makes a branch of it); " % saved
+                if saved else ""))
     worktree = record.get("worktree")
     kept = bool(worktree) and os.path.isdir(worktree)
 
@@ -10102,6 +10496,8 @@ def _remove_task_leftovers(store, record):
                         worktree, err.message)), {}
     with contextlib.suppress(FerrusError, OSError):
         remove_review_checkout(store.root, worktree)
+    torn = tear_down_task(store, record)
+    torn = " Warning: %s." % torn if torn else ""
     try:
         head = target_head(store.root, branch)
         done = remove_task_worktree(store.root, worktree, branch)
@@ -10121,7 +10517,8 @@ def _remove_task_leftovers(store, record):
         removed["branch"] = branch
     if record.get("discard"):
         saved_text = " Its work was dropped (--discard): nothing of it was kept."
-    return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
+    return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "") + torn,
+            removed)
 
 
 def task_rows(store, tasks=None):
@@ -10158,6 +10555,9 @@ def task_rows(store, tasks=None):
             row["integration"] = record["integration"]
         if record.get("merged_commit"):
             row["merged_commit"] = record["merged_commit"]
+        for key in ("race", "published", "lost_to"):     # a race's attempt, a pushed branch
+            if record.get(key):
+                row[key] = record[key]
         if problem:
             # Said in every view of the queue (`ferrus tasks`, status, HQ's board), with
             # the repair.
@@ -13728,6 +14128,477 @@ def add_spec_parser(sub):
     c.add_argument("--force", action="store_true",
                    help="archive it even though milestones are open")
     p.set_defaults(run=cmd_spec)
+
+
+# ============================================================================
+# src/ferrus/remote.py (from its line 22)
+# ============================================================================
+# The team's remote: the target's upstream fetched, merges pushed, pull requests.
+#
+# [git] fetch, push, publish and pr in a parallel run: tasks start from and merge onto
+# what the team has; a merged target is pushed (never forced), or each task's checked
+# work is pushed as its own branch and a pull request is opened through gh, glab or tea.
+# A missing CLI, remote or credential stops the run before any agent starts.
+
+REMOTE_TIMEOUT_SECS = 180.0
+# How much of what git or a pull request CLI said is kept for a message.
+REMOTE_OUTPUT_CHARS = 1500
+# What a pull request's body holds of each part of the task (its text, the submission,
+# the review notes): the whole body stays well under what gh, glab and tea accept.
+PULL_REQUEST_PART_CHARS = 8000
+
+
+class UpstreamDiverged(FerrusError):
+    """The target and its upstream both have commits the other lacks: ferrus never
+    rewrites history, so a human brings them together."""
+
+
+@deferred_dataclass
+class Upstream:
+    """Where the team's target lives: a remote and its branch."""
+
+    remote: str
+    branch: str
+
+    @property
+    def name(self):
+        return "%s/%s" % (self.remote, self.branch)
+
+    @property
+    def ref(self):
+        return "refs/remotes/%s/%s" % (self.remote, self.branch)
+
+
+def _config_value(root, key):
+    return os.fsdecode(run_git(root, ["config", "--get", key], ok=(0, 1))).strip()
+
+
+def remote_names(root):
+    return os.fsdecode(run_git(root, ["remote"])).split()
+
+
+def target_upstream(root, target, git):
+    """The Upstream [git] fetch follows for branch ``target``: the branch's own upstream
+    (`git branch --set-upstream-to`), else the branch of the same name on [git] push's
+    remote.  Raises FerrusError when it has neither."""
+    remote = _config_value(root, "branch.%s.remote" % target)
+    merge = _config_value(root, "branch.%s.merge" % target)
+    if remote and remote != "." and merge.startswith("refs/heads/"):
+        return Upstream(remote, merge[len("refs/heads/"):])
+    if git.push:
+        return Upstream(git.push, target)
+    raise FerrusError("[git] fetch = true, but %s has no upstream to fetch" % target,
+                      "`git branch --set-upstream-to origin/%s %s` names it, or set [git] "
+                      "push = \"origin\" in %s (then origin's %s is fetched)" % (
+                          target, target, CONFIG_FILE, target))
+
+
+def _git_said(err):
+    """What git said, bounded and safe to print."""
+    return terminal_safe(err.message if isinstance(err, FerrusError) else str(err)
+                         )[-REMOTE_OUTPUT_CHARS:]
+
+
+def fetch_upstream(root, upstream):
+    """Fetch ``upstream``'s branch into its remote-tracking ref; the commit it is at, or
+    None when the remote has no such branch (yet).  Raises GitError saying what failed
+    (no network, no access)."""
+    try:
+        run_git(root, ["fetch", "--quiet", "--no-tags", "--no-recurse-submodules",
+                       upstream.remote, "+refs/heads/%s:%s" % (upstream.branch, upstream.ref)],
+                timeout=REMOTE_TIMEOUT_SECS)
+    except GitError as err:
+        if "couldn't find remote ref" in err.message:
+            return None
+        raise GitError("fetching %s failed: %s" % (upstream.name, _git_said(err)),
+                       "check the network and your access to %s (`git fetch %s` shows what "
+                       "git needs), or set [git] fetch = false" % (
+                           upstream.remote, upstream.remote)) from None
+    return resolve_commit(root, upstream.ref) or None
+
+
+@deferred_dataclass
+class Sync:
+    """The target after its upstream was fetched (see sync_with_upstream)."""
+
+    status: str            # same | ahead | moved | blocked
+    before: str            # where the local target was
+    head: str              # where it is now
+    upstream: "str | None"  # where the upstream is (None: the remote has no such branch)
+    text: str = ""         # what happened, for people
+
+
+def sync_with_upstream(root, target, upstream):
+    """Bring branch ``target`` up to the commit its Upstream ``upstream`` is at (fetched
+    now), as a fast-forward only (fast_forward_target: your checkout follows when it is
+    there, never over your uncommitted changes).  "same": nothing to do; "ahead": the
+    target has commits the upstream lacks (the next push sends them); "moved": it was
+    fast-forwarded; "blocked": it could not be, now (``text`` says why).  Raises
+    UpstreamDiverged when each has commits the other lacks, GitError when the fetch
+    fails."""
+    local = target_head(root, target)
+    remote = fetch_upstream(root, upstream)
+    if remote is None or remote == local:
+        return Sync("ahead" if remote is None else "same", local, local, remote,
+                    "%s has no branch %s yet" % (upstream.remote, upstream.branch)
+                    if remote is None else "")
+    if _is_ancestor(root, remote, local):
+        return Sync("ahead", local, local, remote, "%s has %s commit(s) %s lacks" % (
+            target, _commits_between(root, remote, local), upstream.name))
+    if not _is_ancestor(root, local, remote):
+        raise UpstreamDiverged(
+            "%s and %s have diverged: %s has %s commit(s) %s lacks, and %s has %s the other "
+            "lacks" % (target, upstream.name, target, _commits_between(root, remote, local),
+                       upstream.name, upstream.name, _commits_between(root, local, remote)),
+            "ferrus never rewrites history: bring them together yourself (`git pull "
+            "--rebase` or `git merge %s` on %s, then push), and `ferrus run --parallel` "
+            "goes on where it stopped" % (upstream.name, target))
+    count = _commits_between(root, local, remote)
+    moved = fast_forward_target(root, target, local, remote)
+    if moved.status != "done":
+        return Sync("blocked", local, local, remote, "%s has %s new commit(s), and %s cannot "
+                    "take them now: %s" % (upstream.name, count, target, moved.text))
+    return Sync("moved", local, remote, remote, "%s moved on upstream: %s fast-forwarded "
+                "from %s to %s (%s commit(s) from %s)" % (
+                    target, target, local[:12], remote[:12], count, upstream.name))
+
+
+def _commits_between(root, old, new):
+    return os.fsdecode(run_git(root, ["rev-list", "--count", "%s..%s" % (old, new)])).strip()
+
+
+@deferred_dataclass
+class Push:
+    """What a push did: "pushed", "rejected" (the remote refused the update) or
+    "failed" (the remote could not be reached, or refused us)."""
+
+    status: str
+    text: str
+
+
+def push_commit(root, remote, commit, branch):
+    """Push ``commit`` to ``branch`` of ``remote`` — a fast-forward there or a new
+    branch, never with force.  No hook of the checkout runs (the merge gate ran the
+    checks)."""
+    try:
+        # Without --porcelain git says each refused ref ("! [rejected]", "! [remote
+        # rejected]" with the hook's reason) on stderr, which GitError carries.
+        run_git(root, ["push", "--no-verify", remote,
+                       "%s:refs/heads/%s" % (commit, branch)], timeout=REMOTE_TIMEOUT_SECS)
+    except GitError as err:
+        text = _git_said(err)
+        rejected = "[rejected]" in text or "[remote rejected]" in text
+        return Push("rejected" if rejected else "failed", "the push of %s to %s's %s was %s: "
+                    "%s" % (commit[:12], remote, branch, "rejected" if rejected else
+                            "not made", text))
+    return Push("pushed", "pushed %s to %s's %s" % (commit[:12], remote, branch))
+
+
+def resolve_commit(root, commit):
+    """The commit ``commit`` (an id or a full ref name) is, or "" when the repository
+    holds no such commit."""
+    return os.fsdecode(run_git(root, ["rev-parse", "-q", "--verify", commit + "^{commit}"],
+                               ok=(0, 1))).strip()
+
+
+def published_branch(task):
+    """The branch a task's checked work is pushed to with [git] publish = "branch"."""
+    return TASK_BRANCH_PREFIX + task
+
+
+# -- pull requests through the forge's own CLI -----------------------------------------------
+
+# cli -> (what it is, how to install it, argv that fails when it is not logged in)
+PULL_REQUEST_TOOLS = {
+    "gh": ("the GitHub CLI", "https://cli.github.com, then `gh auth login`",
+           ["gh", "auth", "status"]),
+    "glab": ("the GitLab CLI", "https://gitlab.com/gitlab-org/cli, then `glab auth login`",
+             ["glab", "auth", "status"]),
+    "tea": ("the Gitea CLI", "https://gitea.com/gitea/tea, then `tea login add`",
+            ["tea", "whoami"]),
+}
+# Nothing a pull request CLI asks may wait for a terminal nobody watches.
+_NO_PROMPTS = {"GH_PROMPT_DISABLED": "1", "NO_PROMPT": "1", "GIT_TERMINAL_PROMPT": "0",
+               "NO_COLOR": "1"}
+
+
+def pull_request_argv(cli, base, head, title, body):
+    """The argv that opens a pull (merge) request from ``head`` into ``base``."""
+    if cli == "gh":
+        return ["gh", "pr", "create", "--base", base, "--head", head, "--title", title,
+                "--body", body]
+    if cli == "glab":
+        return ["glab", "mr", "create", "--source-branch", head, "--target-branch", base,
+                "--title", title, "--description", body, "--yes"]
+    return ["tea", "pulls", "create", "--head", head, "--base", base, "--title", title,
+            "--description", body]
+
+
+def _run_cli(root, argv):
+    """(exit code, what it printed) of a pull request CLI run in the checkout."""
+    env = dict(os.environ, **_NO_PROMPTS)
+    try:
+        proc = subprocess.run(argv, cwd=root, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=REMOTE_TIMEOUT_SECS)
+    except subprocess.TimeoutExpired:
+        return None, "it did not finish within %.0f s" % REMOTE_TIMEOUT_SECS
+    except OSError as err:
+        return None, str(err.strerror or err)
+    return proc.returncode, terminal_safe(proc.stdout.decode("utf-8", "replace").strip()
+                                          )[-REMOTE_OUTPUT_CHARS:]
+
+
+def require_pull_request_cli(root, cli):
+    """Raise FerrusError unless ``cli`` is on PATH and logged in."""
+    what, install, status = PULL_REQUEST_TOOLS[cli]
+    if shutil.which(cli) is None:
+        raise FerrusError("[git] pr = \"%s\" opens pull requests through %s, and `%s` is not "
+                          "on PATH" % (cli, what, cli),
+                          "install it (%s), or set [git] pr = \"\" in %s (the task's branch "
+                          "is still pushed)" % (install, CONFIG_FILE))
+    code, said = _run_cli(root, status)
+    if code != 0:
+        raise FerrusError("`%s` says %s cannot open pull requests here%s" % (
+            " ".join(status), cli, ": " + said if said else ""),
+            "log in (%s), or set [git] pr = \"\" in %s" % (install.split(", then ")[-1],
+                                                            CONFIG_FILE))
+
+
+def open_pull_request(root, cli, base, head, title, body):
+    """Open a pull request through ``cli``; its address (or the CLI's last line).
+    Raises FerrusError with what the CLI said when it fails."""
+    argv = pull_request_argv(cli, base, head, title, body)
+    code, said = _run_cli(root, argv)
+    if code != 0:
+        raise FerrusError("`%s %s` failed%s: %s" % (
+            cli, " ".join(argv[1:3]), " (exit %s)" % code if code is not None else "",
+            said or "it printed nothing"),
+            "the branch %s is pushed: open the pull request by hand" % head)
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if line.startswith(("https://",
+                                                                       "http://"))),
+                lines[-1] if lines else "")
+
+
+def pull_request_text(store, task, record, candidate, onto, target, commands):
+    """(title, body) of a task's pull request: its title; its text, its submission and
+    the reviewer's notes; and what the merge gate checked."""
+    task_store = store.for_task(task)
+
+    def part(name):
+        text = task_store.read_file(name).strip() if task_store.exists() else ""
+        return text if len(text) <= PULL_REQUEST_PART_CHARS else \
+            text[:PULL_REQUEST_PART_CHARS] + "\n[… cut …]"
+    approval = part("APPROVAL.md") or "Approved by the reviewer (no notes)."
+    gate = "The checks passed on this branch's commit %s (its work on %s at %s) in a clean " \
+           "checkout:\n%s" % (candidate[:12], target, onto[:12], "\n".join(
+               "- `%s`" % command for command in commands) or "- (no [checks] commands)")
+    summary = ""
+    try:
+        summary = commit_message(store.root, candidate).strip()
+    except FerrusError:
+        pass
+    body = "\n\n".join(section for section in (
+        "## Task\n\n" + (part("TASK.md") or record.get("title") or task),
+        "## Submission\n\n" + (part("SUBMISSION.md") or summary),
+        "## Review\n\n" + approval,
+        "## Merge gate\n\n" + gate,
+        "Ferrus-Task: %s" % task) if section)
+    return record.get("title") or task, body
+
+
+# -- before any agent starts ---------------------------------------------------------------
+
+def preflight_remote(root, git, target):
+    """What [git] fetch, push and pr need, tried before any agent starts: the remotes
+    exist and answer with our credentials, and the pull request CLI is there and
+    logged in.  Raises FerrusError saying what is missing."""
+    if not (git.fetch or git.push):
+        return
+    known = remote_names(root)
+    wanted = []
+    if git.fetch:
+        wanted.append(target_upstream(root, target, git).remote)
+    if git.push:
+        wanted.append(git.push)
+    for remote in wanted:
+        if remote not in known:
+            raise FerrusError("there is no git remote %s (the remotes are: %s)" % (
+                remote, ", ".join(known) or "none"),
+                "`git remote add %s URL`, or change [git] in %s" % (remote, CONFIG_FILE))
+    if git.push:
+        head = target_head(root, target)
+        try:
+            run_git(root, ["push", "--dry-run", "--no-verify", git.push,
+                           "%s:refs/heads/%s" % (head, target)], timeout=REMOTE_TIMEOUT_SECS)
+        except GitError as err:
+            text = _git_said(err)
+            # A refused update (behind, protected) still means we reached it and may push.
+            if "[rejected]" not in text and "[remote rejected]" not in text:
+                raise FerrusError("ferrus could not reach %s to push: %s" % (git.push, text),
+                                  "check the network and your credentials (`git push "
+                                  "--dry-run %s %s` shows what git needs), or set [git] "
+                                  "push = \"\"" % (git.push, target)) from None
+    if git.pr:
+        require_pull_request_cli(root, git.pr)
+
+
+# -- the parallel runner's part ------------------------------------------------------------
+
+class TeamRemote:
+    """[git] fetch, push and publish in the parallel runner (a part of ParallelRunner,
+    as MergeQueue is): the target synced with its upstream before tasks are prepared
+    and before each integration, a merge pushed, or a task's branch published with a
+    pull request.  A push that fails stops the queue's integrations, saying why."""
+
+    def _remote_config(self):
+        return self.store.config().git
+
+    def _check_remote(self):
+        """P0, before any agent starts: what the remote needs is there (preflight_remote),
+        and the target is brought up to its upstream.  Raises FerrusError."""
+        git = self._remote_config()
+        root = self.store.root
+        preflight_remote(root, git, self.target)
+        if not git.fetch:
+            return
+        sync = sync_with_upstream(root, self.target, target_upstream(root, self.target, git))
+        if sync.status == "moved":
+            self.note(sync.text, event="upstream", target=self.target, head=sync.head)
+        elif sync.status == "blocked":
+            self.note(sync.text + "; tasks start from %s as it is" % self.target, "warning",
+                      event="upstream", target=self.target)
+        elif sync.status == "ahead" and git.push and git.publish == "target":
+            self.note("%s: the next merge pushes them to %s" % (sync.text, git.push))
+
+    def _sync_before_prepare(self):
+        """[git] fetch before tasks are prepared: they start from what the team has.  A
+        fetch that fails is said, and they start from the target as it is."""
+        git = self._remote_config()
+        if not git.fetch or self.integration is not None:
+            return                 # an integration running syncs the target itself
+        root = self.store.root
+        try:
+            sync = sync_with_upstream(root, self.target, target_upstream(root, self.target,
+                                                                         git))
+        except UpstreamDiverged as err:
+            self._stop_integrations(err.full_text(), "diverged")
+            return
+        except FerrusError as err:
+            self.note("%s; the tasks start from %s as it is" % (err.message, self.target),
+                      "warning", event="upstream", target=self.target)
+            return
+        self._take_sync(sync)
+        if sync.status == "blocked":
+            self.note(sync.text, "warning", event="upstream", target=self.target)
+
+    def _take_sync(self, sync):
+        """What a sync moved becomes what this run knows of the target."""
+        if sync is None or sync.status != "moved":
+            return
+        if self.known_target in (None, sync.before):
+            self.known_target = sync.head
+        self.note(sync.text, event="upstream", target=self.target, head=sync.head)
+
+    def _sync_for_integration(self, job, target):
+        """[git] fetch before an integration (on its thread): the commit to build the
+        task's work onto; a sync that moved the target is left in job["synced"] for the
+        runner.  Raises UpstreamDiverged, or FerrusError when the integration must wait."""
+        git = self._remote_config()
+        if not git.fetch:
+            return target
+        root = self.store.root
+        sync = sync_with_upstream(root, self.target, target_upstream(root, self.target, git))
+        if sync.status == "blocked":
+            raise FerrusError(sync.text, "the integration is tried again in a few seconds")
+        job["synced"] = sync
+        return sync.head
+
+    def _stop_integrations(self, what, event, **facts):
+        """The queue merges nothing more in this run: it stops, saying why; every task
+        stays where it is for the next run (as when the target moved outside it)."""
+        if self.halted:
+            return
+        self.halted = what
+        self.note("stopped: %s\nNothing more is merged in this run; every task stays where "
+                  "it is, and `ferrus run --parallel` goes on with them once this is "
+                  "fixed." % what, "error", event=event, target=self.target, **facts)
+        self.finished = True
+
+    def _push_merged(self, task, head):
+        """[git] push after task ``task`` merged at ``head`` (publish = "target")."""
+        git = self._remote_config()
+        if not git.push or git.publish != "target" or head is None:
+            return
+        pushed = push_commit(self.store.root, git.push, head, self.target)
+        update_task(self.store, ORCHESTRATOR, task, "task_pushed" if pushed.status ==
+                    "pushed" else "push_" + pushed.status, {"push": {
+                        "remote": git.push, "status": pushed.status,
+                        "reason": "" if pushed.status == "pushed" else pushed.text[:2000]}},
+                    remote=git.push, commit=head[:12])
+        if pushed.status == "pushed":
+            self.note("task %s: %s" % (short_task_id(task), pushed.text), event="pushed",
+                      task_id=task, remote=git.push, commit=head)
+            return
+        self._stop_integrations(
+            "%s\n%s holds the merge of task %s at %s here, and %s does not: bring them "
+            "together (`git pull --rebase %s %s`, then `git push %s %s`)" % (
+                pushed.text, self.target, short_task_id(task), head[:12], git.push,
+                git.push, self.target, git.push, self.target),
+            "push_" + pushed.status, task_id=task, remote=git.push)
+
+    def _publishing(self):
+        return self._remote_config().publish == "branch"
+
+    def _publish(self, task, candidate, onto):
+        """[git] publish = "branch": the checked candidate pushed as the task's own branch
+        (the target does not move), the task Complete and published, and with [git] pr a
+        pull request opened — unless the task was cancelled first."""
+        git = self._remote_config()
+        branch = published_branch(task)
+        outcome = {}
+
+        def push():
+            outcome["push"] = push_commit(self.store.root, git.push, candidate, branch)
+            return candidate if outcome["push"].status == "pushed" else None
+        won, _ = merge_unless_cancelled(self.store, task, push, ORCHESTRATOR,
+                                        target=self.target, published=branch)
+        if won == CANCELLED_STATUS:
+            self.note("task %s was cancelled before it was published: nothing was pushed" %
+                      short_task_id(task), "warning", task_id=task)
+            self._end_task(task, CANCELLED_STATUS, None)
+            return
+        if won is None:
+            self._stop_integrations(outcome["push"].text, "push_" + outcome["push"].status,
+                                    task_id=task, remote=git.push)
+            return
+        self._end_published(task, branch, candidate, onto)
+
+    def _end_published(self, task, branch, candidate, onto=None):
+        """A published task's pull request (once) and its end."""
+        git = self._remote_config()
+        record = read_task_record(self.store.dir, task)
+        published = dict(record.get("published") or {}, remote=git.push, branch=branch,
+                         commit=candidate)
+        if git.pr and "pull_request" not in published:
+            title, body = pull_request_text(
+                self.store, task, record, candidate, onto or (
+                    record.get("integration") or {}).get("target_head") or candidate,
+                self.target, self.store.config().checks.commands)
+            try:
+                published["pull_request"] = open_pull_request(
+                    self.store.root, git.pr, self.target, branch, title, body)
+            except FerrusError as err:
+                published["pull_request"] = ""
+                self.note("task %s: %s" % (short_task_id(task), err.full_text()), "warning",
+                          task_id=task)
+        update_task(self.store, ORCHESTRATOR, task, "task_published",
+                    {"published": published}, remote=git.push, branch=branch,
+                    commit=candidate[:12], pull_request=published.get("pull_request") or None)
+        self.tasks_completed += 1
+        self.waiting_said = None
+        self._end_task(task, PUBLISHED_STATUS, None)
 
 
 # ============================================================================
@@ -21171,6 +22042,14 @@ PROGRESS_EVENTS = (
     "conflict",        # back to its executor to resolve a conflict: files
     "target_moved",    # the run stopped: the target gained commits it did not check
                        # (target, head, known: where the run had left it)
+    # The team's remote ([git] fetch, push, publish; remote.py):
+    "upstream",        # the target was brought up to its upstream (head), or could not be
+    "pushed",          # the merged target was pushed: remote, commit
+    "push_rejected", "push_failed",   # the push was refused or not made: the run stopped
+    "diverged",        # the target and its upstream diverged: the run stopped
+    "published",       # approved and checked, its branch pushed: remote, branch, commit,
+                       # pull_request
+    "race_decided",    # an attempt of a race merged: race, winner, attempts (race.py)
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
 
 
@@ -21999,7 +22878,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 46)
+# src/ferrus/controller.py (from its line 47)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -22060,9 +22939,10 @@ class HqController(JournalView):
     CHECK_SCAN_EVERY = 0.25
 
     def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None,
-                 executor_agent=None, notifier=None):
+                 executor_agent=None, notifier=None, executor_model=None):
         self.store = store
         self.executor_agent = executor_agent    # a parallel task's own executor agent
+        self.executor_model = executor_model    # and model (a race's attempt may name one)
         self._out = emit
         self.clock = clock
         self.last_activity = clock()
@@ -22412,8 +23292,10 @@ class HqController(JournalView):
         # a parallel task finds its task in it.
         slot.session_id = session_id_for_task(self.store.task) if self.store.task \
             else new_id("s")
-        launch = dataclasses.replace(launch, env=dict(launch.env,
-                                                      **{SESSION_ENV: slot.session_id}))
+        # A parallel task's agents (and the checks their `ferrus serve` runs) get its
+        # port block (bootstrap.py).
+        launch = dataclasses.replace(launch, env=dict(launch.env, **store_environment(
+            self.store), **{SESSION_ENV: slot.session_id}))
         try:
             folder = self.agent_folder(slot)
             slot.process = AgentProcess(launch, folder, log_path, parse_line)
@@ -22459,8 +23341,11 @@ class HqController(JournalView):
         config = config or self.store.config()
         choice = getattr(config, role)
         wanted = self.executor_agent if role == "executor" else None
-        if wanted and (choice is None or choice.agent != wanted):
-            return AgentChoice(agent=wanted)
+        model = self.executor_model if role == "executor" else None
+        if wanted and choice is not None and choice.agent == wanted:
+            return dataclasses.replace(choice, model=model) if model else choice
+        if wanted:
+            return AgentChoice(agent=wanted, model=model or "")
         return choice
 
     def _launch_with_adapter(self, slot):
@@ -23498,7 +24383,7 @@ class PlaceRunning:
 
 
 # ============================================================================
-# src/ferrus/merge_queue.py (from its line 36)
+# src/ferrus/merge_queue.py (from its line 38)
 # ============================================================================
 # The merge queue: approved tasks built, checked and merged one by one.
 #
@@ -23562,6 +24447,12 @@ class MergeQueue:
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
             return
+        if pending.get("candidate") and self._publishing() and resolve_commit(
+                self.store.root, pending["candidate"]):
+            # Checked, and its push may have been made before the run stopped: the same
+            # commit is pushed again (nothing to send when it is there already).
+            self._publish(task, pending["candidate"], pending.get("target_head") or head)
+            return
         if self._moved_outside(head):
             return
         held = self.held_candidate
@@ -23604,6 +24495,8 @@ class MergeQueue:
             if target is None:
                 raise GitError("there is no branch %s to integrate into" % self.target,
                                "create it, or set [parallel] target to an existing branch")
+            # [git] fetch: onto what the team has (remote.py).
+            target = self._sync_for_integration(job, target)
             # The task's worktree as ferrus made it, or the task fails as tampered (its
             # submission, not its worktree, is what merges: a deleted folder stops nothing).
             checkout = task_git_site(task_store) if os.path.isdir(task_store.workdir) \
@@ -23711,12 +24604,17 @@ class MergeQueue:
             return built, None
         verdicts = []
         wrap = self._gate_sandbox(gate)
+        port = gate_port(self.parallel)
         for commit in built.commits:
             reset_gate(gate, commit)
             self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
                              0, config.limits.max_feedback_lines, cancel, self.store.root,
-                             wrap=wrap)
+                             wrap=wrap, env=port_environment(port))
+            torn = run_teardown(self.store, self._gate_project(gate), port,
+                                "the merge gate's checkout")
+            if torn:
+                log.warning("%s", torn)
             verdicts.append(run)
             if run.cancelled or (not run.passed and self._history() != "linear"):
                 return built, run
@@ -23735,11 +24633,13 @@ class MergeQueue:
         return built, last
 
     def _set_up_gate(self, gate, wrap=None):
-        """[parallel] setup in the gate's checkout (it holds only the candidate's files)."""
+        """[parallel] copy and setup in the gate's checkout (it holds only the candidate's
+        files, and the checkout's local files the tasks had)."""
+        copy_local_files(self.store, self._gate_project(gate), self.worktree_dir)
         self._run_setup(self._gate_project(gate), "the merge gate's checkout %s"
                         % gate.work_tree, "fix the command (it runs in a clean checkout of "
                         "the candidate, which holds only what git tracks); the task waits and "
-                        "is integrated again", wrap)
+                        "is integrated again", wrap, gate_port(self.parallel))
 
     def _gate_sandbox(self, gate):
         """The wrap of the gate's commands when this machine's [sandbox] is on: they run
@@ -23768,12 +24668,16 @@ class MergeQueue:
 
     def _finish_integration(self, job):
         task = job["task"]
+        self._take_sync(job.pop("synced", None))
         controller = self.controllers.get(task)
         if controller is None:
             return
         error = job["error"]
         if isinstance(error, TaskRecordDamaged):
             raise error
+        if isinstance(error, UpstreamDiverged):
+            self._stop_integrations(error.full_text(), "diverged", task_id=task)
+            return
         if isinstance(error, TamperedWorktree):
             self._end_task(task, FAILED_STATUS, "tampered: %s" % error.full_text())
             return
@@ -23830,7 +24734,10 @@ class MergeQueue:
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
             candidate=(built.head or "")[:12])
-        self._fast_forward(task, built)
+        if self._publishing():
+            self._publish(task, built.head, built.target_head)
+        else:
+            self._fast_forward(task, built)
 
     def _fast_forward(self, task, built):
         """Move the target to the checked candidate — unless the task was cancelled
@@ -23929,9 +24836,16 @@ class MergeQueue:
         if head is None and self._integrated_unchanged(task):
             self._unchanged(task, None)    # a run that stopped before it recorded the end
             return
+        if head is None and self._publishing():
+            candidate = (read_task_record(self.store.dir, task).get("integration") or {}
+                         ).get("candidate")
+            if candidate:                  # published, and the run stopped before its end
+                self._end_published(task, published_branch(task), candidate)
+                return
         self.tasks_completed += 1
         self.waiting_said = None
         self._end_task(task, MERGED_STATUS, None, head=head)
+        self._push_merged(task, head)
 
     def _unchanged(self, task, target_head):
         """An approved task whose work the target already has: it ends Complete, nothing
@@ -23965,10 +24879,319 @@ class MergeQueue:
         if job is not None and job["thread"] is not None:
             job["cancel"].set()
             job["thread"].join(timeout=30)
+            self._take_sync(job.pop("synced", None))
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 57)
+# src/ferrus/race.py (from its line 23)
+# ============================================================================
+# Races: one task tried by several attempts at once; the first merged one wins.
+#
+# `ferrus task add TEXT --race 3` (or --race claude,codex) queues one attempt per agent,
+# each a normal parallel task that names its race; a run starts a race's attempts
+# together (a race counts as N tasks), and the first attempt that passes its review and
+# the merge gate is merged: the others are cancelled, their work saved.
+
+RACE_ATTEMPTS_MAX = 64          # as many as a run can work at once ([parallel] max_tasks)
+
+
+def race_id_of(record):
+    """The race a task's record says it is an attempt of, or None."""
+    race = record.get("race") if isinstance(record, dict) else None
+    return race.get("id") if isinstance(race, dict) and isinstance(race.get("id"), str) \
+        else None
+
+
+def parse_race(spec, config, agent=None):
+    """The attempts `--race SPEC` asks for: [(agent or None, model)] — ``N`` attempts by
+    ``agent`` (None: [hq.executor]'s), or one per ``AGENT[:MODEL]`` of a comma-separated
+    list.  Raises FerrusError naming what is wrong (a number out of range, an agent
+    ferrus does not know)."""
+    spec = (spec or "").strip()
+    known = BUILTIN_AGENTS + tuple(config.agents.custom)
+    if spec.isdigit():
+        count = int(spec)
+        if not 2 <= count <= RACE_ATTEMPTS_MAX:
+            raise FerrusError("--race %s: a race has from 2 to %d attempts" % (
+                spec, RACE_ATTEMPTS_MAX), "ferrus task add TEXT --race 3")
+        if agent is not None:
+            agent = agent if agent in known else canonical_agent(agent)
+            if agent not in known:
+                raise FerrusError("--agent %s is not an agent ferrus knows" % agent,
+                                  "use %s (`ferrus agents` lists them)" % ", ".join(known))
+        return [(agent, "")] * count
+    if agent is not None:
+        raise FerrusError("--agent goes with --race N; a list of agents names each "
+                          "attempt's agent itself", "ferrus task add TEXT --race %s" % spec)
+    attempts = []
+    for item in spec.split(","):
+        name, _, model = item.strip().partition(":")
+        name = name if name in known else canonical_agent(name)
+        if name not in known:
+            raise FerrusError("--race %s: %s is not an agent ferrus knows" % (
+                spec, name or "(nothing)"),
+                "use %s (`ferrus agents` lists them; [agents.custom.<name>] adds one), "
+                "AGENT:MODEL for a model, or a number for that many attempts by "
+                "[hq.executor]" % ", ".join(known))
+        attempts.append((name, model.strip()))
+    if len(attempts) < 2 or len(attempts) > RACE_ATTEMPTS_MAX:
+        raise FerrusError("--race %s: a race has from 2 to %d attempts" % (
+            spec, RACE_ATTEMPTS_MAX), "name two agents or more: --race claude,codex")
+    return attempts
+
+
+def op_enqueue_race(store, caller, description, attempts):
+    """Put a race in the queue: one task per attempt ((agent or None, model), from
+    parse_race), all with the same description, each naming the race — in one
+    transaction, so a race is queued whole or not at all."""
+    _nonblank(description, "Cannot queue the race: the description is empty.")
+    require_utf8(description, "the task description")
+    store.require()
+    race = new_id("r")
+    title = task_title(description)
+    now = format_timestamp(store.clock())
+    tasks = []
+    with store.transaction(caller.agent_id) as tx:
+        for number, (agent, model) in enumerate(attempts, 1):
+            task = new_id("t")
+            while task in tasks:
+                task = new_id("t")
+            record = {"id": task, "title": title, "status": QUEUED_STATUS, "created_at": now,
+                      "origin": {"by": caller.agent_id},
+                      "race": {"id": race, "attempt": number, "of": len(attempts)}}
+            if agent:
+                record["agent"] = agent
+            if model:
+                record["model"] = model
+            folder = store.path(TASKS_DIR, task)
+            os.makedirs(folder, exist_ok=True)
+            atomic_write(os.path.join(folder, "TASK.md"), description)
+            write_task_record(store, task, record)
+            tasks.append(task)
+        tx.set(tx.state, "enqueue_race", race=race, title=title, tasks=tasks,
+               agents=[agent or "" for agent, _ in attempts])
+        tx.journal_task_id = ""
+    named = ", ".join("%s (%s)" % (task, _attempt_agent(agent, model)) for task, (
+        agent, model) in zip(tasks, attempts))
+    return _outcome("Race %s queued: %d attempts at %s: %s. `ferrus run --parallel %d` (or "
+                    "more) runs them side by side; the first merged wins." % (
+                        race, len(tasks), title, named, len(tasks)), None, race=race,
+                    tasks=tasks, title=title)
+
+
+def _attempt_agent(agent, model):
+    return "%s%s" % (agent or "[hq.executor]", ":" + model if model else "")
+
+
+# -- planning: a race's attempts start together ------------------------------------------
+
+def plan_batch(queued, records, free):
+    """The tasks to start now, in queue order, given ``free`` slots: a task alone takes
+    one, a race's queued attempts start together or wait (it counts as that many tasks),
+    and the queue's order holds (nothing behind a waiting race passes it)."""
+    groups = collections.OrderedDict()
+    for task in queued:
+        groups.setdefault(race_id_of(records.get(task)) or task, []).append(task)
+    chosen = []
+    for members in groups.values():
+        if len(chosen) + len(members) > free:
+            break
+        chosen.extend(members)
+    return chosen
+
+
+def oversized_races(queued, records, max_tasks):
+    """{race: its queued attempts} of the races with more attempts queued than a run of
+    ``max_tasks`` tasks at a time can start together."""
+    races = collections.defaultdict(list)
+    for task in queued:
+        race = race_id_of(records.get(task))
+        if race:
+            races[race].append(task)
+    return {race: tasks for race, tasks in races.items() if len(tasks) > max_tasks}
+
+
+class RaceRunner:
+    """The parallel runner's part of races (mixed into ParallelRunner, as MergeQueue
+    is): a race's attempts are planned together, and the first one merged ends the
+    others."""
+
+    def _next_batch(self):
+        """plan_batch over the queue and the free slots (worked out again only after a
+        commit or a slot freed)."""
+        key = (self.store.state_stamp(), self.free_slots())
+        if self._race_plan is None or self._race_plan[0] != key:
+            queued = self.queued()
+            records = {task: record for task, record, _ in
+                       checked_task_records(self.store, queued)}
+            self._race_plan = (key, plan_batch(queued, records, self.free_slots()))
+        return list(self._race_plan[1])
+
+    def _without_oversized_races(self, queued):
+        """``queued`` less the attempts of races this run cannot start together (said
+        once each; the run then ends with exit 1, and they stay queued)."""
+        records = {task: record for task, record, _ in
+                   checked_task_records(self.store, queued)}
+        oversized = oversized_races(queued, records, self.max_tasks)
+        for race, tasks in oversized.items():
+            if race not in self.oversized:
+                self.oversized[race] = len(tasks)
+                self.note("race %s has %d attempts queued, and this run works %d tasks at "
+                          "a time: a race's attempts start together, so they stay queued "
+                          "(`ferrus run --parallel %d` runs them)" % (
+                              race, len(tasks), self.max_tasks, len(tasks)), "error",
+                          race=race)
+        left_out = {task for tasks in oversized.values() for task in tasks}
+        return [task for task in queued if task not in left_out]
+
+    def _settle_races(self):
+        """At start-up: a race whose winner a crashed run merged, with attempts still in
+        the queue's hands, is decided now."""
+        records = task_records(self.store)
+        for task, record in records:
+            if race_id_of(record) and record.get("status") in APPROVED_STATUSES and any(
+                    race_id_of(other) == race_id_of(record) and other.get("status") in (
+                        QUEUED_STATUS, RUNNING_STATUS) for _, other in records):
+                self._decide_race(task, record)
+
+    def _decide_race(self, winner, record):
+        """Attempt ``winner`` of a race is merged (or approved with no change, or
+        published): every other attempt loses — a queued, running or failed one is
+        cancelled, its work saved and its worktree removed, and is never retried — and
+        the journal records every attempt's outcome, time and cost."""
+        race = race_id_of(record)
+        if not race:
+            return
+        for task, other in task_records(self.store):
+            if task == winner or race_id_of(other) != race or other.get("lost_to"):
+                continue
+            if other.get("status") in APPROVED_STATUSES:
+                continue
+            update_task(self.store, ORCHESTRATOR, task, "race_lost", {
+                "lost_to": winner, "reason": "attempt %s of race %s was merged first" % (
+                    short_task_id(winner), race)}, race=race, winner=winner)
+            if other.get("status") not in (QUEUED_STATUS, RUNNING_STATUS, FAILED_STATUS):
+                continue
+            running = task in self.controllers
+            # A running attempt's agents are stopped and its worktree removed by
+            # _end_task; the others' kept worktrees go here, their work saved first.
+            with contextlib.suppress(FerrusError):
+                op_cancel_task(self.store, ORCHESTRATOR, task, remove_worktree=not running)
+            if running:
+                self._end_task(task, CANCELLED_STATUS, None)
+            elif task in self.ended:
+                self.ended[task] = CANCELLED_STATUS    # a lost attempt fails no run
+        attempts = race_summary(self.store, race)
+        update_task(self.store, ORCHESTRATOR, winner, "race_decided", {}, race=race,
+                    winner=winner, attempts=attempts)
+        self.note("race %s: attempt %s (task %s, %s) was merged first; %s" % (
+            race, (record.get("race") or {}).get("attempt"), short_task_id(winner),
+            _attempt_agent(record.get("agent"), record.get("model")), "; ".join(
+                "%s %s" % (short_task_id(a["task"]), describe_attempt(a))
+                for a in attempts if a["task"] != winner) or "it ran alone"),
+            event="race_decided", race=race, winner=winner, attempts=attempts)
+
+
+# -- what a race did: every attempt's outcome, time and cost --------------------------------
+
+def race_summary(store, race, now=None):
+    """One dict per attempt of ``race`` (in attempt order): task, attempt, agent, model,
+    status, lost_to, secs (from its start to its end, or now), tokens, cost_usd (summed
+    over the sessions that reported one; None when none did), cost_unknown (how many
+    did not) and sessions."""
+    now = now or store.clock()
+    sessions = read_session_records(store)
+    attempts = []
+    for task, record in task_records(store):
+        if race_id_of(record) != race:
+            continue
+        mine = [r for r in sessions if r.get("task_id") == task]
+        used = usage_summary(mine)
+        agent = record.get("agent") or next((r.get("agent") for r in reversed(mine)
+                                             if r.get("role") == "executor"), None)
+        secs = task_elapsed(record, now) if record.get("started_at") else None
+        attempts.append({
+            "task": task, "attempt": (record.get("race") or {}).get("attempt"),
+            "agent": agent, "model": record.get("model") or "",
+            "status": record.get("status"), "lost_to": record.get("lost_to"),
+            "secs": round(secs, 1) if secs is not None else None,
+            "tokens": used["input_tokens"] + used["output_tokens"],
+            "cost_usd": used["cost_usd"], "cost_unknown": used["cost_unknown"],
+            "sessions": used["sessions"]})
+    return sorted(attempts, key=lambda a: a["attempt"] or 0)
+
+
+def describe_attempt(attempt):
+    """``cancelled (lost), 41s, $0.0030``: an attempt's outcome, time and cost."""
+    outcome = status_word(attempt.get("status"))
+    if attempt.get("lost_to") and attempt.get("status") != CANCELLED_STATUS:
+        outcome += ", lost"
+    elif attempt.get("lost_to"):
+        outcome += " (lost)"
+    parts = [outcome]
+    if attempt.get("secs") is not None:
+        parts.append(format_duration(attempt["secs"]))
+    if attempt.get("sessions"):
+        parts.append(format_cost(attempt))
+    return ", ".join(parts)
+
+
+def race_outcome(attempts):
+    """A race's state in words, from its attempts (race_summary)."""
+    won = next((a for a in attempts if a.get("status") in APPROVED_STATUSES), None)
+    if won is not None:
+        return "won by attempt %s (%s): %s" % (won.get("attempt"), short_task_id(won["task"]),
+                                               status_word(won["status"]))
+    if any(a.get("status") not in ENDED_STATUSES for a in attempts):
+        return "running" if any(a.get("status") == RUNNING_STATUS for a in attempts) \
+            else "queued"
+    failed = sum(1 for a in attempts if a.get("status") == FAILED_STATUS)
+    return "no winner (%d failed, %d cancelled)" % (failed, len(attempts) - failed)
+
+
+def group_race_rows(store, rows, now=None):
+    """``rows`` (of `ferrus tasks`) with a race's attempts together, where its first
+    attempt was: that one carries "race_heading" (the race, its title and outcome), each
+    attempt "race_attempt" (its number, outcome, time and cost).  Also returns the race
+    summaries, for --json."""
+    by_race = collections.OrderedDict()
+    for row in rows:
+        race = race_id_of(row)
+        if race:
+            by_race.setdefault(race, []).append(row)
+    if not by_race:
+        return rows, []
+    races, summaries = {}, {}
+    for race, members in by_race.items():
+        summaries[race] = {a["task"]: a for a in race_summary(store, race, now)}
+        races[race] = members
+    grouped, placed = [], set()
+    for row in rows:
+        race = race_id_of(row)
+        if not race:
+            grouped.append(row)
+            continue
+        if race in placed:
+            continue
+        placed.add(race)
+        attempts = list(summaries[race].values())
+        for index, member in enumerate(races[race]):
+            member = dict(member)
+            attempt = summaries[race].get(member["id"], {})
+            member["race_attempt"] = "attempt %s of %s: %s" % (
+                attempt.get("attempt", "?"), (member.get("race") or {}).get("of", "?"),
+                describe_attempt(attempt) if attempt else status_word(member.get("status")))
+            if index == 0:
+                member["race_heading"] = "race %s: %s — %s" % (
+                    race, member.get("title") or "", race_outcome(attempts))
+            grouped.append(member)
+    return grouped, [{"race": race, "title": races[race][0].get("title"),
+                      "outcome": race_outcome(list(summaries[race].values())),
+                      "attempts": list(summaries[race].values())} for race in races]
+
+
+# ============================================================================
+# src/ferrus/parallel.py (from its line 61)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -24062,7 +25285,7 @@ def live_parallel_run(store):
     return holder
 
 
-class ParallelRunner(PlaceRunning, MergeQueue):
+class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
     ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
@@ -24106,6 +25329,11 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
         self._init_places(config, max_tasks is not None)     # [parallel] places
+        # Tasks prepared side by side: each takes a distinct port block, and `git worktree
+        # add` runs one at a time (two at once can read each other's half-written entry).
+        self._prepare_lock = threading.Lock()
+        self._race_plan = None         # ((state stamp, free slots), the next batch)
+        self.oversized = {}            # race -> attempts, of races too big for this run
 
     # -- messages --------------------------------------------------------------------------
 
@@ -24259,6 +25487,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("resuming %d task%s a previous run left: %s" % (
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
+        self._settle_races()
+        self._check_remote()
         self._check_base()
         self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None
@@ -24287,7 +25517,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         head = target_head(self.store.root, self.target)
         try:
             self.base_note = gate_base(self.store, self.emit, "%s at %s" % (
-                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup)
+                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup,
+                port=gate_port(self.parallel))
         except RedBaseRefused:
             self.finished = True    # nothing ran: parallel.json stays as the last run left it
             remove_gate_checkout(self.store)
@@ -24302,8 +25533,12 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 task = (row.get("branch") or "")[len(TASK_BRANCH_PREFIX):]
                 record = records.get(task) or {}
                 if row.get("main") or record.get("status") not in (
-                        MERGED_STATUS, UNCHANGED_STATUS, CANCELLED_STATUS):
+                        MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS, CANCELLED_STATUS):
                     continue
+                torn = tear_down_task(self.store, record)
+                if torn:
+                    self.note("finished task %s: %s" % (short_task_id(task), torn), "warning",
+                              task_id=task)
                 try:
                     remove_task_worktree(self.store.root, row.get("path") or
                                          record.get("worktree"), row["branch"])
@@ -24391,19 +25626,21 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                     self._leave_damaged(task, problem)
                 elif record.get("status") == QUEUED_STATUS:
                     queued.append(task)
-            self._queued = (stamp, queued)
+            self._queued = (stamp, self._without_oversized_races(queued))
         return list(self._queued[1])
 
     def free_slots(self):
         return min(max(0, self.max_tasks - len(self.controllers)), self.place_free_slots())
 
     def _plan(self):
-        self.batch = self.queued()[:self.free_slots()]
+        self.batch = self._next_batch()
         self.dispatched = []
         self.advance(2)
 
     def _prepare(self):
         todo = [task for task in self.batch if task not in self.controllers]
+        if todo:
+            self._sync_before_prepare()
         for task, ready in zip(todo, self._prepare_side_by_side(todo)):
             if not ready:
                 self.batch.remove(task)
@@ -24466,25 +25703,31 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
-            if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
-                    "branch": branch,
-                    "base": start, "target": self.target, "store": "worktree",
-                    "started_at": record.get("started_at") or format_timestamp(
-                        self.store.clock())},
-                    only_from=(QUEUED_STATUS, RUNNING_STATUS),
-                    worktree=path, branch=branch, base=start[:12]) is None:
-                return False                  # cancelled since it was read
-            create_task_worktree(self.store.root, path, branch, start)
-            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
-            # the reviewer's start (in the runner's step) only a reset to the submission
-            # is left (see review_folder).
-            own_checkout(self.store.root, review_checkout_path(path), start)
+            changes = {"status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                       "branch": branch,
+                       "base": start, "target": self.target, "store": "worktree",
+                       "started_at": record.get("started_at") or format_timestamp(
+                           self.store.clock())}
+            with self._prepare_lock:
+                port = choose_task_port(task_records(self.store), task, self.parallel)
+                if port:
+                    changes["port"] = port
+                if update_task(self.store, ORCHESTRATOR, task, "prepare_task", changes,
+                               only_from=(QUEUED_STATUS, RUNNING_STATUS),
+                               worktree=path, branch=branch, base=start[:12],
+                               **({"port": port} if port else {})) is None:
+                    return False              # cancelled since it was read
+                create_task_worktree(self.store.root, path, branch, start)
+                # Its reviewer's checkout too, now, beside the other tasks being prepared:
+                # at the reviewer's start (in the runner's step) only a reset to the
+                # submission is left (see review_folder).
+                own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
+            self._copy_local_files(task, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, workdir)
+                self._set_up_worktree(task, workdir, port)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR,
                                without_red_base_note(task_store.read_file("TASK.md")) +
@@ -24509,15 +25752,27 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             return False
         return True
 
-    def _set_up_worktree(self, task, path):
-        """[parallel] setup in the new worktree; raises FerrusError naming the failed
-        command."""
+    def _set_up_worktree(self, task, path, port=None):
+        """[parallel] setup in the new worktree (``port``: its block); raises FerrusError
+        naming the failed command."""
         self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
-                        "which holds only what git tracks), then `ferrus task cancel %s` and "
-                        "queue the task again" % short_task_id(task))
+                        "which holds only what git tracks and what [parallel] copy brings), "
+                        "then `ferrus task cancel %s` and queue the task again"
+                        % short_task_id(task), port=port)
 
-    def _run_setup(self, path, where, hint, wrap=None):
-        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap)
+    def _copy_local_files(self, task, workdir):
+        """[parallel] copy: the checkout's untracked local files into the new worktree,
+        listed in the task's record so that none of them is ever part of its work."""
+        if not self.parallel.copy:
+            return
+        paths = copy_sources(self.store.root, self.parallel.copy, skip=[self.worktree_dir])
+        # Listed first: a file copied and not yet listed could reach a submission.
+        update_task(self.store, ORCHESTRATOR, task, "task_files_copied", {"copied": paths},
+                    count=len(paths), mode=self.parallel.copy_mode)
+        copy_into_worktree(self.store.root, workdir, paths, self.parallel.copy_mode)
+
+    def _run_setup(self, path, where, hint, wrap=None, port=None):
+        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap, port)
 
     def _prepared_half_way(self, task):
         """A RUNNING task whose state was never created: _prepare_task marks the record
@@ -24561,6 +25816,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 create_task_worktree(self.store.root, record["worktree"], record["branch"],
                                      record.get("base"))
                 copy_agent_configuration(self.store.root, task_store.workdir)
+                self._copy_local_files(task, task_store.workdir)
             except (FerrusError, KeyError) as err:
                 self._end_task(task, FAILED_STATUS, "its worktree %s is gone and could not "
                                "be made again: %s" % (record.get("worktree"), err))
@@ -24569,7 +25825,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
-                                  executor_agent=record.get("agent"), notifier=self.notifier)
+                                  executor_agent=record.get("agent"), notifier=self.notifier,
+                                  executor_model=record.get("model"))
         try:
             # [sandbox] on: its agents start confined, or the task fails saying how to
             # install bubblewrap (it never starts unconfined).
@@ -24586,7 +25843,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         # P4 → P3 comes back here while queued tasks and free slots remain: those are
         # chosen and prepared now (P1 and P2 for them, inside this phase).
         if self.machine.phase == 3 and not self.batch:
-            for task in self.queued()[:self.free_slots()]:
+            batch = self._next_batch()
+            if batch:
+                self._sync_before_prepare()
+            for task in batch:
                 if self._prepare_task(task):
                     self.batch.append(task)
                 else:
@@ -24729,7 +25989,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         if self.integrating():
             if self.advance(5):
                 self._integrate()      # an approved task enters the merge queue at once
-        elif self.queued() and self.free_slots():
+        elif self._next_batch():
             self.advance(3)
         elif not self.controllers:
             self.advance(5)        # nothing left: P5 has nothing to merge and reports
@@ -24738,7 +25998,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         """Every task still in flight waits for a human nobody here can be (nor on a
         board serving the project: `ferrus web`, --web)."""
         return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
-            not (self.queued() and self.free_slots()) and web_board_url(self.store) is None
+            not self._next_batch() and web_board_url(self.store) is None
 
     # -- P5 integrate: the merge queue -----------------------------------------------------
 
@@ -24762,11 +26022,16 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self._stop_integration()        # its checks run in the worktree about to go
         record = read_task_record(self.store.dir, task)
         title = record.get("title", "")
+        published = record.get("published") or {}
         said = {MERGED_STATUS: "merged into %s%s: %s" % (
                     self.target, " at %s" % head[:12] if head else "", title),
                 UNCHANGED_STATUS: "approved, no change (%s): %s" % (
                     "its submission changed no file" if empty else
-                    "%s already has its work" % self.target, title)}.get(status)
+                    "%s already has its work" % self.target, title),
+                PUBLISHED_STATUS: "published as %s's branch %s%s: %s" % (
+                    published.get("remote"), published.get("branch"),
+                    " (pull request %s)" % published["pull_request"]
+                    if published.get("pull_request") else "", title)}.get(status)
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
@@ -24788,16 +26053,21 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
             memory_after_task_end(self.store)
-        if status in (MERGED_STATUS, UNCHANGED_STATUS):
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS):
             with contextlib.suppress(FerrusError):
-                delete_task_refs(self.store.root, task)   # the target holds its work now
+                delete_task_refs(self.store.root, task)   # the target (or remote) has it
         saved_note = ""
         if record.get("store") == "place":
             saved_note = self._end_at_place(task, record, status, controller)
         if record.get("worktree"):
             with contextlib.suppress(FerrusError, OSError):
                 remove_review_checkout(self.store.root, record["worktree"])
-        if status in (MERGED_STATUS, UNCHANGED_STATUS) and record.get("worktree"):
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS) and \
+                record.get("worktree"):
+            torn = tear_down_task(self.store, record)
+            if torn:
+                self.note("task %s: %s" % (short_task_id(task), torn), "warning",
+                          task_id=task)
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
             except FerrusError as err:
@@ -24819,6 +26089,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("task %s %s — nothing to merge" % (short_task_id(task), said),
                       event="unchanged", task_id=task, status=status, target=self.target,
                       title=title)
+        elif status == PUBLISHED_STATUS:
+            self.note("task %s %s" % (short_task_id(task), said), event="published",
+                      task_id=task, status=status, target=self.target, title=title,
+                      **published)
         elif status == FAILED_STATUS:
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
@@ -24829,6 +26103,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",
                       task_id=task, status=status)
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS):
+            self._decide_race(task, record)      # a race's first merged attempt wins it
 
     # -- P6 report, P7 cleanup -------------------------------------------------------------
 
@@ -24838,6 +26114,9 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         if self.damaged:
             parts.append("%d with a damaged %s (`ferrus doctor --fix`)" % (
                 len(self.damaged), TASK_RECORD_FILE))
+        if self.oversized:
+            parts.append("%d race%s left queued, too big for %d at a time" % (
+                len(self.oversized), "" if len(self.oversized) == 1 else "s", self.max_tasks))
         self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
         self.advance(7)
 
@@ -24856,7 +26135,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if self.halted or self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.halted or self.damaged or self.oversized or any(
+                status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -24875,17 +26155,17 @@ class ParallelRunner(PlaceRunning, MergeQueue):
 
 
 
-def run_worktree_setup(store, path, commands, where, hint, wrap=None):
+def run_worktree_setup(store, path, commands, where, hint, wrap=None, port=None):
     """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
-    process groups; ``wrap``, a sandbox's); raises FerrusError naming the failed command
-    and ``where`` it ran."""
+    process groups; ``wrap``, a sandbox's) and ``port``'s block ({port},
+    FERRUS_TASK_PORT); raises FerrusError naming the failed command and ``where`` it ran."""
     if not commands:
         return
     config = store.config()
-    setup = dataclasses.replace(config.checks, commands=list(commands), parallel=False,
-                                fail_fast=True)
+    setup = dataclasses.replace(config.checks, commands=with_port(list(commands), port),
+                                parallel=False, fail_fast=True)
     run = run_checks(path, setup, store.path("logs"), 0, config.limits.max_feedback_lines,
-                     None, store.root, wrap=wrap)
+                     None, store.root, wrap=wrap, env=port_environment(port))
     if not run.passed:
         failed = run.failed[0] if run.failed else None
         raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
@@ -24894,7 +26174,7 @@ def run_worktree_setup(store, path, commands, where, hint, wrap=None):
 
 
 def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
-              cancel=None):
+              cancel=None, port=None):
     """The check gate tried on a task's base before any agent starts (see check_base),
     told to ``emit`` as "base_checks" events.  A red base, or a command that cannot run,
     stops here with a FerrusError unless ``allow_red``; then the text for the executor
@@ -24908,7 +26188,7 @@ def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=
         tell("info", "running the checks on %s before any agent starts (%d command%s%s)" % (
             where, len(commands), "" if len(commands) == 1 else "s",
             "; a pass is kept for this commit" if commit else ""), running=True)
-    result = check_base(store, commit, checkout, setup, cancel)
+    result = check_base(store, commit, checkout, setup, cancel, port)
     if result.passed:
         tell("info", "the checks pass on %s%s" % (where, " (as when checked %s)" % (
             result.checked_at) if result.cached else ""), cached=result.cached,
@@ -25006,7 +26286,7 @@ def cancel_queue_task(store, caller, task, discard=False, out=None):
 
 
 # ============================================================================
-# src/ferrus/run.py (from its line 41)
+# src/ferrus/run.py (from its line 42)
 # ============================================================================
 # `ferrus run`: one task, the queue, milestones, or the queue in parallel.
 #
@@ -25386,9 +26666,20 @@ def run_queue(store, out=None, **run_options):
     store.config()
     if run_options.get("launcher") is None:
         require_headless_agents(store)
+    races_said = False
     while True:
         queued = [(task, record) for task, record in task_records(store)
                   if record.get("status") == QUEUED_STATUS]
+        races = sorted({race_id_of(record) for _, record in queued if race_id_of(record)})
+        if races and not races_said:
+            races_said = True
+            # A race's attempts run side by side, each in its own worktree.
+            note("%s stay%s queued: a race's attempts run side by side in worktrees, with "
+                 "`ferrus run --parallel N` (N at least its attempts)" % (
+                     ", ".join("race %s" % race for race in races),
+                     "s" if len(races) == 1 else ""), "error", races=races)
+            worst = RUN_FAILED
+        queued = [(task, record) for task, record in queued if not race_id_of(record)]
         if not queued:
             return worst
         task, record = queued[0]
@@ -26859,6 +28150,11 @@ path = %s              # where `ferrus init` writes the skill files
 [git]
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
+# The team's remote in `ferrus run --parallel` (docs/REFERENCE.md, "The team's remote"):
+fetch = false          # true: tasks start from and merge onto the target's upstream
+push = ""              # e.g. "origin": push the target after each merge (never forced)
+publish = "target"     # "branch": push each task's branch instead, for a pull request
+pr = ""                # with publish = "branch": "gh", "glab" or "tea" opens the request
 
 [notify]
 # When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
@@ -26878,6 +28174,12 @@ delegates = []         # agents a supervisor's split-off tasks may go to ([] = [
 setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 places = ["here"]      # where tasks run, filled in this order ("here": this machine)
+copy = []              # e.g. [".env"]: untracked files copied into each worktree, never committed
+copy_mode = "copy"     # "link": a symbolic link to the checkout's file instead
+copy_to_places = false # also to a task run at another place (not applied yet: see REFERENCE)
+port_base = 20000      # each task's ports: FERRUS_TASK_PORT, {port} in setup (0: none)
+ports_per_task = 10
+teardown = []          # e.g. ["docker compose down"]: run in a worktree before it is removed
 
 # [sandbox]
 # enabled = false      # true: each task's agents and checks may write only its worktree,
@@ -27941,7 +29243,7 @@ PLACE_OPS = {
 
 
 # ============================================================================
-# src/ferrus/doctor.py (from its line 43)
+# src/ferrus/doctor.py (from its line 44)
 # ============================================================================
 # Doctor: checking .ferrus/ and ferrus.toml, and safe repairs.
 #
@@ -28228,6 +29530,7 @@ def _orphan_finding(store, task, row, status, folder):
     """A worktree or branch of a task that is merged, cancelled or unknown."""
     why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
            UNCHANGED_STATUS: "task %s was approved with no change" % task,
+           PUBLISHED_STATUS: "task %s was published as a branch of its remote" % task,
            CANCELLED_STATUS: "task %s was cancelled" % task}.get(
         status, "task %s is %s" % (task, status))
     what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
@@ -28316,7 +29619,7 @@ def _rebuild_task_record(store, task):
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
         salvaged = _salvaged_task_fields(store, task)
         record.update(salvaged)
-        if salvaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+        if salvaged.get("status") in SALVAGED_ENDS:
             pass                        # it had ended: nothing of it runs again
         elif record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
@@ -28328,11 +29631,16 @@ def _rebuild_task_record(store, task):
         _set_aside(path, pretty_json(record))
 
 
+# The ends a rebuilt task.json keeps from the damaged one.
+SALVAGED_ENDS = (MERGED_STATUS, DONE_STATUS, PUBLISHED_STATUS, CANCELLED_STATUS)
+
+
 def _salvaged_task_fields(store, task):
     """What a damaged task.json still says that a new record can keep, each field only
     when it is what ferrus writes: when it was queued, its origin (the milestone it
-    implements) and the agent it was given — and, when it had ended (merged, done or
-    cancelled), that end: so a merged or done task is never run again."""
+    implements), the agent and model it was given and the race it is an attempt of — and,
+    when it had ended (merged, done, published or cancelled), that end: so a merged or
+    done task is never run again."""
     try:
         with open(task_record_path(store.dir, task), "rb") as handle:
             damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
@@ -28340,9 +29648,10 @@ def _salvaged_task_fields(store, task):
         return {}
     if not isinstance(damaged, dict):
         return {}
-    keys = ["created_at", "origin", "agent"]
-    if damaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
-        keys += ["status", "ended_at", "merged_commit", "target", "store", "started_at"]
+    keys = ["created_at", "origin", "agent", "model", "race"]
+    if damaged.get("status") in SALVAGED_ENDS:
+        keys += ["status", "ended_at", "merged_commit", "published", "target", "store",
+                 "started_at"]
     kept = {}
     for key in keys:
         if key in damaged and not task_record_problem(
@@ -30558,7 +31867,7 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# src/ferrus/cli_views.py (from its line 37)
+# src/ferrus/cli_views.py (from its line 39)
 # ============================================================================
 # CLI views: `status`, `log`, `sessions`, `usage`, `diff`, `tasks` — read-only.
 #
@@ -30647,7 +31956,7 @@ def _status_task_rows(data, view, record, damaged, info, now, color):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
     if view.task and record.get("status") in (MERGED_STATUS, UNCHANGED_STATUS,
-                                              CANCELLED_STATUS):
+                                              PUBLISHED_STATUS, CANCELLED_STATUS):
         # Its branch and worktree are gone: the base would name a branch that is no more.
         merged = record.get("merged_commit") or ""
         rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
@@ -30656,6 +31965,12 @@ def _status_task_rows(data, view, record, damaged, info, now, color):
             if record["status"] == MERGED_STATUS else
             "approved, and it changed nothing: nothing was merged; its worktree and branch "
             "were removed" if record["status"] == UNCHANGED_STATUS else
+            "published as %s's branch %s%s; its worktree was removed" % (
+                (record.get("published") or {}).get("remote"),
+                (record.get("published") or {}).get("branch"),
+                " (pull request %s)" % record["published"]["pull_request"]
+                if (record.get("published") or {}).get("pull_request") else "")
+            if record["status"] == PUBLISHED_STATUS else
             "cancelled; its worktree and branch were removed"))
     elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
@@ -31105,19 +32420,28 @@ def cmd_tasks(args, root):
         rows, older = recent_task_rows(rows, store.clock())
     tasks_with_usage(store, rows, full_titles=args.json)
     if args.json:
-        print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
+        for row in rows:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+        races = group_race_rows(store, rows)[1]
+        print(json_for_terminal(compact_json(dict({"tasks": rows, "older": older},
+                                                  **({"races": races} if races else {})))))
         return 0
     if not rows:
         say("No task in the queue%s: `ferrus task add TEXT` queues one." % (
             " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
             if older else ""))
         return 0
+    rows, _ = group_race_rows(store, rows)
     lines, indent = task_table(rows)
     say(lines[0])
     for row, line in zip(rows, lines[1:]):
+        if row.get("race_heading"):
+            say(row["race_heading"])
         if row.get("tokens"):
             line += "  (%s tok)" % compact_count(row["tokens"])
         say(line)
+        if row.get("race_attempt"):
+            say("%*s %s" % (indent, "", row["race_attempt"]))
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%*s worktree %s" % (indent, "", row["worktree"]))
         elif row.get("place") and row["status"] == RUNNING_STATUS:
@@ -31126,6 +32450,12 @@ def cmd_tasks(args, root):
             say("%*s merged at %s (`ferrus diff --task %s`)%s" % (
                 indent, "", row["merged_commit"][:12], short_task_id(row["id"]),
                 "; it ran at place %s" % row["place"] if row.get("place") else ""))
+        elif row.get("status") == PUBLISHED_STATUS and row.get("published"):
+            published = row["published"]
+            say("%*s published as %s's branch %s%s" % (
+                indent, "", published.get("remote"), published.get("branch"),
+                ", pull request %s" % published["pull_request"]
+                if published.get("pull_request") else ""))
         elif row.get("place"):
             say("%*s ran at place %s" % (indent, "", row["place"]))
     if older:
@@ -33375,7 +34705,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 55)
+# src/ferrus/cli.py (from its line 56)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -33437,8 +34767,9 @@ def cmd_task(args, root):
         raise UsageError("say what to queue: TEXT, --file F, --milestone SPEC ID or --ready SPEC "
                          "(one of them)", 'ferrus task add "Add a --verbose flag"')
     if args.milestone or args.ready:
-        if args.agent:
-            raise UsageError("--agent goes with a task given as TEXT or --file")
+        if args.agent or args.race:
+            raise UsageError("--%s goes with a task given as TEXT or --file" % (
+                "agent" if args.agent else "race"))
         outcome = op_enqueue_milestone(store, caller, *args.milestone) if args.milestone \
             else op_enqueue_ready(store, caller, args.ready)
     else:
@@ -33450,7 +34781,11 @@ def cmd_task(args, root):
                 raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
                                   "give the path of a text file holding the task, or - for "
                                   "stdin") from err
-        outcome = op_enqueue_task(store, caller, text, agent=args.agent)
+        if args.race:
+            attempts = parse_race(args.race, store.config(), args.agent)
+            outcome = op_enqueue_race(store, caller, text, attempts)
+        else:
+            outcome = op_enqueue_task(store, caller, text, agent=args.agent)
     say(outcome.text)
     return 0
 
@@ -33992,6 +35327,10 @@ def _add_task_parser(sub):
                      help="one task for every ready milestone of this spec")
     add.add_argument("--agent", metavar="AGENT",
                      help="the executor agent for this task (default: [hq.executor])")
+    add.add_argument("--race", metavar="N|AGENTS",
+                     help="race attempts at the task side by side: N attempts by the "
+                          "executor agent, or one per AGENT[:MODEL] of a comma-separated "
+                          "list; the first merged wins, the others are cancelled")
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
                                                 "work is saved, then its worktree and branch "
                                                 "are removed")
@@ -34305,7 +35644,7 @@ def _main(argv):
 
 
 # ============================================================================
-# src/ferrus/api.py (from its line 36)
+# src/ferrus/api.py (from its line 37)
 # ============================================================================
 # The public interface: what other programs may import, and the entry point.
 #
@@ -34323,7 +35662,7 @@ __all__ = [
     "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
-    # the operations and what they take and give (operations, work, task_queue)
+    # the operations and what they take and give (operations, work, task_queue, race)
     "Caller", "HUMAN", "Outcome",
     "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
     "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
@@ -34332,7 +35671,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
-    "op_enqueue_ready", "op_cancel_task", "op_retry_task",
+    "op_enqueue_ready", "op_enqueue_race", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
     # project memory (memory)
     "op_memory_search", "op_memory_show", "op_memory_status", "op_memory_rebuild",

@@ -102,6 +102,13 @@ GOOD = {"id": TASK, "title": "T", "status": "running", "created_at": "2026-01-01
     ("created_at", 5, "created_at is 5"), ("store", "somewhere", "store \"somewhere\""),
     ("id", "t-20260101T000000-ffffff", "is not the task's own"),
     ("reason", 5, "reason is 5"), ("merged_commit", 5, "merged_commit is 5"),
+    ("copied", ".env", "copied is \".env\", not a list"), ("copied", [""], "copied is"),
+    ("port", 70000, "port is 70000"), ("port", True, "port is true"),
+    ("race", "r-1", "race is \"r-1\", not an object"),
+    ("race", {"attempt": "1"}, "race.attempt is \"1\", not a number"),
+    ("push", {"status": 5}, "push.status is 5"),
+    ("published", {"branch": ["x"]}, "published.branch is"),
+    ("model", 5, "model is 5"), ("lost_to", 5, "lost_to is 5"),
 ])
 def test_a_field_ferrus_never_writes_makes_the_record_damaged(key, value, said):
     assert ferrus.task_record_problem(TASK, GOOD) is None
@@ -221,6 +228,18 @@ def test_doctor_keeps_the_end_of_a_task_that_had_ended(git_project):
     assert "agent" not in record
 
 
+def test_doctor_keeps_the_race_an_attempt_belongs_to(git_project):
+    store = scripted_setup(git_project, ["test -f README.md"])
+    tasks = ferrus.op_enqueue_race(store, ferrus.HUMAN, "Race.", [
+        ("scripted", "m1"), ("scripted", "")]).data["tasks"]
+    before = ferrus.read_task_record(store.dir, tasks[0])
+    damage(store, tasks[0], setting("title", ["x"]))
+    assert cli(git_project, "doctor", "--fix").returncode == 0
+    record, problem = ferrus.load_task_record(store.dir, tasks[0])
+    assert problem is None and record["status"] == "queued"
+    assert record["race"] == before["race"] and record["model"] == "m1"
+
+
 def test_cancel_and_retry_write_nothing_over_a_damaged_record(git_project):
     store = scripted_setup(git_project, ["test -f README.md"])
     queued, running = enqueue(store, "Queued."), prepared(store, "Running.")
@@ -269,7 +288,7 @@ def test_a_record_damaged_while_its_task_runs_stops_only_that_task(git_project):
     finally:
         runner.shutdown()
     assert bad not in runner.controllers and runner.damaged == {
-        bad: "status 7 is none of queued, running, merged, done, unchanged, failed, cancelled"}
+        bad: "status 7 is none of queued, running, merged, done, unchanged, published, failed, cancelled"}
     assert ferrus.read_task_record(store.dir, good)["status"] == "merged"
     assert runner.exit_code() == ferrus.RUN_FAILED
     assert sum("is damaged" in line for line in lines) == 1        # said once

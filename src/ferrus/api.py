@@ -30,6 +30,7 @@ from .graph import (op_graph_context, op_graph_index, op_graph_search, op_graph_
                     op_graph_status)
 from .memory import (op_memory_rebuild, op_memory_search, op_memory_show, op_memory_status,
                      op_spec_archive)
+from .race import op_enqueue_race
 from .mcp import serve_stdio
 from .cli import main
 
@@ -42,7 +43,7 @@ __all__ = [
     "SandboxConfig", "PlaceConfig",
     # the store and its state types (task_machine, store)
     "Store", "TaskState", "StateData",
-    # the operations and what they take and give (operations, work, task_queue)
+    # the operations and what they take and give (operations, work, task_queue, race)
     "Caller", "HUMAN", "Outcome",
     "op_create_task", "op_review_pending", "op_approve", "op_reject", "op_human_approve",
     "op_human_reject", "op_respond_consult", "op_create_spec", "op_select_milestone",
@@ -51,7 +52,7 @@ __all__ = [
     "op_ask_human", "op_answer", "op_status", "op_reset", "op_force_reset",
     "op_rotate_journal", "op_heartbeat", "op_release_sessions", "op_run_checks_only",
     "op_diff", "op_task_diff", "op_merged_task_diff", "op_enqueue_task", "op_enqueue_milestone",
-    "op_enqueue_ready", "op_cancel_task", "op_retry_task",
+    "op_enqueue_ready", "op_enqueue_race", "op_cancel_task", "op_retry_task",
     "op_integrated", "op_integration_failed",
     # project memory (memory)
     "op_memory_search", "op_memory_show", "op_memory_status", "op_memory_rebuild",

@@ -8,12 +8,13 @@ import dataclasses
 import json
 import os
 
-from .basics import FerrusError, deferred_dataclass, format_timestamp, pretty_json
+from .basics import FerrusError, deferred_dataclass, format_timestamp, log, pretty_json
 from .system import atomic_write, read_text
 from .checks import CHECK_TAIL_SHOWN, describe_failed_check, failed_check_facts, run_checks
 from .git import git_repository
 from .worktrees import (GATE_FOLDER, default_worktree_dir, gate_checkout,
                         remove_task_worktree, reset_gate)
+from .bootstrap import copy_local_files, port_environment, run_teardown, with_port
 
 
 # -- the gate tried on the base, before any agent starts ----------------------------------
@@ -90,23 +91,27 @@ def _keep_base_check(store, result, commands, setup):
             {"checks": (entries + [entry])[-BASE_CHECKS_KEPT:]}))
 
 
-def check_base(store, commit, checkout=None, setup=(), cancel=None):
+def check_base(store, commit, checkout=None, setup=(), cancel=None, port=None):
     """Run the check gate on a task's base before any agent starts; a BaseCheck.
 
     ``checkout`` is where the base is checked out as it is (the project's own checkout
     for a single task); None makes a clean one: a temporary detached worktree of
-    ``commit`` beside the repository (default_worktree_dir), where ``setup`` (the
-    [parallel] setup commands) runs first, removed afterwards.  With a ``commit`` a green
-    verdict is kept for it and these commands and reused; ``commit`` None (a checkout
-    with uncommitted changes) is checked every time."""
+    ``commit`` beside the repository (default_worktree_dir), holding what [parallel]
+    copy brings, where ``setup`` (the [parallel] setup commands) runs first and
+    [parallel] teardown last, with the merge gate's ports (``port``: {port} and
+    FERRUS_TASK_PORT), removed afterwards.  With a ``commit`` a green verdict is kept
+    for it and these commands and reused; ``commit`` None (a checkout with uncommitted
+    changes) is checked every time."""
     config = store.config()
     commands = list(config.checks.commands)
     found = cached_base_check(store, commit, commands, setup)
     if found is not None:
         return found
     if checkout is None:
-        result = _run_base_checks(store, _clean_checkout(store, commit), commit, setup,
-                                  cancel)
+        folder = _clean_checkout(store, commit)
+        copy_local_files(store, folder, default_worktree_dir(
+            store.root, store.config().parallel.worktree_dir))
+        result = _run_base_checks(store, folder, commit, setup, cancel, port)
     else:
         result = _run_base_checks(store, checkout, commit, (), cancel)
     # Only a green verdict is kept: a red one is tried again, as what fixes it (a tool
@@ -117,21 +122,27 @@ def check_base(store, commit, checkout=None, setup=(), cancel=None):
     return result
 
 
-def _run_base_checks(store, checkout, commit, setup, cancel):
+def _run_base_checks(store, checkout, commit, setup, cancel, port=None):
     config = store.config()
     keep = config.limits.max_feedback_lines
     failed, log_path = [], ""
+    env = port_environment(port)
     if setup:
-        steps = dataclasses.replace(config.checks, commands=list(setup), parallel=False,
-                                    fail_fast=True)
-        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root)
+        steps = dataclasses.replace(config.checks, commands=with_port(setup, port),
+                                    parallel=False, fail_fast=True)
+        run = run_checks(checkout, steps, store.path("logs"), 0, keep, cancel, store.root,
+                         env=env)
         failed = [dict(failed_check_facts(r), setup=True) for r in run.failed]
         log_path = run.log_path
     if not failed:
         run = run_checks(checkout, config.checks, store.path("logs"), 0, keep, cancel,
-                         store.root)
+                         store.root, env=env)
         failed = [failed_check_facts(r) for r in run.failed]
         log_path = run.log_path
+    if setup:
+        torn = run_teardown(store, checkout, port, "the merge gate's checkout")
+        if torn:
+            log.warning("%s", torn)
     return BaseCheck(not failed, commit, failed, log_path,
                      format_timestamp(store.clock()))
 

@@ -334,9 +334,11 @@ def _tail_text(raw, cut=False):
 
 
 def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
-                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None):
+                     max_log_bytes=ChecksConfig.max_log_bytes, process_dir=None, wrap=None,
+                     env=None):
     """Run one check command to completion, timeout or ``stop``; fill ``result``.
-    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py)."""
+    ``wrap(argv)`` confines the command (a task's sandbox, see sandbox.py); ``env`` adds
+    variables to the command's environment."""
     started = time.monotonic()
     if not result.command.strip():
         result.status = "passed"
@@ -352,7 +354,7 @@ def _run_one_command(root, result, timeout, keep_lines, stop, log_dir,
             argv = shell_argv(result.command)
             proc = subprocess.Popen(wrap(argv) if wrap else argv, cwd=root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, env=record.environment(),
+                                    stderr=subprocess.STDOUT, env=record.environment(env),
                                     **process_group_kwargs())
         except (OSError, FerrusError) as err:
             # FerrusError: the sandbox the command must run in cannot be made here.
@@ -651,9 +653,11 @@ class CheckProcessRecord:
         except OSError as err:
             log.warning("cannot record check processes in %s: %s", self.path, err)
 
-    def environment(self):
-        """The command's environment; also opens the pid window, just before the spawn."""
+    def environment(self, extra=None):
+        """The command's environment (with ``extra`` added); also opens the pid window,
+        just before the spawn."""
         env = dict(os.environ)
+        env.update(extra or {})
         env[CHECK_MARKER_ENV] = self.marker
         self.window = PidWindow()
         return env
@@ -789,14 +793,15 @@ class _StopFlag:
 
 
 def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, project=None,
-               wrap=None):
+               wrap=None, env=None):
     """Run the configured check commands (never anything an agent supplies) in ``root``.
 
     Every command streams into its own log file under ``log_dir``; a summary
     file names them all, by paths relative to ``project`` (default ``root``: a parallel
     task's checks run in its worktree, its logs are the project's).  ``cancel`` (a
     threading.Event) stops the run and kills the process groups.  ``wrap(argv)``
-    confines each command (the task's sandbox)."""
+    confines each command (the task's sandbox); ``env`` adds variables to each command's
+    environment (a parallel task's FERRUS_TASK_PORT)."""
     os.makedirs(log_dir, exist_ok=True)
     stamp = "%s_%s" % (utc_now().strftime("%Y%m%dT%H%M%S"), random_hex(3))
     base = os.path.join(log_dir, "check_%d_%s" % (attempt, stamp))
@@ -811,7 +816,7 @@ def run_checks(root, checks, log_dir, attempt=1, keep_lines=30, cancel=None, pro
 
     def run(result):
         _run_one_command(root, result, checks.timeout_secs, keep_lines, stop, log_dir,
-                         checks.max_log_bytes, wrap=wrap)
+                         checks.max_log_bytes, wrap=wrap, env=env)
         if checks.fail_fast and not result.passed:
             stop.set()
 

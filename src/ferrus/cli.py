@@ -40,6 +40,7 @@ from .sessions import HqMessage
 from .notify import terminal_bell
 from .orchestrator import OrchestratorLock
 from .place_tasks import places_elsewhere
+from .race import op_enqueue_race, parse_race
 from .parallel import live_parallel_run
 from .task_cancel import cancel_needs_confirmation, cancel_queue_task
 from .run import run_loop, run_milestones, run_parallel, run_printer, run_queue
@@ -108,8 +109,9 @@ def cmd_task(args, root):
         raise UsageError("say what to queue: TEXT, --file F, --milestone SPEC ID or --ready SPEC "
                          "(one of them)", 'ferrus task add "Add a --verbose flag"')
     if args.milestone or args.ready:
-        if args.agent:
-            raise UsageError("--agent goes with a task given as TEXT or --file")
+        if args.agent or args.race:
+            raise UsageError("--%s goes with a task given as TEXT or --file" % (
+                "agent" if args.agent else "race"))
         outcome = op_enqueue_milestone(store, caller, *args.milestone) if args.milestone \
             else op_enqueue_ready(store, caller, args.ready)
     else:
@@ -121,7 +123,11 @@ def cmd_task(args, root):
                 raise FerrusError("cannot read --file %s: %s" % (args.file, err.strerror),
                                   "give the path of a text file holding the task, or - for "
                                   "stdin") from err
-        outcome = op_enqueue_task(store, caller, text, agent=args.agent)
+        if args.race:
+            attempts = parse_race(args.race, store.config(), args.agent)
+            outcome = op_enqueue_race(store, caller, text, attempts)
+        else:
+            outcome = op_enqueue_task(store, caller, text, agent=args.agent)
     say(outcome.text)
     return 0
 
@@ -663,6 +669,10 @@ def _add_task_parser(sub):
                      help="one task for every ready milestone of this spec")
     add.add_argument("--agent", metavar="AGENT",
                      help="the executor agent for this task (default: [hq.executor])")
+    add.add_argument("--race", metavar="N|AGENTS",
+                     help="race attempts at the task side by side: N attempts by the "
+                          "executor agent, or one per AGENT[:MODEL] of a comma-separated "
+                          "list; the first merged wins, the others are cancelled")
     cancel = commands.add_parser("cancel", help="take a task out of the queue or stop it; its "
                                                 "work is saved, then its worktree and branch "
                                                 "are removed")

@@ -20,8 +20,9 @@ from .system import read_text
 from .config import NO_CHECKS_WARNING
 from .task_machine import S, failure_summary
 from .store import (APPROVED_STATUSES, CANCELLED_STATUS, ENDED_STATUSES, MERGED_STATUS,
-                    QUEUED_STATUS, RUNNING_STATUS, Store, TASKS_DIR, TASK_RECORD_FILE,
-                    UNCHANGED_STATUS, is_story, journal_story, load_task_record)
+                    PUBLISHED_STATUS, QUEUED_STATUS, RUNNING_STATUS, Store, TASKS_DIR,
+                    TASK_RECORD_FILE, UNCHANGED_STATUS, is_story, journal_story,
+                    load_task_record)
 from .git import describe_base
 from .operations import HUMAN, confirmation_summary, describe_task_commit, short_task_id
 from .work import op_rotate_journal, status_data
@@ -33,6 +34,7 @@ from .sessions import (STATUS_SESSIONS_SHOWN, compact_count, describe_orchestrat
                        describe_session, first_lines, format_usage, read_session_records,
                        session_state, usage_summary)
 from .orchestrator import running_orchestrator
+from .race import group_race_rows
 from .hq_board import _STATE_COLORS, _color_enabled, _paint, format_event, paint_diff
 def cmd_status(args, root):
     store = Store(root).require()
@@ -116,7 +118,7 @@ def _status_task_rows(data, view, record, damaged, info, now, color):
             rows.append(("task age", format_duration(
                 (now - parse_timestamp(data.task_started_at)).total_seconds())))
     if view.task and record.get("status") in (MERGED_STATUS, UNCHANGED_STATUS,
-                                              CANCELLED_STATUS):
+                                              PUBLISHED_STATUS, CANCELLED_STATUS):
         # Its branch and worktree are gone: the base would name a branch that is no more.
         merged = record.get("merged_commit") or ""
         rows.append(("git", "merged into %s%s; its worktree and branch were removed%s" % (
@@ -125,6 +127,12 @@ def _status_task_rows(data, view, record, damaged, info, now, color):
             if record["status"] == MERGED_STATUS else
             "approved, and it changed nothing: nothing was merged; its worktree and branch "
             "were removed" if record["status"] == UNCHANGED_STATUS else
+            "published as %s's branch %s%s; its worktree was removed" % (
+                (record.get("published") or {}).get("remote"),
+                (record.get("published") or {}).get("branch"),
+                " (pull request %s)" % record["published"]["pull_request"]
+                if (record.get("published") or {}).get("pull_request") else "")
+            if record["status"] == PUBLISHED_STATUS else
             "cancelled; its worktree and branch were removed"))
     elif data.task_base:
         rows.append(("git base", describe_base(data.task_base) + " (`ferrus diff` shows the "
@@ -574,19 +582,28 @@ def cmd_tasks(args, root):
         rows, older = recent_task_rows(rows, store.clock())
     tasks_with_usage(store, rows, full_titles=args.json)
     if args.json:
-        print(json_for_terminal(compact_json({"tasks": rows, "older": older})))
+        for row in rows:
+            row["title"] = full_task_title(store, row["id"], row["title"])
+        races = group_race_rows(store, rows)[1]
+        print(json_for_terminal(compact_json(dict({"tasks": rows, "older": older},
+                                                  **({"races": races} if races else {})))))
         return 0
     if not rows:
         say("No task in the queue%s: `ferrus task add TEXT` queues one." % (
             " and none ended in the last day (%d older: `ferrus tasks --all`)" % older
             if older else ""))
         return 0
+    rows, _ = group_race_rows(store, rows)
     lines, indent = task_table(rows)
     say(lines[0])
     for row, line in zip(rows, lines[1:]):
+        if row.get("race_heading"):
+            say(row["race_heading"])
         if row.get("tokens"):
             line += "  (%s tok)" % compact_count(row["tokens"])
         say(line)
+        if row.get("race_attempt"):
+            say("%*s %s" % (indent, "", row["race_attempt"]))
         if row.get("worktree") and row["status"] == RUNNING_STATUS:
             say("%*s worktree %s" % (indent, "", row["worktree"]))
         elif row.get("place") and row["status"] == RUNNING_STATUS:
@@ -595,6 +612,12 @@ def cmd_tasks(args, root):
             say("%*s merged at %s (`ferrus diff --task %s`)%s" % (
                 indent, "", row["merged_commit"][:12], short_task_id(row["id"]),
                 "; it ran at place %s" % row["place"] if row.get("place") else ""))
+        elif row.get("status") == PUBLISHED_STATUS and row.get("published"):
+            published = row["published"]
+            say("%*s published as %s's branch %s%s" % (
+                indent, "", published.get("remote"), published.get("branch"),
+                ", pull request %s" % published["pull_request"]
+                if published.get("pull_request") else ""))
         elif row.get("place"):
             say("%*s ran at place %s" % (indent, "", row["place"]))
     if older:

@@ -153,6 +153,10 @@ class PipelinesConfig:
 
 # [git] commit: when ferrus commits a task's changes.
 GIT_COMMIT_POLICIES = ("off", "on_approve")
+# [git] publish: what a parallel run pushes after the merge gate passed a task.
+GIT_PUBLISH_MODES = ("target", "branch")
+# [git] pr: the CLIs that open a pull (or merge) request for a published branch.
+PULL_REQUEST_CLIS = ("gh", "glab", "tea")
 # The one placeholder a [git] branch template may hold (each task gets its own branch).
 GIT_BRANCH_PLACEHOLDER = "{task_id}"
 
@@ -163,6 +167,14 @@ class GitConfig:
 
     branch: str = ""               # e.g. "ferrus/{task_id}"; "" = no branch per task
     commit: str = "off"            # off | on_approve
+    # The team's remote in a parallel run (remote.py): fetch the target's upstream
+    # before a task is prepared and before each integration; push to this remote after
+    # a merge ("" = never); push the target, or the task's branch (with a pull request
+    # opened through ``pr``).
+    fetch: bool = False
+    push: str = ""
+    publish: str = "target"        # target | branch
+    pr: str = ""                   # "" | gh | glab | tea
 
     def branch_for(self, task_id):
         """The branch a task gets, or None when [git] branch is off."""
@@ -221,9 +233,26 @@ class ParallelConfig:
     guarded: list = dataclasses.field(default_factory=list)
     # Where tasks run, filled in this order: "here" (this machine) and [places.NAME] names.
     places: list = dataclasses.field(default_factory=lambda: ["here"])
+    # Worktree bootstrap (bootstrap.py): untracked files of the checkout matching these
+    # glob patterns (a .env, local settings) are copied (or linked) into each new worktree
+    # and never become part of the task's work.
+    copy: list = dataclasses.field(default_factory=list)
+    copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
+    # Whether copied files also go to a task run at another place than this machine
+    # (validated now; every task runs in a local worktree today).
+    copy_to_places: bool = False
+    # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
+    # (the merge gate has the block at port_base; 0: no ports).
+    port_base: int = 20000
+    ports_per_task: int = 10
+    # Shell commands run in a task's worktree before it is removed (stop a dev server).
+    teardown: list = dataclasses.field(default_factory=list)
 
 
 HISTORY_MODES = ("squash", "linear")
+COPY_MODES = ("copy", "link")
+# What [parallel] setup and teardown commands may hold in place of the task's first port.
+PORT_PLACEHOLDER = "{port}"
 
 
 def _check_parallel(path, parallel):
@@ -233,6 +262,41 @@ def _check_parallel(path, parallel):
     if parallel.history not in HISTORY_MODES:
         raise _config_error(path, "parallel.history", 'must be "squash" or "linear"',
                             parallel.history)
+    if parallel.copy_mode not in COPY_MODES:
+        raise _config_error(path, "parallel.copy_mode", 'must be "copy" or "link"',
+                            parallel.copy_mode)
+    for pattern in parallel.copy:
+        problem = copy_pattern_problem(pattern)
+        if problem:
+            raise _config_error(path, "parallel.copy", "must hold glob patterns relative to "
+                                "the project folder: %s" % problem, pattern)
+    if parallel.port_base and parallel.port_base < 1024:
+        raise _config_error(path, "parallel.port_base", "must be 0 (no ports) or from 1024 "
+                            "(ports below need root)", parallel.port_base)
+    last = parallel.port_base + parallel.ports_per_task * 65 - 1    # the gate's and 64 tasks'
+    if parallel.port_base and last > 65535:
+        raise _config_error(path, "parallel.port_base", "leaves no room for 64 tasks' ports "
+                            "of %d each below 65536 (the last would be %d)"
+                            % (parallel.ports_per_task, last), parallel.port_base)
+    uses_port = [c for c in parallel.setup + parallel.teardown if PORT_PLACEHOLDER in c]
+    if uses_port and not parallel.port_base:
+        raise _config_error(path, "parallel.port_base", "must be set: a setup or teardown "
+                            "command uses {port} (`%s`)" % uses_port[0], parallel.port_base)
+
+
+def copy_pattern_problem(pattern):
+    """Why ``pattern`` cannot be a [parallel] copy pattern, or None."""
+    parts = pattern.replace("\\", "/").split("/")
+    if not pattern.strip():
+        return "an empty pattern"
+    if os.path.isabs(pattern) or pattern.startswith(("/", "\\")) or (
+            len(parts[0]) == 2 and parts[0][1] == ":"):
+        return "it is an absolute path"
+    if ".." in parts:
+        return "it leaves the project folder (..)"
+    if parts[0] in (".git", ".ferrus"):
+        return "git's and ferrus's own folders are never copied"
+    return None
 
 
 # -- [sandbox]: what confinement a task asks for -----------------------------------------
@@ -478,6 +542,8 @@ _INT_LIMITS = {
     ("checks", "max_log_bytes"): (4096, 2 ** 40),
     ("capacity", "orange_percent"): (1, 100),
     ("parallel", "max_tasks"): (1, 64),
+    ("parallel", "port_base"): (0, 65535),
+    ("parallel", "ports_per_task"): (1, 1000),
     ("capacity", "emergency_percent"): (100, 100_000),
     ("capacity", "throttle_secs"): (0, 86_400),
     ("sessions", "max_consecutive_errors"): (1, 1_000_000),
@@ -790,7 +856,7 @@ def _parse_git_table(path, git, target, unknown, found):
         found.append(_config_error(path, "git", "must be a table", git))
         return
     for key, value in git.items():
-        if key not in ("branch", "commit"):
+        if key not in ("branch", "commit") + GIT_REMOTE_KEYS:
             unknown.append("git.%s" % key)
     branch = git.get("branch", "")
     if not isinstance(branch, str):
@@ -818,6 +884,45 @@ def _parse_git_table(path, git, target, unknown, found):
             json.dumps(p) for p in GIT_COMMIT_POLICIES), commit))
     else:
         target.commit = commit
+    _parse_git_remote_keys(path, git, target, found)
+
+
+GIT_REMOTE_KEYS = ("fetch", "push", "publish", "pr")
+
+
+def _parse_git_remote_keys(path, git, target, found):
+    """``[git]`` fetch, push, publish and pr: the team's remote in a parallel run."""
+    fetch = git.get("fetch", False)
+    if not isinstance(fetch, bool):
+        found.append(_config_error(path, "git.fetch", "must be true or false", fetch))
+    else:
+        target.fetch = fetch
+    push = git.get("push", "")
+    if not isinstance(push, str) or push.startswith("-") or any(
+            ch.isspace() or ord(ch) < 32 for ch in push):
+        found.append(_config_error(path, "git.push", "must be the name of a git remote "
+                                   "(such as \"origin\"), or \"\" never to push", push))
+        push = ""
+    else:
+        target.push = push
+    publish = git.get("publish", "target")
+    if publish not in GIT_PUBLISH_MODES:
+        found.append(_config_error(path, "git.publish", "must be \"target\" or \"branch\"",
+                                   publish))
+    elif publish == "branch" and not push:
+        found.append(_config_error(path, "git.publish", "= \"branch\" needs [git] push, "
+                                   "the remote the task's branch is pushed to", publish))
+    else:
+        target.publish = publish
+    pr = git.get("pr", "")
+    if pr not in PULL_REQUEST_CLIS + ("",):
+        found.append(_config_error(path, "git.pr", "must be one of %s (or \"\")" % ", ".join(
+            json.dumps(cli) for cli in PULL_REQUEST_CLIS), pr))
+    elif pr and target.publish != "branch":
+        found.append(_config_error(path, "git.pr", "needs publish = \"branch\": a pull request "
+                                   "is opened for the task's pushed branch", pr))
+    else:
+        target.pr = pr
 
 
 def load_config(root):

@@ -25,6 +25,7 @@ from .store import PARALLEL_MIRROR_KEY, STATE_FILE, TASKS_DIR, read_task_record
 from .checks import end_orphaned_checks
 from .git import TamperedWorktree, git_repository, run_git
 from .worktrees import changed_paths, own_checkout, reset_gate, review_checkout_path
+from .bootstrap import store_environment
 from .operations import (confirmation_summary, describe_task_commit, guarded_paths,
                          task_git_site)
 from .work import op_release_sessions
@@ -95,9 +96,10 @@ class HqController(JournalView):
     CHECK_SCAN_EVERY = 0.25
 
     def __init__(self, store, emit, clock=time.monotonic, launcher=None, bell=None,
-                 executor_agent=None, notifier=None):
+                 executor_agent=None, notifier=None, executor_model=None):
         self.store = store
         self.executor_agent = executor_agent    # a parallel task's own executor agent
+        self.executor_model = executor_model    # and model (a race's attempt may name one)
         self._out = emit
         self.clock = clock
         self.last_activity = clock()
@@ -447,8 +449,10 @@ class HqController(JournalView):
         # a parallel task finds its task in it.
         slot.session_id = session_id_for_task(self.store.task) if self.store.task \
             else new_id("s")
-        launch = dataclasses.replace(launch, env=dict(launch.env,
-                                                      **{SESSION_ENV: slot.session_id}))
+        # A parallel task's agents (and the checks their `ferrus serve` runs) get its
+        # port block (bootstrap.py).
+        launch = dataclasses.replace(launch, env=dict(launch.env, **store_environment(
+            self.store), **{SESSION_ENV: slot.session_id}))
         try:
             folder = self.agent_folder(slot)
             slot.process = AgentProcess(launch, folder, log_path, parse_line)
@@ -494,8 +498,11 @@ class HqController(JournalView):
         config = config or self.store.config()
         choice = getattr(config, role)
         wanted = self.executor_agent if role == "executor" else None
-        if wanted and (choice is None or choice.agent != wanted):
-            return AgentChoice(agent=wanted)
+        model = self.executor_model if role == "executor" else None
+        if wanted and choice is not None and choice.agent == wanted:
+            return dataclasses.replace(choice, model=model) if model else choice
+        if wanted:
+            return AgentChoice(agent=wanted, model=model or "")
         return choice
 
     def _launch_with_adapter(self, slot):

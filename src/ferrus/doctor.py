@@ -18,10 +18,11 @@ from .task_machine import S, StateCorrupt, StateData
 from .gates import phase_words
 from .store import (CANCELLED_STATUS, CONTENT_FILES, DONE_STATUS, FAILED_STATUS,
                     FERRUS_DIR, JOURNAL_FILE, JOURNAL_GAP_EVENT, LOCK_FILE, MERGED_STATUS,
-                    PARALLEL_MIRROR_KEY, QUEUED_STATUS, RUNNING_STATUS, STATE_FILE, Store,
-                    TASKS_DIR, TASK_BRANCH_PREFIX, TASK_RECORD_FILE, TASK_RECORD_MAX_BYTES,
-                    UNCHANGED_STATUS, _lines_forward, journal_entry, load_task_record,
-                    read_task_record, task_record_path, task_record_problem)
+                    PARALLEL_MIRROR_KEY, PUBLISHED_STATUS, QUEUED_STATUS, RUNNING_STATUS,
+                    STATE_FILE, Store, TASKS_DIR, TASK_BRANCH_PREFIX, TASK_RECORD_FILE,
+                    TASK_RECORD_MAX_BYTES, UNCHANGED_STATUS, _lines_forward, journal_entry,
+                    load_task_record, read_task_record, task_record_path,
+                    task_record_problem)
 from .checks import (CHECK_PROCESS_DIR, end_orphaned_checks, missing_check_programs,
                      orphaned_check_records)
 from .git import GitUnavailable, _same_path, display_path, task_checkout
@@ -320,6 +321,7 @@ def _orphan_finding(store, task, row, status, folder):
     """A worktree or branch of a task that is merged, cancelled or unknown."""
     why = {None: "no task of the queue is %s" % task, MERGED_STATUS: "task %s is merged" % task,
            UNCHANGED_STATUS: "task %s was approved with no change" % task,
+           PUBLISHED_STATUS: "task %s was published as a branch of its remote" % task,
            CANCELLED_STATUS: "task %s was cancelled" % task}.get(
         status, "task %s is %s" % (task, status))
     what = ("worktree %s (branch %s)" % (row["path"], row["branch"]) if row["path"]
@@ -408,7 +410,7 @@ def _rebuild_task_record(store, task):
                   else FAILED_STATUS, "origin": {"by": "doctor"}}
         salvaged = _salvaged_task_fields(store, task)
         record.update(salvaged)
-        if salvaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
+        if salvaged.get("status") in SALVAGED_ENDS:
             pass                        # it had ended: nothing of it runs again
         elif record["status"] == FAILED_STATUS:
             record["reason"] = "its %s was damaged; doctor set it aside" % TASK_RECORD_FILE
@@ -420,11 +422,16 @@ def _rebuild_task_record(store, task):
         _set_aside(path, pretty_json(record))
 
 
+# The ends a rebuilt task.json keeps from the damaged one.
+SALVAGED_ENDS = (MERGED_STATUS, DONE_STATUS, PUBLISHED_STATUS, CANCELLED_STATUS)
+
+
 def _salvaged_task_fields(store, task):
     """What a damaged task.json still says that a new record can keep, each field only
     when it is what ferrus writes: when it was queued, its origin (the milestone it
-    implements) and the agent it was given — and, when it had ended (merged, done or
-    cancelled), that end: so a merged or done task is never run again."""
+    implements), the agent and model it was given and the race it is an attempt of — and,
+    when it had ended (merged, done, published or cancelled), that end: so a merged or
+    done task is never run again."""
     try:
         with open(task_record_path(store.dir, task), "rb") as handle:
             damaged = json.loads(handle.read(TASK_RECORD_MAX_BYTES).decode("utf-8"))
@@ -432,9 +439,10 @@ def _salvaged_task_fields(store, task):
         return {}
     if not isinstance(damaged, dict):
         return {}
-    keys = ["created_at", "origin", "agent"]
-    if damaged.get("status") in (MERGED_STATUS, DONE_STATUS, CANCELLED_STATUS):
-        keys += ["status", "ended_at", "merged_commit", "target", "store", "started_at"]
+    keys = ["created_at", "origin", "agent", "model", "race"]
+    if damaged.get("status") in SALVAGED_ENDS:
+        keys += ["status", "ended_at", "merged_commit", "published", "target", "store",
+                 "started_at"]
     kept = {}
     for key in keys:
         if key in damaged and not task_record_problem(

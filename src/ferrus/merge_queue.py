@@ -24,11 +24,13 @@ from .worktrees import (_tree_of, build_candidate, changed_paths, fast_forward_t
                         foreign_commits, gate_checkout, markers_left, move_task_worktree,
                         rechain, reset_gate, target_head)
 from .sandbox import TaskSandbox
+from .bootstrap import copy_local_files, gate_port, port_environment, run_teardown
 from .specs import mark_milestone_complete, parse_spec
 from .operations import (ORCHESTRATOR, fold_commit_messages, short_task_id,
                          task_commit_message, task_diff_exclusions, task_git_site)
 from .work import op_integrated, op_integration_failed
 from .task_queue import TASK_EVENT_SCAN, merge_unless_cancelled, update_task
+from .remote import UpstreamDiverged, resolve_commit, published_branch
 from .sessions import first_lines
 
 
@@ -91,6 +93,12 @@ class MergeQueue:
             op_integrated(task_store, ORCHESTRATOR, commit=head[:12], target=self.target)
             self._merged(task, head)
             return
+        if pending.get("candidate") and self._publishing() and resolve_commit(
+                self.store.root, pending["candidate"]):
+            # Checked, and its push may have been made before the run stopped: the same
+            # commit is pushed again (nothing to send when it is there already).
+            self._publish(task, pending["candidate"], pending.get("target_head") or head)
+            return
         if self._moved_outside(head):
             return
         held = self.held_candidate
@@ -133,6 +141,8 @@ class MergeQueue:
             if target is None:
                 raise GitError("there is no branch %s to integrate into" % self.target,
                                "create it, or set [parallel] target to an existing branch")
+            # [git] fetch: onto what the team has (remote.py).
+            target = self._sync_for_integration(job, target)
             # The task's worktree as ferrus made it, or the task fails as tampered (its
             # submission, not its worktree, is what merges: a deleted folder stops nothing).
             checkout = task_git_site(task_store) if os.path.isdir(task_store.workdir) \
@@ -240,12 +250,17 @@ class MergeQueue:
             return built, None
         verdicts = []
         wrap = self._gate_sandbox(gate)
+        port = gate_port(self.parallel)
         for commit in built.commits:
             reset_gate(gate, commit)
             self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
                              0, config.limits.max_feedback_lines, cancel, self.store.root,
-                             wrap=wrap)
+                             wrap=wrap, env=port_environment(port))
+            torn = run_teardown(self.store, self._gate_project(gate), port,
+                                "the merge gate's checkout")
+            if torn:
+                log.warning("%s", torn)
             verdicts.append(run)
             if run.cancelled or (not run.passed and self._history() != "linear"):
                 return built, run
@@ -264,11 +279,13 @@ class MergeQueue:
         return built, last
 
     def _set_up_gate(self, gate, wrap=None):
-        """[parallel] setup in the gate's checkout (it holds only the candidate's files)."""
+        """[parallel] copy and setup in the gate's checkout (it holds only the candidate's
+        files, and the checkout's local files the tasks had)."""
+        copy_local_files(self.store, self._gate_project(gate), self.worktree_dir)
         self._run_setup(self._gate_project(gate), "the merge gate's checkout %s"
                         % gate.work_tree, "fix the command (it runs in a clean checkout of "
                         "the candidate, which holds only what git tracks); the task waits and "
-                        "is integrated again", wrap)
+                        "is integrated again", wrap, gate_port(self.parallel))
 
     def _gate_sandbox(self, gate):
         """The wrap of the gate's commands when this machine's [sandbox] is on: they run
@@ -297,12 +314,16 @@ class MergeQueue:
 
     def _finish_integration(self, job):
         task = job["task"]
+        self._take_sync(job.pop("synced", None))
         controller = self.controllers.get(task)
         if controller is None:
             return
         error = job["error"]
         if isinstance(error, TaskRecordDamaged):
             raise error
+        if isinstance(error, UpstreamDiverged):
+            self._stop_integrations(error.full_text(), "diverged", task_id=task)
+            return
         if isinstance(error, TamperedWorktree):
             self._end_task(task, FAILED_STATUS, "tampered: %s" % error.full_text())
             return
@@ -359,7 +380,10 @@ class MergeQueue:
         update_task(self.store, ORCHESTRATOR, task, "integration_ready", {
             "integration": {"candidate": built.head, "target_head": built.target_head}},
             candidate=(built.head or "")[:12])
-        self._fast_forward(task, built)
+        if self._publishing():
+            self._publish(task, built.head, built.target_head)
+        else:
+            self._fast_forward(task, built)
 
     def _fast_forward(self, task, built):
         """Move the target to the checked candidate — unless the task was cancelled
@@ -458,9 +482,16 @@ class MergeQueue:
         if head is None and self._integrated_unchanged(task):
             self._unchanged(task, None)    # a run that stopped before it recorded the end
             return
+        if head is None and self._publishing():
+            candidate = (read_task_record(self.store.dir, task).get("integration") or {}
+                         ).get("candidate")
+            if candidate:                  # published, and the run stopped before its end
+                self._end_published(task, published_branch(task), candidate)
+                return
         self.tasks_completed += 1
         self.waiting_said = None
         self._end_task(task, MERGED_STATUS, None, head=head)
+        self._push_merged(task, head)
 
     def _unchanged(self, task, target_head):
         """An approved task whose work the target already has: it ends Complete, nothing
@@ -494,3 +525,4 @@ class MergeQueue:
         if job is not None and job["thread"] is not None:
             job["cancel"].set()
             job["thread"].join(timeout=30)
+            self._take_sync(job.pop("synced", None))

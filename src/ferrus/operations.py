@@ -24,6 +24,7 @@ from .store import APPROVAL_FILE, TASK_SCRATCH_FILES, read_task_record
 from .git import (GitError, GitUnavailable, commit_task_changes, create_task_branch,
                   describe_base, diff_exclusions, display_path, record_task_base,
                   remove_task_branch, task_checkout, task_diff)
+from .bootstrap import copied_paths
 from .specs import (dependencies_met, first_ready_milestone, list_spec_paths,
                     mark_milestone_complete, next_ready_milestone, parse_spec, slugify,
                     spec_directory, spec_title, unmet_dependencies)
@@ -205,7 +206,12 @@ def task_diff_exclusions(store):
         agents_path = store.config().agents.path
     except FerrusError:
         agents_path = AgentsConfig.path
-    return diff_exclusions(agents_path)
+    exclude = diff_exclusions(agents_path)
+    if store.task is not None:
+        # What [parallel] copy brought from the checkout is never the task's work.
+        exclude += [path for path in copied_paths(read_task_record(store.dir, store.task))
+                    if path not in exclude]
+    return exclude
 
 
 def task_git_site(store):

@@ -20,10 +20,10 @@ from .session_machine import EMERGENCY_STOP, SS
 from .gates import (DispatchGateError, DispatchRecord, PhaseMachine, ShutdownRequired,
                     Signals, phase_words, run_dispatch_gates)
 from .store import (CANCELLED_STATUS, ENDED_STATUSES, FAILED_STATUS, FERRUS_DIR,
-                    MERGED_STATUS, PARALLEL_MIRROR_KEY, QUEUED_STATUS, RUNNING_STATUS,
-                    TASK_BRANCH_PREFIX, TASK_RECORD_FILE, TaskRecordDamaged,
-                    UNCHANGED_STATUS, _shown, damaged_task_note, load_task_record,
-                    read_task_record)
+                    MERGED_STATUS, PARALLEL_MIRROR_KEY, PUBLISHED_STATUS, QUEUED_STATUS,
+                    RUNNING_STATUS, TASK_BRANCH_PREFIX, TASK_RECORD_FILE,
+                    TaskRecordDamaged, UNCHANGED_STATUS, _shown, damaged_task_note,
+                    load_task_record, read_task_record)
 from .checks import _status_note, run_checks
 from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_refs,
                   git_repository, record_task_base, run_git)
@@ -31,6 +31,8 @@ from .worktrees import (create_task_worktree, default_worktree_dir, list_task_wo
                         own_checkout, remove_review_checkout, remove_task_worktree,
                         review_checkout_path, target_head)
 from .sandbox import SandboxUnavailable, sandbox_tool
+from .bootstrap import (choose_task_port, copy_into_worktree, copy_sources, gate_port,
+                        port_environment, tear_down_task, with_port)
 from .operations import (HUMAN, ORCHESTRATOR, confirmation_summary, op_create_task,
                          op_human_approve, op_human_reject, short_task_id,
                          task_diff_exclusions, task_git_site)
@@ -41,6 +43,7 @@ from .base_checks import (RedBaseRefused, cached_base_check, check_base,
 from .task_queue import (_TASK_ID_RE, _remove_task_leftovers, checked_task_records,
                          count_statuses, task_records, update_task)
 from .memory import memory_after_task_end
+from .remote import TeamRemote
 from .register import copy_agent_configuration
 from .sandbox_agents import confine_controller
 from .sessions import HqMessage
@@ -50,6 +53,7 @@ from .orchestrator import running_orchestrator
 from .controller import HqController
 from .place_tasks import PlaceRunning, PlaceTask
 from .merge_queue import MergeQueue
+from .race import RaceRunner
 
 
 # -- `ferrus run`'s exit codes and output modes (the runner ends with the same codes) ------
@@ -140,7 +144,7 @@ def live_parallel_run(store):
     return holder
 
 
-class ParallelRunner(PlaceRunning, MergeQueue):
+class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
     """The task queue, worked ``max_tasks`` at a time in git worktrees (see above).
 
     ``emit`` receives HqMessage objects (a task's carry its id in ``data``);
@@ -184,6 +188,11 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
         self._init_places(config, max_tasks is not None)     # [parallel] places
+        # Tasks prepared side by side: each takes a distinct port block, and `git worktree
+        # add` runs one at a time (two at once can read each other's half-written entry).
+        self._prepare_lock = threading.Lock()
+        self._race_plan = None         # ((state stamp, free slots), the next batch)
+        self.oversized = {}            # race -> attempts, of races too big for this run
 
     # -- messages --------------------------------------------------------------------------
 
@@ -337,6 +346,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("resuming %d task%s a previous run left: %s" % (
                 len(resumed), "" if len(resumed) == 1 else "s",
                 ", ".join(short_task_id(t) for t in resumed)))
+        self._settle_races()
+        self._check_remote()
         self._check_base()
         self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None
@@ -365,7 +376,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         head = target_head(self.store.root, self.target)
         try:
             self.base_note = gate_base(self.store, self.emit, "%s at %s" % (
-                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup)
+                self.target, head[:12]), head, self.allow_red_base, setup=self.parallel.setup,
+                port=gate_port(self.parallel))
         except RedBaseRefused:
             self.finished = True    # nothing ran: parallel.json stays as the last run left it
             remove_gate_checkout(self.store)
@@ -380,8 +392,12 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 task = (row.get("branch") or "")[len(TASK_BRANCH_PREFIX):]
                 record = records.get(task) or {}
                 if row.get("main") or record.get("status") not in (
-                        MERGED_STATUS, UNCHANGED_STATUS, CANCELLED_STATUS):
+                        MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS, CANCELLED_STATUS):
                     continue
+                torn = tear_down_task(self.store, record)
+                if torn:
+                    self.note("finished task %s: %s" % (short_task_id(task), torn), "warning",
+                              task_id=task)
                 try:
                     remove_task_worktree(self.store.root, row.get("path") or
                                          record.get("worktree"), row["branch"])
@@ -469,19 +485,21 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                     self._leave_damaged(task, problem)
                 elif record.get("status") == QUEUED_STATUS:
                     queued.append(task)
-            self._queued = (stamp, queued)
+            self._queued = (stamp, self._without_oversized_races(queued))
         return list(self._queued[1])
 
     def free_slots(self):
         return min(max(0, self.max_tasks - len(self.controllers)), self.place_free_slots())
 
     def _plan(self):
-        self.batch = self.queued()[:self.free_slots()]
+        self.batch = self._next_batch()
         self.dispatched = []
         self.advance(2)
 
     def _prepare(self):
         todo = [task for task in self.batch if task not in self.controllers]
+        if todo:
+            self._sync_before_prepare()
         for task, ready in zip(todo, self._prepare_side_by_side(todo)):
             if not ready:
                 self.batch.remove(task)
@@ -544,25 +562,31 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         workdir = path if inside == "." else os.path.join(path, inside)
         try:
             start = record.get("base") or target_head(self.store.root, self.target)
-            if update_task(self.store, ORCHESTRATOR, task, "prepare_task", {
-                    "status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
-                    "branch": branch,
-                    "base": start, "target": self.target, "store": "worktree",
-                    "started_at": record.get("started_at") or format_timestamp(
-                        self.store.clock())},
-                    only_from=(QUEUED_STATUS, RUNNING_STATUS),
-                    worktree=path, branch=branch, base=start[:12]) is None:
-                return False                  # cancelled since it was read
-            create_task_worktree(self.store.root, path, branch, start)
-            # Its reviewer's checkout too, now, beside the other tasks being prepared: at
-            # the reviewer's start (in the runner's step) only a reset to the submission
-            # is left (see review_folder).
-            own_checkout(self.store.root, review_checkout_path(path), start)
+            changes = {"status": RUNNING_STATUS, "worktree": path, "workdir": workdir,
+                       "branch": branch,
+                       "base": start, "target": self.target, "store": "worktree",
+                       "started_at": record.get("started_at") or format_timestamp(
+                           self.store.clock())}
+            with self._prepare_lock:
+                port = choose_task_port(task_records(self.store), task, self.parallel)
+                if port:
+                    changes["port"] = port
+                if update_task(self.store, ORCHESTRATOR, task, "prepare_task", changes,
+                               only_from=(QUEUED_STATUS, RUNNING_STATUS),
+                               worktree=path, branch=branch, base=start[:12],
+                               **({"port": port} if port else {})) is None:
+                    return False              # cancelled since it was read
+                create_task_worktree(self.store.root, path, branch, start)
+                # Its reviewer's checkout too, now, beside the other tasks being prepared:
+                # at the reviewer's start (in the runner's step) only a reset to the
+                # submission is left (see review_folder).
+                own_checkout(self.store.root, review_checkout_path(path), start)
             copy_agent_configuration(self.store.root, workdir)
+            self._copy_local_files(task, workdir)
             task_store = self.store.for_task(task)
             task_store.create_state(StateData())
             if task_store.read_state().state == S.IDLE:
-                self._set_up_worktree(task, workdir)
+                self._set_up_worktree(task, workdir, port)
                 origin = record.get("origin") or {}
                 op_create_task(task_store, ORCHESTRATOR,
                                without_red_base_note(task_store.read_file("TASK.md")) +
@@ -587,15 +611,27 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             return False
         return True
 
-    def _set_up_worktree(self, task, path):
-        """[parallel] setup in the new worktree; raises FerrusError naming the failed
-        command."""
+    def _set_up_worktree(self, task, path, port=None):
+        """[parallel] setup in the new worktree (``port``: its block); raises FerrusError
+        naming the failed command."""
         self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
-                        "which holds only what git tracks), then `ferrus task cancel %s` and "
-                        "queue the task again" % short_task_id(task))
+                        "which holds only what git tracks and what [parallel] copy brings), "
+                        "then `ferrus task cancel %s` and queue the task again"
+                        % short_task_id(task), port=port)
 
-    def _run_setup(self, path, where, hint, wrap=None):
-        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap)
+    def _copy_local_files(self, task, workdir):
+        """[parallel] copy: the checkout's untracked local files into the new worktree,
+        listed in the task's record so that none of them is ever part of its work."""
+        if not self.parallel.copy:
+            return
+        paths = copy_sources(self.store.root, self.parallel.copy, skip=[self.worktree_dir])
+        # Listed first: a file copied and not yet listed could reach a submission.
+        update_task(self.store, ORCHESTRATOR, task, "task_files_copied", {"copied": paths},
+                    count=len(paths), mode=self.parallel.copy_mode)
+        copy_into_worktree(self.store.root, workdir, paths, self.parallel.copy_mode)
+
+    def _run_setup(self, path, where, hint, wrap=None, port=None):
+        run_worktree_setup(self.store, path, self.parallel.setup, where, hint, wrap, port)
 
     def _prepared_half_way(self, task):
         """A RUNNING task whose state was never created: _prepare_task marks the record
@@ -639,6 +675,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 create_task_worktree(self.store.root, record["worktree"], record["branch"],
                                      record.get("base"))
                 copy_agent_configuration(self.store.root, task_store.workdir)
+                self._copy_local_files(task, task_store.workdir)
             except (FerrusError, KeyError) as err:
                 self._end_task(task, FAILED_STATUS, "its worktree %s is gone and could not "
                                "be made again: %s" % (record.get("worktree"), err))
@@ -647,7 +684,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 short_task_id(task), record["branch"]), "warning", task_id=task)
         controller = HqController(task_store, emit=self._task_emitter(task), clock=self.clock,
                                   launcher=self.launcher, bell=self.bell,
-                                  executor_agent=record.get("agent"), notifier=self.notifier)
+                                  executor_agent=record.get("agent"), notifier=self.notifier,
+                                  executor_model=record.get("model"))
         try:
             # [sandbox] on: its agents start confined, or the task fails saying how to
             # install bubblewrap (it never starts unconfined).
@@ -664,7 +702,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         # P4 → P3 comes back here while queued tasks and free slots remain: those are
         # chosen and prepared now (P1 and P2 for them, inside this phase).
         if self.machine.phase == 3 and not self.batch:
-            for task in self.queued()[:self.free_slots()]:
+            batch = self._next_batch()
+            if batch:
+                self._sync_before_prepare()
+            for task in batch:
                 if self._prepare_task(task):
                     self.batch.append(task)
                 else:
@@ -807,7 +848,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         if self.integrating():
             if self.advance(5):
                 self._integrate()      # an approved task enters the merge queue at once
-        elif self.queued() and self.free_slots():
+        elif self._next_batch():
             self.advance(3)
         elif not self.controllers:
             self.advance(5)        # nothing left: P5 has nothing to merge and reports
@@ -816,7 +857,7 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         """Every task still in flight waits for a human nobody here can be (nor on a
         board serving the project: `ferrus web`, --web)."""
         return bool(self.controllers) and set(self.controllers) <= self.waiting_human and \
-            not (self.queued() and self.free_slots()) and web_board_url(self.store) is None
+            not self._next_batch() and web_board_url(self.store) is None
 
     # -- P5 integrate: the merge queue -----------------------------------------------------
 
@@ -840,11 +881,16 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self._stop_integration()        # its checks run in the worktree about to go
         record = read_task_record(self.store.dir, task)
         title = record.get("title", "")
+        published = record.get("published") or {}
         said = {MERGED_STATUS: "merged into %s%s: %s" % (
                     self.target, " at %s" % head[:12] if head else "", title),
                 UNCHANGED_STATUS: "approved, no change (%s): %s" % (
                     "its submission changed no file" if empty else
-                    "%s already has its work" % self.target, title)}.get(status)
+                    "%s already has its work" % self.target, title),
+                PUBLISHED_STATUS: "published as %s's branch %s%s: %s" % (
+                    published.get("remote"), published.get("branch"),
+                    " (pull request %s)" % published["pull_request"]
+                    if published.get("pull_request") else "", title)}.get(status)
         controller = self.controllers.get(task)
         if said and controller is not None:
             controller.notifier.notify("complete", task, said)
@@ -866,16 +912,21 @@ class ParallelRunner(PlaceRunning, MergeQueue):
                 detail["reason"] = reason[:500]
             update_task(self.store, ORCHESTRATOR, task, "task_" + status, changes, **detail)
             memory_after_task_end(self.store)
-        if status in (MERGED_STATUS, UNCHANGED_STATUS):
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS):
             with contextlib.suppress(FerrusError):
-                delete_task_refs(self.store.root, task)   # the target holds its work now
+                delete_task_refs(self.store.root, task)   # the target (or remote) has it
         saved_note = ""
         if record.get("store") == "place":
             saved_note = self._end_at_place(task, record, status, controller)
         if record.get("worktree"):
             with contextlib.suppress(FerrusError, OSError):
                 remove_review_checkout(self.store.root, record["worktree"])
-        if status in (MERGED_STATUS, UNCHANGED_STATUS) and record.get("worktree"):
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS) and \
+                record.get("worktree"):
+            torn = tear_down_task(self.store, record)
+            if torn:
+                self.note("task %s: %s" % (short_task_id(task), torn), "warning",
+                          task_id=task)
             try:
                 remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
             except FerrusError as err:
@@ -897,6 +948,10 @@ class ParallelRunner(PlaceRunning, MergeQueue):
             self.note("task %s %s — nothing to merge" % (short_task_id(task), said),
                       event="unchanged", task_id=task, status=status, target=self.target,
                       title=title)
+        elif status == PUBLISHED_STATUS:
+            self.note("task %s %s" % (short_task_id(task), said), event="published",
+                      task_id=task, status=status, target=self.target, title=title,
+                      **published)
         elif status == FAILED_STATUS:
             self.note("task %s failed: %s (its worktree %s is kept: `ferrus task retry %s` "
                       "queues it again to go on there, `ferrus task cancel %s` removes it)"
@@ -907,6 +962,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         else:
             self.note("task %s cancelled.%s" % (short_task_id(task), saved_note), "warning",
                       task_id=task, status=status)
+        if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS):
+            self._decide_race(task, record)      # a race's first merged attempt wins it
 
     # -- P6 report, P7 cleanup -------------------------------------------------------------
 
@@ -916,6 +973,9 @@ class ParallelRunner(PlaceRunning, MergeQueue):
         if self.damaged:
             parts.append("%d with a damaged %s (`ferrus doctor --fix`)" % (
                 len(self.damaged), TASK_RECORD_FILE))
+        if self.oversized:
+            parts.append("%d race%s left queued, too big for %d at a time" % (
+                len(self.oversized), "" if len(self.oversized) == 1 else "s", self.max_tasks))
         self.note("report: %s" % (", ".join(parts) or "no task ran"), counts=dict(counts))
         self.advance(7)
 
@@ -934,7 +994,8 @@ class ParallelRunner(PlaceRunning, MergeQueue):
     def exit_code(self):
         if self.checkpoint:
             return RUN_CHECKPOINT
-        if self.halted or self.damaged or any(status == FAILED_STATUS for status in self.ended.values()):
+        if self.halted or self.damaged or self.oversized or any(
+                status == FAILED_STATUS for status in self.ended.values()):
             return RUN_FAILED
         if self.waiting_human:
             return RUN_NEEDS_HUMAN
@@ -953,17 +1014,17 @@ class ParallelRunner(PlaceRunning, MergeQueue):
 
 
 
-def run_worktree_setup(store, path, commands, where, hint, wrap=None):
+def run_worktree_setup(store, path, commands, where, hint, wrap=None, port=None):
     """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
-    process groups; ``wrap``, a sandbox's); raises FerrusError naming the failed command
-    and ``where`` it ran."""
+    process groups; ``wrap``, a sandbox's) and ``port``'s block ({port},
+    FERRUS_TASK_PORT); raises FerrusError naming the failed command and ``where`` it ran."""
     if not commands:
         return
     config = store.config()
-    setup = dataclasses.replace(config.checks, commands=list(commands), parallel=False,
-                                fail_fast=True)
+    setup = dataclasses.replace(config.checks, commands=with_port(list(commands), port),
+                                parallel=False, fail_fast=True)
     run = run_checks(path, setup, store.path("logs"), 0, config.limits.max_feedback_lines,
-                     None, store.root, wrap=wrap)
+                     None, store.root, wrap=wrap, env=port_environment(port))
     if not run.passed:
         failed = run.failed[0] if run.failed else None
         raise FerrusError("[parallel] setup failed in %s: `%s`%s, log %s" % (
@@ -972,7 +1033,7 @@ def run_worktree_setup(store, path, commands, where, hint, wrap=None):
 
 
 def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=(),
-              cancel=None):
+              cancel=None, port=None):
     """The check gate tried on a task's base before any agent starts (see check_base),
     told to ``emit`` as "base_checks" events.  A red base, or a command that cannot run,
     stops here with a FerrusError unless ``allow_red``; then the text for the executor
@@ -986,7 +1047,7 @@ def gate_base(store, emit, where, commit, allow_red=False, checkout=None, setup=
         tell("info", "running the checks on %s before any agent starts (%d command%s%s)" % (
             where, len(commands), "" if len(commands) == 1 else "s",
             "; a pass is kept for this commit" if commit else ""), running=True)
-    result = check_base(store, commit, checkout, setup, cancel)
+    result = check_base(store, commit, checkout, setup, cancel, port)
     if result.passed:
         tell("info", "the checks pass on %s%s" % (where, " (as when checked %s)" % (
             result.checked_at) if result.cached else ""), cached=result.cached,

@@ -34,6 +34,7 @@ from .sandbox_agents import confine_controller
 from .sessions import HqMessage, format_usage, task_usage
 from .web_link import web_board_url
 from .controller import HqController
+from .race import race_id_of
 from .parallel import (ParallelRunner, QUIET_EVENTS, RUN_CHECKPOINT, RUN_COMPLETE,
                        RUN_FAILED, RUN_NEEDS_HUMAN, RUN_TIMEOUT, checkout_base, gate_base)
 
@@ -411,9 +412,20 @@ def run_queue(store, out=None, **run_options):
     store.config()
     if run_options.get("launcher") is None:
         require_headless_agents(store)
+    races_said = False
     while True:
         queued = [(task, record) for task, record in task_records(store)
                   if record.get("status") == QUEUED_STATUS]
+        races = sorted({race_id_of(record) for _, record in queued if race_id_of(record)})
+        if races and not races_said:
+            races_said = True
+            # A race's attempts run side by side, each in its own worktree.
+            note("%s stay%s queued: a race's attempts run side by side in worktrees, with "
+                 "`ferrus run --parallel N` (N at least its attempts)" % (
+                     ", ".join("race %s" % race for race in races),
+                     "s" if len(races) == 1 else ""), "error", races=races)
+            worst = RUN_FAILED
+        queued = [(task, record) for task, record in queued if not race_id_of(record)]
         if not queued:
             return worst
         task, record = queued[0]

@@ -64,6 +64,11 @@ path = %s              # where `ferrus init` writes the skill files
 [git]
 branch = ""            # e.g. "ferrus/{task_id}": each task starts on a new branch of its own
 commit = "off"         # "on_approve": commit the task's own files when it is approved
+# The team's remote in `ferrus run --parallel` (docs/REFERENCE.md, "The team's remote"):
+fetch = false          # true: tasks start from and merge onto the target's upstream
+push = ""              # e.g. "origin": push the target after each merge (never forced)
+publish = "target"     # "branch": push each task's branch instead, for a pull request
+pr = ""                # with publish = "branch": "gh", "glab" or "tea" opens the request
 
 [notify]
 # When an agent waits for you or the task ends (docs/REFERENCE.md, "Notifications").
@@ -83,6 +88,12 @@ delegates = []         # agents a supervisor's split-off tasks may go to ([] = [
 setup = []             # e.g. ["npm ci"]: run in each new worktree (and the merge gate's)
 guarded = []           # more paths whose change waits for you (agent files, hooks, CI do)
 places = ["here"]      # where tasks run, filled in this order ("here": this machine)
+copy = []              # e.g. [".env"]: untracked files copied into each worktree, never committed
+copy_mode = "copy"     # "link": a symbolic link to the checkout's file instead
+copy_to_places = false # also to a task run at another place (not applied yet: see REFERENCE)
+port_base = 20000      # each task's ports: FERRUS_TASK_PORT, {port} in setup (0: none)
+ports_per_task = 10
+teardown = []          # e.g. ["docker compose down"]: run in a worktree before it is removed
 
 # [sandbox]
 # enabled = false      # true: each task's agents and checks may write only its worktree,

@@ -486,6 +486,14 @@ PROGRESS_EVENTS = (
     "conflict",        # back to its executor to resolve a conflict: files
     "target_moved",    # the run stopped: the target gained commits it did not check
                        # (target, head, known: where the run had left it)
+    # The team's remote ([git] fetch, push, publish; remote.py):
+    "upstream",        # the target was brought up to its upstream (head), or could not be
+    "pushed",          # the merged target was pushed: remote, commit
+    "push_rejected", "push_failed",   # the push was refused or not made: the run stopped
+    "diverged",        # the target and its upstream diverged: the run stopped
+    "published",       # approved and checked, its branch pushed: remote, branch, commit,
+                       # pull_request
+    "race_decided",    # an attempt of a race merged: race, winner, attempts (race.py)
     "complete", "failed", "capacity", "pipeline", "notifier", "info")
 
 

@@ -235,10 +235,13 @@ QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, FAILED_STATUS, CANCEL
     "queued", "running", "merged", "done", "failed", "cancelled")
 # Approved, but its work changed nothing: there was nothing to merge (or commit).
 UNCHANGED_STATUS = "unchanged"
+# Approved and through the merge gate, its branch pushed for the team's pull request
+# ([git] publish = "branch"): the target itself was not moved.
+PUBLISHED_STATUS = "published"
 TASK_STATUSES = (QUEUED_STATUS, RUNNING_STATUS, MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS,
-                 FAILED_STATUS, CANCELLED_STATUS)
+                 PUBLISHED_STATUS, FAILED_STATUS, CANCELLED_STATUS)
 # Statuses of an approved task.
-APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS)
+APPROVED_STATUSES = (MERGED_STATUS, DONE_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS)
 # Statuses of a task that no orchestrator will take up again.
 ENDED_STATUSES = APPROVED_STATUSES + (FAILED_STATUS, CANCELLED_STATUS)
 # The order statuses are counted and listed in.
@@ -400,6 +403,37 @@ def task_record_problem(task, record):
             record.get("worktree") and record.get("branch")):
         return "it is running in a worktree but names no %s" % (
             "worktree" if not record.get("worktree") else "branch")
+    return _workflow_record_problem(record)
+
+
+def _workflow_record_problem(record):
+    """What is wrong with the bootstrap, remote and race fields of a task.json (see
+    bootstrap.py, remote.py, race.py), or None."""
+    copied = record.get("copied")
+    if copied is not None and not (isinstance(copied, list) and all(
+            isinstance(path, str) and path for path in copied)):
+        return "copied is %s, not a list of paths" % _shown(copied)
+    port = record.get("port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or
+                             not 0 < port < 65536):
+        return "port is %s, not a port number" % _shown(port)
+    for key, kinds in (("race", {"id": str, "attempt": int, "of": int}),
+                       ("push", {"remote": str, "status": str, "reason": str}),
+                       ("published", {"remote": str, "branch": str, "commit": str,
+                                      "pull_request": str})):
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return "%s is %s, not an object" % (key, _shown(value))
+        for name, kind in kinds.items():
+            item = value.get(name)
+            if item is not None and (not isinstance(item, kind) or isinstance(item, bool)):
+                return "%s.%s is %s, not %s" % (key, name, _shown(item),
+                                                "text" if kind is str else "a number")
+    for key in ("model", "lost_to"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return "%s is %s, not text" % (key, _shown(record[key]))
     return None
 
 

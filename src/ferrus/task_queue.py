@@ -15,13 +15,15 @@ from .system import atomic_write, read_text
 from .config import BUILTIN_AGENTS
 from .task_machine import ACTIVE_STATES, S, t_force_reset, t_integrated
 from .store import (APPROVED_STATUSES, CANCELLED_STATUS, DONE_STATUS, FAILED_STATUS,
-                    MERGED_STATUS, PARALLEL_MIRROR_KEY, QUEUED_STATUS, RUNNING_STATUS,
-                    STATE_FILE, TASKS_DIR, TASK_RECORD_FILE, TASK_STATUS_ORDER,
-                    TASK_STATUS_WORDS, TaskRecordDamaged, UNCHANGED_STATUS, is_story,
-                    load_task_record, read_task_record, require_utf8, task_record_path)
+                    MERGED_STATUS, PARALLEL_MIRROR_KEY, PUBLISHED_STATUS, QUEUED_STATUS,
+                    RUNNING_STATUS, STATE_FILE, TASKS_DIR, TASK_RECORD_FILE,
+                    TASK_STATUS_ORDER, TASK_STATUS_WORDS, TaskRecordDamaged,
+                    UNCHANGED_STATUS, is_story, load_task_record, read_task_record,
+                    require_utf8, task_record_path)
 from .git import (GitUnavailable, commit_parent, set_task_ref, snapshot_worktree,
                   stream_git, task_checkout, task_ref)
 from .worktrees import _tree_of, remove_review_checkout, remove_task_worktree, target_head
+from .bootstrap import tear_down_task
 from .specs import milestone_task_text, parse_spec, unmet_dependencies
 from .operations import (HUMAN, TASK_TITLE_CHARS, _nonblank, _outcome, op_diff,
                          short_task_id, task_diff_exclusions, task_title)
@@ -221,7 +223,8 @@ def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192
     was merged onto (the commit's parent when that is not recorded) — `git show` of the
     task's one commit.  Its worktree and branch are gone; the commit stays."""
     record = read_task_record(store.dir, task)
-    commit = record.get("merged_commit") or ""
+    published = record.get("published") or {}
+    commit = record.get("merged_commit") or published.get("commit") or ""
     base = (record.get("integration") or {}).get("target_head") or commit + "^"
     args = ["diff", "--find-renames", "--stat" if stat_only else "--patch-with-stat", base,
             commit, "--"] + list(paths or [])
@@ -230,8 +233,10 @@ def op_merged_task_diff(store, task, stat_only=False, paths=None, head_bytes=192
     if tail:
         text += "\n[… %d bytes not shown …]\n%s" % (total - len(head) - len(tail),
                                                     os.fsdecode(bytes(tail)))
-    title = "Task %s merged into %s at %s (%s..%s)" % (
-        short_task_id(task), record.get("target") or "its target", commit[:12], base[:12],
+    title = "Task %s %s at %s (%s..%s)" % (
+        short_task_id(task), "merged into %s" % (record.get("target") or "its target")
+        if not published else "published as %s's branch %s" % (
+            published.get("remote"), published.get("branch")), commit[:12], base[:12],
         commit[:12])
     return _outcome("%s\n\n%s" % (title, text.rstrip("\n")), None, available=True,
                     task_id=task, merged_commit=commit, base=base, target=record.get("target"),
@@ -242,7 +247,9 @@ def op_task_diff(store, task=None, stat_only=False, paths=None):
     """`ferrus diff` and HQ's /diff: the checkout's task (``task`` None), a queue task's
     work in its worktree, or a merged task's merged commit (op_merged_task_diff)."""
     record = read_task_record(store.dir, task) if task is not None else {}
-    if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
+    if (record.get("status") == MERGED_STATUS and record.get("merged_commit")) or (
+            record.get("status") == PUBLISHED_STATUS and (record.get("published") or {})
+            .get("commit")):
         return op_merged_task_diff(store, task, stat_only, paths)
     if task is not None:
         store = diff_store_of(store, task)
@@ -407,6 +414,8 @@ def _refuse_ended(task, record):
         raise FerrusError("task %s is already %s" % (task, status_word(record["status"])),
                           "its work is in the checkout; nothing to cancel"
                           if record["status"] == DONE_STATUS else
+                          "its branch was pushed for a pull request; close that to drop it"
+                          if record["status"] == PUBLISHED_STATUS else
                           "it was approved and changed nothing; nothing to cancel")
 
 
@@ -500,6 +509,14 @@ def op_retry_task(store, caller, task):
     if status not in (FAILED_STATUS, CANCELLED_STATUS):
         raise FerrusError("task %s is %s, not failed or cancelled: there is nothing to retry"
                           % (task, status), "`ferrus tasks` lists the tasks and their states")
+    if record.get("lost_to"):
+        # Its race was won: a second attempt merged would be the same task twice.
+        saved = (record.get("saved") or {}).get("ref")
+        raise FerrusError("task %s lost its race: attempt %s was merged first" % (
+            task, short_task_id(record["lost_to"])),
+            "%s`ferrus task add` queues a new task to build on what was merged" % (
+                "its work is saved (`git branch NAME %s` makes a branch of it); " % saved
+                if saved else ""))
     worktree = record.get("worktree")
     kept = bool(worktree) and os.path.isdir(worktree)
 
@@ -601,6 +618,8 @@ def _remove_task_leftovers(store, record):
                         worktree, err.message)), {}
     with contextlib.suppress(FerrusError, OSError):
         remove_review_checkout(store.root, worktree)
+    torn = tear_down_task(store, record)
+    torn = " Warning: %s." % torn if torn else ""
     try:
         head = target_head(store.root, branch)
         done = remove_task_worktree(store.root, worktree, branch)
@@ -620,7 +639,8 @@ def _remove_task_leftovers(store, record):
         removed["branch"] = branch
     if record.get("discard"):
         saved_text = " Its work was dropped (--discard): nothing of it was kept."
-    return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "")), removed
+    return (saved_text + (" Removed %s." % " and ".join(parts) if parts else "") + torn,
+            removed)
 
 
 def task_rows(store, tasks=None):
@@ -657,6 +677,9 @@ def task_rows(store, tasks=None):
             row["integration"] = record["integration"]
         if record.get("merged_commit"):
             row["merged_commit"] = record["merged_commit"]
+        for key in ("race", "published", "lost_to"):     # a race's attempt, a pushed branch
+            if record.get(key):
+                row[key] = record[key]
         if problem:
             # Said in every view of the queue (`ferrus tasks`, status, HQ's board), with
             # the repair.

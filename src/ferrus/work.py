@@ -24,6 +24,7 @@ from .checks import run_checks
 from .git import TaskCheckout, set_task_ref, snapshot_worktree, task_diff, task_ref
 from .worktrees import changed_paths
 from .sandbox import check_wrapper
+from .bootstrap import store_environment
 from .operations import (GUARDED_SHOWN, Outcome, _approval_file_if_any, _guard_lease,
                          _json_outcome, _nonblank, _outcome, guarded_paths, journal_text,
                          review_diff, task_diff_exclusions, task_git_site)
@@ -234,7 +235,7 @@ def _run_gate(store, caller, action):
     # A sandboxed task's checks run confined as its agents do (they run its code).
     run = run_checks(store.workdir, config.checks, store.path("logs"), data.check_retries + 1,
                      config.limits.max_feedback_lines, caller.cancel, store.root,
-                     wrap=check_wrapper(store))
+                     wrap=check_wrapper(store), env=store_environment(store))
     if run.cancelled:
         raise FerrusError("The check run was cancelled; the state is unchanged.")
     return data, run, config
