@@ -4005,8 +4005,9 @@ class Store:
                         FERRUS_DIR, STATE_FILE, tx.before.extra[PARALLEL_MIRROR_KEY]),
                     "agents of a parallel task are started by `ferrus run --parallel` or HQ; "
                     "`ferrus task cancel ID` drops one")
-            # The mirrored task has ended: a task of the project's own takes the file over.
-            del state.extra[PARALLEL_MIRROR_KEY]
+            # The mirrored task has ended: a task of the project's own takes the file over
+            # (a reset's fresh state has no mirror key to drop).
+            state.extra.pop(PARALLEL_MIRROR_KEY, None)
         if self.task is None:
             state.rev = tx.before.rev + 1
             project = None

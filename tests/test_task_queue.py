@@ -141,6 +141,22 @@ def test_when_the_foreground_task_ends_the_next_commit_takes_the_mirror(project)
     assert data.extra[ferrus.PARALLEL_MIRROR_KEY] == second and data.task_id == second
 
 
+@pytest.mark.parametrize("ended", [S.COMPLETE, S.FAILED])
+def test_the_checkout_takes_its_state_back_once_the_mirrored_task_ended(project, ended):
+    """A merged (or failed) parallel task leaves its last state mirrored in the project's
+    STATE.json: a reset or the checkout's next task replaces it like any ended task."""
+    store = ferrus.Store(str(project))
+    first, _ = start_task(store)
+    data = store.read_state()
+    data.state = ended
+    ferrus.atomic_write(store.path(ferrus.STATE_FILE), data.to_json())
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    after = store.read_state()
+    assert after.state == S.IDLE and ferrus.PARALLEL_MIRROR_KEY not in after.extra
+    ferrus.op_create_task(store, ferrus.HUMAN, "The checkout's own task.")
+    assert store.read_state().state == S.EXECUTING
+
+
 def test_a_crash_between_the_project_file_and_the_tasks_leaves_a_recorded_gap(project,
                                                                               monkeypatch):
     store = ferrus.Store(str(project))
