@@ -23440,7 +23440,7 @@ class HqController(JournalView):
             self._step(slot, SessionEvent("SessionExited", outcome="error"))
             return
         said = "\n  its last words: %s" % last_words if last_words else \
-            "\n  it wrote nothing before it ended"
+            "\n  it said nothing (no final message) before it ended"
         facts = {"slot": slot.name, "exit": code, "last_words": last_words,
                  "log": self.store.relpath(process.log_path)}
         if code == 0:

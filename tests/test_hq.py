@@ -128,7 +128,7 @@ def test_an_agent_that_exits_without_progress_is_noticed(scripted, monkeypatch):
     controller = ferrus.HqController(scripted, messages.append, clock=FakeMonotonic())
     drive(controller, lambda: controller.slots["executor"].state == SS.COOLING_DOWN)
     assert any("exited (exit 0) without calling submit or consult" in m.text and
-               "it wrote nothing before it ended" in m.text for m in messages)
+               "it said nothing (no final message) before it ended" in m.text for m in messages)
     controller.shutdown()
 
 
