@@ -163,6 +163,24 @@ def test_search_finds_lines_by_regular_expression(workdir):
     assert not ok and "not a valid regular expression" in text
 
 
+def test_a_path_no_file_can_have_is_an_error_for_the_model(workdir):
+    tools = ferrus.NanoFileTools(str(workdir), "edit")
+    for name, args in (("write_file", {"path": "a\u0000b", "content": "x"}),
+                       ("read_file", {"path": "src/\u0000"}),
+                       ("grep_search", {"pattern": "x", "path": "\u0000"})):
+        ok, text = tools.call(name, args)
+        assert not ok and "null byte" in text, (name, text)
+
+
+def test_search_names_the_files_too_large_to_search(workdir, monkeypatch):
+    (workdir / "big.log").write_text("two\n" * 20)
+    monkeypatch.setattr(ferrus, "NANO_SEARCH_FILE_BYTES", 40)
+    tools = ferrus.NanoFileTools(str(workdir), "read-only")
+    ok, text = tools.call("grep_search", {"pattern": "two"})
+    assert ok and text.split("\n") == ["src/a.py:2: two", "not searched (over 40 bytes; "
+                                       "read_file reads them by line range): big.log"]
+
+
 def test_edits_are_exact_and_unique(workdir):
     tools = ferrus.NanoFileTools(str(workdir), "edit")
     assert tools.call("write_file", {"path": "new/b.txt", "content": "x\ny\n"}) == (

@@ -343,13 +343,22 @@ class NanoFileTools:
             return False, "bad arguments for %s: %s" % (name, err)
         except OSError as err:
             return False, "%s: %s" % (err.filename or name, err.strerror or err)
+        except (ValueError, UnicodeError) as err:  # e.g. a name the file system refuses
+            return False, "%s cannot do that: %s" % (name, err)
 
     def _path(self, path, write=False):
         """(real path, path relative to the working folder) of an allowed path."""
         if not isinstance(path, str) or not path.strip():
             raise NanoToolError("path must be a non-empty string")
+        if "\0" in path:
+            raise NanoToolError("path %s has a null byte; a file name cannot"
+                                % json.dumps(path))
         full = path if os.path.isabs(path) else os.path.join(self.workdir, path)
-        real = os.path.realpath(full)
+        try:
+            real = os.path.realpath(full)
+        except (OSError, ValueError) as err:
+            raise NanoToolError("path %s cannot be used: %s" % (json.dumps(path), err)) \
+                from None
         if write and self.output is not None:
             if real != self.output:
                 raise NanoToolError("this worker may write only its output file %s"
@@ -427,16 +436,28 @@ class NanoFileTools:
                 from None
         real, relative = self._path(path or ".")
         files = [real] if os.path.isfile(real) else self._walk_files(real, include)
-        matches, searched = [], 0
+        matches, searched, too_large = [], 0, []
         for file_path in files:
             if len(matches) > NANO_SEARCH_MATCHES:
                 break
+            with contextlib.suppress(OSError):
+                if os.path.getsize(file_path) > NANO_SEARCH_FILE_BYTES:
+                    too_large.append(self._shown_path(file_path))
+                    continue
             searched += 1
             matches += self._grep_one(file_path, regex)
         more = len(matches) - NANO_SEARCH_MATCHES
         text = "\n".join(matches[:NANO_SEARCH_MATCHES]) or "no match in %d file(s)" % searched
+        if too_large:
+            text += "\nnot searched (over %s; read_file reads them by line range): %s" % (
+                "%d MB" % (NANO_SEARCH_FILE_BYTES >> 20) if NANO_SEARCH_FILE_BYTES >= 1 << 20
+                else "%d bytes" % NANO_SEARCH_FILE_BYTES, ", ".join(too_large[:20]) +
+                (" and %d more" % (len(too_large) - 20) if len(too_large) > 20 else ""))
         return True, text + ("\n… more matches; narrow the pattern or the path" if more > 0
                              else "")
+
+    def _shown_path(self, file_path):
+        return os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
 
     def _hidden(self, folder, name):
         """ferrus's and git's own, at the top of the working folder (a worktree's .git
@@ -463,7 +484,7 @@ class NanoFileTools:
             return found
         if b"\0" in data[:8192]:
             return found
-        shown = os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
+        shown = self._shown_path(file_path)
         for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             if regex.search(line):
                 found.append("%s:%d: %s" % (shown, number, line.strip()[:300]))
