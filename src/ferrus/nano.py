@@ -47,8 +47,8 @@ from .operations import ROLES
 from .mcp import SESSION_ENV
 from .agents import tool_summary
 from .agent_files import DEFAULT_PERMISSIONS, WORKER_PERMISSIONS
-from .nano_model import (ChatCompletionsClient, NanoToolCall, nano_api_key, nano_endpoint,
-                         nano_settings, resolve_nano_model)
+from .nano_model import (ChatCompletionsClient, NanoModelError, NanoToolCall, nano_api_key,
+                         nano_endpoint, nano_settings, resolve_nano_model)
 
 
 # -- the MCP client --------------------------------------------------------------------
@@ -941,7 +941,12 @@ class NanoAgent:
         self._check_budgets()
         self._fit_context()
         request_chars = self._chars()
-        turn = self.client.complete(self.messages, self.toolbox.specs())
+        try:
+            turn = self.client.complete(self.messages, self.toolbox.specs(), within_secs=(
+                self.settings.max_session_secs - (self.clock() - self.started)))
+        except NanoModelError:
+            self._check_budgets()          # the session's budget cut the answer short
+            raise
         self.turns += 1
         self._count_usage(turn, request_chars)
         calls = turn.tool_calls or self._calls_in_text(turn)
@@ -1086,11 +1091,15 @@ class NanoHeartbeat:
     """Keeps the executor's lease alive while a slow model thinks.
 
     After a wait_for_task that claimed the task, the heartbeat tool is called every
-    [lease] heartbeat_interval_secs from a thread; the model may call it too."""
+    [lease] heartbeat_interval_secs from a thread; the model may call it too.  It
+    stops at the end of the session's budget (``budget_secs`` from its start, by the
+    monotonic ``clock``): a session stuck past its budget lets its lease run out."""
 
-    def __init__(self, toolbox, interval_secs):
+    def __init__(self, toolbox, interval_secs, budget_secs=None, clock=time.monotonic):
         self.toolbox = toolbox
         self.interval = max(1.0, float(interval_secs))
+        self.clock = clock
+        self.deadline = None if budget_secs is None else clock() + budget_secs
         self._stop = threading.Event()
         self._thread = None
 
@@ -1102,10 +1111,17 @@ class NanoHeartbeat:
             self._thread.start()
 
     def _beat(self):
+        while not self._stop.wait(self.interval) and self.beat():
+            pass
+
+    def beat(self):
+        """One heartbeat; False (and none sent) once the session's budget is spent."""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return False
         tool = self.toolbox.tools["heartbeat"]
-        while not self._stop.wait(self.interval):
-            with contextlib.suppress(FerrusError):
-                tool.server.call_tool(tool.remote_name, {}, 30.0)
+        with contextlib.suppress(FerrusError):
+            tool.server.call_tool(tool.remote_name, {}, 30.0)
+        return True
 
     def stop(self):
         self._stop.set()
@@ -1183,8 +1199,8 @@ def _run_nano(args, root):
     session = os.environ.get(SESSION_ENV) or new_id("nano")
     output = NanoHumanOutput(sys.stdout) if args.interactive else \
         NanoStreamOutput(sys.stdout, session, client.model)
-    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs) \
-        if args.role == "executor" else None
+    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs,
+                              settings.max_session_secs) if args.role == "executor" else None
     agent = NanoAgent(client, toolbox, settings, output, workdir=workdir, heartbeat=heartbeat)
     try:
         outcome = agent.run(prompt, _read_human_line if args.interactive else None)
