@@ -17403,7 +17403,7 @@ class CustomAgent(AgentAdapter):
 
 
 # ============================================================================
-# src/ferrus/nano_model.py (from its line 30)
+# src/ferrus/nano_model.py (from its line 31)
 # ============================================================================
 # nano's model side: [agents.nano] settings and the chat-completions client.
 #
@@ -17613,6 +17613,7 @@ class NanoTurn:
 
 
 NANO_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+NANO_MAX_LINE_BYTES = 1 << 20
 _RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
 
 
@@ -17630,7 +17631,11 @@ def fold_chat_stream(lines):
 
     ``lines`` are the raw lines (bytes or str).  Tool calls come in pieces keyed by
     their index: the first piece has the id and name, the arguments arrive as text
-    fragments (llama-server) or whole (Ollama)."""
+    fragments (llama-server) or whole (Ollama).
+
+    A stream that ends with neither [DONE] nor a finish_reason was cut off (the
+    server or the connection failed): its half an answer is an error, never taken as
+    what the model meant."""
     turn, text, calls, done = NanoTurn(), [], {}, False
     for raw in lines:
         line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
@@ -17676,6 +17681,11 @@ def fold_chat_stream(lines):
                     call["arguments"].append(json.dumps(arguments))
             if choice.get("finish_reason"):
                 turn.finish_reason = str(choice["finish_reason"])
+    if not done and not turn.finish_reason:
+        raise NanoModelError("the model server's answer broke off before its end (no "
+                             "finish_reason, no [DONE]): the server or the connection "
+                             "failed, not the model", "see the model server's own log",
+                             retryable=True)
     turn.text = "".join(text)
     turn.tool_calls = [NanoToolCall(call["id"] or "call_%d" % index, call["name"],
                                     "".join(call["arguments"]))
@@ -17715,11 +17725,13 @@ class ChatCompletionsClient:
     http.client (what urllib.request uses underneath) keeps the connection open
     between turns, which a local server answers in well under a millisecond; proxies
     are not used, so HTTP_PROXY never sends a loopback request elsewhere.  Transient
-    failures (connection refused or reset, 408/429/5xx) are retried ``retries``
-    times with a growing pause."""
+    failures (connection refused or reset, 408/429/5xx, an answer cut off) are
+    retried ``retries`` times with a growing pause.  ``timeout`` bounds a whole
+    answer, not only the silence between its bytes; ``clock`` is monotonic
+    (injectable)."""
 
     def __init__(self, endpoint, model, settings, api_key=None, sleep=time.sleep,
-                 retries=2, timeout=None):
+                 retries=2, timeout=None, clock=time.monotonic):
         self.endpoint = endpoint
         self.model = model
         self.settings = settings
@@ -17727,7 +17739,10 @@ class ChatCompletionsClient:
         self.sleep = sleep
         self.retries = retries
         self.timeout = timeout or settings.request_timeout_secs
+        self.clock = clock
         self._connection = None
+        self._deadline = None        # clock() by which the answer in flight must be in
+        self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
         if self._connection is None:
@@ -17763,6 +17778,7 @@ class ChatCompletionsClient:
             fresh = self._connection is None or self._connection.sock is None
             try:
                 connection = self._connect()
+                self._bound_socket()
                 connection.request(method, self.endpoint.path + path, body=data,
                                    headers=self._headers(stream))
                 response = connection.getresponse()
@@ -17820,12 +17836,67 @@ class ChatCompletionsClient:
     def _timed_out(self):
         self.close()
         return NanoModelError("the model server at %s did not answer within %d s"
-                              % (self.endpoint.url, self.timeout),
+                              % (self.endpoint.url, self._limit),
                               "a slow model needs more time: raise [agents.nano] "
                               "request_timeout_secs")
 
-    def complete(self, messages, tools):
-        """One model turn: the conversation and the offered tools in, a NanoTurn out."""
+    def _time_left(self):
+        """Seconds left before the answer's deadline; the timeout error when none."""
+        if self._deadline is None:
+            return self.timeout
+        left = self._deadline - self.clock()
+        if left <= 0:
+            raise self._timed_out()
+        return left
+
+    def _bound_socket(self):
+        """The socket waits no longer than the answer's deadline allows."""
+        connection = self._connection
+        if connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.settimeout(max(0.001, min(self.timeout, self._time_left())))
+
+    def complete(self, messages, tools, within_secs=None):
+        """One model turn: the conversation and the offered tools in, a NanoTurn out.
+
+        The whole answer, retries included, takes at most request_timeout_secs, or
+        ``within_secs`` when that is less (what is left of a session's budget)."""
+        self._limit = self.timeout if within_secs is None else \
+            max(0, min(self.timeout, int(round(within_secs))))
+        self._deadline = self.clock() + (self.timeout if within_secs is None else
+                                         min(self.timeout, within_secs))
+        # A server that trickles bytes never lets the socket's timeout fire: at the
+        # deadline the watchdog shuts the socket, and the read in progress ends.
+        watchdog = threading.Timer(max(0.0, self._deadline - self.clock()) + 0.05,
+                                   self._expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            pause = 1.0
+            for attempt in range(self.retries + 1):
+                try:
+                    return self._complete_once(messages, tools)
+                except NanoModelError as err:
+                    if not err.retryable or attempt == self.retries or \
+                            self._deadline - self.clock() <= pause:
+                        raise
+                self.sleep(pause)
+                pause *= 3
+            raise AssertionError("unreachable")
+        finally:
+            watchdog.cancel()
+            self._deadline = None
+
+    def _expire(self):
+        sock = getattr(self._connection, "sock", None)
+        if self._deadline is not None:
+            self._deadline = self.clock()        # every later check says: timed out
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _complete_once(self, messages, tools):
+        self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True},
                 "max_tokens": self.settings.max_tokens,
@@ -17833,7 +17904,8 @@ class ChatCompletionsClient:
         if tools:
             body["tools"] = tools
             body["tool_choice"] = "auto"
-        content_type, response = self._request("POST", "/chat/completions", body, stream=True)
+        content_type, response = self._request_once("POST", "/chat/completions", body,
+                                                    stream=True)
         try:
             if "json" in content_type:
                 raw = response.read(NANO_MAX_RESPONSE_BYTES + 1)
@@ -17848,20 +17920,30 @@ class ChatCompletionsClient:
             return turn
         except socket.timeout:
             raise self._timed_out() from None
-        except (OSError, http.client.HTTPException, ValueError) as err:
+        except (OSError, http.client.HTTPException, ValueError, NanoModelError) as err:
             self.close()
+            self._time_left()               # the deadline cut it: a timeout
             if isinstance(err, NanoModelError):
                 raise
             raise NanoModelError("the model's answer broke off: %s" % err,
                                  retryable=True) from None
 
-    @staticmethod
-    def _bounded_lines(response):
+    def _bounded_lines(self, response):
         total = 0
         while True:
-            line = response.readline(1 << 20)
+            self._bound_socket()
+            line = response.readline(NANO_MAX_LINE_BYTES + 1)
             if not line:
                 return
+            if len(line) > NANO_MAX_LINE_BYTES:
+                raise NanoModelError("the model server streamed a line longer than the "
+                                     "limit of %d MB (NANO_MAX_LINE_BYTES): %s…" % (
+                                         NANO_MAX_LINE_BYTES >> 20,
+                                         line[:80].decode("utf-8", "replace")),
+                                     "one server-sent event is one line; a longer one is "
+                                     "a broken server or a model's runaway answer: see "
+                                     "the model server's own log")
+            self._time_left()
             total += len(line)
             if total > NANO_MAX_RESPONSE_BYTES:
                 raise NanoModelError("the model's answer is over %d MB"
@@ -18228,13 +18310,22 @@ class NanoFileTools:
             return False, "bad arguments for %s: %s" % (name, err)
         except OSError as err:
             return False, "%s: %s" % (err.filename or name, err.strerror or err)
+        except (ValueError, UnicodeError) as err:  # e.g. a name the file system refuses
+            return False, "%s cannot do that: %s" % (name, err)
 
     def _path(self, path, write=False):
         """(real path, path relative to the working folder) of an allowed path."""
         if not isinstance(path, str) or not path.strip():
             raise NanoToolError("path must be a non-empty string")
+        if "\0" in path:
+            raise NanoToolError("path %s has a null byte; a file name cannot"
+                                % json.dumps(path))
         full = path if os.path.isabs(path) else os.path.join(self.workdir, path)
-        real = os.path.realpath(full)
+        try:
+            real = os.path.realpath(full)
+        except (OSError, ValueError) as err:
+            raise NanoToolError("path %s cannot be used: %s" % (json.dumps(path), err)) \
+                from None
         if write and self.output is not None:
             if real != self.output:
                 raise NanoToolError("this worker may write only its output file %s"
@@ -18312,16 +18403,28 @@ class NanoFileTools:
                 from None
         real, relative = self._path(path or ".")
         files = [real] if os.path.isfile(real) else self._walk_files(real, include)
-        matches, searched = [], 0
+        matches, searched, too_large = [], 0, []
         for file_path in files:
             if len(matches) > NANO_SEARCH_MATCHES:
                 break
+            with contextlib.suppress(OSError):
+                if os.path.getsize(file_path) > NANO_SEARCH_FILE_BYTES:
+                    too_large.append(self._shown_path(file_path))
+                    continue
             searched += 1
             matches += self._grep_one(file_path, regex)
         more = len(matches) - NANO_SEARCH_MATCHES
         text = "\n".join(matches[:NANO_SEARCH_MATCHES]) or "no match in %d file(s)" % searched
+        if too_large:
+            text += "\nnot searched (over %s; read_file reads them by line range): %s" % (
+                "%d MB" % (NANO_SEARCH_FILE_BYTES >> 20) if NANO_SEARCH_FILE_BYTES >= 1 << 20
+                else "%d bytes" % NANO_SEARCH_FILE_BYTES, ", ".join(too_large[:20]) +
+                (" and %d more" % (len(too_large) - 20) if len(too_large) > 20 else ""))
         return True, text + ("\n… more matches; narrow the pattern or the path" if more > 0
                              else "")
+
+    def _shown_path(self, file_path):
+        return os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
 
     def _hidden(self, folder, name):
         """ferrus's and git's own, at the top of the working folder (a worktree's .git
@@ -18348,7 +18451,7 @@ class NanoFileTools:
             return found
         if b"\0" in data[:8192]:
             return found
-        shown = os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
+        shown = self._shown_path(file_path)
         for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             if regex.search(line):
                 found.append("%s:%d: %s" % (shown, number, line.strip()[:300]))
@@ -18805,7 +18908,12 @@ class NanoAgent:
         self._check_budgets()
         self._fit_context()
         request_chars = self._chars()
-        turn = self.client.complete(self.messages, self.toolbox.specs())
+        try:
+            turn = self.client.complete(self.messages, self.toolbox.specs(), within_secs=(
+                self.settings.max_session_secs - (self.clock() - self.started)))
+        except NanoModelError:
+            self._check_budgets()          # the session's budget cut the answer short
+            raise
         self.turns += 1
         self._count_usage(turn, request_chars)
         calls = turn.tool_calls or self._calls_in_text(turn)
@@ -18950,11 +19058,15 @@ class NanoHeartbeat:
     """Keeps the executor's lease alive while a slow model thinks.
 
     After a wait_for_task that claimed the task, the heartbeat tool is called every
-    [lease] heartbeat_interval_secs from a thread; the model may call it too."""
+    [lease] heartbeat_interval_secs from a thread; the model may call it too.  It
+    stops at the end of the session's budget (``budget_secs`` from its start, by the
+    monotonic ``clock``): a session stuck past its budget lets its lease run out."""
 
-    def __init__(self, toolbox, interval_secs):
+    def __init__(self, toolbox, interval_secs, budget_secs=None, clock=time.monotonic):
         self.toolbox = toolbox
         self.interval = max(1.0, float(interval_secs))
+        self.clock = clock
+        self.deadline = None if budget_secs is None else clock() + budget_secs
         self._stop = threading.Event()
         self._thread = None
 
@@ -18966,10 +19078,17 @@ class NanoHeartbeat:
             self._thread.start()
 
     def _beat(self):
+        while not self._stop.wait(self.interval) and self.beat():
+            pass
+
+    def beat(self):
+        """One heartbeat; False (and none sent) once the session's budget is spent."""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return False
         tool = self.toolbox.tools["heartbeat"]
-        while not self._stop.wait(self.interval):
-            with contextlib.suppress(FerrusError):
-                tool.server.call_tool(tool.remote_name, {}, 30.0)
+        with contextlib.suppress(FerrusError):
+            tool.server.call_tool(tool.remote_name, {}, 30.0)
+        return True
 
     def stop(self):
         self._stop.set()
@@ -19047,8 +19166,8 @@ def _run_nano(args, root):
     session = os.environ.get(SESSION_ENV) or new_id("nano")
     output = NanoHumanOutput(sys.stdout) if args.interactive else \
         NanoStreamOutput(sys.stdout, session, client.model)
-    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs) \
-        if args.role == "executor" else None
+    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs,
+                              settings.max_session_secs) if args.role == "executor" else None
     agent = NanoAgent(client, toolbox, settings, output, workdir=workdir, heartbeat=heartbeat)
     try:
         outcome = agent.run(prompt, _read_human_line if args.interactive else None)
@@ -19550,6 +19669,7 @@ class ProbeVerdict:
     passed: bool
     reason: str            # "" when passed; else no tool calls, malformed JSON, ...
     detail: str = ""
+    hint: str = ""         # what to do about a server's failure (a fix: line)
     seconds: float = 0.0
     input_tokens: "int | None" = None
     output_tokens: "int | None" = None
@@ -19592,8 +19712,11 @@ def probe_model(client, clock=time.monotonic, word=None):
     verdict = ProbeVerdict(False, "")
     started = clock()
 
+    # The whole exercise, not each answer, has PROBE_TIMEOUT_SECS (by the client's clock).
+    until = client.clock() + PROBE_TIMEOUT_SECS
+
     def ask():
-        turn = client.complete(messages, PROBE_TOOLS)
+        turn = client.complete(messages, PROBE_TOOLS, within_secs=until - client.clock())
         verdict.turns += 1
         for field, value in (("input_tokens", turn.prompt_tokens),
                              ("output_tokens", turn.completion_tokens)):
@@ -19628,7 +19751,10 @@ def probe_model(client, clock=time.monotonic, word=None):
     except NanoModelError as err:
         timed_out = "did not answer within" in err.message
         verdict.reason = "timeout" if timed_out else "server error"
-        verdict.detail = err.full_text()
+        if timed_out and client.clock() >= until:
+            err = NanoModelError("the model did not finish the exercise within %d s (%s)"
+                                 % (PROBE_TIMEOUT_SECS, err.message), err.hint)
+        verdict.detail, verdict.hint = err.message, err.hint or ""
     verdict.seconds = clock() - started
     return verdict
 
@@ -19660,7 +19786,7 @@ def probe_rows(root, clock=time.monotonic):
         except FerrusError as err:
             row.update(model=choice.model or None, passed=False,
                        reason="not configured" if not isinstance(err, NanoModelError)
-                       else "server error", detail=err.full_text())
+                       else "server error", detail=err.message, hint=err.hint or "")
             continue
         row["model"] = client.model
         key = (endpoint.url, client.model)
@@ -19728,7 +19854,7 @@ def _probe_lines(row):
         turns = row.get("turns", 0)
         lines.append("           after %d turn%s in %.1f s%s" % (
             turns, "" if turns == 1 else "s", row["seconds"], tokens))
-    hint = PROBE_FAILURE_HINTS.get(row["reason"])
+    hint = PROBE_FAILURE_HINTS.get(row["reason"]) or row.get("hint")
     if hint:
         lines.append("           fix: %s" % hint)
     return "\n".join(lines)
@@ -22861,16 +22987,19 @@ class JournalView:
             return
         events = slot.process.events[slot.events_shown:]
         slot.events_shown += len(events)
+        # Paths are shortened against where the task's code is (a parallel task's
+        # worktree), so a path into the project's own checkout shows as the agent gave it.
+        folder = self.store.workdir
         for event in events:
             if event.kind == "tool_call":
-                line = tool_line(slot.name, event.name, event.text, self.store.root)
+                line = tool_line(slot.name, event.name, event.text, folder)
                 slot.calls_by_id[event.call_id] = (event.name, event.text)
                 self.emit(HqMessage("agent", line, "tool_call", {
                     "slot": slot.name, "tool": tool_display_name(event.name),
                     "input": event.text, "ok": event.ok}))
             elif event.kind == "tool_result" and event.ok is False:
                 name, summary = slot.calls_by_id.pop(event.call_id, (event.name, ""))
-                line = tool_failure_line(slot.name, name, event.text, self.store.root)
+                line = tool_failure_line(slot.name, name, event.text, folder)
                 self.emit(HqMessage("agent", line, "tool_failed", {
                     "slot": slot.name, "tool": tool_display_name(name), "input": summary,
                     "reason": event.text, "denied": tool_denied(event.text)}))

@@ -5,9 +5,14 @@ tests/fake_models.py's scripted
 chat-completions server; the loop tests use nano's own file tools only (the end-to-end
 tests in test_e2e_nano.py add ferrus's server)."""
 
+import contextlib
 import io
 import json
 import os
+import re
+import socket
+import threading
+import time
 
 import pytest
 
@@ -112,6 +117,160 @@ def test_an_error_in_the_stream_is_the_servers_message():
     assert "model crashed" in failed.value.message
 
 
+def test_a_stream_cut_off_before_its_end_is_a_server_failure_not_an_answer():
+    for cut in ([chunk({"content": "Half a sent"})],
+                [chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+                    "name": "write_file", "arguments": {"path": "b.txt", "content": "x"}}}]})]):
+        with pytest.raises(ferrus.NanoModelError) as failed:
+            ferrus.fold_chat_stream(cut)
+        assert "broke off before its end (no finish_reason, no [DONE])" in \
+            failed.value.message and "not the model" in failed.value.message
+        assert failed.value.retryable
+    # Either end marker alone is a whole answer.
+    assert ferrus.fold_chat_stream([chunk({"content": "a"}), b"data: [DONE]\n"]).text == "a"
+    assert ferrus.fold_chat_stream([chunk({"content": "b"}, finish="stop")]).text == "b"
+
+
+def test_a_stream_line_over_the_limit_is_named_as_too_long():
+    settings = ferrus.NanoSettings()
+    client = ferrus.ChatCompletionsClient(ferrus.nano_endpoint(settings), "m", settings)
+    long_line = b"data: " + b"x" * ferrus.NANO_MAX_LINE_BYTES + b"\n"
+    with pytest.raises(ferrus.NanoModelError) as failed:
+        list(client._bounded_lines(io.BytesIO(long_line)))
+    assert "a line longer than the limit of 1 MB (NANO_MAX_LINE_BYTES)" in \
+        failed.value.message and "not JSON" not in failed.value.message
+
+
+class RawModelServer:
+    """A model server that answers each POST with the next of ``answers``: bytes sent
+    as they are, then the connection closed; ``PINGS`` sends an SSE ping comment every
+    few milliseconds until the client goes away."""
+
+    PINGS = object()
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.requests = 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = "http://127.0.0.1:%d/v1" % self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _address = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection):
+        with connection, contextlib.suppress(OSError):
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            while len(body) < length:
+                body += connection.recv(65536)
+            answer = self.answers[min(self.requests, len(self.answers) - 1)]
+            self.requests += 1
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                               b"Connection: close\r\n\r\n")
+            if answer is self.PINGS:
+                while True:
+                    connection.sendall(b": ping\n\n")
+                    time.sleep(0.01)
+            connection.sendall(answer)
+
+    def close(self):
+        self.listener.close()
+
+
+class Ticking:
+    """A clock that moves one second each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_a_reply_that_never_ends_is_stopped_by_the_request_timeout():
+    server = RawModelServer([RawModelServer.PINGS])
+    settings = ferrus.NanoSettings(base_url=server.url, request_timeout_secs=5)
+    client = ferrus.ChatCompletionsClient(ferrus.nano_endpoint(settings), "m", settings,
+                                          clock=Ticking(), retries=0)
+    try:
+        with pytest.raises(ferrus.NanoModelError) as failed:
+            client.complete([{"role": "user", "content": "x"}], [])
+    finally:
+        client.close()
+        server.close()
+    assert "did not answer within 5 s" in failed.value.message
+    assert "request_timeout_secs" in failed.value.hint
+
+
+def test_the_session_budget_holds_while_an_answer_is_in_flight(workdir):
+    server = RawModelServer([RawModelServer.PINGS])
+    clock = Ticking()
+    settings = ferrus.NanoSettings(base_url=server.url, max_session_secs=8)
+    client = ferrus.ChatCompletionsClient(ferrus.nano_endpoint(settings), "m", settings,
+                                          clock=clock, sleep=lambda seconds: None)
+    agent = ferrus.NanoAgent(client, ferrus.NanoToolbox(ferrus.NanoFileTools(
+        str(workdir), "edit")), settings, ferrus.NanoStreamOutput(io.StringIO(), "s", "m"),
+        clock=clock, workdir=str(workdir))
+    try:
+        outcome = agent.run("Create b.txt holding hi.")
+    finally:
+        client.close()
+        server.close()
+    assert outcome.exit_code == 1 and "its budget is 8 s ([agents.nano] max_session_secs)" \
+        in outcome.text
+    assert server.requests == 1
+
+
+def sse(*chunks):
+    return b"".join(chunks)
+
+
+def test_an_answer_cut_off_mid_stream_is_retried_and_never_executed(workdir):
+    whole_call = chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+        "name": "write_file", "arguments": {"path": "b.txt", "content": "cut\n"}}}]})
+    half_call = chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+        "name": "write_file", "arguments": '{"path": "b.txt", "cont'}}]})
+    stop = sse(chunk({"content": "Done."}, finish="stop"), b"data: [DONE]\n\n")
+    for cuts in ([whole_call], [half_call], [chunk({"content": "Half a sent"})]):
+        server = RawModelServer(cuts * 3)
+        settings = ferrus.NanoSettings(base_url=server.url)
+        client = ferrus.ChatCompletionsClient(ferrus.nano_endpoint(settings), "m", settings,
+                                              sleep=lambda seconds: None)
+        out = io.StringIO()
+        agent = ferrus.NanoAgent(client, ferrus.NanoToolbox(ferrus.NanoFileTools(
+            str(workdir), "edit")), settings, ferrus.NanoStreamOutput(out, "s", "m"),
+            clock=Clock(), workdir=str(workdir))
+        try:
+            outcome = agent.run("Create b.txt holding hi.")
+        finally:
+            client.close()
+            server.close()
+        assert outcome.exit_code == 1 and "broke off before its end" in outcome.text
+        assert "malformed" not in out.getvalue() and not (workdir / "b.txt").exists()
+        assert server.requests == 3                       # tried, then retried twice
+    server = RawModelServer([whole_call, stop])           # once cut, then whole
+    settings = ferrus.NanoSettings(base_url=server.url)
+    client = ferrus.ChatCompletionsClient(ferrus.nano_endpoint(settings), "m", settings,
+                                          sleep=lambda seconds: None)
+    try:
+        assert client.complete([{"role": "user", "content": "x"}], []).text == "Done."
+    finally:
+        client.close()
+        server.close()
+
+
 # -- the file tools -----------------------------------------------------------------------
 
 @pytest.fixture
@@ -161,6 +320,47 @@ def test_search_finds_lines_by_regular_expression(workdir):
     assert tools.call("grep_search", {"pattern": "STATE|{}"})[1] == "no match in 1 file(s)"
     ok, text = tools.call("grep_search", {"pattern": "("})
     assert not ok and "not a valid regular expression" in text
+
+
+class HeartbeatServer:
+    name = "ferrus"
+
+    def __init__(self):
+        self.beats = 0
+
+    def call_tool(self, name, arguments, timeout):
+        self.beats += 1
+        return False, "ok"
+
+
+def test_heartbeats_stop_when_the_sessions_budget_is_spent(workdir):
+    server, clock = HeartbeatServer(), Clock()
+    toolbox = ferrus.NanoToolbox(ferrus.NanoFileTools(str(workdir), "edit"))
+    toolbox.tools["heartbeat"] = ferrus.NanoTool("heartbeat", "mcp__ferrus__heartbeat", {},
+                                                 server, "heartbeat")
+    heartbeat = ferrus.NanoHeartbeat(toolbox, 30, budget_secs=1800, clock=clock)
+    clock.now += 1799
+    assert heartbeat.beat() and server.beats == 1
+    clock.now += 1
+    assert not heartbeat.beat() and server.beats == 1
+
+
+def test_a_path_no_file_can_have_is_an_error_for_the_model(workdir):
+    tools = ferrus.NanoFileTools(str(workdir), "edit")
+    for name, args in (("write_file", {"path": "a\u0000b", "content": "x"}),
+                       ("read_file", {"path": "src/\u0000"}),
+                       ("grep_search", {"pattern": "x", "path": "\u0000"})):
+        ok, text = tools.call(name, args)
+        assert not ok and "null byte" in text, (name, text)
+
+
+def test_search_names_the_files_too_large_to_search(workdir, monkeypatch):
+    (workdir / "big.log").write_text("two\n" * 20)
+    monkeypatch.setattr(ferrus, "NANO_SEARCH_FILE_BYTES", 40)
+    tools = ferrus.NanoFileTools(str(workdir), "read-only")
+    ok, text = tools.call("grep_search", {"pattern": "two"})
+    assert ok and text.split("\n") == ["src/a.py:2: two", "not searched (over 40 bytes; "
+                                       "read_file reads them by line range): big.log"]
 
 
 def test_edits_are_exact_and_unique(workdir):

@@ -129,3 +129,51 @@ def test_ferrus_doctor_names_a_bad_nano_setting_and_the_probe_refuses_it(project
     assert done.stdout.count("probe: FAIL — not configured: ferrus.toml [agents.nano] has "
                              "no setting max_tool_call") == 2
     assert done.returncode == 1
+
+
+class SlowClient:
+    """A client whose every answer takes 50 s of its clock (and says what it was given)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.given = []
+
+    def clock(self):
+        return self.now
+
+    def complete(self, messages, tools, within_secs=None):
+        self.given.append(within_secs)
+        if within_secs <= 50:
+            self.now += within_secs
+            raise ferrus.NanoModelError("the model server at x did not answer within %d s"
+                                        % within_secs, "raise request_timeout_secs")
+        self.now += 50
+        if len(self.given) == 1:
+            return ferrus.NanoTurn(tool_calls=[ferrus.NanoToolCall(
+                "c1", "lookup_word", '{"key": "ferrus"}')])
+        return ferrus.NanoTurn(tool_calls=[ferrus.NanoToolCall(
+            "c2", "submit_word", '{"word": "amber-1"}')])
+
+
+def test_the_whole_exercise_has_the_probes_time_limit():
+    client = SlowClient()
+    verdict = ferrus.probe_model(client, word="amber-1")
+    assert client.given == [120, 70, 20] and client.now == 120
+    assert (verdict.passed, verdict.reason) == (False, "timeout")
+    assert verdict.detail.startswith("the model did not finish the exercise within 120 s")
+
+
+def test_a_failure_report_gives_one_indented_fix_line():
+    client = SlowClient()
+    verdict = ferrus.probe_model(client, word="amber-1")
+    row = dict(role="executor", agent="nano", probed=True, model="m", **{
+        key: getattr(verdict, key) for key in ("passed", "reason", "detail", "hint",
+                                               "seconds", "turns")})
+    lines = ferrus._probe_lines(row).split("\n")
+    assert all(line.startswith("           ") for line in lines[1:]), lines
+    assert sum("raise [agents.nano] request_timeout_secs" in line for line in lines) == 1
+    assert not any(line.lstrip().startswith("hint:") for line in lines)
+    row.update(reason="server error", detail="the model server answered HTTP 500",
+               hint="see the model server's own log")
+    assert ferrus._probe_lines(row).split("\n")[-1] == \
+        "           fix: see the model server's own log"

@@ -254,3 +254,30 @@ def test_an_executor_that_gives_up_shows_its_failed_call_last_words_and_exit(
            "stop here." in text
     record = next(r for r in ferrus.read_session_records(store) if r["outcome"] == "no progress")
     assert record["note"].startswith("its last words: I cannot finish this")
+
+
+def test_paths_are_shown_relative_to_the_folder_the_agent_works_in(project, tmp_path):
+    """A parallel task's agent works in its worktree: a path there is shown short, and
+    one into the project's own checkout is shown as the agent gave it."""
+    worktree = tmp_path / "wt"
+    main_file, own_file = str(project / "calc.py"), str(worktree / "own.py")
+    lines = "\n".join(json.dumps(event) for event in (
+        {"type": "assistant", "message": {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "Write",
+             "input": {"file_path": main_file, "content": "x"}},
+            {"type": "tool_use", "id": "t2", "name": "Write",
+             "input": {"file_path": own_file, "content": "x"}}]}},
+        {"type": "user", "message": {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+             "content": "%s is outside the working folder %s" % (main_file, worktree)}]}}))
+    messages = []
+    controller = ferrus.HqController(ferrus.Store(str(project)), messages.append,
+                                     clock=lambda: 0.0)
+    controller.store._workdir = str(worktree)       # as a parallel task's store has it
+    slot = controller.slots["executor"]
+    slot.process = RecordedAgent(ferrus.ClaudeCode(ferrus.Config()), lines)
+    controller._show_tool_calls(slot)
+    assert [m.text for m in messages] == [
+        "executor ▸ Write  %s" % main_file, "executor ▸ Write  own.py",
+        "executor ✗ Write failed: %s is outside the working folder %s" % (main_file,
+                                                                          worktree)]

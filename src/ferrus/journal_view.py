@@ -205,16 +205,19 @@ class JournalView:
             return
         events = slot.process.events[slot.events_shown:]
         slot.events_shown += len(events)
+        # Paths are shortened against where the task's code is (a parallel task's
+        # worktree), so a path into the project's own checkout shows as the agent gave it.
+        folder = self.store.workdir
         for event in events:
             if event.kind == "tool_call":
-                line = tool_line(slot.name, event.name, event.text, self.store.root)
+                line = tool_line(slot.name, event.name, event.text, folder)
                 slot.calls_by_id[event.call_id] = (event.name, event.text)
                 self.emit(HqMessage("agent", line, "tool_call", {
                     "slot": slot.name, "tool": tool_display_name(event.name),
                     "input": event.text, "ok": event.ok}))
             elif event.kind == "tool_result" and event.ok is False:
                 name, summary = slot.calls_by_id.pop(event.call_id, (event.name, ""))
-                line = tool_failure_line(slot.name, name, event.text, self.store.root)
+                line = tool_failure_line(slot.name, name, event.text, folder)
                 self.emit(HqMessage("agent", line, "tool_failed", {
                     "slot": slot.name, "tool": tool_display_name(name), "input": summary,
                     "reason": event.text, "denied": tool_denied(event.text)}))

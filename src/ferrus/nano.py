@@ -47,8 +47,8 @@ from .operations import ROLES
 from .mcp import SESSION_ENV
 from .agents import tool_summary
 from .agent_files import DEFAULT_PERMISSIONS, WORKER_PERMISSIONS
-from .nano_model import (ChatCompletionsClient, NanoToolCall, nano_api_key, nano_endpoint,
-                         nano_settings, resolve_nano_model)
+from .nano_model import (ChatCompletionsClient, NanoModelError, NanoToolCall, nano_api_key,
+                         nano_endpoint, nano_settings, resolve_nano_model)
 
 
 # -- the MCP client --------------------------------------------------------------------
@@ -343,13 +343,22 @@ class NanoFileTools:
             return False, "bad arguments for %s: %s" % (name, err)
         except OSError as err:
             return False, "%s: %s" % (err.filename or name, err.strerror or err)
+        except (ValueError, UnicodeError) as err:  # e.g. a name the file system refuses
+            return False, "%s cannot do that: %s" % (name, err)
 
     def _path(self, path, write=False):
         """(real path, path relative to the working folder) of an allowed path."""
         if not isinstance(path, str) or not path.strip():
             raise NanoToolError("path must be a non-empty string")
+        if "\0" in path:
+            raise NanoToolError("path %s has a null byte; a file name cannot"
+                                % json.dumps(path))
         full = path if os.path.isabs(path) else os.path.join(self.workdir, path)
-        real = os.path.realpath(full)
+        try:
+            real = os.path.realpath(full)
+        except (OSError, ValueError) as err:
+            raise NanoToolError("path %s cannot be used: %s" % (json.dumps(path), err)) \
+                from None
         if write and self.output is not None:
             if real != self.output:
                 raise NanoToolError("this worker may write only its output file %s"
@@ -427,16 +436,28 @@ class NanoFileTools:
                 from None
         real, relative = self._path(path or ".")
         files = [real] if os.path.isfile(real) else self._walk_files(real, include)
-        matches, searched = [], 0
+        matches, searched, too_large = [], 0, []
         for file_path in files:
             if len(matches) > NANO_SEARCH_MATCHES:
                 break
+            with contextlib.suppress(OSError):
+                if os.path.getsize(file_path) > NANO_SEARCH_FILE_BYTES:
+                    too_large.append(self._shown_path(file_path))
+                    continue
             searched += 1
             matches += self._grep_one(file_path, regex)
         more = len(matches) - NANO_SEARCH_MATCHES
         text = "\n".join(matches[:NANO_SEARCH_MATCHES]) or "no match in %d file(s)" % searched
+        if too_large:
+            text += "\nnot searched (over %s; read_file reads them by line range): %s" % (
+                "%d MB" % (NANO_SEARCH_FILE_BYTES >> 20) if NANO_SEARCH_FILE_BYTES >= 1 << 20
+                else "%d bytes" % NANO_SEARCH_FILE_BYTES, ", ".join(too_large[:20]) +
+                (" and %d more" % (len(too_large) - 20) if len(too_large) > 20 else ""))
         return True, text + ("\n… more matches; narrow the pattern or the path" if more > 0
                              else "")
+
+    def _shown_path(self, file_path):
+        return os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
 
     def _hidden(self, folder, name):
         """ferrus's and git's own, at the top of the working folder (a worktree's .git
@@ -463,7 +484,7 @@ class NanoFileTools:
             return found
         if b"\0" in data[:8192]:
             return found
-        shown = os.path.relpath(file_path, self.real_root).replace(os.sep, "/")
+        shown = self._shown_path(file_path)
         for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             if regex.search(line):
                 found.append("%s:%d: %s" % (shown, number, line.strip()[:300]))
@@ -920,7 +941,12 @@ class NanoAgent:
         self._check_budgets()
         self._fit_context()
         request_chars = self._chars()
-        turn = self.client.complete(self.messages, self.toolbox.specs())
+        try:
+            turn = self.client.complete(self.messages, self.toolbox.specs(), within_secs=(
+                self.settings.max_session_secs - (self.clock() - self.started)))
+        except NanoModelError:
+            self._check_budgets()          # the session's budget cut the answer short
+            raise
         self.turns += 1
         self._count_usage(turn, request_chars)
         calls = turn.tool_calls or self._calls_in_text(turn)
@@ -1065,11 +1091,15 @@ class NanoHeartbeat:
     """Keeps the executor's lease alive while a slow model thinks.
 
     After a wait_for_task that claimed the task, the heartbeat tool is called every
-    [lease] heartbeat_interval_secs from a thread; the model may call it too."""
+    [lease] heartbeat_interval_secs from a thread; the model may call it too.  It
+    stops at the end of the session's budget (``budget_secs`` from its start, by the
+    monotonic ``clock``): a session stuck past its budget lets its lease run out."""
 
-    def __init__(self, toolbox, interval_secs):
+    def __init__(self, toolbox, interval_secs, budget_secs=None, clock=time.monotonic):
         self.toolbox = toolbox
         self.interval = max(1.0, float(interval_secs))
+        self.clock = clock
+        self.deadline = None if budget_secs is None else clock() + budget_secs
         self._stop = threading.Event()
         self._thread = None
 
@@ -1081,10 +1111,17 @@ class NanoHeartbeat:
             self._thread.start()
 
     def _beat(self):
+        while not self._stop.wait(self.interval) and self.beat():
+            pass
+
+    def beat(self):
+        """One heartbeat; False (and none sent) once the session's budget is spent."""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return False
         tool = self.toolbox.tools["heartbeat"]
-        while not self._stop.wait(self.interval):
-            with contextlib.suppress(FerrusError):
-                tool.server.call_tool(tool.remote_name, {}, 30.0)
+        with contextlib.suppress(FerrusError):
+            tool.server.call_tool(tool.remote_name, {}, 30.0)
+        return True
 
     def stop(self):
         self._stop.set()
@@ -1162,8 +1199,8 @@ def _run_nano(args, root):
     session = os.environ.get(SESSION_ENV) or new_id("nano")
     output = NanoHumanOutput(sys.stdout) if args.interactive else \
         NanoStreamOutput(sys.stdout, session, client.model)
-    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs) \
-        if args.role == "executor" else None
+    heartbeat = NanoHeartbeat(toolbox, config.lease.heartbeat_interval_secs,
+                              settings.max_session_secs) if args.role == "executor" else None
     agent = NanoAgent(client, toolbox, settings, output, workdir=workdir, heartbeat=heartbeat)
     try:
         outcome = agent.run(prompt, _read_human_line if args.interactive else None)

@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -224,6 +225,7 @@ class NanoTurn:
 
 
 NANO_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+NANO_MAX_LINE_BYTES = 1 << 20
 _RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
 
 
@@ -241,7 +243,11 @@ def fold_chat_stream(lines):
 
     ``lines`` are the raw lines (bytes or str).  Tool calls come in pieces keyed by
     their index: the first piece has the id and name, the arguments arrive as text
-    fragments (llama-server) or whole (Ollama)."""
+    fragments (llama-server) or whole (Ollama).
+
+    A stream that ends with neither [DONE] nor a finish_reason was cut off (the
+    server or the connection failed): its half an answer is an error, never taken as
+    what the model meant."""
     turn, text, calls, done = NanoTurn(), [], {}, False
     for raw in lines:
         line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
@@ -287,6 +293,11 @@ def fold_chat_stream(lines):
                     call["arguments"].append(json.dumps(arguments))
             if choice.get("finish_reason"):
                 turn.finish_reason = str(choice["finish_reason"])
+    if not done and not turn.finish_reason:
+        raise NanoModelError("the model server's answer broke off before its end (no "
+                             "finish_reason, no [DONE]): the server or the connection "
+                             "failed, not the model", "see the model server's own log",
+                             retryable=True)
     turn.text = "".join(text)
     turn.tool_calls = [NanoToolCall(call["id"] or "call_%d" % index, call["name"],
                                     "".join(call["arguments"]))
@@ -326,11 +337,13 @@ class ChatCompletionsClient:
     http.client (what urllib.request uses underneath) keeps the connection open
     between turns, which a local server answers in well under a millisecond; proxies
     are not used, so HTTP_PROXY never sends a loopback request elsewhere.  Transient
-    failures (connection refused or reset, 408/429/5xx) are retried ``retries``
-    times with a growing pause."""
+    failures (connection refused or reset, 408/429/5xx, an answer cut off) are
+    retried ``retries`` times with a growing pause.  ``timeout`` bounds a whole
+    answer, not only the silence between its bytes; ``clock`` is monotonic
+    (injectable)."""
 
     def __init__(self, endpoint, model, settings, api_key=None, sleep=time.sleep,
-                 retries=2, timeout=None):
+                 retries=2, timeout=None, clock=time.monotonic):
         self.endpoint = endpoint
         self.model = model
         self.settings = settings
@@ -338,7 +351,10 @@ class ChatCompletionsClient:
         self.sleep = sleep
         self.retries = retries
         self.timeout = timeout or settings.request_timeout_secs
+        self.clock = clock
         self._connection = None
+        self._deadline = None        # clock() by which the answer in flight must be in
+        self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
         if self._connection is None:
@@ -374,6 +390,7 @@ class ChatCompletionsClient:
             fresh = self._connection is None or self._connection.sock is None
             try:
                 connection = self._connect()
+                self._bound_socket()
                 connection.request(method, self.endpoint.path + path, body=data,
                                    headers=self._headers(stream))
                 response = connection.getresponse()
@@ -431,12 +448,67 @@ class ChatCompletionsClient:
     def _timed_out(self):
         self.close()
         return NanoModelError("the model server at %s did not answer within %d s"
-                              % (self.endpoint.url, self.timeout),
+                              % (self.endpoint.url, self._limit),
                               "a slow model needs more time: raise [agents.nano] "
                               "request_timeout_secs")
 
-    def complete(self, messages, tools):
-        """One model turn: the conversation and the offered tools in, a NanoTurn out."""
+    def _time_left(self):
+        """Seconds left before the answer's deadline; the timeout error when none."""
+        if self._deadline is None:
+            return self.timeout
+        left = self._deadline - self.clock()
+        if left <= 0:
+            raise self._timed_out()
+        return left
+
+    def _bound_socket(self):
+        """The socket waits no longer than the answer's deadline allows."""
+        connection = self._connection
+        if connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.settimeout(max(0.001, min(self.timeout, self._time_left())))
+
+    def complete(self, messages, tools, within_secs=None):
+        """One model turn: the conversation and the offered tools in, a NanoTurn out.
+
+        The whole answer, retries included, takes at most request_timeout_secs, or
+        ``within_secs`` when that is less (what is left of a session's budget)."""
+        self._limit = self.timeout if within_secs is None else \
+            max(0, min(self.timeout, int(round(within_secs))))
+        self._deadline = self.clock() + (self.timeout if within_secs is None else
+                                         min(self.timeout, within_secs))
+        # A server that trickles bytes never lets the socket's timeout fire: at the
+        # deadline the watchdog shuts the socket, and the read in progress ends.
+        watchdog = threading.Timer(max(0.0, self._deadline - self.clock()) + 0.05,
+                                   self._expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            pause = 1.0
+            for attempt in range(self.retries + 1):
+                try:
+                    return self._complete_once(messages, tools)
+                except NanoModelError as err:
+                    if not err.retryable or attempt == self.retries or \
+                            self._deadline - self.clock() <= pause:
+                        raise
+                self.sleep(pause)
+                pause *= 3
+            raise AssertionError("unreachable")
+        finally:
+            watchdog.cancel()
+            self._deadline = None
+
+    def _expire(self):
+        sock = getattr(self._connection, "sock", None)
+        if self._deadline is not None:
+            self._deadline = self.clock()        # every later check says: timed out
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _complete_once(self, messages, tools):
+        self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True},
                 "max_tokens": self.settings.max_tokens,
@@ -444,7 +516,8 @@ class ChatCompletionsClient:
         if tools:
             body["tools"] = tools
             body["tool_choice"] = "auto"
-        content_type, response = self._request("POST", "/chat/completions", body, stream=True)
+        content_type, response = self._request_once("POST", "/chat/completions", body,
+                                                    stream=True)
         try:
             if "json" in content_type:
                 raw = response.read(NANO_MAX_RESPONSE_BYTES + 1)
@@ -459,20 +532,30 @@ class ChatCompletionsClient:
             return turn
         except socket.timeout:
             raise self._timed_out() from None
-        except (OSError, http.client.HTTPException, ValueError) as err:
+        except (OSError, http.client.HTTPException, ValueError, NanoModelError) as err:
             self.close()
+            self._time_left()               # the deadline cut it: a timeout
             if isinstance(err, NanoModelError):
                 raise
             raise NanoModelError("the model's answer broke off: %s" % err,
                                  retryable=True) from None
 
-    @staticmethod
-    def _bounded_lines(response):
+    def _bounded_lines(self, response):
         total = 0
         while True:
-            line = response.readline(1 << 20)
+            self._bound_socket()
+            line = response.readline(NANO_MAX_LINE_BYTES + 1)
             if not line:
                 return
+            if len(line) > NANO_MAX_LINE_BYTES:
+                raise NanoModelError("the model server streamed a line longer than the "
+                                     "limit of %d MB (NANO_MAX_LINE_BYTES): %s…" % (
+                                         NANO_MAX_LINE_BYTES >> 20,
+                                         line[:80].decode("utf-8", "replace")),
+                                     "one server-sent event is one line; a longer one is "
+                                     "a broken server or a model's runaway answer: see "
+                                     "the model server's own log")
+            self._time_left()
             total += len(line)
             if total > NANO_MAX_RESPONSE_BYTES:
                 raise NanoModelError("the model's answer is over %d MB"

@@ -51,6 +51,7 @@ class ProbeVerdict:
     passed: bool
     reason: str            # "" when passed; else no tool calls, malformed JSON, ...
     detail: str = ""
+    hint: str = ""         # what to do about a server's failure (a fix: line)
     seconds: float = 0.0
     input_tokens: "int | None" = None
     output_tokens: "int | None" = None
@@ -93,8 +94,11 @@ def probe_model(client, clock=time.monotonic, word=None):
     verdict = ProbeVerdict(False, "")
     started = clock()
 
+    # The whole exercise, not each answer, has PROBE_TIMEOUT_SECS (by the client's clock).
+    until = client.clock() + PROBE_TIMEOUT_SECS
+
     def ask():
-        turn = client.complete(messages, PROBE_TOOLS)
+        turn = client.complete(messages, PROBE_TOOLS, within_secs=until - client.clock())
         verdict.turns += 1
         for field, value in (("input_tokens", turn.prompt_tokens),
                              ("output_tokens", turn.completion_tokens)):
@@ -129,7 +133,10 @@ def probe_model(client, clock=time.monotonic, word=None):
     except NanoModelError as err:
         timed_out = "did not answer within" in err.message
         verdict.reason = "timeout" if timed_out else "server error"
-        verdict.detail = err.full_text()
+        if timed_out and client.clock() >= until:
+            err = NanoModelError("the model did not finish the exercise within %d s (%s)"
+                                 % (PROBE_TIMEOUT_SECS, err.message), err.hint)
+        verdict.detail, verdict.hint = err.message, err.hint or ""
     verdict.seconds = clock() - started
     return verdict
 
@@ -161,7 +168,7 @@ def probe_rows(root, clock=time.monotonic):
         except FerrusError as err:
             row.update(model=choice.model or None, passed=False,
                        reason="not configured" if not isinstance(err, NanoModelError)
-                       else "server error", detail=err.full_text())
+                       else "server error", detail=err.message, hint=err.hint or "")
             continue
         row["model"] = client.model
         key = (endpoint.url, client.model)
@@ -229,7 +236,7 @@ def _probe_lines(row):
         turns = row.get("turns", 0)
         lines.append("           after %d turn%s in %.1f s%s" % (
             turns, "" if turns == 1 else "s", row["seconds"], tokens))
-    hint = PROBE_FAILURE_HINTS.get(row["reason"])
+    hint = PROBE_FAILURE_HINTS.get(row["reason"]) or row.get("hint")
     if hint:
         lines.append("           fix: %s" % hint)
     return "\n".join(lines)
