@@ -15,8 +15,8 @@ every POST, whose body must be JSON (cross-site requests).  Every response carri
 nosniff and no-store, the page a strict Content-Security-Policy with a fresh nonce for
 its own script and style.  Request lines and headers (http.server's limits), bodies,
 connections and streams are bounded.  The server listens on loopback unless --host says
-otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json names the
-running board's address (never its token) for [notify] links.  http.server, socket, ssl,
+otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json lists the
+running boards' addresses (never a token) for [notify] links.  http.server, socket, ssl,
 hmac and secrets are imported when a board starts, not with ferrus: every other command
 would pay for them at start-up.  Windows: the same, except SIGHUP (there is none).
 """
@@ -717,7 +717,7 @@ class WebBoard:
     """A running board: its server thread, journal feed and .ferrus/web.json.
 
     ``url`` is the address to open (with the token); ``base_url`` the same without it.
-    close() stops the server and its streams and removes web.json (if still its own)."""
+    close() stops the server and its streams and takes its entry out of web.json."""
 
     def __init__(self, store, host=WEB_DEFAULT_HOST, port=WEB_DEFAULT_PORT, tls_cert=None,
                  tls_key=None, allow_hosts=(), feed_poll=WEB_FEED_POLL_SECS,
@@ -770,7 +770,7 @@ class WebBoard:
             self.server.shutdown()
             self._thread.join(10)
         self.server.server_close()
-        remove_web_record(self.store)
+        remove_web_record(self.store, self.base_url)
 
 
 def _this_machine_name():
