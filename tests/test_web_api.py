@@ -108,6 +108,16 @@ def test_the_checkouts_own_task_is_a_card_too(client, store):
     assert card["checkout"] is True
 
 
+def test_the_checkouts_own_task_is_named_by_its_short_id_as_its_card_shows(client, store):
+    task = awaiting_confirmation(store)
+    short = ferrus.short_task_id(task)
+    assert client.get("/api/tasks/%s" % short).json["task"]["id"] == task
+    answer = client.post("/api/tasks/%s/approve" % short)
+    assert answer.status == 200 and answer.json["task_id"] == task
+    assert store.read_state().state != S.AWAITING_CONFIRMATION
+    assert client.get("/api/tasks/%s" % short[-3:]).status == 404     # 4 characters at least
+
+
 def test_hostile_titles_come_back_exact_and_never_as_markup(client, store):
     ferrus.op_enqueue_task(store, ferrus.HUMAN, HOSTILE)
     answer = client.get("/api/tasks")

@@ -170,9 +170,13 @@ def web_task_store(store, ref):
         task = require_task_id(store, ref)
     except FerrusError:
         data = store.project_state()
-        if isinstance(ref, str) and ref and data.task_id == ref and \
-                not data.extra.get(PARALLEL_MIRROR_KEY):
-            return ref, store
+        # The checkout's own task by its id or its end (as its card shows it), when no
+        # task of the queue ends so too.
+        if isinstance(ref, str) and data.task_id and not data.extra.get(PARALLEL_MIRROR_KEY) \
+                and (data.task_id == ref or (len(ref) >= 4 and data.task_id.endswith(ref) and
+                                             not any(name.endswith(ref)
+                                                     for name in queued_task_ids(store)))):
+            return data.task_id, store
         raise WebRefusal(404, "no task %s in this project" % str(ref)[:80],
                          "the board lists the tasks; a task's id or the end of it names it"
                          ) from None
