@@ -33892,7 +33892,9 @@ WEB_TASK_ACTIONS = {"cancel": web_cancel, "retry": web_retry, "approve": web_app
 WEB_DEFAULT_HOST = "127.0.0.1"
 WEB_DEFAULT_PORT = 8765
 WEB_BODY_MAX_BYTES = 1024 * 1024       # a POST body: a task's text, an answer, notes
-WEB_CONNECTIONS_MAX = 64               # connections served at once (a thread each)
+WEB_CONNECTIONS_MAX = 64               # connections past the token served at once
+WEB_UNPROVEN_MAX = 64                  # connections yet to show the token (oldest cut first)
+WEB_FIRST_REQUEST_SECS = 10            # to send a first request that shows the token
 WEB_STREAMS_MAX = 16                   # event streams open at once
 WEB_REQUEST_TIMEOUT_SECS = 30          # a connection silent (or not reading) this long ends
 WEB_KEEPALIVE_SECS = 15                # a comment line on a stream where nothing happened
@@ -34131,7 +34133,7 @@ def _sse_message(event, data, event_id=None):
 class WebRequest:
     """One request as the app sees it (built by the HTTP handler, or by a test)."""
 
-    def __init__(self, method, target, headers, read_body, scheme="http"):
+    def __init__(self, method, target, headers, read_body, scheme="http", admit=None):
         self.method = method
         parts = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(parts.path)
@@ -34139,6 +34141,9 @@ class WebRequest:
         self.headers = headers
         self.read_body = read_body          # callable(limit) -> bytes; WebRefusal(413)
         self.scheme = scheme
+        # callable() -> bool, called once the request showed the token: may its
+        # connection be served (False: the board serves as many as it will)?
+        self.admit = admit or (lambda: True)
 
     def param(self, name):
         values = self.query.get(name)
@@ -34239,6 +34244,7 @@ class WebApp:
             raise WebRefusal(401, "this board needs its access token", "open the URL "
                              "`ferrus web` printed (it ends in ?token=…) once in this browser; "
                              "a script sends `Authorization: Bearer TOKEN`")
+        _admit(request)
         if page:
             nonce = _page_nonce()
             return WebResponse(200, web_page_html(nonce).encode("utf-8"),
@@ -34258,6 +34264,7 @@ class WebApp:
         if not self.guard.token_matches(token):
             raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
                              "prints a new URL each time it starts; open the latest")
+        _admit(request)
         query = [(k, v) for k, values in request.query.items() if k != "token" for v in values]
         location = urllib.parse.quote(request.path) + (
             "?" + urllib.parse.urlencode(query) if query else "")
@@ -34387,6 +34394,14 @@ class WebApp:
                 yield b"".join(out)
 
 
+def _admit(request):
+    """A request that showed the token moves its connection among those the board serves
+    (WEB_CONNECTIONS_MAX of them); connections that never show it cannot take their place."""
+    if not request.admit():
+        raise WebRefusal(503, "the board serves %d connections already" % WEB_CONNECTIONS_MAX,
+                         "close a tab or a script's connections to it, then try again")
+
+
 class WebStream:
     """An event stream's chunks, and what to do once it ends — however it ends (the client
     left, the board closes, or it never started: a generator's own ``finally`` would not
@@ -34446,11 +34461,11 @@ def _web_server_classes():
 
     class BoardHandler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = WEB_REQUEST_TIMEOUT_SECS
         server_version = "ferrus-web"
         sys_version = ""
 
         def setup(self):
+            self.timeout = WEB_FIRST_REQUEST_SECS       # until a request shows the token
             super().setup()
             if isinstance(self.connection, tls_socket):
                 self.connection.do_handshake()      # here, on this thread, not in accept()
@@ -34480,12 +34495,19 @@ def _web_server_classes():
                                  % (length, limit))
             return self.rfile.read(int(length))
 
+        def admit(self):
+            if not self.server.admit(self.connection):
+                self.close_connection = True
+                return False
+            self.connection.settimeout(WEB_REQUEST_TIMEOUT_SECS)
+            return True
+
         def serve(self):
             self.body_unread = bool(self.headers.get("Transfer-Encoding")) or \
                 self.headers.get("Content-Length", "0").strip() not in ("", "0")
             scheme = "https" if isinstance(self.connection, tls_socket) else "http"
             response = self.server.app.handle(WebRequest(self.command, self.path, self.headers,
-                                                         self.read_body, scheme))
+                                                         self.read_body, scheme, self.admit))
             if self.body_unread:
                 self.close_connection = True        # a body nobody read: end the connection
             self.send_response(response.status)
@@ -34517,7 +34539,8 @@ def _web_server_classes():
 
         def __init__(self, address, app):
             self.app = app
-            self.active = 0
+            self.admitted = set()       # connections that showed the token
+            self.unproven = collections.OrderedDict()   # the others, oldest first
             self._active_lock = threading.Lock()
             super().__init__(address, BoardHandler)
 
@@ -34526,27 +34549,52 @@ def _web_server_classes():
             # nothing here needs the name it finds.
             socketserver.TCPServer.server_bind(self)
 
+        # A connection is unproven until one of its requests shows the token, then
+        # admitted (at most WEB_CONNECTIONS_MAX at once).  Anyone who can reach the port
+        # can open connections, so the unproven ones are bounded on their own: a new one
+        # beyond WEB_UNPROVEN_MAX cuts the oldest, and each has WEB_FIRST_REQUEST_SECS
+        # of silence — idle sockets cannot lock out the holder of the token.
         def process_request(self, request, client_address):
             with self._active_lock:
-                full = self.active >= WEB_CONNECTIONS_MAX
-                if not full:
-                    self.active += 1
-            if full:            # more connections than threads we allow: closed at once
-                self.shutdown_request(request)
-                return
+                self.unproven[request] = True
+                oldest = self.unproven.popitem(last=False)[0] \
+                    if len(self.unproven) > WEB_UNPROVEN_MAX else None
+            if oldest is not None:
+                with contextlib.suppress(OSError):      # its thread reads the end and goes
+                    socket.socket.shutdown(oldest, socket.SHUT_RDWR)
             try:
                 super().process_request(request, client_address)
             except BaseException:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
                 raise
+
+        def admit(self, request):
+            """May ``request`` (a connection that showed the token) be served?"""
+            with self._active_lock:
+                if request not in self.unproven:
+                    return request in self.admitted
+                if len(self.admitted) >= WEB_CONNECTIONS_MAX:
+                    return False
+                del self.unproven[request]
+                self.admitted.add(request)
+                return True
+
+        @property
+        def active(self):
+            """How many connections are served (all of them, proven or not)."""
+            with self._active_lock:
+                return len(self.admitted) + len(self.unproven)
+
+        def _forget(self, request):
+            with self._active_lock:
+                self.unproven.pop(request, None)
+                self.admitted.discard(request)
 
         def process_request_thread(self, request, client_address):
             try:
                 super().process_request_thread(request, client_address)
             finally:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
 
         def handle_error(self, request, client_address):
             log.debug("web: a request from %s failed", client_address, exc_info=True)
