@@ -32634,6 +32634,7 @@ WEB_PAGE_SCRIPT = r"""
   const live = document.getElementById("live");
   const projectName = document.getElementById("project");
   const toast = document.getElementById("toast");
+  const RECONNECTS_TRIED = 5;   // failed reconnects before "disconnected" (about 10 s)
   let source = null;
   let view = null;              // {kind: "board"} or {kind: "task", id, ...}
   let showAll = false;
@@ -32717,13 +32718,19 @@ WEB_PAGE_SCRIPT = r"""
   function listen(seq) {
     if (source) return;
     source = new EventSource("/api/events?after=" + encodeURIComponent(seq));
-    source.onopen = function () { live.className = "on"; live.textContent = "live"; };
+    // A stopped board refuses the browser's reconnects forever (one each 2 s, the
+    // stream's retry): after RECONNECTS_TRIED in a row the page stops trying and says so.
+    let failures = 0;
+    source.onopen = function () { failures = 0; live.className = "on"; live.textContent = "live"; };
     source.onerror = function () {
-      if (source.readyState === EventSource.CLOSED) {
-        live.className = "off";
-        live.textContent = "disconnected: reload when `ferrus web` runs again";
+      failures += 1;
+      live.className = "off";
+      if (source.readyState === EventSource.CLOSED || failures > RECONNECTS_TRIED) {
+        source.close();
+        live.textContent = "disconnected (the board stopped, or restarted with a new " +
+          "token): reload when `ferrus web` runs again";
       } else {
-        live.className = "off"; live.textContent = "reconnecting…";
+        live.textContent = "reconnecting…";
       }
     };
     source.addEventListener("journal", function (message) {

@@ -7,6 +7,7 @@ or git is missing."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -182,5 +183,22 @@ def test_hostile_agent_text_is_shown_as_text_in_the_browser(project):
             assert HOSTILE in page.evaluate("document.querySelector('ol.events').textContent")
             assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
             assert page.evaluate("window.pwned === undefined && document.title !== 'pwned'")
+    finally:
+        served.stop()
+
+
+def test_a_tab_whose_board_stopped_says_disconnected_after_a_few_tries(project):
+    served = Served(project, "--port", "0")
+    try:
+        with Chromium() as browser:
+            page = browser.page()
+            page.navigate(served.url())
+            page.wait_for("document.getElementById('live').textContent === 'live'")
+            served.stop(signal.SIGKILL)         # gone at once, as a crash leaves it
+            page.wait_for("document.getElementById('live').textContent"
+                          ".startsWith('reconnecting')", timeout=10)
+            # Five reconnects 2 s apart, then it stops trying.
+            page.wait_for("document.getElementById('live').textContent"
+                          ".startsWith('disconnected (the board stopped')", timeout=40)
     finally:
         served.stop()
