@@ -34010,13 +34010,18 @@ class WebGuard:
         if origin is None and how == "bearer" and fetch_site in (None, "same-origin", "none"):
             return
         expected = "%s://%s" % (scheme, host)
-        if origin is None or origin.lower() != expected.lower() or \
-                fetch_site not in (None, "same-origin"):
-            raise WebRefusal(403, "refused: a request that changes something must come from "
-                             "the board's own page (Origin %s, expected %s)" % (
-                                 compact_json(origin)[:80] if origin else "missing", expected),
-                             "use the page, or send the token as `Authorization: Bearer …` "
-                             "without an Origin header from a script")
+        if origin is None or origin.lower() != expected.lower():
+            why = "Origin %s, expected %s" % (
+                compact_json(origin)[:80] if origin else "missing", expected)
+        elif fetch_site not in (None, "same-origin"):
+            why = "the browser's Sec-Fetch-Site says %s, not \"same-origin\"" % (
+                compact_json(fetch_site)[:40])
+        else:
+            return
+        raise WebRefusal(403, "refused: a request that changes something must come from "
+                         "the board's own page (%s)" % why,
+                         "use the page, or send the token as `Authorization: Bearer …` "
+                         "without an Origin header from a script")
 
     def cookie_header(self):
         return "%s=%s; Path=/; HttpOnly; SameSite=Strict%s" % (
@@ -34617,11 +34622,12 @@ class WebBoard:
     """A running board: its server thread, journal feed and .ferrus/web.json.
 
     ``url`` is the address to open (with the token); ``base_url`` the same without it.
-    close() stops the server and its streams and takes its entry out of web.json."""
+    ``options`` is how the command's options start in messages ("--web-" beside `ferrus
+    run` and HQ).  close() stops the server and its streams and takes its entry out of web.json."""
 
     def __init__(self, store, host=WEB_DEFAULT_HOST, port=WEB_DEFAULT_PORT, tls_cert=None,
                  tls_key=None, allow_hosts=(), feed_poll=WEB_FEED_POLL_SECS,
-                 keepalive=WEB_KEEPALIVE_SECS):
+                 keepalive=WEB_KEEPALIVE_SECS, options="--"):
         import secrets
         self.store = store
         self.token = secrets.token_urlsafe(32)
@@ -34629,7 +34635,7 @@ class WebBoard:
         server4, server6, ssl = _web_server_classes()
         context = None
         if tls_cert or tls_key:
-            context = _tls_context(ssl, tls_cert, tls_key)
+            context = _tls_context(ssl, tls_cert, tls_key, options)
         self.feed = JournalFeed(store, poll=feed_poll)
         server_class = server6 if ":" in host else server4
         try:
@@ -34637,8 +34643,8 @@ class WebBoard:
             self.server = server_class((host.strip("[]"), port), None)
         except OSError as err:
             raise FerrusError("cannot listen on %s port %d: %s" % (
-                host, port, err.strerror or err), "--port 0 picks a free port; "
-                "--host names an address of this machine") from err
+                host, port, err.strerror or err), "%sport 0 picks a free port; %shost "
+                "names an address of this machine" % (options, options)) from err
         if context is not None:
             self.server.socket = context.wrap_socket(self.server.socket, server_side=True,
                                                      do_handshake_on_connect=False)
@@ -34678,10 +34684,10 @@ def _this_machine_name():
     return socket.gethostname() or "localhost"
 
 
-def _tls_context(ssl, cert, key):
+def _tls_context(ssl, cert, key, options="--"):
+    both = "%stls-cert CERT.pem %stls-key KEY.pem" % (options, options)
     if not cert:
-        raise UsageError("--tls-key needs --tls-cert", "give both: --tls-cert CERT.pem "
-                         "--tls-key KEY.pem")
+        raise UsageError("%stls-key needs %stls-cert" % (options, options), "give both: " + both)
     if ssl is None:
         raise FerrusError("this Python has no ssl module, so the board cannot serve HTTPS",
                           "use a Python built with OpenSSL, or an ssh tunnel to a board on "
@@ -34693,8 +34699,7 @@ def _tls_context(ssl, cert, key):
     except (OSError, ssl.SSLError) as err:
         raise FerrusError("cannot use the TLS certificate %s%s: %s" % (
             cert, " with key %s" % key if key else "", getattr(err, "strerror", None) or err),
-            "give a PEM certificate (chain) and its private key: --tls-cert CERT.pem "
-            "--tls-key KEY.pem") from err
+            "give a PEM certificate (chain) and its private key: " + both) from err
     return context
 
 
@@ -34702,16 +34707,16 @@ def _tls_context(ssl, cert, key):
 # `ferrus web`, and a board beside `ferrus run` and HQ
 # ============================================================================
 
-def web_warnings(host, tls):
+def web_warnings(host, tls, options="--"):
     """What `ferrus web` says before it listens beyond this machine."""
     if web_is_loopback(host):
         return []
     lines = ["ferrus: warning: the board listens on %s, so other machines can reach it; "
              "whoever opens it with the token acts as you (queues, cancels, approves)." % host]
     if not tls:
-        lines.append("ferrus: warning: without --tls-cert/--tls-key its traffic is plain "
+        lines.append("ferrus: warning: without %stls-cert/%stls-key its traffic is plain "
                      "HTTP — the token and everything on the board cross the network "
-                     "readable; securing it is yours.")
+                     "readable; securing it is yours." % (options, options))
     lines.append("hint: from a phone or another machine, prefer an ssh tunnel to a board on "
                  "loopback: `ssh -L 8765:127.0.0.1:8765 THIS-HOST`, then open "
                  "http://127.0.0.1:8765/?token=… there")
@@ -34722,9 +34727,10 @@ def start_web_beside(store, host, port, out, tls_cert=None, tls_key=None, allow_
     """A board serving ``store`` while `ferrus run` or HQ works (their --web): started on
     threads of this process, its URL and any warning given to ``out``; the caller calls
     .close() when it ends."""
-    for line in web_warnings(host, bool(tls_cert)):
+    for line in web_warnings(host, bool(tls_cert), options="--web-"):
         out(line)
-    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts).start()
+    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts,
+                     options="--web-").start()
     out("ferrus web: the board is at %s" % board.url)
     return board
 

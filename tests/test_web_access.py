@@ -173,6 +173,11 @@ def test_an_action_from_the_page_needs_the_boards_own_origin(client, store):
         assert answer.status == 403, headers
         assert "must come from the board's own page" in answer.json["error"]
     assert queued_titles(store) == []
+    # The right Origin from another site: the message names what was wrong.
+    answer = client.post(QUEUE, {"text": "Cross-site task"}, auth=None, headers=dict(
+        cookie, Origin=client.origin, **{"Sec-Fetch-Site": "cross-site"}))
+    assert 'Sec-Fetch-Site says "cross-site", not "same-origin"' in answer.json["error"]
+    assert "expected" not in answer.json["error"]
     done = client.post(QUEUE, {"text": "From the page"}, auth="cookie")
     assert done.status == 201, done.json
     assert queued_titles(store) == ["From the page"]

@@ -151,6 +151,20 @@ def test_ferrus_web_outside_a_project_says_to_init_one(tmp_path):
     assert "ferrus: no .ferrus/ directory" in done.stderr and "ferrus init" in done.stderr
 
 
+def test_a_busy_web_port_beside_a_run_hints_its_own_option(project):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(command("run", "--task", "Busy port", "--web", "--web-port",
+                                      str(port)), cwd=str(project), env=environment(),
+                              capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ferrus: cannot listen on 127.0.0.1 port %d:" % port in done.stderr
+    assert "hint: --web-port 0 picks a free port; --web-host names" in done.stderr
+
+
 def test_ferrus_run_web_serves_the_board_while_it_runs(project, tmp_path):
     scripted_project(project, tmp_path / "memory")
     env = dict(environment(), SCRIPTED_DIR=str(tmp_path / "memory"))
