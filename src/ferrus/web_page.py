@@ -791,9 +791,12 @@ WEB_PAGE_SCRIPT = r"""
     if (stat) add(body, el("pre", "stat", stat));
     if (!files.length) return;
     const openAll = lines.length <= 8000;
-    for (const file of files) {
+    const titles = data.file_titles || [];
+    files.forEach(function (file, index) {
       const details = el("details", "file");
-      const summary = el("summary", "", file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
+      // The board's title: git's quoting undone, control characters made visible.
+      const summary = el("summary", "", titles.length === files.length ? titles[index] :
+        file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
       add(summary, el("span", "plus", "+" + file.plus), el("span", "minus", "-" + file.minus));
       details.appendChild(summary);
       let built = false;
@@ -811,7 +814,7 @@ WEB_PAGE_SCRIPT = r"""
       details.addEventListener("toggle", function () { if (details.open) build(); });
       if (openAll) { details.open = true; build(); }
       body.appendChild(details);
-    }
+    });
   }
 
   route();
