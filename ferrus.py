@@ -22206,12 +22206,13 @@ def write_web_record(store, base_url):
     _rewrite_boards(store, lambda boards: boards + [entry])
 
 
-def remove_web_record(store, base_url):
-    """Take this process's board at ``base_url`` out of web.json (the others stay)."""
+def remove_web_record(store, base_url=None):
+    """Take this process's board at ``base_url`` (each of its boards without it) out of
+    web.json; other processes' boards stay."""
     with contextlib.suppress(OSError, FerrusError):
         _rewrite_boards(store, lambda boards: [
-            board for board in boards
-            if not (board["pid"] == os.getpid() and board["url"] == base_url)])
+            board for board in boards if not (board["pid"] == os.getpid() and
+                                              base_url in (None, board["url"]))])
 
 
 def web_board_url(store, task_id=None):
