@@ -9498,8 +9498,9 @@ def op_answer(store, caller, response):
         new = t_answer(data, store.clock())
         tx.write("ANSWER.md", response)
         tx.set(new, "answer", asked_by=data.question_from)
-    return _outcome("Response recorded in `.ferrus/ANSWER.md`. State restored to %s. The agent can "
-                    "read the answer and continue." % new.state, new.state)
+    return _outcome("Response recorded in `%s`. State restored to %s. The agent can read the "
+                    "answer and continue." % (store.relpath(store.task_path("ANSWER.md")),
+                                              new.state), new.state)
 
 
 def op_status(store, caller=None):
@@ -22268,54 +22269,88 @@ def _host_name():
 
 
 # ============================================================================
-# src/ferrus/web_link.py (from its line 24)
+# src/ferrus/web_link.py (from its line 26)
 # ============================================================================
-# Where the running web board is: .ferrus/web.json, for [notify] and runs.
+# Where the running web boards are: .ferrus/web.json, for [notify] and runs.
 #
-# A board (`ferrus web`, or --web beside `ferrus run` and HQ) writes its address — scheme,
-# host and port, never its token — and its pid to .ferrus/web.json when it starts and
-# removes the file when it stops.  web_board_url() reads it: the link to a task's page
-# while a live process serves the board, else None (a file left by a board that died is
-# ignored).  The Notifier puts that link in its messages, and a run leaves a question or
-# an approval to the board instead of ending with exit 4 when nobody at its terminal can
+# Every board (`ferrus web`, or --web beside `ferrus run` and HQ) adds its address —
+# scheme, host and port, never its token — with its pid and that process's start time to
+# .ferrus/web.json when it starts, and takes out only its own entry when it stops (the file
+# goes with the last one).  web_board_url() reads it: the link to a task's page on the
+# first board whose process still runs, else None.  The pid and start time together name
+# one process, so the entry of a board that was killed links nothing even after its pid is
+# reused.  The Notifier puts that link in its messages, and a run leaves a question or an
+# approval to the board instead of ending with exit 4 when nobody at its terminal can
 # answer.  This module sits before the Notifier (in the sessions layer), unlike the rest of
 # the board, which comes after HQ.
 
 WEB_RECORD_FILE = "web.json"
+_WEB_RECORD_LOCK = "web.lock"           # serialises the read-modify-write of web.json
 _WEB_URL_RE = re.compile(r"^https?://[^\s/?#@]+$")
 
 
-def write_web_record(store, base_url):
-    """Name the board this process serves (its address, its pid) in .ferrus/web.json."""
-    atomic_write(store.path(WEB_RECORD_FILE), compact_json(
-        {"url": base_url, "pid": os.getpid(), "started": format_timestamp(store.clock())}),
-        durable=False)
-
-
-def remove_web_record(store):
-    """web.json goes with its board (another board's, started since, stays)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError, UnsafePath):
+def _read_boards(store):
+    """The entries of web.json that are well formed (a damaged file holds none)."""
+    try:
         with open_inside(store.dir, WEB_RECORD_FILE) as handle:
-            record = json.loads(handle.read(4096).decode("utf-8"))
-        if record.get("pid") == os.getpid():
-            os.unlink(store.path(WEB_RECORD_FILE))
+            record = json.loads(handle.read(1 << 20).decode("utf-8"))
+    except (OSError, ValueError, UnsafePath):
+        return []
+    boards = record.get("boards") if isinstance(record, dict) else None
+    if not isinstance(boards, list):
+        return []
+    return [board for board in boards if isinstance(board, dict)
+            and isinstance(board.get("url"), str) and _WEB_URL_RE.match(board["url"])
+            and isinstance(board.get("pid"), int) and not isinstance(board["pid"], bool)]
+
+
+def _board_alive(board):
+    """Does the process that wrote this entry still run?  A pid alone could be another
+    process's by now; with its start time it names the board's own."""
+    pid = board["pid"]
+    if not pid_alive(pid):
+        return False
+    start = process_start(pid)
+    return start is None or board.get("start") == start
+
+
+def _rewrite_boards(store, change):
+    """web.json := change(its live entries), under web.lock; removed when none are left."""
+    with FileLock(store.path(_WEB_RECORD_LOCK), timeout=10, what=".ferrus/web.lock"):
+        boards = change([board for board in _read_boards(store) if _board_alive(board)])
+        if boards:
+            atomic_write(store.path(WEB_RECORD_FILE), compact_json({"boards": boards}),
+                         durable=False)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(store.path(WEB_RECORD_FILE))
+
+
+def write_web_record(store, base_url):
+    """Add the board this process serves (its address, pid and start) to .ferrus/web.json."""
+    entry = {"url": base_url, "pid": os.getpid(), "start": process_start(os.getpid()),
+             "started": format_timestamp(store.clock())}
+    _rewrite_boards(store, lambda boards: boards + [entry])
+
+
+def remove_web_record(store, base_url=None):
+    """Take this process's board at ``base_url`` (each of its boards without it) out of
+    web.json; other processes' boards stay."""
+    with contextlib.suppress(OSError, FerrusError):
+        _rewrite_boards(store, lambda boards: [
+            board for board in boards if not (board["pid"] == os.getpid() and
+                                              base_url in (None, board["url"]))])
 
 
 def web_board_url(store, task_id=None):
     """The URL of ``task_id``'s page (of the board without it) while `ferrus web` (or a
     run's --web) serves this project, else None; [notify] puts it in its messages.  It
     never holds the token: the browser that opened the board has its cookie."""
-    try:
-        with open_inside(store.dir, WEB_RECORD_FILE) as handle:
-            record = json.loads(handle.read(4096).decode("utf-8"))
-    except (OSError, ValueError, UnsafePath):
-        return None
-    url, pid = record.get("url") if isinstance(record, dict) else None, \
-        record.get("pid") if isinstance(record, dict) else None
-    if not isinstance(url, str) or not _WEB_URL_RE.match(url) or \
-            not isinstance(pid, int) or isinstance(pid, bool) or not pid_alive(pid):
-        return None
-    return url + ("/task/%s" % urllib.parse.quote(task_id, safe="") if task_id else "/")
+    for board in _read_boards(store):
+        if _board_alive(board):
+            return board["url"] + (
+                "/task/%s" % urllib.parse.quote(task_id, safe="") if task_id else "/")
+    return None
 
 
 # ============================================================================
@@ -32731,6 +32766,7 @@ WEB_PAGE_SCRIPT = r"""
   const live = document.getElementById("live");
   const projectName = document.getElementById("project");
   const toast = document.getElementById("toast");
+  const RECONNECTS_TRIED = 5;   // failed reconnects before "disconnected" (about 10 s)
   let source = null;
   let view = null;              // {kind: "board"} or {kind: "task", id, ...}
   let showAll = false;
@@ -32814,13 +32850,19 @@ WEB_PAGE_SCRIPT = r"""
   function listen(seq) {
     if (source) return;
     source = new EventSource("/api/events?after=" + encodeURIComponent(seq));
-    source.onopen = function () { live.className = "on"; live.textContent = "live"; };
+    // A stopped board refuses the browser's reconnects forever (one each 2 s, the
+    // stream's retry): after RECONNECTS_TRIED in a row the page stops trying and says so.
+    let failures = 0;
+    source.onopen = function () { failures = 0; live.className = "on"; live.textContent = "live"; };
     source.onerror = function () {
-      if (source.readyState === EventSource.CLOSED) {
-        live.className = "off";
-        live.textContent = "disconnected: reload when `ferrus web` runs again";
+      failures += 1;
+      live.className = "off";
+      if (source.readyState === EventSource.CLOSED || failures > RECONNECTS_TRIED) {
+        source.close();
+        live.textContent = "disconnected (the board stopped, or restarted with a new " +
+          "token): reload when `ferrus web` runs again";
       } else {
-        live.className = "off"; live.textContent = "reconnecting…";
+        live.textContent = "reconnecting…";
       }
     };
     source.addEventListener("journal", function (message) {
@@ -33386,9 +33428,12 @@ WEB_PAGE_SCRIPT = r"""
     if (stat) add(body, el("pre", "stat", stat));
     if (!files.length) return;
     const openAll = lines.length <= 8000;
-    for (const file of files) {
+    const titles = data.file_titles || [];
+    files.forEach(function (file, index) {
       const details = el("details", "file");
-      const summary = el("summary", "", file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
+      // The board's title: git's quoting undone, control characters made visible.
+      const summary = el("summary", "", titles.length === files.length ? titles[index] :
+        file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
       add(summary, el("span", "plus", "+" + file.plus), el("span", "minus", "-" + file.minus));
       details.appendChild(summary);
       let built = false;
@@ -33406,7 +33451,7 @@ WEB_PAGE_SCRIPT = r"""
       details.addEventListener("toggle", function () { if (details.open) build(); });
       if (openAll) { details.open = true; build(); }
       body.appendChild(details);
-    }
+    });
   }
 
   route();
@@ -33630,9 +33675,13 @@ def web_task_store(store, ref):
         task = require_task_id(store, ref)
     except FerrusError:
         data = store.project_state()
-        if isinstance(ref, str) and ref and data.task_id == ref and \
-                not data.extra.get(PARALLEL_MIRROR_KEY):
-            return ref, store
+        # The checkout's own task by its id or its end (as its card shows it), when no
+        # task of the queue ends so too.
+        if isinstance(ref, str) and data.task_id and not data.extra.get(PARALLEL_MIRROR_KEY) \
+                and (data.task_id == ref or (len(ref) >= 4 and data.task_id.endswith(ref) and
+                                             not any(name.endswith(ref)
+                                                     for name in queued_task_ids(store)))):
+            return data.task_id, store
         raise WebRefusal(404, "no task %s in this project" % str(ref)[:80],
                          "the board lists the tasks; a task's id or the end of it names it"
                          ) from None
@@ -33805,8 +33854,8 @@ def web_task_diff(store, ref):
         if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
             outcome = op_merged_task_diff(store, task, head_bytes=WEB_DIFF_HEAD_BYTES,
                                           tail_bytes=WEB_DIFF_TAIL_BYTES)
-            return dict(outcome.data, text=outcome.data.get("diff") or "",
-                        title=outcome.text.split("\n", 1)[0])
+            return _with_file_titles(dict(outcome.data, text=outcome.data.get("diff") or "",
+                                          title=outcome.text.split("\n", 1)[0]))
         diff_store = diff_store_of(store, task) if is_queue_task(store, task) else store
         outcome = op_diff(diff_store, web_caller(), head_bytes=WEB_DIFF_HEAD_BYTES,
                           tail_bytes=WEB_DIFF_TAIL_BYTES, more_hint="`ferrus diff --task %s "
@@ -33816,7 +33865,68 @@ def web_task_diff(store, ref):
     data = dict(outcome.data)
     if data.get("available"):
         data["title"], _, data["text"] = outcome.text.partition("\n")
+    return _with_file_titles(data)
+
+
+def _with_file_titles(data):
+    """``file_titles``: the title of each file of the diff (each `diff --git` line, in order)."""
+    data["file_titles"] = [diff_file_title(line[len("diff --git "):])
+                     for line in (data.get("text") or "").split("\n")
+                     if line.startswith("diff --git ")]
     return data
+
+
+_GIT_QUOTED_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13}
+_CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+
+
+def _git_path_at(header, start):
+    """(the path at ``header[start:]`` as git wrote it — C-quoted in "…" when it holds odd
+    bytes, with octal escapes for them — and where the quoted one ends), or (None, start)
+    when it is not quoted."""
+    if not header.startswith('"', start):
+        return None, start
+    path, at = bytearray(), start + 1
+    while at < len(header) and header[at] != '"':
+        if header[at] == "\\" and at + 1 < len(header):
+            octal = re.match(r"[0-7]{3}", header[at + 1:at + 4])
+            if octal:
+                path.append(int(octal.group(), 8) & 0xFF)
+                at += 4
+                continue
+            escaped = header[at + 1]
+            path += bytes([_GIT_QUOTED_ESCAPES[escaped]]) if escaped in _GIT_QUOTED_ESCAPES \
+                else escaped.encode("utf-8")
+            at += 2
+            continue
+        path += header[at].encode("utf-8")
+        at += 1
+    return path.decode("utf-8", "replace"), at + 1
+
+
+def diff_file_title(header):
+    """What a file of a diff is called on the page, from its `diff --git a/X b/Y` header:
+    the path (``old → new`` when renamed), unquoted, with control characters shown as
+    their Unicode pictures (an escape sequence in a name is never one)."""
+    old, after = _git_path_at(header, 0)
+    if old is not None:
+        new, _ = _git_path_at(header, after + 1)
+        if new is None:
+            new = header[after + 1:]
+    else:
+        middle = len(header) // 2           # a/P b/P: both halves name the same path
+        if header[middle:middle + 3] == " b/" and header[2:middle] == header[middle + 3:]:
+            old, new = header[:middle], header[middle + 1:]
+        else:
+            split = header.rfind(' "b/') if header.endswith('"') else header.rfind(" b/")
+            old = header[:split] if split > 0 else header
+            new = header[split + 1:] if split > 0 else header
+            if new.startswith('"'):
+                new = _git_path_at(new, 0)[0] or new
+    old, new = (name[2:] if name[:2] in ("a/", "b/") else name for name in (old, new))
+    title = new if old == new else "%s → %s" % (old, new)
+    return _CONTROL_CHARACTERS.sub(lambda c: chr(0x2400 + ord(c.group()))
+                                   if c.group() != "\x7f" else "\u2421", title)
 
 
 def web_log_window(store, name, offset=None, length=None):
@@ -33877,6 +33987,9 @@ def _body_text(body, key, what, required=True):
     value = body.get(key)
     if value is None and not required:
         return None
+    if value is not None and not isinstance(value, str):
+        raise WebRefusal(400, "%s must be a string, not %s: send {\"%s\": \"…\"} as JSON" % (
+            what, compact_json(value)[:40], key), "put the text in double quotes")
     if not isinstance(value, str) or not value.strip():
         raise WebRefusal(400, "%s is missing: send {\"%s\": \"…\"} as JSON" % (what, key),
                          "the text must not be empty")
@@ -33977,15 +34090,17 @@ WEB_TASK_ACTIONS = {"cancel": web_cancel, "retry": web_retry, "approve": web_app
 # nosniff and no-store, the page a strict Content-Security-Policy with a fresh nonce for
 # its own script and style.  Request lines and headers (http.server's limits), bodies,
 # connections and streams are bounded.  The server listens on loopback unless --host says
-# otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json names the
-# running board's address (never its token) for [notify] links.  http.server, socket, ssl,
+# otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json lists the
+# running boards' addresses (never a token) for [notify] links.  http.server, socket, ssl,
 # hmac and secrets are imported when a board starts, not with ferrus: every other command
 # would pay for them at start-up.  Windows: the same, except SIGHUP (there is none).
 
 WEB_DEFAULT_HOST = "127.0.0.1"
 WEB_DEFAULT_PORT = 8765
 WEB_BODY_MAX_BYTES = 1024 * 1024       # a POST body: a task's text, an answer, notes
-WEB_CONNECTIONS_MAX = 64               # connections served at once (a thread each)
+WEB_CONNECTIONS_MAX = 64               # connections past the token served at once
+WEB_UNPROVEN_MAX = 64                  # connections yet to show the token (oldest cut first)
+WEB_FIRST_REQUEST_SECS = 10            # to send a first request that shows the token
 WEB_STREAMS_MAX = 16                   # event streams open at once
 WEB_REQUEST_TIMEOUT_SECS = 30          # a connection silent (or not reading) this long ends
 WEB_KEEPALIVE_SECS = 15                # a comment line on a stream where nothing happened
@@ -34094,13 +34209,18 @@ class WebGuard:
         if origin is None and how == "bearer" and fetch_site in (None, "same-origin", "none"):
             return
         expected = "%s://%s" % (scheme, host)
-        if origin is None or origin.lower() != expected.lower() or \
-                fetch_site not in (None, "same-origin"):
-            raise WebRefusal(403, "refused: a request that changes something must come from "
-                             "the board's own page (Origin %s, expected %s)" % (
-                                 compact_json(origin)[:80] if origin else "missing", expected),
-                             "use the page, or send the token as `Authorization: Bearer …` "
-                             "without an Origin header from a script")
+        if origin is None or origin.lower() != expected.lower():
+            why = "Origin %s, expected %s" % (
+                compact_json(origin)[:80] if origin else "missing", expected)
+        elif fetch_site not in (None, "same-origin"):
+            why = "the browser's Sec-Fetch-Site says %s, not \"same-origin\"" % (
+                compact_json(fetch_site)[:40])
+        else:
+            return
+        raise WebRefusal(403, "refused: a request that changes something must come from "
+                         "the board's own page (%s)" % why,
+                         "use the page, or send the token as `Authorization: Bearer …` "
+                         "without an Origin header from a script")
 
     def cookie_header(self):
         return "%s=%s; Path=/; HttpOnly; SameSite=Strict%s" % (
@@ -34224,7 +34344,7 @@ def _sse_message(event, data, event_id=None):
 class WebRequest:
     """One request as the app sees it (built by the HTTP handler, or by a test)."""
 
-    def __init__(self, method, target, headers, read_body, scheme="http"):
+    def __init__(self, method, target, headers, read_body, scheme="http", admit=None):
         self.method = method
         parts = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(parts.path)
@@ -34232,6 +34352,9 @@ class WebRequest:
         self.headers = headers
         self.read_body = read_body          # callable(limit) -> bytes; WebRefusal(413)
         self.scheme = scheme
+        # callable() -> bool, called once the request showed the token: may its
+        # connection be served (False: the board serves as many as it will)?
+        self.admit = admit or (lambda: True)
 
     def param(self, name):
         values = self.query.get(name)
@@ -34332,6 +34455,7 @@ class WebApp:
             raise WebRefusal(401, "this board needs its access token", "open the URL "
                              "`ferrus web` printed (it ends in ?token=…) once in this browser; "
                              "a script sends `Authorization: Bearer TOKEN`")
+        _admit(request)
         if page:
             nonce = _page_nonce()
             return WebResponse(200, web_page_html(nonce).encode("utf-8"),
@@ -34351,6 +34475,7 @@ class WebApp:
         if not self.guard.token_matches(token):
             raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
                              "prints a new URL each time it starts; open the latest")
+        _admit(request)
         query = [(k, v) for k, values in request.query.items() if k != "token" for v in values]
         location = urllib.parse.quote(request.path) + (
             "?" + urllib.parse.urlencode(query) if query else "")
@@ -34480,6 +34605,14 @@ class WebApp:
                 yield b"".join(out)
 
 
+def _admit(request):
+    """A request that showed the token moves its connection among those the board serves
+    (WEB_CONNECTIONS_MAX of them); connections that never show it cannot take their place."""
+    if not request.admit():
+        raise WebRefusal(503, "the board serves %d connections already" % WEB_CONNECTIONS_MAX,
+                         "close a tab or a script's connections to it, then try again")
+
+
 class WebStream:
     """An event stream's chunks, and what to do once it ends — however it ends (the client
     left, the board closes, or it never started: a generator's own ``finally`` would not
@@ -34539,11 +34672,11 @@ def _web_server_classes():
 
     class BoardHandler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = WEB_REQUEST_TIMEOUT_SECS
         server_version = "ferrus-web"
         sys_version = ""
 
         def setup(self):
+            self.timeout = WEB_FIRST_REQUEST_SECS       # until a request shows the token
             super().setup()
             if isinstance(self.connection, tls_socket):
                 self.connection.do_handshake()      # here, on this thread, not in accept()
@@ -34573,12 +34706,19 @@ def _web_server_classes():
                                  % (length, limit))
             return self.rfile.read(int(length))
 
+        def admit(self):
+            if not self.server.admit(self.connection):
+                self.close_connection = True
+                return False
+            self.connection.settimeout(WEB_REQUEST_TIMEOUT_SECS)
+            return True
+
         def serve(self):
             self.body_unread = bool(self.headers.get("Transfer-Encoding")) or \
                 self.headers.get("Content-Length", "0").strip() not in ("", "0")
             scheme = "https" if isinstance(self.connection, tls_socket) else "http"
             response = self.server.app.handle(WebRequest(self.command, self.path, self.headers,
-                                                         self.read_body, scheme))
+                                                         self.read_body, scheme, self.admit))
             if self.body_unread:
                 self.close_connection = True        # a body nobody read: end the connection
             self.send_response(response.status)
@@ -34610,7 +34750,8 @@ def _web_server_classes():
 
         def __init__(self, address, app):
             self.app = app
-            self.active = 0
+            self.admitted = set()       # connections that showed the token
+            self.unproven = collections.OrderedDict()   # the others, oldest first
             self._active_lock = threading.Lock()
             super().__init__(address, BoardHandler)
 
@@ -34619,27 +34760,52 @@ def _web_server_classes():
             # nothing here needs the name it finds.
             socketserver.TCPServer.server_bind(self)
 
+        # A connection is unproven until one of its requests shows the token, then
+        # admitted (at most WEB_CONNECTIONS_MAX at once).  Anyone who can reach the port
+        # can open connections, so the unproven ones are bounded on their own: a new one
+        # beyond WEB_UNPROVEN_MAX cuts the oldest, and each has WEB_FIRST_REQUEST_SECS
+        # of silence — idle sockets cannot lock out the holder of the token.
         def process_request(self, request, client_address):
             with self._active_lock:
-                full = self.active >= WEB_CONNECTIONS_MAX
-                if not full:
-                    self.active += 1
-            if full:            # more connections than threads we allow: closed at once
-                self.shutdown_request(request)
-                return
+                self.unproven[request] = True
+                oldest = self.unproven.popitem(last=False)[0] \
+                    if len(self.unproven) > WEB_UNPROVEN_MAX else None
+            if oldest is not None:
+                with contextlib.suppress(OSError):      # its thread reads the end and goes
+                    socket.socket.shutdown(oldest, socket.SHUT_RDWR)
             try:
                 super().process_request(request, client_address)
             except BaseException:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
                 raise
+
+        def admit(self, request):
+            """May ``request`` (a connection that showed the token) be served?"""
+            with self._active_lock:
+                if request not in self.unproven:
+                    return request in self.admitted
+                if len(self.admitted) >= WEB_CONNECTIONS_MAX:
+                    return False
+                del self.unproven[request]
+                self.admitted.add(request)
+                return True
+
+        @property
+        def active(self):
+            """How many connections are served (all of them, proven or not)."""
+            with self._active_lock:
+                return len(self.admitted) + len(self.unproven)
+
+        def _forget(self, request):
+            with self._active_lock:
+                self.unproven.pop(request, None)
+                self.admitted.discard(request)
 
         def process_request_thread(self, request, client_address):
             try:
                 super().process_request_thread(request, client_address)
             finally:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
 
         def handle_error(self, request, client_address):
             log.debug("web: a request from %s failed", client_address, exc_info=True)
@@ -34655,11 +34821,12 @@ class WebBoard:
     """A running board: its server thread, journal feed and .ferrus/web.json.
 
     ``url`` is the address to open (with the token); ``base_url`` the same without it.
-    close() stops the server and its streams and removes web.json (if still its own)."""
+    ``options`` is how the command's options start in messages ("--web-" beside `ferrus
+    run` and HQ).  close() stops the server and its streams and takes its entry out of web.json."""
 
     def __init__(self, store, host=WEB_DEFAULT_HOST, port=WEB_DEFAULT_PORT, tls_cert=None,
                  tls_key=None, allow_hosts=(), feed_poll=WEB_FEED_POLL_SECS,
-                 keepalive=WEB_KEEPALIVE_SECS):
+                 keepalive=WEB_KEEPALIVE_SECS, options="--"):
         import secrets
         self.store = store
         self.token = secrets.token_urlsafe(32)
@@ -34667,7 +34834,7 @@ class WebBoard:
         server4, server6, ssl = _web_server_classes()
         context = None
         if tls_cert or tls_key:
-            context = _tls_context(ssl, tls_cert, tls_key)
+            context = _tls_context(ssl, tls_cert, tls_key, options)
         self.feed = JournalFeed(store, poll=feed_poll)
         server_class = server6 if ":" in host else server4
         try:
@@ -34675,8 +34842,8 @@ class WebBoard:
             self.server = server_class((host.strip("[]"), port), None)
         except OSError as err:
             raise FerrusError("cannot listen on %s port %d: %s" % (
-                host, port, err.strerror or err), "--port 0 picks a free port; "
-                "--host names an address of this machine") from err
+                host, port, err.strerror or err), "%sport 0 picks a free port; %shost "
+                "names an address of this machine" % (options, options)) from err
         if context is not None:
             self.server.socket = context.wrap_socket(self.server.socket, server_side=True,
                                                      do_handshake_on_connect=False)
@@ -34708,7 +34875,7 @@ class WebBoard:
             self.server.shutdown()
             self._thread.join(10)
         self.server.server_close()
-        remove_web_record(self.store)
+        remove_web_record(self.store, self.base_url)
 
 
 def _this_machine_name():
@@ -34716,10 +34883,10 @@ def _this_machine_name():
     return socket.gethostname() or "localhost"
 
 
-def _tls_context(ssl, cert, key):
+def _tls_context(ssl, cert, key, options="--"):
+    both = "%stls-cert CERT.pem %stls-key KEY.pem" % (options, options)
     if not cert:
-        raise UsageError("--tls-key needs --tls-cert", "give both: --tls-cert CERT.pem "
-                         "--tls-key KEY.pem")
+        raise UsageError("%stls-key needs %stls-cert" % (options, options), "give both: " + both)
     if ssl is None:
         raise FerrusError("this Python has no ssl module, so the board cannot serve HTTPS",
                           "use a Python built with OpenSSL, or an ssh tunnel to a board on "
@@ -34731,8 +34898,7 @@ def _tls_context(ssl, cert, key):
     except (OSError, ssl.SSLError) as err:
         raise FerrusError("cannot use the TLS certificate %s%s: %s" % (
             cert, " with key %s" % key if key else "", getattr(err, "strerror", None) or err),
-            "give a PEM certificate (chain) and its private key: --tls-cert CERT.pem "
-            "--tls-key KEY.pem") from err
+            "give a PEM certificate (chain) and its private key: " + both) from err
     return context
 
 
@@ -34740,16 +34906,16 @@ def _tls_context(ssl, cert, key):
 # `ferrus web`, and a board beside `ferrus run` and HQ
 # ============================================================================
 
-def web_warnings(host, tls):
+def web_warnings(host, tls, options="--"):
     """What `ferrus web` says before it listens beyond this machine."""
     if web_is_loopback(host):
         return []
     lines = ["ferrus: warning: the board listens on %s, so other machines can reach it; "
              "whoever opens it with the token acts as you (queues, cancels, approves)." % host]
     if not tls:
-        lines.append("ferrus: warning: without --tls-cert/--tls-key its traffic is plain "
+        lines.append("ferrus: warning: without %stls-cert/%stls-key its traffic is plain "
                      "HTTP — the token and everything on the board cross the network "
-                     "readable; securing it is yours.")
+                     "readable; securing it is yours." % (options, options))
     lines.append("hint: from a phone or another machine, prefer an ssh tunnel to a board on "
                  "loopback: `ssh -L 8765:127.0.0.1:8765 THIS-HOST`, then open "
                  "http://127.0.0.1:8765/?token=… there")
@@ -34760,9 +34926,10 @@ def start_web_beside(store, host, port, out, tls_cert=None, tls_key=None, allow_
     """A board serving ``store`` while `ferrus run` or HQ works (their --web): started on
     threads of this process, its URL and any warning given to ``out``; the caller calls
     .close() when it ends."""
-    for line in web_warnings(host, bool(tls_cert)):
+    for line in web_warnings(host, bool(tls_cert), options="--web-"):
         out(line)
-    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts).start()
+    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts,
+                     options="--web-").start()
     out("ferrus web: the board is at %s" % board.url)
     return board
 

@@ -5,6 +5,7 @@ JSON body on every POST; bounded bodies, connections and event streams; the head
 every answer carries; HTTPS with --tls-cert/--tls-key."""
 
 import hmac
+import http.client
 import shutil
 import socket
 import ssl
@@ -172,6 +173,11 @@ def test_an_action_from_the_page_needs_the_boards_own_origin(client, store):
         assert answer.status == 403, headers
         assert "must come from the board's own page" in answer.json["error"]
     assert queued_titles(store) == []
+    # The right Origin from another site: the message names what was wrong.
+    answer = client.post(QUEUE, {"text": "Cross-site task"}, auth=None, headers=dict(
+        cookie, Origin=client.origin, **{"Sec-Fetch-Site": "cross-site"}))
+    assert 'Sec-Fetch-Site says "cross-site", not "same-origin"' in answer.json["error"]
+    assert "expected" not in answer.json["error"]
     done = client.post(QUEUE, {"text": "From the page"}, auth="cookie")
     assert done.status == 201, done.json
     assert queued_titles(store) == ["From the page"]
@@ -270,23 +276,47 @@ def test_event_streams_are_bounded(store):
         fourth.close()
 
 
-def test_connections_beyond_the_limit_are_closed_at_once(board, monkeypatch):
-    monkeypatch.setattr(ferrus, "WEB_CONNECTIONS_MAX", 3)
-    idle = [socket.create_connection(("127.0.0.1", board.port), timeout=5) for _ in range(3)]
+def test_idle_connections_without_the_token_cannot_lock_out_the_board(board):
+    idle = [socket.create_connection(("127.0.0.1", board.port), timeout=10)
+            for _ in range(ferrus.WEB_UNPROVEN_MAX + 16)]
     try:
         deadline = time.monotonic() + 10
-        while board.server.active < 3 and time.monotonic() < deadline:
+        while board.server.active < ferrus.WEB_UNPROVEN_MAX and time.monotonic() < deadline:
             time.sleep(0.01)
-        with socket.create_connection(("127.0.0.1", board.port), timeout=5) as extra:
-            extra.sendall(b"GET /api/tasks HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            assert extra.recv(100) == b""                       # closed, never served
+        assert BoardClient(board).get(QUEUE).status == 200
+        assert idle[0].recv(100) == b""                 # the oldest idle one was cut
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_a_connection_that_shows_no_token_in_time_is_closed(board, monkeypatch):
+    monkeypatch.setattr(ferrus, "WEB_FIRST_REQUEST_SECS", 0.2)
+    with socket.create_connection(("127.0.0.1", board.port), timeout=10) as idle:
+        assert idle.recv(100) == b""
+
+
+def test_connections_past_the_token_are_bounded(board, monkeypatch):
+    monkeypatch.setattr(ferrus, "WEB_CONNECTIONS_MAX", 3)
+    client = BoardClient(board)
+    kept = [http.client.HTTPConnection("127.0.0.1", board.port, timeout=10) for _ in range(3)]
+    try:
+        for connection in kept:                         # each stays open (keep-alive)
+            connection.request("GET", QUEUE, headers=client.auth_headers("bearer", "GET"))
+            answer = connection.getresponse()
+            answer.read()
+            assert answer.status == 200
+        refused = client.get(QUEUE)
+        assert refused.status == 503 and "serves 3 connections" in refused.json["error"]
+        assert client.post(QUEUE, {"text": "Not now"}).status == 503
+        assert queued_titles(board.store) == []         # refused before it acted
+    finally:
+        for connection in kept:
+            connection.close()
     deadline = time.monotonic() + 10
     while board.server.active and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert BoardClient(board).get(QUEUE).status == 200
+    assert client.get(QUEUE).status == 200
 
 
 # -- what every answer carries ----------------------------------------------------------------

@@ -108,6 +108,28 @@ def test_the_checkouts_own_task_is_a_card_too(client, store):
     assert card["checkout"] is True
 
 
+@pytest.mark.parametrize("header, title", [
+    ("a/x.txt b/x.txt", "x.txt"),
+    ("a/with space.txt b/with space.txt", "with space.txt"),
+    (r'"a/esc\033[2Jname.txt" "b/esc\033[2Jname.txt"', "esc\u241b[2Jname.txt"),
+    (r'"a/caf\303\251 \"q\"\ttab" "b/caf\303\251 \"q\"\ttab"', 'café "q"\u2409tab'),
+    ("a/old.txt b/new.txt", "old.txt → new.txt"),
+    (r'a/plain.txt "b/new\nline"', "plain.txt → new\u240aline"),
+])
+def test_a_diffs_file_is_titled_by_its_path_unquoted_and_inert(header, title):
+    assert ferrus.diff_file_title(header) == title
+
+
+def test_the_checkouts_own_task_is_named_by_its_short_id_as_its_card_shows(client, store):
+    task = awaiting_confirmation(store)
+    short = ferrus.short_task_id(task)
+    assert client.get("/api/tasks/%s" % short).json["task"]["id"] == task
+    answer = client.post("/api/tasks/%s/approve" % short)
+    assert answer.status == 200 and answer.json["task_id"] == task
+    assert store.read_state().state != S.AWAITING_CONFIRMATION
+    assert client.get("/api/tasks/%s" % short[-3:]).status == 404     # 4 characters at least
+
+
 def test_hostile_titles_come_back_exact_and_never_as_markup(client, store):
     ferrus.op_enqueue_task(store, ferrus.HUMAN, HOSTILE)
     answer = client.get("/api/tasks")
@@ -249,7 +271,8 @@ def test_queueing_a_task_from_the_board_is_the_humans_on_the_web(client, store):
 
 @pytest.mark.parametrize("body, status, words", [
     ({}, 400, "the task's text is missing"), ({"text": "   "}, 400, "the task's text is missing"),
-    ({"text": 42}, 400, "the task's text is missing"),
+    ({"text": 42}, 400, "the task's text must be a string, not 42"),
+    ({"text": "x", "agent": ["a"]}, 400, "the agent must be a string"),
     ({"text": "x", "agent": "no-such-agent"}, 409, "is not an agent ferrus knows"),
 ])
 def test_a_bad_task_is_refused_with_what_to_fix(client, store, body, status, words):
@@ -292,6 +315,7 @@ def test_answering_a_question_goes_through_op_answer(client, store):
     task = asking(store)
     answer = client.post("/api/answer", {"text": "Blue, like the sky <3"})
     assert answer.status == 200 and "State restored to Executing" in answer.json["message"]
+    assert "recorded in `.ferrus/ANSWER.md`" in answer.json["message"]
     assert answer.json["task_id"] == task
     assert store.read_state().state == S.EXECUTING
     assert store.read_file("ANSWER.md") == "Blue, like the sky <3"
@@ -388,17 +412,23 @@ def test_a_parallel_tasks_question_approval_and_diff_on_the_board(repo):
                                            "text": "Spaces"})
         assert done.status == 200 and done.json["task_id"] == first
         assert repo.for_task(first).read_file("ANSWER.md") == "Spaces"
+        assert "recorded in `.ferrus/tasks/%s/ANSWER.md`" % first in done.json["message"]
         assert repo.for_task(second).read_state().state == S.AWAITING_HUMAN
         # Its work, submitted and approved by the reviewer, waits for the human.
         with open(os.path.join(path, "feature.py"), "w") as handle:
             handle.write("".join("line = %d\n" % n for n in range(50)))
+        with open(os.path.join(path, "esc\x1b[2Jname.txt"), "w") as handle:
+            handle.write("a name git quotes\n")
         ferrus.op_submit(repo.for_task(first), EXECUTOR, "Added feature.py")
         ferrus.op_approve(repo.for_task(first), REVIEWER, "Fine.")
         card = [t for t in client.get("/api/tasks").json["tasks"] if t["id"] == first][0]
         assert card["column"] == "awaiting" and card["state"] == "AwaitingConfirmation"
         diff = client.get("/api/tasks/%s/diff" % first).json
         assert diff["available"] and diff["submission"]
-        assert [f["path"] for f in diff["files"]] == ["feature.py"]
+        assert sorted(f["path"] for f in diff["files"]) == ["esc\x1b[2Jname.txt", "feature.py"]
+        # Git quotes the odd name; the page's title is the path, its escape made visible.
+        assert '"a/esc\\033[2Jname.txt"' in diff["text"]
+        assert diff["file_titles"] == ["esc\u241b[2Jname.txt", "feature.py"]
         assert diff["text"].count("\n+line = ") == 50
         assert "diff --git a/feature.py" in diff["text"]
         approved = client.post("/api/tasks/%s/approve" % first)

@@ -7,6 +7,7 @@ or git is missing."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -109,14 +110,15 @@ def test_the_board_follows_a_parallel_run_and_the_human_answers_and_approves_fro
                                         SCRIPTED_BEHAVIOR="ask"),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
-            def until(condition, timeout=180):
+            def until(condition, timeout=180, run_may_end=False):
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline:
                     watch()
                     if page.evaluate(condition):
                         watch()         # what made it true, too (it may have just happened)
                         return
-                    assert run.poll() is None, run.stdout.read().decode()
+                    # The last merge ends the run, maybe before the page has shown it.
+                    assert run_may_end or run.poll() is None, run.stdout.read().decode()
                     time.sleep(0.05)
                 raise AssertionError("timed out waiting for %s; seen %r" % (condition, seen))
 
@@ -140,7 +142,8 @@ def test_the_board_follows_a_parallel_run_and_the_human_answers_and_approves_fro
                 page.wait_for("document.querySelector('section.you .approval') === null",
                               timeout=60)
                 go_home(page)
-            until("document.querySelectorAll('.column.merged .card').length === 2")
+            until("document.querySelectorAll('.column.merged .card').length === 2",
+                  timeout=60, run_may_end=True)
             assert page.evaluate("window.sameDocument") == "yes"
             assert sorted(page.dialogs) == sorted("Approve task %s?" % ferrus.short_task_id(t)
                                                   for t in tasks)
@@ -182,5 +185,22 @@ def test_hostile_agent_text_is_shown_as_text_in_the_browser(project):
             assert HOSTILE in page.evaluate("document.querySelector('ol.events').textContent")
             assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
             assert page.evaluate("window.pwned === undefined && document.title !== 'pwned'")
+    finally:
+        served.stop()
+
+
+def test_a_tab_whose_board_stopped_says_disconnected_after_a_few_tries(project):
+    served = Served(project, "--port", "0")
+    try:
+        with Chromium() as browser:
+            page = browser.page()
+            page.navigate(served.url())
+            page.wait_for("document.getElementById('live').textContent === 'live'")
+            served.stop(signal.SIGKILL)         # gone at once, as a crash leaves it
+            page.wait_for("document.getElementById('live').textContent"
+                          ".startsWith('reconnecting')", timeout=10)
+            # Five reconnects 2 s apart, then it stops trying.
+            page.wait_for("document.getElementById('live').textContent"
+                          ".startsWith('disconnected (the board stopped')", timeout=40)
     finally:
         served.stop()

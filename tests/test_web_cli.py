@@ -91,7 +91,7 @@ def test_ferrus_web_prints_its_url_serves_the_project_and_stops_cleanly(project)
         assert served.line_with("ferrus web: serving") == "ferrus web: serving %s" % project
         token = url.split("?token=")[1]
         assert [t["title"] for t in get(url, token)["tasks"]] == ["Served task"]
-        record = json.loads((project / ".ferrus" / "web.json").read_text())
+        [record] = json.loads((project / ".ferrus" / "web.json").read_text())["boards"]
         assert record["url"] == url.split("/?token=")[0] and token not in json.dumps(record)
         assert record["pid"] == served.proc.pid
         assert ferrus.web_board_url(store, task) == "%s/task/%s" % (record["url"], task)
@@ -151,6 +151,20 @@ def test_ferrus_web_outside_a_project_says_to_init_one(tmp_path):
     assert "ferrus: no .ferrus/ directory" in done.stderr and "ferrus init" in done.stderr
 
 
+def test_a_busy_web_port_beside_a_run_hints_its_own_option(project):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(command("run", "--task", "Busy port", "--web", "--web-port",
+                                      str(port)), cwd=str(project), env=environment(),
+                              capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ferrus: cannot listen on 127.0.0.1 port %d:" % port in done.stderr
+    assert "hint: --web-port 0 picks a free port; --web-host names" in done.stderr
+
+
 def test_ferrus_run_web_serves_the_board_while_it_runs(project, tmp_path):
     scripted_project(project, tmp_path / "memory")
     env = dict(environment(), SCRIPTED_DIR=str(tmp_path / "memory"))
@@ -174,11 +188,19 @@ def test_a_board_beside_a_run_says_where_it_is_and_closes(store):
     assert ferrus.web_board_url(store) is None
 
 
+def board_record(**entry):
+    """web.json naming one board: this process's unless ``entry`` says otherwise."""
+    entry = dict({"url": "http://127.0.0.1:8765", "pid": os.getpid(),
+                  "start": ferrus.process_start(os.getpid())}, **entry)
+    return json.dumps({"boards": [entry]})
+
+
 @pytest.mark.parametrize("record", [
-    "not json", "[]", '{"url": "http://127.0.0.1:1", "pid": "1"}',
-    '{"url": "javascript:alert(1)", "pid": %d}' % os.getpid(),
-    '{"url": "http://127.0.0.1:1/x?y", "pid": %d}' % os.getpid(),
-    '{"url": "http://127.0.0.1:1", "pid": 999999999}',
+    "not json", "[]", '{"boards": 1}', board_record(pid="1"),
+    board_record(url="javascript:alert(1)"), board_record(url="http://127.0.0.1:1/x?y"),
+    board_record(pid=999999999),
+    # The pid is alive but is another process now (its start time differs).
+    board_record(start="not this process's start"),
 ])
 def test_a_stale_or_odd_web_json_links_nothing(store, record):
     with open(store.path(ferrus.WEB_RECORD_FILE), "w") as handle:
@@ -188,8 +210,33 @@ def test_a_stale_or_odd_web_json_links_nothing(store, record):
 
 def test_a_task_id_in_a_link_is_quoted(store):
     with open(store.path(ferrus.WEB_RECORD_FILE), "w") as handle:
-        json.dump({"url": "http://127.0.0.1:8765", "pid": os.getpid()}, handle)
+        handle.write(board_record())
     assert ferrus.web_board_url(store, "a b/../c") == "http://127.0.0.1:8765/task/a%20b%2F..%2Fc"
+
+
+def test_each_board_keeps_its_own_entry_until_it_stops(store):
+    first = ferrus.start_web_beside(store, "127.0.0.1", 0, lambda line: None)
+    try:
+        second = ferrus.start_web_beside(store, "127.0.0.1", 0, lambda line: None)
+        boards = json.loads(open(store.path(ferrus.WEB_RECORD_FILE)).read())["boards"]
+        assert [b["url"] for b in boards] == [first.base_url, second.base_url]
+        second.close()
+        assert ferrus.web_board_url(store) == first.base_url + "/"
+    finally:
+        first.close()
+    assert ferrus.web_board_url(store) is None
+    assert not os.path.exists(store.path(ferrus.WEB_RECORD_FILE))
+
+
+def test_a_killed_boards_entry_is_dropped_when_another_board_starts(store):
+    with open(store.path(ferrus.WEB_RECORD_FILE), "w") as handle:
+        handle.write(board_record(url="http://127.0.0.1:1", start="a process gone by now"))
+    board = ferrus.start_web_beside(store, "127.0.0.1", 0, lambda line: None)
+    try:
+        boards = json.loads(open(store.path(ferrus.WEB_RECORD_FILE)).read())["boards"]
+        assert [b["url"] for b in boards] == [board.base_url]
+    finally:
+        board.close()
 
 
 def test_hq_web_serves_the_board_while_hq_runs(project):

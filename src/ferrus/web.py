@@ -15,8 +15,8 @@ every POST, whose body must be JSON (cross-site requests).  Every response carri
 nosniff and no-store, the page a strict Content-Security-Policy with a fresh nonce for
 its own script and style.  Request lines and headers (http.server's limits), bodies,
 connections and streams are bounded.  The server listens on loopback unless --host says
-otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json names the
-running board's address (never its token) for [notify] links.  http.server, socket, ssl,
+otherwise (with a warning), HTTPS with --tls-cert/--tls-key.  .ferrus/web.json lists the
+running boards' addresses (never a token) for [notify] links.  http.server, socket, ssl,
 hmac and secrets are imported when a board starts, not with ferrus: every other command
 would pay for them at start-up.  Windows: the same, except SIGHUP (there is none).
 """
@@ -47,7 +47,9 @@ from .web_api import (WEB_TASK_ACTIONS, WebRefusal, web_answer, web_caller, web_
 WEB_DEFAULT_HOST = "127.0.0.1"
 WEB_DEFAULT_PORT = 8765
 WEB_BODY_MAX_BYTES = 1024 * 1024       # a POST body: a task's text, an answer, notes
-WEB_CONNECTIONS_MAX = 64               # connections served at once (a thread each)
+WEB_CONNECTIONS_MAX = 64               # connections past the token served at once
+WEB_UNPROVEN_MAX = 64                  # connections yet to show the token (oldest cut first)
+WEB_FIRST_REQUEST_SECS = 10            # to send a first request that shows the token
 WEB_STREAMS_MAX = 16                   # event streams open at once
 WEB_REQUEST_TIMEOUT_SECS = 30          # a connection silent (or not reading) this long ends
 WEB_KEEPALIVE_SECS = 15                # a comment line on a stream where nothing happened
@@ -156,13 +158,18 @@ class WebGuard:
         if origin is None and how == "bearer" and fetch_site in (None, "same-origin", "none"):
             return
         expected = "%s://%s" % (scheme, host)
-        if origin is None or origin.lower() != expected.lower() or \
-                fetch_site not in (None, "same-origin"):
-            raise WebRefusal(403, "refused: a request that changes something must come from "
-                             "the board's own page (Origin %s, expected %s)" % (
-                                 compact_json(origin)[:80] if origin else "missing", expected),
-                             "use the page, or send the token as `Authorization: Bearer …` "
-                             "without an Origin header from a script")
+        if origin is None or origin.lower() != expected.lower():
+            why = "Origin %s, expected %s" % (
+                compact_json(origin)[:80] if origin else "missing", expected)
+        elif fetch_site not in (None, "same-origin"):
+            why = "the browser's Sec-Fetch-Site says %s, not \"same-origin\"" % (
+                compact_json(fetch_site)[:40])
+        else:
+            return
+        raise WebRefusal(403, "refused: a request that changes something must come from "
+                         "the board's own page (%s)" % why,
+                         "use the page, or send the token as `Authorization: Bearer …` "
+                         "without an Origin header from a script")
 
     def cookie_header(self):
         return "%s=%s; Path=/; HttpOnly; SameSite=Strict%s" % (
@@ -286,7 +293,7 @@ def _sse_message(event, data, event_id=None):
 class WebRequest:
     """One request as the app sees it (built by the HTTP handler, or by a test)."""
 
-    def __init__(self, method, target, headers, read_body, scheme="http"):
+    def __init__(self, method, target, headers, read_body, scheme="http", admit=None):
         self.method = method
         parts = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(parts.path)
@@ -294,6 +301,9 @@ class WebRequest:
         self.headers = headers
         self.read_body = read_body          # callable(limit) -> bytes; WebRefusal(413)
         self.scheme = scheme
+        # callable() -> bool, called once the request showed the token: may its
+        # connection be served (False: the board serves as many as it will)?
+        self.admit = admit or (lambda: True)
 
     def param(self, name):
         values = self.query.get(name)
@@ -394,6 +404,7 @@ class WebApp:
             raise WebRefusal(401, "this board needs its access token", "open the URL "
                              "`ferrus web` printed (it ends in ?token=…) once in this browser; "
                              "a script sends `Authorization: Bearer TOKEN`")
+        _admit(request)
         if page:
             nonce = _page_nonce()
             return WebResponse(200, web_page_html(nonce).encode("utf-8"),
@@ -413,6 +424,7 @@ class WebApp:
         if not self.guard.token_matches(token):
             raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
                              "prints a new URL each time it starts; open the latest")
+        _admit(request)
         query = [(k, v) for k, values in request.query.items() if k != "token" for v in values]
         location = urllib.parse.quote(request.path) + (
             "?" + urllib.parse.urlencode(query) if query else "")
@@ -542,6 +554,14 @@ class WebApp:
                 yield b"".join(out)
 
 
+def _admit(request):
+    """A request that showed the token moves its connection among those the board serves
+    (WEB_CONNECTIONS_MAX of them); connections that never show it cannot take their place."""
+    if not request.admit():
+        raise WebRefusal(503, "the board serves %d connections already" % WEB_CONNECTIONS_MAX,
+                         "close a tab or a script's connections to it, then try again")
+
+
 class WebStream:
     """An event stream's chunks, and what to do once it ends — however it ends (the client
     left, the board closes, or it never started: a generator's own ``finally`` would not
@@ -601,11 +621,11 @@ def _web_server_classes():
 
     class BoardHandler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        timeout = WEB_REQUEST_TIMEOUT_SECS
         server_version = "ferrus-web"
         sys_version = ""
 
         def setup(self):
+            self.timeout = WEB_FIRST_REQUEST_SECS       # until a request shows the token
             super().setup()
             if isinstance(self.connection, tls_socket):
                 self.connection.do_handshake()      # here, on this thread, not in accept()
@@ -635,12 +655,19 @@ def _web_server_classes():
                                  % (length, limit))
             return self.rfile.read(int(length))
 
+        def admit(self):
+            if not self.server.admit(self.connection):
+                self.close_connection = True
+                return False
+            self.connection.settimeout(WEB_REQUEST_TIMEOUT_SECS)
+            return True
+
         def serve(self):
             self.body_unread = bool(self.headers.get("Transfer-Encoding")) or \
                 self.headers.get("Content-Length", "0").strip() not in ("", "0")
             scheme = "https" if isinstance(self.connection, tls_socket) else "http"
             response = self.server.app.handle(WebRequest(self.command, self.path, self.headers,
-                                                         self.read_body, scheme))
+                                                         self.read_body, scheme, self.admit))
             if self.body_unread:
                 self.close_connection = True        # a body nobody read: end the connection
             self.send_response(response.status)
@@ -672,7 +699,8 @@ def _web_server_classes():
 
         def __init__(self, address, app):
             self.app = app
-            self.active = 0
+            self.admitted = set()       # connections that showed the token
+            self.unproven = collections.OrderedDict()   # the others, oldest first
             self._active_lock = threading.Lock()
             super().__init__(address, BoardHandler)
 
@@ -681,27 +709,52 @@ def _web_server_classes():
             # nothing here needs the name it finds.
             socketserver.TCPServer.server_bind(self)
 
+        # A connection is unproven until one of its requests shows the token, then
+        # admitted (at most WEB_CONNECTIONS_MAX at once).  Anyone who can reach the port
+        # can open connections, so the unproven ones are bounded on their own: a new one
+        # beyond WEB_UNPROVEN_MAX cuts the oldest, and each has WEB_FIRST_REQUEST_SECS
+        # of silence — idle sockets cannot lock out the holder of the token.
         def process_request(self, request, client_address):
             with self._active_lock:
-                full = self.active >= WEB_CONNECTIONS_MAX
-                if not full:
-                    self.active += 1
-            if full:            # more connections than threads we allow: closed at once
-                self.shutdown_request(request)
-                return
+                self.unproven[request] = True
+                oldest = self.unproven.popitem(last=False)[0] \
+                    if len(self.unproven) > WEB_UNPROVEN_MAX else None
+            if oldest is not None:
+                with contextlib.suppress(OSError):      # its thread reads the end and goes
+                    socket.socket.shutdown(oldest, socket.SHUT_RDWR)
             try:
                 super().process_request(request, client_address)
             except BaseException:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
                 raise
+
+        def admit(self, request):
+            """May ``request`` (a connection that showed the token) be served?"""
+            with self._active_lock:
+                if request not in self.unproven:
+                    return request in self.admitted
+                if len(self.admitted) >= WEB_CONNECTIONS_MAX:
+                    return False
+                del self.unproven[request]
+                self.admitted.add(request)
+                return True
+
+        @property
+        def active(self):
+            """How many connections are served (all of them, proven or not)."""
+            with self._active_lock:
+                return len(self.admitted) + len(self.unproven)
+
+        def _forget(self, request):
+            with self._active_lock:
+                self.unproven.pop(request, None)
+                self.admitted.discard(request)
 
         def process_request_thread(self, request, client_address):
             try:
                 super().process_request_thread(request, client_address)
             finally:
-                with self._active_lock:
-                    self.active -= 1
+                self._forget(request)
 
         def handle_error(self, request, client_address):
             log.debug("web: a request from %s failed", client_address, exc_info=True)
@@ -717,11 +770,12 @@ class WebBoard:
     """A running board: its server thread, journal feed and .ferrus/web.json.
 
     ``url`` is the address to open (with the token); ``base_url`` the same without it.
-    close() stops the server and its streams and removes web.json (if still its own)."""
+    ``options`` is how the command's options start in messages ("--web-" beside `ferrus
+    run` and HQ).  close() stops the server and its streams and takes its entry out of web.json."""
 
     def __init__(self, store, host=WEB_DEFAULT_HOST, port=WEB_DEFAULT_PORT, tls_cert=None,
                  tls_key=None, allow_hosts=(), feed_poll=WEB_FEED_POLL_SECS,
-                 keepalive=WEB_KEEPALIVE_SECS):
+                 keepalive=WEB_KEEPALIVE_SECS, options="--"):
         import secrets
         self.store = store
         self.token = secrets.token_urlsafe(32)
@@ -729,7 +783,7 @@ class WebBoard:
         server4, server6, ssl = _web_server_classes()
         context = None
         if tls_cert or tls_key:
-            context = _tls_context(ssl, tls_cert, tls_key)
+            context = _tls_context(ssl, tls_cert, tls_key, options)
         self.feed = JournalFeed(store, poll=feed_poll)
         server_class = server6 if ":" in host else server4
         try:
@@ -737,8 +791,8 @@ class WebBoard:
             self.server = server_class((host.strip("[]"), port), None)
         except OSError as err:
             raise FerrusError("cannot listen on %s port %d: %s" % (
-                host, port, err.strerror or err), "--port 0 picks a free port; "
-                "--host names an address of this machine") from err
+                host, port, err.strerror or err), "%sport 0 picks a free port; %shost "
+                "names an address of this machine" % (options, options)) from err
         if context is not None:
             self.server.socket = context.wrap_socket(self.server.socket, server_side=True,
                                                      do_handshake_on_connect=False)
@@ -770,7 +824,7 @@ class WebBoard:
             self.server.shutdown()
             self._thread.join(10)
         self.server.server_close()
-        remove_web_record(self.store)
+        remove_web_record(self.store, self.base_url)
 
 
 def _this_machine_name():
@@ -778,10 +832,10 @@ def _this_machine_name():
     return socket.gethostname() or "localhost"
 
 
-def _tls_context(ssl, cert, key):
+def _tls_context(ssl, cert, key, options="--"):
+    both = "%stls-cert CERT.pem %stls-key KEY.pem" % (options, options)
     if not cert:
-        raise UsageError("--tls-key needs --tls-cert", "give both: --tls-cert CERT.pem "
-                         "--tls-key KEY.pem")
+        raise UsageError("%stls-key needs %stls-cert" % (options, options), "give both: " + both)
     if ssl is None:
         raise FerrusError("this Python has no ssl module, so the board cannot serve HTTPS",
                           "use a Python built with OpenSSL, or an ssh tunnel to a board on "
@@ -793,8 +847,7 @@ def _tls_context(ssl, cert, key):
     except (OSError, ssl.SSLError) as err:
         raise FerrusError("cannot use the TLS certificate %s%s: %s" % (
             cert, " with key %s" % key if key else "", getattr(err, "strerror", None) or err),
-            "give a PEM certificate (chain) and its private key: --tls-cert CERT.pem "
-            "--tls-key KEY.pem") from err
+            "give a PEM certificate (chain) and its private key: " + both) from err
     return context
 
 
@@ -802,16 +855,16 @@ def _tls_context(ssl, cert, key):
 # `ferrus web`, and a board beside `ferrus run` and HQ
 # ============================================================================
 
-def web_warnings(host, tls):
+def web_warnings(host, tls, options="--"):
     """What `ferrus web` says before it listens beyond this machine."""
     if web_is_loopback(host):
         return []
     lines = ["ferrus: warning: the board listens on %s, so other machines can reach it; "
              "whoever opens it with the token acts as you (queues, cancels, approves)." % host]
     if not tls:
-        lines.append("ferrus: warning: without --tls-cert/--tls-key its traffic is plain "
+        lines.append("ferrus: warning: without %stls-cert/%stls-key its traffic is plain "
                      "HTTP — the token and everything on the board cross the network "
-                     "readable; securing it is yours.")
+                     "readable; securing it is yours." % (options, options))
     lines.append("hint: from a phone or another machine, prefer an ssh tunnel to a board on "
                  "loopback: `ssh -L 8765:127.0.0.1:8765 THIS-HOST`, then open "
                  "http://127.0.0.1:8765/?token=… there")
@@ -822,9 +875,10 @@ def start_web_beside(store, host, port, out, tls_cert=None, tls_key=None, allow_
     """A board serving ``store`` while `ferrus run` or HQ works (their --web): started on
     threads of this process, its URL and any warning given to ``out``; the caller calls
     .close() when it ends."""
-    for line in web_warnings(host, bool(tls_cert)):
+    for line in web_warnings(host, bool(tls_cert), options="--web-"):
         out(line)
-    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts).start()
+    board = WebBoard(store, host, port, tls_cert, tls_key, allow_hosts,
+                     options="--web-").start()
     out("ferrus web: the board is at %s" % board.url)
     return board
 

@@ -170,9 +170,13 @@ def web_task_store(store, ref):
         task = require_task_id(store, ref)
     except FerrusError:
         data = store.project_state()
-        if isinstance(ref, str) and ref and data.task_id == ref and \
-                not data.extra.get(PARALLEL_MIRROR_KEY):
-            return ref, store
+        # The checkout's own task by its id or its end (as its card shows it), when no
+        # task of the queue ends so too.
+        if isinstance(ref, str) and data.task_id and not data.extra.get(PARALLEL_MIRROR_KEY) \
+                and (data.task_id == ref or (len(ref) >= 4 and data.task_id.endswith(ref) and
+                                             not any(name.endswith(ref)
+                                                     for name in queued_task_ids(store)))):
+            return data.task_id, store
         raise WebRefusal(404, "no task %s in this project" % str(ref)[:80],
                          "the board lists the tasks; a task's id or the end of it names it"
                          ) from None
@@ -345,8 +349,8 @@ def web_task_diff(store, ref):
         if record.get("status") == MERGED_STATUS and record.get("merged_commit"):
             outcome = op_merged_task_diff(store, task, head_bytes=WEB_DIFF_HEAD_BYTES,
                                           tail_bytes=WEB_DIFF_TAIL_BYTES)
-            return dict(outcome.data, text=outcome.data.get("diff") or "",
-                        title=outcome.text.split("\n", 1)[0])
+            return _with_file_titles(dict(outcome.data, text=outcome.data.get("diff") or "",
+                                          title=outcome.text.split("\n", 1)[0]))
         diff_store = diff_store_of(store, task) if is_queue_task(store, task) else store
         outcome = op_diff(diff_store, web_caller(), head_bytes=WEB_DIFF_HEAD_BYTES,
                           tail_bytes=WEB_DIFF_TAIL_BYTES, more_hint="`ferrus diff --task %s "
@@ -356,7 +360,68 @@ def web_task_diff(store, ref):
     data = dict(outcome.data)
     if data.get("available"):
         data["title"], _, data["text"] = outcome.text.partition("\n")
+    return _with_file_titles(data)
+
+
+def _with_file_titles(data):
+    """``file_titles``: the title of each file of the diff (each `diff --git` line, in order)."""
+    data["file_titles"] = [diff_file_title(line[len("diff --git "):])
+                     for line in (data.get("text") or "").split("\n")
+                     if line.startswith("diff --git ")]
     return data
+
+
+_GIT_QUOTED_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13}
+_CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+
+
+def _git_path_at(header, start):
+    """(the path at ``header[start:]`` as git wrote it — C-quoted in "…" when it holds odd
+    bytes, with octal escapes for them — and where the quoted one ends), or (None, start)
+    when it is not quoted."""
+    if not header.startswith('"', start):
+        return None, start
+    path, at = bytearray(), start + 1
+    while at < len(header) and header[at] != '"':
+        if header[at] == "\\" and at + 1 < len(header):
+            octal = re.match(r"[0-7]{3}", header[at + 1:at + 4])
+            if octal:
+                path.append(int(octal.group(), 8) & 0xFF)
+                at += 4
+                continue
+            escaped = header[at + 1]
+            path += bytes([_GIT_QUOTED_ESCAPES[escaped]]) if escaped in _GIT_QUOTED_ESCAPES \
+                else escaped.encode("utf-8")
+            at += 2
+            continue
+        path += header[at].encode("utf-8")
+        at += 1
+    return path.decode("utf-8", "replace"), at + 1
+
+
+def diff_file_title(header):
+    """What a file of a diff is called on the page, from its `diff --git a/X b/Y` header:
+    the path (``old → new`` when renamed), unquoted, with control characters shown as
+    their Unicode pictures (an escape sequence in a name is never one)."""
+    old, after = _git_path_at(header, 0)
+    if old is not None:
+        new, _ = _git_path_at(header, after + 1)
+        if new is None:
+            new = header[after + 1:]
+    else:
+        middle = len(header) // 2           # a/P b/P: both halves name the same path
+        if header[middle:middle + 3] == " b/" and header[2:middle] == header[middle + 3:]:
+            old, new = header[:middle], header[middle + 1:]
+        else:
+            split = header.rfind(' "b/') if header.endswith('"') else header.rfind(" b/")
+            old = header[:split] if split > 0 else header
+            new = header[split + 1:] if split > 0 else header
+            if new.startswith('"'):
+                new = _git_path_at(new, 0)[0] or new
+    old, new = (name[2:] if name[:2] in ("a/", "b/") else name for name in (old, new))
+    title = new if old == new else "%s → %s" % (old, new)
+    return _CONTROL_CHARACTERS.sub(lambda c: chr(0x2400 + ord(c.group()))
+                                   if c.group() != "\x7f" else "\u2421", title)
 
 
 def web_log_window(store, name, offset=None, length=None):
@@ -417,6 +482,9 @@ def _body_text(body, key, what, required=True):
     value = body.get(key)
     if value is None and not required:
         return None
+    if value is not None and not isinstance(value, str):
+        raise WebRefusal(400, "%s must be a string, not %s: send {\"%s\": \"…\"} as JSON" % (
+            what, compact_json(value)[:40], key), "put the text in double quotes")
     if not isinstance(value, str) or not value.strip():
         raise WebRefusal(400, "%s is missing: send {\"%s\": \"…\"} as JSON" % (what, key),
                          "the text must not be empty")

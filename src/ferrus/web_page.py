@@ -129,6 +129,7 @@ WEB_PAGE_SCRIPT = r"""
   const live = document.getElementById("live");
   const projectName = document.getElementById("project");
   const toast = document.getElementById("toast");
+  const RECONNECTS_TRIED = 5;   // failed reconnects before "disconnected" (about 10 s)
   let source = null;
   let view = null;              // {kind: "board"} or {kind: "task", id, ...}
   let showAll = false;
@@ -212,13 +213,19 @@ WEB_PAGE_SCRIPT = r"""
   function listen(seq) {
     if (source) return;
     source = new EventSource("/api/events?after=" + encodeURIComponent(seq));
-    source.onopen = function () { live.className = "on"; live.textContent = "live"; };
+    // A stopped board refuses the browser's reconnects forever (one each 2 s, the
+    // stream's retry): after RECONNECTS_TRIED in a row the page stops trying and says so.
+    let failures = 0;
+    source.onopen = function () { failures = 0; live.className = "on"; live.textContent = "live"; };
     source.onerror = function () {
-      if (source.readyState === EventSource.CLOSED) {
-        live.className = "off";
-        live.textContent = "disconnected: reload when `ferrus web` runs again";
+      failures += 1;
+      live.className = "off";
+      if (source.readyState === EventSource.CLOSED || failures > RECONNECTS_TRIED) {
+        source.close();
+        live.textContent = "disconnected (the board stopped, or restarted with a new " +
+          "token): reload when `ferrus web` runs again";
       } else {
-        live.className = "off"; live.textContent = "reconnecting…";
+        live.textContent = "reconnecting…";
       }
     };
     source.addEventListener("journal", function (message) {
@@ -784,9 +791,12 @@ WEB_PAGE_SCRIPT = r"""
     if (stat) add(body, el("pre", "stat", stat));
     if (!files.length) return;
     const openAll = lines.length <= 8000;
-    for (const file of files) {
+    const titles = data.file_titles || [];
+    files.forEach(function (file, index) {
       const details = el("details", "file");
-      const summary = el("summary", "", file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
+      // The board's title: git's quoting undone, control characters made visible.
+      const summary = el("summary", "", titles.length === files.length ? titles[index] :
+        file.header.replace(/^a\/(.*) b\/\1$/, "$1"));
       add(summary, el("span", "plus", "+" + file.plus), el("span", "minus", "-" + file.minus));
       details.appendChild(summary);
       let built = false;
@@ -804,7 +814,7 @@ WEB_PAGE_SCRIPT = r"""
       details.addEventListener("toggle", function () { if (details.open) build(); });
       if (openAll) { details.open = true; build(); }
       body.appendChild(details);
-    }
+    });
   }
 
   route();

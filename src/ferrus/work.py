@@ -448,8 +448,9 @@ def op_answer(store, caller, response):
         new = t_answer(data, store.clock())
         tx.write("ANSWER.md", response)
         tx.set(new, "answer", asked_by=data.question_from)
-    return _outcome("Response recorded in `.ferrus/ANSWER.md`. State restored to %s. The agent can "
-                    "read the answer and continue." % new.state, new.state)
+    return _outcome("Response recorded in `%s`. State restored to %s. The agent can read the "
+                    "answer and continue." % (store.relpath(store.task_path("ANSWER.md")),
+                                              new.state), new.state)
 
 
 def op_status(store, caller=None):
