@@ -9699,6 +9699,28 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
+def _integration_failure_reason(store, data, max_cycles):
+    """Why a task failed at its last failed integration: how many of its review cycles
+    were failed integrations (its journal since it was created, this one included) and
+    how many a reviewer's or human's rejections — not "rejected" for what no one did."""
+    failed = 1
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") not in (None, data.task_id):
+            continue
+        if entry.get("event") == "create_task":
+            break
+        if entry.get("event") == "integration_failed":
+            failed += 1
+    failed = min(failed, data.review_cycles)
+    rejected = data.review_cycles - failed
+    def times(count):
+        return "once" if count == 1 else "%d times" % count
+    return "Task integration failed %s (a conflict with the target branch or red checks " \
+        "on the merged result)%s: the review cycle limit (%d) is reached without " \
+        "resolution." % (times(failed), ", and it was rejected %s" % times(rejected)
+                         if rejected else "", max_cycles)
+
+
 def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
@@ -9710,6 +9732,9 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
     with store.transaction(caller.agent_id) as tx:
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
+        if new.state == S.FAILED:
+            new.failure_reason = _integration_failure_reason(store, new,
+                                                             limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
@@ -25323,6 +25348,7 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self.damaged = {}              # task -> what is wrong with its task.json (said once)
         self.notifier = Notifier(store, self.emit, bell)    # every task's controller's
         self.waiting_human = set()
+        self.setup_files_told = False   # once a run: setup leaves files git does not ignore
         self.checkpoint = None
         self.finished = False
         self.halted = None             # why the run stopped itself (the target moved outside)
@@ -25757,11 +25783,25 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
 
     def _set_up_worktree(self, task, path, port=None):
         """[parallel] setup in the new worktree (``port``: its block); raises FerrusError
-        naming the failed command."""
+        naming the failed command.  Files it makes that git does not ignore would become
+        part of the task's work, merged with it, and conflict with every later task's own:
+        the run says so, naming them."""
+        before = _files_git_would_add(path) if self.parallel.setup else set()
         self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
                         "which holds only what git tracks and what [parallel] copy brings), "
                         "then `ferrus task cancel %s` and queue the task again"
                         % short_task_id(task), port=port)
+        if not self.parallel.setup or self.setup_files_told:
+            return
+        made = sorted(_files_git_would_add(path) - before)
+        if made:
+            self.setup_files_told = True
+            self.note("[parallel] setup made files git does not ignore in task %s's worktree "
+                      "(%s%s): they become part of the task's work and are merged with it, "
+                      "and each later task's own copy then conflicts with them; add them to "
+                      ".gitignore" % (short_task_id(task), ", ".join(made[:5]),
+                                      " and %d more" % (len(made) - 5) if len(made) > 5
+                                      else ""), "warning", task_id=task, files=made[:20])
 
     def _copy_local_files(self, task, workdir):
         """[parallel] copy: the checkout's untracked local files into the new worktree,
@@ -26156,6 +26196,15 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
+
+
+def _files_git_would_add(path):
+    """The untracked files under ``path`` that git does not ignore (relative to it)."""
+    try:
+        out = run_git(path, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    except FerrusError:
+        return set()
+    return {os.fsdecode(name) for name in out.split(b"\0") if name}
 
 
 def run_worktree_setup(store, path, commands, where, hint, wrap=None, port=None):
