@@ -14322,6 +14322,22 @@ def push_commit(root, remote, commit, branch):
     return Push("pushed", "pushed %s to %s's %s" % (commit[:12], remote, branch))
 
 
+def push_refused_hint(said, remote, branch):
+    """What brings ``remote``'s ``branch`` level with the checkout's after a push git
+    refused, saying ``said``: a pull --rebase only when the remote moved (a push that was
+    not a fast-forward); a hook's or the host's refusal, or no answer, is fixed there."""
+    push = "`git push %s %s`" % (remote, branch)
+    if "[remote rejected]" in said:
+        return ("%s refused it itself (its hook or branch rules: what it said is above); "
+                "allow the push there and run %s, or set [git] publish = \"branch\" to push "
+                "each task to a branch of its own instead" % (remote, push))
+    if "[rejected]" in said:
+        return ("%s's %s moved since (git said the push was not a fast-forward): bring them "
+                "together (`git pull --rebase %s %s`, then %s)" % (
+                    remote, branch, remote, branch, push))
+    return "once %s can be reached again (what git said is above), %s" % (remote, push)
+
+
 def resolve_commit(root, commit):
     """The commit ``commit`` (an id or a full ref name) is, or "" when the repository
     holds no such commit."""
@@ -14570,10 +14586,9 @@ class TeamRemote:
                       task_id=task, remote=git.push, commit=head)
             return
         self._stop_integrations(
-            "%s\n%s holds the merge of task %s at %s here, and %s does not: bring them "
-            "together (`git pull --rebase %s %s`, then `git push %s %s`)" % (
+            "%s\n%s holds the merge of task %s at %s here, and %s does not: %s" % (
                 pushed.text, self.target, short_task_id(task), head[:12], git.push,
-                git.push, self.target, git.push, self.target),
+                push_refused_hint(pushed.text, git.push, self.target)),
             "push_" + pushed.status, task_id=task, remote=git.push)
 
     def _publishing(self):
@@ -24451,6 +24466,8 @@ class MergeQueue:
             self._finish_integration(self.integration)
             self.integration = None
             # The next task in the queue starts now, not a step (eight polls) later.
+        if self.halted:
+            return          # stopped (a moved target, a refused push): nothing more starts
         if self.retry_at is not None and self.clock() < self.retry_at:
             return
         self.retry_at = None
@@ -31961,7 +31978,7 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# src/ferrus/cli_views.py (from its line 39)
+# src/ferrus/cli_views.py (from its line 40)
 # ============================================================================
 # CLI views: `status`, `log`, `sessions`, `usage`, `diff`, `tasks` — read-only.
 #
@@ -32009,7 +32026,8 @@ def cmd_status(args, root):
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
         print("\n" + terminal_safe(confirmation_summary(view, data)))
-    for line in describe_queue(queue):
+    waiting = waiting_for_the_next_run(store, queue)
+    for line in describe_queue(queue) + ([waiting] if waiting else []):
         say(line)
     return 0
 
@@ -32197,6 +32215,23 @@ def status_task_rows(store, sessions):
         row["last_event"] = None if entry is None else {
             key: entry.get(key) for key in ("seq", "time", "event", "from", "to", "actor")}
     return rows
+
+
+def waiting_for_the_next_run(store, rows):
+    """The line saying which running worktree (or place) tasks no `ferrus run --parallel`
+    works now (one that stopped left them where they were: they go on in the next run),
+    or "" while a run works the queue or none is left so."""
+    left = [row for row in rows if row.get("status") == RUNNING_STATUS and not
+            row.get("problem") and (row.get("worktree") or row.get("place"))]
+    if not left or live_parallel_run(store) is not None:
+        return ""
+    return ("no run works the queue now: %s wait%s for the next `ferrus run --parallel`, "
+            "which goes on with %s where %s stopped" % (
+                ", ".join("%s (%s)" % (row.get("short_id") or short_task_id(row["id"]),
+                                       task_state_word(row)) for row in left[:5])
+                + (" and %d more" % (len(left) - 5) if len(left) > 5 else ""),
+                "s" if len(left) == 1 else "", "it" if len(left) == 1 else "them",
+                "it" if len(left) == 1 else "they"))
 
 
 def describe_queue(rows):
@@ -32555,6 +32590,9 @@ def cmd_tasks(args, root):
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
+    waiting = waiting_for_the_next_run(store, rows)
+    if waiting:
+        say(waiting[0].upper() + waiting[1:] + ".")
     return 0
 
 
