@@ -9701,6 +9701,28 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
+def _integration_failure_reason(store, data, max_cycles):
+    """Why a task failed at its last failed integration: how many of its review cycles
+    were failed integrations (its journal since it was created, this one included) and
+    how many a reviewer's or human's rejections — not "rejected" for what no one did."""
+    failed = 1
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") not in (None, data.task_id):
+            continue
+        if entry.get("event") == "create_task":
+            break
+        if entry.get("event") == "integration_failed":
+            failed += 1
+    failed = min(failed, data.review_cycles)
+    rejected = data.review_cycles - failed
+    def times(count):
+        return "once" if count == 1 else "%d times" % count
+    return "Task integration failed %s (a conflict with the target branch or red checks " \
+        "on the merged result)%s: the review cycle limit (%d) is reached without " \
+        "resolution." % (times(failed), ", and it was rejected %s" % times(rejected)
+                         if rejected else "", max_cycles)
+
+
 def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
@@ -9712,6 +9734,9 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
     with store.transaction(caller.agent_id) as tx:
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
+        if new.state == S.FAILED:
+            new.failure_reason = _integration_failure_reason(store, new,
+                                                             limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
@@ -10474,9 +10499,12 @@ def save_task_work(store, task, record):
                                                                   "commit": commit}},
                 ref=ref)
     short = short_task_id(task)
-    return (" Its work is saved: `git branch ferrus-saved-%s %s` makes a branch of it, "
-            "`ferrus task retry %s` goes on from it." % (short, ref, short),
-            {"ref": ref, "commit": commit})
+    # A lost race attempt is never retried (see op_retry_task): its work is only a branch.
+    lost = record.get("lost_to") or (read_task_record(store.dir, task) or {}).get("lost_to")
+    then = ("`ferrus task add` queues a new task to build on what was merged" if lost
+            else "`ferrus task retry %s` goes on from it" % short)
+    return (" Its work is saved: `git branch ferrus-saved-%s %s` makes a branch of it; "
+            "%s." % (short, ref, then), {"ref": ref, "commit": commit})
 
 
 def _remove_task_leftovers(store, record):
@@ -14296,6 +14324,22 @@ def push_commit(root, remote, commit, branch):
     return Push("pushed", "pushed %s to %s's %s" % (commit[:12], remote, branch))
 
 
+def push_refused_hint(said, remote, branch):
+    """What brings ``remote``'s ``branch`` level with the checkout's after a push git
+    refused, saying ``said``: a pull --rebase only when the remote moved (a push that was
+    not a fast-forward); a hook's or the host's refusal, or no answer, is fixed there."""
+    push = "`git push %s %s`" % (remote, branch)
+    if "[remote rejected]" in said:
+        return ("%s refused it itself (its hook or branch rules: what it said is above); "
+                "allow the push there and run %s, or set [git] publish = \"branch\" to push "
+                "each task to a branch of its own instead" % (remote, push))
+    if "[rejected]" in said:
+        return ("%s's %s moved since (git said the push was not a fast-forward): bring them "
+                "together (`git pull --rebase %s %s`, then %s)" % (
+                    remote, branch, remote, branch, push))
+    return "once %s can be reached again (what git said is above), %s" % (remote, push)
+
+
 def resolve_commit(root, commit):
     """The commit ``commit`` (an id or a full ref name) is, or "" when the repository
     holds no such commit."""
@@ -14544,10 +14588,9 @@ class TeamRemote:
                       task_id=task, remote=git.push, commit=head)
             return
         self._stop_integrations(
-            "%s\n%s holds the merge of task %s at %s here, and %s does not: bring them "
-            "together (`git pull --rebase %s %s`, then `git push %s %s`)" % (
+            "%s\n%s holds the merge of task %s at %s here, and %s does not: %s" % (
                 pushed.text, self.target, short_task_id(task), head[:12], git.push,
-                git.push, self.target, git.push, self.target),
+                push_refused_hint(pushed.text, git.push, self.target)),
             "push_" + pushed.status, task_id=task, remote=git.push)
 
     def _publishing(self):
@@ -24588,6 +24631,8 @@ class MergeQueue:
             self._finish_integration(self.integration)
             self.integration = None
             # The next task in the queue starts now, not a step (eight polls) later.
+        if self.halted:
+            return          # stopped (a moved target, a refused push): nothing more starts
         if self.retry_at is not None and self.clock() < self.retry_at:
             return
         self.retry_at = None
@@ -25485,6 +25530,7 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self.damaged = {}              # task -> what is wrong with its task.json (said once)
         self.notifier = Notifier(store, self.emit, bell)    # every task's controller's
         self.waiting_human = set()
+        self.setup_files_told = False   # once a run: setup leaves files git does not ignore
         self.checkpoint = None
         self.finished = False
         self.halted = None             # why the run stopped itself (the target moved outside)
@@ -25919,11 +25965,25 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
 
     def _set_up_worktree(self, task, path, port=None):
         """[parallel] setup in the new worktree (``port``: its block); raises FerrusError
-        naming the failed command."""
+        naming the failed command.  Files it makes that git does not ignore would become
+        part of the task's work, merged with it, and conflict with every later task's own:
+        the run says so, naming them."""
+        before = _files_git_would_add(path) if self.parallel.setup else set()
         self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
                         "which holds only what git tracks and what [parallel] copy brings), "
                         "then `ferrus task cancel %s` and queue the task again"
                         % short_task_id(task), port=port)
+        if not self.parallel.setup or self.setup_files_told:
+            return
+        made = sorted(_files_git_would_add(path) - before)
+        if made:
+            self.setup_files_told = True
+            self.note("[parallel] setup made files git does not ignore in task %s's worktree "
+                      "(%s%s): they become part of the task's work and are merged with it, "
+                      "and each later task's own copy then conflicts with them; add them to "
+                      ".gitignore" % (short_task_id(task), ", ".join(made[:5]),
+                                      " and %d more" % (len(made) - 5) if len(made) > 5
+                                      else ""), "warning", task_id=task, files=made[:20])
 
     def _copy_local_files(self, task, workdir):
         """[parallel] copy: the checkout's untracked local files into the new worktree,
@@ -26320,6 +26380,15 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
 
 
 
+def _files_git_would_add(path):
+    """The untracked files under ``path`` that git does not ignore (relative to it)."""
+    try:
+        out = run_git(path, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    except FerrusError:
+        return set()
+    return {os.fsdecode(name) for name in out.split(b"\0") if name}
+
+
 def run_worktree_setup(store, path, commands, where, hint, wrap=None, port=None):
     """[parallel] setup (``commands``) in ``path``, with the check runner (logs, timeouts,
     process groups; ``wrap``, a sandbox's) and ``port``'s block ({port},
@@ -26632,6 +26701,9 @@ def _start_run_task(store, data, task, note, show, launcher, reset, allow_red_ba
     commit, where = checkout_base(store)
     task += gate_base(store, show, where, commit, allow_red_base, checkout=store.workdir)
     if data.state in (S.COMPLETE, S.FAILED):
+        # A queued task that ended in the checkout while no run worked the queue (approved
+        # by hand) is recorded before the new task takes its place, not lost with it.
+        settle_checkout_queue_task(store)
         op_force_reset(store, HUMAN)
     # A task given as text implements no milestone, whatever an interrupted HQ /task
     # may have staged.
@@ -26741,6 +26813,37 @@ def _record_checkout_end(store, task, code, reason, note=None):
     memory_after_task_end(store)
 
 
+def settle_checkout_queue_task(store, note=None):
+    """The queued task the checkout holds, once it is Complete or Failed (a human approved
+    it after its run stopped to wait for them): its queue record says so now, before
+    another task takes the checkout.  Returns its id, or None when there is none."""
+    data = store.project_state()
+    if not data.task_id or data.state not in (S.COMPLETE, S.FAILED):
+        return None
+    record = dict(task_records(store)).get(data.task_id)
+    if not record or record.get("status") != RUNNING_STATUS or record.get("store") != "project":
+        return None
+    _record_checkout_end(store, data.task_id,
+                         RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED,
+                         data.failure_reason, note)
+    return data.task_id
+
+
+def _ended_in_the_checkout(store, task):
+    """How queue task ``task`` ended in the checkout when another task has taken its place
+    since: RUN_COMPLETE or RUN_FAILED as its last move in the journal says, or None (it
+    was replaced while still in flight)."""
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") != task:
+            continue
+        if entry.get("event") == "create_task":
+            return None
+        if entry.get("to") in (S.COMPLETE.value, S.FAILED.value) and \
+                entry.get("from") != entry.get("to"):
+            return RUN_COMPLETE if entry["to"] == S.COMPLETE.value else RUN_FAILED
+    return None
+
+
 def _changed_nothing(store):
     """Whether the checkout's task changed nothing since its base (git says so; without
     git nothing is known, and the task counts as done)."""
@@ -26815,6 +26918,14 @@ def run_queue(store, out=None, **run_options):
             _put_back_in_queue(store, task, "the run that took it stopped before it began")
             note("task %s was taken by a run that stopped before it began; it is back in the "
                  "queue" % short_task_id(task), task_id=task)
+            continue
+        if code is None and _ended_in_the_checkout(store, task) == RUN_COMPLETE:
+            # Approved by hand, then replaced by another task before any run recorded it.
+            update_task(store, HUMAN, task, "task_" + DONE_STATUS, {
+                "status": DONE_STATUS, "ended_at": format_timestamp(store.clock())},
+                only_from=(RUNNING_STATUS,))
+            note("task %s was approved after its run stopped: done" % short_task_id(task),
+                 task_id=task)
             continue
         if code is None:
             _record_checkout_end(store, task, RUN_FAILED, (
@@ -32032,7 +32143,7 @@ def hq_front_end(store, resume, no_tui):
 
 
 # ============================================================================
-# src/ferrus/cli_views.py (from its line 39)
+# src/ferrus/cli_views.py (from its line 40)
 # ============================================================================
 # CLI views: `status`, `log`, `sessions`, `usage`, `diff`, `tasks` — read-only.
 #
@@ -32080,7 +32191,8 @@ def cmd_status(args, root):
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
         print("\n" + terminal_safe(confirmation_summary(view, data)))
-    for line in describe_queue(queue):
+    waiting = waiting_for_the_next_run(store, queue)
+    for line in describe_queue(queue) + ([waiting] if waiting else []):
         say(line)
     return 0
 
@@ -32268,6 +32380,23 @@ def status_task_rows(store, sessions):
         row["last_event"] = None if entry is None else {
             key: entry.get(key) for key in ("seq", "time", "event", "from", "to", "actor")}
     return rows
+
+
+def waiting_for_the_next_run(store, rows):
+    """The line saying which running worktree (or place) tasks no `ferrus run --parallel`
+    works now (one that stopped left them where they were: they go on in the next run),
+    or "" while a run works the queue or none is left so."""
+    left = [row for row in rows if row.get("status") == RUNNING_STATUS and not
+            row.get("problem") and (row.get("worktree") or row.get("place"))]
+    if not left or live_parallel_run(store) is not None:
+        return ""
+    return ("no run works the queue now: %s wait%s for the next `ferrus run --parallel`, "
+            "which goes on with %s where %s stopped" % (
+                ", ".join("%s (%s)" % (row.get("short_id") or short_task_id(row["id"]),
+                                       task_state_word(row)) for row in left[:5])
+                + (" and %d more" % (len(left) - 5) if len(left) > 5 else ""),
+                "s" if len(left) == 1 else "", "it" if len(left) == 1 else "them",
+                "it" if len(left) == 1 else "they"))
 
 
 def describe_queue(rows):
@@ -32626,6 +32755,9 @@ def cmd_tasks(args, root):
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
+    waiting = waiting_for_the_next_run(store, rows)
+    if waiting:
+        say(waiting[0].upper() + waiting[1:] + ".")
     return 0
 
 
@@ -35002,7 +35134,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 56)
+# src/ferrus/cli.py (from its line 57)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -35151,6 +35283,8 @@ def cmd_approve(args, root):
             return 1
     outcome = op_human_approve(store, caller)
     say(outcome.text)
+    if store.task is None:
+        settle_checkout_queue_task(store)   # a queued task approved after its run stopped
     if outcome.data.get("state") == S.INTEGRATING.value and live_parallel_run(Store(root)) is None:
         say("No run is working the queue now: the next `ferrus run --parallel` (or HQ's "
             "/run) merges it.")

@@ -488,3 +488,57 @@ def test_doctor_accepts_a_waiting_task_and_warns_when_its_submission_is_gone(pro
         pass
     report = run_cli("doctor", cwd=project)
     assert "state is AwaitingConfirmation but .ferrus/SUBMISSION.md is empty" in report.stdout
+
+
+# -- a queued task waiting in the checkout -----------------------------------------------------
+
+def queued_task_waiting_for_the_human(git_project):
+    """A queued task run in the checkout (`ferrus run --parallel 1`) with [hq] human_review
+    on, stopped (exit 4) at AwaitingConfirmation; returns (store, task id)."""
+    from conftest import enqueue, scripted_setup
+    store = scripted_setup(git_project, ["test -f README.md"], extra=HUMAN_REVIEW + "\n")
+    task = enqueue(store, "One.\n\nWRITE one.txt: one\n")
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append, timeout=90) == ferrus.RUN_NEEDS_HUMAN, \
+        "\n".join(lines)
+    assert store.project_state().state == S.AWAITING_CONFIRMATION
+    return store, task
+
+
+def test_a_queued_task_approved_after_its_run_stopped_is_done_not_failed(git_project):
+    from conftest import statuses
+    store, task = queued_task_waiting_for_the_human(git_project)
+    approved = run_cli("approve", "--yes", "--task", task, cwd=git_project)
+    assert "State: Complete" in approved.stdout, approved.stdout + approved.stderr
+    assert statuses(store) == {task: "done"}
+    # A task run in the checkout afterwards, then the queue: nothing fails the approved task.
+    set_config(git_project, open(str(git_project / "ferrus.toml")).read().replace(
+        HUMAN_REVIEW, ""))
+    assert run(store, task="Other.\n\nWRITE two.txt: two\n")[0] == ferrus.RUN_COMPLETE
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "done"}
+
+
+def test_a_queued_task_approved_elsewhere_is_recorded_before_a_new_task_replaces_it(
+        git_project):
+    from conftest import statuses
+    store, task = queued_task_waiting_for_the_human(git_project)
+    ferrus.op_human_approve(store, ferrus.HUMAN, via="web")
+    set_config(git_project, open(str(git_project / "ferrus.toml")).read().replace(
+        HUMAN_REVIEW, ""))
+    assert run(store, task="Other.\n\nWRITE two.txt: two\n")[0] == ferrus.RUN_COMPLETE
+    assert statuses(store) == {task: "done"}
+
+
+def test_a_queued_task_approved_then_reset_away_is_done_on_the_next_run(git_project):
+    from conftest import statuses
+    store, task = queued_task_waiting_for_the_human(git_project)
+    ferrus.op_human_approve(store, ferrus.HUMAN, via="web")
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    ferrus.op_create_task(store, ferrus.HUMAN, "Something else.")
+    ferrus.op_force_reset(store, ferrus.HUMAN)
+    lines = []
+    assert ferrus.run_queue(store, out=lines.append) == ferrus.RUN_COMPLETE, "\n".join(lines)
+    assert statuses(store) == {task: "done"}, "\n".join(lines)
+    assert "approved after its run stopped" in "\n".join(lines)

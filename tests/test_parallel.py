@@ -402,6 +402,53 @@ def test_setup_commands_prepare_each_worktree_and_a_failing_one_fails_its_task(g
     assert code == ferrus.RUN_FAILED
     reason = ferrus.read_task_record(store.dir, broken)["reason"]
     assert "[parallel] setup failed" in reason and "exit 7" in reason
+    assert not any("setup made files" in line for line in lines), lines
+
+
+def test_files_setup_makes_that_git_does_not_ignore_are_named_once_with_the_fix(git_project):
+    store = scripted_setup(git_project, ["true"],
+                           '[parallel]\nsetup = ["echo {port} > setup_port.out"]\n'
+                           'port_base = 31000\n\n')
+    for name in ("one", "two"):
+        enqueue(store, "T.\n\nWRITE %s.txt: %s\n" % (name, name))
+    _, lines = run_tasks(store, 2)
+    told = [line for line in lines if "setup made files git does not ignore" in line]
+    assert len(told) == 1, lines
+    assert "setup_port.out" in told[0] and "add them to .gitignore" in told[0]
+
+
+def integrating(task_store):
+    """The task's state put back in Integrating, as an approval leaves it."""
+    data = task_store.read_state()
+    data.state = S.INTEGRATING
+    ferrus.atomic_write(task_store.task_path(ferrus.STATE_FILE), data.to_json())
+
+
+def test_a_task_failed_by_its_integrations_says_so_not_that_it_was_rejected(git_project):
+    from test_parallel_doctor import start_task
+    store = scripted_setup(git_project, ["true"])
+    task, _, _ = start_task(store)
+    task_store = store.for_task(task)
+    for _ in range(3):
+        integrating(task_store)
+        outcome = ferrus.op_integration_failed(task_store, ferrus.ORCHESTRATOR,
+                                               "Merging it conflicts in a.txt.")
+    assert outcome.data["state"] == S.FAILED.value
+    reason = task_store.read_state().failure_reason
+    assert reason.startswith("Task integration failed 3 times"), reason
+    assert "rejected" not in reason
+    # Rejections and failed integrations together: each is counted for what it was.
+    other, _, _ = start_task(store, "Again.")
+    other_store = store.for_task(other)
+    integrating(other_store)
+    ferrus.op_integration_failed(other_store, ferrus.ORCHESTRATOR, "Conflicts.")
+    data = other_store.read_state()
+    data.review_cycles = 2          # a reviewer's rejection since
+    ferrus.atomic_write(other_store.task_path(ferrus.STATE_FILE), data.to_json())
+    integrating(other_store)
+    ferrus.op_integration_failed(other_store, ferrus.ORCHESTRATOR, "Conflicts again.")
+    reason = other_store.read_state().failure_reason
+    assert "integration failed 2 times" in reason and "rejected once" in reason, reason
 
 
 def test_a_project_in_a_subfolder_of_its_repository_works_in_that_subfolder(tmp_path,

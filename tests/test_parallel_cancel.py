@@ -80,6 +80,23 @@ def test_cancel_saves_the_work_and_retry_goes_on_from_it(repo):
     runner.shutdown()
 
 
+def test_a_lost_race_attempt_s_saved_work_is_not_offered_to_retry(repo):
+    store = ferrus.Store(repo)
+    task, path, _ = start_task(store)
+    with open(os.path.join(path, "work.py"), "w") as handle:
+        handle.write("half done = 1\n")
+    ferrus.update_task(store, ferrus.ORCHESTRATOR, task, "race_lost", {
+        "lost_to": "t-other", "reason": "attempt other of race r-1 was merged first"})
+    out = ferrus.op_cancel_task(store, ferrus.ORCHESTRATOR, task, remove_worktree=True).text
+    ref = ferrus.read_task_record(store.dir, task)["saved"]["ref"]
+    assert "`git branch ferrus-saved-%s %s` makes a branch of it" % (
+        ferrus.short_task_id(task), ref) in out
+    assert "task retry" not in out and "`ferrus task add` queues a new task" in out
+    with pytest.raises(ferrus.FerrusError) as refused:     # what retry would say
+        ferrus.op_retry_task(store, ferrus.HUMAN, task)
+    assert "lost its race" in refused.value.message
+
+
 def test_cancel_with_discard_drops_the_work(repo):
     store = ferrus.Store(repo)
     task, path, _ = start_task(store)

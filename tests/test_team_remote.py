@@ -10,7 +10,8 @@ import stat
 import pytest
 
 import ferrus
-from conftest import committed, enqueue, git, run_tasks as run, scripted_setup as setup, statuses
+from conftest import (committed, enqueue, git, run_cli, run_tasks as run, scripted_setup as setup,
+                      statuses)
 
 pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
               pytest.mark.skipif(os.name == "nt",
@@ -90,18 +91,42 @@ def test_a_refused_push_stops_the_integrations_with_the_reason(repo, tmp_path):
     hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
     first = enqueue(store, "Alpha.\n\nWRITE alpha.txt: alpha\n")
     second = enqueue(store, "Beta.\n\nWRITE beta.txt: beta\n")
-    code, lines = run(store, 1)
+    code, lines = run(store, 2)
     text = "\n".join(lines)
     assert code == ferrus.RUN_FAILED, text
     assert "rejected" in text and "main is protected here" in text
+    # The hook refused it and origin did not move: no pull --rebase, the fix is there.
+    stopped = text[text.index("stopped: "):]
+    assert "git pull --rebase" not in stopped and "origin refused it itself" in stopped
+    # Nothing starts integrating after the stop.
+    assert "integrating task" not in stopped, stopped
     # Merged here and recorded as not pushed; nothing more merged; origin as it was.
-    record = ferrus.read_task_record(store.dir, first)
+    # (With two at a time either may be merged first.)
+    merged, left = sorted((first, second), key=lambda task: statuses(store)[task] != "merged")
+    record = ferrus.read_task_record(store.dir, merged)
     assert record["status"] == "merged" and record["push"]["status"] == "rejected"
     assert "main is protected here" in record["push"]["reason"]
-    assert ferrus.read_task_record(store.dir, second)["status"] != "merged"
-    assert "alpha.txt" in committed(repo) and "beta.txt" not in committed(repo)
+    assert ferrus.read_task_record(store.dir, left)["status"] == "running"
+    assert len({"alpha.txt", "beta.txt"} & set(committed(repo))) == 1
     assert log_of(origin, "main") == ["start"]
     assert any(e["event"] == "push_rejected" for e in store.read_journal())
+    # The views say the task left at work waits for the next run.
+    for view in ("status", "tasks"):
+        out = run_cli(view, cwd=repo).stdout
+        assert "no run works the queue now: %s (" % ferrus.short_task_id(left) in \
+            out.replace("No run", "no run"), out
+
+
+def test_a_refused_push_s_hint_fits_what_git_said():
+    hook = ferrus.push_refused_hint(
+        " ! [remote rejected] abc -> main (pre-receive hook declined)", "origin", "main")
+    assert "pull --rebase" not in hook and "origin refused it itself" in hook
+    moved = ferrus.push_refused_hint(
+        " ! [rejected]        abc -> main (fetch first)", "origin", "main")
+    assert "`git pull --rebase origin main`, then `git push origin main`" in moved
+    unreachable = ferrus.push_refused_hint("fatal: Could not read from remote repository.",
+                                           "origin", "main")
+    assert "pull --rebase" not in unreachable and "can be reached" in unreachable
 
 
 def test_a_missing_remote_is_an_error_before_any_agent_starts(repo):

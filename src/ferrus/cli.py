@@ -43,7 +43,8 @@ from .place_tasks import places_elsewhere
 from .race import op_enqueue_race, parse_race
 from .parallel import live_parallel_run
 from .task_cancel import cancel_needs_confirmation, cancel_queue_task
-from .run import run_loop, run_milestones, run_parallel, run_printer, run_queue
+from .run import (run_loop, run_milestones, run_parallel, run_printer, run_queue,
+                  settle_checkout_queue_task)
 from .pipelines import _pipeline_result, pipeline_command
 from .scaffold import init_project
 from .doctor import doctor_findings
@@ -196,6 +197,8 @@ def cmd_approve(args, root):
             return 1
     outcome = op_human_approve(store, caller)
     say(outcome.text)
+    if store.task is None:
+        settle_checkout_queue_task(store)   # a queued task approved after its run stopped
     if outcome.data.get("state") == S.INTEGRATING.value and live_parallel_run(Store(root)) is None:
         say("No run is working the queue now: the next `ferrus run --parallel` (or HQ's "
             "/run) merges it.")

@@ -34,6 +34,7 @@ from .sessions import (STATUS_SESSIONS_SHOWN, compact_count, describe_orchestrat
                        describe_session, first_lines, format_usage, read_session_records,
                        session_state, usage_summary)
 from .orchestrator import running_orchestrator
+from .parallel import live_parallel_run
 from .race import group_race_rows
 from .hq_board import _STATE_COLORS, _color_enabled, _paint, format_event, paint_diff
 def cmd_status(args, root):
@@ -77,7 +78,8 @@ def cmd_status(args, root):
                           value if label in ("state", "config") else terminal_safe(value)))
     if data.state == S.AWAITING_CONFIRMATION:
         print("\n" + terminal_safe(confirmation_summary(view, data)))
-    for line in describe_queue(queue):
+    waiting = waiting_for_the_next_run(store, queue)
+    for line in describe_queue(queue) + ([waiting] if waiting else []):
         say(line)
     return 0
 
@@ -265,6 +267,23 @@ def status_task_rows(store, sessions):
         row["last_event"] = None if entry is None else {
             key: entry.get(key) for key in ("seq", "time", "event", "from", "to", "actor")}
     return rows
+
+
+def waiting_for_the_next_run(store, rows):
+    """The line saying which running worktree (or place) tasks no `ferrus run --parallel`
+    works now (one that stopped left them where they were: they go on in the next run),
+    or "" while a run works the queue or none is left so."""
+    left = [row for row in rows if row.get("status") == RUNNING_STATUS and not
+            row.get("problem") and (row.get("worktree") or row.get("place"))]
+    if not left or live_parallel_run(store) is not None:
+        return ""
+    return ("no run works the queue now: %s wait%s for the next `ferrus run --parallel`, "
+            "which goes on with %s where %s stopped" % (
+                ", ".join("%s (%s)" % (row.get("short_id") or short_task_id(row["id"]),
+                                       task_state_word(row)) for row in left[:5])
+                + (" and %d more" % (len(left) - 5) if len(left) > 5 else ""),
+                "s" if len(left) == 1 else "", "it" if len(left) == 1 else "them",
+                "it" if len(left) == 1 else "they"))
 
 
 def describe_queue(rows):
@@ -623,6 +642,9 @@ def cmd_tasks(args, root):
     if older:
         say("… and %d older ended task%s (`ferrus tasks --all` lists them)" % (
             older, "" if older == 1 else "s"))
+    waiting = waiting_for_the_next_run(store, rows)
+    if waiting:
+        say(waiting[0].upper() + waiting[1:] + ".")
     return 0
 
 

@@ -69,6 +69,8 @@ class MergeQueue:
             self._finish_integration(self.integration)
             self.integration = None
             # The next task in the queue starts now, not a step (eight polls) later.
+        if self.halted:
+            return          # stopped (a moved target, a refused push): nothing more starts
         if self.retry_at is not None and self.clock() < self.retry_at:
             return
         self.retry_at = None

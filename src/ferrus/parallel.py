@@ -179,6 +179,7 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self.damaged = {}              # task -> what is wrong with its task.json (said once)
         self.notifier = Notifier(store, self.emit, bell)    # every task's controller's
         self.waiting_human = set()
+        self.setup_files_told = False   # once a run: setup leaves files git does not ignore
         self.checkpoint = None
         self.finished = False
         self.halted = None             # why the run stopped itself (the target moved outside)
@@ -613,11 +614,25 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
 
     def _set_up_worktree(self, task, path, port=None):
         """[parallel] setup in the new worktree (``port``: its block); raises FerrusError
-        naming the failed command."""
+        naming the failed command.  Files it makes that git does not ignore would become
+        part of the task's work, merged with it, and conflict with every later task's own:
+        the run says so, naming them."""
+        before = _files_git_would_add(path) if self.parallel.setup else set()
         self._run_setup(path, "its worktree", "fix the command (it runs in the new worktree, "
                         "which holds only what git tracks and what [parallel] copy brings), "
                         "then `ferrus task cancel %s` and queue the task again"
                         % short_task_id(task), port=port)
+        if not self.parallel.setup or self.setup_files_told:
+            return
+        made = sorted(_files_git_would_add(path) - before)
+        if made:
+            self.setup_files_told = True
+            self.note("[parallel] setup made files git does not ignore in task %s's worktree "
+                      "(%s%s): they become part of the task's work and are merged with it, "
+                      "and each later task's own copy then conflicts with them; add them to "
+                      ".gitignore" % (short_task_id(task), ", ".join(made[:5]),
+                                      " and %d more" % (len(made) - 5) if len(made) > 5
+                                      else ""), "warning", task_id=task, files=made[:20])
 
     def _copy_local_files(self, task, workdir):
         """[parallel] copy: the checkout's untracked local files into the new worktree,
@@ -1012,6 +1027,15 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
             with contextlib.suppress(FerrusError, OSError):
                 self._save(working=False)
 
+
+
+def _files_git_would_add(path):
+    """The untracked files under ``path`` that git does not ignore (relative to it)."""
+    try:
+        out = run_git(path, ["ls-files", "-z", "--others", "--exclude-standard"], ok=(0, 1))
+    except FerrusError:
+        return set()
+    return {os.fsdecode(name) for name in out.split(b"\0") if name}
 
 
 def run_worktree_setup(store, path, commands, where, hint, wrap=None, port=None):

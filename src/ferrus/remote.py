@@ -173,6 +173,22 @@ def push_commit(root, remote, commit, branch):
     return Push("pushed", "pushed %s to %s's %s" % (commit[:12], remote, branch))
 
 
+def push_refused_hint(said, remote, branch):
+    """What brings ``remote``'s ``branch`` level with the checkout's after a push git
+    refused, saying ``said``: a pull --rebase only when the remote moved (a push that was
+    not a fast-forward); a hook's or the host's refusal, or no answer, is fixed there."""
+    push = "`git push %s %s`" % (remote, branch)
+    if "[remote rejected]" in said:
+        return ("%s refused it itself (its hook or branch rules: what it said is above); "
+                "allow the push there and run %s, or set [git] publish = \"branch\" to push "
+                "each task to a branch of its own instead" % (remote, push))
+    if "[rejected]" in said:
+        return ("%s's %s moved since (git said the push was not a fast-forward): bring them "
+                "together (`git pull --rebase %s %s`, then %s)" % (
+                    remote, branch, remote, branch, push))
+    return "once %s can be reached again (what git said is above), %s" % (remote, push)
+
+
 def resolve_commit(root, commit):
     """The commit ``commit`` (an id or a full ref name) is, or "" when the repository
     holds no such commit."""
@@ -421,10 +437,9 @@ class TeamRemote:
                       task_id=task, remote=git.push, commit=head)
             return
         self._stop_integrations(
-            "%s\n%s holds the merge of task %s at %s here, and %s does not: bring them "
-            "together (`git pull --rebase %s %s`, then `git push %s %s`)" % (
+            "%s\n%s holds the merge of task %s at %s here, and %s does not: %s" % (
                 pushed.text, self.target, short_task_id(task), head[:12], git.push,
-                git.push, self.target, git.push, self.target),
+                push_refused_hint(pushed.text, git.push, self.target)),
             "push_" + pushed.status, task_id=task, remote=git.push)
 
     def _publishing(self):

@@ -213,6 +213,9 @@ def _start_run_task(store, data, task, note, show, launcher, reset, allow_red_ba
     commit, where = checkout_base(store)
     task += gate_base(store, show, where, commit, allow_red_base, checkout=store.workdir)
     if data.state in (S.COMPLETE, S.FAILED):
+        # A queued task that ended in the checkout while no run worked the queue (approved
+        # by hand) is recorded before the new task takes its place, not lost with it.
+        settle_checkout_queue_task(store)
         op_force_reset(store, HUMAN)
     # A task given as text implements no milestone, whatever an interrupted HQ /task
     # may have staged.
@@ -322,6 +325,37 @@ def _record_checkout_end(store, task, code, reason, note=None):
     memory_after_task_end(store)
 
 
+def settle_checkout_queue_task(store, note=None):
+    """The queued task the checkout holds, once it is Complete or Failed (a human approved
+    it after its run stopped to wait for them): its queue record says so now, before
+    another task takes the checkout.  Returns its id, or None when there is none."""
+    data = store.project_state()
+    if not data.task_id or data.state not in (S.COMPLETE, S.FAILED):
+        return None
+    record = dict(task_records(store)).get(data.task_id)
+    if not record or record.get("status") != RUNNING_STATUS or record.get("store") != "project":
+        return None
+    _record_checkout_end(store, data.task_id,
+                         RUN_COMPLETE if data.state == S.COMPLETE else RUN_FAILED,
+                         data.failure_reason, note)
+    return data.task_id
+
+
+def _ended_in_the_checkout(store, task):
+    """How queue task ``task`` ended in the checkout when another task has taken its place
+    since: RUN_COMPLETE or RUN_FAILED as its last move in the journal says, or None (it
+    was replaced while still in flight)."""
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") != task:
+            continue
+        if entry.get("event") == "create_task":
+            return None
+        if entry.get("to") in (S.COMPLETE.value, S.FAILED.value) and \
+                entry.get("from") != entry.get("to"):
+            return RUN_COMPLETE if entry["to"] == S.COMPLETE.value else RUN_FAILED
+    return None
+
+
 def _changed_nothing(store):
     """Whether the checkout's task changed nothing since its base (git says so; without
     git nothing is known, and the task counts as done)."""
@@ -396,6 +430,14 @@ def run_queue(store, out=None, **run_options):
             _put_back_in_queue(store, task, "the run that took it stopped before it began")
             note("task %s was taken by a run that stopped before it began; it is back in the "
                  "queue" % short_task_id(task), task_id=task)
+            continue
+        if code is None and _ended_in_the_checkout(store, task) == RUN_COMPLETE:
+            # Approved by hand, then replaced by another task before any run recorded it.
+            update_task(store, HUMAN, task, "task_" + DONE_STATUS, {
+                "status": DONE_STATUS, "ended_at": format_timestamp(store.clock())},
+                only_from=(RUNNING_STATUS,))
+            note("task %s was approved after its run stopped: done" % short_task_id(task),
+                 task_id=task)
             continue
         if code is None:
             _record_checkout_end(store, task, RUN_FAILED, (

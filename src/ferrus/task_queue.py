@@ -594,9 +594,12 @@ def save_task_work(store, task, record):
                                                                   "commit": commit}},
                 ref=ref)
     short = short_task_id(task)
-    return (" Its work is saved: `git branch ferrus-saved-%s %s` makes a branch of it, "
-            "`ferrus task retry %s` goes on from it." % (short, ref, short),
-            {"ref": ref, "commit": commit})
+    # A lost race attempt is never retried (see op_retry_task): its work is only a branch.
+    lost = record.get("lost_to") or (read_task_record(store.dir, task) or {}).get("lost_to")
+    then = ("`ferrus task add` queues a new task to build on what was merged" if lost
+            else "`ferrus task retry %s` goes on from it" % short)
+    return (" Its work is saved: `git branch ferrus-saved-%s %s` makes a branch of it; "
+            "%s." % (short, ref, then), {"ref": ref, "commit": commit})
 
 
 def _remove_task_leftovers(store, record):

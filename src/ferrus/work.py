@@ -651,6 +651,28 @@ def op_integrated(store, caller, **detail):
     return _outcome("Task integrated. State: Complete.", S.COMPLETE, **detail)
 
 
+def _integration_failure_reason(store, data, max_cycles):
+    """Why a task failed at its last failed integration: how many of its review cycles
+    were failed integrations (its journal since it was created, this one included) and
+    how many a reviewer's or human's rejections — not "rejected" for what no one did."""
+    failed = 1
+    for entry in store.journal_entries_backwards():
+        if entry.get("task_id") not in (None, data.task_id):
+            continue
+        if entry.get("event") == "create_task":
+            break
+        if entry.get("event") == "integration_failed":
+            failed += 1
+    failed = min(failed, data.review_cycles)
+    rejected = data.review_cycles - failed
+    def times(count):
+        return "once" if count == 1 else "%d times" % count
+    return "Task integration failed %s (a conflict with the target branch or red checks " \
+        "on the merged result)%s: the review cycle limit (%d) is reached without " \
+        "resolution." % (times(failed), ", and it was rejected %s" % times(rejected)
+                         if rejected else "", max_cycles)
+
+
 def op_integration_failed(store, caller, notes, onto=None, **detail):
     """Integrating → Addressing (or Failed at max_review_cycles): a conflict with the
     target branch or a red check on the merged result, told to the executor as review
@@ -662,6 +684,9 @@ def op_integration_failed(store, caller, notes, onto=None, **detail):
     with store.transaction(caller.agent_id) as tx:
         new = t_integration_failed(tx.state, store.clock(), limits.max_review_cycles,
                                    onto)
+        if new.state == S.FAILED:
+            new.failure_reason = _integration_failure_reason(store, new,
+                                                             limits.max_review_cycles)
         tx.write("REVIEW.md", notes)
         tx.set(new, "integration_failed", text=journal_text(notes), **detail)
     return _outcome("Integration failed. State: %s." % new.state, new.state, **detail)
