@@ -260,6 +260,45 @@ def test_damaged_or_foreign_record_files_are_skipped(store):
     assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 0
 
 
+MALFORMED = [{"submissions": [None]}, {"reviews": 5}, {"reviews": [None]}, {"files": [1, 2]},
+             {"submissions": "abc"}, {"title": ["x"]}, {"reviews": [{"notes": 3}]},
+             {"files": ["../../etc/passwd"]}, {"files": ["/etc/passwd"]},
+             {"files": ["shop/../../x"]}]
+
+
+def test_a_malformed_record_file_is_skipped_with_a_note_and_the_rest_still_answer(store):
+    """The records folder is one a checkout's executor can write: a record file whose
+    fields are not what ferrus writes (or whose files point out of the project) is
+    skipped as a whole, said, and every query goes on answering from the others."""
+    good = dict(RECORDS[0])
+    bad = [dict(RECORDS[1], id="t-20260105T000000-bad%03d" % index, **fields)
+           for index, fields in enumerate(MALFORMED)]
+    write_records(store, [good] + bad)
+    with open(os.path.join(ferrus.memory_records_dir(store), "t-20260106T000000-huge00.json"),
+              "w") as handle:
+        json.dump(dict(RECORDS[2], id="t-20260106T000000-huge00",
+                       description="x" * (1 << 20)), handle)
+    rebuilt = ferrus.op_memory_rebuild(store, ferrus.HUMAN)
+    assert rebuilt.data["rebuilt"]["records_loaded"] == 1
+    assert len(rebuilt.data["rebuilt"]["skipped"]) == len(MALFORMED) + 1
+    assert "note: skipped the record file t-20260105T000000-bad000.json: its submissions" \
+        in rebuilt.text
+    assert "'../../etc/passwd' is not a path inside the project" in rebuilt.text
+    assert "huge00.json: it is over 1 MiB" in rebuilt.text
+    assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 1
+    hits = ferrus.op_memory_search(store, ferrus.HUMAN, "lease journal").data["hits"]
+    assert [hit["id"] for hit in hits] == [good["id"]]
+    assert not ferrus.op_memory_search(store, ferrus.HUMAN, "passwd").data["hits"]
+    assert ferrus.op_memory_show(store, ferrus.HUMAN, good["id"]).data["record"]["files"]
+    client = InProcessMcp(store, "executor")
+    try:
+        client.initialize()
+        found = client.call_tool("project_context_search", {"query": "lease"})
+        assert not found.get("isError") and good["id"] in found["content"][0]["text"]
+    finally:
+        client.close()
+
+
 def test_doctor_removes_a_record_files_temporary_left_by_a_crash(project, store):
     folder = ferrus.memory_records_dir(store)
     os.makedirs(folder)

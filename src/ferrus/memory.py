@@ -509,24 +509,73 @@ def _memory_write_record_file(store, record):
                  durable=False)
 
 
+def memory_record_problem(record):
+    """Why a record file's content is not a record ferrus wrote (None when it is one): a
+    record file is read back whole, and the folder is one a checkout's executor can
+    write, so every field a search or a prompt uses is checked before any is."""
+    text = (str, type(None))
+    if not isinstance(record, dict):
+        return "it is not a JSON object"
+    for key in ("title", "outcome"):
+        if not isinstance(record.get(key), str):
+            return "its %s is not text" % key
+    for key in ("reason", "spec", "milestone", "started_at", "ended_at", "description",
+                "commit", "outcome_text"):
+        if not isinstance(record.get(key), text):
+            return "its %s is not text" % key
+    if not isinstance(record.get("retried", 0), int):
+        return "its retried is not a number"
+    items = {"submissions": ("summary", "time", "commit"),
+             "reviews": ("verdict", "notes", "time", "by", "cause")}
+    for key, fields in items.items():
+        value = record.get(key)
+        if not isinstance(value, list) or not all(
+                isinstance(item, dict) and all(isinstance(item.get(field), text)
+                                               for field in fields)
+                and isinstance(item.get("files", []), list) for item in value):
+            return "its %s are not a list of objects with text fields" % key
+    files = record.get("files")
+    if not isinstance(files, list) or not all(isinstance(path, str) for path in files):
+        return "its files are not a list of paths"
+    for path in files:
+        parts = path.replace("\\", "/").split("/")
+        if not path or path.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+            return "its file %r is not a path inside the project" % path[:80]
+    return None
+
+
 def _memory_read_record_files(store):
+    """(records, notes): the task records of the record files, and why each file that
+    is not one was skipped."""
     folder = memory_records_dir(store)
     try:
         names = sorted(os.listdir(folder))
     except OSError:
-        return []
-    records = []
+        return [], []
+    records, notes = [], []
     for name in names:
         if not name.endswith(".json") or not _MEMORY_ID_RE.match(name[:-5]):
             continue
         try:
             with open_inside(folder, name) as handle:
-                record = _memory_json(handle.read(1 << 20).decode("utf-8", "replace"))
-        except (OSError, UnsafePath):
+                data = handle.read((1 << 20) + 1)
+        except (OSError, UnsafePath) as err:
+            notes.append("%s cannot be read: %s" % (name, getattr(err, "strerror", err)))
             continue
-        if record.get("id") == name[:-5] and record.get("kind") == "task":
+        try:
+            record = json.loads(data.decode("utf-8", "replace")) if len(data) <= 1 << 20 \
+                else None
+        except ValueError:
+            notes.append("%s is not valid JSON" % name)
+            continue
+        problem = "it is over 1 MiB" if record is None else memory_record_problem(record)
+        if problem is None and (record.get("id") != name[:-5] or record.get("kind") != "task"):
+            problem = "it is not the record of task %s" % name[:-5]
+        if problem:
+            notes.append("%s: %s" % (name, problem))
+        else:
             records.append(record)
-    return records
+    return records, notes
 
 
 # -- archived specs ------------------------------------------------------------------------------
@@ -681,7 +730,8 @@ def _memory_sync(store, connection):
     backend = _memory_meta(connection, "backend", "plain")
     last_seq = int(_memory_meta(connection, "last_seq", "0"))
     stamp = _memory_journal_stamp(store)
-    done = {"entries": 0, "ended": [], "specs": 0, "records_loaded": 0, "lost": None}
+    done = {"entries": 0, "ended": [], "specs": 0, "records_loaded": 0, "lost": None,
+            "skipped": []}
     try:
         connection.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError as err:
@@ -689,9 +739,12 @@ def _memory_sync(store, connection):
                                 "try again in a moment") from err
     try:
         if _memory_meta(connection, "loaded_files") is None:
-            for record in _memory_read_record_files(store):
+            records, done["skipped"] = _memory_read_record_files(store)
+            for record in records:
                 _memory_store_record(connection, record, backend)
                 done["records_loaded"] += 1
+            for note in done["skipped"]:
+                log.warning("project memory skipped the record file %s", note)
             _memory_set_meta(connection, "loaded_files", "1")
         if stamp != _memory_meta(connection, "journal_stamp"):
             last = store.last_journal_seq()
@@ -1291,9 +1344,10 @@ def op_memory_rebuild(store, caller):
     journal and the archived specs."""
     done = memory_sync(store, rebuild=True)
     outcome = op_memory_status(store, caller)
+    skipped = "".join("\nnote: skipped the record file %s" % note for note in done["skipped"])
     return Outcome("Rebuilt project memory: %d record files read, %d journal entries, %d "
-                   "archived specs.\n%s" % (done["records_loaded"], done["entries"],
-                                            done["specs"], outcome.text),
+                   "archived specs.%s\n%s" % (done["records_loaded"], done["entries"],
+                                              done["specs"], skipped, outcome.text),
                    dict(outcome.data, rebuilt=done))
 
 
