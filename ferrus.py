@@ -9333,6 +9333,7 @@ GATE_TEXTS = {
 def _gate_operation(store, caller, action, content=None):
     """check and submit: run the gate unlocked, then apply its result in a transaction."""
     submitted = _record_submission(store, caller, content) if action == "submit" else None
+    changed = _checkout_submitted_files(store) if action == "submit" else {}
     snapshot, run, config = _run_gate(store, caller, action)
     limits = config.limits
     passed = run is None or run.passed
@@ -9342,7 +9343,7 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            detail = {"log": log_path, "text": journal_text(content)}
+            detail = {"log": log_path, "text": journal_text(content), **changed}
             if submitted is not None:
                 left_out = submitted.pop("left_out", [])
                 if left_out:
@@ -9405,6 +9406,33 @@ def _record_submission(store, caller, summary):
         extra = []
     return {"commit": commit, "base": base, "left_out": left_out, "guarded": guarded_paths(
         [_project_relative(store, path) for path in changed], extra)}
+
+
+# The submit entry of the project's own task names at most this many changed paths.
+SUBMIT_FILES_JOURNALED = 500
+
+
+def _checkout_submitted_files(store):
+    """What the project's own task had changed when it submitted — the paths of the diff
+    its reviewer is shown (the working tree against the task's base), less those already
+    changed before the task began — as the submit entry's ``files`` (project memory
+    records them); {} for a parallel task (its commit says) or without git."""
+    if store.task is not None:
+        return {}
+    data = store.read_state()
+    base = data.task_base or {}
+    if not data.task_id or not base.get("git"):
+        return {}
+    try:
+        paths = [changed.path for changed in task_diff(
+            task_git_site(store), base, task_diff_exclusions(store), patch=False).files]
+    except FerrusError:
+        return {}
+    before = set(base.get("dirty") or [])
+    folders = tuple(path for path in before if path.endswith("/"))   # an untracked folder
+    files = [path for path in paths if path not in before and not path.startswith(folders)]
+    return {"files": files[:SUBMIT_FILES_JOURNALED], "files_count": len(files),
+            "files_before_task": len(paths) - len(files)}
 
 
 def left_out_note(paths):
@@ -12801,11 +12829,12 @@ def memory_record_problem(record):
         if not isinstance(record.get(key), str):
             return "its %s is not text" % key
     for key in ("reason", "spec", "milestone", "started_at", "ended_at", "description",
-                "commit", "outcome_text"):
+                "commit", "outcome_text", "files_note"):
         if not isinstance(record.get(key), text):
             return "its %s is not text" % key
-    if not isinstance(record.get("retried", 0), int):
-        return "its retried is not a number"
+    for key in ("retried", "files_count"):
+        if not isinstance(record.get(key) or 0, int):
+            return "its %s is not a number" % key
     items = {"submissions": ("summary", "time", "commit"),
              "reviews": ("verdict", "notes", "time", "by", "cause")}
     for key, fields in items.items():
@@ -13129,6 +13158,12 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
             "n": detail.get("n") or facts["submitted"], "time": time_,
             "commit": detail.get("submission") if isinstance(detail.get("submission"), str)
             else None, "summary": _memory_text(detail)})
+        files = detail.get("files")
+        if isinstance(files, list) and isinstance(detail.get("files_count"), int):
+            # The project's own task: what its reviewer was shown it changed.
+            facts["submitted_files"] = [path for path in files if isinstance(path, str)]
+            facts["submitted_files_count"] = detail["files_count"]
+            facts["files_before_task"] = detail.get("files_before_task") or 0
     elif event in ("reject", "human_reject", "integration_failed"):
         review = {"verdict": {"reject": "rejected", "human_reject": "rejected by a human",
                               "integration_failed": "integration failed"}[event],
@@ -13208,9 +13243,11 @@ def _memory_top_relative(store):
 
 
 def _memory_changed_files(store, facts, record, data):
-    """The project-relative paths the task changed, from the best source there is: its
-    merged commit, its committed approval, its last submission, or (the project's own
-    task, still current) its working tree."""
+    """(paths, how many there are, a note or None): the project-relative paths the task
+    changed, from the best source there is: its merged commit, its committed approval,
+    its last submission's commit, or — the project's own task — the files its last
+    submit entry names (what its reviewer was shown, less what was changed before it
+    began); a journal older than that: its working tree, said so."""
     prefix = None
     pairs = []
     merged = record.get("merged_commit")
@@ -13229,17 +13266,28 @@ def _memory_changed_files(store, facts, record, data):
             if prefix is None:
                 prefix = _memory_top_relative(store)
                 if prefix is None:
-                    return []
+                    return [], 0, None
             paths = changed_paths(store.root, old, new)
         except (GitUnavailable, GitError):
             continue
-        return [path[len(prefix):] for path in paths if path.startswith(prefix)][:MEMORY_FILES]
+        paths = [path[len(prefix):] for path in paths if path.startswith(prefix)]
+        return paths[:MEMORY_FILES], len(paths), None
+    if "submitted_files" in facts:
+        before = facts.get("files_before_task")
+        return facts["submitted_files"][:MEMORY_FILES], facts["submitted_files_count"], \
+            "%d file%s already changed before the task began %s left out" % (
+                before, "" if before == 1 else "s", "is" if before == 1 else "are") \
+            if before else None
     if data is not None and data.task_id == facts["id"] and store.task is None:
         with contextlib.suppress(GitUnavailable, GitError, FerrusError):
             diff = task_diff(task_git_site(store), data.task_base, task_diff_exclusions(store),
                              patch=False)
-            return [changed.path for changed in diff.files][:MEMORY_FILES]
-    return []
+            paths = [changed.path for changed in diff.files]
+            return paths[:MEMORY_FILES], len(paths), (
+                "from the working tree when the record was written (its submit entry names "
+                "no files): changes made before the task began or since it ended are "
+                "included")
+    return [], 0, None
 
 
 def memory_build_record(store, facts, outcome, ended_at):
@@ -13276,6 +13324,7 @@ def memory_build_record(store, facts, outcome, ended_at):
     if not reason and outcome == "failed" and facts.get("checks_failed"):
         reason = "checks failed: " + ", ".join(facts["checks_failed"])
     origin = record.get("origin") or {}
+    files, files_count, files_note = _memory_changed_files(store, facts, record, data)
     return {
         "id": task, "kind": "task", "title": _memory_cut(title, 300), "outcome": outcome,
         "reason": reason or None,
@@ -13285,7 +13334,7 @@ def memory_build_record(store, facts, outcome, ended_at):
         "ended_at": ended_at or record.get("ended_at"),
         "description": _memory_cut(description, MEMORY_DESCRIPTION_CHARS),
         "submissions": submissions, "reviews": reviews,
-        "files": _memory_changed_files(store, facts, record, data),
+        "files": files, "files_count": files_count, "files_note": files_note,
         "commit": record.get("merged_commit") or facts.get("commit"),
         "retried": facts.get("retried") or 0,
     }
@@ -13725,6 +13774,11 @@ def memory_render_record(record):
     lines += ["%s: %s" % (name, value) for name, value in facts if value]
     if record.get("files"):
         lines += ["", "## Files changed", ""] + ["- %s" % path for path in record["files"]]
+        more = (record.get("files_count") or 0) - len(record["files"])
+        if more > 0:
+            lines.append("- … and %d more (a record keeps %d)" % (more, MEMORY_FILES))
+    if record.get("files_note"):
+        lines.append("(%s)" % record["files_note"])
     if record.get("milestones"):
         lines += ["", "## Milestones", ""] + ["- %s" % item for item in record["milestones"]]
     if record.get("outcome_text"):

@@ -351,6 +351,38 @@ def test_a_queue_tasks_record_takes_its_submission_from_git(repo):
     assert by_path[0]["id"] == task and by_path[0]["matched_paths"]
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_checkout_tasks_files_are_what_it_submitted_not_the_users_edits(project, store,
+                                                                          monkeypatch):
+    """The files of the project's own task are those its reviewer was shown at its last
+    submit, less the user's own uncommitted edit made before it began, and not what the
+    user committed after it ended; a list longer than a record keeps says so."""
+    (project / "mine.txt").write_text("mine\n")
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "start")
+    (project / "mine.txt").write_text("my own edit, before the task\n")
+    ferrus.op_create_task(store, ferrus.HUMAN, "Write the greeting.")
+    task = store.read_state().task_id
+    ferrus.op_wait_for_task(store, EXECUTOR)
+    for name in ("greeting.txt", "farewell.txt", "welcome.txt", "zz.txt"):
+        (project / name).write_text("hello\n")
+    ferrus.op_submit(store, EXECUTOR, "Wrote the greetings.")
+    ferrus.op_wait_for_review(store, REVIEWER)
+    ferrus.op_approve(store, REVIEWER, "Good.")
+    (project / "later.txt").write_text("the user's work after the task\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "the user's next change")
+    monkeypatch.setattr(ferrus, "MEMORY_FILES", 3)
+    ferrus.memory_after_task_end(store)
+    record = ferrus.op_memory_show(store, ferrus.HUMAN, task)
+    assert record.data["record"]["outcome"] == "complete"
+    assert record.data["record"]["files"] == ["farewell.txt", "greeting.txt", "welcome.txt"]
+    assert record.data["record"]["files_count"] == 4
+    assert "- … and 1 more (a record keeps 3)" in record.text
+    assert "(1 file already changed before the task began is left out)" in record.text
+
+
 # -- ranking ----------------------------------------------------------------------------------
 
 def write_records(store, records):

@@ -267,6 +267,12 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
             "n": detail.get("n") or facts["submitted"], "time": time_,
             "commit": detail.get("submission") if isinstance(detail.get("submission"), str)
             else None, "summary": _memory_text(detail)})
+        files = detail.get("files")
+        if isinstance(files, list) and isinstance(detail.get("files_count"), int):
+            # The project's own task: what its reviewer was shown it changed.
+            facts["submitted_files"] = [path for path in files if isinstance(path, str)]
+            facts["submitted_files_count"] = detail["files_count"]
+            facts["files_before_task"] = detail.get("files_before_task") or 0
     elif event in ("reject", "human_reject", "integration_failed"):
         review = {"verdict": {"reject": "rejected", "human_reject": "rejected by a human",
                               "integration_failed": "integration failed"}[event],
@@ -346,9 +352,11 @@ def _memory_top_relative(store):
 
 
 def _memory_changed_files(store, facts, record, data):
-    """The project-relative paths the task changed, from the best source there is: its
-    merged commit, its committed approval, its last submission, or (the project's own
-    task, still current) its working tree."""
+    """(paths, how many there are, a note or None): the project-relative paths the task
+    changed, from the best source there is: its merged commit, its committed approval,
+    its last submission's commit, or — the project's own task — the files its last
+    submit entry names (what its reviewer was shown, less what was changed before it
+    began); a journal older than that: its working tree, said so."""
     prefix = None
     pairs = []
     merged = record.get("merged_commit")
@@ -367,17 +375,28 @@ def _memory_changed_files(store, facts, record, data):
             if prefix is None:
                 prefix = _memory_top_relative(store)
                 if prefix is None:
-                    return []
+                    return [], 0, None
             paths = changed_paths(store.root, old, new)
         except (GitUnavailable, GitError):
             continue
-        return [path[len(prefix):] for path in paths if path.startswith(prefix)][:MEMORY_FILES]
+        paths = [path[len(prefix):] for path in paths if path.startswith(prefix)]
+        return paths[:MEMORY_FILES], len(paths), None
+    if "submitted_files" in facts:
+        before = facts.get("files_before_task")
+        return facts["submitted_files"][:MEMORY_FILES], facts["submitted_files_count"], \
+            "%d file%s already changed before the task began %s left out" % (
+                before, "" if before == 1 else "s", "is" if before == 1 else "are") \
+            if before else None
     if data is not None and data.task_id == facts["id"] and store.task is None:
         with contextlib.suppress(GitUnavailable, GitError, FerrusError):
             diff = task_diff(task_git_site(store), data.task_base, task_diff_exclusions(store),
                              patch=False)
-            return [changed.path for changed in diff.files][:MEMORY_FILES]
-    return []
+            paths = [changed.path for changed in diff.files]
+            return paths[:MEMORY_FILES], len(paths), (
+                "from the working tree when the record was written (its submit entry names "
+                "no files): changes made before the task began or since it ended are "
+                "included")
+    return [], 0, None
 
 
 def memory_build_record(store, facts, outcome, ended_at):
@@ -414,6 +433,7 @@ def memory_build_record(store, facts, outcome, ended_at):
     if not reason and outcome == "failed" and facts.get("checks_failed"):
         reason = "checks failed: " + ", ".join(facts["checks_failed"])
     origin = record.get("origin") or {}
+    files, files_count, files_note = _memory_changed_files(store, facts, record, data)
     return {
         "id": task, "kind": "task", "title": _memory_cut(title, 300), "outcome": outcome,
         "reason": reason or None,
@@ -423,7 +443,7 @@ def memory_build_record(store, facts, outcome, ended_at):
         "ended_at": ended_at or record.get("ended_at"),
         "description": _memory_cut(description, MEMORY_DESCRIPTION_CHARS),
         "submissions": submissions, "reviews": reviews,
-        "files": _memory_changed_files(store, facts, record, data),
+        "files": files, "files_count": files_count, "files_note": files_note,
         "commit": record.get("merged_commit") or facts.get("commit"),
         "retried": facts.get("retried") or 0,
     }
@@ -863,6 +883,11 @@ def memory_render_record(record):
     lines += ["%s: %s" % (name, value) for name, value in facts if value]
     if record.get("files"):
         lines += ["", "## Files changed", ""] + ["- %s" % path for path in record["files"]]
+        more = (record.get("files_count") or 0) - len(record["files"])
+        if more > 0:
+            lines.append("- … and %d more (a record keeps %d)" % (more, MEMORY_FILES))
+    if record.get("files_note"):
+        lines.append("(%s)" % record["files_note"])
     if record.get("milestones"):
         lines += ["", "## Milestones", ""] + ["- %s" % item for item in record["milestones"]]
     if record.get("outcome_text"):

@@ -74,11 +74,12 @@ def memory_record_problem(record):
         if not isinstance(record.get(key), str):
             return "its %s is not text" % key
     for key in ("reason", "spec", "milestone", "started_at", "ended_at", "description",
-                "commit", "outcome_text"):
+                "commit", "outcome_text", "files_note"):
         if not isinstance(record.get(key), text):
             return "its %s is not text" % key
-    if not isinstance(record.get("retried", 0), int):
-        return "its retried is not a number"
+    for key in ("retried", "files_count"):
+        if not isinstance(record.get(key) or 0, int):
+            return "its %s is not a number" % key
     items = {"submissions": ("summary", "time", "commit"),
              "reviews": ("verdict", "notes", "time", "by", "cause")}
     for key, fields in items.items():
