@@ -13191,15 +13191,28 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
             facts["commit"] = detail["commit"]
     elif event == "retry_task":
         facts["retried"] = (facts.get("retried") or 0) + 1
-        for key in ("outcome", "reason", "checks_failed"):     # the failed attempt's
+        for key in ("outcome", "reason", "checks_failed", "approved"):  # the last attempt's
             facts.pop(key, None)
+        ends.append((task, "retried", time_))     # its record says so until it ends again
+        return
     if event in _MEMORY_QUEUE_ENDS:
-        if isinstance(detail.get("reason"), str):
-            facts["reason"] = _memory_cut(detail["reason"], 500)
-        ends.append((task, _MEMORY_QUEUE_ENDS[event], time_))
+        outcome = _MEMORY_QUEUE_ENDS[event]
+        reason = _memory_cut(detail["reason"], 500) if isinstance(detail.get("reason"), str) \
+            else None
+        if outcome in ("failed", "cancelled") and facts.get("approved"):
+            # Its work was approved (the task reached Complete): what the queue did with
+            # the task afterwards does not undo that.
+            reason = "approved; the queue then marked the task %s%s" % (
+                outcome, ": " + reason if reason else "")
+            outcome = "complete"
+        if reason:
+            facts["reason"] = reason
+        ends.append((task, outcome, time_))
     elif entry.get("to") != entry.get("from") and entry.get("to") in (
-            S.COMPLETE.value, S.FAILED.value) and not facts.get("queued_at"):
-        # The project's own task (a queue task ends with one of the task_* events).
+            S.COMPLETE.value, S.FAILED.value):
+        # The task's own end (a queue task's task_* entry, when there is one, follows and
+        # says what the queue made of it).
+        facts["approved"] = entry["to"] == S.COMPLETE.value
         ends.append((task, "complete" if entry["to"] == S.COMPLETE.value else "failed",
                      time_))
 
@@ -13568,10 +13581,15 @@ def _memory_sync(store, connection):
                     int(_memory_meta(connection, "last_seq", "0")) + 1, first - 1)
             for task, outcome, ended_at in ends:
                 facts = facts_cache[task]
-                facts["outcome"] = outcome
+                if outcome != "retried":               # running again: followed as such
+                    facts["outcome"] = outcome
                 record = memory_build_record(store, facts, outcome, ended_at)
                 old = connection.execute("SELECT json FROM records WHERE id = ?",
                                          (task,)).fetchone()
+                if outcome == "retried":
+                    before = _memory_json(old[0]).get("outcome") if old else None
+                    record["reason"] = "retried%s; it has not ended again yet" % (
+                        " after it was %s" % before if before else "")
                 record = _memory_merge(_memory_json(old[0]) if old else None, record)
                 _memory_write_record_file(memory_records_dir(store), record)
                 _memory_store_record(connection, record, backend)

@@ -223,6 +223,64 @@ def test_a_queue_task_that_failed_integration_and_was_retried_keeps_one_record(s
     assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 1
 
 
+def test_a_tasks_record_follows_it_to_its_final_outcome(store):
+    """A queue task approved by a human reaches Complete: its record says so, and a
+    failure the queue records afterwards does not undo the approval; a task cancelled,
+    retried and approved says it was retried while it runs again, then how it ended."""
+    approved, retried = "t-20260301T000000-aaaa01", "t-20260301T000000-aaaa02"
+    seq = iter(range(1, 100))
+
+    def entry(task, event, detail=None, **more):
+        number = next(seq)
+        return dict({"seq": number, "event": event, "task_id": task, "detail": detail or {},
+                     "time": "2026-03-01T00:%02d:00Z" % number}, **more)
+
+    def journal(*entries):
+        with open(store.journal_path(), "a") as handle:
+            handle.write("".join(json.dumps(item) + "\n" for item in entries))
+        ferrus.memory_sync(store)
+
+    def record(task):
+        shown = ferrus.op_memory_show(store, ferrus.HUMAN, task).data["record"]
+        with open(os.path.join(ferrus.memory_records_dir(store), task + ".json")) as handle:
+            assert json.load(handle)["outcome"] == shown["outcome"]
+        return shown
+
+    journal(entry(approved, "enqueue_task", {"title": "Approve me by hand"}),
+            entry(approved, "create_task", {}, **{"from": "Idle", "to": "Executing"}),
+            entry(approved, "submit", {"n": 1, "text": "Done it."},
+                  **{"from": "Executing", "to": "Reviewing"}),
+            entry(approved, "approve", {}, **{"from": "Reviewing",
+                                              "to": "AwaitingConfirmation"}),
+            entry(approved, "human_approve", {}, **{"from": "AwaitingConfirmation",
+                                                    "to": "Complete"}))
+    assert record(approved)["outcome"] == "complete"
+    journal(entry(approved, "task_failed", {"reason": "the checkout holds another task"}))
+    after = record(approved)
+    assert after["outcome"] == "complete"
+    assert after["reason"] == ("approved; the queue then marked the task failed: the "
+                               "checkout holds another task")
+
+    journal(entry(retried, "enqueue_task", {"title": "Cancel me, then retry"}),
+            entry(retried, "create_task", {}, **{"from": "Idle", "to": "Executing"}),
+            entry(retried, "cancel_task", {"reason": "not now"}))
+    assert record(retried)["outcome"] == "cancelled"
+    journal(entry(retried, "retry_task"))
+    running = record(retried)
+    assert running["outcome"] == "retried" and running["retried"] == 1
+    assert running["reason"] == "retried after it was cancelled; it has not ended again yet"
+    journal(entry(retried, "create_task", {}, **{"from": "Idle", "to": "Executing"}),
+            entry(retried, "submit", {"n": 1, "text": "Now done."},
+                  **{"from": "Executing", "to": "Reviewing"}),
+            entry(retried, "approve", {}, **{"from": "Reviewing", "to": "AwaitingConfirmation"}),
+            entry(retried, "human_approve", {}, **{"from": "AwaitingConfirmation",
+                                                   "to": "Complete"}))
+    assert record(retried)["outcome"] == "complete" and record(retried)["reason"] is None
+    journal(entry(retried, "task_done"))
+    assert record(retried)["outcome"] == "done"
+    assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 2
+
+
 # -- sources, durability ---------------------------------------------------------------------------
 
 def test_records_outlive_the_journals_rotation_and_a_lost_database(project, store):
