@@ -12350,12 +12350,13 @@ def graph_status(view):
 
 # -- operations (CLI, MCP) ----------------------------------------------------------------------
 
-def graph_page_bounds(limit, offset, default):
+def graph_page_bounds(limit, offset, default, names=("limit", "offset")):
     """(limit, offset) of a paged query: ``limit`` 1..GRAPH_PAGE_MAX (default ``default``),
-    ``offset`` from 0; FerrusError for what is not."""
+    ``offset`` from 0; FerrusError for what is not, naming it as ``names`` (the CLI's
+    -n and --offset)."""
     limit = default if limit is None else limit
     offset = 0 if offset is None else offset
-    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
+    for name, value, low in ((names[0], limit, 1), (names[1], offset, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise FerrusError("%s must be a whole number of at least %d, not %r"
                               % (name, low, value), "leave it out for the default")
@@ -12691,6 +12692,8 @@ def cmd_graph(args, root):
     if getattr(args, "task", None):
         store = task_store_of(store, require_task_id(store, args.task))
     command = args.graph_command
+    if command in ("search", "show", "context"):
+        graph_page_bounds(args.n, args.offset, 1, names=("-n", "--offset"))
     if command == "index":
         outcome = op_graph_index(store, HUMAN, full=args.full)
     elif command == "status":

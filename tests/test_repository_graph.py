@@ -596,6 +596,10 @@ def test_the_graph_commands(indexed, monkeypatch):
     assert code == 0 and "Languages:" in out and "typescript" in out
     code, out = run_graph_cli(store.root, "graph", "index", "--json")
     assert code == 0 and json.loads(out)["report"]["extracted"] == 0
+    with pytest.raises(ferrus.FerrusError, match="^-n must be a whole number of at least 1"):
+        run_graph_cli(store.root, "graph", "search", "GoStruct9", "-n", "0")
+    with pytest.raises(ferrus.FerrusError, match="^--offset must be a whole number"):
+        run_graph_cli(store.root, "graph", "context", "ts/mod_1.ts", "--offset", "-1")
 
 
 def test_the_mcp_tools_are_flat_read_only_and_answer_valid_structured_content(indexed):
