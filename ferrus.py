@@ -9408,8 +9408,10 @@ def _record_submission(store, caller, summary):
         [_project_relative(store, path) for path in changed], extra)}
 
 
-# The submit entry of the project's own task names at most this many changed paths.
+# The submit entry of the project's own task names at most this many changed paths, in
+# at most this many characters (a journal entry stays small whatever the tree holds).
 SUBMIT_FILES_JOURNALED = 500
+SUBMIT_FILES_CHARS = 16 * 1024
 
 
 def _checkout_submitted_files(store):
@@ -9431,7 +9433,13 @@ def _checkout_submitted_files(store):
     before = set(base.get("dirty") or [])
     folders = tuple(path for path in before if path.endswith("/"))   # an untracked folder
     files = [path for path in paths if path not in before and not path.startswith(folders)]
-    return {"files": files[:SUBMIT_FILES_JOURNALED], "files_count": len(files),
+    kept, size = [], 0
+    for path in files[:SUBMIT_FILES_JOURNALED]:
+        size += len(path) + 4
+        if size > SUBMIT_FILES_CHARS:
+            break
+        kept.append(path)
+    return {"files": kept, "files_count": len(files),
             "files_before_task": len(paths) - len(files)}
 
 
@@ -13797,7 +13805,7 @@ def memory_render_record(record):
         lines += ["", "## Files changed", ""] + ["- %s" % path for path in record["files"]]
         more = (record.get("files_count") or 0) - len(record["files"])
         if more > 0:
-            lines.append("- … and %d more (a record keeps %d)" % (more, MEMORY_FILES))
+            lines.append("- … and %d more (the list is cut)" % more)
     if record.get("files_note"):
         lines.append("(%s)" % record["files_note"])
     if record.get("milestones"):

@@ -437,7 +437,7 @@ def test_a_checkout_tasks_files_are_what_it_submitted_not_the_users_edits(projec
     assert record.data["record"]["outcome"] == "complete"
     assert record.data["record"]["files"] == ["farewell.txt", "greeting.txt", "welcome.txt"]
     assert record.data["record"]["files_count"] == 4
-    assert "- … and 1 more (a record keeps 3)" in record.text
+    assert "- … and 1 more (the list is cut)" in record.text
     assert "(1 file already changed before the task began is left out)" in record.text
 
 

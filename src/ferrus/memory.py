@@ -903,7 +903,7 @@ def memory_render_record(record):
         lines += ["", "## Files changed", ""] + ["- %s" % path for path in record["files"]]
         more = (record.get("files_count") or 0) - len(record["files"])
         if more > 0:
-            lines.append("- … and %d more (a record keeps %d)" % (more, MEMORY_FILES))
+            lines.append("- … and %d more (the list is cut)" % more)
     if record.get("files_note"):
         lines.append("(%s)" % record["files_note"])
     if record.get("milestones"):
