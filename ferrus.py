@@ -12859,10 +12859,16 @@ def memory_record_problem(record):
     if not isinstance(files, list) or not all(isinstance(path, str) for path in files):
         return "its files are not a list of paths"
     for path in files:
-        parts = path.replace("\\", "/").split("/")
-        if not path or path.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        if not memory_path_inside(path):
             return "its file %r is not a path inside the project" % path[:80]
     return None
+
+
+def memory_path_inside(path):
+    """Whether ``path`` is a relative path that stays inside the project."""
+    parts = path.replace("\\", "/").split("/")
+    return bool(path) and not path.startswith(("/", "\\")) and ".." not in parts and \
+        ":" not in parts[0]
 
 
 def _memory_read_record_files(folder):
@@ -12924,7 +12930,7 @@ def _memory_line(text, limit):
 
 
 # ============================================================================
-# src/ferrus/memory.py (from its line 45)
+# src/ferrus/memory.py (from its line 46)
 # ============================================================================
 # Project memory: records of ended tasks and specs, their search, `spec archive`.
 #
@@ -13172,7 +13178,8 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
         files = detail.get("files")
         if isinstance(files, list) and isinstance(detail.get("files_count"), int):
             # The project's own task: what its reviewer was shown it changed.
-            facts["submitted_files"] = [path for path in files if isinstance(path, str)]
+            facts["submitted_files"] = [path for path in files if isinstance(path, str)
+                                        and memory_path_inside(path)]
             facts["submitted_files_count"] = detail["files_count"]
             facts["files_before_task"] = detail.get("files_before_task") or 0
     elif event in ("reject", "human_reject", "integration_failed"):
@@ -13598,9 +13605,11 @@ def _memory_sync(store, connection):
                 old = connection.execute("SELECT json FROM records WHERE id = ?",
                                          (task,)).fetchone()
                 if outcome == "retried":
-                    before = _memory_json(old[0]).get("outcome") if old else None
-                    record["reason"] = "retried%s; it has not ended again yet" % (
-                        " after it was %s" % before if before else "")
+                    last = _memory_json(old[0]) if old else {}
+                    before = last.get("outcome")
+                    record["reason"] = last.get("reason") if before == "retried" else \
+                        "retried%s; it has not ended again yet" % (
+                            " after it was %s" % before if before else "")
                 record = _memory_merge(_memory_json(old[0]) if old else None, record)
                 _memory_write_record_file(memory_records_dir(store), record)
                 _memory_store_record(connection, record, backend)

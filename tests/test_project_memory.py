@@ -281,6 +281,24 @@ def test_a_tasks_record_follows_it_to_its_final_outcome(store):
     assert ferrus.op_memory_status(store, ferrus.HUMAN).data["records"] == 2
 
 
+def test_a_submit_entry_naming_paths_out_of_the_project_does_not_put_them_in_memory(store):
+    task = "t-20260301T000000-aaaa03"
+    entries = [
+        {"seq": 1, "event": "create_task", "task_id": task, "from": "Idle", "to": "Executing",
+         "time": "2026-03-01T00:00:00Z", "detail": {"title": "Planted"}},
+        {"seq": 2, "event": "submit", "task_id": task, "from": "Executing", "to": "Reviewing",
+         "time": "2026-03-01T00:01:00Z",
+         "detail": {"n": 1, "text": "x", "files_count": 3,
+                    "files": ["../../etc/passwd", "/etc/shadow", "app.py"]}},
+        {"seq": 3, "event": "approve", "task_id": task, "from": "Reviewing", "to": "Complete",
+         "time": "2026-03-01T00:02:00Z", "detail": {}}]
+    with open(store.journal_path(), "w") as handle:
+        handle.write("".join(json.dumps(entry) + "\n" for entry in entries))
+    ferrus.memory_sync(store)
+    assert ferrus.op_memory_show(store, ferrus.HUMAN, task).data["record"]["files"] == \
+        ["app.py"]
+
+
 # -- sources, durability ---------------------------------------------------------------------------
 
 def test_records_outlive_the_journals_rotation_and_a_lost_database(project, store):
@@ -612,6 +630,16 @@ def test_the_memory_and_spec_commands(project, store):
     code, out = run_in_process(project, "spec", "archive", created.data["path"],
                                "--outcome-file", outcome_file)
     assert code == 0 and "Archived" in out
+
+
+def test_the_commands_print_stored_text_with_controls_made_visible(project, store):
+    write_records(store, [dict(RECORDS[0], title="Lease \x1b]0;owned\x07 \x1b[2Jheartbeat",
+                               reviews=[{"verdict": "rejected", "notes": "No \x1b[31mred\x9b"}])])
+    for argv in (["memory", "search", "lease"], ["memory", "show", "aaaaaa"]):
+        result = run_cli(*argv, cwd=project)
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout, argv
+        assert "\x9b" not in result.stdout and "^[[2Jheartbeat" in result.stdout, argv
 
 
 def test_the_commands_refuse_bad_input_with_a_hint(project, store):

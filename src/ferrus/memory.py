@@ -38,7 +38,8 @@ from .operations import (HUMAN, Outcome, Param, ROLES, Tool, op_clear_selection,
 from .task_queue import task_records
 from .memory_records import (MEMORY_LIST_ENTRIES, _MEMORY_ID_RE, _MEMORY_KEPT,
                              _memory_json, _memory_key_note, _memory_line, _memory_merge,
-                             _memory_read_record_files, _memory_write_record_file)
+                             _memory_read_record_files, _memory_write_record_file,
+                             memory_path_inside)
 
 
 
@@ -270,7 +271,8 @@ def memory_apply_entry(facts_of, entry, ends, foreground):
         files = detail.get("files")
         if isinstance(files, list) and isinstance(detail.get("files_count"), int):
             # The project's own task: what its reviewer was shown it changed.
-            facts["submitted_files"] = [path for path in files if isinstance(path, str)]
+            facts["submitted_files"] = [path for path in files if isinstance(path, str)
+                                        and memory_path_inside(path)]
             facts["submitted_files_count"] = detail["files_count"]
             facts["files_before_task"] = detail.get("files_before_task") or 0
     elif event in ("reject", "human_reject", "integration_failed"):
@@ -696,9 +698,11 @@ def _memory_sync(store, connection):
                 old = connection.execute("SELECT json FROM records WHERE id = ?",
                                          (task,)).fetchone()
                 if outcome == "retried":
-                    before = _memory_json(old[0]).get("outcome") if old else None
-                    record["reason"] = "retried%s; it has not ended again yet" % (
-                        " after it was %s" % before if before else "")
+                    last = _memory_json(old[0]) if old else {}
+                    before = last.get("outcome")
+                    record["reason"] = last.get("reason") if before == "retried" else \
+                        "retried%s; it has not ended again yet" % (
+                            " after it was %s" % before if before else "")
                 record = _memory_merge(_memory_json(old[0]) if old else None, record)
                 _memory_write_record_file(memory_records_dir(store), record)
                 _memory_store_record(connection, record, backend)

@@ -93,10 +93,16 @@ def memory_record_problem(record):
     if not isinstance(files, list) or not all(isinstance(path, str) for path in files):
         return "its files are not a list of paths"
     for path in files:
-        parts = path.replace("\\", "/").split("/")
-        if not path or path.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        if not memory_path_inside(path):
             return "its file %r is not a path inside the project" % path[:80]
     return None
+
+
+def memory_path_inside(path):
+    """Whether ``path`` is a relative path that stays inside the project."""
+    parts = path.replace("\\", "/").split("/")
+    return bool(path) and not path.startswith(("/", "\\")) and ".." not in parts and \
+        ":" not in parts[0]
 
 
 def _memory_read_record_files(folder):
