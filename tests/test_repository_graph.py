@@ -482,6 +482,34 @@ def test_two_indexers_at_once_store_each_file_once(tmp_path, monkeypatch):
             ("alpha", "a.py"), ("beta", "b.py")]
 
 
+def test_lines_are_counted_as_editors_count_them_and_counts_are_worded(tmp_path):
+    root = tmp_path / "lines"
+    root.mkdir()
+    (root / "two.py").write_text("def two():\n    pass\n")
+    (root / "open_end.py").write_text("def open_end():\n    pass")
+    (root / "one.py").write_text("X = 1\n")
+    (root / "empty.py").write_text("")
+    (root / "crlf.py").write_bytes(b"def crlf():\r\n    pass\r\n")
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("SECRET = 1\n")
+    os.symlink(str(outside), str(root / "out.py"))
+    ferrus.init_project(str(root), report=lambda message: None)
+    store = ferrus.Store(str(root))
+    ferrus.graph_index(store)
+    lines = {name: ferrus.op_graph_show(store, ferrus.HUMAN, name).data["file"]["lines"]
+             for name in ("two.py", "open_end.py", "one.py", "empty.py", "crlf.py")}
+    assert lines == {"two.py": 2, "open_end.py": 2, "one.py": 1, "empty.py": 0, "crlf.py": 2}
+    assert ferrus.op_graph_show(store, ferrus.HUMAN, "two.py").text.startswith(
+        "two.py — python, 2 lines")
+    assert ferrus.op_graph_show(store, ferrus.HUMAN, "one.py").text.startswith(
+        "one.py — python, 1 line\n")
+    context = ferrus.op_graph_context(store, ferrus.HUMAN, "two.py").data
+    assert '"lines": 2' in json.dumps(context)
+    said = ferrus.op_graph_index(store, ferrus.HUMAN, full=True).text
+    assert "Skipped: 1 link out of the tree." in said
+    assert "1 link out of the tree" in ferrus.op_graph_status(store, ferrus.HUMAN).text
+
+
 def test_without_git_the_tree_is_walked_and_special_files_are_skipped(tmp_path):
     root = tmp_path / "plain"
     root.mkdir()
@@ -568,6 +596,10 @@ def test_the_graph_commands(indexed, monkeypatch):
     assert code == 0 and "Languages:" in out and "typescript" in out
     code, out = run_graph_cli(store.root, "graph", "index", "--json")
     assert code == 0 and json.loads(out)["report"]["extracted"] == 0
+    with pytest.raises(ferrus.FerrusError, match="^-n must be a whole number of at least 1"):
+        run_graph_cli(store.root, "graph", "search", "GoStruct9", "-n", "0")
+    with pytest.raises(ferrus.FerrusError, match="^--offset must be a whole number"):
+        run_graph_cli(store.root, "graph", "context", "ts/mod_1.ts", "--offset", "-1")
 
 
 def test_the_mcp_tools_are_flat_read_only_and_answer_valid_structured_content(indexed):

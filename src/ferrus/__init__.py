@@ -41,6 +41,7 @@ MODULES = (
     "task_queue",
     "graph_extract",
     "graph",
+    "memory_records",
     "memory",
     "remote",
     "jsonrpc",

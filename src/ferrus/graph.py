@@ -35,14 +35,15 @@ from .git import GitError, GitUnavailable, git_repository, run_git, task_diff
 from .operations import (HUMAN, Outcome, Param, ROLES, Tool, task_diff_exclusions,
                          task_git_site)
 from .task_queue import queued_task_ids, require_task_id, task_store_of
-from .graph_extract import GRAPH_LINE_CHARS, graph_decode, graph_extract, graph_language
+from .graph_extract import (GRAPH_LINE_CHARS, graph_decode, graph_extract, graph_language,
+                            graph_line_count)
 
 
 
 GRAPH_DIR = "graph"                        # in .ferrus/
 GRAPH_DB_FILE = "repo-graph.db"
 GRAPH_OVERLAY_DIR = "overlays"             # in .ferrus/graph/: one database per task
-GRAPH_SCHEMA_VERSION = 1
+GRAPH_SCHEMA_VERSION = 2                  # 2: a file's lines counted as editors count them
 # A file larger than this is listed as "huge" and never read.
 GRAPH_MAX_FILE_BYTES = 1 << 20
 # At most this many files are listed; the rest are counted and left out.
@@ -331,7 +332,7 @@ def graph_index_files(connection, root, paths, full=False, remove_missing=True,
                 "INSERT INTO files (path, lang, status, note, size, mtime_ns, hashed_ns, hash, "
                 "lines, module) VALUES (?, ?, 'indexed', ?, ?, ?, ?, ?, ?, ?)",
                 (path, lang, note or None, info.st_size, info.st_mtime_ns, hashed, digest,
-                 text.count("\n") + 1, facts.module))
+                 graph_line_count(text), facts.module))
             _graph_insert_facts(connection, path, facts)
             extracted.append(path)
         if remove_missing:
@@ -990,12 +991,13 @@ def graph_status(view):
 
 # -- operations (CLI, MCP) ----------------------------------------------------------------------
 
-def graph_page_bounds(limit, offset, default):
+def graph_page_bounds(limit, offset, default, names=("limit", "offset")):
     """(limit, offset) of a paged query: ``limit`` 1..GRAPH_PAGE_MAX (default ``default``),
-    ``offset`` from 0; FerrusError for what is not."""
+    ``offset`` from 0; FerrusError for what is not, naming it as ``names`` (the CLI's
+    -n and --offset)."""
     limit = default if limit is None else limit
     offset = 0 if offset is None else offset
-    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
+    for name, value, low in ((names[0], limit, 1), (names[1], offset, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise FerrusError("%s must be a whole number of at least %d, not %r"
                               % (name, low, value), "leave it out for the default")
@@ -1057,8 +1059,7 @@ def op_graph_index(store, caller, full=False):
     and the overlay of ``store``'s task when it works in a worktree."""
     store.require()
     report = graph_index(store, full=full)
-    skipped = ", ".join("%d %s" % (count, _GRAPH_SKIP_WORDS.get(status, status))
-                        for status, count in sorted(report.skipped.items()))
+    skipped = _graph_skipped(report.skipped)
     text = ("Indexed %d files in %.2f s (%d read, %d extracted, %d removed): %d "
             "definitions." % (report.files, report.seconds, report.read, report.extracted,
                               report.removed, report.symbols))
@@ -1080,9 +1081,18 @@ def op_graph_index(store, caller, full=False):
     return Outcome(text, data)
 
 
-_GRAPH_SKIP_WORDS = {"binary": "binary", "huge": "over the size limit",
-                     "outside": "links out of the tree", "link": "symbolic links",
-                     "special": "special files", "unreadable": "unreadable"}
+_GRAPH_SKIP_WORDS = {"binary": ("binary", "binary"),
+                     "huge": ("over the size limit", "over the size limit"),
+                     "outside": ("link out of the tree", "links out of the tree"),
+                     "link": ("symbolic link", "symbolic links"),
+                     "special": ("special file", "special files"),
+                     "unreadable": ("unreadable", "unreadable")}
+
+
+def _graph_skipped(counts):
+    """``3 binary, 1 link out of the tree`` of {status: count}."""
+    return ", ".join("%d %s" % (count, _GRAPH_SKIP_WORDS.get(status, (status, status))[
+        count != 1]) for status, count in sorted(counts.items()))
 
 
 def op_graph_status(store, caller):
@@ -1105,9 +1115,7 @@ def op_graph_status(store, caller):
             "definitions, %d imports, %d calls." % (
                 status["database"], status["indexed_at"] or "?", status["files"],
                 status["files_by_status"].get("indexed", 0),
-                "; skipped: " + ", ".join("%d %s" % (count, _GRAPH_SKIP_WORDS.get(key, key))
-                                          for key, count in sorted(skipped.items()))
-                if skipped else "", status["symbols"], status["imports"], status["calls"]))
+                "; skipped: " + _graph_skipped(skipped) if skipped else "", status["symbols"], status["imports"], status["calls"]))
     if status["languages"]:
         text += "\nLanguages: " + ", ".join("%s %d" % item for item in
                                             sorted(status["languages"].items()) if item[0])
@@ -1191,8 +1199,9 @@ def op_graph_show(store, caller, target, limit=None, offset=None):
             if offset == 0:
                 items += [dict(item, relation="imports") for item in graph_imports_of(view,
                                                                                       path)]
-            head = "%s — %s, %s%s" % (path, info["lang"], "%s lines" % info["lines"]
-                                       if info["lines"] else info["status"],
+            head = "%s — %s, %s%s" % (path, info["lang"], "%d line%s" % (
+                info["lines"], "" if info["lines"] == 1 else "s")
+                                       if info["lines"] is not None else info["status"],
                                        " (%s)" % info["note"] if info["note"] else "")
             page = items[offset:offset + limit]
             text, shown, following = _graph_render(head, page, offset,
@@ -1324,6 +1333,8 @@ def cmd_graph(args, root):
     if getattr(args, "task", None):
         store = task_store_of(store, require_task_id(store, args.task))
     command = args.graph_command
+    if command in ("search", "show", "context"):
+        graph_page_bounds(args.n, args.offset, 1, names=("-n", "--offset"))
     if command == "index":
         outcome = op_graph_index(store, HUMAN, full=args.full)
     elif command == "status":

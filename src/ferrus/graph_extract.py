@@ -86,6 +86,12 @@ def _graph_newlines(text):
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def graph_line_count(text):
+    """The lines of ``text`` as editors count them: a final newline ends the last line,
+    it does not start one (an empty file has none)."""
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
 def _graph_signature(line):
     line = line.strip()
     line = re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", line)

@@ -283,6 +283,7 @@ GATE_TEXTS = {
 def _gate_operation(store, caller, action, content=None):
     """check and submit: run the gate unlocked, then apply its result in a transaction."""
     submitted = _record_submission(store, caller, content) if action == "submit" else None
+    changed = _checkout_submitted_files(store) if action == "submit" else {}
     snapshot, run, config = _run_gate(store, caller, action)
     limits = config.limits
     passed = run is None or run.passed
@@ -292,7 +293,7 @@ def _gate_operation(store, caller, action, content=None):
         log_path = run.log_path if run else None
         if passed and action == "submit":
             tx.write("SUBMISSION.md", content)
-            detail = {"log": log_path, "text": journal_text(content)}
+            detail = {"log": log_path, "text": journal_text(content), **changed}
             if submitted is not None:
                 left_out = submitted.pop("left_out", [])
                 if left_out:
@@ -355,6 +356,41 @@ def _record_submission(store, caller, summary):
         extra = []
     return {"commit": commit, "base": base, "left_out": left_out, "guarded": guarded_paths(
         [_project_relative(store, path) for path in changed], extra)}
+
+
+# The submit entry of the project's own task names at most this many changed paths, in
+# at most this many characters (a journal entry stays small whatever the tree holds).
+SUBMIT_FILES_JOURNALED = 500
+SUBMIT_FILES_CHARS = 16 * 1024
+
+
+def _checkout_submitted_files(store):
+    """What the project's own task had changed when it submitted — the paths of the diff
+    its reviewer is shown (the working tree against the task's base), less those already
+    changed before the task began — as the submit entry's ``files`` (project memory
+    records them); {} for a parallel task (its commit says) or without git."""
+    if store.task is not None:
+        return {}
+    data = store.read_state()
+    base = data.task_base or {}
+    if not data.task_id or not base.get("git"):
+        return {}
+    try:
+        paths = [changed.path for changed in task_diff(
+            task_git_site(store), base, task_diff_exclusions(store), patch=False).files]
+    except FerrusError:
+        return {}
+    before = set(base.get("dirty") or [])
+    folders = tuple(path for path in before if path.endswith("/"))   # an untracked folder
+    files = [path for path in paths if path not in before and not path.startswith(folders)]
+    kept, size = [], 0
+    for path in files[:SUBMIT_FILES_JOURNALED]:
+        size += len(path) + 4
+        if size > SUBMIT_FILES_CHARS:
+            break
+        kept.append(path)
+    return {"files": kept, "files_count": len(files),
+            "files_before_task": len(paths) - len(files)}
 
 
 def left_out_note(paths):
