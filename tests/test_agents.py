@@ -349,8 +349,8 @@ def test_a_mistyped_agent_name_gets_the_closest_known_one(project):
     result = run_cli("register", "--supervisor", "claud", "--executor", "codex", cwd=project)
     assert result.returncode == 1
     assert "Unknown agent 'claud'. Supported values: \"claude-code\", \"codex\", " \
-        "\"qwen-code\", \"gemini-cli\" (or \"claude\", \"qwen\", \"gemini\" for short)" \
-        in result.stderr
+        "\"qwen-code\", \"gemini-cli\", \"nano\", \"opencode\", \"goose\" (or \"claude\", " \
+        "\"qwen\", \"gemini\" for short)" in result.stderr
     assert 'hint: did you mean "claude"? Otherwise describe it under [agents.custom.<name>]' \
         in result.stderr
     far = run_cli("register", "--supervisor", "zzz", "--executor", "codex", cwd=project)

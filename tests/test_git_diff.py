@@ -228,6 +228,8 @@ def test_a_task_the_merge_queue_sent_back_diffs_against_the_target_head(git_proj
     sent_back = [e for e in store.read_journal() if e["event"] == "integration_failed"]
     main_head = ferrus.target_head(str(git_project), "main")
     assert sent_back and all(e["detail"]["onto"] == main_head[:12] for e in sent_back)
+    # Each entry carries the notes the executor was given (REVIEW.md holds the last).
+    assert sent_back[-1]["detail"]["text"] == task_store.read_file("REVIEW.md").strip()
     assert task_store.read_state().task_base["commit"] == main_head
 
 

@@ -522,8 +522,13 @@ def test_a_task_runs_to_complete_with_its_agents_confined(visible):
     os.makedirs(memory)
     os.makedirs(home)
     store = ferrus.Store(root)
+    # Under `make coverage` every Python process the test starts writes its data file to
+    # the checkout's .coverage-data/, the sandboxed agents' too.
+    measured = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            ".coverage-data")
     task_sandbox = ferrus.AgentSandbox(
-        ferrus.SandboxConfig(enabled=True, writable=[memory]), root,
+        ferrus.SandboxConfig(enabled=True, writable=[memory] + (
+            [measured] if os.path.isdir(measured) else [])), root,
         os.path.join(root, ".ferrus", "sandbox"), repository=root, home=home, tool=tool,
         root=root)
 
