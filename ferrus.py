@@ -25949,6 +25949,10 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                 if torn:
                     self.note("finished task %s: %s" % (short_task_id(task), torn), "warning",
                               task_id=task)
+                # Its review checkout too (detached, so not among the task worktrees).
+                with contextlib.suppress(FerrusError, OSError):
+                    remove_review_checkout(self.store.root, row.get("path") or
+                                           record.get("worktree"))
                 try:
                     remove_task_worktree(self.store.root, row.get("path") or
                                          record.get("worktree"), row["branch"])
