@@ -8154,6 +8154,13 @@ class Outcome:
     text: str
     data: dict
 
+    def print(self, as_json):
+        """Print it on the CLI: its data as JSON for programs (`--json`), else its text."""
+        if as_json:
+            print(json_for_terminal(compact_json(self.data)))
+        else:
+            say(self.text)
+
 
 def _outcome(text, state, **data):
     data.setdefault("message", text)
@@ -11415,7 +11422,7 @@ _GRAPH_LEXERS = {"javascript": _graph_javascript, "typescript": _graph_javascrip
 
 
 # ============================================================================
-# src/ferrus/graph.py (from its line 43)
+# src/ferrus/graph.py (from its line 42)
 # ============================================================================
 # The repository graph: definitions, imports and calls, its cache and its queries.
 #
@@ -12749,10 +12756,7 @@ def cmd_graph(args, root):
             target = _graph_cli_path(store, target)
         run = op_graph_show if command == "show" else op_graph_context
         outcome = run(store, HUMAN, target, args.n, args.offset)
-    if args.json:
-        print(json_for_terminal(compact_json(outcome.data)))
-    else:
-        say(outcome.text)
+    outcome.print(args.json)
     return 0
 
 
@@ -14283,10 +14287,7 @@ def cmd_memory(args, root):
         outcome = op_memory_rebuild(store, HUMAN)
     else:
         outcome = op_memory_status(store, HUMAN)
-    if args.json:
-        print(json_for_terminal(compact_json(outcome.data)))
-    else:
-        say(outcome.text)
+    outcome.print(args.json)
     return 0
 
 

@@ -27,8 +27,7 @@ import stat
 import threading
 import time
 
-from .basics import (FerrusError, compact_json, deferred_dataclass, format_timestamp,
-                     json_for_terminal, log, say, utc_now)
+from .basics import FerrusError, deferred_dataclass, format_timestamp, log, utc_now
 from .system import UnsafePath, import_sqlite3, open_inside
 from .store import ENDED_STATUSES, FERRUS_DIR, Store, load_task_record
 from .git import GitError, GitUnavailable, git_repository, run_git, task_diff
@@ -1352,10 +1351,7 @@ def cmd_graph(args, root):
             target = _graph_cli_path(store, target)
         run = op_graph_show if command == "show" else op_graph_context
         outcome = run(store, HUMAN, target, args.n, args.offset)
-    if args.json:
-        print(json_for_terminal(compact_json(outcome.data)))
-    else:
-        say(outcome.text)
+    outcome.print(args.json)
     return 0
 
 

@@ -24,8 +24,8 @@ import re
 import sys
 import threading
 
-from .basics import (FerrusError, UsageError, compact_json, format_timestamp,
-                     json_for_terminal, log, say, terminal_safe, utc_now)
+from .basics import (FerrusError, UsageError, compact_json, format_timestamp, log, say,
+                     terminal_safe, utc_now)
 from .system import (SqliteMissing, UnsafePath, atomic_write, import_sqlite3, open_inside,
                      read_text)
 from .task_machine import ACTIVE_STATES, S
@@ -1346,10 +1346,7 @@ def cmd_memory(args, root):
         outcome = op_memory_rebuild(store, HUMAN)
     else:
         outcome = op_memory_status(store, HUMAN)
-    if args.json:
-        print(json_for_terminal(compact_json(outcome.data)))
-    else:
-        say(outcome.text)
+    outcome.print(args.json)
     return 0
 
 

@@ -14,8 +14,8 @@ import itertools
 import os
 import threading
 
-from .basics import (FerrusError, LazyPattern, compact_json, deferred_dataclass, new_id,
-                     terminal_safe)
+from .basics import (FerrusError, LazyPattern, compact_json, deferred_dataclass,
+                     json_for_terminal, new_id, say, terminal_safe)
 from .system import atomic_write, read_text
 from .config import AgentsConfig, GitConfig
 from .task_machine import (S, TaskState, t_approve, t_create_task, t_human_approve,
@@ -56,6 +56,13 @@ class Outcome:
 
     text: str
     data: dict
+
+    def print(self, as_json):
+        """Print it on the CLI: its data as JSON for programs (`--json`), else its text."""
+        if as_json:
+            print(json_for_terminal(compact_json(self.data)))
+        else:
+            say(self.text)
 
 
 def _outcome(text, state, **data):
