@@ -155,8 +155,6 @@ import fnmatch
 import functools
 import getpass
 import glob
-import hashlib
-import http.client
 import ipaddress
 import itertools
 import json
@@ -252,19 +250,30 @@ def fields_of(cls):
 
 class LazyPattern:
     """A regular expression compiled the first time it is used: starting ferrus for one
-    command must not pay for the patterns of every other command."""
+    command must not pay for the patterns of every other command (an agent's MCP server
+    starts once per session, so every compile at import is paid on each).
 
-    __slots__ = ("_source", "_compiled")
+    Anything asked of it (``match``, ``sub``, ``pattern`` …) is the compiled pattern's,
+    kept on the instance after the first time, so a pattern used in a loop costs what the
+    compiled one does."""
 
     def __init__(self, pattern, flags=0):
         self._source = (pattern, flags)
         self._compiled = None
 
     def __getattr__(self, name):
+        # Called only for what the instance does not have yet.
+        if name.startswith("__"):
+            raise AttributeError(name)
         compiled = self._compiled
         if compiled is None:
             compiled = self._compiled = re.compile(*self._source)
-        return getattr(compiled, name)
+        value = getattr(compiled, name)
+        self.__dict__[name] = value
+        return value
+
+    def __repr__(self):
+        return "LazyPattern(%r)" % (self._source[0],)
 
 
 class FerrusError(Exception):
@@ -10909,10 +10918,10 @@ def _graph_python_keys(base, name):
     return "%s.%s|%s" % (base, name, base) if base else name
 
 
-_GRAPH_PY_DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
-_GRAPH_PY_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+)")
-_GRAPH_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w*, \t]+)")
-_GRAPH_PY_CALL = re.compile(r"([A-Za-z_]\w*)[ \t]*\(")
+_GRAPH_PY_DEF = LazyPattern(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
+_GRAPH_PY_IMPORT = LazyPattern(r"^[ \t]*import[ \t]+([\w.]+)")
+_GRAPH_PY_FROM = LazyPattern(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w*, \t]+)")
+_GRAPH_PY_CALL = LazyPattern(r"([A-Za-z_]\w*)[ \t]*\(")
 
 
 def _graph_python_lexical(text, module, is_package):
@@ -10981,21 +10990,21 @@ _GRAPH_DQ = r'"(?:\\.|[^"\\\n])*"?'
 _GRAPH_SQ = r"'(?:\\.|[^'\\\n])*'?"
 _GRAPH_BACKTICK = r"`(?:\\.|[^`\\])*`?"
 _GRAPH_BLANKERS = {
-    "javascript": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+    "javascript": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
         re.S),
-    "go": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+    "go": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
         re.S),
     # Rust: raw strings, strings spanning lines, and char literals of one character or
     # escape — a lifetime ('a) starts none.
-    "rust": re.compile(r"(?P<c>%s|%s)|(?P<s>b?r(#*)\".*?(?:\"\3|\Z)|b?\"(?:\\.|[^\"\\])*\"?"
-                       r"|b?'(?:\\(?:u\{[0-9a-fA-F]{1,6}\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])')" % (
+    "rust": LazyPattern(r"(?P<c>%s|%s)|(?P<s>b?r(#*)\".*?(?:\"\3|\Z)|b?\"(?:\\.|[^\"\\])*\"?"
+                        r"|b?'(?:\\(?:u\{[0-9a-fA-F]{1,6}\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])')" % (
                            _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT), re.S),
-    "java": re.compile("(?P<c>%s|%s)|(?P<s>\"\"\"(?:[^\"\\\\]|\\\\.|\"(?!\"\"))*(?:\"\"\"|\\Z)"
-                       "|%s|%s)" % (_GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ,
+    "java": LazyPattern("(?P<c>%s|%s)|(?P<s>\"\"\"(?:[^\"\\\\]|\\\\.|\"(?!\"\"))*(?:\"\"\"|\\Z)"
+                        "|%s|%s)" % (_GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ,
                                     _GRAPH_SQ), re.S),
-    "c": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s)" % (
+    "c": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ), re.S),
 }
 _GRAPH_BLANKERS["typescript"] = _GRAPH_BLANKERS["javascript"]
@@ -11033,7 +11042,7 @@ class _GraphLines:
         return bisect.bisect_right(self.starts, offset)
 
 
-_GRAPH_CALL = re.compile(r"([A-Za-z_$][\w$]*)\s*\(")
+_GRAPH_CALL = LazyPattern(r"([A-Za-z_$][\w$]*)\s*\(")
 _GRAPH_CONTAINERS = ("class", "struct", "interface", "trait", "enum", "impl", "module",
                      "union")
 _GRAPH_CLASSLIKE = ("class", "struct", "interface", "trait", "impl", "enum", "union")
@@ -11159,39 +11168,39 @@ _GRAPH_JS_KEYWORDS = frozenset((
     "constructor", "do", "else", "case", "throw", "with", "async"))
 _GRAPH_JS_ID = r"[A-Za-z_$][\w$]*"
 _GRAPH_JS_RULES = [
-    ("class", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:abstract\s+)?"
-                         r"class\s+(%s)" % _GRAPH_JS_ID), "class"),
-    ("function", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:async\s+)?"
-                            r"function\b\s*\*?\s*(%s)" % _GRAPH_JS_ID), "function"),
-    ("interface", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?interface\s+(%s)" % _GRAPH_JS_ID),
+    ("class", LazyPattern(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:abstract\s+)?"
+                          r"class\s+(%s)" % _GRAPH_JS_ID), "class"),
+    ("function", LazyPattern(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:async\s+)?"
+                             r"function\b\s*\*?\s*(%s)" % _GRAPH_JS_ID), "function"),
+    ("interface", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?interface\s+(%s)" % _GRAPH_JS_ID),
      "interface"),
-    ("type", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?type\s+(%s)\s*(?:<[^>\n]{0,200}>)?\s*="
+    ("type", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?type\s+(%s)\s*(?:<[^>\n]{0,200}>)?\s*="
                 % _GRAPH_JS_ID), "type"),
-    ("enum", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const\s+)?enum\s+(%s)"
-                        % _GRAPH_JS_ID), "enum"),
-    ("{", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:namespace|module)\s+(%s)\s*\{"
+    ("enum", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const\s+)?enum\s+(%s)"
+                         % _GRAPH_JS_ID), "enum"),
+    ("{", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:namespace|module)\s+(%s)\s*\{"
                 % _GRAPH_JS_ID), "module"),
-    ("=", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const|let|var)\s+(%s)\s*"
+    ("=", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const|let|var)\s+(%s)\s*"
                 r"(?::[^=\n]{0,200})?=\s*(?:async\s+)?"
                 r"(?:function\b|\([^()\n]{0,300}\)\s*(?::[^=\n]{0,100})?=>|%s\s*=>)"
                 % (_GRAPH_JS_ID, _GRAPH_JS_ID)),
      lambda match, inside: (match.group(1), "function") if inside is None or
      inside[1] != "function" else None, False),
-    ("", re.compile(r"^(?:export\s+)?(?:const|let|var)\s+(%s)\b" % _GRAPH_JS_ID),
+    ("", LazyPattern(r"^(?:export\s+)?(?:const|let|var)\s+(%s)\b" % _GRAPH_JS_ID),
      lambda match, inside: (match.group(1), "variable") if inside is None else None),
-    ("(", re.compile(r"^\s*(?:(?:public|private|protected|static|async|readonly|abstract|override|"
+    ("(", LazyPattern(r"^\s*(?:(?:public|private|protected|static|async|readonly|abstract|override|"
                 r"get|set|declare)\s+)*\*?\s*(#?%s)\s*(?:<[^>\n]{0,200}>)?\s*\(" % _GRAPH_JS_ID),
      lambda match, inside: (match.group(1), "function")
      if inside is not None and inside[1] == "class"
      and match.group(1) not in _GRAPH_JS_KEYWORDS else None),
 ]
 _GRAPH_JS_IMPORTS = [
-    re.compile(r"\bimport\s+(?:type\s+)?(?:[\w*$\s{},]{0,2000}?\bfrom\s*)?([\"'])([^\"'\n]{1,500})"
-               r"\1"),
-    re.compile(r"\bexport\s+(?:type\s+)?(?:\*(?:\s+as\s+[\w$]+)?|\{[^}]{0,2000}\})\s*from\s*"
-               r"([\"'])([^\"'\n]{1,500})\1"),
-    re.compile(r"\brequire\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
-    re.compile(r"\bimport\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+    LazyPattern(r"\bimport\s+(?:type\s+)?(?:[\w*$\s{},]{0,2000}?\bfrom\s*)?([\"'])([^\"'\n]{1,500})"
+                r"\1"),
+    LazyPattern(r"\bexport\s+(?:type\s+)?(?:\*(?:\s+as\s+[\w$]+)?|\{[^}]{0,2000}\})\s*from\s*"
+                r"([\"'])([^\"'\n]{1,500})\1"),
+    LazyPattern(r"\brequire\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+    LazyPattern(r"\bimport\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
 ]
 
 
@@ -11217,21 +11226,21 @@ def _graph_go_func(match, inside):
 
 
 _GRAPH_GO_RULES = [
-    ("func", re.compile(r"^func\s+(?:\(\s*(?:[A-Za-z_]\w*\s+)?\*?\s*([A-Za-z_][\w.]*)"
-                        r"(?:\[[^\]\n]*\])?\s*\)\s*)?([A-Za-z_]\w*)"), _graph_go_func),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?struct\b"), "struct"),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?interface\b"), "interface"),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\b"), "type"),
-    ("const", re.compile(r"^const\s+([A-Za-z_]\w*)"), "constant"),
-    ("var", re.compile(r"^var\s+([A-Za-z_]\w*)"), "variable"),
+    ("func", LazyPattern(r"^func\s+(?:\(\s*(?:[A-Za-z_]\w*\s+)?\*?\s*([A-Za-z_][\w.]*)"
+                         r"(?:\[[^\]\n]*\])?\s*\)\s*)?([A-Za-z_]\w*)"), _graph_go_func),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?struct\b"), "struct"),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?interface\b"), "interface"),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\b"), "type"),
+    ("const", LazyPattern(r"^const\s+([A-Za-z_]\w*)"), "constant"),
+    ("var", LazyPattern(r"^var\s+([A-Za-z_]\w*)"), "variable"),
 ]
-_GRAPH_GO_GROUP = re.compile(r"^(const|var|type)\s*\(\s*$")
-_GRAPH_GO_GROUP_ITEM = re.compile(r"^\s+([A-Za-z_]\w*)\b")
+_GRAPH_GO_GROUP = LazyPattern(r"^(const|var|type)\s*\(\s*$")
+_GRAPH_GO_GROUP_ITEM = LazyPattern(r"^\s+([A-Za-z_]\w*)\b")
 _GRAPH_GO_IMPORTS = [
-    re.compile(r"^import\s+(?:[\w.]+\s+)?\"([^\"\n]{1,500})\"", re.M),
+    LazyPattern(r"^import\s+(?:[\w.]+\s+)?\"([^\"\n]{1,500})\"", re.M),
 ]
-_GRAPH_GO_IMPORT_BLOCK = re.compile(r"^import\s*\(([^)]{0,20000})\)", re.M)
-_GRAPH_GO_IMPORT_ITEM = re.compile(r"(?:^|\n)[ \t]*(?:[\w.]+[ \t]+)?\"([^\"\n]{1,500})\"")
+_GRAPH_GO_IMPORT_BLOCK = LazyPattern(r"^import\s*\(([^)]{0,20000})\)", re.M)
+_GRAPH_GO_IMPORT_ITEM = LazyPattern(r"(?:^|\n)[ \t]*(?:[\w.]+[ \t]+)?\"([^\"\n]{1,500})\"")
 
 
 def _graph_go(text):
@@ -11267,23 +11276,23 @@ _GRAPH_RUST_KEYWORDS = frozenset(("if", "for", "while", "match", "return", "fn",
                                   "unsafe", "where", "impl", "dyn", "pub"))
 _GRAPH_RUST_VIS = r"(?:pub(?:\s*\([^)\n]{0,60}\))?\s+)?"
 _GRAPH_RUST_RULES = [
-    ("fn", re.compile(r"^\s*%s(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
+    ("fn", LazyPattern(r"^\s*%s(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
                 r"(?:extern\s+\"[^\"\n]*\"\s+)?fn\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "function"),
-    ("struct", re.compile(r"^\s*%sstruct\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "struct"),
-    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "enum"),
-    ("union", re.compile(r"^\s*%sunion\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "union"),
-    ("trait", re.compile(r"^\s*%s(?:unsafe\s+)?trait\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "trait"),
-    ("type", re.compile(r"^\s*%stype\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "type"),
-    ("mod", re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*\{" % _GRAPH_RUST_VIS), "module"),
-    (":", re.compile(r"^\s*%s(?:const|static(?:\s+mut)?)\s+([A-Za-z_]\w*)\s*:" % _GRAPH_RUST_VIS),
+    ("struct", LazyPattern(r"^\s*%sstruct\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "struct"),
+    ("enum", LazyPattern(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "enum"),
+    ("union", LazyPattern(r"^\s*%sunion\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "union"),
+    ("trait", LazyPattern(r"^\s*%s(?:unsafe\s+)?trait\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "trait"),
+    ("type", LazyPattern(r"^\s*%stype\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "type"),
+    ("mod", LazyPattern(r"^\s*%smod\s+([A-Za-z_]\w*)\s*\{" % _GRAPH_RUST_VIS), "module"),
+    (":", LazyPattern(r"^\s*%s(?:const|static(?:\s+mut)?)\s+([A-Za-z_]\w*)\s*:" % _GRAPH_RUST_VIS),
      "constant"),
-    ("macro_rules", re.compile(r"^\s*macro_rules!\s*([A-Za-z_]\w*)"), "macro"),
-    ("impl", re.compile(r"^\s*(?:unsafe\s+)?impl\b(?:\s*<[^{\n]{0,300}?>)?\s+"
-                        r"(?:[^{\n]{0,300}?\s+for\s+)?(?:[\w]+::)*([A-Za-z_]\w*)"), "impl"),
+    ("macro_rules", LazyPattern(r"^\s*macro_rules!\s*([A-Za-z_]\w*)"), "macro"),
+    ("impl", LazyPattern(r"^\s*(?:unsafe\s+)?impl\b(?:\s*<[^{\n]{0,300}?>)?\s+"
+                         r"(?:[^{\n]{0,300}?\s+for\s+)?(?:[\w]+::)*([A-Za-z_]\w*)"), "impl"),
 ]
-_GRAPH_RUST_USE = re.compile(r"^\s*%suse\s+([^;]{1,2000});" % _GRAPH_RUST_VIS, re.M)
-_GRAPH_RUST_MOD = re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*;" % _GRAPH_RUST_VIS, re.M)
-_GRAPH_RUST_CRATE = re.compile(r"^\s*extern\s+crate\s+([A-Za-z_]\w*)", re.M)
+_GRAPH_RUST_USE = LazyPattern(r"^\s*%suse\s+([^;]{1,2000});" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_MOD = LazyPattern(r"^\s*%smod\s+([A-Za-z_]\w*)\s*;" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_CRATE = LazyPattern(r"^\s*extern\s+crate\s+([A-Za-z_]\w*)", re.M)
 
 
 def graph_rust_use_paths(tree, limit=200):
@@ -11353,17 +11362,17 @@ def _graph_java_method(match, inside):
 
 
 _GRAPH_JAVA_RULES = [
-    ("", re.compile(r"^\s*%s(?:class|record)\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "class"),
-    ("interface", re.compile(r"^\s*%s@?interface\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS),
+    ("", LazyPattern(r"^\s*%s(?:class|record)\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "class"),
+    ("interface", LazyPattern(r"^\s*%s@?interface\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS),
      "interface"),
-    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "enum"),
-    ("(", re.compile(r"^\s*%s(?:<[^>\n]{0,200}>\s+)?[\w.$]+(?:<[^;{}()\n]{0,200}>)?(?:\[\s*\])*\s+"
+    ("enum", LazyPattern(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "enum"),
+    ("(", LazyPattern(r"^\s*%s(?:<[^>\n]{0,200}>\s+)?[\w.$]+(?:<[^;{}()\n]{0,200}>)?(?:\[\s*\])*\s+"
                 r"([A-Za-z_$][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS), _graph_java_method),
-    ("(", re.compile(r"^\s*%s([A-Z][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS),
+    ("(", LazyPattern(r"^\s*%s([A-Z][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS),
      lambda match, inside: (match.group(1), "function")
      if inside is not None and inside[0].rsplit(".", 1)[-1] == match.group(1) else None),
 ]
-_GRAPH_JAVA_IMPORTS = [re.compile(r"^\s*import\s+(?:static\s+)?([\w.]+(?:\.\*)?)\s*;", re.M)]
+_GRAPH_JAVA_IMPORTS = [LazyPattern(r"^\s*import\s+(?:static\s+)?([\w.]+(?:\.\*)?)\s*;", re.M)]
 
 
 def _graph_java(text):
@@ -11388,19 +11397,19 @@ def _graph_c_function(match, inside):
 
 
 _GRAPH_C_RULES = [
-    ("#", re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)"), "macro"),
-    ("namespace", re.compile(r"^\s*namespace\s+([A-Za-z_][\w:]*)\s*\{"),
+    ("#", LazyPattern(r"^\s*#\s*define\s+([A-Za-z_]\w*)"), "macro"),
+    ("namespace", LazyPattern(r"^\s*namespace\s+([A-Za-z_][\w:]*)\s*\{"),
      lambda match, inside: (match.group(1).replace("::", "."), "module")),
-    ("", re.compile(r"^\s*(?:typedef\s+)?(?:template\s*<[^>\n]{0,300}>\s*)?"
+    ("", LazyPattern(r"^\s*(?:typedef\s+)?(?:template\s*<[^>\n]{0,300}>\s*)?"
                 r"(class|struct|union|enum)(?:\s+class)?\s+(?:\[\[[^\]\n]*\]\]\s*)?"
                 r"(?:[A-Z_][A-Z0-9_]*\s+)?([A-Za-z_]\w*)\s*(?:final\s*)?(?::[^{;\n]{0,300})?"
                 r"(?:\{|$)"),
      lambda match, inside: (match.group(2), match.group(1))),
-    ("typedef", re.compile(r"^\s*typedef\b[^;\n]{0,300}?\b([A-Za-z_]\w*)\s*;"), "type"),
-    ("(", re.compile(r"^(?!\s*#)\s*(?:[\w:*&<>,~\[\]]+\s+|[\w:<>,]+[*&]+\s*){0,8}"
+    ("typedef", LazyPattern(r"^\s*typedef\b[^;\n]{0,300}?\b([A-Za-z_]\w*)\s*;"), "type"),
+    ("(", LazyPattern(r"^(?!\s*#)\s*(?:[\w:*&<>,~\[\]]+\s+|[\w:<>,]+[*&]+\s*){0,8}"
                 r"((?:[A-Za-z_]\w*::)*~?[A-Za-z_]\w*)\s*\("), _graph_c_function),
 ]
-_GRAPH_C_INCLUDES = re.compile(r"^\s*#\s*include\s*([<\"])([^>\"\n]{1,300})[>\"]", re.M)
+_GRAPH_C_INCLUDES = LazyPattern(r"^\s*#\s*include\s*([<\"])([^>\"\n]{1,300})[>\"]", re.M)
 
 
 def _graph_c(text, lang="c"):
@@ -11785,9 +11794,9 @@ def _graph_drop(connection, path, known=True):
         connection.execute("DELETE FROM %s WHERE path = ?" % table, (path,))
 
 
-_GRAPH_CAMEL = re.compile(r"([a-z0-9])([A-Z])|([A-Za-z])([0-9])")
-_GRAPH_ACRONYM = re.compile(r"([A-Z]+)([A-Z][a-z])")
-_GRAPH_NOT_WORD = re.compile(r"[^A-Za-z0-9]+")
+_GRAPH_CAMEL = LazyPattern(r"([a-z0-9])([A-Z])|([A-Za-z])([0-9])")
+_GRAPH_ACRONYM = LazyPattern(r"([A-Z]+)([A-Z][a-z])")
+_GRAPH_NOT_WORD = LazyPattern(r"[^A-Za-z0-9]+")
 
 
 def _graph_space(match):
@@ -12804,7 +12813,7 @@ def add_graph_parser(sub):
 
 
 # ============================================================================
-# src/ferrus/memory_records.py (from its line 17)
+# src/ferrus/memory_records.py (from its line 16)
 # ============================================================================
 # Project memory's records: their files read back whole and checked, and merged.
 #
@@ -12814,7 +12823,7 @@ def add_graph_parser(sub):
 # writes.  The one thing to know of a record (why its work was sent back, why it failed,
 # what it did) is said here, for search hits, prompts and archived specs alike.
 
-_MEMORY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+_MEMORY_ID_RE = LazyPattern(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 MEMORY_LIST_ENTRIES = 20                   # submissions and reviews kept (the last ones)
 
 # The outcomes whose work stands (merged, kept, or approved with nothing to change).
@@ -13004,9 +13013,9 @@ MEMORY_PROMPT_CHARS = 1500
 MEMORY_QUERY_WORDS = 32
 # How long a sync waits for another process's write to the memory database to end.
 MEMORY_BUSY_SECS = 10.0
-_MEMORY_WORD_RE = re.compile(r"[^\W_]+(?:_[^\W_]+)*", re.UNICODE)
-_MEMORY_PATH_RE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)+[\w.-]+|[\w-][\w.-]*\.[A-Za-z0-9]{1,8})"
-                             r"(?![\w/])")
+_MEMORY_WORD_RE = LazyPattern(r"[^\W_]+(?:_[^\W_]+)*", re.UNICODE)
+_MEMORY_PATH_RE = LazyPattern(r"(?<![\w/.:-])((?:[\w.-]+/)+[\w.-]+|[\w-][\w.-]*\.[A-Za-z0-9]{1,8})"
+                              r"(?![\w/])")
 # Words too common in task texts to tell records apart.
 _MEMORY_STOPWORDS = frozenset("""
 a an and are as at be been but by can do does for from has have how if in into is it its
@@ -13542,7 +13551,7 @@ _MEMORY_SYNC_LOCK = threading.Lock()
 
 # The events a record is made of (memory_apply_entry): the first sync of a long journal
 # parses only their lines, not the heartbeats, sessions and gate decisions around them.
-_MEMORY_EVENT_LINE = re.compile(
+_MEMORY_EVENT_LINE = LazyPattern(
     rb'"event"\s*:\s*"(?:create_task|enqueue_task|submit|reject|human_reject|'
     rb'integration_failed|approve|human_approve|check_failed|integrated|retry_task|'
     rb'cancel_task|task_[a-z]+|reset|force_reset)"')
@@ -16294,7 +16303,7 @@ def server_key(role):
     return "ferrus-%s-%d" % (role, DEFAULT_AGENT_INDEX)
 
 
-def ferrus_boot_code():
+def ferrus_boot_code(marked=True):
     """`python -c` code that imports *this* ferrus.py from its absolute path.
 
     Running `python ferrus.py` compiles the whole file on every start (about
@@ -16302,11 +16311,15 @@ def ferrus_boot_code():
     server starts about twice as fast.  The current folder ('' on sys.path) is
     dropped and ferrus.py is loaded by path rather than by putting its folder on
     sys.path, so a project's own queue.py or logging.py never hides the
-    standard library."""
-    return ("import sys; sys.path[:] = [p for p in sys.path if p]; import importlib.util as u; "
+    standard library.  FERRUS_LAUNCHER marks ferrus as started as a program, as the
+    launcher does: a server makes only the dataclasses it uses (an agent's server
+    starts once per session).  ``marked=False`` is the code an older ferrus
+    registered (without the mark), still recognised as this ferrus."""
+    return ("import sys; %ssys.path[:] = [p for p in sys.path if p]; "
+            "import importlib.util as u; "
             "s = u.spec_from_file_location('ferrus', %r); f = u.module_from_spec(s); "
             "sys.modules['ferrus'] = f; s.loader.exec_module(f); sys.exit(f.main())"
-            % FERRUS_FILE)
+            % ("FERRUS_LAUNCHER = True; " if marked else "", FERRUS_FILE))
 
 
 def ferrus_server_entry(root, role, agent):
@@ -16322,8 +16335,9 @@ def entry_points_here(entry, root):
     if not isinstance(entry, dict):
         return False
     args = entry.get("args") or []
-    return (entry.get("command") == os.path.abspath(sys.executable)
-            and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
+    return (entry.get("command") == os.path.abspath(sys.executable) and args[:1] == ["-c"]
+            and args[1:2] in ([ferrus_boot_code()], [ferrus_boot_code(marked=False)])
+            and os.path.abspath(root) in args)
 
 
 def entry_mismatch(entry, root):
@@ -16336,7 +16350,8 @@ def entry_mismatch(entry, root):
     project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
     if project is None or os.path.abspath(project) != os.path.abspath(root):
         return "error", "its MCP entry serves another project (%s)" % (project or "none named")
-    if args[:2] != ["-c", ferrus_boot_code()]:
+    older = args[:2] == ["-c", ferrus_boot_code(marked=False)]
+    if args[:2] != ["-c", ferrus_boot_code()] and not older:
         code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
         named = re.search(r"'([^']+)'", code)
         return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
@@ -16347,6 +16362,9 @@ def entry_mismatch(entry, root):
             return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
         return "warning", ("registered with another Python (%s); this ferrus runs on %s"
                            % (command, os.path.abspath(sys.executable)))
+    if older:
+        return "warning", ("registered by an older ferrus: its server starts slower than "
+                           "this ferrus's would")
     return None
 
 
@@ -17647,7 +17665,7 @@ class CustomAgent(AgentAdapter):
 
 
 # ============================================================================
-# src/ferrus/nano_model.py (from its line 31)
+# src/ferrus/nano_model.py (from its line 30)
 # ============================================================================
 # nano's model side: [agents.nano] settings and the chat-completions client.
 #
@@ -17989,6 +18007,7 @@ class ChatCompletionsClient:
         self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
+        import http.client      # here, not at the top: every other command starts without it
         if self._connection is None:
             kind = http.client.HTTPSConnection if self.endpoint.scheme == "https" \
                 else http.client.HTTPConnection
@@ -18017,6 +18036,7 @@ class ChatCompletionsClient:
     def _send(self, method, path, body=None, stream=False):
         """One request on the kept connection: (status, content type, response).  A
         kept connection the server closed in the meantime is reopened once."""
+        import http.client
         data = json.dumps(body).encode("utf-8") if body is not None else None
         for attempt in (1, 2):
             fresh = self._connection is None or self._connection.sock is None
@@ -18050,6 +18070,7 @@ class ChatCompletionsClient:
         raise AssertionError("unreachable")
 
     def _request_once(self, method, path, body, stream):
+        import http.client
         url = self.endpoint.url + path
         try:
             status, content_type, response = self._send(method, path, body, stream)
@@ -18140,6 +18161,7 @@ class ChatCompletionsClient:
                     sock.shutdown(socket.SHUT_RDWR)
 
     def _complete_once(self, messages, tools):
+        import http.client
         self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True},
@@ -18995,9 +19017,9 @@ When the instructions say to stop, answer with one short sentence and call no to
 
 # A model that writes its call as text instead of a tool call: Hermes/Qwen's
 # <tool_call>{...}</tool_call>, or a bare {"name": ..., "arguments": {...}} object.
-_TEXT_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>|"
-                             r"^\s*(?:```(?:json)?\s*)?(\{\s*\"name\".*\})\s*(?:```)?\s*$",
-                             re.DOTALL)
+_TEXT_TOOL_CALL = LazyPattern(r"<tool_call>\s*(\{.*?\})\s*</tool_call>|"
+                              r"^\s*(?:```(?:json)?\s*)?(\{\s*\"name\".*\})\s*(?:```)?\s*$",
+                              re.DOTALL)
 
 
 class NanoBudgetExceeded(FerrusError):
@@ -20423,8 +20445,8 @@ def agents_report(root, probe=probe_version):
             row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
         elif mismatch:
-            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
-                                "this Python" % (role, choice.agent)))
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s registers it afresh "
+                                "for this ferrus and this Python" % (role, choice.agent)))
         if warnings:
             row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)
@@ -20850,7 +20872,7 @@ def _try_inside(adapter, sandbox, tool, run, home):
 
 
 # ============================================================================
-# src/ferrus/places.py (from its line 56)
+# src/ferrus/places.py (from its line 55)
 # ============================================================================
 # Places: where tasks run (here, ssh, an exec prefix) and the channel to them.
 #
@@ -20954,6 +20976,7 @@ def place_program():
 
 
 def program_hash(contents):
+    import hashlib       # here: OpenSSL loads only for a command that needs a place
     digest = hashlib.sha256()
     for name, data in sorted(contents):
         digest.update(name.encode("utf-8") + b"\0" + str(len(data)).encode() + b"\0" + data)
@@ -21431,6 +21454,7 @@ def place_project_key(root):
     """The name a project has at every place: from this machine's name and its repository's
     path, so two projects (or two machines) never share one there, and nothing of the path
     itself leaves this machine."""
+    import hashlib
     try:
         where = git_repository(root).toplevel
     except GitUnavailable:
@@ -22512,7 +22536,7 @@ def _host_name():
 
 
 # ============================================================================
-# src/ferrus/web_link.py (from its line 26)
+# src/ferrus/web_link.py (from its line 25)
 # ============================================================================
 # Where the running web boards are: .ferrus/web.json, for [notify] and runs.
 #
@@ -22529,7 +22553,7 @@ def _host_name():
 
 WEB_RECORD_FILE = "web.json"
 _WEB_RECORD_LOCK = "web.lock"           # serialises the read-modify-write of web.json
-_WEB_URL_RE = re.compile(r"^https?://[^\s/?#@]+$")
+_WEB_URL_RE = LazyPattern(r"^https?://[^\s/?#@]+$")
 
 
 def _read_boards(store):
@@ -28938,9 +28962,9 @@ PLACE_CHECKOUT = "checkout"
 PLACE_TASKS = "tasks"
 PLACE_JOBS = "jobs"
 # Names in a request: a project key (places.place_project_key) and a task id.
-PLACE_PROJECT_RE = re.compile(r"^p-[0-9a-f]{12}$")
-PLACE_TASK_RE = re.compile(r"^t-[0-9A-Za-z-]{1,60}$")
-PLACE_COMMIT_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+PLACE_PROJECT_RE = LazyPattern(r"^p-[0-9a-f]{12}$")
+PLACE_TASK_RE = LazyPattern(r"^t-[0-9A-Za-z-]{1,60}$")
+PLACE_COMMIT_RE = LazyPattern(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 # The branch the place's checkout stands on: unborn, so nothing is ever checked out there.
 PLACE_CHECKOUT_BRANCH = "ferrus-place"
 # Where the commits sent to a place wait for their task.
@@ -33892,9 +33916,9 @@ WEB_CHECK_TAILS_SHOWN = 20             # check entries whose red commands get ou
 WEB_COLUMNS = (("queued", "Queued"), ("executing", "Executing"), ("reviewing", "Reviewing"),
                ("awaiting", "Awaiting you"), ("integrating", "Integrating"),
                ("merged", "Merged"), ("ended", "Failed / cancelled"))
-_WEB_LOG_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+_WEB_LOG_NAME_RE = LazyPattern(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 # Terminal escape sequences in logs: shown as the text around them, never as control bytes.
-_WEB_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
+_WEB_ANSI_RE = LazyPattern(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
 
 
 class WebRefusal(Exception):
@@ -34213,7 +34237,7 @@ def _with_file_titles(data):
 
 
 _GIT_QUOTED_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13}
-_CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+_CONTROL_CHARACTERS = LazyPattern("[\x00-\x1f\x7f]")
 
 
 def _git_path_at(header, start):
@@ -34732,10 +34756,10 @@ WEB_COMMON_HEADERS = (("X-Content-Type-Options", "nosniff"), ("Cache-Control", "
                       ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),
                       ("Cross-Origin-Opener-Policy", "same-origin"),
                       ("Cross-Origin-Resource-Policy", "same-origin"))
-_WEB_TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s]*")
-_TASK_ROUTE = re.compile(r"^/api/tasks/([^/]{1,100})(?:/(diff|cancel|retry|approve|reject))?$")
-_LOG_ROUTE = re.compile(r"^/api/logs/([^/]{1,201})$")
-_PAGE_ROUTE = re.compile(r"^/(?:task/[^/]{1,100})?$")
+_WEB_TOKEN_IN_URL = LazyPattern(r"([?&]token=)[^&\s]*")
+_TASK_ROUTE = LazyPattern(r"^/api/tasks/([^/]{1,100})(?:/(diff|cancel|retry|approve|reject))?$")
+_LOG_ROUTE = LazyPattern(r"^/api/logs/([^/]{1,201})$")
+_PAGE_ROUTE = LazyPattern(r"^/(?:task/[^/]{1,100})?$")
 
 
 class WebApp:

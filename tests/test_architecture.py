@@ -152,6 +152,32 @@ def test_every_dataclass_is_made_when_first_used(modules):
     assert eager == [], "use @deferred_dataclass: %s" % ", ".join(eager)
 
 
+def _run_at_import(statements):
+    """The nodes of ``statements`` Python runs when the module is imported (module and
+    class bodies; not function bodies or lambdas)."""
+    for statement in statements:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(statement, ast.ClassDef):
+            yield from _run_at_import(statement.body)
+            continue
+        todo = [statement]
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, ast.Lambda):
+                yield node
+                todo.extend(ast.iter_child_nodes(node))
+
+
+def test_every_pattern_is_compiled_when_first_used(modules):
+    """`re.compile` at import is paid by every start of every command (an agent's server
+    starts once per session): module-level patterns are `LazyPattern`s (basics)."""
+    eager = ["%s:%d" % (module.rel, node.lineno) for module in modules
+             for node in _run_at_import(ast.parse("\n".join(module.lines)).body)
+             if isinstance(node, ast.Call) and ast.unparse(node.func) == "re.compile"]
+    assert eager == [], "use LazyPattern: %s" % ", ".join(eager)
+
+
 def test_every_name_a_module_uses_is_its_own_imported_or_builtin(modules):
     """So an editor or a linter opening one module sees real names: nothing reaches
     another module's name through the one namespace of the built file, and nothing is

@@ -168,3 +168,55 @@ def test_started_as_a_program_ferrus_makes_only_the_dataclasses_a_command_uses(p
     assert done.returncode == 0, done.stderr
     code, pending = map(int, done.stdout.split())
     assert code == 0 and pending > 10
+
+
+def test_an_agents_server_starts_as_a_program_and_leaves_what_it_never_uses(project):
+    """The MCP entry `register` writes starts ferrus as the launcher does: an agent's
+    server starts once per session, so it must not make every dataclass, compile every
+    pattern, or load the HTTP client nano alone uses."""
+    probe = ("import atexit, os, re, sys\n"
+             "compiled = []\n"
+             "original = re._compile\n"
+             "def counting(pattern, flags):\n"
+             "    caller = sys._getframe(1)\n"
+             "    while caller.f_code.co_filename.startswith(os.path.dirname(re.__file__)):\n"
+             "        caller = caller.f_back\n"
+             "    if caller.f_code.co_filename.endswith('ferrus.py'):\n"
+             "        compiled.append(pattern)\n"
+             "    return original(pattern, flags)\n"
+             "re._compile = counting\n"
+             "def report():\n"
+             "    f = sys.modules['ferrus']\n"
+             "    sys.stderr.write('PROBE %d %d %d\\n' % (len(f._PENDING_DATACLASSES),\n"
+             "        'http.client' in sys.modules, len(set(compiled))))\n"
+             "atexit.register(report)\n")
+    argv = ["-c", probe + ferrus.ferrus_boot_code(), "-C", str(project), "--version"]
+    done = subprocess.run([sys.executable] + argv, capture_output=True, text=True, env=env(),
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    pending, http_loaded, patterns = map(int, done.stderr.split("PROBE ")[1].split())
+    assert pending > 10, "the server made the dataclasses it does not use"
+    assert not http_loaded
+    assert patterns == 0, "ferrus compiled %d patterns before the server did anything" % patterns
+
+
+def test_module_level_patterns_are_compiled_when_first_used():
+    """A pattern compiled at import costs every start of every command; LazyPattern
+    compiles it on first use (tests/test_architecture.py keeps new ones lazy)."""
+    pattern = ferrus.LazyPattern(r"(?P<word>[a-z]+)-(\d+)")
+    assert pattern._compiled is None
+    assert pattern.match("abc-12").group("word") == "abc"
+    assert pattern.sub(r"\2", "abc-12") == "12" and pattern.groups == 2
+    assert pattern.findall("a-1 b-2") == [("a", "1"), ("b", "2")]
+    assert "match" in vars(pattern)          # looked up once, then the instance's own
+
+
+def test_an_entry_an_older_ferrus_registered_still_points_here(tmp_path):
+    older = {"command": os.path.abspath(sys.executable),
+             "args": ["-c", ferrus.ferrus_boot_code(marked=False), "-C", str(tmp_path),
+                      "serve", "--role", "executor"]}
+    assert ferrus.entry_points_here(older, str(tmp_path))
+    severity, words = ferrus.entry_mismatch(older, str(tmp_path))
+    assert severity == "warning" and "older ferrus" in words
+    current = dict(older, args=["-c", ferrus.ferrus_boot_code()] + older["args"][2:])
+    assert ferrus.entry_mismatch(current, str(tmp_path)) is None

@@ -24,7 +24,7 @@ def server_key(role):
     return "ferrus-%s-%d" % (role, DEFAULT_AGENT_INDEX)
 
 
-def ferrus_boot_code():
+def ferrus_boot_code(marked=True):
     """`python -c` code that imports *this* ferrus.py from its absolute path.
 
     Running `python ferrus.py` compiles the whole file on every start (about
@@ -32,11 +32,15 @@ def ferrus_boot_code():
     server starts about twice as fast.  The current folder ('' on sys.path) is
     dropped and ferrus.py is loaded by path rather than by putting its folder on
     sys.path, so a project's own queue.py or logging.py never hides the
-    standard library."""
-    return ("import sys; sys.path[:] = [p for p in sys.path if p]; import importlib.util as u; "
+    standard library.  FERRUS_LAUNCHER marks ferrus as started as a program, as the
+    launcher does: a server makes only the dataclasses it uses (an agent's server
+    starts once per session).  ``marked=False`` is the code an older ferrus
+    registered (without the mark), still recognised as this ferrus."""
+    return ("import sys; %ssys.path[:] = [p for p in sys.path if p]; "
+            "import importlib.util as u; "
             "s = u.spec_from_file_location('ferrus', %r); f = u.module_from_spec(s); "
             "sys.modules['ferrus'] = f; s.loader.exec_module(f); sys.exit(f.main())"
-            % FERRUS_FILE)
+            % ("FERRUS_LAUNCHER = True; " if marked else "", FERRUS_FILE))
 
 
 def ferrus_server_entry(root, role, agent):
@@ -52,8 +56,9 @@ def entry_points_here(entry, root):
     if not isinstance(entry, dict):
         return False
     args = entry.get("args") or []
-    return (entry.get("command") == os.path.abspath(sys.executable)
-            and args[:2] == ["-c", ferrus_boot_code()] and os.path.abspath(root) in args)
+    return (entry.get("command") == os.path.abspath(sys.executable) and args[:1] == ["-c"]
+            and args[1:2] in ([ferrus_boot_code()], [ferrus_boot_code(marked=False)])
+            and os.path.abspath(root) in args)
 
 
 def entry_mismatch(entry, root):
@@ -66,7 +71,8 @@ def entry_mismatch(entry, root):
     project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
     if project is None or os.path.abspath(project) != os.path.abspath(root):
         return "error", "its MCP entry serves another project (%s)" % (project or "none named")
-    if args[:2] != ["-c", ferrus_boot_code()]:
+    older = args[:2] == ["-c", ferrus_boot_code(marked=False)]
+    if args[:2] != ["-c", ferrus_boot_code()] and not older:
         code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
         named = re.search(r"'([^']+)'", code)
         return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
@@ -77,6 +83,9 @@ def entry_mismatch(entry, root):
             return "error", "its MCP entry starts ferrus with a Python that is gone (%s)" % command
         return "warning", ("registered with another Python (%s); this ferrus runs on %s"
                            % (command, os.path.abspath(sys.executable)))
+    if older:
+        return "warning", ("registered by an older ferrus: its server starts slower than "
+                           "this ferrus's would")
     return None
 
 

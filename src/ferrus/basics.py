@@ -80,19 +80,30 @@ def fields_of(cls):
 
 class LazyPattern:
     """A regular expression compiled the first time it is used: starting ferrus for one
-    command must not pay for the patterns of every other command."""
+    command must not pay for the patterns of every other command (an agent's MCP server
+    starts once per session, so every compile at import is paid on each).
 
-    __slots__ = ("_source", "_compiled")
+    Anything asked of it (``match``, ``sub``, ``pattern`` …) is the compiled pattern's,
+    kept on the instance after the first time, so a pattern used in a loop costs what the
+    compiled one does."""
 
     def __init__(self, pattern, flags=0):
         self._source = (pattern, flags)
         self._compiled = None
 
     def __getattr__(self, name):
+        # Called only for what the instance does not have yet.
+        if name.startswith("__"):
+            raise AttributeError(name)
         compiled = self._compiled
         if compiled is None:
             compiled = self._compiled = re.compile(*self._source)
-        return getattr(compiled, name)
+        value = getattr(compiled, name)
+        self.__dict__[name] = value
+        return value
+
+    def __repr__(self):
+        return "LazyPattern(%r)" % (self._source[0],)
 
 
 class FerrusError(Exception):

@@ -27,7 +27,7 @@ import stat
 import threading
 import time
 
-from .basics import FerrusError, deferred_dataclass, format_timestamp, log, utc_now
+from .basics import LazyPattern, FerrusError, deferred_dataclass, format_timestamp, log, utc_now
 from .system import UnsafePath, import_sqlite3, open_inside
 from .store import ENDED_STATUSES, FERRUS_DIR, Store, load_task_record
 from .git import GitError, GitUnavailable, git_repository, run_git, task_diff
@@ -380,9 +380,9 @@ def _graph_drop(connection, path, known=True):
         connection.execute("DELETE FROM %s WHERE path = ?" % table, (path,))
 
 
-_GRAPH_CAMEL = re.compile(r"([a-z0-9])([A-Z])|([A-Za-z])([0-9])")
-_GRAPH_ACRONYM = re.compile(r"([A-Z]+)([A-Z][a-z])")
-_GRAPH_NOT_WORD = re.compile(r"[^A-Za-z0-9]+")
+_GRAPH_CAMEL = LazyPattern(r"([a-z0-9])([A-Z])|([A-Za-z])([0-9])")
+_GRAPH_ACRONYM = LazyPattern(r"([A-Z]+)([A-Z][a-z])")
+_GRAPH_NOT_WORD = LazyPattern(r"[^A-Za-z0-9]+")
 
 
 def _graph_space(match):

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import re
 
-from .basics import deferred_dataclass
+from .basics import LazyPattern, deferred_dataclass
 
 # Definitions and calls are looked for in the first GRAPH_LINE_CHARS of a line only (a
 # minified bundle is one line of megabytes).
@@ -216,10 +216,10 @@ def _graph_python_keys(base, name):
     return "%s.%s|%s" % (base, name, base) if base else name
 
 
-_GRAPH_PY_DEF = re.compile(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
-_GRAPH_PY_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+)")
-_GRAPH_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w*, \t]+)")
-_GRAPH_PY_CALL = re.compile(r"([A-Za-z_]\w*)[ \t]*\(")
+_GRAPH_PY_DEF = LazyPattern(r"^([ \t]*)(?:async[ \t]+)?(def|class)[ \t]+([A-Za-z_]\w*)")
+_GRAPH_PY_IMPORT = LazyPattern(r"^[ \t]*import[ \t]+([\w.]+)")
+_GRAPH_PY_FROM = LazyPattern(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w*, \t]+)")
+_GRAPH_PY_CALL = LazyPattern(r"([A-Za-z_]\w*)[ \t]*\(")
 
 
 def _graph_python_lexical(text, module, is_package):
@@ -288,21 +288,21 @@ _GRAPH_DQ = r'"(?:\\.|[^"\\\n])*"?'
 _GRAPH_SQ = r"'(?:\\.|[^'\\\n])*'?"
 _GRAPH_BACKTICK = r"`(?:\\.|[^`\\])*`?"
 _GRAPH_BLANKERS = {
-    "javascript": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+    "javascript": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
         re.S),
-    "go": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
+    "go": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ, _GRAPH_BACKTICK),
         re.S),
     # Rust: raw strings, strings spanning lines, and char literals of one character or
     # escape — a lifetime ('a) starts none.
-    "rust": re.compile(r"(?P<c>%s|%s)|(?P<s>b?r(#*)\".*?(?:\"\3|\Z)|b?\"(?:\\.|[^\"\\])*\"?"
-                       r"|b?'(?:\\(?:u\{[0-9a-fA-F]{1,6}\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])')" % (
+    "rust": LazyPattern(r"(?P<c>%s|%s)|(?P<s>b?r(#*)\".*?(?:\"\3|\Z)|b?\"(?:\\.|[^\"\\])*\"?"
+                        r"|b?'(?:\\(?:u\{[0-9a-fA-F]{1,6}\}|x[0-9a-fA-F]{2}|.)|[^'\\\n])')" % (
                            _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT), re.S),
-    "java": re.compile("(?P<c>%s|%s)|(?P<s>\"\"\"(?:[^\"\\\\]|\\\\.|\"(?!\"\"))*(?:\"\"\"|\\Z)"
-                       "|%s|%s)" % (_GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ,
+    "java": LazyPattern("(?P<c>%s|%s)|(?P<s>\"\"\"(?:[^\"\\\\]|\\\\.|\"(?!\"\"))*(?:\"\"\"|\\Z)"
+                        "|%s|%s)" % (_GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ,
                                     _GRAPH_SQ), re.S),
-    "c": re.compile("(?P<c>%s|%s)|(?P<s>%s|%s)" % (
+    "c": LazyPattern("(?P<c>%s|%s)|(?P<s>%s|%s)" % (
         _GRAPH_LINE_COMMENT, _GRAPH_BLOCK_COMMENT, _GRAPH_DQ, _GRAPH_SQ), re.S),
 }
 _GRAPH_BLANKERS["typescript"] = _GRAPH_BLANKERS["javascript"]
@@ -340,7 +340,7 @@ class _GraphLines:
         return bisect.bisect_right(self.starts, offset)
 
 
-_GRAPH_CALL = re.compile(r"([A-Za-z_$][\w$]*)\s*\(")
+_GRAPH_CALL = LazyPattern(r"([A-Za-z_$][\w$]*)\s*\(")
 _GRAPH_CONTAINERS = ("class", "struct", "interface", "trait", "enum", "impl", "module",
                      "union")
 _GRAPH_CLASSLIKE = ("class", "struct", "interface", "trait", "impl", "enum", "union")
@@ -466,39 +466,39 @@ _GRAPH_JS_KEYWORDS = frozenset((
     "constructor", "do", "else", "case", "throw", "with", "async"))
 _GRAPH_JS_ID = r"[A-Za-z_$][\w$]*"
 _GRAPH_JS_RULES = [
-    ("class", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:abstract\s+)?"
-                         r"class\s+(%s)" % _GRAPH_JS_ID), "class"),
-    ("function", re.compile(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:async\s+)?"
-                            r"function\b\s*\*?\s*(%s)" % _GRAPH_JS_ID), "function"),
-    ("interface", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?interface\s+(%s)" % _GRAPH_JS_ID),
+    ("class", LazyPattern(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:abstract\s+)?"
+                          r"class\s+(%s)" % _GRAPH_JS_ID), "class"),
+    ("function", LazyPattern(r"^\s*(?:export\s+)?(?:default\s+)?(?:declare\s+)?(?:async\s+)?"
+                             r"function\b\s*\*?\s*(%s)" % _GRAPH_JS_ID), "function"),
+    ("interface", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?interface\s+(%s)" % _GRAPH_JS_ID),
      "interface"),
-    ("type", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?type\s+(%s)\s*(?:<[^>\n]{0,200}>)?\s*="
+    ("type", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?type\s+(%s)\s*(?:<[^>\n]{0,200}>)?\s*="
                 % _GRAPH_JS_ID), "type"),
-    ("enum", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const\s+)?enum\s+(%s)"
-                        % _GRAPH_JS_ID), "enum"),
-    ("{", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:namespace|module)\s+(%s)\s*\{"
+    ("enum", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const\s+)?enum\s+(%s)"
+                         % _GRAPH_JS_ID), "enum"),
+    ("{", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:namespace|module)\s+(%s)\s*\{"
                 % _GRAPH_JS_ID), "module"),
-    ("=", re.compile(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const|let|var)\s+(%s)\s*"
+    ("=", LazyPattern(r"^\s*(?:export\s+)?(?:declare\s+)?(?:const|let|var)\s+(%s)\s*"
                 r"(?::[^=\n]{0,200})?=\s*(?:async\s+)?"
                 r"(?:function\b|\([^()\n]{0,300}\)\s*(?::[^=\n]{0,100})?=>|%s\s*=>)"
                 % (_GRAPH_JS_ID, _GRAPH_JS_ID)),
      lambda match, inside: (match.group(1), "function") if inside is None or
      inside[1] != "function" else None, False),
-    ("", re.compile(r"^(?:export\s+)?(?:const|let|var)\s+(%s)\b" % _GRAPH_JS_ID),
+    ("", LazyPattern(r"^(?:export\s+)?(?:const|let|var)\s+(%s)\b" % _GRAPH_JS_ID),
      lambda match, inside: (match.group(1), "variable") if inside is None else None),
-    ("(", re.compile(r"^\s*(?:(?:public|private|protected|static|async|readonly|abstract|override|"
+    ("(", LazyPattern(r"^\s*(?:(?:public|private|protected|static|async|readonly|abstract|override|"
                 r"get|set|declare)\s+)*\*?\s*(#?%s)\s*(?:<[^>\n]{0,200}>)?\s*\(" % _GRAPH_JS_ID),
      lambda match, inside: (match.group(1), "function")
      if inside is not None and inside[1] == "class"
      and match.group(1) not in _GRAPH_JS_KEYWORDS else None),
 ]
 _GRAPH_JS_IMPORTS = [
-    re.compile(r"\bimport\s+(?:type\s+)?(?:[\w*$\s{},]{0,2000}?\bfrom\s*)?([\"'])([^\"'\n]{1,500})"
-               r"\1"),
-    re.compile(r"\bexport\s+(?:type\s+)?(?:\*(?:\s+as\s+[\w$]+)?|\{[^}]{0,2000}\})\s*from\s*"
-               r"([\"'])([^\"'\n]{1,500})\1"),
-    re.compile(r"\brequire\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
-    re.compile(r"\bimport\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+    LazyPattern(r"\bimport\s+(?:type\s+)?(?:[\w*$\s{},]{0,2000}?\bfrom\s*)?([\"'])([^\"'\n]{1,500})"
+                r"\1"),
+    LazyPattern(r"\bexport\s+(?:type\s+)?(?:\*(?:\s+as\s+[\w$]+)?|\{[^}]{0,2000}\})\s*from\s*"
+                r"([\"'])([^\"'\n]{1,500})\1"),
+    LazyPattern(r"\brequire\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
+    LazyPattern(r"\bimport\s*\(\s*([\"'])([^\"'\n]{1,500})\1\s*\)"),
 ]
 
 
@@ -524,21 +524,21 @@ def _graph_go_func(match, inside):
 
 
 _GRAPH_GO_RULES = [
-    ("func", re.compile(r"^func\s+(?:\(\s*(?:[A-Za-z_]\w*\s+)?\*?\s*([A-Za-z_][\w.]*)"
-                        r"(?:\[[^\]\n]*\])?\s*\)\s*)?([A-Za-z_]\w*)"), _graph_go_func),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?struct\b"), "struct"),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?interface\b"), "interface"),
-    ("type", re.compile(r"^type\s+([A-Za-z_]\w*)\b"), "type"),
-    ("const", re.compile(r"^const\s+([A-Za-z_]\w*)"), "constant"),
-    ("var", re.compile(r"^var\s+([A-Za-z_]\w*)"), "variable"),
+    ("func", LazyPattern(r"^func\s+(?:\(\s*(?:[A-Za-z_]\w*\s+)?\*?\s*([A-Za-z_][\w.]*)"
+                         r"(?:\[[^\]\n]*\])?\s*\)\s*)?([A-Za-z_]\w*)"), _graph_go_func),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?struct\b"), "struct"),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\s+(?:\[[^\]\n]*\]\s*)?interface\b"), "interface"),
+    ("type", LazyPattern(r"^type\s+([A-Za-z_]\w*)\b"), "type"),
+    ("const", LazyPattern(r"^const\s+([A-Za-z_]\w*)"), "constant"),
+    ("var", LazyPattern(r"^var\s+([A-Za-z_]\w*)"), "variable"),
 ]
-_GRAPH_GO_GROUP = re.compile(r"^(const|var|type)\s*\(\s*$")
-_GRAPH_GO_GROUP_ITEM = re.compile(r"^\s+([A-Za-z_]\w*)\b")
+_GRAPH_GO_GROUP = LazyPattern(r"^(const|var|type)\s*\(\s*$")
+_GRAPH_GO_GROUP_ITEM = LazyPattern(r"^\s+([A-Za-z_]\w*)\b")
 _GRAPH_GO_IMPORTS = [
-    re.compile(r"^import\s+(?:[\w.]+\s+)?\"([^\"\n]{1,500})\"", re.M),
+    LazyPattern(r"^import\s+(?:[\w.]+\s+)?\"([^\"\n]{1,500})\"", re.M),
 ]
-_GRAPH_GO_IMPORT_BLOCK = re.compile(r"^import\s*\(([^)]{0,20000})\)", re.M)
-_GRAPH_GO_IMPORT_ITEM = re.compile(r"(?:^|\n)[ \t]*(?:[\w.]+[ \t]+)?\"([^\"\n]{1,500})\"")
+_GRAPH_GO_IMPORT_BLOCK = LazyPattern(r"^import\s*\(([^)]{0,20000})\)", re.M)
+_GRAPH_GO_IMPORT_ITEM = LazyPattern(r"(?:^|\n)[ \t]*(?:[\w.]+[ \t]+)?\"([^\"\n]{1,500})\"")
 
 
 def _graph_go(text):
@@ -574,23 +574,23 @@ _GRAPH_RUST_KEYWORDS = frozenset(("if", "for", "while", "match", "return", "fn",
                                   "unsafe", "where", "impl", "dyn", "pub"))
 _GRAPH_RUST_VIS = r"(?:pub(?:\s*\([^)\n]{0,60}\))?\s+)?"
 _GRAPH_RUST_RULES = [
-    ("fn", re.compile(r"^\s*%s(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
+    ("fn", LazyPattern(r"^\s*%s(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
                 r"(?:extern\s+\"[^\"\n]*\"\s+)?fn\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "function"),
-    ("struct", re.compile(r"^\s*%sstruct\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "struct"),
-    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "enum"),
-    ("union", re.compile(r"^\s*%sunion\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "union"),
-    ("trait", re.compile(r"^\s*%s(?:unsafe\s+)?trait\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "trait"),
-    ("type", re.compile(r"^\s*%stype\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "type"),
-    ("mod", re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*\{" % _GRAPH_RUST_VIS), "module"),
-    (":", re.compile(r"^\s*%s(?:const|static(?:\s+mut)?)\s+([A-Za-z_]\w*)\s*:" % _GRAPH_RUST_VIS),
+    ("struct", LazyPattern(r"^\s*%sstruct\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "struct"),
+    ("enum", LazyPattern(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "enum"),
+    ("union", LazyPattern(r"^\s*%sunion\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "union"),
+    ("trait", LazyPattern(r"^\s*%s(?:unsafe\s+)?trait\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "trait"),
+    ("type", LazyPattern(r"^\s*%stype\s+([A-Za-z_]\w*)" % _GRAPH_RUST_VIS), "type"),
+    ("mod", LazyPattern(r"^\s*%smod\s+([A-Za-z_]\w*)\s*\{" % _GRAPH_RUST_VIS), "module"),
+    (":", LazyPattern(r"^\s*%s(?:const|static(?:\s+mut)?)\s+([A-Za-z_]\w*)\s*:" % _GRAPH_RUST_VIS),
      "constant"),
-    ("macro_rules", re.compile(r"^\s*macro_rules!\s*([A-Za-z_]\w*)"), "macro"),
-    ("impl", re.compile(r"^\s*(?:unsafe\s+)?impl\b(?:\s*<[^{\n]{0,300}?>)?\s+"
-                        r"(?:[^{\n]{0,300}?\s+for\s+)?(?:[\w]+::)*([A-Za-z_]\w*)"), "impl"),
+    ("macro_rules", LazyPattern(r"^\s*macro_rules!\s*([A-Za-z_]\w*)"), "macro"),
+    ("impl", LazyPattern(r"^\s*(?:unsafe\s+)?impl\b(?:\s*<[^{\n]{0,300}?>)?\s+"
+                         r"(?:[^{\n]{0,300}?\s+for\s+)?(?:[\w]+::)*([A-Za-z_]\w*)"), "impl"),
 ]
-_GRAPH_RUST_USE = re.compile(r"^\s*%suse\s+([^;]{1,2000});" % _GRAPH_RUST_VIS, re.M)
-_GRAPH_RUST_MOD = re.compile(r"^\s*%smod\s+([A-Za-z_]\w*)\s*;" % _GRAPH_RUST_VIS, re.M)
-_GRAPH_RUST_CRATE = re.compile(r"^\s*extern\s+crate\s+([A-Za-z_]\w*)", re.M)
+_GRAPH_RUST_USE = LazyPattern(r"^\s*%suse\s+([^;]{1,2000});" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_MOD = LazyPattern(r"^\s*%smod\s+([A-Za-z_]\w*)\s*;" % _GRAPH_RUST_VIS, re.M)
+_GRAPH_RUST_CRATE = LazyPattern(r"^\s*extern\s+crate\s+([A-Za-z_]\w*)", re.M)
 
 
 def graph_rust_use_paths(tree, limit=200):
@@ -660,17 +660,17 @@ def _graph_java_method(match, inside):
 
 
 _GRAPH_JAVA_RULES = [
-    ("", re.compile(r"^\s*%s(?:class|record)\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "class"),
-    ("interface", re.compile(r"^\s*%s@?interface\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS),
+    ("", LazyPattern(r"^\s*%s(?:class|record)\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "class"),
+    ("interface", LazyPattern(r"^\s*%s@?interface\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS),
      "interface"),
-    ("enum", re.compile(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "enum"),
-    ("(", re.compile(r"^\s*%s(?:<[^>\n]{0,200}>\s+)?[\w.$]+(?:<[^;{}()\n]{0,200}>)?(?:\[\s*\])*\s+"
+    ("enum", LazyPattern(r"^\s*%senum\s+([A-Za-z_]\w*)" % _GRAPH_JAVA_MODIFIERS), "enum"),
+    ("(", LazyPattern(r"^\s*%s(?:<[^>\n]{0,200}>\s+)?[\w.$]+(?:<[^;{}()\n]{0,200}>)?(?:\[\s*\])*\s+"
                 r"([A-Za-z_$][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS), _graph_java_method),
-    ("(", re.compile(r"^\s*%s([A-Z][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS),
+    ("(", LazyPattern(r"^\s*%s([A-Z][\w$]*)\s*\(" % _GRAPH_JAVA_MODIFIERS),
      lambda match, inside: (match.group(1), "function")
      if inside is not None and inside[0].rsplit(".", 1)[-1] == match.group(1) else None),
 ]
-_GRAPH_JAVA_IMPORTS = [re.compile(r"^\s*import\s+(?:static\s+)?([\w.]+(?:\.\*)?)\s*;", re.M)]
+_GRAPH_JAVA_IMPORTS = [LazyPattern(r"^\s*import\s+(?:static\s+)?([\w.]+(?:\.\*)?)\s*;", re.M)]
 
 
 def _graph_java(text):
@@ -695,19 +695,19 @@ def _graph_c_function(match, inside):
 
 
 _GRAPH_C_RULES = [
-    ("#", re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)"), "macro"),
-    ("namespace", re.compile(r"^\s*namespace\s+([A-Za-z_][\w:]*)\s*\{"),
+    ("#", LazyPattern(r"^\s*#\s*define\s+([A-Za-z_]\w*)"), "macro"),
+    ("namespace", LazyPattern(r"^\s*namespace\s+([A-Za-z_][\w:]*)\s*\{"),
      lambda match, inside: (match.group(1).replace("::", "."), "module")),
-    ("", re.compile(r"^\s*(?:typedef\s+)?(?:template\s*<[^>\n]{0,300}>\s*)?"
+    ("", LazyPattern(r"^\s*(?:typedef\s+)?(?:template\s*<[^>\n]{0,300}>\s*)?"
                 r"(class|struct|union|enum)(?:\s+class)?\s+(?:\[\[[^\]\n]*\]\]\s*)?"
                 r"(?:[A-Z_][A-Z0-9_]*\s+)?([A-Za-z_]\w*)\s*(?:final\s*)?(?::[^{;\n]{0,300})?"
                 r"(?:\{|$)"),
      lambda match, inside: (match.group(2), match.group(1))),
-    ("typedef", re.compile(r"^\s*typedef\b[^;\n]{0,300}?\b([A-Za-z_]\w*)\s*;"), "type"),
-    ("(", re.compile(r"^(?!\s*#)\s*(?:[\w:*&<>,~\[\]]+\s+|[\w:<>,]+[*&]+\s*){0,8}"
+    ("typedef", LazyPattern(r"^\s*typedef\b[^;\n]{0,300}?\b([A-Za-z_]\w*)\s*;"), "type"),
+    ("(", LazyPattern(r"^(?!\s*#)\s*(?:[\w:*&<>,~\[\]]+\s+|[\w:<>,]+[*&]+\s*){0,8}"
                 r"((?:[A-Za-z_]\w*::)*~?[A-Za-z_]\w*)\s*\("), _graph_c_function),
 ]
-_GRAPH_C_INCLUDES = re.compile(r"^\s*#\s*include\s*([<\"])([^>\"\n]{1,300})[>\"]", re.M)
+_GRAPH_C_INCLUDES = LazyPattern(r"^\s*#\s*include\s*([<\"])([^>\"\n]{1,300})[>\"]", re.M)
 
 
 def _graph_c(text, lang="c"):

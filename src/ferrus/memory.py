@@ -24,7 +24,7 @@ import re
 import sys
 import threading
 
-from .basics import (FerrusError, UsageError, compact_json, format_timestamp, log, say,
+from .basics import (LazyPattern, FerrusError, UsageError, compact_json, format_timestamp, log, say,
                      terminal_safe, utc_now)
 from .system import (SqliteMissing, UnsafePath, atomic_write, import_sqlite3, open_inside,
                      read_text)
@@ -63,9 +63,9 @@ MEMORY_PROMPT_CHARS = 1500
 MEMORY_QUERY_WORDS = 32
 # How long a sync waits for another process's write to the memory database to end.
 MEMORY_BUSY_SECS = 10.0
-_MEMORY_WORD_RE = re.compile(r"[^\W_]+(?:_[^\W_]+)*", re.UNICODE)
-_MEMORY_PATH_RE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)+[\w.-]+|[\w-][\w.-]*\.[A-Za-z0-9]{1,8})"
-                             r"(?![\w/])")
+_MEMORY_WORD_RE = LazyPattern(r"[^\W_]+(?:_[^\W_]+)*", re.UNICODE)
+_MEMORY_PATH_RE = LazyPattern(r"(?<![\w/.:-])((?:[\w.-]+/)+[\w.-]+|[\w-][\w.-]*\.[A-Za-z0-9]{1,8})"
+                              r"(?![\w/])")
 # Words too common in task texts to tell records apart.
 _MEMORY_STOPWORDS = frozenset("""
 a an and are as at be been but by can do does for from has have how if in into is it its
@@ -601,7 +601,7 @@ _MEMORY_SYNC_LOCK = threading.Lock()
 
 # The events a record is made of (memory_apply_entry): the first sync of a long journal
 # parses only their lines, not the heartbeats, sessions and gate decisions around them.
-_MEMORY_EVENT_LINE = re.compile(
+_MEMORY_EVENT_LINE = LazyPattern(
     rb'"event"\s*:\s*"(?:create_task|enqueue_task|submit|reject|human_reject|'
     rb'integration_failed|approve|human_approve|check_failed|integrated|retry_task|'
     rb'cancel_task|task_[a-z]+|reset|force_reset)"')

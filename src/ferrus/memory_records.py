@@ -9,12 +9,11 @@ what it did) is said here, for search hits, prompts and archived specs alike.
 
 import json
 import os
-import re
 
-from .basics import pretty_json
+from .basics import LazyPattern, pretty_json
 from .system import UnsafePath, atomic_write, open_inside
 
-_MEMORY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+_MEMORY_ID_RE = LazyPattern(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 MEMORY_LIST_ENTRIES = 20                   # submissions and reviews kept (the last ones)
 
 # The outcomes whose work stands (merged, kept, or approved with nothing to change).

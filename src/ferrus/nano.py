@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from .basics import (FerrusError, UsageError, __version__, deferred_dataclass,
+from .basics import (LazyPattern, FerrusError, UsageError, __version__, deferred_dataclass,
                      did_you_mean, new_id, terminal_safe)
 from .system import (atomic_write, kill_process_tree, process_group_kwargs, read_text,
                      shell_argv)
@@ -784,9 +784,9 @@ When the instructions say to stop, answer with one short sentence and call no to
 
 # A model that writes its call as text instead of a tool call: Hermes/Qwen's
 # <tool_call>{...}</tool_call>, or a bare {"name": ..., "arguments": {...}} object.
-_TEXT_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>|"
-                             r"^\s*(?:```(?:json)?\s*)?(\{\s*\"name\".*\})\s*(?:```)?\s*$",
-                             re.DOTALL)
+_TEXT_TOOL_CALL = LazyPattern(r"<tool_call>\s*(\{.*?\})\s*</tool_call>|"
+                              r"^\s*(?:```(?:json)?\s*)?(\{\s*\"name\".*\})\s*(?:```)?\s*$",
+                              re.DOTALL)
 
 
 class NanoBudgetExceeded(FerrusError):

@@ -12,7 +12,6 @@ that says what to check.
 
 import contextlib
 import dataclasses
-import http.client
 import ipaddress
 import json
 import os
@@ -357,6 +356,7 @@ class ChatCompletionsClient:
         self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
+        import http.client      # here, not at the top: every other command starts without it
         if self._connection is None:
             kind = http.client.HTTPSConnection if self.endpoint.scheme == "https" \
                 else http.client.HTTPConnection
@@ -385,6 +385,7 @@ class ChatCompletionsClient:
     def _send(self, method, path, body=None, stream=False):
         """One request on the kept connection: (status, content type, response).  A
         kept connection the server closed in the meantime is reopened once."""
+        import http.client
         data = json.dumps(body).encode("utf-8") if body is not None else None
         for attempt in (1, 2):
             fresh = self._connection is None or self._connection.sock is None
@@ -418,6 +419,7 @@ class ChatCompletionsClient:
         raise AssertionError("unreachable")
 
     def _request_once(self, method, path, body, stream):
+        import http.client
         url = self.endpoint.url + path
         try:
             status, content_type, response = self._send(method, path, body, stream)
@@ -508,6 +510,7 @@ class ChatCompletionsClient:
                     sock.shutdown(socket.SHUT_RDWR)
 
     def _complete_once(self, messages, tools):
+        import http.client
         self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True},

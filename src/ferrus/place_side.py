@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from .basics import (FerrusError, compact_json, deferred_dataclass, format_timestamp, new_id,
+from .basics import (LazyPattern, FerrusError, compact_json, deferred_dataclass, format_timestamp, new_id,
                      utc_now)
 from .system import atomic_write, pid_alive, process_group_kwargs, process_start, read_text
 from .task_machine import ACTIVE_STATES, StateData, TaskState
@@ -61,9 +61,9 @@ PLACE_CHECKOUT = "checkout"
 PLACE_TASKS = "tasks"
 PLACE_JOBS = "jobs"
 # Names in a request: a project key (places.place_project_key) and a task id.
-PLACE_PROJECT_RE = re.compile(r"^p-[0-9a-f]{12}$")
-PLACE_TASK_RE = re.compile(r"^t-[0-9A-Za-z-]{1,60}$")
-PLACE_COMMIT_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+PLACE_PROJECT_RE = LazyPattern(r"^p-[0-9a-f]{12}$")
+PLACE_TASK_RE = LazyPattern(r"^t-[0-9A-Za-z-]{1,60}$")
+PLACE_COMMIT_RE = LazyPattern(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 # The branch the place's checkout stands on: unborn, so nothing is ever checked out there.
 PLACE_CHECKOUT_BRANCH = "ferrus-place"
 # Where the commits sent to a place wait for their task.

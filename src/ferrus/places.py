@@ -29,7 +29,6 @@ and its beats keep the task's lease at the place alive.
 import base64
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import queue
@@ -128,6 +127,7 @@ def place_program():
 
 
 def program_hash(contents):
+    import hashlib       # here: OpenSSL loads only for a command that needs a place
     digest = hashlib.sha256()
     for name, data in sorted(contents):
         digest.update(name.encode("utf-8") + b"\0" + str(len(data)).encode() + b"\0" + data)
@@ -605,6 +605,7 @@ def place_project_key(root):
     """The name a project has at every place: from this machine's name and its repository's
     path, so two projects (or two machines) never share one there, and nothing of the path
     itself leaves this machine."""
+    import hashlib
     try:
         where = git_repository(root).toplevel
     except GitUnavailable:

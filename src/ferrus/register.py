@@ -334,8 +334,8 @@ def agents_report(root, probe=probe_version):
             row["problem"] = mismatch[1]
             row["hint"] = "ferrus register --%s %s" % (role, choice.agent)
         elif mismatch:
-            warnings.insert(0, (mismatch[1], "ferrus register --%s %s re-registers it with "
-                                "this Python" % (role, choice.agent)))
+            warnings.insert(0, (mismatch[1], "ferrus register --%s %s registers it afresh "
+                                "for this ferrus and this Python" % (role, choice.agent)))
         if warnings:
             row["warnings"] = [{"warning": text, "hint": hint} for text, hint in warnings]
         rows.append(row)

@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 
-from .basics import FerrusError, UsageError, compact_json, log, say
+from .basics import LazyPattern, FerrusError, UsageError, compact_json, log, say
 from .store import Store, is_story
 from .sessions import SESSIONS_DIR
 from .web_link import remove_web_record, write_web_record
@@ -345,10 +345,10 @@ WEB_COMMON_HEADERS = (("X-Content-Type-Options", "nosniff"), ("Cache-Control", "
                       ("Referrer-Policy", "no-referrer"), ("X-Frame-Options", "DENY"),
                       ("Cross-Origin-Opener-Policy", "same-origin"),
                       ("Cross-Origin-Resource-Policy", "same-origin"))
-_WEB_TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s]*")
-_TASK_ROUTE = re.compile(r"^/api/tasks/([^/]{1,100})(?:/(diff|cancel|retry|approve|reject))?$")
-_LOG_ROUTE = re.compile(r"^/api/logs/([^/]{1,201})$")
-_PAGE_ROUTE = re.compile(r"^/(?:task/[^/]{1,100})?$")
+_WEB_TOKEN_IN_URL = LazyPattern(r"([?&]token=)[^&\s]*")
+_TASK_ROUTE = LazyPattern(r"^/api/tasks/([^/]{1,100})(?:/(diff|cancel|retry|approve|reject))?$")
+_LOG_ROUTE = LazyPattern(r"^/api/logs/([^/]{1,201})$")
+_PAGE_ROUTE = LazyPattern(r"^/(?:task/[^/]{1,100})?$")
 
 
 class WebApp:

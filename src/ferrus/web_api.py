@@ -16,7 +16,7 @@ import contextlib
 import os
 import re
 
-from .basics import FerrusError, compact_json, format_timestamp, parse_timestamp
+from .basics import LazyPattern, FerrusError, compact_json, format_timestamp, parse_timestamp
 from .system import UnsafePath, open_inside
 from .task_machine import S
 from .store import (APPROVED_STATUSES, CANCELLED_STATUS, DONE_STATUS, FAILED_STATUS,
@@ -51,9 +51,9 @@ WEB_CHECK_TAILS_SHOWN = 20             # check entries whose red commands get ou
 WEB_COLUMNS = (("queued", "Queued"), ("executing", "Executing"), ("reviewing", "Reviewing"),
                ("awaiting", "Awaiting you"), ("integrating", "Integrating"),
                ("merged", "Merged"), ("ended", "Failed / cancelled"))
-_WEB_LOG_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+_WEB_LOG_NAME_RE = LazyPattern(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 # Terminal escape sequences in logs: shown as the text around them, never as control bytes.
-_WEB_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
+_WEB_ANSI_RE = LazyPattern(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
 
 
 class WebRefusal(Exception):
@@ -372,7 +372,7 @@ def _with_file_titles(data):
 
 
 _GIT_QUOTED_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13}
-_CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+_CONTROL_CHARACTERS = LazyPattern("[\x00-\x1f\x7f]")
 
 
 def _git_path_at(header, start):

@@ -15,17 +15,16 @@ the board, which comes after HQ.
 import contextlib
 import json
 import os
-import re
 import urllib.parse
 
-from .basics import FerrusError, compact_json, format_timestamp
+from .basics import LazyPattern, FerrusError, compact_json, format_timestamp
 from .system import FileLock, UnsafePath, atomic_write, open_inside, pid_alive, process_start
 
 
 # .ferrus/web.json: {"boards": [{url, pid, start, started}, ...]} — every running board.
 WEB_RECORD_FILE = "web.json"
 _WEB_RECORD_LOCK = "web.lock"           # serialises the read-modify-write of web.json
-_WEB_URL_RE = re.compile(r"^https?://[^\s/?#@]+$")
+_WEB_URL_RE = LazyPattern(r"^https?://[^\s/?#@]+$")
 
 
 def _read_boards(store):
