@@ -512,3 +512,47 @@ def test_wait_for_review_lists_the_changed_files_bounded_as_its_diff(repo, store
                    "binary": False} for i in range(100)]
     kept = ferrus.review_file_list(long_names)
     assert 0 < len(kept) < 100 and len(json.dumps(kept)) <= ferrus.REVIEW_FILES_BYTES
+
+
+def test_the_repository_of_a_root_is_asked_of_git_once_until_its_git_folder_changes(
+        tmp_path, monkeypatch):
+    root = tmp_path / "proj"
+    root.mkdir()
+    git(str(root), "init", "-q")
+    asked = []
+    real = ferrus.run_git
+
+    def counting(where, args, *rest, **kwargs):
+        if "--show-toplevel" in args:
+            asked.append(where)
+        return real(where, args, *rest, **kwargs)
+
+    monkeypatch.setattr(ferrus, "run_git", counting)
+    first = ferrus.git_repository(str(root))
+    again = ferrus.git_repository(str(root))
+    assert again == first and len(asked) == 1
+    # A .git file (a worktree's, a submodule's) in its place: asked again, and what it
+    # says now is what is used.
+    other = tmp_path / "other"
+    other.mkdir()
+    git(str(other), "init", "-q")
+    shutil.rmtree(str(root / ".git"))
+    (root / ".git").write_text("gitdir: %s\n" % (other / ".git"))
+    repository = ferrus.git_repository(str(root))
+    assert len(asked) == 2 and os.path.samefile(repository.git_dir, str(other / ".git"))
+    # ... and again when that file is rewritten.
+    third = tmp_path / "third"
+    third.mkdir()
+    git(str(third), "init", "-q")
+    (root / ".git").write_text("gitdir: %s\n" % (third / ".git"))
+    repository = ferrus.git_repository(str(root))
+    assert len(asked) == 3 and os.path.samefile(repository.git_dir, str(third / ".git"))
+    # A repository nearer the root than the one found before is the one asked about.
+    inner = root / "inner"
+    inner.mkdir()
+    ferrus.git_repository(str(inner))
+    git(str(inner), "init", "-q")
+    assert os.path.samefile(ferrus.git_repository(str(inner)).toplevel, str(inner))
+    (root / ".git").unlink()
+    with pytest.raises(ferrus.GitUnavailable):
+        ferrus.git_repository(str(root))

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -219,18 +220,39 @@ class GitRepository:
                        stdin=b"").decode("ascii").strip()
 
 
-def _inside_dot_git_tree(root):
-    """True when ``root`` or a folder above it holds a .git (folder or file, as in a
-    worktree or submodule): only then can git find a repository, so a project outside
-    any repository never pays for starting git (create_task is on a fast path)."""
+def _dot_git_above(root):
+    """The .git (folder or file, as in a worktree or submodule) in ``root`` or the nearest
+    folder above it, or None: only with one can git find a repository, so a project
+    outside any repository never pays for starting git (create_task is on a fast path)."""
     path = os.path.abspath(root)
     while True:
-        if os.path.exists(os.path.join(path, ".git")):
-            return True
+        candidate = os.path.join(path, ".git")
+        if os.path.exists(candidate):
+            return candidate
         parent = os.path.dirname(path)
         if parent == path:
-            return False
+            return None
         path = parent
+
+
+# git_repository's answers in this process: {root: (what its .git was, GitRepository)}.
+# A long run asks about the same root on every task step; git is asked again only when
+# the .git it found is another (another folder, or a .git file rewritten).
+_REPOSITORIES = {}
+
+
+def _dot_git_identity(dot_git):
+    """What makes git's answer for a .git the same: the folder itself (its mtime moves
+    with every index.lock; in the same place, it names the same paths), or a .git file's
+    words (a worktree's or submodule's "gitdir: ...", read whole: a few bytes)."""
+    try:
+        st = os.stat(dot_git)
+        if stat.S_ISDIR(st.st_mode):
+            return (dot_git, st.st_dev, st.st_ino)
+        with open(dot_git, "rb") as handle:
+            return (dot_git, handle.read(4097))
+    except OSError:
+        return None
 
 
 def git_repository(root):
@@ -238,10 +260,15 @@ def git_repository(root):
     repository is named, not looked for).  Raises GitUnavailable when there is none."""
     if isinstance(root, TaskCheckout):
         return GitRepository(root=root, toplevel=root.work_tree, git_dir=root.git_dir)
-    if not _inside_dot_git_tree(root):
+    dot_git = _dot_git_above(root)
+    if dot_git is None:
         raise GitUnavailable("%s is not in a git repository" % root,
                              "run `git init` and commit your files to get task diffs; "
                              "everything else works without git")
+    identity = _dot_git_identity(dot_git)
+    known = _REPOSITORIES.get(root)
+    if known is not None and known[0] == identity and os.path.isdir(known[1].git_dir):
+        return known[1]
     try:
         out = run_git(root, ["rev-parse", "--show-toplevel", "--absolute-git-dir"])
     except GitError as err:
@@ -252,8 +279,11 @@ def git_repository(root):
     if len(lines) < 2 or not lines[0]:
         raise GitUnavailable("%s is not in a git work tree (a bare repository?)" % root,
                              "run ferrus in a checkout with a work tree")
-    return GitRepository(root=root, toplevel=os.path.normpath(lines[0]),
-                         git_dir=os.path.normpath(lines[1]))
+    repository = GitRepository(root=root, toplevel=os.path.normpath(lines[0]),
+                               git_dir=os.path.normpath(lines[1]))
+    if identity is not None and isinstance(root, str):
+        _REPOSITORIES[root] = (identity, repository)
+    return repository
 
 
 # -- git: a task's worktree is hostile ground ----------------------------------------------

@@ -77,7 +77,7 @@ class FileLock:
                 log.warning("waited %.1f s so far for the lock on %s; another ferrus process "
                             "holds it", time.monotonic() - started, self.what)
             time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            pause = min(pause * 2, 0.002)    # a freed lock is taken within 2 ms
 
     def release(self):
         if self._fd is None:
