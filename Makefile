@@ -2,8 +2,9 @@
 #
 #   make ferrus.py    build ferrus.py, the one file users get, from src/ferrus/*.py
 #                     (tools/amalgamate.py; run it after every change there and commit both)
-#   make test         run the test suite (pytest -q tests); fails if nothing is collected;
-#                     with COVERAGE=1 it is `make coverage`
+#   make test         run the test suite: pytest -q, split across the CPUs by
+#                     tools/run_tests.py (FERRUS_TEST_JOBS=1 for one pytest); fails if
+#                     nothing is collected; with COVERAGE=1 it is `make coverage`
 #   make coverage     run the suite under coverage.py (subprocesses too), print the
 #                     uncovered regions of ferrus.py; fails under the floor in .coveragerc
 #   make test-matrix  run the suite on every CPython 3.9+ found (pyenv / PATH), see .ci/test-matrix
@@ -63,7 +64,7 @@ ifeq ($(COVERAGE),1)
 test: coverage
 else
 test: require-pytest
-	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+	$(PYTHON) tools/run_tests.py $(PYTEST_ARGS)
 endif
 
 test-matrix:
