@@ -142,42 +142,33 @@ if __name__ == "__main__":
 # -- the standard library, imported once for every module below -------------
 import argparse
 import atexit
-import base64
 import bisect
 import collections
 import contextlib
 import dataclasses
 import datetime as _dt
-import difflib
 import enum
 import errno
 import fnmatch
 import functools
-import getpass
-import glob
-import ipaddress
 import itertools
 import json
 import logging
 import math
 import os
-import queue
 import re
-import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 
 
 # ============================================================================
-# src/ferrus/basics.py (from its line 17)
+# src/ferrus/basics.py (from its line 16)
 # ============================================================================
 # Basics: the version, errors, UTC time, JSON, terminal-safe text.
 #
@@ -428,6 +419,7 @@ def new_id(prefix):
 def did_you_mean(word, candidates):
     """The known name closest to a mistyped one, or None (difflib; argparse suggests
     only from Python 3.14 on)."""
+    import difflib
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return close[0] if close else None
 
@@ -4314,7 +4306,7 @@ def journal_story(store, count, everything=False, task=None):
 
 
 # ============================================================================
-# src/ferrus/checks.py (from its line 31)
+# src/ferrus/checks.py (from its line 30)
 # ============================================================================
 # Checks: the check gate's runner, bounded and killable.
 #
@@ -4428,6 +4420,7 @@ def missing_check_programs(root, command):
     for a path, a file under ``root`` — what would make the shell say "not found".  Only
     plain words in command position are judged; anything the shell expands ($VAR,
     `…`, globs) is left alone, so a command that merely looks odd is never reported."""
+    import shlex
     if IS_WINDOWS:  # pragma: no cover  (cmd.exe quoting is another language)
         return []
     try:
@@ -6737,11 +6730,13 @@ def own_checkout(root, path, start):
         checkout = task_checkout(root, path)
     except GitError:
         common = common_git_dir(root)
-        if worktree_admin_dir(common, path) is None and _folder_has_files(path):
+        registered = worktree_admin_dir(common, path) is not None
+        if not registered and _folder_has_files(path):
             raise GitError("%s is in the way of a checkout of ferrus's" % path,
                            "ferrus keeps its own clean checkouts there: move that folder "
                            "away") from None
-        _discard_worktree(root, path)
+        if registered or os.path.lexists(path):      # else nothing is there to discard
+            _discard_worktree(root, path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_git(root, ["worktree", "add", "-q", "--detach", "--no-checkout", path,
                        start + "^{commit}"])
@@ -6842,8 +6837,21 @@ def rechain(gate, target, trees_and_messages):
     return parent
 
 
+# A commit's tree never changes (its id is a hash of it): {commit id: tree id}, so the
+# merge queue's several comparisons of the same commits start git once per commit.
+_TREES = {}
+_FULL_COMMIT_ID = LazyPattern(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
 def _tree_of(where, commit):
-    return os.fsdecode(run_git(where, ["rev-parse", commit + "^{tree}"])).strip()
+    tree = _TREES.get(commit)
+    if tree is None:
+        tree = os.fsdecode(run_git(where, ["rev-parse", commit + "^{tree}"])).strip()
+        if _FULL_COMMIT_ID.fullmatch(commit):
+            if len(_TREES) >= 4096:
+                _TREES.clear()
+            _TREES[commit] = tree
+    return tree
 
 
 def _first_parent(where, commit):
@@ -7694,7 +7702,7 @@ def check_wrapper(store):
 
 
 # ============================================================================
-# src/ferrus/bootstrap.py (from its line 30)
+# src/ferrus/bootstrap.py (from its line 29)
 # ============================================================================
 # Worktree bootstrap: the checkout's local files, a port block per task, teardown.
 #
@@ -7714,6 +7722,7 @@ def copy_sources(root, patterns, skip=()):
     does not track — a matched folder holding tracked files is gone through child by
     child.  Never .git or .ferrus, nor anything inside one of the folders ``skip`` (the
     worktrees' own folder)."""
+    import glob
     matched = set()
     for pattern in patterns:
         for path in glob.glob(os.path.join(glob.escape(root), pattern), recursive=True):
@@ -8155,7 +8164,7 @@ ferrus picks the first unchecked milestone whose dependencies are checked.
 
 
 # ============================================================================
-# src/ferrus/operations.py (from its line 33)
+# src/ferrus/operations.py (from its line 32)
 # ============================================================================
 # Operations: create, diff, review, approve, confirm, consult, specs.
 #
@@ -8733,6 +8742,7 @@ def op_reject(store, caller, notes):
 
 def human_name():
     """Who the human at this terminal is, as the journal records a confirmation."""
+    import getpass
     try:
         return getpass.getuser()
     except (OSError, KeyError, ImportError):     # no login name anywhere (containers)
@@ -15271,7 +15281,7 @@ def _valid_id(value):
 
 
 # ============================================================================
-# src/ferrus/mcp.py (from its line 45)
+# src/ferrus/mcp.py (from its line 43)
 # ============================================================================
 # MCP: ferrus's tools, resources and prompts per role, and the server.
 #
@@ -15510,6 +15520,7 @@ def _utf8_text(data):
 def read_log_window(store, uri):
     """(contents list) of ferrus://logs/<name>[?offset=N&length=M], never the whole
     of a huge log: see LOG_WINDOW_HEAD/TAIL and LOG_READ_MAX."""
+    import base64
     match = LOG_URI_RE.match(uri)
     if not match:
         raise ResourceNotFound("Resource not found: %s" % uri,
@@ -15571,6 +15582,7 @@ def read_log_window(store, uri):
 def read_diff_resource(store, uri):
     """The text of ferrus://diff (the task's whole diff, bounded) or ferrus://diff/<path>
     (one file or folder of it).  Without git it says why there is no diff."""
+    import urllib.parse
     rest = uri[len("ferrus://diff"):]
     paths = None
     if rest:
@@ -15854,6 +15866,7 @@ class FerrusMcpServer:
         return self.era(request) >= "2025-06-18"
 
     def _page(self, request, items, key):
+        import base64
         cursor = request.params.get("cursor")
         start = 0
         if cursor is not None:
@@ -16892,7 +16905,7 @@ def effective_permissions(config, role):
 
 
 # ============================================================================
-# src/ferrus/adapters.py (from its line 34)
+# src/ferrus/adapters.py (from its line 33)
 # ============================================================================
 # Adapters: Claude Code, Codex, Qwen Code, Gemini CLI, custom agents.
 #
@@ -17410,6 +17423,7 @@ _SHELL_WRAPPER = LazyPattern(r"^(?:/usr)?(?:/bin/)?(?:ba|z)?sh -l?c ")
 
 def _unwrap_shell(command):
     """``/bin/bash -lc 'cat a.txt'`` as ``cat a.txt`` (the command the model gave)."""
+    import shlex
     if not isinstance(command, str) or not _SHELL_WRAPPER.match(command):
         return command
     rest = _SHELL_WRAPPER.sub("", command, count=1)
@@ -17694,7 +17708,7 @@ class CustomAgent(AgentAdapter):
 
 
 # ============================================================================
-# src/ferrus/nano_model.py (from its line 30)
+# src/ferrus/nano_model.py (from its line 27)
 # ============================================================================
 # nano's model side: [agents.nano] settings and the chat-completions client.
 #
@@ -17824,6 +17838,7 @@ class NanoEndpoint:
 
 
 def _is_loopback(host):
+    import ipaddress
     if host.lower() in ("localhost", "localhost."):
         return True
     try:
@@ -17834,6 +17849,7 @@ def _is_loopback(host):
 
 def nano_endpoint(settings):
     """The endpoint of ``settings.base_url``; a remote one only with allow_remote."""
+    import urllib.parse
     where = "[agents.nano] base_url %s" % json.dumps(settings.base_url)
     hint = 'e.g. base_url = "%s" (Ollama), "http://127.0.0.1:8080/v1" (llama-server) or ' \
            '"http://127.0.0.1:8000/v1" (vLLM)' % NANO_DEFAULT_BASE_URL
@@ -18036,6 +18052,7 @@ class ChatCompletionsClient:
         self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
+        import socket
         import http.client      # here, not at the top: every other command starts without it
         if self._connection is None:
             kind = http.client.HTTPSConnection if self.endpoint.scheme == "https" \
@@ -18099,6 +18116,7 @@ class ChatCompletionsClient:
         raise AssertionError("unreachable")
 
     def _request_once(self, method, path, body, stream):
+        import socket
         import http.client
         url = self.endpoint.url + path
         try:
@@ -18182,6 +18200,7 @@ class ChatCompletionsClient:
             self._deadline = None
 
     def _expire(self):
+        import socket
         sock = getattr(self._connection, "sock", None)
         if self._deadline is not None:
             self._deadline = self.clock()        # every later check says: timed out
@@ -18190,6 +18209,7 @@ class ChatCompletionsClient:
                     sock.shutdown(socket.SHUT_RDWR)
 
     def _complete_once(self, messages, tools):
+        import socket
         import http.client
         self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,
@@ -19484,7 +19504,7 @@ def _read_human_line():
 
 
 # ============================================================================
-# src/ferrus/local_agents.py (from its line 39)
+# src/ferrus/local_agents.py (from its line 38)
 # ============================================================================
 # Local agents: the nano, opencode and goose adapters.
 #
@@ -19793,6 +19813,7 @@ GOOSE_MAX_TOOL_REPETITIONS = 25
 
 def _command_string(argv):
     """One command line goose splits back into ``argv`` (its --with-extension value)."""
+    import shlex
     if os.name == "nt":  # pragma: no cover - Windows quoting
         return " ".join('"%s"' % arg.replace('"', '\\"') if not arg or any(
             c in arg for c in ' \t"') else arg for arg in argv)
@@ -20531,7 +20552,7 @@ def permission_warnings(config, role):
 
 
 # ============================================================================
-# src/ferrus/sandbox_agents.py (from its line 38)
+# src/ferrus/sandbox_agents.py (from its line 37)
 # ============================================================================
 # Sandbox, the agents' side: their launches confined, ferrus's MCP server reached.
 #
@@ -20578,6 +20599,7 @@ class SandboxMcpBridge:
         self._thread = None
 
     def start(self):
+        import socket
         os.chmod(self.folder, 0o700)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -20593,6 +20615,7 @@ class SandboxMcpBridge:
         return self
 
     def _serve(self):
+        import socket
         while not self._closed.is_set():
             try:
                 connection, _ = self._listener.accept()
@@ -20677,6 +20700,7 @@ def relay_mcp_stdio(path, session=None, stdin_fd=None, stdout_fd=None):
     """The ``ferrus serve`` an agent starts inside a sandbox: it names its agent session
     (``$FERRUS_SESSION``), then relays its stdio byte for byte to the bridge at ``path``.
     Returns the exit code."""
+    import socket
     stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     stdout_fd = sys.stdout.fileno() if stdout_fd is None else stdout_fd
     session = os.environ.get(SESSION_ENV, "") if session is None else session
@@ -20901,7 +20925,7 @@ def _try_inside(adapter, sandbox, tool, run, home):
 
 
 # ============================================================================
-# src/ferrus/places.py (from its line 55)
+# src/ferrus/places.py (from its line 51)
 # ============================================================================
 # Places: where tasks run (here, ssh, an exec prefix) and the channel to them.
 #
@@ -21089,6 +21113,7 @@ PLACE_MAX_PACK_BYTES = 2 << 30
 
 def place_boot_line():
     """The `python -c` code that runs the boot program: safe characters only."""
+    import base64
     encoded = base64.b64encode(PLACE_BOOT.encode("utf-8")).decode("ascii")
     return 'import base64,sys;exec(base64.b64decode("%s"))' % encoded
 
@@ -21117,6 +21142,7 @@ class Place:
         self.known = {}              # {project: commits its repository there has}
 
     def describe(self):
+        import shlex
         prefix = self.config.ssh or self.config.exec
         return "%s %s" % (self.config.kind, " ".join(shlex.quote(w) for w in (
             prefix[-1:] if self.config.ssh else prefix)))
@@ -21140,6 +21166,8 @@ class Place:
 
     def argv(self, request):
         """The local argv that carries ``request`` to the place."""
+        import shlex
+        import base64
         request = dict(request, dir=self.config.dir, hash=self.program[0],
                        path=list(self.config.path))
         words = [self.config.python, "-c", place_boot_line(),
@@ -21223,6 +21251,7 @@ class Place:
         return "unreachable"
 
     def _failure(self, verdict, code, err, tries):
+        import shlex
         said = _said(err)
         where = "place %s (%s)" % (self.name, self.describe())
         if verdict == "old-python":
@@ -21483,6 +21512,7 @@ def place_project_key(root):
     """The name a project has at every place: from this machine's name and its repository's
     path, so two projects (or two machines) never share one there, and nothing of the path
     itself leaves this machine."""
+    import socket
     import hashlib
     try:
         where = git_repository(root).toplevel
@@ -21530,6 +21560,7 @@ class PlaceFollower:
 
     def __init__(self, place, project, task, after=0, messages_from=0, beat=2.0, lease=90.0,
                  sleep=None, delays=None):
+        import queue
         self.place = place
         self.project = project
         self.task = task
@@ -21555,6 +21586,7 @@ class PlaceFollower:
 
     def get(self, timeout=None):
         """The next item, or None when none came within ``timeout``."""
+        import queue
         try:
             return self.items.get(timeout=timeout)
         except queue.Empty:
@@ -22565,7 +22597,7 @@ def _host_name():
 
 
 # ============================================================================
-# src/ferrus/web_link.py (from its line 25)
+# src/ferrus/web_link.py (from its line 24)
 # ============================================================================
 # Where the running web boards are: .ferrus/web.json, for [notify] and runs.
 #
@@ -22642,6 +22674,7 @@ def web_board_url(store, task_id=None):
     """The URL of ``task_id``'s page (of the board without it) while `ferrus web` (or a
     run's --web) serves this project, else None; [notify] puts it in its messages.  It
     never holds the token: the browser that opened the board has its cookie."""
+    import urllib.parse
     for board in _read_boards(store):
         if _board_alive(board):
             return board["url"] + (
@@ -28962,7 +28995,7 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/place_side.py (from its line 59)
+# src/ferrus/place_side.py (from its line 58)
 # ============================================================================
 # The far end of a place: what ferrus does there when an orchestrator asks.
 #
@@ -29357,6 +29390,7 @@ def _op_start(request, base, program, stdin, out):
 def place_self_argv(program, base, request):
     """The argv that runs ``request`` with the ferrus copied to ``program``, from this
     machine itself (the supervisor and its job)."""
+    import base64
     code = ("import sys; sys.path.insert(0, %r); import ferrus, json, base64; "
             "r = json.loads(base64.b64decode(sys.argv[1])); "
             "sys.exit(ferrus.place_side_main(r, %r, %r))" % (program, base, program))
@@ -30442,7 +30476,7 @@ def _bump_rev(store, last):
 
 
 # ============================================================================
-# src/ferrus/build_backend.py (from its line 16)
+# src/ferrus/build_backend.py (from its line 15)
 # ============================================================================
 # Packaging: ferrus as its own PEP 517 build backend.
 #
@@ -30499,6 +30533,7 @@ class BuildBackend:
 
     @staticmethod
     def _record_line(path, data):
+        import base64
         import hashlib          # build-time only: kept off every command's start-up
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         return "%s,sha256=%s,%d\n" % (path, digest, len(data))
@@ -34460,7 +34495,7 @@ WEB_TASK_ACTIONS = {"cancel": web_cancel, "retry": web_retry, "approve": web_app
 
 
 # ============================================================================
-# src/ferrus/web.py (from its line 47)
+# src/ferrus/web.py (from its line 45)
 # ============================================================================
 # The web board's server: `ferrus web`, and a board beside `ferrus run` and HQ.
 #
@@ -34734,6 +34769,7 @@ class WebRequest:
     """One request as the app sees it (built by the HTTP handler, or by a test)."""
 
     def __init__(self, method, target, headers, read_body, scheme="http", admit=None):
+        import urllib.parse
         self.method = method
         parts = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(parts.path)
@@ -34769,6 +34805,7 @@ def web_json(status, value, headers=()):
 
 
 def _page_nonce():
+    import base64
     return base64.b64encode(os.urandom(18)).decode("ascii")
 
 
@@ -34861,6 +34898,7 @@ class WebApp:
     def _sign_in(self, request, token):
         """``?token=`` on a page: the cookie is set and the browser sent to the same page
         without the token, so it leaves the address bar and the history."""
+        import urllib.parse
         if not self.guard.token_matches(token):
             raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
                              "prints a new URL each time it starts; open the latest")

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import shutil
 
 from .basics import FerrusError, LazyPattern
@@ -539,6 +538,7 @@ _SHELL_WRAPPER = LazyPattern(r"^(?:/usr)?(?:/bin/)?(?:ba|z)?sh -l?c ")
 
 def _unwrap_shell(command):
     """``/bin/bash -lc 'cat a.txt'`` as ``cat a.txt`` (the command the model gave)."""
+    import shlex
     if not isinstance(command, str) or not _SHELL_WRAPPER.match(command):
         return command
     rest = _SHELL_WRAPPER.sub("", command, count=1)

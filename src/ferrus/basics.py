@@ -5,7 +5,6 @@ agent, a check or a file wrote passes terminal_safe before it reaches a terminal
 
 import dataclasses
 import datetime as _dt
-import difflib
 import json
 import logging
 import os
@@ -258,5 +257,6 @@ def new_id(prefix):
 def did_you_mean(word, candidates):
     """The known name closest to a mistyped one, or None (difflib; argparse suggests
     only from Python 3.14 on)."""
+    import difflib
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return close[0] if close else None

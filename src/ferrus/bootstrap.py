@@ -6,7 +6,6 @@ task gets a block of ports (FERRUS_TASK_PORT) for its agents, checks, setup and
 teardown; [parallel] teardown runs before its worktree is removed."""
 
 import dataclasses
-import glob
 import os
 import shutil
 
@@ -38,6 +37,7 @@ def copy_sources(root, patterns, skip=()):
     does not track — a matched folder holding tracked files is gone through child by
     child.  Never .git or .ferrus, nor anything inside one of the folders ``skip`` (the
     worktrees' own folder)."""
+    import glob
     matched = set()
     for pattern in patterns:
         for path in glob.glob(os.path.join(glob.escape(root), pattern), recursive=True):

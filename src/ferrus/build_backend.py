@@ -4,7 +4,6 @@ pyproject.toml names ``ferrus:BuildBackend`` (``backend-path = ["."]``), so
 ``pip install .`` needs nothing but the standard library — no setuptools download,
 which is what an air-gapped machine has."""
 
-import base64
 import os
 import re
 import time
@@ -62,6 +61,7 @@ class BuildBackend:
 
     @staticmethod
     def _record_line(path, data):
+        import base64
         import hashlib          # build-time only: kept off every command's start-up
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         return "%s,sha256=%s,%d\n" % (path, digest, len(data))

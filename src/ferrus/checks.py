@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -134,6 +133,7 @@ def missing_check_programs(root, command):
     for a path, a file under ``root`` — what would make the shell say "not found".  Only
     plain words in command position are judged; anything the shell expands ($VAR,
     `…`, globs) is left alone, so a command that merely looks odd is never reported."""
+    import shlex
     if IS_WINDOWS:  # pragma: no cover  (cmd.exe quoting is another language)
         return []
     try:

@@ -24,7 +24,6 @@ argv, prompt on stdin, the role's MCP server, permissions, output parser).
 
 import json
 import os
-import shlex
 import sys
 
 from .store import FERRUS_DIR
@@ -320,6 +319,7 @@ GOOSE_MAX_TOOL_REPETITIONS = 25
 
 def _command_string(argv):
     """One command line goose splits back into ``argv`` (its --with-extension value)."""
+    import shlex
     if os.name == "nt":  # pragma: no cover - Windows quoting
         return " ".join('"%s"' % arg.replace('"', '\\"') if not arg or any(
             c in arg for c in ' \t"') else arg for arg in argv)

@@ -4,7 +4,6 @@ Role scoping is a hard boundary: a tool outside the role is neither listed nor
 callable.  Input schemas stay flat; tool failures are isError results with the whole
 cause; resources never follow a symbolic link out of .ferrus/."""
 
-import base64
 import contextlib
 import errno
 import json
@@ -15,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.parse
 
 from .basics import (FerrusError, LazyPattern, UsageError, __version__, compact_json, log,
                      new_id, pretty_json)
@@ -273,6 +271,7 @@ def _utf8_text(data):
 def read_log_window(store, uri):
     """(contents list) of ferrus://logs/<name>[?offset=N&length=M], never the whole
     of a huge log: see LOG_WINDOW_HEAD/TAIL and LOG_READ_MAX."""
+    import base64
     match = LOG_URI_RE.match(uri)
     if not match:
         raise ResourceNotFound("Resource not found: %s" % uri,
@@ -334,6 +333,7 @@ def read_log_window(store, uri):
 def read_diff_resource(store, uri):
     """The text of ferrus://diff (the task's whole diff, bounded) or ferrus://diff/<path>
     (one file or folder of it).  Without git it says why there is no diff."""
+    import urllib.parse
     rest = uri[len("ferrus://diff"):]
     paths = None
     if rest:
@@ -617,6 +617,7 @@ class FerrusMcpServer:
         return self.era(request) >= "2025-06-18"
 
     def _page(self, request, items, key):
+        import base64
         cursor = request.params.get("cursor")
         start = 0
         if cursor is not None:

@@ -12,13 +12,10 @@ that says what to check.
 
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import os
-import socket
 import threading
 import time
-import urllib.parse
 
 from .basics import FerrusError, __version__, deferred_dataclass, did_you_mean, fields_of
 from .config import CONFIG_FILE
@@ -144,6 +141,7 @@ class NanoEndpoint:
 
 
 def _is_loopback(host):
+    import ipaddress
     if host.lower() in ("localhost", "localhost."):
         return True
     try:
@@ -154,6 +152,7 @@ def _is_loopback(host):
 
 def nano_endpoint(settings):
     """The endpoint of ``settings.base_url``; a remote one only with allow_remote."""
+    import urllib.parse
     where = "[agents.nano] base_url %s" % json.dumps(settings.base_url)
     hint = 'e.g. base_url = "%s" (Ollama), "http://127.0.0.1:8080/v1" (llama-server) or ' \
            '"http://127.0.0.1:8000/v1" (vLLM)' % NANO_DEFAULT_BASE_URL
@@ -356,6 +355,7 @@ class ChatCompletionsClient:
         self._limit = self.timeout   # the seconds that deadline allowed
 
     def _connect(self):
+        import socket
         import http.client      # here, not at the top: every other command starts without it
         if self._connection is None:
             kind = http.client.HTTPSConnection if self.endpoint.scheme == "https" \
@@ -419,6 +419,7 @@ class ChatCompletionsClient:
         raise AssertionError("unreachable")
 
     def _request_once(self, method, path, body, stream):
+        import socket
         import http.client
         url = self.endpoint.url + path
         try:
@@ -502,6 +503,7 @@ class ChatCompletionsClient:
             self._deadline = None
 
     def _expire(self):
+        import socket
         sock = getattr(self._connection, "sock", None)
         if self._deadline is not None:
             self._deadline = self.clock()        # every later check says: timed out
@@ -510,6 +512,7 @@ class ChatCompletionsClient:
                     sock.shutdown(socket.SHUT_RDWR)
 
     def _complete_once(self, messages, tools):
+        import socket
         import http.client
         self._time_left()
         body = {"model": self.model, "messages": messages, "stream": True,

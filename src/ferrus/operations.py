@@ -9,7 +9,6 @@ confirmation, consultations and specs; and the shape of an MCP tool (Param, Tool
 import contextlib
 import dataclasses
 import fnmatch
-import getpass
 import itertools
 import os
 import threading
@@ -598,6 +597,7 @@ def op_reject(store, caller, notes):
 
 def human_name():
     """Who the human at this terminal is, as the journal records a confirmation."""
+    import getpass
     try:
         return getpass.getuser()
     except (OSError, KeyError, ImportError):     # no login name anywhere (containers)

@@ -21,7 +21,6 @@ journal entries and the controller's messages from where the orchestrator stoppe
 with a beat line every few seconds (which renews the lease).
 """
 
-import base64
 import contextlib
 import dataclasses
 import json
@@ -427,6 +426,7 @@ def _op_start(request, base, program, stdin, out):
 def place_self_argv(program, base, request):
     """The argv that runs ``request`` with the ferrus copied to ``program``, from this
     machine itself (the supervisor and its job)."""
+    import base64
     code = ("import sys; sys.path.insert(0, %r); import ferrus, json, base64; "
             "r = json.loads(base64.b64decode(sys.argv[1])); "
             "sys.exit(ferrus.place_side_main(r, %r, %r))" % (program, base, program))

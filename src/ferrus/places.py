@@ -26,15 +26,11 @@ stream back, a dropped connection is reconnected with backoff from the last entr
 and its beats keep the task's lease at the place alive.
 """
 
-import base64
 import contextlib
 import dataclasses
 import json
 import os
-import queue
-import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -211,6 +207,7 @@ PLACE_MAX_PACK_BYTES = 2 << 30
 
 def place_boot_line():
     """The `python -c` code that runs the boot program: safe characters only."""
+    import base64
     encoded = base64.b64encode(PLACE_BOOT.encode("utf-8")).decode("ascii")
     return 'import base64,sys;exec(base64.b64decode("%s"))' % encoded
 
@@ -239,6 +236,7 @@ class Place:
         self.known = {}              # {project: commits its repository there has}
 
     def describe(self):
+        import shlex
         prefix = self.config.ssh or self.config.exec
         return "%s %s" % (self.config.kind, " ".join(shlex.quote(w) for w in (
             prefix[-1:] if self.config.ssh else prefix)))
@@ -262,6 +260,8 @@ class Place:
 
     def argv(self, request):
         """The local argv that carries ``request`` to the place."""
+        import shlex
+        import base64
         request = dict(request, dir=self.config.dir, hash=self.program[0],
                        path=list(self.config.path))
         words = [self.config.python, "-c", place_boot_line(),
@@ -345,6 +345,7 @@ class Place:
         return "unreachable"
 
     def _failure(self, verdict, code, err, tries):
+        import shlex
         said = _said(err)
         where = "place %s (%s)" % (self.name, self.describe())
         if verdict == "old-python":
@@ -605,6 +606,7 @@ def place_project_key(root):
     """The name a project has at every place: from this machine's name and its repository's
     path, so two projects (or two machines) never share one there, and nothing of the path
     itself leaves this machine."""
+    import socket
     import hashlib
     try:
         where = git_repository(root).toplevel
@@ -652,6 +654,7 @@ class PlaceFollower:
 
     def __init__(self, place, project, task, after=0, messages_from=0, beat=2.0, lease=90.0,
                  sleep=None, delays=None):
+        import queue
         self.place = place
         self.project = project
         self.task = task
@@ -677,6 +680,7 @@ class PlaceFollower:
 
     def get(self, timeout=None):
         """The next item, or None when none came within ``timeout``."""
+        import queue
         try:
             return self.items.get(timeout=timeout)
         except queue.Empty:

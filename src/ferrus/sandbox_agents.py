@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ class SandboxMcpBridge:
         self._thread = None
 
     def start(self):
+        import socket
         os.chmod(self.folder, 0o700)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -83,6 +83,7 @@ class SandboxMcpBridge:
         return self
 
     def _serve(self):
+        import socket
         while not self._closed.is_set():
             try:
                 connection, _ = self._listener.accept()
@@ -167,6 +168,7 @@ def relay_mcp_stdio(path, session=None, stdin_fd=None, stdout_fd=None):
     """The ``ferrus serve`` an agent starts inside a sandbox: it names its agent session
     (``$FERRUS_SESSION``), then relays its stdio byte for byte to the bridge at ``path``.
     Returns the exit code."""
+    import socket
     stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     stdout_fd = sys.stdout.fileno() if stdout_fd is None else stdout_fd
     session = os.environ.get(SESSION_ENV, "") if session is None else session

@@ -22,7 +22,6 @@ would pay for them at start-up.  Windows: the same, except SIGHUP (there is none
 """
 
 import argparse
-import base64
 import collections
 import contextlib
 import json
@@ -32,7 +31,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.parse
 
 from .basics import LazyPattern, FerrusError, UsageError, compact_json, log, say
 from .store import Store, is_story
@@ -294,6 +292,7 @@ class WebRequest:
     """One request as the app sees it (built by the HTTP handler, or by a test)."""
 
     def __init__(self, method, target, headers, read_body, scheme="http", admit=None):
+        import urllib.parse
         self.method = method
         parts = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(parts.path)
@@ -329,6 +328,7 @@ def web_json(status, value, headers=()):
 
 
 def _page_nonce():
+    import base64
     return base64.b64encode(os.urandom(18)).decode("ascii")
 
 
@@ -421,6 +421,7 @@ class WebApp:
     def _sign_in(self, request, token):
         """``?token=`` on a page: the cookie is set and the browser sent to the same page
         without the token, so it leaves the address bar and the history."""
+        import urllib.parse
         if not self.guard.token_matches(token):
             raise WebRefusal(401, "this access token is not the board's", "`ferrus web` "
                              "prints a new URL each time it starts; open the latest")

@@ -15,7 +15,6 @@ the board, which comes after HQ.
 import contextlib
 import json
 import os
-import urllib.parse
 
 from .basics import LazyPattern, FerrusError, compact_json, format_timestamp
 from .system import FileLock, UnsafePath, atomic_write, open_inside, pid_alive, process_start
@@ -84,6 +83,7 @@ def web_board_url(store, task_id=None):
     """The URL of ``task_id``'s page (of the board without it) while `ferrus web` (or a
     run's --web) serves this project, else None; [notify] puts it in its messages.  It
     never holds the token: the browser that opened the board has its cookie."""
+    import urllib.parse
     for board in _read_boards(store):
         if _board_alive(board):
             return board["url"] + (

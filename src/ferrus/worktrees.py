@@ -457,11 +457,13 @@ def own_checkout(root, path, start):
         checkout = task_checkout(root, path)
     except GitError:
         common = common_git_dir(root)
-        if worktree_admin_dir(common, path) is None and _folder_has_files(path):
+        registered = worktree_admin_dir(common, path) is not None
+        if not registered and _folder_has_files(path):
             raise GitError("%s is in the way of a checkout of ferrus's" % path,
                            "ferrus keeps its own clean checkouts there: move that folder "
                            "away") from None
-        _discard_worktree(root, path)
+        if registered or os.path.lexists(path):      # else nothing is there to discard
+            _discard_worktree(root, path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_git(root, ["worktree", "add", "-q", "--detach", "--no-checkout", path,
                        start + "^{commit}"])
@@ -562,8 +564,21 @@ def rechain(gate, target, trees_and_messages):
     return parent
 
 
+# A commit's tree never changes (its id is a hash of it): {commit id: tree id}, so the
+# merge queue's several comparisons of the same commits start git once per commit.
+_TREES = {}
+_FULL_COMMIT_ID = LazyPattern(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
 def _tree_of(where, commit):
-    return os.fsdecode(run_git(where, ["rev-parse", commit + "^{tree}"])).strip()
+    tree = _TREES.get(commit)
+    if tree is None:
+        tree = os.fsdecode(run_git(where, ["rev-parse", commit + "^{tree}"])).strip()
+        if _FULL_COMMIT_ID.fullmatch(commit):
+            if len(_TREES) >= 4096:
+                _TREES.clear()
+            _TREES[commit] = tree
+    return tree
 
 
 def _first_parent(where, commit):
