@@ -757,3 +757,12 @@ def test_the_mcp_tools_answer_every_role_with_valid_structured_content(project, 
             assert missing["isError"] and "no memory record" in missing["content"][0]["text"]
         finally:
             client.close()
+
+
+def test_a_task_whose_end_and_the_queues_word_on_it_are_read_together_is_recorded_once():
+    ends = [("t-1", "complete", "10:00"), ("t-2", "failed", "10:01"), ("t-1", "merged", "10:02"),
+            ("t-3", "complete", "10:03"), ("t-3", "retried", "10:04")]
+    assert ferrus._memory_last_ends(ends) == [
+        ("t-2", "failed", "10:01"), ("t-1", "merged", "10:02"),
+        # a retry does not say how the attempt before it ended: both are kept
+        ("t-3", "complete", "10:03"), ("t-3", "retried", "10:04")]

@@ -633,6 +633,19 @@ def _memory_journal_stamp(store):
     return "%d:%d" % (info.st_ino, info.st_size)
 
 
+def _memory_last_ends(ends):
+    """``ends`` without a task's own end (complete, failed) that a later end of the same
+    task read in the same sync supersedes — the queue's word on it (merged, failed,
+    cancelled …) follows it in the journal: its record is built once, as it ended."""
+    kept = []
+    for index, (task, outcome, ended_at) in enumerate(ends):
+        if outcome in ("complete", "failed") and any(
+                later == task and then != "retried" for later, then, _ in ends[index + 1:]):
+            continue
+        kept.append((task, outcome, ended_at))
+    return kept
+
+
 def memory_sync(store, rebuild=False):
     """Bring the memory up to date with the journal, the task records and the archived
     specs; ``rebuild``: make the database again from scratch (the record files, the whole
@@ -690,7 +703,7 @@ def _memory_sync(store, connection):
             if first is not None and first > int(_memory_meta(connection, "last_seq", "0")) + 1:
                 done["lost"] = "journal entries %d to %d were gone before memory read them" % (
                     int(_memory_meta(connection, "last_seq", "0")) + 1, first - 1)
-            for task, outcome, ended_at in ends:
+            for task, outcome, ended_at in _memory_last_ends(ends):
                 facts = facts_cache[task]
                 if outcome != "retried":               # running again: followed as such
                     facts["outcome"] = outcome
