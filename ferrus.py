@@ -7364,6 +7364,24 @@ def _repositories_beside(path, keep):
     return found
 
 
+def _program_run(argv):
+    """(real path, path as named) of the program ``argv`` starts — the sandbox may hide
+    the folder it is named in (a virtual environment under /tmp) while the program itself
+    is the agent CLI the configuration chose — and a virtual environment's pyvenv.cfg
+    beside it, which that Python reads to know what it is."""
+    if not argv:
+        return []
+    program = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0])
+    if not program or not os.path.isfile(program):
+        return []
+    program = os.path.abspath(program)
+    found = [(_real(program), program)]
+    settings = os.path.join(os.path.dirname(os.path.dirname(program)), "pyvenv.cfg")
+    if os.path.isfile(settings):
+        found.append((_real(settings), settings))
+    return found
+
+
 def _paths_named(argv):
     """Absolute paths of existing files an argv names (``/p`` or ``--opt=/p``): an agent's
     MCP configuration may sit in the hidden project checkout, and must stay readable."""
@@ -7423,6 +7441,7 @@ def plan_sandbox(config, work_tree, state_dir, cwd=None, repository=None, agents
     writable = [work_tree, temp]
     shown = [(path, path) for path in _ferrus_program_files()]
     shown += [(_real(path), _real(path)) for path in list(readable) + _paths_named(argv)]
+    shown += _program_run(argv)
     hidden = []
     env = {"TMPDIR": temp, "TMP": temp, "TEMP": temp}
     for agent in agents:

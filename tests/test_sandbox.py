@@ -648,3 +648,27 @@ def test_a_parallel_run_with_the_sandbox_on_and_no_bwrap_refuses_to_start(visibl
         ferrus.run_parallel(store, 2, timeout=30, out=lambda line: None)
     assert "bubblewrap" in refused.value.message and "apt" in refused.value.hint
     assert {row["status"] for row in ferrus.task_rows(store)} == {"queued"}
+
+
+def test_an_agent_program_in_a_hidden_folder_still_starts(task_world, tmp_path):
+    """The agent CLI the configuration names may live where the sandbox hides (a virtual
+    environment under /tmp): the program itself, and its pyvenv.cfg, stay readable where
+    they are named; the rest of that folder stays hidden."""
+    world = task_world
+    venv = tempfile.mkdtemp(prefix="ferrus-venv-", dir="/tmp")
+    try:
+        os.makedirs(os.path.join(venv, "bin"))
+        program = os.path.join(venv, "bin", "agent")
+        os.symlink("/bin/sh", program)
+        with open(os.path.join(venv, "pyvenv.cfg"), "w") as handle:
+            handle.write("home = /usr/bin\n")
+        with open(os.path.join(venv, "secret"), "w") as handle:
+            handle.write("s\n")
+        argv = world["task"].wrap([program, "-c", 'cat "$1"; test -e "$SECRET" || echo HIDDEN',
+                                   "sh", os.path.join(venv, "pyvenv.cfg")])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, SECRET=os.path.join(venv, "secret")))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["home", "=", "/usr/bin", "HIDDEN"]
+    finally:
+        shutil.rmtree(venv)
