@@ -173,3 +173,70 @@ def test_a_runner_step_starts_every_agent_before_it_journals_their_moves(store):
     runner.step()
     assert calls == [("hold", "a"), ("hold", "b"), ("poll", "a"), ("poll", "b"),
                      ("release", "a"), ("release", "b")]
+
+
+def test_a_runner_step_starts_a_few_agents_and_the_rest_in_the_next_steps(store):
+    """A step that started every needed agent at once left the other tasks' hand-offs
+    waiting for it: a step starts AGENT_STARTS_PER_STEP at most, in the tasks' order."""
+    started = []
+
+    class Controller:
+        def __init__(self, name):
+            self.name = name
+            self.shown_question = self.shown_confirmation = None
+            self.slots = {}
+            self.waiting = True
+
+        def hold_session_moves(self):
+            pass
+
+        def poll(self):
+            if self.waiting and self.may_start_agent():
+                self.waiting = False
+                started.append((steps[0], self.name))
+
+        def release_session_moves(self):
+            pass
+
+    runner = ferrus.ParallelRunner(store, lambda message: None, 8)
+    runner.AGENT_STARTS_PER_STEP = 2
+    controllers = {"t-%d" % n: Controller("t-%d" % n) for n in range(5)}
+    for controller in controllers.values():
+        controller.may_start_agent = runner._may_start_agent
+    runner.controllers = controllers
+    runner._watch_task = lambda task, controller: None
+    runner.finished = True                 # only the polling part of the step
+    steps = [0]
+    for steps[0] in range(1, 4):
+        runner.step()
+    assert started == [(1, "t-0"), (1, "t-1"), (2, "t-2"), (2, "t-3"), (3, "t-4")]
+    # Outside a step (an HQ winding a task down) nothing is held back.
+    assert runner._may_start_agent() and runner._may_start_agent() and \
+        runner._may_start_agent()
+
+
+def test_an_agent_a_slot_needs_waits_while_the_runner_says_not_now(store):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
+    launched = []
+
+    def launcher(slot):
+        launched.append(slot.name)
+        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
+            (lambda line: [])
+
+    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    allowed = [False]
+    controller.may_start_agent = lambda: allowed[0]
+    try:
+        controller.poll()
+        assert launched == [] and controller.slots["executor"].state == SS.SPAWNING
+        controller.poll()
+        assert launched == []
+        allowed[0] = True
+        controller.poll()
+        assert launched == ["executor"] and controller.slots["executor"].state == SS.RUNNING
+        # Its moves were journaled once each, however long it waited in Spawning.
+        assert [to for _, _, to in session_moves(store)] == ["BuildingPrompt", "Spawning",
+                                                             "Running"]
+    finally:
+        controller.shutdown()

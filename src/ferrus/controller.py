@@ -113,6 +113,9 @@ class HqController(JournalView):
         self.limits = sessions_config(store.root)
         self.slots = {name: SessionSlot(name, self.limits) for name in SLOT_ROLES}
         self._deferred_moves = None   # session moves journaled once _advance is done
+        # Asked before an agent starts (a parallel run paces its steps with it); None: any
+        # agent a slot needs starts at once.
+        self.may_start_agent = None
         # Entries from before this HQ started are not shown again, and none is read:
         # start-up costs the same whatever the journal's length.
         self.journal_offset = store.journal_position()
@@ -301,7 +304,9 @@ class HqController(JournalView):
                     text += "\n\nURGENT message from the operator (act on it first):\n" + \
                         slot.session.urgent
                 self._step(slot, SessionEvent("PromptReady", text))
-            if slot.session.state == SS.SPAWNING and self._capacity_allows("spawn:" + slot.name):
+            if slot.session.state == SS.SPAWNING and (
+                    self.may_start_agent is None or self.may_start_agent()) and \
+                    self._capacity_allows("spawn:" + slot.name):
                 self._spawn(slot)
         finally:
             if not held:

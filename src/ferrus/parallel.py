@@ -186,6 +186,7 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self.known_target = None       # the target's head as this run last left it
         self.tasks_completed = 0
         self._seen = None              # what step() last judged the tasks by
+        self._starts_left = None       # agents a step may still start (None: not in a step)
         self._queued = None            # (state stamp, queued task ids)
         self._integrating = None       # (state stamp, controllers, tasks to integrate)
         self._init_places(config, max_tasks is not None)     # [parallel] places
@@ -410,15 +411,31 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                     self.note("could not remove the worktree of finished task %s: %s"
                               % (short_task_id(task), err.message), "warning", task_id=task)
 
+    # Agents one step starts at most (one per CPU, at least two).  Starting one is tens of
+    # milliseconds of the runner's time and an agent CLI's start-up on the cores; a step
+    # that started eight at once left every other task's hand-off (a submission to review,
+    # an approval to the merge queue) waiting for it.  The rest start in the next steps.
+    AGENT_STARTS_PER_STEP = max(2, os.cpu_count() or 1)
+
+    def _may_start_agent(self):
+        if self._starts_left is None:
+            return True
+        if self._starts_left <= 0:
+            return False
+        self._starts_left -= 1
+        return True
+
     def step(self):
         """Poll every task's controller, then do what the current phase needs."""
         polled = list(self.controllers.values())
+        self._starts_left = self.AGENT_STARTS_PER_STEP
         try:
             for controller in polled:
                 controller.hold_session_moves()
             for controller in polled:
                 controller.poll()
         finally:
+            self._starts_left = None
             for controller in polled:
                 controller.release_session_moves()
         # What the tasks' states ask of the runner changes only with a commit (or with a
@@ -705,6 +722,7 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                                   launcher=self.launcher, bell=self.bell,
                                   executor_agent=record.get("agent"), notifier=self.notifier,
                                   executor_model=record.get("model"))
+        controller.may_start_agent = self._may_start_agent
         try:
             # [sandbox] on: its agents start confined, or the task fails saying how to
             # install bubblewrap (it never starts unconfined).
