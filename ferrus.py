@@ -24951,9 +24951,22 @@ class MergeQueue:
         if self.integration is not None:
             if self.integration["thread"].is_alive():
                 return
-            self._finish_integration(self.integration)
-            self.integration = None
-            # The next task in the queue starts now, not a step (eight polls) later.
+            # The next task in the queue starts now, not a step (eight polls) later, and
+            # before the finished task's worktrees are removed: that removal then runs
+            # beside the next integration's thread instead of ahead of it.
+            held = self.held_cleanups = []
+            try:
+                self._finish_integration(self.integration)
+                self.integration = None
+                self._start_next_integration()
+            finally:
+                self.held_cleanups = None
+                for cleanup in held:
+                    cleanup()
+            return
+        self._start_next_integration()
+
+    def _start_next_integration(self):
         if self.halted:
             return          # stopped (a moved target, a refused push): nothing more starts
         if self.retry_at is not None and self.clock() < self.retry_at:
@@ -25724,7 +25737,7 @@ def group_race_rows(store, rows, now=None):
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 61)
+# src/ferrus/parallel.py (from its line 62)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -25846,6 +25859,9 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self.repo = None
         self.worktree_dir = None
         self.integration = None        # {"task", "thread", "result"} while one runs
+        # While a finished integration is wound up: what _end_task leaves until the next
+        # integration has started (removing the merged task's worktrees).
+        self.held_cleanups = None
         self.held_candidate = None     # (task, Integration) checked, waiting to fast-forward
         self.retry_at = None           # when a waiting integration is tried again
         self.waiting_said = None
@@ -26583,6 +26599,22 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         if confinement is not None:
             confinement.close()
 
+    def _remove_finished_worktrees(self, task, record):
+        """A merged (or unchanged, or published) task's review checkout, [parallel]
+        teardown, worktree and branch: gone, each failure said with its repair."""
+        with contextlib.suppress(FerrusError, OSError):
+            remove_review_checkout(self.store.root, record["worktree"])
+        torn = tear_down_task(self.store, record)
+        if torn:
+            self.note("task %s: %s" % (short_task_id(task), torn), "warning", task_id=task)
+        try:
+            remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+        except FerrusError as err:
+            self.note("could not remove task %s's worktree %s: %s (`ferrus doctor --fix` "
+                      "removes what a finished task leaves)" % (
+                          short_task_id(task), record["worktree"], err.message),
+                      "warning", task_id=task)
+
     def _end_task(self, task, status, reason, head=None, empty=False):
         """Record how a task ended; a merged, unchanged or cancelled task's worktree and
         branch go, a failed one's stay for a look (until `ferrus task cancel`; `doctor`
@@ -26629,24 +26661,21 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         saved_note = ""
         if record.get("store") == "place":
             saved_note = self._end_at_place(task, record, status, controller)
-        if record.get("worktree"):
-            with contextlib.suppress(FerrusError, OSError):
-                remove_review_checkout(self.store.root, record["worktree"])
         if status in (MERGED_STATUS, UNCHANGED_STATUS, PUBLISHED_STATUS) and \
                 record.get("worktree"):
-            torn = tear_down_task(self.store, record)
-            if torn:
-                self.note("task %s: %s" % (short_task_id(task), torn), "warning",
-                          task_id=task)
-            try:
-                remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
-            except FerrusError as err:
-                self.note("could not remove task %s's worktree %s: %s (`ferrus doctor --fix` "
-                          "removes what a finished task leaves)" % (
-                              short_task_id(task), record["worktree"], err.message),
-                          "warning", task_id=task)
+            removal = functools.partial(self._remove_finished_worktrees, task, record)
+            if self.held_cleanups is not None:
+                self.held_cleanups.append(removal)     # once the next integration started
+            else:
+                removal()
+        elif record.get("worktree"):
+            with contextlib.suppress(FerrusError, OSError):
+                remove_review_checkout(self.store.root, record["worktree"])
+            if status == CANCELLED_STATUS and record.get("store") != "place":
+                # Its work is saved first (unless cancelled with --discard).
+                saved_note = _remove_task_leftovers(
+                    self.store, read_task_record(self.store.dir, task))[0]
         elif status == CANCELLED_STATUS and record.get("store") != "place":
-            # Its work is saved first (unless cancelled with --discard).
             saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
                                                                              task))[0]
         self.ended[task] = status

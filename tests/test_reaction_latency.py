@@ -104,6 +104,28 @@ def test_an_approved_task_enters_the_merge_queue_in_the_step_that_sees_it(store)
     assert runner.machine.phase == 5 and started == ["t-approved"]
 
 
+def test_the_next_integration_starts_before_the_merged_tasks_worktrees_are_removed(store):
+    runner = ferrus.ParallelRunner(store, lambda message: None, 2)
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    runner.integration = {"task": "t-merged", "thread": done}
+    order = []
+
+    def finish(job):
+        # What _end_task does for a merged task: its worktrees' removal is held.
+        assert runner.held_cleanups is not None
+        runner.held_cleanups.append(lambda: order.append("removed t-merged"))
+        order.append("merged t-merged")
+
+    runner._finish_integration = finish
+    runner.integrating = lambda: ["t-next"]
+    runner._start_integration = lambda task: order.append("started " + task)
+    runner._integrate()
+    assert order == ["merged t-merged", "started t-next", "removed t-merged"]
+    assert runner.held_cleanups is None     # outside a wind-up, removals are not held
+
+
 def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
     ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
 

@@ -66,9 +66,22 @@ class MergeQueue:
         if self.integration is not None:
             if self.integration["thread"].is_alive():
                 return
-            self._finish_integration(self.integration)
-            self.integration = None
-            # The next task in the queue starts now, not a step (eight polls) later.
+            # The next task in the queue starts now, not a step (eight polls) later, and
+            # before the finished task's worktrees are removed: that removal then runs
+            # beside the next integration's thread instead of ahead of it.
+            held = self.held_cleanups = []
+            try:
+                self._finish_integration(self.integration)
+                self.integration = None
+                self._start_next_integration()
+            finally:
+                self.held_cleanups = None
+                for cleanup in held:
+                    cleanup()
+            return
+        self._start_next_integration()
+
+    def _start_next_integration(self):
         if self.halted:
             return          # stopped (a moved target, a refused push): nothing more starts
         if self.retry_at is not None and self.clock() < self.retry_at:
