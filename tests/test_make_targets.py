@@ -80,3 +80,12 @@ def test_the_split_suite_with_nothing_selected_fails_as_pytest_does():
     done = run_split("-k", "no_test_is_called_this_anywhere")
     assert done.returncode == 5, done.stdout[-2000:]
     assert "no tests ran" in done.stdout or "deselected" in done.stdout
+
+
+def test_a_bad_number_of_groups_is_a_usage_error_that_names_it():
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "run_tests.py")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env=dict(os.environ, FERRUS_TEST_JOBS="two"))
+    assert done.returncode == 4
+    assert "FERRUS_TEST_JOBS must be a whole number of at least 1, not 'two'" in done.stderr
+    assert run_split("--jobs", "0").returncode == 4

@@ -101,10 +101,18 @@ def names_paths(args):
 
 
 def default_jobs():
-    wanted = os.environ.get("FERRUS_TEST_JOBS", "")
-    if wanted.strip():
-        return int(wanted)
+    wanted = os.environ.get("FERRUS_TEST_JOBS", "").strip()
+    if wanted:
+        return jobs_number(wanted, "FERRUS_TEST_JOBS")
     return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_JOBS))
+
+
+def jobs_number(text, where):
+    if not text.isdigit() or int(text) < 1:
+        sys.stderr.write("run_tests.py: %s must be a whole number of at least 1, not %r "
+                         "(1 runs one plain pytest)\n" % (where, text))
+        raise SystemExit(4)            # pytest's status for a usage error
+    return int(text)
 
 
 class Group:
@@ -185,9 +193,9 @@ def main(argv=None):
         if option == "--record":
             record = True
         elif option.startswith("--jobs="):
-            jobs = int(option.split("=", 1)[1])
+            jobs = jobs_number(option.split("=", 1)[1], "--jobs")
         else:
-            jobs = int(args.pop(0))
+            jobs = jobs_number(args.pop(0) if args else "", option)
     jobs = default_jobs() if jobs is None else jobs
     if names_paths(args) or jobs <= 1:
         command = [sys.executable, "-m", "pytest", "-q"] + \
