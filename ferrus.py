@@ -29720,6 +29720,10 @@ def _op_follow(request, base, program, stdin, out):
     return None
 
 
+# How long follow_place_task holds back a task's state whose journal line it has not read.
+PLACE_VIEW_WAIT_SECS = 2.0
+
+
 def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=90.0,
                       poll=0.02, clock=time.monotonic, sleep=time.sleep):
     """Stream to ``out`` the task's journal entries after seq ``after`` and the messages
@@ -29733,6 +29737,7 @@ def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=
     next_beat = clock()
     last_seq = after
     shown = None
+    ahead_since = None
     try:
         while True:
             job = job_state(folder)
@@ -29743,8 +29748,19 @@ def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=
                 if entry.get("task_id") == task:
                     lines.append({"entry": entry})
             files = place_task_files(store, task, shown)
+            rev = files["state"].get("rev") if files is not None else None
+            if isinstance(rev, int) and rev > last_seq and (
+                    ahead_since is None or clock() - ahead_since < PLACE_VIEW_WAIT_SECS):
+                # Committed after the journal was read: the state goes with the entry that
+                # led to it, in the next round (the orchestrator commits entries with the
+                # state they led to; an entry after its state waited for a beat, and a
+                # task merged before that beat lost it).  A line that never comes (its
+                # write failed) holds the state back PLACE_VIEW_WAIT_SECS at most.
+                ahead_since = clock() if ahead_since is None else ahead_since
+                files = None
             if files is not None:
-                shown = files["state"].get("rev")
+                ahead_since = None
+                shown = rev
                 lines.append({"task": files})
             batch, messages_from = _messages_after(messages, messages_from)
             lines += [{"message": message, "at": messages_from} for message in batch]

@@ -9,6 +9,7 @@ by `runuser -u USER --` (tests/places_harness.py; skipped, saying why, without r
 openssh-server).
 """
 
+import io
 import json
 import os
 import re
@@ -721,3 +722,64 @@ def test_ferrus_places_prints_each_place_and_cleans_leftovers(local_place, tmp_p
     assert ferrus.cmd_places(args, store.root) == 0
     said = capsys.readouterr().out
     assert said.startswith("local      removed 2 leftovers: ") and TASK_ID in said
+
+
+def follow_in_rounds(tmp_path, monkeypatch, journal, states, clock):
+    """What follow_place_task sends, in order ((kind, seq or rev)), when by round N the
+    place's journal holds ``journal[N]`` and the task's STATE.json is at rev
+    ``states[N]``; the job ends at round 4."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.json").write_text(json.dumps({"state": "running", "pid": os.getpid()}))
+    rounds = [0]
+
+    class Store:
+        def journal_since(self, position, after):
+            got = [{"seq": seq, "task_id": "t-1", "event": "e%d" % seq}
+                   for seq in journal[rounds[0]] if seq > after]
+            return got, position
+
+    class Project:
+        def store(self):
+            return Store()
+
+        def job(self, task):
+            return str(job)
+
+    def files(store, task, shown):
+        rev = states[rounds[0]]
+        return None if rev == shown else {"state": {"rev": rev}, "files": {}}
+
+    def sleep(seconds):
+        rounds[0] += 1
+        if rounds[0] == 4:
+            (job / "job.json").write_text(json.dumps({"state": "ended"}))
+
+    monkeypatch.setattr(ferrus, "place_task_files", files)
+    monkeypatch.setattr(ferrus, "place_task_view", lambda store, task: {})
+    out = io.BytesIO()
+    rounds[0] = 1
+    ferrus.follow_place_task(Project(), "t-1", 0, 0, out, beat=1000.0,
+                             clock=lambda: clock(rounds[0]), sleep=sleep)
+    said = [json.loads(line) for line in out.getvalue().decode().splitlines()]
+    return [("entry", item["entry"]["seq"]) if "entry" in item else
+            ("state", item["task"]["state"]["rev"]) for item in said
+            if "entry" in item or "task" in item]
+
+
+def test_a_task_state_goes_to_the_orchestrator_after_the_entry_that_led_to_it(tmp_path,
+                                                                               monkeypatch):
+    """STATE.json is written before its journal line: a follower that read the journal
+    just before the commit saw the new state first, the orchestrator kept the entry
+    pending until the next beat, and a task merged before that beat lost its `approve`
+    entry.  The state now waits for its entry."""
+    order = follow_in_rounds(tmp_path, monkeypatch, journal={1: [1, 2], 2: [3], 3: [], 4: []},
+                             states={1: 3, 2: 3, 3: 3, 4: 3}, clock=lambda round_: 0.0)
+    assert order == [("entry", 1), ("entry", 2), ("entry", 3), ("state", 3)]
+
+
+def test_a_state_whose_journal_line_never_comes_is_sent_after_a_while(tmp_path, monkeypatch):
+    order = follow_in_rounds(tmp_path, monkeypatch, journal={1: [1, 2], 2: [], 3: [], 4: []},
+                             states={1: 3, 2: 3, 3: 3, 4: 3},
+                             clock=lambda round_: round_ * ferrus.PLACE_VIEW_WAIT_SECS)
+    assert order == [("entry", 1), ("entry", 2), ("state", 3)]
