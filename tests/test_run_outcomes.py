@@ -303,18 +303,20 @@ def test_a_parallel_run_with_a_board_waits_for_its_answer_instead_of_exit_4(
     monkeypatch.setenv("SCRIPTED_BEHAVIOR", "ask")
     board = ferrus.WebBoard(store, "127.0.0.1", 0).start()
     answered = []
+    lines = []
 
     def answer_from_the_board():
-        def waiting():
-            rows = ferrus.task_rows(store, [task])
-            return rows and rows[0].get("state") == ferrus.S.AWAITING_HUMAN.value
-        wait_for(waiting, "the task's question", limit=200)
+        # As its user would: once the run has said where the question waits (an answer
+        # given before the run saw the question leaves it nothing to say).
+        wait_for(lambda: any("waits for your answer on the board" in line for line in lines),
+                 "the run's word on the question", limit=200)
         answered.append(board_post(board.base_url, board.token, "/api/answer",
                                    {"text": "Blue", "task": task}))
     helper = threading.Thread(target=answer_from_the_board, daemon=True)
     helper.start()
     try:
-        code, lines = run_tasks(store, 2)         # no ask: nobody at this run's terminal
+        # No ask: nobody at this run's terminal.
+        code = ferrus.run_parallel(store, 2, timeout=240, out=lines.append)
     finally:
         board.close()
     helper.join(10)
