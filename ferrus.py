@@ -3755,18 +3755,12 @@ def task_record_problem(task, record):
     for key in _TASK_RECORD_COMMITS:
         if record.get(key) is not None and not _COMMIT_ID_RE.fullmatch(record[key]):
             return "%s %s is no commit id" % (key, _shown(record[key]))
-    for key, kinds in (("origin", {"spec": str, "milestone": str, "by": str,
-                                   "delegated_by": str}),
-                       ("integration", {"candidate": str, "target_head": str}),
-                       ("saved", {"ref": str, "commit": str})):
-        value = record.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            return "%s is %s, not an object" % (key, _shown(value))
-        for name, kind in kinds.items():
-            if value.get(name) is not None and not isinstance(value[name], kind):
-                return "%s.%s is %s, not text" % (key, name, _shown(value[name]))
+    problem = _objects_problem(record, (
+        ("origin", {"spec": str, "milestone": str, "by": str, "delegated_by": str}),
+        ("integration", {"candidate": str, "target_head": str}),
+        ("saved", {"ref": str, "commit": str})))
+    if problem:
+        return problem
     if record.get("discard") not in (None, True, False):
         return "discard is %s, not true or false" % _shown(record["discard"])
     conflicts = record.get("conflicts")
@@ -3783,6 +3777,23 @@ def task_record_problem(task, record):
     return _workflow_record_problem(record)
 
 
+def _objects_problem(record, shapes):
+    """What is wrong with the object fields of a task.json ``shapes`` names ((key,
+    {field: str or int}), in order), or None: each an object, each field of its kind."""
+    for key, kinds in shapes:
+        value = record.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return "%s is %s, not an object" % (key, _shown(value))
+        for name, kind in kinds.items():
+            item = value.get(name)
+            if item is not None and (not isinstance(item, kind) or isinstance(item, bool)):
+                return "%s.%s is %s, not %s" % (key, name, _shown(item),
+                                                "text" if kind is str else "a number")
+    return None
+
+
 def _workflow_record_problem(record):
     """What is wrong with the bootstrap, remote and race fields of a task.json (see
     bootstrap.py, remote.py, race.py), or None."""
@@ -3794,20 +3805,12 @@ def _workflow_record_problem(record):
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or
                              not 0 < port < 65536):
         return "port is %s, not a port number" % _shown(port)
-    for key, kinds in (("race", {"id": str, "attempt": int, "of": int}),
-                       ("push", {"remote": str, "status": str, "reason": str}),
-                       ("published", {"remote": str, "branch": str, "commit": str,
-                                      "pull_request": str})):
-        value = record.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            return "%s is %s, not an object" % (key, _shown(value))
-        for name, kind in kinds.items():
-            item = value.get(name)
-            if item is not None and (not isinstance(item, kind) or isinstance(item, bool)):
-                return "%s.%s is %s, not %s" % (key, name, _shown(item),
-                                                "text" if kind is str else "a number")
+    problem = _objects_problem(record, (
+        ("race", {"id": str, "attempt": int, "of": int}),
+        ("push", {"remote": str, "status": str, "reason": str}),
+        ("published", {"remote": str, "branch": str, "commit": str, "pull_request": str})))
+    if problem:
+        return problem
     for key in ("model", "lost_to"):
         if record.get(key) is not None and not isinstance(record[key], str):
             return "%s is %s, not text" % (key, _shown(record[key]))
@@ -26668,16 +26671,14 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                 self.held_cleanups.append(removal)     # once the next integration started
             else:
                 removal()
-        elif record.get("worktree"):
-            with contextlib.suppress(FerrusError, OSError):
-                remove_review_checkout(self.store.root, record["worktree"])
+        else:
+            if record.get("worktree"):
+                with contextlib.suppress(FerrusError, OSError):
+                    remove_review_checkout(self.store.root, record["worktree"])
             if status == CANCELLED_STATUS and record.get("store") != "place":
                 # Its work is saved first (unless cancelled with --discard).
                 saved_note = _remove_task_leftovers(
                     self.store, read_task_record(self.store.dir, task))[0]
-        elif status == CANCELLED_STATUS and record.get("store") != "place":
-            saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
-                                                                             task))[0]
         self.ended[task] = status
         if status == MERGED_STATUS:
             self.base_note = ""        # the target moved to a head the merge gate passed

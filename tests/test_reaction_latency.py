@@ -126,14 +126,19 @@ def test_the_next_integration_starts_before_the_merged_tasks_worktrees_are_remov
     assert runner.held_cleanups is None     # outside a wind-up, removals are not held
 
 
-def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
-    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
-
+def sleeping_agents(launched):
+    """A launcher whose agents sleep (their names go to ``launched``)."""
     def launcher(slot):
+        launched.append(slot.name)
         return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
             (lambda line: [])
+    return launcher
 
-    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+
+def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
+    ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
+    controller = ferrus.HqController(store, emit=lambda message: None,
+                                     launcher=sleeping_agents([]))
     try:
         controller.poll()
         before = len(session_moves(store))
@@ -150,13 +155,8 @@ def test_stopping_the_agents_journals_no_move_for_an_idle_slot(store):
 def test_held_session_moves_wait_for_the_release_and_still_count_as_sessions(store):
     ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
     launched = []
-
-    def launcher(slot):
-        launched.append(slot.name)
-        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
-            (lambda line: [])
-
-    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    controller = ferrus.HqController(store, emit=lambda message: None,
+                                     launcher=sleeping_agents(launched))
     try:
         controller.hold_session_moves()
         controller.poll()
@@ -240,13 +240,8 @@ def test_a_runner_step_starts_a_few_agents_and_the_rest_in_the_next_steps(store)
 def test_an_agent_a_slot_needs_waits_while_the_runner_says_not_now(store):
     ferrus.op_create_task(store, ferrus.HUMAN, "Do it.")
     launched = []
-
-    def launcher(slot):
-        launched.append(slot.name)
-        return ferrus.Launch(argv=[sys.executable, "-c", "import time; time.sleep(30)"]), \
-            (lambda line: [])
-
-    controller = ferrus.HqController(store, emit=lambda message: None, launcher=launcher)
+    controller = ferrus.HqController(store, emit=lambda message: None,
+                                     launcher=sleeping_agents(launched))
     allowed = [False]
     controller.may_start_agent = lambda: allowed[0]
     try:

@@ -500,23 +500,30 @@ def test_the_real_claude_cli_starts_inside(project, visible):
 
 # -- a whole task, its agents confined --------------------------------------------------------
 
-def test_a_task_runs_to_complete_with_its_agents_confined(visible):
-    """`ferrus run` with the scripted agent in both roles, each started in the sandbox: the
-    executor's hostile shell lines fail, its work lands, the reviewer approves through
-    the bridge (the `ferrus serve` its MCP configuration starts relays inside)."""
-    tool = bwrap_or_skip()
-    from conftest import SCRIPTED_CONFIG
+def scripted_project(visible, config):
+    """visible/proj: a repository with ferrus set up by ``config`` (the scripted agent in
+    both roles), everything committed on main."""
     root = os.path.join(visible, "proj")
     os.makedirs(root)
     git(root, "init", "-q", "-b", "main")
     ferrus.init_project(root, report=lambda message: None)
-    set_config(root, SCRIPTED_CONFIG)
+    set_config(root, config)
     ferrus.register_agents(root, {"supervisor": ("scripted", None),
                                   "executor": ("scripted", None)}, report=lambda m: None)
     with open(os.path.join(root, ".gitignore"), "w") as handle:
         handle.write(".ferrus/\n")
     git(root, "add", "-A")
     git(root, "commit", "-qm", "base")
+    return root
+
+
+def test_a_task_runs_to_complete_with_its_agents_confined(visible):
+    """`ferrus run` with the scripted agent in both roles, each started in the sandbox: the
+    executor's hostile shell lines fail, its work lands, the reviewer approves through
+    the bridge (the `ferrus serve` its MCP configuration starts relays inside)."""
+    tool = bwrap_or_skip()
+    from conftest import SCRIPTED_CONFIG
+    root = scripted_project(visible, SCRIPTED_CONFIG)
     memory = os.path.join(visible, "memory")
     home = os.path.join(visible, "home")
     os.makedirs(memory)
@@ -572,19 +579,9 @@ def sandboxed_queue_project(visible):
     from conftest import SCRIPTED_CONFIG
     memory = os.path.join(visible, "memory")
     os.makedirs(memory, exist_ok=True)
-    root = os.path.join(visible, "proj")
-    os.makedirs(root)
-    git(root, "init", "-q", "-b", "main")
-    ferrus.init_project(root, report=lambda message: None)
-    set_config(root, SCRIPTED_CONFIG + "\n[sandbox]\nenabled = true\nwritable = [%s]\n\n"
-                                       "[parallel]\nmax_tasks = 2\n" % json.dumps(memory))
-    ferrus.register_agents(root, {"supervisor": ("scripted", None),
-                                  "executor": ("scripted", None)}, report=lambda m: None)
-    with open(os.path.join(root, ".gitignore"), "w") as handle:
-        handle.write(".ferrus/\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "base")
-    return ferrus.Store(root)
+    return ferrus.Store(scripted_project(
+        visible, SCRIPTED_CONFIG + "\n[sandbox]\nenabled = true\nwritable = [%s]\n\n"
+                                   "[parallel]\nmax_tasks = 2\n" % json.dumps(memory)))
 
 
 def test_a_parallel_run_confines_each_tasks_agents_and_a_hostile_one_still_merges(

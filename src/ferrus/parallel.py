@@ -982,16 +982,14 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                 self.held_cleanups.append(removal)     # once the next integration started
             else:
                 removal()
-        elif record.get("worktree"):
-            with contextlib.suppress(FerrusError, OSError):
-                remove_review_checkout(self.store.root, record["worktree"])
+        else:
+            if record.get("worktree"):
+                with contextlib.suppress(FerrusError, OSError):
+                    remove_review_checkout(self.store.root, record["worktree"])
             if status == CANCELLED_STATUS and record.get("store") != "place":
                 # Its work is saved first (unless cancelled with --discard).
                 saved_note = _remove_task_leftovers(
                     self.store, read_task_record(self.store.dir, task))[0]
-        elif status == CANCELLED_STATUS and record.get("store") != "place":
-            saved_note = _remove_task_leftovers(self.store, read_task_record(self.store.dir,
-                                                                             task))[0]
         self.ended[task] = status
         if status == MERGED_STATUS:
             self.base_note = ""        # the target moved to a head the merge gate passed
