@@ -647,6 +647,24 @@ def test_a_parallel_run_with_the_sandbox_on_and_no_bwrap_refuses_to_start(visibl
     assert {row["status"] for row in ferrus.task_rows(store)} == {"queued"}
 
 
+def test_an_agent_program_named_through_an_absolute_link_in_a_visible_folder_starts(
+        task_world):
+    """A virtual environment outside the hidden folders names its Python through an
+    absolute link (bin/python -> /usr/bin/python3.9): bubblewrap cannot make a mount point
+    through such a link, so the file is shown at the link's real path, which the link
+    still reaches inside."""
+    world = task_world
+    folder = os.path.join(world["visible"], "venv", "bin")
+    os.makedirs(folder)
+    program = os.path.join(folder, "agent")
+    os.symlink(os.path.realpath("/bin/sh"), program)
+    assert os.path.isabs(os.readlink(program))
+    done = subprocess.run(world["task"].wrap([program, "-c", "echo STARTED"]),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["STARTED"]
+
+
 def test_an_agent_program_in_a_hidden_folder_still_starts(task_world, tmp_path):
     """The agent CLI the configuration names may live where the sandbox hides (a virtual
     environment under /tmp): the program itself, and its pyvenv.cfg, stay readable where

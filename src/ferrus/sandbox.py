@@ -415,6 +415,7 @@ def bwrap_argv(plan, argv, bwrap="bwrap", terminal=False):
         else:
             mounts.append((_depth(path), 0, ["--ro-bind", plan.empty_file, path]))
     for source, target in plan.readable:
+        target = _mount_point(target, plan.hidden)
         mounts.append((_depth(target), 1, ["--ro-bind", source, target]))
     for path in plan.writable:
         mounts.append((_depth(path), 1, ["--bind", path, path]))
@@ -429,6 +430,17 @@ def bwrap_argv(plan, argv, bwrap="bwrap", terminal=False):
     for name, value in sorted(plan.env.items()):
         full += ["--setenv", name, value]
     return full + ["--chdir", plan.cwd, "--"] + list(argv)
+
+
+def _mount_point(target, hidden):
+    """Where to mount a file shown at ``target``.  bubblewrap makes a mount point by
+    following the path from its own setup root, not the sandbox's, so an absolute symlink
+    on the way (a virtual environment's bin/python) leads nowhere there ("Can't create
+    file").  Inside a hidden folder the path is made afresh, links and all gone; anywhere
+    else the link stays visible as it is, and mounting at its real path is what it reaches."""
+    if any(_inside(target, folder) for folder in hidden):
+        return target
+    return _real(target)
 
 
 # -- the command line: sandbox-exec (macOS) ---------------------------------------------------
