@@ -95,16 +95,18 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
 
 
 # ============================================================================
-# src/ferrus/startup.py (from its line 8)
+# src/ferrus/startup.py (from its line 9)
 # ============================================================================
 # Startup: what runs before any other import.
 #
 # `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
 # the current folder; a project root with its own queue.py or logging.py would shadow
 # the standard library, so that entry goes first.  Ctrl+C during the imports is noted
-# and acted on once main() runs.  In the generated ferrus.py this part comes before the
+# and acted on once main() runs; started as a program, the garbage collector waits
+# until every module is loaded.  In the generated ferrus.py this part comes before the
 # standard library's imports.
 
+import gc
 import sys
 
 # `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
@@ -130,6 +132,12 @@ def _interrupted_while_starting(signum, frame):
 STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
     getattr(sys.modules.get("__main__"), "FERRUS_LAUNCHER", False))
 
+# Loading ferrus makes some hundred thousand objects, none of them garbage, and the
+# collector would walk them again and again as they pile up (4 ms of every start, and
+# an agent's server starts once per session): it waits until api.py, the last module.
+if STARTED_AS_PROGRAM:
+    gc.disable()
+
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False
 
@@ -151,6 +159,7 @@ import enum
 import errno
 import fnmatch
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -16411,22 +16420,48 @@ def ferrus_boot_code(marked=True):
             % ("FERRUS_LAUNCHER = True; " if marked else "", FERRUS_FILE))
 
 
+# Variables coverage.py sets to measure the Python processes a test starts; it starts
+# in them through a .pth file, which only `site` reads.
+_COVERAGE_VARIABLES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")
+
+
+def ferrus_boot_argv():
+    """[python, flags, "-c", boot code]: how ferrus starts itself (an agent's MCP server,
+    nano, the sandbox's bridge).  ``-S`` skips `site`: ferrus needs nothing from
+    site-packages (it is stdlib-only and loaded by path), and the .pth files there cost
+    every start (8-25 ms, an agent's server starts once per session) — except while
+    coverage.py measures subprocesses, which starts through one of them."""
+    flags = [] if any(os.environ.get(name) for name in _COVERAGE_VARIABLES) else ["-S"]
+    return [os.path.abspath(sys.executable)] + flags + ["-c", ferrus_boot_code()]
+
+
+def _boot_args(args):
+    """(boot code, the args after it) of an MCP entry's args, which start with
+    ["-c", code] or ["-S", "-c", code]; (None, args) when they do not."""
+    args = [str(arg) for arg in args]
+    start = 1 if args[:1] == ["-S"] else 0
+    if args[start:start + 1] != ["-c"] or len(args) < start + 2:
+        return None, args
+    return args[start + 1], args[start + 2:]
+
+
 def ferrus_server_entry(root, role, agent):
     """command + args that start *this* ferrus (absolute interpreter and file)."""
-    return {"command": os.path.abspath(sys.executable),
-            "args": ["-c", ferrus_boot_code(), "-C", os.path.abspath(root), "serve",
-                     "--role", role, "--agent-name", agent,
-                     "--agent-index", str(DEFAULT_AGENT_INDEX)]}
+    argv = ferrus_boot_argv()
+    return {"command": argv[0],
+            "args": argv[1:] + ["-C", os.path.abspath(root), "serve", "--role", role,
+                                "--agent-name", agent, "--agent-index",
+                                str(DEFAULT_AGENT_INDEX)]}
 
 
 def entry_points_here(entry, root):
     """Does an MCP entry start this ferrus for this project?"""
     if not isinstance(entry, dict):
         return False
-    args = entry.get("args") or []
-    return (entry.get("command") == os.path.abspath(sys.executable) and args[:1] == ["-c"]
-            and args[1:2] in ([ferrus_boot_code()], [ferrus_boot_code(marked=False)])
-            and os.path.abspath(root) in args)
+    code, rest = _boot_args(entry.get("args") or [])
+    return (entry.get("command") == os.path.abspath(sys.executable)
+            and code in (ferrus_boot_code(), ferrus_boot_code(marked=False))
+            and os.path.abspath(root) in rest)
 
 
 def entry_mismatch(entry, root):
@@ -16439,9 +16474,10 @@ def entry_mismatch(entry, root):
     project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
     if project is None or os.path.abspath(project) != os.path.abspath(root):
         return "error", "its MCP entry serves another project (%s)" % (project or "none named")
-    older = args[:2] == ["-c", ferrus_boot_code(marked=False)]
-    if args[:2] != ["-c", ferrus_boot_code()] and not older:
-        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+    code, _ = _boot_args(args)
+    older = code == ferrus_boot_code(marked=False)
+    if code != ferrus_boot_code() and not older:
+        code = code or " ".join(args[:2])
         named = re.search(r"'([^']+)'", code)
         return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
             named.group(1) if named else code[:80])
@@ -19578,8 +19614,7 @@ def _read_human_line():
 
 def _ferrus_argv(root):
     """argv that starts *this* ferrus for the project ``root`` (as MCP entries do)."""
-    return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C",
-            os.path.abspath(root)]
+    return ferrus_boot_argv() + ["-C", os.path.abspath(root)]
 
 
 class _FerrusMcpFileAgent(AgentAdapter):
@@ -19626,7 +19661,7 @@ class NanoAdapter(_FerrusMcpFileAgent):
         return os.path.abspath(sys.executable)
 
     def version_argv(self):
-        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "--version"]
+        return ferrus_boot_argv() + ["--version"]
 
     def _argv(self, root, role, model):
         argv = _ferrus_argv(root) + ["nano"]
@@ -20692,9 +20727,9 @@ class SandboxMcpBridge:
 
     def server_argv(self, session):
         """The argv of the ferrus MCP server this bridge starts for ``session``."""
-        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C", self.root,
-                "serve", "--role", self.role, "--agent-name", self.agent_name,
-                "--agent-index", str(self.agent_index), "--session", session]
+        return ferrus_boot_argv() + ["-C", self.root, "serve", "--role", self.role,
+                                     "--agent-name", self.agent_name, "--agent-index",
+                                     str(self.agent_index), "--session", session]
 
     def _start_server(self, connection, session):
         errors = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -36483,7 +36518,7 @@ def _main(argv):
 
 
 # ============================================================================
-# src/ferrus/api.py (from its line 37)
+# src/ferrus/api.py (from its line 38)
 # ============================================================================
 # The public interface: what other programs may import, and the entry point.
 #
@@ -36523,7 +36558,12 @@ __all__ = [
 ]
 
 
-if not STARTED_AS_PROGRAM:
+if STARTED_AS_PROGRAM:
+    # Loaded (see startup.py): what loading made lives as long as the program, so the
+    # collector leaves it out of its later passes, and from now on works as usual.
+    gc.freeze()
+    gc.enable()
+else:
     realize_dataclasses()      # imported: other programs get ordinary dataclasses
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ def test_nano_starts_this_ferrus_with_the_roles_server_file(config, project):
     assert ferrus.entry_points_here(entry, str(project))
     launch = adapter.headless(str(project), "executor", "PROMPT", "qwen2.5-coder:7b")
     assert launch.stdin == "PROMPT"
-    assert launch.argv[:3] == [os.path.abspath(sys.executable), "-c", ferrus.ferrus_boot_code()]
-    assert launch.argv[3:] == ["-C", str(project), "nano", "--role", "executor", "--mcp-config",
+    boot = ferrus.ferrus_boot_argv()
+    assert launch.argv[:len(boot)] == boot
+    assert launch.argv[len(boot):] == ["-C", str(project), "nano", "--role", "executor", "--mcp-config",
                                adapter.mcp_config_path(str(project), "executor"),
                                "--model", "qwen2.5-coder:7b", "--permissions", "edit"]
     reviewer = adapter.headless(str(project), "supervisor", "P")

@@ -224,3 +224,24 @@ def test_an_entry_an_older_ferrus_registered_still_points_here(tmp_path):
     assert severity == "warning" and "older ferrus" in words
     current = dict(older, args=["-c", ferrus.ferrus_boot_code()] + older["args"][2:])
     assert ferrus.entry_mismatch(current, str(tmp_path)) is None
+    without_site = dict(older, args=["-S"] + current["args"])
+    assert ferrus.entry_points_here(without_site, str(tmp_path))
+    assert ferrus.entry_mismatch(without_site, str(tmp_path)) is None
+    other = dict(older, args=["-S", "-c", "import other"] + older["args"][2:])
+    assert not ferrus.entry_points_here(other, str(tmp_path))
+    assert ferrus.entry_mismatch(other, str(tmp_path))[0] == "error"
+
+
+def test_ferrus_starts_itself_without_site_unless_coverage_measures_it(monkeypatch):
+    """site's .pth files cost every start of an agent's server and ferrus needs nothing
+    from site-packages; coverage.py starts in a measured process through one of them."""
+    for name in ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ferrus.ferrus_boot_argv()
+    assert argv[:3] == [os.path.abspath(sys.executable), "-S", "-c"]
+    done = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ferrus" in done.stdout, done.stderr
+    entry = ferrus.ferrus_server_entry("/p", "executor", "claude-code")
+    assert entry["args"][:2] == ["-S", "-c"]
+    monkeypatch.setenv("COVERAGE_PROCESS_CONFIG", "x")
+    assert ferrus.ferrus_boot_argv()[1:2] == ["-c"]

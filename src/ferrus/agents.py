@@ -43,22 +43,48 @@ def ferrus_boot_code(marked=True):
             % ("FERRUS_LAUNCHER = True; " if marked else "", FERRUS_FILE))
 
 
+# Variables coverage.py sets to measure the Python processes a test starts; it starts
+# in them through a .pth file, which only `site` reads.
+_COVERAGE_VARIABLES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")
+
+
+def ferrus_boot_argv():
+    """[python, flags, "-c", boot code]: how ferrus starts itself (an agent's MCP server,
+    nano, the sandbox's bridge).  ``-S`` skips `site`: ferrus needs nothing from
+    site-packages (it is stdlib-only and loaded by path), and the .pth files there cost
+    every start (8-25 ms, an agent's server starts once per session) — except while
+    coverage.py measures subprocesses, which starts through one of them."""
+    flags = [] if any(os.environ.get(name) for name in _COVERAGE_VARIABLES) else ["-S"]
+    return [os.path.abspath(sys.executable)] + flags + ["-c", ferrus_boot_code()]
+
+
+def _boot_args(args):
+    """(boot code, the args after it) of an MCP entry's args, which start with
+    ["-c", code] or ["-S", "-c", code]; (None, args) when they do not."""
+    args = [str(arg) for arg in args]
+    start = 1 if args[:1] == ["-S"] else 0
+    if args[start:start + 1] != ["-c"] or len(args) < start + 2:
+        return None, args
+    return args[start + 1], args[start + 2:]
+
+
 def ferrus_server_entry(root, role, agent):
     """command + args that start *this* ferrus (absolute interpreter and file)."""
-    return {"command": os.path.abspath(sys.executable),
-            "args": ["-c", ferrus_boot_code(), "-C", os.path.abspath(root), "serve",
-                     "--role", role, "--agent-name", agent,
-                     "--agent-index", str(DEFAULT_AGENT_INDEX)]}
+    argv = ferrus_boot_argv()
+    return {"command": argv[0],
+            "args": argv[1:] + ["-C", os.path.abspath(root), "serve", "--role", role,
+                                "--agent-name", agent, "--agent-index",
+                                str(DEFAULT_AGENT_INDEX)]}
 
 
 def entry_points_here(entry, root):
     """Does an MCP entry start this ferrus for this project?"""
     if not isinstance(entry, dict):
         return False
-    args = entry.get("args") or []
-    return (entry.get("command") == os.path.abspath(sys.executable) and args[:1] == ["-c"]
-            and args[1:2] in ([ferrus_boot_code()], [ferrus_boot_code(marked=False)])
-            and os.path.abspath(root) in args)
+    code, rest = _boot_args(entry.get("args") or [])
+    return (entry.get("command") == os.path.abspath(sys.executable)
+            and code in (ferrus_boot_code(), ferrus_boot_code(marked=False))
+            and os.path.abspath(root) in rest)
 
 
 def entry_mismatch(entry, root):
@@ -71,9 +97,10 @@ def entry_mismatch(entry, root):
     project = args[args.index("-C") + 1] if "-C" in args[:-1] else None
     if project is None or os.path.abspath(project) != os.path.abspath(root):
         return "error", "its MCP entry serves another project (%s)" % (project or "none named")
-    older = args[:2] == ["-c", ferrus_boot_code(marked=False)]
-    if args[:2] != ["-c", ferrus_boot_code()] and not older:
-        code = args[1] if args[:1] == ["-c"] and len(args) > 1 else " ".join(args[:2])
+    code, _ = _boot_args(args)
+    older = code == ferrus_boot_code(marked=False)
+    if code != ferrus_boot_code() and not older:
+        code = code or " ".join(args[:2])
         named = re.search(r"'([^']+)'", code)
         return "error", "its MCP entry starts another ferrus or another version of it (%s)" % (
             named.group(1) if named else code[:80])

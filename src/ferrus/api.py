@@ -5,6 +5,7 @@ operations (the one implementation of every behaviour), the config loader and it
 dataclasses, the MCP server over stdio, ``main`` and the errors.  Everything else may
 change between versions without notice.  Running the file calls ``main()``."""
 
+import gc
 import sys
 
 from .startup import STARTED_AS_PROGRAM
@@ -65,7 +66,12 @@ __all__ = [
 ]
 
 
-if not STARTED_AS_PROGRAM:
+if STARTED_AS_PROGRAM:
+    # Loaded (see startup.py): what loading made lives as long as the program, so the
+    # collector leaves it out of its later passes, and from now on works as usual.
+    gc.freeze()
+    gc.enable()
+else:
     realize_dataclasses()      # imported: other programs get ordinary dataclasses
 
 if __name__ == "__main__":

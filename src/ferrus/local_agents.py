@@ -29,7 +29,7 @@ import sys
 from .store import FERRUS_DIR
 from .operations import ROLES
 from .agents import (AgentEvent, DEFAULT_AGENT_INDEX, Launch, client_tool_timeout_secs,
-                     ferrus_boot_code, ferrus_server_entry, server_key, tool_reason,
+                     ferrus_boot_argv, ferrus_server_entry, server_key, tool_reason,
                      tool_summary)
 from .agent_files import _json_table, edit_json_file, ensure_gitignore_entry, planned_read
 from .adapters import AgentAdapter, _load_json_quiet, _parse_claude_style
@@ -37,8 +37,7 @@ from .adapters import AgentAdapter, _load_json_quiet, _parse_claude_style
 
 def _ferrus_argv(root):
     """argv that starts *this* ferrus for the project ``root`` (as MCP entries do)."""
-    return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C",
-            os.path.abspath(root)]
+    return ferrus_boot_argv() + ["-C", os.path.abspath(root)]
 
 
 class _FerrusMcpFileAgent(AgentAdapter):
@@ -85,7 +84,7 @@ class NanoAdapter(_FerrusMcpFileAgent):
         return os.path.abspath(sys.executable)
 
     def version_argv(self):
-        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "--version"]
+        return ferrus_boot_argv() + ["--version"]
 
     def _argv(self, root, role, model):
         argv = _ferrus_argv(root) + ["nano"]

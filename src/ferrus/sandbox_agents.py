@@ -27,7 +27,7 @@ from .sandbox import (SANDBOX_RELAY_ENV, SandboxUnavailable, TaskSandbox, plan_s
                       sandbox_argv, sandbox_tool)
 from .operations import ROLES
 from .mcp import SESSION_ENV, _SESSION_RE, session_task
-from .agents import DEFAULT_AGENT_INDEX, Launch, ferrus_boot_code
+from .agents import DEFAULT_AGENT_INDEX, Launch, ferrus_boot_argv
 from .register import adapter_for
 
 
@@ -113,9 +113,9 @@ class SandboxMcpBridge:
 
     def server_argv(self, session):
         """The argv of the ferrus MCP server this bridge starts for ``session``."""
-        return [os.path.abspath(sys.executable), "-c", ferrus_boot_code(), "-C", self.root,
-                "serve", "--role", self.role, "--agent-name", self.agent_name,
-                "--agent-index", str(self.agent_index), "--session", session]
+        return ferrus_boot_argv() + ["-C", self.root, "serve", "--role", self.role,
+                                     "--agent-name", self.agent_name, "--agent-index",
+                                     str(self.agent_index), "--session", session]
 
     def _start_server(self, connection, session):
         errors = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

@@ -3,9 +3,11 @@
 `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
 the current folder; a project root with its own queue.py or logging.py would shadow
 the standard library, so that entry goes first.  Ctrl+C during the imports is noted
-and acted on once main() runs.  In the generated ferrus.py this part comes before the
+and acted on once main() runs; started as a program, the garbage collector waits
+until every module is loaded.  In the generated ferrus.py this part comes before the
 standard library's imports."""
 
+import gc
 import sys
 
 # `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
@@ -30,6 +32,12 @@ def _interrupted_while_starting(signum, frame):
 # (see deferred_dataclass).  Imported by another program, everything is made up front.
 STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
     getattr(sys.modules.get("__main__"), "FERRUS_LAUNCHER", False))
+
+# Loading ferrus makes some hundred thousand objects, none of them garbage, and the
+# collector would walk them again and again as they pile up (4 ms of every start, and
+# an agent's server starts once per session): it waits until api.py, the last module.
+if STARTED_AS_PROGRAM:
+    gc.disable()
 
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False
