@@ -6573,7 +6573,7 @@ def _make_writable_and_retry(function, path, exc_info):
         raise exc_info[1]
 
 
-def remove_task_worktree(root, path, branch, delete_branch=True):
+def remove_task_worktree(root, path, branch, delete_branch=True, entries=None):
     """Remove the task worktree at ``path`` — its uncommitted changes with it — and
     (``delete_branch``) its branch, merged or not: the caller decides when a task's
     work is no longer wanted.  ``branch`` None: the worktree only, whatever its branch.  Idempotent: a worktree or branch already gone is fine,
@@ -6581,10 +6581,11 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
     pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
     did).  Raises GitError for a path that is not a linked worktree of this repository
     or is the worktree of another branch (its files are left alone), or a branch
-    checked out somewhere else."""
+    checked out somewhere else.  ``entries``: _worktree_entries(root) if the caller has
+    just listed them (removing one worktree leaves the others' entries true)."""
     path = os.path.abspath(path)
     removed = branch_deleted = False
-    entries = _worktree_entries(root)
+    entries = _worktree_entries(root) if entries is None else entries
     entry = next((e for e in entries if _same_path(e["path"], path)), None)
     if entry is not None:
         if entry is entries[0]:
@@ -6724,13 +6725,14 @@ def review_checkout_path(worktree):
     return worktree.rstrip("/\\") + REVIEW_SUFFIX
 
 
-def remove_review_checkout(root, worktree):
+def remove_review_checkout(root, worktree, entries=None):
     """The review checkout of the task whose worktree is ``worktree`` goes (the task
-    ended); nothing of anyone's is in it.  True when there was one."""
+    ended); nothing of anyone's is in it.  True when there was one.  ``entries`` as for
+    remove_task_worktree."""
     path = review_checkout_path(worktree)
     if not os.path.lexists(path) and worktree_admin_dir(common_git_dir(root), path) is None:
         return False
-    remove_task_worktree(root, path, None)
+    remove_task_worktree(root, path, None, entries=entries)
     return True
 
 
@@ -25151,11 +25153,17 @@ class MergeQueue:
                      == submitted["base"]]
         if not same_base or same_base[-1][1] != submitted["commit"]:
             same_base = [(upto or 0, submitted["commit"])]
-        summaries = [commit_message(root, commit) for _, commit in same_base]
+        messages = {}           # a commit's message never changes: asked of git once
+
+        def message(commit):
+            if commit not in messages:
+                messages[commit] = commit_message(root, commit)
+            return messages[commit]
+        summaries = [message(commit) for _, commit in same_base]
         if self._history() != "linear" or len(same_base) == 1:
             # One commit holds the work of every submission, those made before the task
             # was brought up to date with the target too: its message names them all.
-            every = [commit_message(root, commit) for n, commit in numbered
+            every = [message(commit) for n, commit in numbered
                      if upto is None or n <= upto] or summaries
             return [(submitted["commit"], task_commit_message(task, description, every))]
         steps, parent = [], submitted["base"]
@@ -25201,8 +25209,11 @@ class MergeQueue:
         verdicts = []
         wrap = self._gate_sandbox(gate)
         port = gate_port(self.parallel)
-        for commit in built.commits:
-            reset_gate(gate, commit)
+        for index, commit in enumerate(built.commits):
+            # build_candidate leaves the gate's checkout at a single squash or linear
+            # commit exactly (HEAD, index and files; nothing untracked): no reset then.
+            if index or len(built.commits) > 1 or self._history() == "merge":
+                reset_gate(gate, commit)
             self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
                              0, config.limits.max_feedback_lines, cancel, self.store.root,
@@ -26652,13 +26663,16 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
     def _remove_finished_worktrees(self, task, record):
         """A merged (or unchanged, or published) task's review checkout, [parallel]
         teardown, worktree and branch: gone, each failure said with its repair."""
-        with contextlib.suppress(FerrusError, OSError):
-            remove_review_checkout(self.store.root, record["worktree"])
         torn = tear_down_task(self.store, record)
         if torn:
             self.note("task %s: %s" % (short_task_id(task), torn), "warning", task_id=task)
+        entries = None          # git's list of worktrees, read once for both removals
+        with contextlib.suppress(FerrusError, OSError):
+            entries = _worktree_entries(self.store.root)
+            remove_review_checkout(self.store.root, record["worktree"], entries)
         try:
-            remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+            remove_task_worktree(self.store.root, record["worktree"], record.get("branch"),
+                                 entries=entries)
         except FerrusError as err:
             self.note("could not remove task %s's worktree %s: %s (`ferrus doctor --fix` "
                       "removes what a finished task leaves)" % (

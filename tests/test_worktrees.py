@@ -534,6 +534,30 @@ def edit_the_same_line(repo, task):
     return commit_all(repo, "main changes the greeting")
 
 
+@pytest.mark.parametrize("history", ["squash", "linear"])
+def test_a_single_commit_candidate_leaves_the_gate_exactly_at_it(repo, task, wt_dir, history):
+    """The merge gate checks a one-commit candidate without resetting its checkout
+    first: the build leaves HEAD, the index and the files at that commit, nothing
+    untracked or ignored (a spec milestone ticked in it included)."""
+    write(task, "feature.py", "def feature():\n    return 1\n")
+    submitted = submit(repo, task)
+    the_gate = gate(repo, wt_dir)
+    write(the_gate.work_tree, "leftover.txt", "from the last check\n")
+    ticked = os.path.join(the_gate.work_tree, "app.py")
+
+    def tick():
+        with open(ticked, "a") as handle:
+            handle.write("# ticked\n")
+        return [ticked]
+    built = ferrus.build_candidate(the_gate, "main", rev(repo, "main"),
+                                   [(submitted, "Task t-1")], history, edit=tick)
+    assert built.status == "ready" and built.commits == [built.head]
+    assert git(the_gate.work_tree, "rev-parse", "HEAD").stdout.strip() == built.head
+    assert git(the_gate.work_tree, "status", "--porcelain", "--ignored",
+               "--untracked-files=all").stdout == ""
+    assert show(repo, built.head, "app.py").endswith("# ticked\n")
+
+
 def test_a_conflict_is_handed_over_as_a_commit_with_markers(repo, task, wt_dir):
     write(task, "unrelated.py", "fine = True\n")
     write(task, "app.py", "print('hello from the task')\n")

@@ -216,11 +216,17 @@ class MergeQueue:
                      == submitted["base"]]
         if not same_base or same_base[-1][1] != submitted["commit"]:
             same_base = [(upto or 0, submitted["commit"])]
-        summaries = [commit_message(root, commit) for _, commit in same_base]
+        messages = {}           # a commit's message never changes: asked of git once
+
+        def message(commit):
+            if commit not in messages:
+                messages[commit] = commit_message(root, commit)
+            return messages[commit]
+        summaries = [message(commit) for _, commit in same_base]
         if self._history() != "linear" or len(same_base) == 1:
             # One commit holds the work of every submission, those made before the task
             # was brought up to date with the target too: its message names them all.
-            every = [commit_message(root, commit) for n, commit in numbered
+            every = [message(commit) for n, commit in numbered
                      if upto is None or n <= upto] or summaries
             return [(submitted["commit"], task_commit_message(task, description, every))]
         steps, parent = [], submitted["base"]
@@ -266,8 +272,11 @@ class MergeQueue:
         verdicts = []
         wrap = self._gate_sandbox(gate)
         port = gate_port(self.parallel)
-        for commit in built.commits:
-            reset_gate(gate, commit)
+        for index, commit in enumerate(built.commits):
+            # build_candidate leaves the gate's checkout at a single squash or linear
+            # commit exactly (HEAD, index and files; nothing untracked): no reset then.
+            if index or len(built.commits) > 1 or self._history() == "merge":
+                reset_gate(gate, commit)
             self._set_up_gate(gate, wrap)
             run = run_checks(self._gate_project(gate), config.checks, self.store.path("logs"),
                              0, config.limits.max_feedback_lines, cancel, self.store.root,

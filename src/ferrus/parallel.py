@@ -28,9 +28,9 @@ from .store import (CANCELLED_STATUS, ENDED_STATUSES, FAILED_STATUS, FERRUS_DIR,
 from .checks import _status_note, run_checks
 from .git import (GitUnavailable, TamperedWorktree, current_branch, delete_task_refs,
                   git_repository, record_task_base, run_git)
-from .worktrees import (create_task_worktree, default_worktree_dir, list_task_worktrees,
-                        own_checkout, remove_review_checkout, remove_task_worktree,
-                        review_checkout_path, target_head)
+from .worktrees import (_worktree_entries, create_task_worktree, default_worktree_dir,
+                        list_task_worktrees, own_checkout, remove_review_checkout,
+                        remove_task_worktree, review_checkout_path, target_head)
 from .sandbox import SandboxUnavailable, sandbox_tool
 from .bootstrap import (choose_task_port, copy_into_worktree, copy_sources, gate_port,
                         port_environment, tear_down_task, with_port)
@@ -916,13 +916,16 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
     def _remove_finished_worktrees(self, task, record):
         """A merged (or unchanged, or published) task's review checkout, [parallel]
         teardown, worktree and branch: gone, each failure said with its repair."""
-        with contextlib.suppress(FerrusError, OSError):
-            remove_review_checkout(self.store.root, record["worktree"])
         torn = tear_down_task(self.store, record)
         if torn:
             self.note("task %s: %s" % (short_task_id(task), torn), "warning", task_id=task)
+        entries = None          # git's list of worktrees, read once for both removals
+        with contextlib.suppress(FerrusError, OSError):
+            entries = _worktree_entries(self.store.root)
+            remove_review_checkout(self.store.root, record["worktree"], entries)
         try:
-            remove_task_worktree(self.store.root, record["worktree"], record.get("branch"))
+            remove_task_worktree(self.store.root, record["worktree"], record.get("branch"),
+                                 entries=entries)
         except FerrusError as err:
             self.note("could not remove task %s's worktree %s: %s (`ferrus doctor --fix` "
                       "removes what a finished task leaves)" % (

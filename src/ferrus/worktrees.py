@@ -288,7 +288,7 @@ def _make_writable_and_retry(function, path, exc_info):
         raise exc_info[1]
 
 
-def remove_task_worktree(root, path, branch, delete_branch=True):
+def remove_task_worktree(root, path, branch, delete_branch=True, entries=None):
     """Remove the task worktree at ``path`` — its uncommitted changes with it — and
     (``delete_branch``) its branch, merged or not: the caller decides when a task's
     work is no longer wanted.  ``branch`` None: the worktree only, whatever its branch.  Idempotent: a worktree or branch already gone is fine,
@@ -296,10 +296,11 @@ def remove_task_worktree(root, path, branch, delete_branch=True):
     pruned.  Returns {"path", "branch", "removed", "branch_deleted"} (what this call
     did).  Raises GitError for a path that is not a linked worktree of this repository
     or is the worktree of another branch (its files are left alone), or a branch
-    checked out somewhere else."""
+    checked out somewhere else.  ``entries``: _worktree_entries(root) if the caller has
+    just listed them (removing one worktree leaves the others' entries true)."""
     path = os.path.abspath(path)
     removed = branch_deleted = False
-    entries = _worktree_entries(root)
+    entries = _worktree_entries(root) if entries is None else entries
     entry = next((e for e in entries if _same_path(e["path"], path)), None)
     if entry is not None:
         if entry is entries[0]:
@@ -439,13 +440,14 @@ def review_checkout_path(worktree):
     return worktree.rstrip("/\\") + REVIEW_SUFFIX
 
 
-def remove_review_checkout(root, worktree):
+def remove_review_checkout(root, worktree, entries=None):
     """The review checkout of the task whose worktree is ``worktree`` goes (the task
-    ended); nothing of anyone's is in it.  True when there was one."""
+    ended); nothing of anyone's is in it.  True when there was one.  ``entries`` as for
+    remove_task_worktree."""
     path = review_checkout_path(worktree)
     if not os.path.lexists(path) and worktree_admin_dir(common_git_dir(root), path) is None:
         return False
-    remove_task_worktree(root, path, None)
+    remove_task_worktree(root, path, None, entries=entries)
     return True
 
 
