@@ -5477,7 +5477,34 @@ def worktree_admin_dir(common_dir, work_tree):
     """The git folder the repository keeps for its linked worktree at ``work_tree``, or
     None when it keeps none."""
     dot_git = os.path.normcase(os.path.realpath(os.path.join(work_tree, ".git")))
+    # First the folder the worktree's .git names, taken only when the repository's own
+    # record there points back at this worktree — the record decides, as in the scan
+    # below, which reads every worktree's record (dozens in a parallel run).
+    named = _admin_named_by(os.path.join(work_tree, ".git"), common_dir)
+    if named is not None:
+        with contextlib.suppress(OSError):
+            pointer = _read_first_line(os.path.join(named, "gitdir"))
+            if pointer and os.path.normcase(os.path.realpath(os.path.join(
+                    named, pointer))) == dot_git:
+                return named
     return _worktree_admin_dirs(common_dir).get(dot_git)
+
+
+def _admin_named_by(dot_git, common_dir):
+    """<common dir>/worktrees/<name> when the .git file ``dot_git`` names such a folder
+    (a first guess only), else None."""
+    try:
+        if os.path.islink(dot_git) or not os.path.isfile(dot_git):
+            return None
+        line = _read_first_line(dot_git)
+    except OSError:
+        return None
+    if not line.startswith("gitdir:"):
+        return None
+    name = os.path.basename(os.path.normpath(line[len("gitdir:"):].strip()))
+    if not name or name in (".", ".."):
+        return None
+    return os.path.join(common_dir, "worktrees", name)
 
 
 # {checkout path: its common dir}, asked of git once per process and path.

@@ -63,6 +63,30 @@ def test_a_tampered_worktree_fails_its_task_without_a_restart_first(git_project)
     assert "restarting it" not in text and "retrying the executor" not in text
 
 
+def test_a_git_file_naming_another_worktrees_folder_is_found_out(git_project, tmp_path):
+    """ferrus looks first at the git folder a worktree's .git names, but takes it only
+    when the repository's own record there points back at that worktree: a .git
+    rewritten to name another task's folder still leads to the worktree's own, and the
+    worktree is refused as tampered."""
+    root = str(git_project)
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "base")
+    start = head(git_project)
+    mine, theirs = str(tmp_path / "t-mine"), str(tmp_path / "t-theirs")
+    ferrus.create_task_worktree(root, mine, "ferrus/t-mine", start)
+    ferrus.create_task_worktree(root, theirs, "ferrus/t-theirs", start)
+    common = ferrus.common_git_dir(root)
+    own = ferrus.worktree_admin_dir(common, mine)
+    other = ferrus.worktree_admin_dir(common, theirs)
+    assert own and other and own != other
+    with open(os.path.join(mine, ".git"), "w") as handle:
+        handle.write("gitdir: %s\n" % other)
+    assert ferrus.worktree_admin_dir(common, mine) == own
+    with pytest.raises(ferrus.TamperedWorktree):
+        ferrus.task_checkout(root, mine)
+    assert ferrus.worktree_admin_dir(common, str(tmp_path / "not-a-worktree")) is None
+
+
 def test_a_fake_git_folder_with_a_filter_runs_nothing(git_project, tmp_path):
     """The executor writes a git folder of its own as text (its config defines a clean
     filter, its .gitattributes applies it) and points .git at it: `ferrus diff`, the
