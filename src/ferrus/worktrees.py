@@ -780,11 +780,10 @@ def fast_forward_target(root, target_branch, old_head, new_head):
                            where)
     if current != old_head:
         return _moved(target_branch, current, old_head, where)
-    if not _is_ancestor(root, old_head, new_head):
-        raise GitError("%s is not a fast-forward of %s (at %s)" % (new_head[:12], target_branch,
-                                                                  old_head[:12]),
-                       "integrate the task onto the target's head again")
     if holder is None:
+        # update-ref moves a ref anywhere: only a descendant may go there (`merge
+        # --ff-only` below refuses anything else itself).
+        _require_fast_forward(root, target_branch, old_head, new_head)
         try:
             run_git(root, ["update-ref", "-m", "ferrus: integrate %s" % new_head[:12],
                            "refs/heads/" + target_branch, new_head, old_head])
@@ -814,6 +813,7 @@ def fast_forward_target(root, target_branch, old_head, new_head):
                 target_branch, new_head[:12]), checkout)
         if current != old_head:
             return _moved(target_branch, current, old_head, checkout)
+        _require_fast_forward(root, target_branch, old_head, new_head)
         blocked = _checkout_blockers(where, old_head, new_head)
         if blocked:
             return blocked
@@ -822,6 +822,13 @@ def fast_forward_target(root, target_branch, old_head, new_head):
             "see what git needs" % new_head[:12]) from None
     return FastForward("done", new_head, [], "%s moved from %s to %s (checked out in %s)" % (
         target_branch, old_head[:12], new_head[:12], checkout), checkout)
+
+
+def _require_fast_forward(root, target_branch, old_head, new_head):
+    if not _is_ancestor(root, old_head, new_head):
+        raise GitError("%s is not a fast-forward of %s (at %s)" % (
+            new_head[:12], target_branch, old_head[:12]),
+            "integrate the task onto the target's head again")
 
 
 def _entry_git_dirs(root, entries):
