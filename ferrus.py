@@ -52,6 +52,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
     jsonrpc.py ........... a generic 2.0 server on stdio for every MCP era
     mcp.py ............... ferrus's tools, resources and prompts per role, and the server
     agents.py ............ launching ferrus elsewhere, agent events, tool names, usage
+    server_host.py ....... agents' MCP servers forked from one loaded ferrus, per session
     agent_files.py ....... the files register edits, planned and written safely
     adapters.py .......... Claude Code, Codex, Qwen Code, Gemini CLI, custom agents
     nano_model.py ........ [agents.nano] settings and the chat-completions client
@@ -95,7 +96,7 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
 
 
 # ============================================================================
-# src/ferrus/startup.py (from its line 9)
+# src/ferrus/startup.py (from its line 11)
 # ============================================================================
 # Startup: what runs before any other import.
 #
@@ -103,10 +104,14 @@ it (``python3 tools/amalgamate.py --where N`` names the module of line N):
 # the current folder; a project root with its own queue.py or logging.py would shadow
 # the standard library, so that entry goes first.  Ctrl+C during the imports is noted
 # and acted on once main() runs; started as a program, the garbage collector waits
-# until every module is loaded.  In the generated ferrus.py this part comes before the
+# until every module is loaded, and an agent's MCP server that a server host can serve
+# (server_host.py) hands its stdin, stdout and stderr there and only waits.  In the
+# generated ferrus.py this part comes before the
 # standard library's imports.
 
 import gc
+import marshal
+import os
 import sys
 
 # `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
@@ -138,6 +143,75 @@ STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
 if STARTED_AS_PROGRAM:
     gc.disable()
 
+# The variable that names a server host's socket to an agent's `ferrus serve`.
+SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
+
+
+def command_word(argv):
+    """The command ``argv`` names: its first word that is no option (``-C DIR`` skipped),
+    or None (then the whole parser is built: help, an unknown word, HQ)."""
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            return words[0] if words else None
+        if word == "-C":
+            if words:
+                words.pop(0)
+            continue
+        if word.startswith("-"):
+            if word in ("-h", "--help", "--version"):
+                return None
+            continue
+        return word
+    return None
+
+
+def ferrus_identity(path):
+    """What tells one ferrus.py from another (or from itself before an edit)."""
+    status = os.stat(path)
+    return (os.path.realpath(path), status.st_size, status.st_mtime_ns)
+
+
+def serve_through_host():
+    """`ferrus serve` started with SERVER_HOST_ENV set: this process hands its stdin,
+    stdout and stderr, command line, environment, folder and umask to the server host,
+    whose copy of an already loaded ferrus serves the session, and exits with its exit
+    status when it is done.  Returns (and the process goes on to serve itself) when
+    there is no host to reach or the host runs another ferrus.py."""
+    path = os.environ.get(SERVER_HOST_ENV)
+    if not path or not sys.platform.startswith("linux") or \
+            command_word(sys.argv[1:]) != "serve":
+        return
+    import socket
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        link.connect(path)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        payload = marshal.dumps((list(sys.argv[1:]), dict(os.environ), os.getcwd(), mask,
+                                 ferrus_identity(__file__)))
+        message = len(payload).to_bytes(4, "big") + payload
+        sent = socket.send_fds(link, [message], [0, 1, 2])
+        link.sendall(message[sent:])
+        if link.recv(1) != b"Y":
+            link.close()
+            return
+    except (OSError, ValueError, NameError):
+        link.close()
+        return
+    try:
+        status = link.recv(1)
+    except KeyboardInterrupt:
+        os._exit(130)
+    except OSError:
+        status = b""
+    os._exit(status[0] if status else 1)
+
+
+if STARTED_AS_PROGRAM:
+    serve_through_host()
+
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False
 
@@ -163,17 +237,21 @@ import gc
 import itertools
 import json
 import logging
+import marshal
 import math
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 
 
 # ============================================================================
@@ -7218,7 +7296,7 @@ def _checkout_blockers(checkout, old_head, new_head):
 
 
 # ============================================================================
-# src/ferrus/sandbox.py (from its line 40)
+# src/ferrus/sandbox.py (from its line 41)
 # ============================================================================
 # Sandbox: a task's agents and checks write only its worktree, temp and CLI state.
 #
@@ -7321,8 +7399,9 @@ SANDBOX_SECRET_PATHS = (
 SANDBOX_SOCKET_PATHS = ("/run/user/{uid}", "/run/docker.sock", "/var/run/docker.sock",
                         "/run/podman", "/run/containerd", "/run/crio")
 # Variables that point at such a socket.
+# And the server host's socket (server_host.py): it serves outside any sandbox.
 SANDBOX_UNSET_VARIABLES = ("SSH_AUTH_SOCK", "GPG_AGENT_INFO", "DOCKER_HOST",
-                           "CONTAINER_HOST")
+                           "CONTAINER_HOST", SERVER_HOST_ENV)
 # Where each built-in agent CLI keeps its own state (a folder ending in / is made when
 # missing, as the CLI would make it; the others are shown only when they exist).
 SANDBOX_AGENT_STATE = {
@@ -16750,6 +16829,212 @@ class UsageTally:
 
 
 # ============================================================================
+# src/ferrus/server_host.py (from its line 34)
+# ============================================================================
+# The server host: agents' MCP servers forked from one loaded ferrus, per session.
+#
+# Every agent session starts its own `ferrus serve` (the agent CLI runs the command its
+# MCP entry names), and starting one is loading ferrus and half the standard library:
+# most of the CPU a parallel task costs ferrus.  While ferrus runs agents (`ferrus run`,
+# HQ), it keeps one process that has loaded ferrus and listens on a private Unix
+# socket; the agents it starts get that socket's path in SERVER_HOST_ENV.  Their
+# `ferrus serve` then does almost nothing (startup.py: serve_through_host): it passes
+# its stdin, stdout and stderr with its command line, environment, folder and umask to
+# the host, which forks a copy of itself that runs the command there, and waits for
+# its exit status.  Anything that keeps the host from serving — no host, another
+# ferrus.py, a platform without fork and descriptor passing — leaves the server to
+# start as before.  Linux only (fork without exec elsewhere is not as safe); never for
+# a sandboxed agent (the socket is outside its sandbox, and the variable is unset).
+
+SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
+SERVER_HOST_COMMAND = "serve-host"
+# The largest description of a session a host reads (command line and environment).
+_MAX_SESSION_MESSAGE = 4 << 20
+
+
+def server_host_possible():
+    return (sys.platform.startswith("linux") and hasattr(socket, "send_fds")
+            and hasattr(os, "fork") and os.environ.get(SERVER_HOST_OFF_ENV) != "1")
+
+
+class ServerHost:
+    """This process's server host, started when an agent is first launched and told
+    to stop (by closing its stdin) when this process ends; it then serves the
+    sessions it has until they end, and exits."""
+
+    def __init__(self):
+        self.process = None
+        self.path = None
+        self.unavailable = False
+        self._lock = threading.Lock()
+
+    def environment(self):
+        """{SERVER_HOST_ENV: its socket} for an agent's launch ({} with no host)."""
+        with self._lock:
+            if self.process is None and not self.unavailable:
+                self._start()
+            if self.process is None or self.process.poll() is not None:
+                return {}
+            return {SERVER_HOST_ENV: self.path}
+
+    def _start(self):
+        if not server_host_possible():
+            self.unavailable = True
+            return
+        folder = tempfile.mkdtemp(prefix="ferrus-host-")        # only this user's
+        path = os.path.join(folder, "host.sock")
+        try:
+            # Its own session: a Ctrl+C meant for ferrus's terminal does not end the
+            # sessions it serves; ferrus ends it by closing its stdin.
+            self.process = subprocess.Popen(
+                ferrus_boot_argv() + [SERVER_HOST_COMMAND, path], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                start_new_session=True)
+        except OSError as err:
+            log.debug("no server host: %s", err)
+            self.unavailable = True
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+            return
+        self.path = path
+        atexit.register(self.stop)
+
+    def stop(self):
+        """No new session is served; those being served go on to their end."""
+        with self._lock:
+            process, self.process = self.process, None
+            self.unavailable = True
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+
+
+SERVER_HOST = ServerHost()
+
+
+def server_host_environment():
+    """What an agent's launch adds so that its `ferrus serve` is served by the host."""
+    return SERVER_HOST.environment()
+
+
+def host_sessions(path, run_command, control=0):
+    """`ferrus serve-host PATH`: listen on the Unix socket ``path`` and serve each
+    session passed there (serve_through_host) in a forked copy of this process, which
+    runs ``run_command(argv)``; stop listening once ``control`` (a descriptor, stdin)
+    reaches its end, then wait for the sessions being served.  This process stays
+    single-threaded, so every fork is a whole copy."""
+    realize_dataclasses()          # once here, rather than in each session
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(mask)
+    listener.listen(64)
+    children = set()
+    try:
+        while True:
+            ready, _, _ = select.select([listener, control], [], [], 1.0)
+            _reap(children)
+            if control in ready and not os.read(control, 512):
+                break
+            if listener in ready:
+                with contextlib.suppress(OSError):
+                    connection, _ = listener.accept()
+                    pid = os.fork()
+                    if pid == 0:
+                        _serve_session(connection, listener, run_command)
+                    connection.close()
+                    children.add(pid)
+    finally:
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
+    for pid in children:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+    return 0
+
+
+def _reap(children):
+    for pid in list(children):
+        try:
+            done = os.waitpid(pid, os.WNOHANG)[0]
+        except ChildProcessError:
+            done = pid
+        if done:
+            children.discard(pid)
+
+
+def _serve_session(connection, listener, run_command):
+    """In the forked copy: take over the session the connection describes, run its
+    command, tell the waiting `ferrus serve` the exit status; never returns."""
+    status = 1
+    try:
+        listener.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        argv, env, cwd, mask, identity = _read_session(connection)
+        if identity != ferrus_identity(FERRUS_FILE):
+            connection.sendall(b"N")       # another ferrus.py: it serves itself
+            os._exit(0)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        os.umask(mask)
+        sys.argv = ["-c"] + list(argv)
+        connection.sendall(b"Y")
+        # Its `ferrus serve` gone (the agent ended it, or was killed): end as a server
+        # whose client sends SIGTERM does.
+        threading.Thread(target=_end_with, args=(connection,), daemon=True,
+                         name="session-link").start()
+        status = run_command(list(argv))
+        status = status if isinstance(status, int) else 1
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else 1
+    except BaseException:       # noqa: B902 - the copy must end here, whatever happened
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(OSError):
+            connection.sendall(bytes([status & 0xFF]))
+        os._exit(status & 0xFF)
+
+
+def _read_session(connection):
+    """(argv, environment, folder, umask, ferrus identity) of a session; its stdin,
+    stdout and stderr become this process's."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    if len(fds) != 3 or len(data) < 4:
+        raise OSError("a session came without its stdin, stdout and stderr")
+    size = int.from_bytes(data[:4], "big")
+    if size > _MAX_SESSION_MESSAGE:
+        raise OSError("a session description of %d bytes" % size)
+    data = data[4:]
+    while len(data) < size:
+        more = connection.recv(size - len(data))
+        if not more:
+            raise OSError("the session's description ended early")
+        data += more
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    return marshal.loads(data)
+
+
+def _end_with(connection):
+    with contextlib.suppress(OSError):
+        while connection.recv(64):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ============================================================================
 # src/ferrus/agent_files.py (from its line 27)
 # ============================================================================
 # Agent files: the files register edits, planned and written safely.
@@ -17024,7 +17309,7 @@ def effective_permissions(config, role):
 
 
 # ============================================================================
-# src/ferrus/adapters.py (from its line 33)
+# src/ferrus/adapters.py (from its line 34)
 # ============================================================================
 # Adapters: Claude Code, Codex, Qwen Code, Gemini CLI, custom agents.
 #
@@ -17374,8 +17659,9 @@ class Codex(AgentAdapter):
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
                     ("default_tools_approval_mode", "approve"), ("enabled", True),
                     # Codex passes only listed variables to servers: the session id (and, in a
-                    # sandbox, its relay's socket) must reach it.
-                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV])]
+                    # sandbox, its relay's socket; outside one, the server host's) must
+                    # reach it.
+                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV, SERVER_HOST_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]
@@ -23490,7 +23776,7 @@ class JournalView:
 
 
 # ============================================================================
-# src/ferrus/controller.py (from its line 47)
+# src/ferrus/controller.py (from its line 48)
 # ============================================================================
 # HQ's controller: agent slots, capacity, reactions to the journal.
 #
@@ -23911,8 +24197,13 @@ class HqController(JournalView):
             else new_id("s")
         # A parallel task's agents (and the checks their `ferrus serve` runs) get its
         # port block (bootstrap.py).
-        launch = dataclasses.replace(launch, env=dict(launch.env, **store_environment(
-            self.store), **{SESSION_ENV: slot.session_id}))
+        # Its `ferrus serve` is served by the server host (server_host.py) when there is
+        # one; a sandbox unsets the variable.
+        env = dict(server_host_environment())
+        env.update(launch.env)
+        env.update(store_environment(self.store))
+        env[SESSION_ENV] = slot.session_id
+        launch = dataclasses.replace(launch, env=env)
         try:
             folder = self.agent_folder(slot)
             slot.process = AgentProcess(launch, folder, log_path, parse_line)
@@ -35625,7 +35916,7 @@ def cmd_web(args, root):
 
 
 # ============================================================================
-# src/ferrus/cli.py (from its line 57)
+# src/ferrus/cli.py (from its line 59)
 # ============================================================================
 # CLI: argparse, every `ferrus` command, main(argv).
 #
@@ -36409,6 +36700,15 @@ def _add_serve_parser(sub):
     p.set_defaults(run=cmd_serve)
 
 
+def _add_serve_host_parser(sub):
+    """`ferrus serve-host SOCKET`: without help text, so it stays out of `ferrus --help`
+    (ferrus starts it while it runs agents: server_host.py)."""
+    p = sub.add_parser(SERVER_HOST_COMMAND, description="the server host ferrus starts "
+                       "while it runs agents: their MCP servers, forked from it")
+    p.add_argument("socket", help="the Unix socket to listen on")
+    p.set_defaults(run=lambda args, root: host_sessions(args.socket, main))
+
+
 # Each command's subparser, in the order `ferrus --help` lists them.
 COMMAND_PARSERS = (
     ("init", _add_init_parser),
@@ -36438,6 +36738,7 @@ COMMAND_PARSERS = (
     ("places", add_places_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
+    (SERVER_HOST_COMMAND, _add_serve_host_parser),      # the same
 )
 
 
@@ -36457,26 +36758,6 @@ def build_parser(command=None):
     for add in chosen or [add for _, add in COMMAND_PARSERS]:
         add(sub)
     return parser
-
-
-def command_word(argv):
-    """The command ``argv`` names: its first word that is no option (``-C DIR`` skipped),
-    or None (then the whole parser is built: help, an unknown word, HQ)."""
-    words = list(argv)
-    while words:
-        word = words.pop(0)
-        if word == "--":
-            return words[0] if words else None
-        if word == "-C":
-            if words:
-                words.pop(0)
-            continue
-        if word.startswith("-"):
-            if word in ("-h", "--help", "--version"):
-                return None
-            continue
-        return word
-    return None
 
 
 def setup_logging(debug=False):

@@ -1288,7 +1288,13 @@ class _InstantAgents:
         with open(os.path.join(self.root, ".ferrus", "mcp-%s.json" % slot.role),
                   encoding="utf-8") as handle:
             server = list(json.load(handle)["mcpServers"].values())[0]
-        env = dict(os.environ, **{ferrus.SESSION_ENV: session})
+        # As Claude Code, Qwen Code and Gemini CLI do (Codex for the variables ferrus
+        # names): the server gets the environment ferrus gave the CLI.
+        deadline = time.monotonic() + 10
+        while slot.process is None and time.monotonic() < deadline:
+            time.sleep(0.001)         # the stub is up; ferrus is just recording it
+        env = dict(_process_environment(slot.process.proc.pid) if slot.process else None
+                   or os.environ, **{ferrus.SESSION_ENV: session})
         conn = McpConnection([server["command"]] + list(server["args"]), self.bench.registry,
                              cwd=record["worktree"], env=env,
                              label="ferrus serve for %s" % slot.name)
@@ -1326,6 +1332,31 @@ class _InstantAgents:
     def join(self):
         for thread in self.threads:
             thread.join(30)
+
+
+def _server_host_cpu(ferrus):
+    """CPU seconds of this process's server host and its reaped children (Linux's /proc;
+    0 without one)."""
+    host = getattr(ferrus, "SERVER_HOST", None)
+    process = getattr(host, "process", None)
+    if process is None:
+        return 0.0
+    try:
+        with open("/proc/%d/stat" % process.pid, encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_environment(pid):
+    """The environment process ``pid`` started with (Linux's /proc), or None."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            entries = handle.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(os.fsdecode(entry).partition("=")[::2] for entry in entries if b"=" in entry)
 
 
 def _overlap(start, end, intervals):
@@ -1396,9 +1427,11 @@ def parallel_run_once(bench, label):
     def cpu_times():
         if resource is None:
             return (0.0, 0.0)
-        return tuple(usage.ru_utime + usage.ru_stime for usage in (
+        own, children = (usage.ru_utime + usage.ru_stime for usage in (
             resource.getrusage(resource.RUSAGE_SELF),
             resource.getrusage(resource.RUSAGE_CHILDREN)))
+        # The server host (a child that lives on) and the sessions it has served.
+        return own, children + _server_host_cpu(ferrus)
 
     cpu_before = cpu_times()
     started = time.time()

@@ -372,9 +372,10 @@ def test_serve_takes_its_session_from_the_environment_or_the_option():
 def test_codex_passes_the_session_variable_to_its_server(project):
     config = ferrus.load_config(str(project))
     argv = ferrus.Codex(config).headless(str(project), "executor", "p").argv
-    # (and, inside a task's sandbox, the socket its `ferrus serve` relays to)
-    assert 'mcp_servers.ferrus-executor-1.env_vars=["%s", "%s"]' % (
-        ferrus.SESSION_ENV, ferrus.SANDBOX_RELAY_ENV) in argv
+    # (and, inside a task's sandbox, the socket its `ferrus serve` relays to; outside
+    # one, the server host's)
+    assert 'mcp_servers.ferrus-executor-1.env_vars=["%s", "%s", "%s"]' % (
+        ferrus.SESSION_ENV, ferrus.SANDBOX_RELAY_ENV, ferrus.SERVER_HOST_ENV) in argv
 
 
 # -- lease clocks (issue #11 item 5) ---------------------------------------------------------------

@@ -47,6 +47,7 @@ MODULES = (
     "jsonrpc",
     "mcp",
     "agents",
+    "server_host",
     "agent_files",
     "adapters",
     "nano_model",

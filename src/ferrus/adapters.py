@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 
+from .startup import SERVER_HOST_ENV
 from .basics import FerrusError, LazyPattern
 from .system import atomic_write, read_text
 from .tomlfile import (TomlError, format_toml_value, parse_toml, toml_remove_table,
@@ -370,8 +371,9 @@ class Codex(AgentAdapter):
                     ("tool_timeout_sec", client_tool_timeout_secs(self.config)),
                     ("default_tools_approval_mode", "approve"), ("enabled", True),
                     # Codex passes only listed variables to servers: the session id (and, in a
-                    # sandbox, its relay's socket) must reach it.
-                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV])]
+                    # sandbox, its relay's socket; outside one, the server host's) must
+                    # reach it.
+                    ("env_vars", [SESSION_ENV, SANDBOX_RELAY_ENV, SERVER_HOST_ENV])]
         argv = []
         for name, value in settings:
             argv += ["-c", "mcp_servers.%s.%s=%s" % (key, name, format_toml_value(value))]

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from .startup import command_word
 from .basics import (FerrusError, UsageError, __version__, did_you_mean, log, say,
                      terminal_safe)
 from .system import read_text
@@ -30,6 +31,7 @@ from .task_queue import (op_enqueue_milestone, op_enqueue_ready, op_enqueue_task
 from .graph import add_graph_parser
 from .memory import add_memory_parser, add_spec_parser
 from .mcp import SESSION_ENV, serve_stdio
+from .server_host import SERVER_HOST_COMMAND, host_sessions
 from .nano import add_nano_parser
 from .probe import add_probe_option, report_probes
 from .register import (adapter_for, add_registration_options, agents_report,
@@ -832,6 +834,15 @@ def _add_serve_parser(sub):
     p.set_defaults(run=cmd_serve)
 
 
+def _add_serve_host_parser(sub):
+    """`ferrus serve-host SOCKET`: without help text, so it stays out of `ferrus --help`
+    (ferrus starts it while it runs agents: server_host.py)."""
+    p = sub.add_parser(SERVER_HOST_COMMAND, description="the server host ferrus starts "
+                       "while it runs agents: their MCP servers, forked from it")
+    p.add_argument("socket", help="the Unix socket to listen on")
+    p.set_defaults(run=lambda args, root: host_sessions(args.socket, main))
+
+
 # Each command's subparser, in the order `ferrus --help` lists them.
 COMMAND_PARSERS = (
     ("init", _add_init_parser),
@@ -861,6 +872,7 @@ COMMAND_PARSERS = (
     ("places", add_places_parser),
     ("serve", _add_serve_parser),
     ("nano", add_nano_parser),        # no help text: ferrus starts it, --help leaves it out
+    (SERVER_HOST_COMMAND, _add_serve_host_parser),      # the same
 )
 
 
@@ -880,26 +892,6 @@ def build_parser(command=None):
     for add in chosen or [add for _, add in COMMAND_PARSERS]:
         add(sub)
     return parser
-
-
-def command_word(argv):
-    """The command ``argv`` names: its first word that is no option (``-C DIR`` skipped),
-    or None (then the whole parser is built: help, an unknown word, HQ)."""
-    words = list(argv)
-    while words:
-        word = words.pop(0)
-        if word == "--":
-            return words[0] if words else None
-        if word == "-C":
-            if words:
-                words.pop(0)
-            continue
-        if word.startswith("-"):
-            if word in ("-h", "--help", "--version"):
-                return None
-            continue
-        return word
-    return None
 
 
 def setup_logging(debug=False):

@@ -31,6 +31,7 @@ from .operations import (confirmation_summary, describe_task_commit, guarded_pat
 from .work import op_release_sessions
 from .memory import memory_after_task_end, memory_executor_prompt
 from .mcp import SESSION_ENV, session_id_for_task, tool_calls_for_task
+from .server_host import server_host_environment
 from .agent_files import edit_json_file
 from .register import adapter_for, copy_agent_configuration
 from .prompts import executor_prompt_for, prompt_consultant, prompt_reviewer
@@ -456,8 +457,13 @@ class HqController(JournalView):
             else new_id("s")
         # A parallel task's agents (and the checks their `ferrus serve` runs) get its
         # port block (bootstrap.py).
-        launch = dataclasses.replace(launch, env=dict(launch.env, **store_environment(
-            self.store), **{SESSION_ENV: slot.session_id}))
+        # Its `ferrus serve` is served by the server host (server_host.py) when there is
+        # one; a sandbox unsets the variable.
+        env = dict(server_host_environment())
+        env.update(launch.env)
+        env.update(store_environment(self.store))
+        env[SESSION_ENV] = slot.session_id
+        launch = dataclasses.replace(launch, env=env)
         try:
             folder = self.agent_folder(slot)
             slot.process = AgentProcess(launch, folder, log_path, parse_line)

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 
+from .startup import SERVER_HOST_ENV
 from .basics import FERRUS_FILE, FerrusError, deferred_dataclass
 from .system import atomic_write
 from .config import PLACE_HERE
@@ -116,8 +117,9 @@ SANDBOX_SECRET_PATHS = (
 SANDBOX_SOCKET_PATHS = ("/run/user/{uid}", "/run/docker.sock", "/var/run/docker.sock",
                         "/run/podman", "/run/containerd", "/run/crio")
 # Variables that point at such a socket.
+# And the server host's socket (server_host.py): it serves outside any sandbox.
 SANDBOX_UNSET_VARIABLES = ("SSH_AUTH_SOCK", "GPG_AGENT_INFO", "DOCKER_HOST",
-                           "CONTAINER_HOST")
+                           "CONTAINER_HOST", SERVER_HOST_ENV)
 # Where each built-in agent CLI keeps its own state (a folder ending in / is made when
 # missing, as the CLI would make it; the others are shown only when they exist).
 SANDBOX_AGENT_STATE = {

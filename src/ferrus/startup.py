@@ -4,10 +4,14 @@
 the current folder; a project root with its own queue.py or logging.py would shadow
 the standard library, so that entry goes first.  Ctrl+C during the imports is noted
 and acted on once main() runs; started as a program, the garbage collector waits
-until every module is loaded.  In the generated ferrus.py this part comes before the
+until every module is loaded, and an agent's MCP server that a server host can serve
+(server_host.py) hands its stdin, stdout and stderr there and only waits.  In the
+generated ferrus.py this part comes before the
 standard library's imports."""
 
 import gc
+import marshal
+import os
 import sys
 
 # `python ferrus.py` puts the script's folder first on sys.path, and `python -m ferrus`
@@ -38,6 +42,75 @@ STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
 # an agent's server starts once per session): it waits until api.py, the last module.
 if STARTED_AS_PROGRAM:
     gc.disable()
+
+# The variable that names a server host's socket to an agent's `ferrus serve`.
+SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
+
+
+def command_word(argv):
+    """The command ``argv`` names: its first word that is no option (``-C DIR`` skipped),
+    or None (then the whole parser is built: help, an unknown word, HQ)."""
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            return words[0] if words else None
+        if word == "-C":
+            if words:
+                words.pop(0)
+            continue
+        if word.startswith("-"):
+            if word in ("-h", "--help", "--version"):
+                return None
+            continue
+        return word
+    return None
+
+
+def ferrus_identity(path):
+    """What tells one ferrus.py from another (or from itself before an edit)."""
+    status = os.stat(path)
+    return (os.path.realpath(path), status.st_size, status.st_mtime_ns)
+
+
+def serve_through_host():
+    """`ferrus serve` started with SERVER_HOST_ENV set: this process hands its stdin,
+    stdout and stderr, command line, environment, folder and umask to the server host,
+    whose copy of an already loaded ferrus serves the session, and exits with its exit
+    status when it is done.  Returns (and the process goes on to serve itself) when
+    there is no host to reach or the host runs another ferrus.py."""
+    path = os.environ.get(SERVER_HOST_ENV)
+    if not path or not sys.platform.startswith("linux") or \
+            command_word(sys.argv[1:]) != "serve":
+        return
+    import socket
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        link.connect(path)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        payload = marshal.dumps((list(sys.argv[1:]), dict(os.environ), os.getcwd(), mask,
+                                 ferrus_identity(__file__)))
+        message = len(payload).to_bytes(4, "big") + payload
+        sent = socket.send_fds(link, [message], [0, 1, 2])
+        link.sendall(message[sent:])
+        if link.recv(1) != b"Y":
+            link.close()
+            return
+    except (OSError, ValueError, NameError):
+        link.close()
+        return
+    try:
+        status = link.recv(1)
+    except KeyboardInterrupt:
+        os._exit(130)
+    except OSError:
+        status = b""
+    os._exit(status[0] if status else 1)
+
+
+if STARTED_AS_PROGRAM:
+    serve_through_host()
 
 _interrupted_while_starting.ferrus_startup = True
 _interrupted_while_starting.interrupted = False

@@ -1,0 +1,154 @@
+"""The server host: while ferrus runs agents, their `ferrus serve` hands the session to one
+process that has ferrus loaded, which serves it in a forked copy (server_host.py).
+
+Played with real processes: a host started as ferrus starts it, and `ferrus serve` started
+as an agent CLI starts it (the command of its MCP entry, with the environment ferrus gave
+the CLI).  Which process served shows in what the server process imported: one the host
+served never loads argparse (PYTHONPROFILEIMPORTTIME lists every import on stderr)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ferrus
+
+pytestmark = pytest.mark.skipif(not ferrus.server_host_possible(),
+                                reason="the server host needs Linux (fork and fd passing)")
+
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+STATUS = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+          "params": {"name": "status", "arguments": {}}}
+
+
+@pytest.fixture
+def host():
+    started = ferrus.ServerHost()
+    env = started.environment()
+    assert set(env) == {ferrus.SERVER_HOST_ENV}
+    wait_until(lambda: os.path.exists(env[ferrus.SERVER_HOST_ENV]))
+    process = started.process
+    yield started
+    started.stop()
+    process.wait(timeout=60)
+
+
+def wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "waited %s s" % timeout
+        time.sleep(0.01)
+
+
+def serve(project, env, messages, boot=None, **kwargs):
+    """`ferrus serve` as an agent CLI starts it; (replies, stderr, exit status)."""
+    argv = (boot or ferrus.ferrus_boot_argv()) + ["-C", str(project), "serve", "--role",
+                                                  "executor"]
+    done = subprocess.run(argv, input="".join(json.dumps(m) + "\n" for m in messages),
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1", **env), **kwargs)
+    replies = [json.loads(line) for line in done.stdout.splitlines()]
+    return replies, done.stderr, done.returncode
+
+
+def loaded_argparse(stderr):
+    return any(line.rstrip().endswith("| argparse") for line in stderr.splitlines())
+
+
+def test_a_session_is_served_by_the_host_and_answers_as_any_server(project, host):
+    replies, stderr, status = serve(project, host.environment(), [INIT, STATUS])
+    assert [reply["id"] for reply in replies] == [1, 2], stderr
+    assert replies[0]["result"]["serverInfo"]["name"] == "ferrus"
+    assert "Idle" in json.dumps(replies[1]["result"])
+    assert status == 0
+    assert not loaded_argparse(stderr), "the server process loaded ferrus itself"
+    # Without a host (the variable unset), the same command loads ferrus and serves.
+    replies, stderr, status = serve(project, {}, [INIT, STATUS])
+    assert [reply["id"] for reply in replies] == [1, 2] and status == 0
+    assert loaded_argparse(stderr)
+
+
+def test_the_session_runs_where_and_as_the_agent_started_it(project, host, tmp_path):
+    """Its folder, environment and umask are the `ferrus serve`'s, not the host's: a
+    server found its project from the folder the CLI started it in."""
+    env = dict(host.environment(), FERRUS_SESSION="s-host-test")
+    replies, stderr, status = serve(project, env, [INIT, STATUS], cwd=str(project))
+    assert status == 0 and len(replies) == 2, stderr
+    # A failing start reports as it would without the host, with its exit status.
+    replies, stderr, status = serve(tmp_path / "nowhere", host.environment(), [INIT])
+    assert replies == [] and status == 2
+    assert "no such directory" in stderr
+
+
+def test_another_ferrus_py_is_not_served_by_this_host(project, host, tmp_path):
+    copy = tmp_path / "elsewhere" / "ferrus.py"
+    copy.parent.mkdir()
+    shutil.copy(ferrus.FERRUS_FILE, str(copy))
+    boot = ferrus.ferrus_boot_argv()
+    boot[-1] = boot[-1].replace(repr(ferrus.FERRUS_FILE), repr(str(copy)))
+    replies, stderr, status = serve(project, host.environment(), [INIT, STATUS], boot=boot)
+    assert [reply["id"] for reply in replies] == [1, 2] and status == 0, stderr
+    assert loaded_argparse(stderr), "a host must serve only its own ferrus.py"
+
+
+def host_children(host):
+    path = "/proc/%d/task/%d/children" % (host.process.pid, host.process.pid)
+    with open(path) as handle:
+        return handle.read().split()
+
+
+def test_a_session_whose_server_is_killed_ends_in_the_host(project, host):
+    """An agent ends its server with SIGTERM (or dies): the copy serving it ends too."""
+    argv = ferrus.ferrus_boot_argv() + ["-C", str(project), "serve", "--role", "executor"]
+    relay = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, **host.environment()))
+    relay.stdin.write((json.dumps(INIT) + "\n").encode())
+    relay.stdin.flush()
+    assert json.loads(relay.stdout.readline())["id"] == 1
+    assert len(host_children(host)) == 1
+    relay.send_signal(signal.SIGTERM)
+    relay.wait(timeout=60)
+    wait_until(lambda: host_children(host) == [])
+
+
+def test_a_stopped_host_serves_its_sessions_to_their_end_then_exits(project):
+    host = ferrus.ServerHost()
+    env = host.environment()
+    wait_until(lambda: os.path.exists(env[ferrus.SERVER_HOST_ENV]))
+    process = host.process
+    argv = ferrus.ferrus_boot_argv() + ["-C", str(project), "serve", "--role", "executor"]
+    relay = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=dict(os.environ, **env))
+    relay.stdin.write((json.dumps(INIT) + "\n").encode())
+    relay.stdin.flush()
+    assert json.loads(relay.stdout.readline())["id"] == 1
+    host.stop()
+    assert host.environment() == {}          # no new session goes there
+    wait_until(lambda: not os.path.exists(env[ferrus.SERVER_HOST_ENV]))
+    assert process.poll() is None            # the session it serves goes on
+    relay.stdin.write((json.dumps(STATUS) + "\n").encode())
+    relay.stdin.close()
+    assert json.loads(relay.stdout.readline())["id"] == 2
+    assert relay.wait(timeout=60) == 0
+    assert process.wait(timeout=60) == 0
+
+
+def test_no_host_where_it_is_switched_off(monkeypatch):
+    monkeypatch.setenv(ferrus.SERVER_HOST_OFF_ENV, "1")
+    host = ferrus.ServerHost()
+    assert host.environment() == {} and host.process is None
+
+
+def test_a_sandboxed_agent_never_gets_the_hosts_socket(tmp_path):
+    """The host serves outside any sandbox: the variable is unset inside one."""
+    plan = ferrus.SandboxPlan(cwd=str(tmp_path), writable=[str(tmp_path)], readable=[],
+                              hidden=[], empty_file=str(tmp_path / "empty"), network=True)
+    argv = ferrus.bwrap_argv(plan, ["agent"])
+    assert argv[argv.index(ferrus.SERVER_HOST_ENV) - 1] == "--unsetenv"
