@@ -16475,7 +16475,11 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer,
                              session=session)
 
+    ending = threading.Lock()
+
     def orphaned():
+        if not ending.acquire(blocking=False):
+            return               # already ending (the parent gone and a SIGTERM, say)
         log.info("parent process exited; stopping the MCP server")
         server.rpc.shutdown(wait=2.0)
         end_active_checks()      # os._exit skips atexit
@@ -16485,12 +16489,13 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     watch_parent(orphaned)
     if not IS_WINDOWS:
         # Clients stop servers with SIGTERM: end running checks (their process
-        # groups) as EOF does, instead of dying and leaving them behind.
-        signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
-        # A Python handler runs only when the main thread runs bytecode, and it
-        # sits in a blocking read of stdin: a SIGTERM the kernel hands to a worker
-        # thread would wait for the next request.  The wakeup fd is written by
-        # whichever thread takes the signal, and a thread of ours acts on it.
+        # groups) as EOF does, instead of dying and leaving them behind.  A Python
+        # handler runs only when the main thread runs bytecode, and it sits in a
+        # blocking read of stdin, or holds a lock the ending needs (run there, the
+        # ending waited for itself forever): the handler does nothing but exist, so
+        # that the wakeup fd is written by whichever thread takes the signal, and a
+        # thread of ours ends the server.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
         call_on_signal(signal.SIGTERM, orphaned)
     server.serve()
     with contextlib.suppress(FerrusError, OSError):
@@ -16972,6 +16977,7 @@ def _serve_session(connection, listener, run_command):
     """In the forked copy: take over the session the connection describes, run its
     command, tell the waiting `ferrus serve` the exit status; never returns."""
     status = 1
+    finished = threading.Event()
     try:
         listener.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -16988,7 +16994,7 @@ def _serve_session(connection, listener, run_command):
         connection.sendall(b"Y")
         # Its `ferrus serve` gone (the agent ended it, or was killed): end as a server
         # whose client sends SIGTERM does.
-        threading.Thread(target=_end_with, args=(connection,), daemon=True,
+        threading.Thread(target=_end_with, args=(connection, finished), daemon=True,
                          name="session-link").start()
         status = run_command(list(argv))
         status = status if isinstance(status, int) else 1
@@ -16998,6 +17004,7 @@ def _serve_session(connection, listener, run_command):
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
+        finished.set()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -17027,11 +17034,12 @@ def _read_session(connection):
     return marshal.loads(data)
 
 
-def _end_with(connection):
+def _end_with(connection, finished):
     with contextlib.suppress(OSError):
         while connection.recv(64):
             pass
-    os.kill(os.getpid(), signal.SIGTERM)
+    if not finished.is_set():        # (done, the copy is on its way out anyway)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ============================================================================

@@ -1055,7 +1055,11 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     server = FerrusMcpServer(store, role, agent_name, agent_index, sys.stdin.buffer, writer,
                              session=session)
 
+    ending = threading.Lock()
+
     def orphaned():
+        if not ending.acquire(blocking=False):
+            return               # already ending (the parent gone and a SIGTERM, say)
         log.info("parent process exited; stopping the MCP server")
         server.rpc.shutdown(wait=2.0)
         end_active_checks()      # os._exit skips atexit
@@ -1065,12 +1069,13 @@ def serve_stdio(root, role, agent_name, agent_index, session=None):
     watch_parent(orphaned)
     if not IS_WINDOWS:
         # Clients stop servers with SIGTERM: end running checks (their process
-        # groups) as EOF does, instead of dying and leaving them behind.
-        signal.signal(signal.SIGTERM, lambda signum, frame: orphaned())
-        # A Python handler runs only when the main thread runs bytecode, and it
-        # sits in a blocking read of stdin: a SIGTERM the kernel hands to a worker
-        # thread would wait for the next request.  The wakeup fd is written by
-        # whichever thread takes the signal, and a thread of ours acts on it.
+        # groups) as EOF does, instead of dying and leaving them behind.  A Python
+        # handler runs only when the main thread runs bytecode, and it sits in a
+        # blocking read of stdin, or holds a lock the ending needs (run there, the
+        # ending waited for itself forever): the handler does nothing but exist, so
+        # that the wakeup fd is written by whichever thread takes the signal, and a
+        # thread of ours ends the server.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
         call_on_signal(signal.SIGTERM, orphaned)
     server.serve()
     with contextlib.suppress(FerrusError, OSError):

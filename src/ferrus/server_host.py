@@ -157,6 +157,7 @@ def _serve_session(connection, listener, run_command):
     """In the forked copy: take over the session the connection describes, run its
     command, tell the waiting `ferrus serve` the exit status; never returns."""
     status = 1
+    finished = threading.Event()
     try:
         listener.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -173,7 +174,7 @@ def _serve_session(connection, listener, run_command):
         connection.sendall(b"Y")
         # Its `ferrus serve` gone (the agent ended it, or was killed): end as a server
         # whose client sends SIGTERM does.
-        threading.Thread(target=_end_with, args=(connection,), daemon=True,
+        threading.Thread(target=_end_with, args=(connection, finished), daemon=True,
                          name="session-link").start()
         status = run_command(list(argv))
         status = status if isinstance(status, int) else 1
@@ -183,6 +184,7 @@ def _serve_session(connection, listener, run_command):
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
+        finished.set()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -212,8 +214,9 @@ def _read_session(connection):
     return marshal.loads(data)
 
 
-def _end_with(connection):
+def _end_with(connection, finished):
     with contextlib.suppress(OSError):
         while connection.recv(64):
             pass
-    os.kill(os.getpid(), signal.SIGTERM)
+    if not finished.is_set():        # (done, the copy is on its way out anyway)
+        os.kill(os.getpid(), signal.SIGTERM)
