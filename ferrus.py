@@ -3175,6 +3175,23 @@ class Signals:
     context_tokens_max: int = 0    # the model's context window (0: unknown, not judged)
 
 
+# The signals that count usage (the others are levels: agents running, context held).
+USAGE_COUNTS = ("tool_calls", "sessions", "tasks_completed", "tokens_used", "turns")
+
+
+def usage_since(current, base):
+    """``current`` with its counts from ``base`` on (never below 0), its levels as
+    they are: what a budget that started at ``base`` has used."""
+    return dataclasses.replace(current, **{
+        name: max(0, getattr(current, name) - getattr(base, name)) for name in USAGE_COUNTS})
+
+
+def usage_added(base, more):
+    """The counts of ``base`` and ``more`` together (a budget's new start)."""
+    return Signals(**{name: getattr(base, name) + getattr(more, name)
+                      for name in USAGE_COUNTS})
+
+
 # signal field -> the limit it is measured against
 SIGNAL_LIMITS = (("tool_calls", "max_tool_calls"), ("sessions", "max_sessions"),
                  ("tasks_completed", "max_tasks"), ("tokens_used", "max_tokens"),
@@ -22624,6 +22641,15 @@ def usage_summary(records):
             "cost_unknown": len(records) - len(known)}
 
 
+def task_tokens_and_turns(store, task_id):
+    """(tokens, model turns) the sessions of one task reported: what the capacity gates
+    count (at a place, its side sends them here with each beat)."""
+    records = [r for r in read_session_records(store) if task_id and r.get("task_id") == task_id]
+    summary = usage_summary(records)
+    return (summary["input_tokens"] + summary["output_tokens"],
+            sum(int(_number(r.get("turns"))) for r in records))
+
+
 def task_usage(store, task_id):
     """The usage of one task's sessions (HQ, `ferrus run`, interactive)."""
     return usage_summary([r for r in read_session_records(store)
@@ -23564,6 +23590,16 @@ def clear_capacity_checkpoint(store):
 TASK_SESSIONS_KEY = "task_sessions"
 
 
+def task_sessions_started(data, otherwise=0):
+    """Sessions started for ``data``'s task so far (all HQs, across restarts), as its
+    STATE.json counts them; ``otherwise`` when it does not."""
+    counter = data.extra.get(TASK_SESSIONS_KEY)
+    if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
+            isinstance(counter.get("sessions"), int):
+        return counter["sessions"]
+    return otherwise
+
+
 # ============================================================================
 # src/ferrus/journal_view.py (from its line 17)
 # ============================================================================
@@ -24080,25 +24116,18 @@ class HqController(JournalView):
         task = data.task_id
         for slot in self.running():        # the gate reads what the records say
             self._save_counts(slot, force=True)
-        tokens, turns = self._task_tokens_and_turns(task)
-        current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_of(data) + sum(
-                              1 for move in self._deferred_moves or ()
-                              if move["to"] == SS.RUNNING.value),   # started, not yet journaled
-                          tasks_completed=self.tasks_completed,
-                          tokens_used=tokens, turns=turns,
-                          parallel_agents=len(self.running()) + extra_parallel)
-        base = self.baseline
+        tokens, turns = task_tokens_and_turns(self.store, task)
         # The context is a level, not a count: the fullest running agent's, never rebased.
         context = max([slot.process.tally.context_tokens for slot in self.running()] + [0])
-        return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
-                       sessions=max(0, current.sessions - base.sessions),
-                       tasks_completed=max(0, current.tasks_completed - base.tasks_completed),
-                       tokens_used=max(0, current.tokens_used - base.tokens_used),
-                       parallel_agents=current.parallel_agents,
-                       turns=max(0, current.turns - base.turns),
-                       context_tokens_used=context,
-                       context_tokens_max=self.store.config().capacity.context_window)
+        return usage_since(Signals(
+            tool_calls=tool_calls_for_task(self.store, task),
+            sessions=self.sessions_of(data) + sum(
+                1 for move in self._deferred_moves or ()
+                if move["to"] == SS.RUNNING.value),   # started, not yet journaled
+            tasks_completed=self.tasks_completed, tokens_used=tokens, turns=turns,
+            parallel_agents=len(self.running()) + extra_parallel,
+            context_tokens_used=context,
+            context_tokens_max=self.store.config().capacity.context_window), self.baseline)
 
     def gate(self, target, extra_parallel=0):
         """Classify the signals, journal the decision and carry out its action."""
@@ -24166,13 +24195,7 @@ class HqController(JournalView):
         """/continue: clear the checkpoint; the budget counts again from here."""
         self.checkpoint = None
         self.throttle_until = None
-        current = self.signals()
-        self.baseline = Signals(tool_calls=self.baseline.tool_calls + current.tool_calls,
-                                sessions=self.baseline.sessions + current.sessions,
-                                tasks_completed=self.baseline.tasks_completed +
-                                current.tasks_completed,
-                                tokens_used=self.baseline.tokens_used + current.tokens_used,
-                                turns=self.baseline.turns + current.turns)
+        self.baseline = usage_added(self.baseline, self.signals())
         clear_capacity_checkpoint(self.store)
 
     def recheck_checkpoint(self):
@@ -24462,11 +24485,7 @@ class HqController(JournalView):
 
     def sessions_of(self, data):
         """Sessions started for ``data``'s task so far (all HQs, across restarts)."""
-        counter = data.extra.get(TASK_SESSIONS_KEY)
-        if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
-                isinstance(counter.get("sessions"), int):
-            return counter["sessions"]
-        return self.sessions_seed.get(data.task_id, 0)
+        return task_sessions_started(data, self.sessions_seed.get(data.task_id, 0))
 
     def _interrupt(self, slot):
         """TERM the process group now; KILL after the grace period (GraceExceeded)."""
@@ -24507,13 +24526,6 @@ class HqController(JournalView):
                                  process.proc.returncode if process is not None else None,
                                  process.tally if process is not None else None, note,
                                  self.tool_calls_of(slot))
-
-    def _task_tokens_and_turns(self, task):
-        records = [r for r in read_session_records(self.store)
-                   if task and r.get("task_id") == task]
-        summary = usage_summary(records)
-        return (summary["input_tokens"] + summary["output_tokens"],
-                sum(int(_number(r.get("turns"))) for r in records))
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""
@@ -24621,7 +24633,7 @@ class HqController(JournalView):
 
 
 # ============================================================================
-# src/ferrus/place_tasks.py (from its line 37)
+# src/ferrus/place_tasks.py (from its line 39)
 # ============================================================================
 # Tasks at a place: a parallel task worked elsewhere, mirrored into this project.
 #
@@ -24706,6 +24718,8 @@ class PlaceTask:
         self.stop_job = True           # shutdown also stops its job there (not when it ends:
                                        # its removal there does that)
         self.clock = store.monotonic
+        self.usage = (0, 0)            # tokens and turns its sessions there reported
+        self.baseline = Signals()      # its usage when the budget last started
 
     # -- the job there ----------------------------------------------------------------------
 
@@ -24775,7 +24789,17 @@ class PlaceTask:
         return []
 
     def signals(self):
-        return Signals()        # its usage is counted by the place's own gates
+        """Its usage, counted as a task here counts it: tool calls and sessions from the
+        journal and state mirrored here, tokens and turns as the place's last beat said
+        (its session records stay there)."""
+        try:
+            data = self.store.read_state()
+        except FerrusError:
+            return Signals()
+        tokens, turns = self.usage
+        return usage_since(Signals(tool_calls=tool_calls_for_task(self.store, self.task),
+                                   sessions=task_sessions_started(data),
+                                   tokens_used=tokens, turns=turns), self.baseline)
 
     def agent_choice(self, role):
         config = self.store.config()
@@ -24786,7 +24810,8 @@ class PlaceTask:
         return choice
 
     def continue_after_checkpoint(self):
-        pass
+        """The budget counts again from here (as HqController's)."""
+        self.baseline = usage_added(self.baseline, self.signals())
 
     def stop_all(self, quiet=False):
         """An emergency stop: the job there ends (its agents get SIGTERM)."""
@@ -24813,6 +24838,7 @@ class PlaceTask:
         elif "message" in item and isinstance(item["message"], dict):
             self._show(item["message"])
         elif "beat" in item:
+            self._take_usage(item["beat"].get("usage"))
             self._flush(at=item["beat"].get("at"))
         elif "end" in item:
             self._flush()
@@ -24821,6 +24847,12 @@ class PlaceTask:
             self.note("task %s: lost touch with place %s (%s); following it again" % (
                 self.task, self.place.name, item["lost"]), "warning", task_id=self.task)
             self._follow()
+
+    def _take_usage(self, usage):
+        """(tokens, turns) of the task's sessions there, as a beat reports them."""
+        if isinstance(usage, dict) and all(
+                type(usage.get(name)) is int and usage[name] >= 0 for name in ("tokens", "turns")):
+            self.usage = (usage["tokens"], usage["turns"])
 
     def _show(self, message):
         kind = message.get("kind") if message.get("kind") in _MESSAGE_KINDS else "info"
@@ -29474,7 +29506,7 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/place_side.py (from its line 58)
+# src/ferrus/place_side.py (from its line 59)
 # ============================================================================
 # The far end of a place: what ferrus does there when an orchestrator asks.
 #
@@ -30164,9 +30196,11 @@ def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=
             if now >= next_beat or ended:
                 if job.get("state") == "running":
                     renew_lease(folder, lease)
+                tokens, turns = task_tokens_and_turns(store.for_task(task), task)
                 lines.append({"beat": {"seq": last_seq, "at": messages_from,
                                        "job": job.get("state", "none"),
-                                       "task": place_task_view(store, task)}})
+                                       "task": place_task_view(store, task),
+                                       "usage": {"tokens": tokens, "turns": turns}}})
                 next_beat = now + beat
             if ended:
                 lines.append({"end": {"job": job, "task": place_task_view(store, task)}})

@@ -739,6 +739,12 @@ def follow_in_rounds(tmp_path, monkeypatch, journal, states, clock):
                    for seq in journal[rounds[0]] if seq > after]
             return got, position
 
+        def for_task(self, task):
+            return self
+
+        def path(self, *parts):
+            return str(tmp_path.joinpath(*parts))
+
     class Project:
         def store(self):
             return Store()
@@ -783,3 +789,51 @@ def test_a_state_whose_journal_line_never_comes_is_sent_after_a_while(tmp_path, 
                              states={1: 3, 2: 3, 3: 3, 4: 3},
                              clock=lambda round_: round_ * ferrus.PLACE_VIEW_WAIT_SECS)
     assert order == [("entry", 1), ("entry", 2), ("state", 3)]
+
+
+def test_a_beat_from_the_place_carries_the_usage_its_sessions_reported(tmp_path):
+    """The capacity gates here count a task at a place as one here: tool calls and
+    sessions from what is mirrored, tokens and turns from the place's beats."""
+    import io as _io
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.json").write_text(json.dumps({"state": "ended"}))
+    place_store = ferrus.Store(str(tmp_path / "there"))
+    sessions = tmp_path / "there" / ".ferrus" / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "other.json").write_text(json.dumps({
+        "id": "other", "task_id": "t-2", "input_tokens": 99, "turns": 9}))
+    for number, (tokens, turns) in enumerate([(1000, 2), (200, 1)]):
+        (sessions / ("s-%d.json" % number)).write_text(json.dumps({
+            "id": "s-%d" % number, "task_id": "t-1", "input_tokens": tokens,
+            "output_tokens": 0, "turns": turns, "started_at": "2026-11-27T10:00:0%dZ" % number}))
+
+    class Project:
+        def store(self):
+            return place_store
+
+        def job(self, task):
+            return str(job)
+
+    out = _io.BytesIO()
+    ferrus.follow_place_task(Project(), "t-1", 0, 0, out, sleep=lambda seconds: None)
+    beats = [json.loads(line)["beat"] for line in out.getvalue().decode().splitlines()
+             if "beat" in json.loads(line)]
+    assert beats and beats[-1]["usage"] == {"tokens": 1200, "turns": 3}
+
+
+def test_a_task_at_a_place_counts_its_usage_toward_the_runs_budget(tmp_path):
+    store = place_project(tmp_path, ["true"])
+    task = ferrus.op_enqueue_task(store, ferrus.HUMAN, "Far.\n\nAway.\n").data["task_id"]
+    store.for_task(task).create_state(ferrus.StateData())
+    far = ferrus.PlaceTask(store, task, None, lambda message: None, lambda *a, **k: None,
+                           None, 60)
+    assert far.signals().tokens_used == 0
+    far._take({"beat": {"usage": {"tokens": 1200, "turns": 3}}})
+    signals = far.signals()
+    assert (signals.tokens_used, signals.turns) == (1200, 3)
+    far.continue_after_checkpoint()           # the budget counts again from here
+    far._take({"beat": {"usage": {"tokens": 1500, "turns": 4}}})
+    assert (far.signals().tokens_used, far.signals().turns) == (300, 1)
+    far._take({"beat": {"usage": {"tokens": -5, "turns": "many"}}})   # ignored
+    assert far.signals().tokens_used == 300

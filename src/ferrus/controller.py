@@ -20,7 +20,7 @@ from .task_machine import ACTIVE_STATES, S, WORK_STATES
 from .session_machine import (CANCEL_SESSION, CHECKPOINT, CONTINUE, EMERGENCY_STOP,
                               FORCE_STOP_SESSION, LOG_FATAL, SS, Session, SessionEvent,
                               THROTTLE, session_step)
-from .gates import Signals, classify, gate_record
+from .gates import Signals, classify, gate_record, usage_added, usage_since
 from .store import PARALLEL_MIRROR_KEY, STATE_FILE, TASKS_DIR, read_task_record
 from .checks import end_orphaned_checks
 from .git import TamperedWorktree, git_repository, run_git
@@ -36,12 +36,12 @@ from .agent_files import edit_json_file
 from .register import adapter_for, copy_agent_configuration
 from .prompts import executor_prompt_for, prompt_consultant, prompt_reviewer
 from .sessions import (AgentProcess, HqMessage, SESSION_RECORD_EVERY, SLOT_PROGRESS,
-                       SLOT_ROLES, _number, _spawn_error_hint, close_session_record,
-                       last_words_tail, open_session_record, read_session_records,
-                       sessions_config, update_session_counts, usage_limit_wait,
-                       usage_summary)
+                       SLOT_ROLES, _spawn_error_hint, close_session_record,
+                       last_words_tail, open_session_record, sessions_config,
+                       task_tokens_and_turns, update_session_counts, usage_limit_wait)
 from .notify import Notifier, SessionSlot
-from .orchestrator import TASK_SESSIONS_KEY, clear_capacity_checkpoint
+from .orchestrator import (TASK_SESSIONS_KEY, clear_capacity_checkpoint,
+                           task_sessions_started)
 from .journal_view import JournalView
 
 
@@ -332,25 +332,18 @@ class HqController(JournalView):
         task = data.task_id
         for slot in self.running():        # the gate reads what the records say
             self._save_counts(slot, force=True)
-        tokens, turns = self._task_tokens_and_turns(task)
-        current = Signals(tool_calls=tool_calls_for_task(self.store, task),
-                          sessions=self.sessions_of(data) + sum(
-                              1 for move in self._deferred_moves or ()
-                              if move["to"] == SS.RUNNING.value),   # started, not yet journaled
-                          tasks_completed=self.tasks_completed,
-                          tokens_used=tokens, turns=turns,
-                          parallel_agents=len(self.running()) + extra_parallel)
-        base = self.baseline
+        tokens, turns = task_tokens_and_turns(self.store, task)
         # The context is a level, not a count: the fullest running agent's, never rebased.
         context = max([slot.process.tally.context_tokens for slot in self.running()] + [0])
-        return Signals(tool_calls=max(0, current.tool_calls - base.tool_calls),
-                       sessions=max(0, current.sessions - base.sessions),
-                       tasks_completed=max(0, current.tasks_completed - base.tasks_completed),
-                       tokens_used=max(0, current.tokens_used - base.tokens_used),
-                       parallel_agents=current.parallel_agents,
-                       turns=max(0, current.turns - base.turns),
-                       context_tokens_used=context,
-                       context_tokens_max=self.store.config().capacity.context_window)
+        return usage_since(Signals(
+            tool_calls=tool_calls_for_task(self.store, task),
+            sessions=self.sessions_of(data) + sum(
+                1 for move in self._deferred_moves or ()
+                if move["to"] == SS.RUNNING.value),   # started, not yet journaled
+            tasks_completed=self.tasks_completed, tokens_used=tokens, turns=turns,
+            parallel_agents=len(self.running()) + extra_parallel,
+            context_tokens_used=context,
+            context_tokens_max=self.store.config().capacity.context_window), self.baseline)
 
     def gate(self, target, extra_parallel=0):
         """Classify the signals, journal the decision and carry out its action."""
@@ -418,13 +411,7 @@ class HqController(JournalView):
         """/continue: clear the checkpoint; the budget counts again from here."""
         self.checkpoint = None
         self.throttle_until = None
-        current = self.signals()
-        self.baseline = Signals(tool_calls=self.baseline.tool_calls + current.tool_calls,
-                                sessions=self.baseline.sessions + current.sessions,
-                                tasks_completed=self.baseline.tasks_completed +
-                                current.tasks_completed,
-                                tokens_used=self.baseline.tokens_used + current.tokens_used,
-                                turns=self.baseline.turns + current.turns)
+        self.baseline = usage_added(self.baseline, self.signals())
         clear_capacity_checkpoint(self.store)
 
     def recheck_checkpoint(self):
@@ -714,11 +701,7 @@ class HqController(JournalView):
 
     def sessions_of(self, data):
         """Sessions started for ``data``'s task so far (all HQs, across restarts)."""
-        counter = data.extra.get(TASK_SESSIONS_KEY)
-        if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
-                isinstance(counter.get("sessions"), int):
-            return counter["sessions"]
-        return self.sessions_seed.get(data.task_id, 0)
+        return task_sessions_started(data, self.sessions_seed.get(data.task_id, 0))
 
     def _interrupt(self, slot):
         """TERM the process group now; KILL after the grace period (GraceExceeded)."""
@@ -759,13 +742,6 @@ class HqController(JournalView):
                                  process.proc.returncode if process is not None else None,
                                  process.tally if process is not None else None, note,
                                  self.tool_calls_of(slot))
-
-    def _task_tokens_and_turns(self, task):
-        records = [r for r in read_session_records(self.store)
-                   if task and r.get("task_id") == task]
-        summary = usage_summary(records)
-        return (summary["input_tokens"] + summary["output_tokens"],
-                sum(int(_number(r.get("turns"))) for r in records))
 
     def _record_agent(self, slot, status):
         """Keep .ferrus/agents.json current (entries keyed by slot and pid)."""

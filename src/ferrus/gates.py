@@ -27,6 +27,23 @@ class Signals:
     context_tokens_max: int = 0    # the model's context window (0: unknown, not judged)
 
 
+# The signals that count usage (the others are levels: agents running, context held).
+USAGE_COUNTS = ("tool_calls", "sessions", "tasks_completed", "tokens_used", "turns")
+
+
+def usage_since(current, base):
+    """``current`` with its counts from ``base`` on (never below 0), its levels as
+    they are: what a budget that started at ``base`` has used."""
+    return dataclasses.replace(current, **{
+        name: max(0, getattr(current, name) - getattr(base, name)) for name in USAGE_COUNTS})
+
+
+def usage_added(base, more):
+    """The counts of ``base`` and ``more`` together (a budget's new start)."""
+    return Signals(**{name: getattr(base, name) + getattr(more, name)
+                      for name in USAGE_COUNTS})
+
+
 # signal field -> the limit it is measured against
 SIGNAL_LIMITS = (("tool_calls", "max_tool_calls"), ("sessions", "max_sessions"),
                  ("tasks_completed", "max_tasks"), ("tokens_used", "max_tokens"),

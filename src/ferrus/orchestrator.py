@@ -221,3 +221,13 @@ def clear_capacity_checkpoint(store):
 
 # STATE.json's count of the sessions HQ started for the current task.
 TASK_SESSIONS_KEY = "task_sessions"
+
+
+def task_sessions_started(data, otherwise=0):
+    """Sessions started for ``data``'s task so far (all HQs, across restarts), as its
+    STATE.json counts them; ``otherwise`` when it does not."""
+    counter = data.extra.get(TASK_SESSIONS_KEY)
+    if isinstance(counter, dict) and counter.get("task_id") == data.task_id and \
+            isinstance(counter.get("sessions"), int):
+        return counter["sessions"]
+    return otherwise

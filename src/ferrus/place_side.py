@@ -50,6 +50,7 @@ from .task_queue import save_task_work, write_task_record
 from .register import copy_agent_configuration, register_agents
 from .sandbox_agents import AgentSandbox
 from .places import place_probe
+from .sessions import task_tokens_and_turns
 from .orchestrator import Terminated, _raise_terminated, stop_orphaned_agents
 from .controller import HqController
 from .parallel import QUIET_EVENTS, run_worktree_setup
@@ -721,9 +722,11 @@ def follow_place_task(project, task, after, messages_from, out, beat=2.0, lease=
             if now >= next_beat or ended:
                 if job.get("state") == "running":
                     renew_lease(folder, lease)
+                tokens, turns = task_tokens_and_turns(store.for_task(task), task)
                 lines.append({"beat": {"seq": last_seq, "at": messages_from,
                                        "job": job.get("state", "none"),
-                                       "task": place_task_view(store, task)}})
+                                       "task": place_task_view(store, task),
+                                       "usage": {"tokens": tokens, "turns": turns}}})
                 next_beat = now + beat
             if ended:
                 lines.append({"end": {"job": job, "task": place_task_view(store, task)}})

@@ -20,7 +20,7 @@ import threading
 from .basics import FerrusError, format_timestamp, log, terminal_safe
 from .config import AgentChoice, CONFIG_FILE, PLACE_HERE
 from .task_machine import S, StateData
-from .gates import Signals
+from .gates import Signals, usage_added, usage_since
 from .store import (CANCELLED_STATUS, FAILED_STATUS, MERGED_STATUS, QUEUED_STATUS,
                     RUNNING_STATUS, UNCHANGED_STATUS, read_task_record)
 from .git import task_ref
@@ -28,8 +28,10 @@ from .worktrees import target_head
 from .operations import ORCHESTRATOR, confirmation_summary, short_task_id
 from .base_checks import without_red_base_note
 from .task_queue import update_task
+from .mcp import tool_calls_for_task
 from .places import Place, PlaceBroken, PlaceUnreachable, place_project_key
 from .sessions import HqMessage
+from .orchestrator import task_sessions_started
 
 
 # A place that could not prepare or start a task is left alone for this long, doubling
@@ -103,6 +105,8 @@ class PlaceTask:
         self.stop_job = True           # shutdown also stops its job there (not when it ends:
                                        # its removal there does that)
         self.clock = store.monotonic
+        self.usage = (0, 0)            # tokens and turns its sessions there reported
+        self.baseline = Signals()      # its usage when the budget last started
 
     # -- the job there ----------------------------------------------------------------------
 
@@ -172,7 +176,17 @@ class PlaceTask:
         return []
 
     def signals(self):
-        return Signals()        # its usage is counted by the place's own gates
+        """Its usage, counted as a task here counts it: tool calls and sessions from the
+        journal and state mirrored here, tokens and turns as the place's last beat said
+        (its session records stay there)."""
+        try:
+            data = self.store.read_state()
+        except FerrusError:
+            return Signals()
+        tokens, turns = self.usage
+        return usage_since(Signals(tool_calls=tool_calls_for_task(self.store, self.task),
+                                   sessions=task_sessions_started(data),
+                                   tokens_used=tokens, turns=turns), self.baseline)
 
     def agent_choice(self, role):
         config = self.store.config()
@@ -183,7 +197,8 @@ class PlaceTask:
         return choice
 
     def continue_after_checkpoint(self):
-        pass
+        """The budget counts again from here (as HqController's)."""
+        self.baseline = usage_added(self.baseline, self.signals())
 
     def stop_all(self, quiet=False):
         """An emergency stop: the job there ends (its agents get SIGTERM)."""
@@ -210,6 +225,7 @@ class PlaceTask:
         elif "message" in item and isinstance(item["message"], dict):
             self._show(item["message"])
         elif "beat" in item:
+            self._take_usage(item["beat"].get("usage"))
             self._flush(at=item["beat"].get("at"))
         elif "end" in item:
             self._flush()
@@ -218,6 +234,12 @@ class PlaceTask:
             self.note("task %s: lost touch with place %s (%s); following it again" % (
                 self.task, self.place.name, item["lost"]), "warning", task_id=self.task)
             self._follow()
+
+    def _take_usage(self, usage):
+        """(tokens, turns) of the task's sessions there, as a beat reports them."""
+        if isinstance(usage, dict) and all(
+                type(usage.get(name)) is int and usage[name] >= 0 for name in ("tokens", "turns")):
+            self.usage = (usage["tokens"], usage["turns"])
 
     def _show(self, message):
         kind = message.get("kind") if message.get("kind") in _MESSAGE_KINDS else "info"

@@ -200,6 +200,15 @@ def usage_summary(records):
             "cost_unknown": len(records) - len(known)}
 
 
+def task_tokens_and_turns(store, task_id):
+    """(tokens, model turns) the sessions of one task reported: what the capacity gates
+    count (at a place, its side sends them here with each beat)."""
+    records = [r for r in read_session_records(store) if task_id and r.get("task_id") == task_id]
+    summary = usage_summary(records)
+    return (summary["input_tokens"] + summary["output_tokens"],
+            sum(int(_number(r.get("turns"))) for r in records))
+
+
 def task_usage(store, task_id):
     """The usage of one task's sessions (HQ, `ferrus run`, interactive)."""
     return usage_summary([r for r in read_session_records(store)
