@@ -1842,7 +1842,7 @@ class ParallelConfig:
     copy: list = dataclasses.field(default_factory=list)
     copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
     # Whether copied files also go to a task run at another place than this machine
-    # (validated now; every task runs in a local worktree today).
+    # (sent with the request that prepares it there; copies even with copy_mode "link").
     copy_to_places: bool = False
     # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
     # (the merge gate has the block at port_base; 0: no ports).
@@ -7984,6 +7984,88 @@ def copy_local_files(store, folder, worktree_dir):
     paths = copy_sources(store.root, parallel.copy, skip=[worktree_dir])
     copy_into_worktree(store.root, folder, paths, parallel.copy_mode)
     return paths
+
+
+# The most [parallel] copy sends to a task at another place (copy_to_places = true):
+# the files travel in the request that prepares the task there.
+PLACE_COPY_LIMIT = 16 << 20
+
+
+def pack_local_files(root, paths):
+    """[parallel] copy's ``paths`` (from copy_sources, in the checkout at ``root``) as
+    they travel to a place: a list of {"path", "mode", "data" (base64)} for each file
+    at or under them, {"path", "link"} for a symbolic link (kept as a link, as a copy
+    here keeps it).  Raises FerrusError past PLACE_COPY_LIMIT bytes."""
+    import base64
+    entries, total = [], 0
+
+    def add(full, rel):
+        nonlocal total
+        if os.path.islink(full):
+            entries.append({"path": rel, "link": os.readlink(full)})
+        elif os.path.isfile(full):
+            with open(full, "rb") as handle:
+                data = handle.read(PLACE_COPY_LIMIT + 1 - total)
+            total += len(data)
+            if total > PLACE_COPY_LIMIT:
+                raise FerrusError(
+                    "[parallel] copy matches more than %d MiB of files (at %s): more than "
+                    "ferrus sends to a place with copy_to_places" % (
+                        PLACE_COPY_LIMIT >> 20, rel),
+                    "narrow [parallel] copy, or make those files there with [parallel] "
+                    "setup and set copy_to_places = false")
+            entries.append({"path": rel, "mode": os.stat(full).st_mode & 0o777,
+                            "data": base64.b64encode(data).decode("ascii")})
+    for rel in paths:
+        full = os.path.join(root, *rel.split("/"))
+        if os.path.isdir(full) and not os.path.islink(full):
+            for folder, dirs, files in os.walk(full):
+                dirs.sort()
+                inside = os.path.relpath(folder, root).replace(os.sep, "/")
+                for name in sorted(files) + sorted(d for d in dirs if os.path.islink(
+                        os.path.join(folder, d))):
+                    add(os.path.join(folder, name), inside + "/" + name)
+        else:
+            add(full, rel)
+    return entries
+
+
+def check_copied_paths(paths, entries):
+    """Refuse (FerrusError) a path of ``paths`` or ``entries`` that would leave the
+    project folder or name .git or .ferrus."""
+    for rel in list(paths) + [entry.get("path") for entry in entries]:
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or \
+                set(rel.split("/")) & ({"..", ".", ""} | set(NEVER_COPIED)):
+            raise FerrusError("[parallel] copy sent a path that leaves the worktree or "
+                              "names %s: %r" % (" or ".join(NEVER_COPIED), rel),
+                              "the orchestrator sends paths inside the project")
+
+
+def unpack_local_files(workdir, paths, entries):
+    """At the place: [parallel] copy's files (pack_local_files) written into the task's
+    project folder ``workdir``, each of ``paths`` (the copied top-level paths) cleared
+    first.  A path that would leave the folder, or name .git or .ferrus, is refused."""
+    import base64
+    check_copied_paths(paths, entries)
+    for rel in paths:
+        target = os.path.join(workdir, *rel.split("/"))
+        if os.path.lexists(target):
+            _remove(target)
+    for entry in entries:
+        target = os.path.join(workdir, *entry["path"].split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not _resolves_inside(os.path.dirname(target), workdir):
+            raise FerrusError("[parallel] copy sent %s, under a link that leaves the "
+                              "worktree" % entry["path"], "a copied link is never written "
+                              "through")
+        if os.path.lexists(target):
+            _remove(target)
+        if isinstance(entry.get("link"), str):
+            os.symlink(entry["link"], target)
+        else:
+            with open(target, "wb") as handle:
+                handle.write(base64.b64decode(entry.get("data") or ""))
+            os.chmod(target, int(entry.get("mode") or 0o600) & 0o777)
 
 
 def _remove(path):
@@ -21880,11 +21962,12 @@ class Place:
     # -- a task there -------------------------------------------------------------------------
 
     def prepare_task(self, store, task, base, text, origin=None, agent=None, resume_from=None,
-                     lease=None):
+                     lease=None, copied=(), files=()):
         """Send ``base`` there and make the task's worktree and store there, the task
         created from ``text`` (its files first put back as ``resume_from``, saved work of
-        an earlier try, has them); with ``lease`` its job starts in the same call.  The
-        answer names its worktree there (and its job)."""
+        an earlier try, has them); with ``lease`` its job starts in the same call.
+        ``copied`` and ``files``: [parallel] copy's paths and their packed files
+        (copy_to_places).  The answer names its worktree there (and its job)."""
         project = place_project_key(store.root)
         self.send_commit(store.root, project, base, task)
         if resume_from:
@@ -21893,7 +21976,7 @@ class Place:
         payload = {
             "config": place_config_text(store.root, self.config.sandbox), "text": text,
             "origin": origin or {}, "agent": agent, "setup": list(config.parallel.setup),
-            "resume_from": resume_from,
+            "resume_from": resume_from, "copied": list(copied), "files": list(files),
             "agents": {role: [choice.agent, choice.model or None] for role, choice in (
                 ("supervisor", config.supervisor), ("executor", config.executor)) if choice}}
         fields = {"start": True, "lease": lease} if lease else {}
@@ -24633,7 +24716,7 @@ class HqController(JournalView):
 
 
 # ============================================================================
-# src/ferrus/place_tasks.py (from its line 39)
+# src/ferrus/place_tasks.py (from its line 40)
 # ============================================================================
 # Tasks at a place: a parallel task worked elsewhere, mirrored into this project.
 #
@@ -25103,6 +25186,18 @@ class PlaceRunning:
     def _place_lease(self):
         return max(60, self.store.config().lease.ttl_secs * 2)
 
+    def _files_for_place(self, task, name):
+        """([parallel] copy's paths, their packed files) for a task at place ``name``:
+        none unless copy_to_places is on.  Listed in the task's record here as for a
+        task here (linked files travel as copies: the checkout is not there)."""
+        if not (self.parallel.copy and self.parallel.copy_to_places):
+            return [], []
+        paths = copy_sources(self.store.root, self.parallel.copy, skip=[self.worktree_dir])
+        files = pack_local_files(self.store.root, paths)
+        update_task(self.store, ORCHESTRATOR, task, "task_files_copied", {"copied": paths},
+                    count=len(paths), mode="copy", place=name)
+        return paths, files
+
     def _prepare_at_place(self, task, record, name, fail):
         """The task's base sent to place ``name``, its worktree and store made there and
         the task created there (Executing), its job started; here its record says where.
@@ -25130,13 +25225,15 @@ class PlaceRunning:
                 first = self._first_prepare.setdefault(name, threading.Lock())
             # The first prepare at a place may make the project's clone and store there:
             # the others of the batch wait for it, then go side by side.
+            copied, files = self._files_for_place(task, name)
             with first if name not in self._prepared_at else contextlib.nullcontext():
                 self._channel(name).prepare_task(
                     self.store, task, start, without_red_base_note(task_store.read_file(
                         "TASK.md")) + self.base_note,
                     origin={key: origin.get(key) for key in ("spec", "milestone")},
                     agent=record.get("agent"), resume_from=record.get("resume_from"),
-                    lease=self._place_lease())      # its job starts in the same call
+                    lease=self._place_lease(),      # its job starts in the same call
+                    copied=copied, files=files)
                 self._prepared_at.add(name)
         except (PlaceUnreachable, PlaceBroken) as err:
             self._place_failed(task, name, err)
@@ -29253,7 +29350,7 @@ guarded = []           # more paths whose change waits for you (agent files, hoo
 places = ["here"]      # where tasks run, filled in this order ("here": this machine)
 copy = []              # e.g. [".env"]: untracked files copied into each worktree, never committed
 copy_mode = "copy"     # "link": a symbolic link to the checkout's file instead
-copy_to_places = false # also to a task run at another place (not applied yet: see REFERENCE)
+copy_to_places = false # also to a task run at another place (sent with it, at most 16 MiB)
 port_base = 20000      # each task's ports: FERRUS_TASK_PORT, {port} in setup (0: none)
 ports_per_task = 10
 teardown = []          # e.g. ["docker compose down"]: run in a worktree before it is removed
@@ -29506,7 +29603,7 @@ def init_project(root, agents_path=None, report=print):
 
 
 # ============================================================================
-# src/ferrus/place_side.py (from its line 59)
+# src/ferrus/place_side.py (from its line 60)
 # ============================================================================
 # The far end of a place: what ferrus does there when an orchestrator asks.
 #
@@ -29757,6 +29854,9 @@ def _op_prepare(request, base, program, stdin, out):
     copy_agent_configuration(checkout, workdir)
     text = payload.get("text") or ""
     record = read_task_record(store.dir, task)
+    copied = payload.get("copied") if isinstance(payload.get("copied"), list) else []
+    files = [f for f in payload.get("files") or [] if isinstance(f, dict)]
+    check_copied_paths(copied, files)
     if not record:
         os.makedirs(store.path("tasks", task), exist_ok=True)
         atomic_write(store.path("tasks", task, "TASK.md"), text)
@@ -29767,6 +29867,13 @@ def _op_prepare(request, base, program, stdin, out):
         if isinstance(payload.get("agent"), str):
             record["agent"] = payload["agent"]
         write_task_record(store, task, record)
+    if copied or record.get("copied"):
+        # [parallel] copy's files (copy_to_places): listed first, as here, so that none
+        # can reach a submission unlisted; never part of the task's work.
+        if record.get("copied") != copied:
+            record = dict(record, copied=copied)
+            write_task_record(store, task, record)
+        unpack_local_files(workdir, copied, files)
     task_store = store.for_task(task)
     if not task_store.exists():
         atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())

@@ -40,9 +40,10 @@ def place_table(place):
         place.name, keys, json.dumps(place.dir), json.dumps(place.python))
 
 
-def project_at(tmp_path, monkeypatch, place, agent_argv, places=None, extra=""):
+def project_at(tmp_path, monkeypatch, place, agent_argv, places=None, extra="", parallel=""):
     """A repository whose tasks run at ``place`` (a PlaceConfig), the scripted agent
-    (``agent_argv``, as the place runs it) in both roles."""
+    (``agent_argv``, as the place runs it) in both roles; ``parallel``: more keys of
+    [parallel]."""
     for name, value in GIT_IDENTITY.items():
         monkeypatch.setenv(name, value)
     memory = tmp_path / "memory"
@@ -53,8 +54,9 @@ def project_at(tmp_path, monkeypatch, place, agent_argv, places=None, extra=""):
     git(root, "init", "-q", "-b", "main")
     ferrus.init_project(str(root), report=lambda message: None)
     set_config(root, "[checks]\ncommands = [\"test -f README.md\"]\n\n[limits]\n"
-                     "wait_timeout_secs = 5\n\n[parallel]\nplaces = %s\n\n%s\n%s\n" % (
-                         toml_list(places or [place.name]), place_table(place), extra) +
+                     "wait_timeout_secs = 5\n\n[parallel]\nplaces = %s\n%s\n%s\n%s\n" % (
+                         toml_list(places or [place.name]), parallel, place_table(place),
+                         extra) +
                custom_agent_config("scripted", agent_argv))
     ferrus.register_agents(str(root), {"supervisor": ("scripted", None),
                                        "executor": ("scripted", None)},
@@ -129,6 +131,35 @@ def test_two_tasks_at_a_place_are_merged_here_and_removed_there(tmp_path, monkey
                                                          "ferrus.py"), "tasks", "--all"],
                            cwd=store.root, capture_output=True, text=True)
     assert shown.stdout.count("ran at place %s" % local_place.name) == 2, shown.stdout
+
+
+def test_copy_to_places_sends_the_local_files_and_keeps_them_out_of_the_work(
+        tmp_path, monkeypatch, local_place):
+    """[parallel] copy with copy_to_places: the checkout's untracked files (a .env, a
+    folder with a link in it) reach the task's worktree at the place, listed in its
+    record here, and none of them reaches the target."""
+    store = project_at(tmp_path, monkeypatch, local_place,
+                       [sys.executable, SCRIPTED_AGENT, "{role}", "{mcp_config}"],
+                       parallel='copy = [".env", "conf"]\ncopy_to_places = true\n')
+    root = store.root
+    with open(os.path.join(root, ".env"), "w") as handle:
+        handle.write("SECRET=1\n")
+    os.makedirs(os.path.join(root, "conf"))
+    with open(os.path.join(root, "conf", "local.toml"), "w") as handle:
+        handle.write("port = 1\n")
+    os.symlink("local.toml", os.path.join(root, "conf", "link"))
+    with open(os.path.join(root, ".gitignore"), "a") as handle:
+        handle.write(".env\nconf/\n")
+    git(root, "commit", "-qam", "ignore local files")
+    task = enqueue(store, "Use them.\n\nSHELL cat .env conf/link > seen.txt\n"
+                          "SHELL echo changed > .env\n")
+    code, lines = run(store)
+    check_merged_there(store, [task], local_place, lines, code)
+    assert git(root, "show", "main:seen.txt") == "SECRET=1\nport = 1"
+    tree = git(root, "ls-tree", "-r", "--name-only", "main").split()
+    assert ".env" not in tree and not any(path.startswith("conf/") for path in tree)
+    assert ferrus.read_task_record(store.dir, task)["copied"] == [".env", "conf"]
+    assert open(os.path.join(root, ".env")).read() == "SECRET=1\n"
 
 
 def test_a_conflict_at_a_place_goes_back_to_its_executor_there_and_then_merges(

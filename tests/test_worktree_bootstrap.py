@@ -3,6 +3,7 @@ the checkout's local files in every task's worktree and in none of its commits, 
 block per task in its agents', checks' and setup's environment (the merge gate's block
 in the gate's), and teardown before a worktree goes — with real git and scripted agents."""
 
+import json
 import os
 import shutil
 
@@ -216,3 +217,56 @@ def test_the_init_template_holds_the_defaults():
     for key in ("copy", "copy_mode", "copy_to_places", "port_base", "ports_per_task",
                 "teardown", "fetch", "push", "publish", "pr"):
         assert "\n%s = " % key in ferrus.default_config_text()
+
+
+# -- copy_to_places: the files packed for a place, and written there ----------------------
+
+def test_local_files_packed_for_a_place_come_out_the_same_there(tmp_path):
+    source = tmp_path / "checkout"
+    (source / "conf" / "deep").mkdir(parents=True)
+    (source / ".env").write_text("SECRET=1\n")
+    (source / "conf" / "deep" / "run.sh").write_text("echo hi\n")
+    os.chmod(str(source / "conf" / "deep" / "run.sh"), 0o750)
+    os.symlink("deep/run.sh", str(source / "conf" / "link"))
+    entries = ferrus.pack_local_files(str(source), [".env", "conf"])
+    assert json.loads(json.dumps(entries)) == entries          # travels as JSON
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "conf").mkdir()
+    (there / "conf" / "stale.txt").write_text("from an earlier try\n")
+    ferrus.unpack_local_files(str(there), [".env", "conf"], entries)
+    assert (there / ".env").read_text() == "SECRET=1\n"
+    assert (there / "conf" / "deep" / "run.sh").read_text() == "echo hi\n"
+    assert os.stat(str(there / "conf" / "deep" / "run.sh")).st_mode & 0o777 == 0o750
+    assert os.readlink(str(there / "conf" / "link")) == "deep/run.sh"
+    assert not (there / "conf" / "stale.txt").exists()
+
+
+def test_more_local_files_than_a_place_takes_are_refused_saying_what_to_do(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(ferrus, "PLACE_COPY_LIMIT", 10)
+    (tmp_path / "big").write_text("x" * 11)
+    with pytest.raises(ferrus.FerrusError) as refused:
+        ferrus.pack_local_files(str(tmp_path), ["big"])
+    assert "more than" in refused.value.message and "copy_to_places" in refused.value.hint
+
+
+@pytest.mark.parametrize("paths, entries", [
+    (["../escape"], []), ([".git"], []), (["a/.ferrus/x"], []), (["/etc"], []), ([7], []),
+    ([], [{"path": "ok/../../x", "data": ""}])])
+def test_a_copied_path_that_leaves_the_worktree_is_refused_there(tmp_path, paths, entries):
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.unpack_local_files(str(tmp_path), paths, entries)
+    assert os.listdir(str(tmp_path)) == []
+
+
+def test_a_file_is_never_written_through_a_copied_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    there = tmp_path / "there"
+    there.mkdir()
+    entries = [{"path": "cfg", "link": str(outside)},
+               {"path": "cfg/evil", "data": "eA==", "mode": 0o644}]
+    with pytest.raises(ferrus.FerrusError):
+        ferrus.unpack_local_files(str(there), ["cfg"], entries)
+    assert os.listdir(str(outside)) == []

@@ -126,6 +126,88 @@ def copy_local_files(store, folder, worktree_dir):
     return paths
 
 
+# The most [parallel] copy sends to a task at another place (copy_to_places = true):
+# the files travel in the request that prepares the task there.
+PLACE_COPY_LIMIT = 16 << 20
+
+
+def pack_local_files(root, paths):
+    """[parallel] copy's ``paths`` (from copy_sources, in the checkout at ``root``) as
+    they travel to a place: a list of {"path", "mode", "data" (base64)} for each file
+    at or under them, {"path", "link"} for a symbolic link (kept as a link, as a copy
+    here keeps it).  Raises FerrusError past PLACE_COPY_LIMIT bytes."""
+    import base64
+    entries, total = [], 0
+
+    def add(full, rel):
+        nonlocal total
+        if os.path.islink(full):
+            entries.append({"path": rel, "link": os.readlink(full)})
+        elif os.path.isfile(full):
+            with open(full, "rb") as handle:
+                data = handle.read(PLACE_COPY_LIMIT + 1 - total)
+            total += len(data)
+            if total > PLACE_COPY_LIMIT:
+                raise FerrusError(
+                    "[parallel] copy matches more than %d MiB of files (at %s): more than "
+                    "ferrus sends to a place with copy_to_places" % (
+                        PLACE_COPY_LIMIT >> 20, rel),
+                    "narrow [parallel] copy, or make those files there with [parallel] "
+                    "setup and set copy_to_places = false")
+            entries.append({"path": rel, "mode": os.stat(full).st_mode & 0o777,
+                            "data": base64.b64encode(data).decode("ascii")})
+    for rel in paths:
+        full = os.path.join(root, *rel.split("/"))
+        if os.path.isdir(full) and not os.path.islink(full):
+            for folder, dirs, files in os.walk(full):
+                dirs.sort()
+                inside = os.path.relpath(folder, root).replace(os.sep, "/")
+                for name in sorted(files) + sorted(d for d in dirs if os.path.islink(
+                        os.path.join(folder, d))):
+                    add(os.path.join(folder, name), inside + "/" + name)
+        else:
+            add(full, rel)
+    return entries
+
+
+def check_copied_paths(paths, entries):
+    """Refuse (FerrusError) a path of ``paths`` or ``entries`` that would leave the
+    project folder or name .git or .ferrus."""
+    for rel in list(paths) + [entry.get("path") for entry in entries]:
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or \
+                set(rel.split("/")) & ({"..", ".", ""} | set(NEVER_COPIED)):
+            raise FerrusError("[parallel] copy sent a path that leaves the worktree or "
+                              "names %s: %r" % (" or ".join(NEVER_COPIED), rel),
+                              "the orchestrator sends paths inside the project")
+
+
+def unpack_local_files(workdir, paths, entries):
+    """At the place: [parallel] copy's files (pack_local_files) written into the task's
+    project folder ``workdir``, each of ``paths`` (the copied top-level paths) cleared
+    first.  A path that would leave the folder, or name .git or .ferrus, is refused."""
+    import base64
+    check_copied_paths(paths, entries)
+    for rel in paths:
+        target = os.path.join(workdir, *rel.split("/"))
+        if os.path.lexists(target):
+            _remove(target)
+    for entry in entries:
+        target = os.path.join(workdir, *entry["path"].split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not _resolves_inside(os.path.dirname(target), workdir):
+            raise FerrusError("[parallel] copy sent %s, under a link that leaves the "
+                              "worktree" % entry["path"], "a copied link is never written "
+                              "through")
+        if os.path.lexists(target):
+            _remove(target)
+        if isinstance(entry.get("link"), str):
+            os.symlink(entry["link"], target)
+        else:
+            with open(target, "wb") as handle:
+                handle.write(base64.b64decode(entry.get("data") or ""))
+            os.chmod(target, int(entry.get("mode") or 0o600) & 0o777)
+
+
 def _remove(path):
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)

@@ -239,7 +239,7 @@ class ParallelConfig:
     copy: list = dataclasses.field(default_factory=list)
     copy_mode: str = "copy"        # copy | link (a symbolic link to the checkout's file)
     # Whether copied files also go to a task run at another place than this machine
-    # (validated now; every task runs in a local worktree today).
+    # (sent with the request that prepares it there; copies even with copy_mode "link").
     copy_to_places: bool = False
     # Each task's block of ports: FERRUS_TASK_PORT and {port} in setup and teardown
     # (the merge gate has the block at port_base; 0: no ports).

@@ -49,6 +49,7 @@ from .work import op_answer, op_integrated, op_integration_failed
 from .task_queue import save_task_work, write_task_record
 from .register import copy_agent_configuration, register_agents
 from .sandbox_agents import AgentSandbox
+from .bootstrap import check_copied_paths, unpack_local_files
 from .places import place_probe
 from .sessions import task_tokens_and_turns
 from .orchestrator import Terminated, _raise_terminated, stop_orphaned_agents
@@ -283,6 +284,9 @@ def _op_prepare(request, base, program, stdin, out):
     copy_agent_configuration(checkout, workdir)
     text = payload.get("text") or ""
     record = read_task_record(store.dir, task)
+    copied = payload.get("copied") if isinstance(payload.get("copied"), list) else []
+    files = [f for f in payload.get("files") or [] if isinstance(f, dict)]
+    check_copied_paths(copied, files)
     if not record:
         os.makedirs(store.path("tasks", task), exist_ok=True)
         atomic_write(store.path("tasks", task, "TASK.md"), text)
@@ -293,6 +297,13 @@ def _op_prepare(request, base, program, stdin, out):
         if isinstance(payload.get("agent"), str):
             record["agent"] = payload["agent"]
         write_task_record(store, task, record)
+    if copied or record.get("copied"):
+        # [parallel] copy's files (copy_to_places): listed first, as here, so that none
+        # can reach a submission unlisted; never part of the task's work.
+        if record.get("copied") != copied:
+            record = dict(record, copied=copied)
+            write_task_record(store, task, record)
+        unpack_local_files(workdir, copied, files)
     task_store = store.for_task(task)
     if not task_store.exists():
         atomic_write(task_store.task_path(STATE_FILE), StateData().to_json())

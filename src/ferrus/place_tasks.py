@@ -24,6 +24,7 @@ from .gates import Signals, usage_added, usage_since
 from .store import (CANCELLED_STATUS, FAILED_STATUS, MERGED_STATUS, QUEUED_STATUS,
                     RUNNING_STATUS, UNCHANGED_STATUS, read_task_record)
 from .git import task_ref
+from .bootstrap import copy_sources, pack_local_files
 from .worktrees import target_head
 from .operations import ORCHESTRATOR, confirmation_summary, short_task_id
 from .base_checks import without_red_base_note
@@ -490,6 +491,18 @@ class PlaceRunning:
     def _place_lease(self):
         return max(60, self.store.config().lease.ttl_secs * 2)
 
+    def _files_for_place(self, task, name):
+        """([parallel] copy's paths, their packed files) for a task at place ``name``:
+        none unless copy_to_places is on.  Listed in the task's record here as for a
+        task here (linked files travel as copies: the checkout is not there)."""
+        if not (self.parallel.copy and self.parallel.copy_to_places):
+            return [], []
+        paths = copy_sources(self.store.root, self.parallel.copy, skip=[self.worktree_dir])
+        files = pack_local_files(self.store.root, paths)
+        update_task(self.store, ORCHESTRATOR, task, "task_files_copied", {"copied": paths},
+                    count=len(paths), mode="copy", place=name)
+        return paths, files
+
     def _prepare_at_place(self, task, record, name, fail):
         """The task's base sent to place ``name``, its worktree and store made there and
         the task created there (Executing), its job started; here its record says where.
@@ -517,13 +530,15 @@ class PlaceRunning:
                 first = self._first_prepare.setdefault(name, threading.Lock())
             # The first prepare at a place may make the project's clone and store there:
             # the others of the batch wait for it, then go side by side.
+            copied, files = self._files_for_place(task, name)
             with first if name not in self._prepared_at else contextlib.nullcontext():
                 self._channel(name).prepare_task(
                     self.store, task, start, without_red_base_note(task_store.read_file(
                         "TASK.md")) + self.base_note,
                     origin={key: origin.get(key) for key in ("spec", "milestone")},
                     agent=record.get("agent"), resume_from=record.get("resume_from"),
-                    lease=self._place_lease())      # its job starts in the same call
+                    lease=self._place_lease(),      # its job starts in the same call
+                    copied=copied, files=files)
                 self._prepared_at.add(name)
         except (PlaceUnreachable, PlaceBroken) as err:
             self._place_failed(task, name, err)

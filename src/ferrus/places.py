@@ -545,11 +545,12 @@ class Place:
     # -- a task there -------------------------------------------------------------------------
 
     def prepare_task(self, store, task, base, text, origin=None, agent=None, resume_from=None,
-                     lease=None):
+                     lease=None, copied=(), files=()):
         """Send ``base`` there and make the task's worktree and store there, the task
         created from ``text`` (its files first put back as ``resume_from``, saved work of
-        an earlier try, has them); with ``lease`` its job starts in the same call.  The
-        answer names its worktree there (and its job)."""
+        an earlier try, has them); with ``lease`` its job starts in the same call.
+        ``copied`` and ``files``: [parallel] copy's paths and their packed files
+        (copy_to_places).  The answer names its worktree there (and its job)."""
         project = place_project_key(store.root)
         self.send_commit(store.root, project, base, task)
         if resume_from:
@@ -558,7 +559,7 @@ class Place:
         payload = {
             "config": place_config_text(store.root, self.config.sandbox), "text": text,
             "origin": origin or {}, "agent": agent, "setup": list(config.parallel.setup),
-            "resume_from": resume_from,
+            "resume_from": resume_from, "copied": list(copied), "files": list(files),
             "agents": {role: [choice.agent, choice.model or None] for role, choice in (
                 ("supervisor", config.supervisor), ("executor", config.executor)) if choice}}
         fields = {"start": True, "lease": lease} if lease else {}
