@@ -143,8 +143,12 @@ STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
 if STARTED_AS_PROGRAM:
     gc.disable()
 
-# The variable that names a server host's socket to an agent's `ferrus serve`.
+# The variable that names a server host's socket to an agent's `ferrus serve`, and the
+# one that turns server hosts off (FERRUS_NO_SERVER_HOST=1: every server serves itself).
 SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
+SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
+# How long a `ferrus serve` waits for a host to take its session before serving itself.
+SERVER_HOST_HANDSHAKE_SECS = 10.0
 
 
 def command_word(argv):
@@ -180,11 +184,12 @@ def serve_through_host():
     status when it is done.  Returns (and the process goes on to serve itself) when
     there is no host to reach or the host runs another ferrus.py."""
     path = os.environ.get(SERVER_HOST_ENV)
-    if not path or not sys.platform.startswith("linux") or \
-            command_word(sys.argv[1:]) != "serve":
+    if not path or os.environ.get(SERVER_HOST_OFF_ENV) == "1" or \
+            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve":
         return
     import socket
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    link.settimeout(SERVER_HOST_HANDSHAKE_SECS)   # a host that never answers is none
     try:
         link.connect(path)
         mask = os.umask(0o022)
@@ -200,6 +205,7 @@ def serve_through_host():
     except (OSError, ValueError, NameError):
         link.close()
         return
+    link.settimeout(None)          # the session lasts as long as the agent wants it
     try:
         status = link.recv(1)
     except KeyboardInterrupt:
@@ -16933,7 +16939,7 @@ class UsageTally:
 
 
 # ============================================================================
-# src/ferrus/server_host.py (from its line 34)
+# src/ferrus/server_host.py (from its line 33)
 # ============================================================================
 # The server host: agents' MCP servers forked from one loaded ferrus, per session.
 #
@@ -16950,10 +16956,15 @@ class UsageTally:
 # start as before.  Linux only (fork without exec elsewhere is not as safe); never for
 # a sandboxed agent (the socket is outside its sandbox, and the variable is unset).
 
-SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
 SERVER_HOST_COMMAND = "serve-host"
-# The largest description of a session a host reads (command line and environment).
+# Where hosts keep their sockets: /tmp whatever TMPDIR says, as a sandbox hides all of
+# /tmp (a read-only mount does not stop a connect()).
+SERVER_HOST_FOLDER = "/tmp"
+SERVER_HOST_PREFIX = "ferrus-host-"
+# The largest description of a session a host reads (command line and environment), and
+# how long a forked copy waits for it.
 _MAX_SESSION_MESSAGE = 4 << 20
+_SESSION_READ_SECS = 30.0
 
 
 def server_host_possible():
@@ -16973,19 +16984,26 @@ class ServerHost:
         self._lock = threading.Lock()
 
     def environment(self):
-        """{SERVER_HOST_ENV: its socket} for an agent's launch ({} with no host)."""
+        """{SERVER_HOST_ENV: its socket} for an agent's launch — empty with no host, so
+        that a socket this process inherited is not used either."""
         with self._lock:
             if self.process is None and not self.unavailable:
                 self._start()
             if self.process is None or self.process.poll() is not None:
-                return {}
+                return {SERVER_HOST_ENV: ""}
             return {SERVER_HOST_ENV: self.path}
 
     def _start(self):
         if not server_host_possible():
             self.unavailable = True
             return
-        folder = tempfile.mkdtemp(prefix="ferrus-host-")        # only this user's
+        _remove_dead_hosts()
+        try:
+            folder = tempfile.mkdtemp(prefix=SERVER_HOST_PREFIX, dir=SERVER_HOST_FOLDER)
+        except OSError as err:
+            log.debug("no server host: %s", err)
+            self.unavailable = True
+            return
         path = os.path.join(folder, "host.sock")
         try:
             # Its own session: a Ctrl+C meant for ferrus's terminal does not end the
@@ -17016,6 +17034,26 @@ class ServerHost:
 SERVER_HOST = ServerHost()
 
 
+def _remove_dead_hosts():
+    """The folders of this user's hosts that were killed (their socket answers no more)."""
+    import glob
+    for folder in glob.glob(os.path.join(SERVER_HOST_FOLDER, SERVER_HOST_PREFIX + "*")):
+        with contextlib.suppress(OSError):
+            if os.stat(folder).st_uid != os.getuid():
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(os.path.join(folder, "host.sock"))
+                continue                      # alive
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            finally:
+                probe.close()
+            for name in os.listdir(folder):
+                os.unlink(os.path.join(folder, name))
+            os.rmdir(folder)
+
+
 def server_host_environment():
     """What an agent's launch adds so that its `ferrus serve` is served by the host."""
     return SERVER_HOST.environment()
@@ -17027,14 +17065,22 @@ def host_sessions(path, run_command, control=0):
     runs ``run_command(argv)``; stop listening once ``control`` (a descriptor, stdin)
     reaches its end, then wait for the sessions being served.  This process stays
     single-threaded, so every fork is a whole copy."""
+    # The ferrus.py loaded here: a session of the file as it is later (edited, rebuilt)
+    # is declined, and serves itself.
+    identity = ferrus_identity(FERRUS_FILE)
     realize_dataclasses()          # once here, rather than in each session
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     mask = os.umask(0o177)
     try:
         listener.bind(path)
+    except OSError as err:
+        raise FerrusError("serve-host cannot listen on %s: %s" % (path, err.strerror or err),
+                          "ferrus starts its server host itself, with a socket in a new "
+                          "private folder") from None
     finally:
         os.umask(mask)
     listener.listen(64)
+    namespace = _mount_namespace(os.getpid())
     children = set()
     try:
         while True:
@@ -17045,9 +17091,12 @@ def host_sessions(path, run_command, control=0):
             if listener in ready:
                 with contextlib.suppress(OSError):
                     connection, _ = listener.accept()
+                    if not _same_world(connection, namespace):
+                        connection.close()     # (it then serves itself, where it is)
+                        continue
                     pid = os.fork()
                     if pid == 0:
-                        _serve_session(connection, listener, run_command)
+                        _serve_session(connection, listener, run_command, identity)
                     connection.close()
                     children.add(pid)
     finally:
@@ -17072,7 +17121,28 @@ def _reap(children):
             children.discard(pid)
 
 
-def _serve_session(connection, listener, run_command):
+def _mount_namespace(pid):
+    try:
+        return os.readlink("/proc/%d/ns/mnt" % pid)
+    except OSError:
+        return None
+
+
+def _same_world(connection, namespace):
+    """Whether the process at the other end is this user's and sees the same files (the
+    same mount namespace): never one inside a sandbox, whose command the host would
+    run outside it."""
+    import struct
+    try:
+        pid, uid, _ = struct.unpack("3i", connection.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):
+        return False
+    return uid == os.getuid() and namespace is not None and \
+        _mount_namespace(pid) == namespace
+
+
+def _serve_session(connection, listener, run_command, identity):
     """In the forked copy: take over the session the connection describes, run its
     command, tell the waiting `ferrus serve` the exit status; never returns."""
     status = 1
@@ -17081,8 +17151,10 @@ def _serve_session(connection, listener, run_command):
         listener.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
-        argv, env, cwd, mask, identity = _read_session(connection)
-        if identity != ferrus_identity(FERRUS_FILE):
+        connection.settimeout(_SESSION_READ_SECS)
+        argv, env, cwd, mask, theirs = _read_session(connection)
+        connection.settimeout(None)
+        if theirs != identity:
             connection.sendall(b"N")       # another ferrus.py: it serves itself
             os._exit(0)
         os.environ.clear()
@@ -26260,7 +26332,7 @@ def group_race_rows(store, rows, now=None):
 
 
 # ============================================================================
-# src/ferrus/parallel.py (from its line 62)
+# src/ferrus/parallel.py (from its line 63)
 # ============================================================================
 # Parallel tasks: the queue worked in worktrees through the phase machine.
 #
@@ -26563,6 +26635,9 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                 ", ".join(short_task_id(t) for t in resumed)))
         self._settle_races()
         self._check_remote()
+        # The server host starts now, so it is ready when the first agents start (the
+        # check on the base takes a while).
+        server_host_environment()
         self._check_base()
         self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -130,7 +131,7 @@ def test_a_stopped_host_serves_its_sessions_to_their_end_then_exits(project):
     relay.stdin.flush()
     assert json.loads(relay.stdout.readline())["id"] == 1
     host.stop()
-    assert host.environment() == {}          # no new session goes there
+    assert host.environment() == {ferrus.SERVER_HOST_ENV: ""}     # no new session there
     wait_until(lambda: not os.path.exists(env[ferrus.SERVER_HOST_ENV]))
     assert process.poll() is None            # the session it serves goes on
     relay.stdin.write((json.dumps(STATUS) + "\n").encode())
@@ -140,10 +141,72 @@ def test_a_stopped_host_serves_its_sessions_to_their_end_then_exits(project):
     assert process.wait(timeout=60) == 0
 
 
-def test_no_host_where_it_is_switched_off(monkeypatch):
+def test_no_host_where_it_is_switched_off(monkeypatch, project, host):
+    """Switched off, no host starts, agents are told of none (not even one this process
+    inherited), and a `ferrus serve` that still has a host's socket serves itself."""
+    inherited = host.environment()
     monkeypatch.setenv(ferrus.SERVER_HOST_OFF_ENV, "1")
+    off = ferrus.ServerHost()
+    assert off.environment() == {ferrus.SERVER_HOST_ENV: ""} and off.process is None
+    replies, stderr, status = serve(project, dict(inherited, FERRUS_NO_SERVER_HOST="1"),
+                                    [INIT, STATUS])
+    assert [reply["id"] for reply in replies] == [1, 2] and status == 0
+    assert loaded_argparse(stderr)
+
+
+def test_a_session_from_inside_a_sandbox_is_not_served_outside_it(project, host):
+    """A process in another mount namespace (a sandbox) that reaches the socket anyway
+    is turned away: it serves itself, where it is."""
+    if not shutil.which("bwrap") or subprocess.run(
+            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--", "true"],
+            capture_output=True).returncode != 0:
+        pytest.skip("needs a working bubblewrap")
+    inside = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+              "--bind", str(project), str(project), "--unshare-pid", "--"]
+    replies, stderr, status = serve(project, host.environment(), [INIT, STATUS],
+                                    boot=inside + ferrus.ferrus_boot_argv())
+    assert [reply["id"] for reply in replies] == [1, 2] and status == 0, stderr
+    assert loaded_argparse(stderr), "the host served a sandboxed process outside it"
+
+
+def test_a_host_declines_its_ferrus_py_once_it_is_edited(project, tmp_path):
+    """A host serves the ferrus.py it loaded: once the file changes (edited, rebuilt),
+    each new session serves itself with the file as it is now."""
+    copy = tmp_path / "ferrus.py"
+    shutil.copy(ferrus.FERRUS_FILE, str(copy))
+    socket_path = str(tmp_path / "host.sock")
+    started = subprocess.Popen([sys.executable, "-S", str(copy), "serve-host", socket_path],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: os.path.exists(socket_path))
+        boot = [sys.executable, "-S", str(copy)]
+        env = {ferrus.SERVER_HOST_ENV: socket_path}
+        replies, stderr, status = serve(project, env, [INIT], boot=boot)
+        assert len(replies) == 1 and not loaded_argparse(stderr), stderr
+        with open(str(copy), "a") as handle:
+            handle.write("\n# edited\n")
+        replies, stderr, status = serve(project, env, [INIT], boot=boot)
+        assert len(replies) == 1 and loaded_argparse(stderr), "served by the old code"
+    finally:
+        started.stdin.close()
+        started.wait(timeout=60)
+
+
+def test_the_folder_of_a_killed_host_is_removed_by_the_next(tmp_path):
+    import socket
+    folder = tempfile.mkdtemp(prefix=ferrus.SERVER_HOST_PREFIX, dir=ferrus.SERVER_HOST_FOLDER)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(os.path.join(folder, "host.sock"))
+    dead.close()                               # its socket file stays; nobody listens
     host = ferrus.ServerHost()
-    assert host.environment() == {} and host.process is None
+    try:
+        assert host.environment()[ferrus.SERVER_HOST_ENV]
+        assert not os.path.exists(folder)
+    finally:
+        process = host.process
+        host.stop()
+        process.wait(timeout=60)
 
 
 def test_a_sandboxed_agent_never_gets_the_hosts_socket(tmp_path):

@@ -47,6 +47,7 @@ from .memory import memory_after_task_end
 from .remote import TeamRemote
 from .register import copy_agent_configuration
 from .sandbox_agents import confine_controller
+from .server_host import server_host_environment
 from .sessions import HqMessage
 from .web_link import web_board_url
 from .notify import Notifier
@@ -354,6 +355,9 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
                 ", ".join(short_task_id(t) for t in resumed)))
         self._settle_races()
         self._check_remote()
+        # The server host starts now, so it is ready when the first agents start (the
+        # check on the base takes a while).
+        server_host_environment()
         self._check_base()
         self.known_target = target_head(self.store.root, self.target)
         interrupted = previous.get("phase") if not previous.get("ended") else None

@@ -26,15 +26,19 @@ import tempfile
 import threading
 import traceback
 
-from .startup import SERVER_HOST_ENV, ferrus_identity
-from .basics import FERRUS_FILE, log, realize_dataclasses
+from .startup import SERVER_HOST_ENV, SERVER_HOST_OFF_ENV, ferrus_identity
+from .basics import FERRUS_FILE, FerrusError, log, realize_dataclasses
 from .agents import ferrus_boot_argv
 
-# FERRUS_NO_SERVER_HOST=1: every agent's server starts on its own, as without a host.
-SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
 SERVER_HOST_COMMAND = "serve-host"
-# The largest description of a session a host reads (command line and environment).
+# Where hosts keep their sockets: /tmp whatever TMPDIR says, as a sandbox hides all of
+# /tmp (a read-only mount does not stop a connect()).
+SERVER_HOST_FOLDER = "/tmp"
+SERVER_HOST_PREFIX = "ferrus-host-"
+# The largest description of a session a host reads (command line and environment), and
+# how long a forked copy waits for it.
 _MAX_SESSION_MESSAGE = 4 << 20
+_SESSION_READ_SECS = 30.0
 
 
 def server_host_possible():
@@ -54,19 +58,26 @@ class ServerHost:
         self._lock = threading.Lock()
 
     def environment(self):
-        """{SERVER_HOST_ENV: its socket} for an agent's launch ({} with no host)."""
+        """{SERVER_HOST_ENV: its socket} for an agent's launch — empty with no host, so
+        that a socket this process inherited is not used either."""
         with self._lock:
             if self.process is None and not self.unavailable:
                 self._start()
             if self.process is None or self.process.poll() is not None:
-                return {}
+                return {SERVER_HOST_ENV: ""}
             return {SERVER_HOST_ENV: self.path}
 
     def _start(self):
         if not server_host_possible():
             self.unavailable = True
             return
-        folder = tempfile.mkdtemp(prefix="ferrus-host-")        # only this user's
+        _remove_dead_hosts()
+        try:
+            folder = tempfile.mkdtemp(prefix=SERVER_HOST_PREFIX, dir=SERVER_HOST_FOLDER)
+        except OSError as err:
+            log.debug("no server host: %s", err)
+            self.unavailable = True
+            return
         path = os.path.join(folder, "host.sock")
         try:
             # Its own session: a Ctrl+C meant for ferrus's terminal does not end the
@@ -97,6 +108,26 @@ class ServerHost:
 SERVER_HOST = ServerHost()
 
 
+def _remove_dead_hosts():
+    """The folders of this user's hosts that were killed (their socket answers no more)."""
+    import glob
+    for folder in glob.glob(os.path.join(SERVER_HOST_FOLDER, SERVER_HOST_PREFIX + "*")):
+        with contextlib.suppress(OSError):
+            if os.stat(folder).st_uid != os.getuid():
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(os.path.join(folder, "host.sock"))
+                continue                      # alive
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            finally:
+                probe.close()
+            for name in os.listdir(folder):
+                os.unlink(os.path.join(folder, name))
+            os.rmdir(folder)
+
+
 def server_host_environment():
     """What an agent's launch adds so that its `ferrus serve` is served by the host."""
     return SERVER_HOST.environment()
@@ -108,14 +139,22 @@ def host_sessions(path, run_command, control=0):
     runs ``run_command(argv)``; stop listening once ``control`` (a descriptor, stdin)
     reaches its end, then wait for the sessions being served.  This process stays
     single-threaded, so every fork is a whole copy."""
+    # The ferrus.py loaded here: a session of the file as it is later (edited, rebuilt)
+    # is declined, and serves itself.
+    identity = ferrus_identity(FERRUS_FILE)
     realize_dataclasses()          # once here, rather than in each session
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     mask = os.umask(0o177)
     try:
         listener.bind(path)
+    except OSError as err:
+        raise FerrusError("serve-host cannot listen on %s: %s" % (path, err.strerror or err),
+                          "ferrus starts its server host itself, with a socket in a new "
+                          "private folder") from None
     finally:
         os.umask(mask)
     listener.listen(64)
+    namespace = _mount_namespace(os.getpid())
     children = set()
     try:
         while True:
@@ -126,9 +165,12 @@ def host_sessions(path, run_command, control=0):
             if listener in ready:
                 with contextlib.suppress(OSError):
                     connection, _ = listener.accept()
+                    if not _same_world(connection, namespace):
+                        connection.close()     # (it then serves itself, where it is)
+                        continue
                     pid = os.fork()
                     if pid == 0:
-                        _serve_session(connection, listener, run_command)
+                        _serve_session(connection, listener, run_command, identity)
                     connection.close()
                     children.add(pid)
     finally:
@@ -153,7 +195,28 @@ def _reap(children):
             children.discard(pid)
 
 
-def _serve_session(connection, listener, run_command):
+def _mount_namespace(pid):
+    try:
+        return os.readlink("/proc/%d/ns/mnt" % pid)
+    except OSError:
+        return None
+
+
+def _same_world(connection, namespace):
+    """Whether the process at the other end is this user's and sees the same files (the
+    same mount namespace): never one inside a sandbox, whose command the host would
+    run outside it."""
+    import struct
+    try:
+        pid, uid, _ = struct.unpack("3i", connection.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):
+        return False
+    return uid == os.getuid() and namespace is not None and \
+        _mount_namespace(pid) == namespace
+
+
+def _serve_session(connection, listener, run_command, identity):
     """In the forked copy: take over the session the connection describes, run its
     command, tell the waiting `ferrus serve` the exit status; never returns."""
     status = 1
@@ -162,8 +225,10 @@ def _serve_session(connection, listener, run_command):
         listener.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
-        argv, env, cwd, mask, identity = _read_session(connection)
-        if identity != ferrus_identity(FERRUS_FILE):
+        connection.settimeout(_SESSION_READ_SECS)
+        argv, env, cwd, mask, theirs = _read_session(connection)
+        connection.settimeout(None)
+        if theirs != identity:
             connection.sendall(b"N")       # another ferrus.py: it serves itself
             os._exit(0)
         os.environ.clear()

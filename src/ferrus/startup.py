@@ -43,8 +43,12 @@ STARTED_AS_PROGRAM = __name__ == "__main__" or bool(
 if STARTED_AS_PROGRAM:
     gc.disable()
 
-# The variable that names a server host's socket to an agent's `ferrus serve`.
+# The variable that names a server host's socket to an agent's `ferrus serve`, and the
+# one that turns server hosts off (FERRUS_NO_SERVER_HOST=1: every server serves itself).
 SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
+SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
+# How long a `ferrus serve` waits for a host to take its session before serving itself.
+SERVER_HOST_HANDSHAKE_SECS = 10.0
 
 
 def command_word(argv):
@@ -80,11 +84,12 @@ def serve_through_host():
     status when it is done.  Returns (and the process goes on to serve itself) when
     there is no host to reach or the host runs another ferrus.py."""
     path = os.environ.get(SERVER_HOST_ENV)
-    if not path or not sys.platform.startswith("linux") or \
-            command_word(sys.argv[1:]) != "serve":
+    if not path or os.environ.get(SERVER_HOST_OFF_ENV) == "1" or \
+            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve":
         return
     import socket
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    link.settimeout(SERVER_HOST_HANDSHAKE_SECS)   # a host that never answers is none
     try:
         link.connect(path)
         mask = os.umask(0o022)
@@ -100,6 +105,7 @@ def serve_through_host():
     except (OSError, ValueError, NameError):
         link.close()
         return
+    link.settimeout(None)          # the session lasts as long as the agent wants it
     try:
         status = link.recv(1)
     except KeyboardInterrupt:
