@@ -16939,7 +16939,7 @@ class UsageTally:
 
 
 # ============================================================================
-# src/ferrus/server_host.py (from its line 33)
+# src/ferrus/server_host.py (from its line 34)
 # ============================================================================
 # The server host: agents' MCP servers forked from one loaded ferrus, per session.
 #
@@ -17034,21 +17034,32 @@ class ServerHost:
 SERVER_HOST = ServerHost()
 
 
-def _remove_dead_hosts():
-    """The folders of this user's hosts that were killed (their socket answers no more)."""
+# A host's folder without its socket for this long is one whose host died starting.
+_HOST_START_SECS = 120.0
+
+
+def _remove_dead_hosts(where=SERVER_HOST_FOLDER, clock=time.time):
+    """The folders (in ``where``) of this user's hosts that were killed: their socket
+    refuses every connection (or never came, long ago).  A folder whose host is
+    starting (its socket not there yet) is left alone."""
     import glob
-    for folder in glob.glob(os.path.join(SERVER_HOST_FOLDER, SERVER_HOST_PREFIX + "*")):
+    for folder in glob.glob(os.path.join(glob.escape(where), SERVER_HOST_PREFIX + "*")):
         with contextlib.suppress(OSError):
-            if os.stat(folder).st_uid != os.getuid():
+            status = os.stat(folder)
+            if status.st_uid != os.getuid():
                 continue
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(os.path.join(folder, "host.sock"))
-                continue                      # alive
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass
-            finally:
-                probe.close()
+            path = os.path.join(folder, "host.sock")
+            if os.path.lexists(path):
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(path)
+                    continue                      # alive
+                except ConnectionRefusedError:
+                    pass
+                finally:
+                    probe.close()
+            elif clock() - status.st_mtime < _HOST_START_SECS:
+                continue
             for name in os.listdir(folder):
                 os.unlink(os.path.join(folder, name))
             os.rmdir(folder)
@@ -17072,14 +17083,17 @@ def host_sessions(path, run_command, control=0):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     mask = os.umask(0o177)
     try:
-        listener.bind(path)
+        # Listening before it has its name: another ferrus that finds the socket there
+        # and is refused takes the host for dead (_remove_dead_hosts).
+        listener.bind(path + ".new")
+        listener.listen(64)
+        os.rename(path + ".new", path)
     except OSError as err:
         raise FerrusError("serve-host cannot listen on %s: %s" % (path, err.strerror or err),
                           "ferrus starts its server host itself, with a socket in a new "
                           "private folder") from None
     finally:
         os.umask(mask)
-    listener.listen(64)
     namespace = _mount_namespace(os.getpid())
     children = set()
     try:

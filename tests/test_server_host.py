@@ -194,19 +194,28 @@ def test_a_host_declines_its_ferrus_py_once_it_is_edited(project, tmp_path):
 
 
 def test_the_folder_of_a_killed_host_is_removed_by_the_next(tmp_path):
+    """...but not the folder of a host still starting (its socket not there yet): with
+    two ferrus processes starting hosts at once, one removed the other's."""
     import socket
-    folder = tempfile.mkdtemp(prefix=ferrus.SERVER_HOST_PREFIX, dir=ferrus.SERVER_HOST_FOLDER)
-    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dead.bind(os.path.join(folder, "host.sock"))
-    dead.close()                               # its socket file stays; nobody listens
-    host = ferrus.ServerHost()
-    try:
-        assert host.environment()[ferrus.SERVER_HOST_ENV]
+    where = tempfile.mkdtemp(prefix="h-", dir="/tmp")     # short: a socket path is
+    try:                                                 # at most about 100 bytes
+        folder = tempfile.mkdtemp(prefix=ferrus.SERVER_HOST_PREFIX, dir=where)
+        starting = tempfile.mkdtemp(prefix=ferrus.SERVER_HOST_PREFIX, dir=where)
+        live = tempfile.mkdtemp(prefix=ferrus.SERVER_HOST_PREFIX, dir=where)
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dead.bind(os.path.join(folder, "host.sock"))
+        dead.close()                           # its socket file stays; nobody listens
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listening.bind(os.path.join(live, "host.sock"))
+        listening.listen(1)
+        ferrus._remove_dead_hosts(where)
         assert not os.path.exists(folder)
+        assert os.path.isdir(starting) and os.path.isdir(live)
+        ferrus._remove_dead_hosts(where, clock=lambda: time.time() + 3600)  # never came up
+        assert not os.path.exists(starting) and os.path.isdir(live)
+        listening.close()
     finally:
-        process = host.process
-        host.stop()
-        process.wait(timeout=60)
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_a_sandboxed_agent_never_gets_the_hosts_socket(tmp_path):
