@@ -149,6 +149,10 @@ SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
 SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
 # How long a `ferrus serve` waits for a host to take its session before serving itself.
 SERVER_HOST_HANDSHAKE_SECS = 10.0
+# Where hosts keep their sockets, each in a folder of its own: /tmp whatever TMPDIR says,
+# as a sandbox hides all of /tmp (a read-only mount does not stop a connect()).
+SERVER_HOST_FOLDER = "/tmp"
+SERVER_HOST_PREFIX = "ferrus-host-"
 
 
 def command_word(argv):
@@ -177,6 +181,34 @@ def ferrus_identity(path):
     return (os.path.realpath(path), status.st_size, status.st_mtime_ns)
 
 
+def private_folder(path):
+    """Whether ``path`` is a real folder (no link) of this user's that nobody else may
+    enter: where a host's socket must be for a session to go there."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (info.st_mode & 0o170000) == 0o040000 and info.st_uid == os.getuid() and \
+        not info.st_mode & 0o077
+
+
+def peer_in_same_world(link):
+    """Whether the process at the other end of the Unix socket ``link`` is this user's
+    and sees the files this process sees (the same mount namespace): never a process in
+    a sandbox, in either direction — the host would run a sandboxed agent's command
+    outside its sandbox, and a listener a sandboxed agent put in the host's place would
+    get a session's stdio and environment."""
+    import socket
+    import struct
+    try:
+        pid, uid, _ = struct.unpack("3i", link.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return uid == os.getuid() and pid > 0 and \
+            os.readlink("/proc/%d/ns/mnt" % pid) == os.readlink("/proc/self/ns/mnt")
+    except (OSError, AttributeError, struct.error):
+        return False
+
+
 def serve_through_host():
     """`ferrus serve` started with SERVER_HOST_ENV set: this process hands its stdin,
     stdout and stderr, command line, environment, folder and umask to the server host,
@@ -185,13 +217,17 @@ def serve_through_host():
     there is no host to reach or the host runs another ferrus.py."""
     path = os.environ.get(SERVER_HOST_ENV)
     if not path or os.environ.get(SERVER_HOST_OFF_ENV) == "1" or \
-            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve":
+            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve" \
+            or not private_folder(os.path.dirname(path)):
         return
     import socket
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     link.settimeout(SERVER_HOST_HANDSHAKE_SECS)   # a host that never answers is none
     try:
         link.connect(path)
+        if not peer_in_same_world(link):
+            link.close()
+            return
         mask = os.umask(0o022)
         os.umask(mask)
         payload = marshal.dumps((list(sys.argv[1:]), dict(os.environ), os.getcwd(), mask,
@@ -7693,6 +7729,9 @@ def _hidden_paths(config, home, work_tree, toplevel, writable):
     found = [_real(p) for p in paths if os.path.lexists(p)]
     if sys.platform.startswith("linux"):
         found.append("/tmp")          # other programs' temp files; its own comes back
+        # Server hosts' sockets (server_host.py) stay hidden even where /tmp is writable.
+        import glob
+        found += glob.glob(os.path.join(SERVER_HOST_FOLDER, SERVER_HOST_PREFIX + "*"))
     keep = writable + ([toplevel] if toplevel else [])
     if toplevel and toplevel != work_tree:
         found.append(toplevel)        # the user's checkout, .ferrus/ and .git included
@@ -16939,7 +16978,7 @@ class UsageTally:
 
 
 # ============================================================================
-# src/ferrus/server_host.py (from its line 34)
+# src/ferrus/server_host.py (from its line 36)
 # ============================================================================
 # The server host: agents' MCP servers forked from one loaded ferrus, per session.
 #
@@ -16957,10 +16996,6 @@ class UsageTally:
 # a sandboxed agent (the socket is outside its sandbox, and the variable is unset).
 
 SERVER_HOST_COMMAND = "serve-host"
-# Where hosts keep their sockets: /tmp whatever TMPDIR says, as a sandbox hides all of
-# /tmp (a read-only mount does not stop a connect()).
-SERVER_HOST_FOLDER = "/tmp"
-SERVER_HOST_PREFIX = "ferrus-host-"
 # The largest description of a session a host reads (command line and environment), and
 # how long a forked copy waits for it.
 _MAX_SESSION_MESSAGE = 4 << 20
@@ -17045,9 +17080,11 @@ def _remove_dead_hosts(where=SERVER_HOST_FOLDER, clock=time.time):
     import glob
     for folder in glob.glob(os.path.join(glob.escape(where), SERVER_HOST_PREFIX + "*")):
         with contextlib.suppress(OSError):
-            status = os.stat(folder)
-            if status.st_uid != os.getuid():
+            # Only a real folder of this user's, as a host makes it: never through a
+            # link someone else put in /tmp under that name.
+            if not private_folder(folder):
                 continue
+            status = os.lstat(folder)
             path = os.path.join(folder, "host.sock")
             if os.path.lexists(path):
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -17094,7 +17131,7 @@ def host_sessions(path, run_command, control=0):
                           "private folder") from None
     finally:
         os.umask(mask)
-    namespace = _mount_namespace(os.getpid())
+
     children = set()
     try:
         while True:
@@ -17105,7 +17142,7 @@ def host_sessions(path, run_command, control=0):
             if listener in ready:
                 with contextlib.suppress(OSError):
                     connection, _ = listener.accept()
-                    if not _same_world(connection, namespace):
+                    if not peer_in_same_world(connection):
                         connection.close()     # (it then serves itself, where it is)
                         continue
                     pid = os.fork()
@@ -17133,27 +17170,6 @@ def _reap(children):
             done = pid
         if done:
             children.discard(pid)
-
-
-def _mount_namespace(pid):
-    try:
-        return os.readlink("/proc/%d/ns/mnt" % pid)
-    except OSError:
-        return None
-
-
-def _same_world(connection, namespace):
-    """Whether the process at the other end is this user's and sees the same files (the
-    same mount namespace): never one inside a sandbox, whose command the host would
-    run outside it."""
-    import struct
-    try:
-        pid, uid, _ = struct.unpack("3i", connection.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (OSError, AttributeError):
-        return False
-    return uid == os.getuid() and namespace is not None and \
-        _mount_namespace(pid) == namespace
 
 
 def _serve_session(connection, listener, run_command, identity):
@@ -21149,7 +21165,7 @@ def permission_warnings(config, role):
 
 
 # ============================================================================
-# src/ferrus/sandbox_agents.py (from its line 37)
+# src/ferrus/sandbox_agents.py (from its line 38)
 # ============================================================================
 # Sandbox, the agents' side: their launches confined, ferrus's MCP server reached.
 #
@@ -21185,6 +21201,8 @@ class SandboxMcpBridge:
         self.agent_index = agent_index
         base = dict(os.environ if env is None else env)
         base.pop(SANDBOX_RELAY_ENV, None)        # the server outside serves; it never relays
+        # Served by this ferrus's server host, never by one named in what it inherited.
+        base.update(server_host_environment())
         self.env = base
         # Unix socket paths are short (about 100 bytes): a folder of its own in the temp dir.
         self.folder = folder or tempfile.mkdtemp(prefix="ferrus-mcp-")
@@ -27359,6 +27377,9 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        for task in list(self.sandboxes):
+            # Their MCP bridges: the servers outside and the socket's folder go too.
+            self.sandboxes.pop(task).close()
         self.finish_place_removals()
         self.notifier.finish()
         if self.target is not None and (not self.finished or self.halted):

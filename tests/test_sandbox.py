@@ -687,3 +687,24 @@ def test_an_agent_program_in_a_hidden_folder_still_starts(task_world, tmp_path):
         assert done.stdout.split() == ["home", "=", "/usr/bin", "HIDDEN"]
     finally:
         shutil.rmtree(venv)
+
+
+def test_a_run_that_stops_early_leaves_no_bridge_behind(visible, monkeypatch):
+    """A run that times out (or is interrupted) while sandboxed agents work ends their
+    MCP bridges too: no server outside, no socket folder left in the temp dir."""
+    bwrap_or_skip()
+    store = sandboxed_queue_project(visible)
+    monkeypatch.setenv("SCRIPTED_DIR", os.path.join(visible, "memory"))
+    for name, value in GIT_IDENTITY.items():
+        monkeypatch.setenv(name, value)
+    folders = []
+    made = ferrus.SandboxMcpBridge.__init__
+
+    def recording(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        folders.append(self.folder)
+    monkeypatch.setattr(ferrus.SandboxMcpBridge, "__init__", recording)
+    ferrus.op_enqueue_task(store, ferrus.HUMAN, "Slow.\n\nSHELL sleep 60\n")
+    code = ferrus.run_parallel(store, 1, timeout=8, out=lambda line: None)
+    assert code == ferrus.RUN_TIMEOUT
+    assert folders and not [folder for folder in folders if os.path.exists(folder)]

@@ -6,6 +6,7 @@ as an agent CLI starts it (the command of its MCP entry, with the environment fe
 the CLI).  Which process served shows in what the server process imported: one the host
 served never loads argparse (PYTHONPROFILEIMPORTTIME lists every import on stderr)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -224,3 +225,113 @@ def test_a_sandboxed_agent_never_gets_the_hosts_socket(tmp_path):
                               hidden=[], empty_file=str(tmp_path / "empty"), network=True)
     argv = ferrus.bwrap_argv(plan, ["agent"])
     assert argv[argv.index(ferrus.SERVER_HOST_ENV) - 1] == "--unsetenv"
+
+
+def test_a_link_in_tmp_named_like_a_hosts_folder_is_never_followed(tmp_path):
+    """Another user could put /tmp/ferrus-host-x -> one of your folders: the clean-up of
+    dead hosts' folders must not empty it."""
+    where = tempfile.mkdtemp(prefix="h-", dir="/tmp")
+    try:
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "precious.txt").write_text("keep\n")
+        os.symlink(str(victim), os.path.join(where, ferrus.SERVER_HOST_PREFIX + "zz"))
+        ferrus._remove_dead_hosts(where, clock=lambda: time.time() + 3600)
+        assert (victim / "precious.txt").read_text() == "keep\n"
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def listener_that_records(folder):
+    """A stand-in host listening at folder/host.sock that records whether anyone
+    connected and what came: (socket path, thread, record)."""
+    import socket
+    import threading
+    path = os.path.join(folder, "host.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    server.settimeout(0.1)
+    record, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            connection.settimeout(5)
+            with contextlib.suppress(OSError):
+                record.append(connection.recv(64))
+            connection.close()
+        server.close()
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return path, stop, thread, record
+
+
+def test_a_socket_in_a_folder_others_may_enter_gets_no_session(project):
+    """The socket's folder must be a private one of this user's: another user who made
+    a folder of that name (after a host's went) would otherwise get the session."""
+    folder = tempfile.mkdtemp(prefix="h-", dir="/tmp")
+    try:
+        os.chmod(folder, 0o755)
+        path, stop, thread, record = listener_that_records(folder)
+        replies, stderr, status = serve(project, {ferrus.SERVER_HOST_ENV: path}, [INIT])
+        assert len(replies) == 1 and status == 0 and loaded_argparse(stderr)
+        stop.set()
+        thread.join(30)
+        assert record == [], "a session went to a socket in a folder others may enter"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_listener_put_there_from_inside_a_sandbox_gets_no_session(project):
+    """A sandboxed agent that can write where the host's socket is could put its own
+    listener in its place: a `ferrus serve` outside hands nothing to a process in
+    another mount namespace."""
+    if not shutil.which("bwrap") or subprocess.run(
+            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--", "true"],
+            capture_output=True).returncode != 0:
+        pytest.skip("needs a working bubblewrap")
+    folder = tempfile.mkdtemp(prefix="h-", dir="/tmp")
+    path = os.path.join(folder, "host.sock")
+    got = os.path.join(folder, "got")
+    code = ("import socket; s = socket.socket(socket.AF_UNIX); s.bind(%r); s.listen(1); "
+            "open(%r + '.ready', 'w').close(); c, _ = s.accept(); c.settimeout(5)\n"
+            "try: data = c.recv(64)\nexcept OSError: data = b''\n"
+            "open(%r, 'wb').write(data)" % (path, got, got))
+    inside = subprocess.Popen(["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc",
+                               "/proc", "--bind", folder, folder, "--unshare-pid", "--",
+                               sys.executable, "-S", "-c", code])
+    try:
+        wait_until(lambda: os.path.exists(got + ".ready"))
+        replies, stderr, status = serve(project, {ferrus.SERVER_HOST_ENV: path}, [INIT])
+        assert len(replies) == 1 and status == 0 and loaded_argparse(stderr)
+        inside.wait(timeout=30)
+        assert open(got, "rb").read() == b"", "the sandboxed listener got a session"
+    finally:
+        inside.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_sandbox_hides_the_hosts_folder_even_where_tmp_is_writable(tmp_path, host):
+    folder = os.path.dirname(host.environment()[ferrus.SERVER_HOST_ENV])
+    work = tmp_path / "work"
+    work.mkdir()
+    plan = ferrus.plan_sandbox(ferrus.SandboxConfig(enabled=True, writable=["/tmp"]),
+                               str(work), str(tmp_path / "state"))
+    assert "/tmp" in plan.writable and folder in plan.hidden
+    argv = ferrus.bwrap_argv(plan, ["agent"])
+    assert argv.index(folder) > argv.index("/tmp")      # mounted over the writable /tmp
+
+
+def test_the_sandbox_bridge_s_servers_use_this_ferrus_s_host_only(monkeypatch, tmp_path,
+                                                                 host):
+    monkeypatch.setenv(ferrus.SERVER_HOST_ENV, "/tmp/another-ferrus/host.sock")
+    monkeypatch.setattr(ferrus, "SERVER_HOST", host)
+    bridge = ferrus.SandboxMcpBridge(str(tmp_path), "executor", "scripted",
+                                     folder=str(tmp_path))
+    assert bridge.env[ferrus.SERVER_HOST_ENV] == host.environment()[ferrus.SERVER_HOST_ENV]

@@ -1065,6 +1065,9 @@ class ParallelRunner(PlaceRunning, MergeQueue, TeamRemote, RaceRunner):
         self._stop_integration()
         for task in list(self.controllers):
             self.controllers.pop(task).shutdown()
+        for task in list(self.sandboxes):
+            # Their MCP bridges: the servers outside and the socket's folder go too.
+            self.sandboxes.pop(task).close()
         self.finish_place_removals()
         self.notifier.finish()
         if self.target is not None and (not self.finished or self.halted):

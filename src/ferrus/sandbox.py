@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 
-from .startup import SERVER_HOST_ENV
+from .startup import SERVER_HOST_ENV, SERVER_HOST_FOLDER, SERVER_HOST_PREFIX
 from .basics import FERRUS_FILE, FerrusError, deferred_dataclass
 from .system import atomic_write
 from .config import PLACE_HERE
@@ -388,6 +388,9 @@ def _hidden_paths(config, home, work_tree, toplevel, writable):
     found = [_real(p) for p in paths if os.path.lexists(p)]
     if sys.platform.startswith("linux"):
         found.append("/tmp")          # other programs' temp files; its own comes back
+        # Server hosts' sockets (server_host.py) stay hidden even where /tmp is writable.
+        import glob
+        found += glob.glob(os.path.join(SERVER_HOST_FOLDER, SERVER_HOST_PREFIX + "*"))
     keep = writable + ([toplevel] if toplevel else [])
     if toplevel and toplevel != work_tree:
         found.append(toplevel)        # the user's checkout, .ferrus/ and .git included

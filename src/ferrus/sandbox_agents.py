@@ -28,6 +28,7 @@ from .sandbox import (SANDBOX_RELAY_ENV, SandboxUnavailable, TaskSandbox, plan_s
 from .operations import ROLES
 from .mcp import SESSION_ENV, _SESSION_RE, session_task
 from .agents import DEFAULT_AGENT_INDEX, Launch, ferrus_boot_argv
+from .server_host import server_host_environment
 from .register import adapter_for
 
 
@@ -56,6 +57,8 @@ class SandboxMcpBridge:
         self.agent_index = agent_index
         base = dict(os.environ if env is None else env)
         base.pop(SANDBOX_RELAY_ENV, None)        # the server outside serves; it never relays
+        # Served by this ferrus's server host, never by one named in what it inherited.
+        base.update(server_host_environment())
         self.env = base
         # Unix socket paths are short (about 100 bytes): a folder of its own in the temp dir.
         self.folder = folder or tempfile.mkdtemp(prefix="ferrus-mcp-")

@@ -27,15 +27,13 @@ import threading
 import time
 import traceback
 
-from .startup import SERVER_HOST_ENV, SERVER_HOST_OFF_ENV, ferrus_identity
+from .startup import (SERVER_HOST_ENV, SERVER_HOST_FOLDER, SERVER_HOST_OFF_ENV,
+                      SERVER_HOST_PREFIX, ferrus_identity, peer_in_same_world,
+                      private_folder)
 from .basics import FERRUS_FILE, FerrusError, log, realize_dataclasses
 from .agents import ferrus_boot_argv
 
 SERVER_HOST_COMMAND = "serve-host"
-# Where hosts keep their sockets: /tmp whatever TMPDIR says, as a sandbox hides all of
-# /tmp (a read-only mount does not stop a connect()).
-SERVER_HOST_FOLDER = "/tmp"
-SERVER_HOST_PREFIX = "ferrus-host-"
 # The largest description of a session a host reads (command line and environment), and
 # how long a forked copy waits for it.
 _MAX_SESSION_MESSAGE = 4 << 20
@@ -120,9 +118,11 @@ def _remove_dead_hosts(where=SERVER_HOST_FOLDER, clock=time.time):
     import glob
     for folder in glob.glob(os.path.join(glob.escape(where), SERVER_HOST_PREFIX + "*")):
         with contextlib.suppress(OSError):
-            status = os.stat(folder)
-            if status.st_uid != os.getuid():
+            # Only a real folder of this user's, as a host makes it: never through a
+            # link someone else put in /tmp under that name.
+            if not private_folder(folder):
                 continue
+            status = os.lstat(folder)
             path = os.path.join(folder, "host.sock")
             if os.path.lexists(path):
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,7 +169,7 @@ def host_sessions(path, run_command, control=0):
                           "private folder") from None
     finally:
         os.umask(mask)
-    namespace = _mount_namespace(os.getpid())
+
     children = set()
     try:
         while True:
@@ -180,7 +180,7 @@ def host_sessions(path, run_command, control=0):
             if listener in ready:
                 with contextlib.suppress(OSError):
                     connection, _ = listener.accept()
-                    if not _same_world(connection, namespace):
+                    if not peer_in_same_world(connection):
                         connection.close()     # (it then serves itself, where it is)
                         continue
                     pid = os.fork()
@@ -208,27 +208,6 @@ def _reap(children):
             done = pid
         if done:
             children.discard(pid)
-
-
-def _mount_namespace(pid):
-    try:
-        return os.readlink("/proc/%d/ns/mnt" % pid)
-    except OSError:
-        return None
-
-
-def _same_world(connection, namespace):
-    """Whether the process at the other end is this user's and sees the same files (the
-    same mount namespace): never one inside a sandbox, whose command the host would
-    run outside it."""
-    import struct
-    try:
-        pid, uid, _ = struct.unpack("3i", connection.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (OSError, AttributeError):
-        return False
-    return uid == os.getuid() and namespace is not None and \
-        _mount_namespace(pid) == namespace
 
 
 def _serve_session(connection, listener, run_command, identity):

@@ -49,6 +49,10 @@ SERVER_HOST_ENV = "FERRUS_SERVER_HOST"
 SERVER_HOST_OFF_ENV = "FERRUS_NO_SERVER_HOST"
 # How long a `ferrus serve` waits for a host to take its session before serving itself.
 SERVER_HOST_HANDSHAKE_SECS = 10.0
+# Where hosts keep their sockets, each in a folder of its own: /tmp whatever TMPDIR says,
+# as a sandbox hides all of /tmp (a read-only mount does not stop a connect()).
+SERVER_HOST_FOLDER = "/tmp"
+SERVER_HOST_PREFIX = "ferrus-host-"
 
 
 def command_word(argv):
@@ -77,6 +81,34 @@ def ferrus_identity(path):
     return (os.path.realpath(path), status.st_size, status.st_mtime_ns)
 
 
+def private_folder(path):
+    """Whether ``path`` is a real folder (no link) of this user's that nobody else may
+    enter: where a host's socket must be for a session to go there."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (info.st_mode & 0o170000) == 0o040000 and info.st_uid == os.getuid() and \
+        not info.st_mode & 0o077
+
+
+def peer_in_same_world(link):
+    """Whether the process at the other end of the Unix socket ``link`` is this user's
+    and sees the files this process sees (the same mount namespace): never a process in
+    a sandbox, in either direction — the host would run a sandboxed agent's command
+    outside its sandbox, and a listener a sandboxed agent put in the host's place would
+    get a session's stdio and environment."""
+    import socket
+    import struct
+    try:
+        pid, uid, _ = struct.unpack("3i", link.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return uid == os.getuid() and pid > 0 and \
+            os.readlink("/proc/%d/ns/mnt" % pid) == os.readlink("/proc/self/ns/mnt")
+    except (OSError, AttributeError, struct.error):
+        return False
+
+
 def serve_through_host():
     """`ferrus serve` started with SERVER_HOST_ENV set: this process hands its stdin,
     stdout and stderr, command line, environment, folder and umask to the server host,
@@ -85,13 +117,17 @@ def serve_through_host():
     there is no host to reach or the host runs another ferrus.py."""
     path = os.environ.get(SERVER_HOST_ENV)
     if not path or os.environ.get(SERVER_HOST_OFF_ENV) == "1" or \
-            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve":
+            not sys.platform.startswith("linux") or command_word(sys.argv[1:]) != "serve" \
+            or not private_folder(os.path.dirname(path)):
         return
     import socket
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     link.settimeout(SERVER_HOST_HANDSHAKE_SECS)   # a host that never answers is none
     try:
         link.connect(path)
+        if not peer_in_same_world(link):
+            link.close()
+            return
         mask = os.umask(0o022)
         os.umask(mask)
         payload = marshal.dumps((list(sys.argv[1:]), dict(os.environ), os.getcwd(), mask,
