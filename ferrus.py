@@ -17152,8 +17152,9 @@ def host_sessions(path, run_command, control=0):
                     children.add(pid)
     finally:
         listener.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        for name in (path, path + ".new"):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))
     for pid in children:

@@ -170,26 +170,34 @@ def test_held_session_moves_wait_for_the_release_and_still_count_as_sessions(sto
         controller.shutdown()
 
 
+class StubController:
+    """A task's controller as the runner's step sees it (no question, no slots): each
+    call is recorded in ``calls``, and ``poll`` also does ``on_poll(self)``."""
+
+    def __init__(self, name, calls=None, on_poll=None):
+        self.name = name
+        self.shown_question = self.shown_confirmation = None
+        self.slots = {}
+        self.calls = [] if calls is None else calls
+        self.on_poll = on_poll
+
+    def hold_session_moves(self):
+        self.calls.append(("hold", self.name))
+
+    def poll(self):
+        self.calls.append(("poll", self.name))
+        if self.on_poll is not None:
+            self.on_poll(self)
+
+    def release_session_moves(self):
+        self.calls.append(("release", self.name))
+
+
 def test_a_runner_step_starts_every_agent_before_it_journals_their_moves(store):
     calls = []
-
-    class Controller:
-        def __init__(self, name):
-            self.name = name
-            self.shown_question = self.shown_confirmation = None
-            self.slots = {}
-
-        def hold_session_moves(self):
-            calls.append(("hold", self.name))
-
-        def poll(self):
-            calls.append(("poll", self.name))
-
-        def release_session_moves(self):
-            calls.append(("release", self.name))
-
     runner = ferrus.ParallelRunner(store, lambda message: None, 2)
-    runner.controllers = {"t-a": Controller("a"), "t-b": Controller("b")}
+    runner.controllers = {"t-a": StubController("a", calls),
+                          "t-b": StubController("b", calls)}
     runner._watch_task = lambda task, controller: None
     runner.finished = True                 # only the polling part of the step
     runner.step()
@@ -200,29 +208,18 @@ def test_a_runner_step_starts_every_agent_before_it_journals_their_moves(store):
 def test_a_runner_step_starts_a_few_agents_and_the_rest_in_the_next_steps(store):
     """A step that started every needed agent at once left the other tasks' hand-offs
     waiting for it: a step starts AGENT_STARTS_PER_STEP at most, in the tasks' order."""
-    started = []
+    started, waiting = [], set()
 
-    class Controller:
-        def __init__(self, name):
-            self.name = name
-            self.shown_question = self.shown_confirmation = None
-            self.slots = {}
-            self.waiting = True
-
-        def hold_session_moves(self):
-            pass
-
-        def poll(self):
-            if self.waiting and self.may_start_agent():
-                self.waiting = False
-                started.append((steps[0], self.name))
-
-        def release_session_moves(self):
-            pass
+    def start_once(controller):
+        if controller.name in waiting and controller.may_start_agent():
+            waiting.discard(controller.name)
+            started.append((steps[0], controller.name))
 
     runner = ferrus.ParallelRunner(store, lambda message: None, 8)
     runner.AGENT_STARTS_PER_STEP = 2
-    controllers = {"t-%d" % n: Controller("t-%d" % n) for n in range(5)}
+    controllers = {"t-%d" % n: StubController("t-%d" % n, on_poll=start_once)
+                   for n in range(5)}
+    waiting.update(controllers)
     for controller in controllers.values():
         controller.may_start_agent = runner._may_start_agent
     runner.controllers = controllers
